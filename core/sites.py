@@ -1,0 +1,116 @@
+"""Decomposition sites and their rank-1 component factors (SPEC §1, §2, §6.1).
+
+Math is right-multiplication, `y = x @ W` with `W: [d_in, d_out]`. A *kind* is
+a group of same-shaped sites (one matrix role across layers); its factors are
+stacked on a leading `layer` axis whose row `r` belongs to the kind's site
+with `row == r`. Canonical site order is the order of the `sites` tuple.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Key
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteSpec:
+  """One decomposed matrix: its name, kind, row in the kind's stack, shape."""
+
+  name: str
+  kind: str
+  row: int
+  d_in: int
+  d_out: int
+  c: int
+
+
+class Factors(NamedTuple):
+  """Rank-1 factors of one matrix kind, stacked over layers."""
+
+  v: Float[Array, "layer d_in c"]
+  u: Float[Array, "layer c d_out"]
+
+
+Components = dict[str, Factors]
+
+
+@dataclasses.dataclass(frozen=True)
+class KindSpec:
+  """Shape of one kind's stack."""
+
+  name: str
+  n: int
+  d_in: int
+  d_out: int
+  c: int
+
+
+def validate_sites(sites: tuple[SiteSpec, ...]) -> None:
+  """Raise ValueError unless names are unique and kinds stack cleanly."""
+  names = [s.name for s in sites]
+  if len(set(names)) != len(names):
+    raise ValueError(f"duplicate site names in {names}")
+  for site in sites:
+    if site.c <= 0:
+      raise ValueError(f"site {site.name}: C must be positive, got {site.c}")
+  kind_specs(sites)
+
+
+def kind_specs(sites: tuple[SiteSpec, ...]) -> dict[str, KindSpec]:
+  """Return each kind's stack shape, in first-appearance order."""
+  by_kind: dict[str, list[SiteSpec]] = {}
+  for site in sites:
+    by_kind.setdefault(site.kind, []).append(site)
+  specs = {}
+  for kind, members in by_kind.items():
+    first = members[0]
+    for m in members:
+      if (m.d_in, m.d_out, m.c) != (first.d_in, first.d_out, first.c):
+        raise ValueError(
+          f"kind {kind}: site {m.name} has shape/C {(m.d_in, m.d_out, m.c)},"
+          f" but {first.name} has {(first.d_in, first.d_out, first.c)};"
+          " sites of one kind must share them"
+        )
+    rows = sorted(m.row for m in members)
+    if rows != list(range(len(members))):
+      raise ValueError(f"kind {kind}: rows {rows} must be 0..{len(members)-1}")
+    specs[kind] = KindSpec(kind, len(members), first.d_in, first.d_out, first.c)
+  return specs
+
+
+def site_by_name(sites: tuple[SiteSpec, ...]) -> dict[str, SiteSpec]:
+  """Return the sites keyed by name."""
+  return {s.name: s for s in sites}
+
+
+def init_components(key: Key[Array, ""], sites: tuple[SiteSpec, ...]) -> Components:
+  """Draw fp32 factors: `V ~ N(0,1)/√d_in`, `U ~ N(0,1)/√C` (SPEC §6.1).
+
+  Site `i` (canonical order) draws V from `keys[2i]` and U from `keys[2i+1]`
+  of `split(key, 2·n_sites)`, so adding a site never changes another's init.
+  """
+  keys = jax.random.split(key, 2 * len(sites))
+  v_rows: dict[str, dict[int, Array]] = {}
+  u_rows: dict[str, dict[int, Array]] = {}
+  for i, s in enumerate(sites):
+    v = jax.random.normal(keys[2 * i], (s.d_in, s.c), jnp.float32)
+    u = jax.random.normal(keys[2 * i + 1], (s.c, s.d_out), jnp.float32)
+    v_rows.setdefault(s.kind, {})[s.row] = v / jnp.sqrt(s.d_in)
+    u_rows.setdefault(s.kind, {})[s.row] = u / jnp.sqrt(s.c)
+  return {
+    kind: Factors(
+      v=jnp.stack([v_rows[kind][r] for r in range(spec.n)]),
+      u=jnp.stack([u_rows[kind][r] for r in range(spec.n)]),
+    )
+    for kind, spec in kind_specs(sites).items()
+  }
+
+
+def site_factors(
+  components: Components, site: SiteSpec
+) -> tuple[Float[Array, "d_in c"], Float[Array, "c d_out"]]:
+  """Return one site's `(V, U)` from its kind's stack."""
+  factors = components[site.kind]
+  return factors.v[site.row], factors.u[site.row]

@@ -1,0 +1,49 @@
+"""The function table a target model exposes to the decomposition engine.
+
+A target is described by pure functions over its frozen weights (a pytree the
+engine passes as a runtime argument, never a closed-over constant) and a batch
+of inputs. Tap keys name activations of the clean forward; the key of a site's
+name is that site's input.
+"""
+
+from typing import Any, Callable, NamedTuple, Optional
+
+from jaxtyping import Array, Float
+
+from decompax.core.site_forward import SiteMask
+from decompax.core.sites import Components, SiteSpec
+
+Weights = Any
+Batch = Any
+
+# (weights, inputs, wanted tap keys) -> (output, {tap key: activation}).
+CleanForward = Callable[
+  [Weights, Batch, tuple[str, ...]],
+  tuple[Float[Array, "..."], dict[str, Float[Array, "..."]]],
+]
+# (weights, components, inputs, {live site: SiteMask}) -> output. Sites absent
+# from the dict run the frozen `x·W`.
+MaskedForward = Callable[
+  [Weights, Components, Batch, dict[str, SiteMask]], Float[Array, "..."]
+]
+# weights -> {kind: W stack [layer, d_in, d_out]} in the orientation y = x·W.
+FrozenStacks = Callable[[Weights], dict[str, Float[Array, "layer d_in d_out"]]]
+# (masked output, clean output) -> scalar divergence, mean over positions.
+Divergence = Callable[
+  [Float[Array, "..."], Float[Array, "..."]], Float[Array, ""]
+]
+
+
+class TargetFns(NamedTuple):
+  """Everything the engine needs to know about a target model."""
+
+  sites: tuple[SiteSpec, ...]
+  clean_forward: CleanForward
+  masked_forward: MaskedForward
+  frozen_stacks: FrozenStacks
+  divergence: Divergence
+  # Leading (non-feature) shape of the batch's activations, e.g. (B,) or (B,T).
+  batch_lead_shape: Callable[[Batch], tuple[int, ...]]
+  # Returns the CI probe batch (one input per feature, SPEC §10: `0.75·e_i`);
+  # None for targets without features to probe (language models).
+  feature_probe: Optional[Callable[[], Batch]] = None

@@ -1,0 +1,150 @@
+"""Reconstruction under stochastic masks over a plan (SPEC §5.4, §5.5).
+
+A plan is a tuple of entries `(live_sites, routing, n_draws)`; each draw is
+one masked forward whose output is compared with the clean output, and the
+term's loss is the mean over all forwards of the plan (I15). Keys derive as
+`fold_in(fold_in(key, entry), draw)` then `fold_in(·, site_index)` with the
+site's canonical index, so a site's draw does not depend on which other
+sites are live.
+"""
+
+import dataclasses
+from typing import Callable, Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Key
+
+from decompax.core import masks as masks_lib
+from decompax.core.site_forward import SiteMask
+from decompax.core.sites import SiteSpec
+
+Routing = Literal["all", "uniform_k"]
+ROUTINGS = ("all", "uniform_k")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+  """Sites live in each of `n_draws` masked forwards, and how they route."""
+
+  live_sites: tuple[str, ...]
+  routing: str = "all"  # one of ROUTINGS
+  n_draws: int = 1
+
+  def __post_init__(self):
+    if self.routing not in ROUTINGS:
+      raise ValueError(f"unknown routing {self.routing!r}; use one of {ROUTINGS}")
+    if self.n_draws < 1:
+      raise ValueError(f"n_draws must be >= 1, got {self.n_draws}")
+    if not self.live_sites:
+      raise ValueError("a plan entry needs at least one live site")
+
+
+Plan = tuple[PlanEntry, ...]
+
+
+def all_sites_plan(
+  sites: tuple[SiteSpec, ...], routing: Routing = "all", n_draws: int = 1
+) -> Plan:
+  """Return one entry with every site live."""
+  return (PlanEntry(tuple(s.name for s in sites), routing, n_draws),)
+
+
+def per_site_plan(sites: tuple[SiteSpec, ...], n_draws: int = 1) -> Plan:
+  """Return one route-all entry per site (the SPD "layerwise" loss)."""
+  return tuple(PlanEntry((s.name,), "all", n_draws) for s in sites)
+
+
+def subset_chunks_plan(
+  sites: tuple[SiteSpec, ...], k: int, routing: Routing = "all",
+  n_draws: int = 1,
+) -> Plan:
+  """Return entries of `k` consecutive sites in canonical order."""
+  if k < 1:
+    raise ValueError(f"subset chunk size must be >= 1, got {k}")
+  names = [s.name for s in sites]
+  return tuple(
+    PlanEntry(tuple(names[i:i + k]), routing, n_draws)
+    for i in range(0, len(names), k)
+  )
+
+
+def mse(
+  masked: Float[Array, "..."], clean: Float[Array, "..."]
+) -> Float[Array, ""]:
+  """Return the mean over elements of `(masked − clean)²` (SPEC D_toy)."""
+  diff = masked.astype(jnp.float32) - clean.astype(jnp.float32)
+  return jnp.mean(jnp.square(diff))
+
+
+def kl_clean_to_masked(
+  masked_logits: Float[Array, "*l v"], clean_logits: Float[Array, "*l v"]
+) -> Float[Array, ""]:
+  """Return `mean_ℓ KL(softmax(clean) ‖ softmax(masked))` in fp32 (I14)."""
+  log_p = jax.nn.log_softmax(clean_logits.astype(jnp.float32), axis=-1)
+  log_q = jax.nn.log_softmax(masked_logits.astype(jnp.float32), axis=-1)
+  kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+  return jnp.mean(kl)
+
+
+def entry_routes(
+  key: Key[Array, ""], entry: PlanEntry, lead_shape: tuple[int, ...]
+) -> dict[str, Array] | None:
+  """Return each live site's route for one forward, or None for route-all."""
+  if entry.routing == "all":
+    return None
+  routes = masks_lib.uniform_k_routes(key, lead_shape, len(entry.live_sites))
+  return {name: routes[..., i] for i, name in enumerate(entry.live_sites)}
+
+
+def stochastic_site_masks(
+  key: Key[Array, ""],
+  entry: PlanEntry,
+  ci_lower: dict[str, Float[Array, "*l c"]],
+  site_index: dict[str, int],
+  with_delta: bool,
+  sampling: masks_lib.Sampling,
+  routes: dict[str, Array] | None,
+) -> dict[str, SiteMask]:
+  """Return fresh stochastic masks for one forward of `entry`."""
+  out = {}
+  for name in entry.live_sites:
+    ci = ci_lower[name]
+    site_key = jax.random.fold_in(key, site_index[name])
+    source = masks_lib.stochastic_source(
+      site_key, ci.shape[:-1], ci.shape[-1], with_delta, sampling
+    )
+    mask, delta = masks_lib.make_masks(ci, source)
+    route = None if routes is None else routes[name]
+    out[name] = SiteMask(mask, delta, route)
+  return out
+
+
+def stochastic_recon_loss(
+  masked_forward: Callable[[dict[str, SiteMask]], Array],
+  clean_output: Array,
+  ci_lower: dict[str, Float[Array, "*l c"]],
+  sites: tuple[SiteSpec, ...],
+  plan: Plan,
+  draw_key: Key[Array, ""],
+  route_key: Key[Array, ""],
+  divergence: Callable[[Array, Array], Float[Array, ""]],
+  with_delta: bool,
+  sampling: masks_lib.Sampling = "continuous",
+) -> Float[Array, ""]:
+  """Return the mean divergence from the clean output over the plan's draws."""
+  site_index = {s.name: i for i, s in enumerate(sites)}
+  lead_shape = next(iter(ci_lower.values())).shape[:-1]
+  total = jnp.zeros((), jnp.float32)
+  n_forwards = 0
+  for e, entry in enumerate(plan):
+    for d in range(entry.n_draws):
+      fwd_key = jax.random.fold_in(jax.random.fold_in(draw_key, e), d)
+      rte_key = jax.random.fold_in(jax.random.fold_in(route_key, e), d)
+      routes = entry_routes(rte_key, entry, lead_shape)
+      site_masks = stochastic_site_masks(
+        fwd_key, entry, ci_lower, site_index, with_delta, sampling, routes
+      )
+      total = total + divergence(masked_forward(site_masks), clean_output)
+      n_forwards += 1
+  return total / n_forwards

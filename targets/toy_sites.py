@@ -1,0 +1,105 @@
+"""Site plumbing shared by the toy targets.
+
+Toy forwards are written once against a `SiteMatmul(name, x, w)`; the clean
+forward passes the frozen `x @ w`, the masked forward a dispatcher that runs
+live sites through `site_forward.site_matmul` and every other site through the
+very same `x @ w` (SPEC I2: no live site ⇒ bit-identical to the clean forward).
+"""
+
+from typing import Callable, Union
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from decompax.core import site_forward, sites
+
+SiteMatmul = Callable[[str, Array, Array], Array]
+CPerSite = Union[int, dict[str, int]]
+
+
+def frozen_matmul(
+  name: str, x: Float[Array, "*l d_in"], w: Float[Array, "d_in d_out"]
+) -> Float[Array, "*l d_out"]:
+  """Return the frozen `x @ w` (the clean forward's matmul at every site)."""
+  del name
+  return x @ w
+
+
+def masked_matmul(
+  site_specs: tuple[sites.SiteSpec, ...],
+  components: sites.Components,
+  site_masks: dict[str, site_forward.SiteMask],
+) -> SiteMatmul:
+  """Return a matmul running the sites in `site_masks` decomposed (§3.2-3.3).
+
+  Raises:
+    ValueError: a key of `site_masks` names no site.
+  """
+  by_name = sites.site_by_name(site_specs)
+  unknown = sorted(set(site_masks) - set(by_name))
+  if unknown:
+    raise ValueError(f"unknown live sites {unknown}; sites are {list(by_name)}")
+
+  def matmul(
+    name: str, x: Float[Array, "*l d_in"], w: Float[Array, "d_in d_out"]
+  ) -> Float[Array, "*l d_out"]:
+    site_mask = site_masks.get(name)
+    if site_mask is None:
+      return frozen_matmul(name, x, w)
+    v, u = sites.site_factors(components, by_name[name])
+    return site_forward.site_matmul(x, w, v, u, site_mask)
+
+  return matmul
+
+
+def select_taps(
+  taps: dict[str, Float[Array, "..."]], wanted: tuple[str, ...]
+) -> dict[str, Float[Array, "..."]]:
+  """Return the requested taps; raise ValueError naming any unknown key."""
+  unknown = [k for k in wanted if k not in taps]
+  if unknown:
+    raise ValueError(f"unknown tap keys {unknown}; known keys are {list(taps)}")
+  return {k: taps[k] for k in wanted}
+
+
+def c_per_site(c: CPerSite, names: tuple[str, ...]) -> dict[str, int]:
+  """Return `C` for each site name from one int or a `{site: C}` dict."""
+  if isinstance(c, int):
+    return {name: c for name in names}
+  missing = [n for n in names if n not in c]
+  extra = sorted(set(c) - set(names))
+  if missing or extra:
+    raise ValueError(
+      f"C per site must name exactly the sites {list(names)};"
+      f" missing {missing}, unknown {extra}"
+    )
+  return {name: c[name] for name in names}
+
+
+def mse(
+  masked: Float[Array, "*l d"], clean: Float[Array, "*l d"]
+) -> Float[Array, ""]:
+  """Return `mean((masked − clean)²)` over all elements (toy `D_toy`)."""
+  return jnp.mean(jnp.square(masked - clean))
+
+
+def arrays_to_fields(
+  arrays: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Float[Array, "..."]]:
+  """Return fp32 device arrays for exactly the fields in `shapes`.
+
+  Raises:
+    ValueError: the field names or a shape differ from `shapes` (e.g. a cached
+      target of another configuration).
+  """
+  if set(arrays) != set(shapes):
+    raise ValueError(
+      f"weight arrays {sorted(arrays)} do not match fields {sorted(shapes)}"
+    )
+  for name, shape in shapes.items():
+    if tuple(arrays[name].shape) != shape:
+      raise ValueError(
+        f"weight {name}: shape {tuple(arrays[name].shape)}, expected {shape}"
+      )
+  return {name: jnp.asarray(arrays[name], jnp.float32) for name in shapes}
