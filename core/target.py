@@ -6,7 +6,8 @@ of inputs. Tap keys name activations of the clean forward; the key of a site's
 name is that site's input.
 """
 
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
 
 from jaxtyping import Array, Float
 

@@ -8,7 +8,8 @@ derived from `(state.rng, state.step)`, never carried forward.
 """
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,7 @@
 `lax.scan`; the optimizer used here is discarded afterwards (I33).
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import optax

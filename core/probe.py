@@ -1,0 +1,82 @@
+"""CI on feature probes and the toy recovery metrics (SPEC §10, §11).
+
+A probe is a batch of single-feature inputs; its CI is a `[n_features, C]`
+matrix per site. Metrics here run on host numpy arrays after the probe.
+"""
+
+import numpy as np
+import scipy.optimize
+from jaxtyping import Array, Float
+
+from decompax.core import squash
+from decompax.core.ci_fns import CIFn
+from decompax.core.sites import Components
+from decompax.core.target import TargetFns, Weights
+
+IDENTITY_TOL = 0.1
+
+
+def probe_ci(
+  target: TargetFns, ci_fn: CIFn, weights: Weights, components: Components,
+  ci_params: object,
+) -> dict[str, Float[Array, "n c"]]:
+  """Return each site's lower CI on the target's one-feature probe inputs."""
+  if target.feature_probe is None:
+    raise ValueError("this target has no feature probe")
+  inputs = target.feature_probe()
+  _, taps = target.clean_forward(weights, inputs, ci_fn.input_taps)
+  return squash.squash(ci_fn.apply(ci_params, taps, components)).lower
+
+
+def identity_permutation(ci: np.ndarray) -> list[int]:
+  """Return column order matching rows to columns (Hungarian on −CI).
+
+  Matched columns come first in row order; unassigned columns follow by
+  descending column mass.
+  """
+  ci = np.asarray(ci)
+  rows, cols = scipy.optimize.linear_sum_assignment(-ci)
+  matched = [int(c) for _, c in sorted(zip(rows, cols))]
+  rest = [c for c in np.argsort(-ci.sum(0), kind="stable") if c not in matched]
+  return matched + [int(c) for c in rest]
+
+
+def identity_ci_error(ci: np.ndarray, tol: float = IDENTITY_TOL) -> int:
+  """Return the count of entries breaking an identity CI pattern.
+
+  After the identity permutation: entries `> tol` off the square block's
+  diagonal (overcomplete columns included) plus diagonal entries `< 1 − tol`.
+  """
+  ci = np.asarray(ci)
+  permuted = ci[:, identity_permutation(ci)]
+  n = min(permuted.shape)
+  diagonal = np.zeros_like(permuted, dtype=bool)
+  diagonal[np.arange(n), np.arange(n)] = True
+  off = int(np.sum((permuted > tol) & ~diagonal))
+  weak = int(np.sum(np.diag(permuted[:, :n]) < 1.0 - tol))
+  return off + weak
+
+
+def dense_ci_error(ci: np.ndarray, k: int, tol: float = IDENTITY_TOL) -> int:
+  """Return the count of entries breaking a `k`-column dense CI pattern.
+
+  Columns sorted by mass: first-`k` columns with no entry `≥ 1 − tol`, plus
+  every entry `> tol` in the remaining columns.
+  """
+  ci = np.asarray(ci)
+  order = np.argsort(-ci.sum(0), kind="stable")
+  dense, rest = ci[:, order[:k]], ci[:, order[k:]]
+  missing = int(np.sum(~np.any(dense >= 1.0 - tol, axis=0)))
+  return missing + int(np.sum(rest > tol))
+
+
+def alive_components(ci: np.ndarray, threshold: float = IDENTITY_TOL) -> list[int]:
+  """Return the components whose CI exceeds `threshold` on some probe input."""
+  return [int(c) for c in np.flatnonzero(np.asarray(ci).max(0) > threshold)]
+
+
+def active_features(ci: np.ndarray, threshold: float = IDENTITY_TOL) -> dict[int, list[int]]:
+  """Return, per alive component, the features on which it is active."""
+  ci = np.asarray(ci)
+  return {c: [int(f) for f in np.flatnonzero(ci[:, c] > threshold)]
+          for c in alive_components(ci, threshold)}

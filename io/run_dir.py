@@ -1,0 +1,310 @@
+"""Run-directory records: flags, metrics, arrays, and flat tree paths.
+
+A run directory holds `flags.txt`, `metrics.jsonl`, `figures/` and `.npz`
+files. Whole files are written by `atomic_write` (temporary file in the same
+directory, fsync, `os.replace`), so a crash leaves the old file or the new
+one, never half of one. Metrics are appended one JSON line at a time instead,
+and readers skip a line torn by a crash.
+
+Array files map slash-joined tree paths (`components/mlp_up/v`) to arrays
+(STYLE §9), so files stay readable when record classes are renamed.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Callable, Mapping
+from typing import Any, BinaryIO
+
+import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. as numpy dtypes)
+import numpy as np
+from jaxtyping import PyTree
+
+Path = str | os.PathLike
+
+FLAGS_FILE = "flags.txt"
+METRICS_FILE = "metrics.jsonl"
+# Entries a run writes; `--overwrite` removes these and nothing else, so a
+# mistyped --output_dir never deletes files the run did not create.
+RUN_ENTRIES = (FLAGS_FILE, METRICS_FILE, "figures", "decomposition.npz",
+               "target.npz")
+_METADATA_KEY = "__metadata__"
+# Dtype names per array: numpy stores ml_dtypes (bfloat16) as raw void bytes.
+_DTYPES_KEY = "__dtypes__"
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> str:
+  """Return `path` after `write(file)` has atomically replaced its content.
+
+  The parent directory must exist. If `write` raises, the destination is
+  untouched and the temporary file is removed.
+  """
+  path = os.fspath(path)
+  parent = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(
+    dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide results from others
+      write(f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    os.remove(tmp)
+    raise
+  _fsync_dir(parent)
+  return path
+
+
+def _fsync_dir(path: str) -> None:
+  # Makes the rename itself durable; not every platform can open a directory.
+  with contextlib.suppress(OSError):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+
+def _conflict(path: str, flags_text: str) -> str | None:
+  """Return why `path` cannot host a run with `flags_text`, or None."""
+  if not os.path.isdir(path):
+    return None
+  flags_path = os.path.join(path, FLAGS_FILE)
+  if os.path.isfile(flags_path):
+    with open(flags_path, encoding="utf-8") as f:
+      if f.read() == flags_text:
+        return None
+    return "it holds a run with different flags"
+  if any(os.path.lexists(os.path.join(path, e)) for e in RUN_ENTRIES):
+    return f"it holds run files but no {FLAGS_FILE}"
+  return None
+
+
+def _remove_run_entries(path: str) -> None:
+  for entry in RUN_ENTRIES:
+    full = os.path.join(path, entry)
+    if os.path.isdir(full) and not os.path.islink(full):
+      shutil.rmtree(full)
+    elif os.path.lexists(full):
+      os.remove(full)
+
+
+def check_run_dir(path: Path, flags_text: str, overwrite: bool) -> None:
+  """Raise ValueError, touching nothing, unless `path` can host this run.
+
+  The parent must exist; an existing directory must hold the same flags
+  (a resume) unless `overwrite`.
+  """
+  path = os.path.abspath(os.fspath(path))
+  parent = os.path.dirname(path)
+  if not os.path.isdir(parent):
+    raise ValueError(
+      f"output parent {parent} does not exist; create it or choose another"
+      " --output_dir")
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise ValueError(
+      f"output dir {path} exists and is not a directory; choose another"
+      " --output_dir")
+  reason = _conflict(path, flags_text)
+  if reason is not None and not overwrite:
+    raise ValueError(
+      f"output dir {path}: {reason}; pass --overwrite or choose another"
+      " --output_dir")
+
+
+def prepare_run_dir(path: Path, flags_text: str, overwrite: bool) -> None:
+  """Create or reuse the run directory `path` and write its `flags.txt`.
+
+  A directory whose `flags.txt` equals `flags_text` is reused as is (resume).
+  With `overwrite`, the entries in `RUN_ENTRIES` are removed first; other
+  files are kept. Raises ValueError, having created nothing, when
+  `check_run_dir` does.
+  """
+  check_run_dir(path, flags_text, overwrite)
+  path = os.path.abspath(os.fspath(path))
+  if overwrite and os.path.isdir(path):
+    _remove_run_entries(path)
+  os.makedirs(path, exist_ok=True)
+  atomic_write(os.path.join(path, FLAGS_FILE),
+               lambda f: f.write(flags_text.encode("utf-8")))
+
+
+def _json_default(value: Any) -> Any:
+  # numpy and jax scalars (including 0-d and 1-element arrays) become Python
+  # numbers; anything else is a bug in the caller's record.
+  if isinstance(value, (np.generic, np.ndarray, jax.Array)) and (
+      np.size(value) == 1):
+    return np.asarray(value).item()
+  raise TypeError(f"cannot store {type(value).__name__} in a JSON record")
+
+
+def append_metrics(path: Path, record: Mapping[str, Any]) -> None:
+  """Append `record` to the JSON-lines file `path` as one line.
+
+  Scalars (Python, numpy, jax) are stored as Python numbers; NaN and infinity
+  are kept (Python's json reads them back). There is no fsync, so a crash can
+  lose recent lines or tear the last one; `read_metrics` skips torn lines. A
+  torn tail is closed with a newline first, so the new record stays whole.
+  """
+  line = json.dumps(dict(record), default=_json_default) + "\n"
+  with open(path, "a+b") as f:
+    size = f.seek(0, os.SEEK_END)
+    if size:
+      f.seek(size - 1)
+      if f.read(1) != b"\n":
+        line = "\n" + line
+    f.write(line.encode("utf-8"))
+
+
+def _parse_record(line: str) -> dict | None:
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError:
+    record = None
+  return record if isinstance(record, dict) else None
+
+
+def read_metrics(path: Path) -> list[dict]:
+  """Return the records of `path` in order; [] when it does not exist.
+
+  Lines that do not decode to a JSON object (torn by a crash) are skipped.
+  """
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8", errors="replace") as f:
+    records = [_parse_record(line) for line in f if line.strip()]
+  return [r for r in records if r is not None]
+
+
+def _write_npy(zf: zipfile.ZipFile, key: str, array: np.ndarray) -> None:
+  with zf.open(f"{key}.npy", "w", force_zip64=True) as member:
+    np.lib.format.write_array(member, array, allow_pickle=False)
+
+
+def save_arrays(
+  path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any]
+) -> str:
+  """Return `path` after atomically writing `arrays` and `metadata` as .npz.
+
+  `metadata` must be JSON-serialisable; it is stored as the entry
+  `__metadata__`, dtype names as `__dtypes__`. Arrays are not compressed.
+  """
+  arrays = {k: np.asarray(a) for k, a in arrays.items()}
+  reserved = {_METADATA_KEY, _DTYPES_KEY} & set(arrays)
+  if reserved:
+    raise ValueError(f"array keys {sorted(reserved)} are reserved")
+  meta = json.dumps(dict(metadata), default=_json_default)
+  dtypes = json.dumps({k: a.dtype.name for k, a in arrays.items()})
+
+  def write(f: BinaryIO) -> None:
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
+      for key, array in arrays.items():
+        _write_npy(zf, key, array)
+      _write_npy(zf, _METADATA_KEY, np.array(meta))
+      _write_npy(zf, _DTYPES_KEY, np.array(dtypes))
+
+  return atomic_write(path, write)
+
+
+def _restore_dtype(array: np.ndarray, name: str) -> np.ndarray:
+  if array.dtype.name == name:
+    return array
+  dtype = np.dtype(name)
+  if array.dtype.kind != "V" or array.dtype.itemsize != dtype.itemsize:
+    raise ValueError(f"stored as {array.dtype}, expected {name}")
+  return array.view(dtype)
+
+
+def _read_npz(path: str) -> tuple[dict[str, np.ndarray], dict]:
+  with np.load(path, allow_pickle=False) as npz:
+    raw = {k: npz[k] for k in npz.files}
+  if not {_METADATA_KEY, _DTYPES_KEY} <= raw.keys():
+    raise ValueError("not written by save_arrays (no metadata entry)")
+  metadata = json.loads(raw.pop(_METADATA_KEY).item())
+  dtypes = json.loads(raw.pop(_DTYPES_KEY).item())
+  arrays = {k: _restore_dtype(a, dtypes.get(k, a.dtype.name))
+            for k, a in raw.items()}
+  return arrays, metadata
+
+
+def load_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+  """Return the arrays and metadata written by `save_arrays`.
+
+  Raises a one-line ValueError naming `path` when it is missing or corrupt.
+  """
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise ValueError(f"cannot read {path}: no such file")
+  try:
+    return _read_npz(path)
+  except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:
+    reason = " ".join(str(e).split()) or type(e).__name__
+    raise ValueError(
+      f"cannot read {path}: {reason}; delete it to retrain") from e
+
+
+def _path_key(path: tuple) -> str:
+  key = jax.tree_util.keystr(path, simple=True, separator="/")
+  # An empty name or one holding "/" would make the flat key ambiguous.
+  parts = key.split("/")
+  if len(parts) != len(path) or not all(parts):
+    raise ValueError(f"pytree path {path} cannot be written as a slash path")
+  return key
+
+
+def _leaf_keys(tree: PyTree) -> tuple[list[str], list[Any]]:
+  """Return the slash path and the leaf of every leaf, in flatten order."""
+  with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+  keys = [_path_key(p) for p, _ in with_path]
+  if len(set(keys)) != len(keys):
+    raise ValueError(f"pytree paths collide: {keys}")
+  return keys, [leaf for _, leaf in with_path]
+
+
+def flatten_tree(tree: PyTree) -> dict[str, np.ndarray]:
+  """Return the leaves of `tree` as host arrays keyed by slash-joined path.
+
+  NamedTuple fields (GetAttrKey) contribute their names, dict entries
+  (DictKey) their keys, and tuple or list entries (SequenceKey) their
+  indices: `components/linear1/v`.
+  """
+  keys, leaves = _leaf_keys(tree)
+  return {k: np.asarray(leaf) for k, leaf in zip(keys, leaves)}
+
+
+def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+  # Templates may hold arrays or jax.ShapeDtypeStruct from jax.eval_shape.
+  dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+  return tuple(np.shape(leaf)), np.dtype(dtype)
+
+
+def unflatten_into(
+  template_tree: PyTree, flat: Mapping[str, np.ndarray]
+) -> PyTree:
+  """Return a tree shaped like `template_tree` with leaves taken from `flat`.
+
+  Leaves are the host arrays of `flat` (place them with `jax.device_put`).
+  Raises ValueError naming the first key that is missing, unexpected, or
+  differs from the template in shape or dtype.
+  """
+  keys, leaves = _leaf_keys(template_tree)
+  for key, leaf in zip(keys, leaves):
+    if key not in flat:
+      raise ValueError(f"{key}: missing from the stored arrays")
+    want, got = _shape_dtype(leaf), _shape_dtype(flat[key])
+    if got != want:
+      raise ValueError(
+        f"{key}: stored shape/dtype {got[0]} {got[1]}, expected"
+        f" {want[0]} {want[1]}")
+  extra = sorted(set(flat) - set(keys))
+  if extra:
+    raise ValueError(f"{extra[0]}: not in the template ({len(extra)} extra)")
+  treedef = jax.tree_util.tree_structure(template_tree)
+  return jax.tree_util.tree_unflatten(
+    treedef, [np.asarray(flat[k]) for k in keys])

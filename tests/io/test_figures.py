@@ -1,0 +1,72 @@
+"""Tests for decompax.io.figures."""
+
+import numpy as np
+import pytest
+
+from decompax.io import figures
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _is_png(path):
+  with open(path, "rb") as f:
+    return f.read(8) == _PNG_SIGNATURE
+
+
+def _no_temp_files(directory):
+  return not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_permutation_recovers_permuted_identity_with_dead_columns():
+  n, c = 4, 7
+  rng = np.random.default_rng(0)
+  perm = rng.permutation(c)
+  ci = np.zeros((n, c), np.float32)
+  ci[np.arange(n), perm[:n]] = 1.0
+  order = figures.permutation_for_identity(ci)
+  assert order[:n] == [int(p) for p in perm[:n]]
+  assert sorted(order) == list(range(c))
+  np.testing.assert_array_equal(ci[:, order][:, :n], np.eye(n))
+
+
+def test_permutation_puts_leftovers_by_descending_max():
+  ci = np.array([[0.9, 0.0, 0.2, 0.5]], np.float32)
+  assert figures.permutation_for_identity(ci) == [0, 3, 2, 1]
+
+
+def test_permutation_more_rows_than_columns():
+  ci = np.eye(5, 3, dtype=np.float32)
+  assert figures.permutation_for_identity(ci) == [0, 1, 2]
+
+
+def test_plot_ci_on_features_writes_png(tmp_path):
+  ci = {"linear1": np.eye(3, 5, dtype=np.float32),
+        "linear2": np.full((3, 2), 0.5, np.float32)}
+  path = tmp_path / "figures" / "ci.png"
+  assert figures.plot_ci_on_features(ci, path, "CI") == str(path)
+  assert _is_png(path)
+  assert _no_temp_files(path.parent)
+
+
+@pytest.mark.parametrize("order", [None, {"linear1": [2, 0]}])
+def test_plot_components_writes_png(tmp_path, order):
+  rng = np.random.default_rng(1)
+  uv = {"linear1": (rng.normal(size=(4, 3)), rng.normal(size=(3, 2))),
+        "linear2": (np.zeros((2, 3)), np.zeros((3, 4)))}
+  path = tmp_path / "uv.png"
+  assert figures.plot_components(uv, path, order) == str(path)
+  assert _is_png(path)
+  assert _no_temp_files(tmp_path)
+
+
+@pytest.mark.parametrize("metrics", [
+  [{"step": 0, "loss/a": 1.0, "loss/b": 0.0, "lr": 1e-3},
+   {"step": 1, "loss/a": 0.5, "loss/b": float("nan")},
+   {"step": 2, "loss/b": 0.1}],
+  [],
+])
+def test_plot_loss_curves_writes_png(tmp_path, metrics):
+  path = tmp_path / "loss.png"
+  assert figures.plot_loss_curves(metrics, path) == str(path)
+  assert _is_png(path)
+  assert _no_temp_files(tmp_path)

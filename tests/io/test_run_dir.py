@@ -1,0 +1,267 @@
+"""Tests for decompax.io.run_dir."""
+
+import json
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decompax.io import run_dir
+
+
+class Factors(NamedTuple):
+  v: jax.Array
+  u: jax.Array
+
+
+class State(NamedTuple):
+  components: dict
+  ci_params: dict
+  step: tuple
+
+
+def _tree():
+  return State(
+    components={"linear1": Factors(jnp.ones((3, 2)), jnp.zeros((2, 4)))},
+    ci_params={"linear1": {"w_in": jnp.arange(6.0).reshape(2, 3)}},
+    step=(jnp.array(7, jnp.int32), jnp.ones((2,), jnp.bfloat16)),
+  )
+
+
+def _temp_files(directory):
+  return [n for n in os.listdir(directory) if n.endswith(".tmp")]
+
+
+def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
+  target = tmp_path / "a.txt"
+  run_dir.atomic_write(target, lambda f: f.write(b"one"))
+  run_dir.atomic_write(target, lambda f: f.write(b"two"))
+  assert target.read_bytes() == b"two"
+  assert _temp_files(tmp_path) == []
+
+
+def test_atomic_write_failure_keeps_old_content(tmp_path):
+  target = tmp_path / "a.txt"
+  target.write_bytes(b"old")
+
+  def fail(f):
+    f.write(b"half")
+    raise RuntimeError("boom")
+
+  with pytest.raises(RuntimeError):
+    run_dir.atomic_write(target, fail)
+  assert target.read_bytes() == b"old"
+  assert _temp_files(tmp_path) == []
+
+
+def test_prepare_writes_flags(tmp_path):
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  assert (out / "flags.txt").read_text() == "--c=5\n"
+  assert sorted(os.listdir(out)) == ["flags.txt"]
+
+
+def test_prepare_missing_parent_raises_and_creates_nothing(tmp_path):
+  out = tmp_path / "missing" / "run"
+  with pytest.raises(ValueError, match="does not exist.*--output_dir"):
+    run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  assert os.listdir(tmp_path) == []
+
+
+def test_prepare_different_flags_raises_and_touches_nothing(tmp_path):
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  (out / "metrics.jsonl").write_text('{"step": 0}\n')
+  before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+  with pytest.raises(ValueError) as info:
+    run_dir.prepare_run_dir(out, "--c=6\n", overwrite=False)
+  message = str(info.value)
+  assert "\n" not in message
+  assert str(out) in message and "--overwrite" in message
+  assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+
+
+def test_prepare_same_flags_keeps_run_files(tmp_path):
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  run_dir.append_metrics(out / "metrics.jsonl", {"step": 0})
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  assert run_dir.read_metrics(out / "metrics.jsonl") == [{"step": 0}]
+
+
+def test_prepare_run_files_without_flags_need_overwrite(tmp_path):
+  out = tmp_path / "run"
+  out.mkdir()
+  (out / "decomposition.npz").write_bytes(b"x")
+  with pytest.raises(ValueError, match="no flags.txt"):
+    run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+
+
+def test_prepare_not_a_directory_raises(tmp_path):
+  out = tmp_path / "run"
+  out.write_text("file")
+  with pytest.raises(ValueError, match="not a directory"):
+    run_dir.prepare_run_dir(out, "--c=5\n", overwrite=True)
+  assert out.read_text() == "file"
+
+
+def test_prepare_overwrite_removes_only_run_entries(tmp_path):
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  (out / "figures").mkdir()
+  (out / "figures" / "ci.png").write_bytes(b"png")
+  (out / "metrics.jsonl").write_text('{"step": 0}\n')
+  (out / "target.npz").write_bytes(b"npz")
+  (out / "notes.md").write_text("mine")
+  run_dir.prepare_run_dir(out, "--c=6\n", overwrite=True)
+  assert sorted(os.listdir(out)) == ["flags.txt", "notes.md"]
+  assert (out / "flags.txt").read_text() == "--c=6\n"
+
+
+def test_metrics_round_trip_with_numpy_and_jax_scalars(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  run_dir.append_metrics(path, {"step": 0, "loss/a": np.float32(0.5)})
+  run_dir.append_metrics(path, {"step": np.int64(1), "loss/a": jnp.array(0.25)})
+  records = run_dir.read_metrics(path)
+  assert records == [{"step": 0, "loss/a": 0.5}, {"step": 1, "loss/a": 0.25}]
+  assert all(type(r["loss/a"]) is float for r in records)
+
+
+def test_metrics_torn_last_line_skipped_and_later_appends_kept(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  run_dir.append_metrics(path, {"step": 0})
+  with open(path, "a") as f:
+    f.write('{"step": 1, "lo')
+  assert run_dir.read_metrics(path) == [{"step": 0}]
+  run_dir.append_metrics(path, {"step": 2})
+  assert run_dir.read_metrics(path) == [{"step": 0}, {"step": 2}]
+
+
+def test_metrics_missing_file_reads_empty(tmp_path):
+  assert run_dir.read_metrics(tmp_path / "none.jsonl") == []
+
+
+def test_metrics_rejects_non_scalar(tmp_path):
+  with pytest.raises(TypeError):
+    run_dir.append_metrics(tmp_path / "m.jsonl", {"x": np.ones(3)})
+
+
+def test_arrays_round_trip_with_metadata(tmp_path):
+  path = tmp_path / "decomposition.npz"
+  arrays = {
+    "components/linear1/v": np.arange(6, dtype=np.float32).reshape(2, 3),
+    "step": np.array(3, np.int32),
+    "half": np.ones((2,), jnp.bfloat16),
+  }
+  metadata = {"step": 3, "sites": ["linear1"], "lr": np.float32(0.5)}
+  run_dir.save_arrays(path, arrays, metadata)
+  assert _temp_files(tmp_path) == []
+  loaded, meta = run_dir.load_arrays(path)
+  assert meta == {"step": 3, "sites": ["linear1"], "lr": 0.5}
+  assert loaded.keys() == arrays.keys()
+  for key, array in arrays.items():
+    assert loaded[key].dtype == array.dtype
+    np.testing.assert_array_equal(loaded[key], array)
+
+
+def test_save_rejects_reserved_key(tmp_path):
+  with pytest.raises(ValueError, match="reserved"):
+    run_dir.save_arrays(tmp_path / "a.npz", {"__metadata__": np.ones(1)}, {})
+
+
+@pytest.mark.parametrize("content", [None, b"", b"not a zip", b"PK\x03\x04xx"])
+def test_load_missing_or_corrupt_raises_one_line(tmp_path, content):
+  path = tmp_path / "decomposition.npz"
+  if content is not None:
+    path.write_bytes(content)
+  with pytest.raises(ValueError) as info:
+    run_dir.load_arrays(path)
+  message = str(info.value)
+  assert message.startswith(f"cannot read {path}: ")
+  assert "\n" not in message
+
+
+def test_load_truncated_file_raises(tmp_path):
+  path = tmp_path / "decomposition.npz"
+  run_dir.save_arrays(path, {"a": np.ones((4, 4))}, {"k": 1})
+  path.write_bytes(path.read_bytes()[:100])
+  with pytest.raises(ValueError, match="delete it to retrain"):
+    run_dir.load_arrays(path)
+
+
+def test_flatten_tree_keys():
+  flat = run_dir.flatten_tree(_tree())
+  assert sorted(flat) == [
+    "ci_params/linear1/w_in",
+    "components/linear1/u",
+    "components/linear1/v",
+    "step/0",
+    "step/1",
+  ]
+  assert all(isinstance(a, np.ndarray) for a in flat.values())
+
+
+def test_flatten_unflatten_round_trip_through_npz(tmp_path):
+  tree = _tree()
+  path = tmp_path / "state.npz"
+  run_dir.save_arrays(path, run_dir.flatten_tree(tree), {})
+  flat, _ = run_dir.load_arrays(path)
+  restored = run_dir.unflatten_into(jax.eval_shape(lambda: tree), flat)
+  assert jax.tree.structure(restored) == jax.tree.structure(tree)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(tree)):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_unflatten_shape_mismatch_names_key():
+  tree = _tree()
+  flat = run_dir.flatten_tree(tree)
+  flat["components/linear1/u"] = np.zeros((2, 5), np.float32)
+  with pytest.raises(ValueError, match="^components/linear1/u: .*shape"):
+    run_dir.unflatten_into(tree, flat)
+
+
+def test_unflatten_dtype_mismatch_names_key():
+  tree = _tree()
+  flat = run_dir.flatten_tree(tree)
+  flat["step/0"] = flat["step/0"].astype(np.int64)
+  with pytest.raises(ValueError, match="^step/0: "):
+    run_dir.unflatten_into(tree, flat)
+
+
+def test_unflatten_missing_and_extra_keys_named():
+  tree = _tree()
+  flat = run_dir.flatten_tree(tree)
+  with pytest.raises(ValueError, match="^ci_params/linear1/w_in: missing"):
+    run_dir.unflatten_into(
+      tree, {k: v for k, v in flat.items() if "w_in" not in k})
+  with pytest.raises(ValueError, match="^zzz: not in the template"):
+    run_dir.unflatten_into(tree, {**flat, "zzz": np.ones(1)})
+
+
+def test_flatten_rejects_slash_in_key():
+  with pytest.raises(ValueError, match="slash path"):
+    run_dir.flatten_tree({"a/b": jnp.ones(1)})
+
+
+def test_flags_file_is_plain_text(tmp_path):
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(out, json.dumps({"a": 1}), overwrite=False)
+  assert json.loads((out / "flags.txt").read_text()) == {"a": 1}
+
+
+def test_flatten_rejects_bare_leaf_and_empty_name():
+  with pytest.raises(ValueError, match="slash path"):
+    run_dir.flatten_tree(jnp.ones(1))
+  with pytest.raises(ValueError, match="slash path"):
+    run_dir.flatten_tree({"": jnp.ones(1)})
+
+
+def test_metrics_append_after_one_byte_torn_file(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("{")
+  run_dir.append_metrics(path, {"step": 0})
+  assert run_dir.read_metrics(path) == [{"step": 0}]

@@ -1,0 +1,78 @@
+"""Repository guards: packaging list, import directions, namespace imports."""
+
+import ast
+import pathlib
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("core", "targets", "losses", "placement", "io", "bin")
+ALLOWED = {
+  "core": set(),
+  "targets": {"core"},
+  "losses": {"core"},
+  "placement": {"core"},
+  "io": {"core", "placement"},
+  "bin": set(PACKAGES) - {"bin"},
+}
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+  tree = ast.parse(path.read_text(), filename=str(path))
+  names = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names += [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      names.append(node.module)
+      if node.module == "decompax":
+        names += [f"decompax.{alias.name}" for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level > 0:
+      names.append("<relative>")
+  return names
+
+
+def _modules(package: str):
+  return sorted((ROOT / package).glob("*.py"))
+
+
+def test_packaging_list_matches_directories():
+  config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  setuptools = config["tool"]["setuptools"]
+  assert setuptools["packages"] == [f"decompax.{p}" for p in PACKAGES]
+  assert setuptools["package-dir"] == {f"decompax.{p}": p for p in PACKAGES}
+  for package in PACKAGES:
+    assert (ROOT / package / "__init__.py").exists(), package
+    nested = [p for p in (ROOT / package).iterdir()
+              if p.is_dir() and (p / "__init__.py").exists()]
+    assert not nested, f"packages are flat; {package} nests {nested}"
+
+
+def test_import_directions_follow_workspace_graph():
+  violations = []
+  for package in PACKAGES:
+    for module in _modules(package):
+      for name in _imports(module):
+        parts = name.split(".")
+        if parts[0] == "decompax" and len(parts) > 1:
+          dep = parts[1]
+          if dep != package and dep not in ALLOWED[package]:
+            violations.append(f"{module.relative_to(ROOT)} imports {name}")
+  assert not violations, "\n".join(violations)
+
+
+def test_no_bare_or_relative_imports_of_repo_packages():
+  offenders = []
+  for package in PACKAGES:
+    for module in _modules(package):
+      for name in _imports(module):
+        bare = name.split(".")[0] in PACKAGES and name.split(".")[0] != "io"
+        if bare or name == "<relative>":
+          offenders.append(f"{module.relative_to(ROOT)}: {name}")
+  assert not offenders, "\n".join(offenders)
+
+
+def test_workspace_md_states_the_enforced_edges():
+  text = (ROOT / "WORKSPACE.md").read_text()
+  for package in PACKAGES:
+    assert f"**{package}**" in text
+  assert "`io` → `core`, `placement`" in text
