@@ -57,7 +57,7 @@ def load_recipe(name: str) -> train_flags.TrainConfig:
 def time_recipe(name: str, steps: int, warmup: int) -> dict:
   """Return the timing record of one recipe."""
   config = load_recipe(name)
-  toy = registry.get_toy(config.target)
+  toy = registry.get(config.target)
   target = toy.fns(config.c)
   weights = toy.init(jax.random.key(0))
   run = train.build_run(config, toy, target, weights)

@@ -144,7 +144,7 @@ def setup(config: train_flags.TrainConfig):
 
   Every check of user input happens here, before anything is written.
   """
-  toy = registry.get_toy(config.target)
+  toy = registry.get(config.target)
   sites = recipe.select_sites(toy.sites(config.c), config.sites, toy.name)
   output_dir = config.output_dir or os.path.join("runs", config.target)
   flags_text = resolved_flags_text()
@@ -246,8 +246,8 @@ def finish(config, target, ci_fn, weights, state, output_dir, metrics_path):
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    fail(f"unexpected arguments {' '.join(argv[1:])}; flags take the form "
-         "--name=value")
+    fail(f"unexpected argument {argv[1]!r}; flags (and flagfile lines) take "
+         "the form --name=value")
   jax.config.update("jax_transfer_guard_device_to_host", "disallow")
   try:
     config = train_flags.config_from_flags()
@@ -257,9 +257,17 @@ def main(argv: list[str]) -> None:
   train(config, toy, target, weights, output_dir)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """Parse flags, turning absl's parse errors into one-line errors."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(f"{e}; see --helpfull")
+
+
 def entry() -> None:
   """Launch the absl app (used by the `bin/train` launcher)."""
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

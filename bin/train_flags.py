@@ -152,12 +152,12 @@ class TrainConfig:
   ci_alive_threshold: float
 
 
-def _positive(name: str, value: float) -> None:
+def _positive(name: str, value: int | float) -> None:
   if value <= 0:
     raise ValueError(f"--{name} must be positive, got {value}")
 
 
-def _non_negative(name: str, value: float) -> None:
+def _non_negative(name: str, value: int | float) -> None:
   if value < 0:
     raise ValueError(f"--{name} must be >= 0, got {value}")
 

@@ -1,0 +1,143 @@
+"""bin/train: flagfiles, bad input, and one short end-to-end run."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+
+from decompax.bin import recipe, train, train_flags
+from decompax.io import run_dir
+from decompax.targets import registry
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FLAGFILES = sorted((ROOT / "flags").glob("*.flags"))
+
+
+@pytest.fixture
+def parse():
+  """Parse `--flag=value` arguments into FLAGS; restore the defaults after."""
+
+  def _parse(*args):
+    flags.FLAGS.unparse_flags()
+    argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
+    flags.FLAGS(["train", *argv])
+    return train_flags.config_from_flags()
+
+  yield _parse
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS.mark_as_parsed()
+
+
+def _bin_train(*args, cwd=ROOT):
+  return subprocess.run(
+    [sys.executable, "-P", str(ROOT / "bin" / "train"), *args],
+    cwd=cwd, capture_output=True, text=True, timeout=600,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+
+
+def test_there_are_flagfiles_for_every_paper_toy():
+  names = {p.stem for p in FLAGFILES}
+  assert {"tms_5-2", "tms_5-2-id", "tms_40-10", "tms_40-10-id", "resid_mlp1",
+          "resid_mlp2", "resid_mlp3"} <= names
+
+
+@pytest.mark.parametrize("path", FLAGFILES, ids=lambda p: p.stem)
+def test_every_flagfile_parses_and_builds_its_terms(parse, path):
+  config = parse(f"--flagfile={path}")
+  toy = registry.get(config.target)
+  sites = recipe.select_sites(toy.sites(config.c), config.sites, toy.name)
+  terms = recipe.loss_terms(config, sites, config.batch_size)
+  assert {t.name for t in terms} >= {"faithfulness", "importance_minimality"}
+  recipe.step_config(config)
+  recipe.ci_config(config)
+
+
+def test_defaults_are_the_tms_5_2_flagfile(parse):
+  default = parse()
+  from_file = parse(f"--flagfile={ROOT / 'flags' / 'tms_5-2.flags'}")
+  assert default == from_file
+
+
+@pytest.mark.parametrize("args,message", [
+  (("--c=0",), "--c must be a positive"),
+  (("--sites=linear1,nope",), "unknown site 'nope'"),
+  (("--lr_schedule=constant", "--lr_final_frac=0.5"), "lr_final_frac"),
+  (("--stochastic_coeff=0", "--per_site_coeff=0"), "no reconstruction term"),
+  (("--ci_hidden=8,x",), "comma-separated integers"),
+])
+def test_bad_settings_fail_before_writing(parse, tmp_path, args, message):
+  out = tmp_path / "run"
+  with pytest.raises(ValueError, match=message):
+    config = parse(*args, f"--output_dir={out}")
+    train.setup(config)
+  assert not out.exists()
+
+
+def test_missing_output_parent_is_refused(parse, tmp_path):
+  out = tmp_path / "absent" / "run"
+  with pytest.raises(ValueError, match="does not exist"):
+    train.setup(parse(f"--output_dir={out}"))
+  assert not out.parent.exists()
+
+
+def test_existing_run_with_other_flags_is_refused(parse, tmp_path):
+  out = tmp_path / "run"
+  out.mkdir()
+  (out / "flags.txt").write_text("--c=7\n")
+  with pytest.raises(ValueError, match="--overwrite"):
+    train.setup(parse(f"--output_dir={out}"))
+  assert (out / "flags.txt").read_text() == "--c=7\n"
+  assert sorted(os.listdir(out)) == ["flags.txt"]
+
+
+@pytest.mark.parametrize("args,message", [
+  (("--bogus=1",), "Unknown command line flag 'bogus'"),
+  (("--c=0",), "--c must be a positive"),
+])
+def test_binary_prints_one_line_error_and_exits_non_zero(args, message):
+  result = _bin_train(*args)
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("train: error:")
+  assert message in lines[0]
+
+
+def test_malformed_flagfile_line_is_refused(tmp_path):
+  bad = tmp_path / "bad.flags"
+  bad.write_text("--c=5\ntarget=tms_5-2\n")
+  result = _bin_train(f"--flagfile={bad}", f"--output_dir={tmp_path / 'run'}")
+  assert result.returncode == 2
+  assert "target=tms_5-2" in result.stderr
+  assert not (tmp_path / "run").exists()
+
+
+def test_short_run_writes_every_record(tmp_path):
+  out = tmp_path / "run"
+  result = _bin_train(
+    "--num_steps=20", "--batch_size=64", "--log_every=10",
+    "--faithfulness_warmup_steps=5", f"--output_dir={out}")
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "step 20/20" in result.stdout and "ETA" in result.stdout
+  assert "--num_steps=20" in (out / "flags.txt").read_text()
+  records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [10, 20]
+  for key in ("loss/faithfulness", "loss/stochastic_recon", "ci_l0/linear1",
+              "step_time_s"):
+    assert key in records[-1]
+  arrays, meta = run_dir.load_arrays(out / "decomposition.npz")
+  assert arrays["components/linear1/v"].shape == (1, 5, 20)
+  assert [s["name"] for s in meta["sites"]] == ["linear1", "linear2"]
+  for name in ("ci_on_features", "components", "losses"):
+    png = (out / "figures" / f"{name}.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+  # The same command again is accepted (same flags) and reuses the target.
+  again = _bin_train(
+    "--num_steps=20", "--batch_size=64", "--log_every=10",
+    "--faithfulness_warmup_steps=5", f"--output_dir={out}")
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert "[target] loaded" in again.stdout
