@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 from decompax.bin import recipe, train_flags
 from decompax.core import ci_fns, probe, sites as sites_lib, train_step
@@ -74,7 +74,7 @@ def load_or_train_target(toy, config, target_path: str, use_cache: bool):
   def progress(step, loss):
     print(f"[target]   step {step}  loss {loss:.3e}", flush=True)
 
-  weights = toy.train(jax.random.key(seed), progress=progress)
+  weights = toy.train(seed, progress=progress)
   print(f"[target] trained in {time.time() - start:.1f}s; every feature "
         "represented")
   return weights, (toy.weights_to_arrays(weights), meta)
@@ -245,6 +245,8 @@ def finish(config, target, ci_fn, weights, state, output_dir, metrics_path):
 
 
 def main(argv: list[str]) -> None:
+  # JAX reports each accelerator backend it fails to find at INFO level.
+  logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; flags (and flagfile lines) take "
          "the form --name=value")

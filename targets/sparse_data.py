@@ -19,11 +19,11 @@ def sample_sparse_features(
   high: float,
 ) -> Float[Array, "b n"]:
   """Return a batch of sparse feature vectors (`at_least_zero_active`)."""
-  active_key, value_key = jax.random.split(key)
-  shape = (batch_size, n_features)
-  active = jax.random.bernoulli(active_key, probability, shape)
-  values = jax.random.uniform(value_key, shape, jnp.float32, low, high)
-  return jnp.where(active, values, 0.0)
+  # One uniform draw serves both choices: given `u < ρ`, `u/ρ` is U[0, 1).
+  # Halves the RNG work, which dominates toy-target training on CPU.
+  u = jax.random.uniform(key, (batch_size, n_features), jnp.float32)
+  values = low + (high - low) * (u / probability)
+  return jnp.where(u < probability, values, 0.0)
 
 
 def feature_probe(n_features: int, value: float = 0.75) -> Float[Array, "n n"]:

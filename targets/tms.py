@@ -218,7 +218,7 @@ def weights_to_arrays(weights: TmsWeights) -> dict[str, np.ndarray]:
 def weights_from_arrays(
   arrays: dict[str, np.ndarray], config: TmsConfig
 ) -> TmsWeights:
-  """Return weights from `weights_to_arrays` output; ValueError on a mismatch."""
+  """Return weights from `weights_to_arrays` output; ValueError on mismatch."""
   n, m = config.n_features, config.n_hidden
   shapes = {"w": (n, m), "b": (n,)}
   if config.hidden_identity:

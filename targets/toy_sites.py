@@ -6,7 +6,8 @@ live sites through `site_forward.site_matmul` and every other site through the
 very same `x @ w` (SPEC I2: no live site ⇒ bit-identical to the clean forward).
 """
 
-from typing import Callable, Union
+from collections.abc import Callable
+from typing import Union
 
 import jax.numpy as jnp
 import numpy as np

@@ -10,7 +10,8 @@ sees the host between chunks.
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp

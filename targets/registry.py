@@ -1,0 +1,117 @@
+"""Named toy targets behind one uniform record (SPEC §10).
+
+`get(name)` returns a `ToyTarget` whose callables close over the toy's static
+config; weights are always explicit arguments. A trained target is a pure
+function of its seed; caching it (`weights_to_arrays` → npz) is the caller's
+business.
+"""
+
+import dataclasses
+import functools
+from types import ModuleType
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import jax
+import numpy as np
+from jaxtyping import Array, Float, Key
+
+from decompax.core import sites, target
+from decompax.targets import resid_mlp, simple_mlp, tms, toy_sites
+from decompax.targets import train as train_lib
+
+Weights = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyTarget:
+  """One registered toy: its config and the functions the engine calls.
+
+  `train(key_or_seed, progress=None)` trains from an int seed (preferred: the
+  error names it) or a typed key, and raises ValueError when the result does
+  not represent every feature (see `missing_features`).
+  """
+
+  name: str
+  config: Any
+  default_seed: int
+  sites: Callable[[toy_sites.CPerSite], tuple[sites.SiteSpec, ...]]
+  fns: Callable[[toy_sites.CPerSite], target.TargetFns]
+  init: Callable[[Key[Array, ""]], Weights]
+  train: Callable[..., Weights]
+  missing_features: Callable[[Weights], tuple[int, ...]]
+  sample_inputs: Callable[[Key[Array, ""], int], Float[Array, "b n"]]
+  weights_to_arrays: Callable[[Weights], dict[str, np.ndarray]]
+  weights_from_arrays: Callable[[dict[str, np.ndarray]], Weights]
+
+
+# name -> (module, config, default seed). Seeds are ones whose trained target
+# passes `missing_features`.
+_TOYS: dict[str, tuple[ModuleType, Any, int]] = {
+  "tms_5-2": (tms, tms.TmsConfig(5, 2), 0),
+  "tms_5-2-id": (tms, tms.TmsConfig(5, 2, hidden_identity=True), 0),
+  "tms_40-10": (tms, tms.TmsConfig(40, 10, batch_size=8192), 0),
+  "tms_40-10-id": (
+    tms,
+    tms.TmsConfig(40, 10, hidden_identity=True, batch_size=8192),
+    0,
+  ),
+  "resid_mlp1": (resid_mlp, resid_mlp.ResidMlpConfig(1, 100, 50), 0),
+  "resid_mlp2": (resid_mlp, resid_mlp.ResidMlpConfig(2, 100, 25), 0),
+  "resid_mlp3": (resid_mlp, resid_mlp.ResidMlpConfig(3, 102, 17), 0),
+  "simple_mlp": (simple_mlp, simple_mlp.SimpleMlpConfig(), 0),
+}
+
+
+def toy_names() -> tuple[str, ...]:
+  """Return the registered toy names."""
+  return tuple(_TOYS)
+
+
+def _train_checked(
+  name: str,
+  module: ModuleType,
+  config: Any,
+  key: Union[Key[Array, ""], int],
+  progress: Optional[train_lib.Progress] = None,
+) -> Weights:
+  """Return trained weights; raise ValueError naming unrepresented features."""
+  if isinstance(key, int):
+    origin = f"seed {key}"
+    key = jax.random.key(key)
+  else:
+    origin = "given key"
+  weights = module.train(key, config, progress)
+  missing = module.missing_features(weights)
+  if missing:
+    raise ValueError(
+      f"target {name} ({origin}) does not represent features"
+      f" {list(missing)}; choose another --target_seed"
+    )
+  return weights
+
+
+def build(
+  name: str, module: ModuleType, config: Any, default_seed: int = 0
+) -> ToyTarget:
+  """Return the `ToyTarget` of a toy module (tms, resid_mlp, …) at `config`."""
+  return ToyTarget(
+    name=name,
+    config=config,
+    default_seed=default_seed,
+    sites=lambda c: module.site_specs(config, c),
+    fns=lambda c: module.target_fns(config, c),
+    init=lambda key: module.init(key, config),
+    train=functools.partial(_train_checked, name, module, config),
+    missing_features=module.missing_features,
+    sample_inputs=lambda key, b: module.sample_inputs(key, config, b),
+    weights_to_arrays=module.weights_to_arrays,
+    weights_from_arrays=lambda a: module.weights_from_arrays(a, config),
+  )
+
+
+def get(name: str) -> ToyTarget:
+  """Return the registered toy `name`; ValueError lists the known names."""
+  if name not in _TOYS:
+    raise ValueError(f"unknown toy target {name!r}; known: {list(_TOYS)}")
+  return build(name, *_TOYS[name])
