@@ -188,7 +188,8 @@ def build_run(config, toy, target, weights) -> Run:
   built = train_step.make_train_step(
     target, ci_fn, terms, recipe.step_config(config),
     sample_inputs=lambda key: toy.sample_inputs(key, config.batch_size))
-  state = built.init(components, ci_fn.init(ci_key), run_key)
+  state = built.init(components, ci_fn.init(ci_key), run_key,
+                     (config.batch_size,))
   return Run(built, state, ci_fn, terms, data_key, warmup_losses)
 
 

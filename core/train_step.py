@@ -5,6 +5,13 @@
 tuple of loss terms and optimizer settings. Frozen target weights are a
 runtime argument. Everything the step changes lives in `TrainState`; keys are
 derived from `(state.rng, state.step)`, never carried forward.
+
+Order inside a step (SPEC §6.1): one stop-gradient clean pass; `prep(θ)`
+(components and CI) evaluated once, its VJP kept; each term's `prepare` runs
+on stop-gradient copies (adversary warmup ascents, fresh PGD); ONE backward of
+the coefficiented objective with respect to the prepared values and the
+terms' inputs; the VJP pulls the prepared cotangents back to θ; each term's
+`finish` consumes its input gradients (the final ascent); then the updates.
 """
 
 import dataclasses
@@ -23,12 +30,17 @@ from decompax.core.target import Batch, TargetFns, Weights
 
 
 class TrainState(NamedTuple):
-  """Everything a training step reads and writes."""
+  """Everything a training step reads and writes.
+
+  `term_states` holds one entry per loss term (None for stateless terms):
+  persistent adversary sources and moments, frequency EMAs.
+  """
 
   components: Components
   ci_params: Any
   components_opt: optax.OptState
   ci_opt: optax.OptState
+  term_states: tuple
   step: Int[Array, ""]
   rng: Key[Array, ""]
 
@@ -51,13 +63,47 @@ class StepContext(NamedTuple):
       self.weights, self.components, self.inputs, site_masks
     )
 
+  def lead_shape(self) -> tuple[int, ...]:
+    """Return the leading (non-feature) shape of the step's activations."""
+    return tuple(self.target.batch_lead_shape(self.inputs))
+
+
+TermFn = Callable[[StepContext, Key[Array, ""], Any], tuple[Array, Any]]
+
 
 class LossTerm(NamedTuple):
-  """One coefficiented term `coeff(step) · fn(ctx, key)` of the objective."""
+  """One coefficiented term of the objective, with optional state hooks.
+
+  `fn(ctx, key, inputs) -> (value, aux)` runs inside the differentiated
+  objective; `inputs` come from `prepare` and are differentiated too.
+  `init_state(key, lead_shape)` builds the term's persistent state;
+  `prepare(ctx, key, state) -> (state, inputs)` runs before the backward on a
+  stop-gradient context; `finish(state, inputs, input_grads, aux, ctx) ->
+  state` runs after it. With `coeff_on_model_side`, the coefficient scales
+  only the cotangents reaching components and CI, so the inputs' gradient is
+  that of the unscaled term (SPEC §5.6: valid at coefficient 0).
+  """
 
   name: str
   coeff: schedules.Coefficient
-  fn: Callable[[StepContext, Key[Array, ""]], Float[Array, ""]]
+  fn: TermFn
+  init_state: Optional[Callable[[Key[Array, ""], tuple[int, ...]], Any]] = None
+  prepare: Optional[Callable[..., tuple[Any, Any]]] = None
+  finish: Optional[Callable[..., Any]] = None
+  coeff_on_model_side: bool = False
+
+
+def simple_term(
+  name: str, coeff: schedules.Coefficient,
+  value_fn: Callable[[StepContext, Key[Array, ""]], Float[Array, ""]],
+) -> LossTerm:
+  """Return a stateless term whose value is `value_fn(ctx, key)`."""
+
+  def fn(ctx, key, inputs):
+    del inputs
+    return value_fn(ctx, key), None
+
+  return LossTerm(name, coeff, fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +119,7 @@ class StepConfig:
 class TrainStep(NamedTuple):
   """The jitted step and the function that builds its initial state."""
 
-  init: Callable[[Components, Any, Key[Array, ""]], TrainState]
+  init: Callable[..., TrainState]
   step: Callable[..., tuple[TrainState, dict[str, Array]]]
 
 
@@ -87,33 +133,58 @@ def ci_l0(
   }
 
 
+@jax.custom_vjp
+def scale_cotangent(x: Any, scale: Float[Array, ""]) -> Any:
+  """Return `x` unchanged; its cotangent is multiplied by `scale`."""
+  del scale
+  return x
+
+
+def _scale_fwd(x, scale):
+  return x, scale
+
+
+def _scale_bwd(scale, g):
+  return jax.tree.map(lambda t: t * scale.astype(t.dtype), g), jnp.zeros_like(
+    scale)
+
+
+scale_cotangent.defvjp(_scale_fwd, _scale_bwd)
+
+
+def _term_keys(step_key, n):
+  return [jax.random.fold_in(step_key, 1 + j) for j in range(n)]
+
+
 def objective(
-  theta: tuple[Components, Any],
-  step: Int[Array, ""],
-  step_key: Key[Array, ""],
-  target: TargetFns,
-  ci_fn: CIFn,
+  prepared: tuple[Components, squash.CIOutput],
+  term_inputs: tuple,
+  ctx: StepContext,
   terms: tuple[LossTerm, ...],
-  total_steps: int,
-  weights: Weights,
-  inputs: Batch,
-  clean_output: Array,
-  taps: dict[str, Array],
-) -> tuple[Float[Array, ""], tuple[dict[str, Array], squash.CIOutput]]:
-  """Return the coefficiented sum of all terms, their raw values and the CI."""
-  components, ci_params = theta
-  ci = squash.squash(ci_fn.apply(ci_params, taps, components))
-  ctx = StepContext(
-    step, total_steps, target, weights, inputs, clean_output, components, ci
-  )
-  total = jnp.zeros((), jnp.float32)
-  values = {}
-  for j, term in enumerate(terms):
-    value = term.fn(ctx, jax.random.fold_in(step_key, 1 + j))
-    coeff = schedules.schedule_value(term.coeff, step, total_steps)
-    total = total + coeff * value
+  keys: list,
+) -> tuple[Float[Array, ""], tuple[dict[str, Array], Float[Array, ""], tuple]]:
+  """Return the differentiated sum, the raw term values, the coefficiented
+  total and each term's aux."""
+  components, ci = prepared
+  differentiated = jnp.zeros((), jnp.float32)
+  reported = jnp.zeros((), jnp.float32)
+  values, auxes = {}, []
+  for term, key, inputs in zip(terms, keys, term_inputs):
+    coeff = schedules.schedule_value(term.coeff, ctx.step, ctx.total_steps)
+    if term.coeff_on_model_side:
+      term_ctx = ctx._replace(
+        components=scale_cotangent(components, coeff),
+        ci=scale_cotangent(ci, coeff))
+      value, aux = term.fn(term_ctx, key, inputs)
+      differentiated = differentiated + value
+    else:
+      value, aux = term.fn(ctx._replace(components=components, ci=ci), key,
+                           inputs)
+      differentiated = differentiated + coeff * value
+    reported = reported + coeff * value
     values[term.name] = value
-  return total, (values, ci)
+    auxes.append(aux)
+  return differentiated, (values, reported, tuple(auxes))
 
 
 def make_train_step(
@@ -125,9 +196,11 @@ def make_train_step(
 ) -> TrainStep:
   """Return the initial-state builder and the ONE jitted training step.
 
-  With `sample_inputs`, the step draws its own batch from
-  `fold_in(data_key, step)` (a pure function of seed and step) and takes
-  `(state, weights, data_key)`; otherwise it takes `(state, weights, inputs)`.
+  `init(components, ci_params, run_key, lead_shape)` builds the state; term
+  states draw from `fold_in(run_key, -1 - j)`-style keys of their own. With
+  `sample_inputs`, the step draws its own batch from `fold_in(data_key,
+  step)` (a pure function of seed and step) and takes `(state, weights,
+  data_key)`; otherwise it takes `(state, weights, inputs)`.
   """
   names = [t.name for t in terms]
   if len(set(names)) != len(names):
@@ -135,12 +208,19 @@ def make_train_step(
   components_tx = optim.adamw(config.components_opt, config.total_steps)
   ci_tx = optim.adamw(config.ci_opt, config.total_steps)
 
-  def init(components, ci_params, run_key):
+  def init(components, ci_params, run_key, lead_shape=()):
+    state_key = jax.random.fold_in(run_key, 0x5EED)
+    term_states = tuple(
+      None if t.init_state is None
+      else t.init_state(jax.random.fold_in(state_key, j), tuple(lead_shape))
+      for j, t in enumerate(terms)
+    )
     return TrainState(
       components=components,
       ci_params=ci_params,
       components_opt=components_tx.init(components),
       ci_opt=ci_tx.init(ci_params),
+      term_states=term_states,
       step=jnp.zeros((), jnp.int32),
       rng=run_key,
     )
@@ -151,29 +231,51 @@ def make_train_step(
       jax.lax.stop_gradient,
       target.clean_forward(weights, inputs, ci_fn.input_taps),
     )
-    theta = (state.components, state.ci_params)
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
-    (total, (values, ci)), (g_components, g_ci) = grad_fn(
-      theta, state.step, step_key, target, ci_fn, terms, config.total_steps,
-      weights, inputs, clean_output, taps,
+
+    def prep(theta):
+      components, ci_params = theta
+      return components, squash.squash(
+        ci_fn.apply(ci_params, taps, components))
+
+    prepared, prep_vjp = jax.vjp(
+      prep, (state.components, state.ci_params))
+    frozen = jax.lax.stop_gradient(prepared)
+    ctx = StepContext(state.step, config.total_steps, target, weights, inputs,
+                      clean_output, *frozen)
+    keys = _term_keys(step_key, len(terms))
+    term_states, term_inputs = [], []
+    for term, key, term_state in zip(terms, keys, state.term_states):
+      if term.prepare is None:
+        term_states.append(term_state)
+        term_inputs.append(None)
+      else:
+        new_state, inputs_j = term.prepare(ctx, key, term_state)
+        term_states.append(new_state)
+        term_inputs.append(inputs_j)
+    grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
+    (_, (values, total, auxes)), (g_prepared, g_inputs) = grad_fn(
+      prepared, tuple(term_inputs), ctx, terms, keys)
+    ((g_components, g_ci),) = prep_vjp(g_prepared)
+    finished = tuple(
+      term_state if term.finish is None
+      else term.finish(term_state, inputs_j, g_j, aux, ctx)
+      for term, term_state, inputs_j, g_j, aux in zip(
+        terms, term_states, term_inputs, g_inputs, auxes)
     )
     updates, components_opt = components_tx.update(
-      g_components, state.components_opt, state.components
-    )
+      g_components, state.components_opt, state.components)
     components = optax.apply_updates(state.components, updates)
     ci_updates, ci_opt = ci_tx.update(g_ci, state.ci_opt, state.ci_params)
     ci_params = optax.apply_updates(state.ci_params, ci_updates)
     metrics = {"loss/total": total}
     metrics.update({f"loss/{k}": v for k, v in values.items()})
-    for site, l0 in ci_l0(ci.lower, config.ci_alive_threshold).items():
+    for site, l0 in ci_l0(prepared[1].lower, config.ci_alive_threshold).items():
       metrics[f"ci_l0/{site}"] = l0
     metrics["grad_norm/components"] = optax.tree.norm(g_components)
     metrics["lr/components"] = schedules.schedule_value(
-      config.components_opt.lr, state.step, config.total_steps
-    )
-    new_state = TrainState(
-      components, ci_params, components_opt, ci_opt, state.step + 1, state.rng
-    )
+      config.components_opt.lr, state.step, config.total_steps)
+    new_state = TrainState(components, ci_params, components_opt, ci_opt,
+                           finished, state.step + 1, state.rng)
     return new_state, metrics
 
   if sample_inputs is None:

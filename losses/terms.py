@@ -6,7 +6,7 @@ a pure function of the step context; the step multiplies by `coeff(step)`.
 
 from decompax.core import masks as masks_lib
 from decompax.core import schedules
-from decompax.core.train_step import LossTerm, StepContext
+from decompax.core.train_step import LossTerm, StepContext, simple_term
 from decompax.losses import faithfulness, minimality, recon
 
 
@@ -18,7 +18,7 @@ def faithfulness_term(coeff: schedules.Coefficient) -> LossTerm:
     w_stacks = ctx.target.frozen_stacks(ctx.weights)
     return faithfulness.faithfulness_per_kind(w_stacks, ctx.components)
 
-  return LossTerm("faithfulness", coeff, fn)
+  return simple_term("faithfulness", coeff, fn)
 
 
 def _frequencies(ctx: StepContext, p: schedules.Coefficient, eps: float):
@@ -45,7 +45,7 @@ def importance_minimality_term(
     del key
     return minimality.importance_minimality(_frequencies(ctx, p, eps))
 
-  return LossTerm("importance_minimality", coeff, fn)
+  return simple_term("importance_minimality", coeff, fn)
 
 
 def frequency_minimality_term(
@@ -63,7 +63,7 @@ def frequency_minimality_term(
       _frequencies(ctx, p, eps), reference_token_count
     )
 
-  return LossTerm("frequency_minimality", coeff, fn)
+  return simple_term("frequency_minimality", coeff, fn)
 
 
 def stochastic_recon_term(
@@ -82,4 +82,4 @@ def stochastic_recon_term(
       plan, draw_key, route_key, ctx.target.divergence, with_delta, sampling,
     )
 
-  return LossTerm(name, coeff, fn)
+  return simple_term(name, coeff, fn)

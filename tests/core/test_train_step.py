@@ -20,7 +20,7 @@ def _recon_like_term():
       {s.name: SiteMask(ctx.ci.lower[s.name]) for s in ctx.target.sites})
     return jnp.mean(jnp.square(out - ctx.clean_output))
 
-  return train_step.LossTerm("recon", 1.0, fn)
+  return train_step.simple_term("recon", 1.0, fn)
 
 
 def _build(chain, terms):
@@ -78,3 +78,51 @@ def test_ci_l0_counts_components_above_threshold():
   ci = {"a": jnp.array([[0.0, 0.5, 1.0], [0.0, 0.0, 0.2]])}
   assert float(train_step.ci_l0(ci, 0.0)["a"]) == pytest.approx(1.5)
   assert float(train_step.ci_l0(ci, 0.3)["a"]) == pytest.approx(1.0)
+
+
+def test_model_side_coefficient_scales_params_not_inputs(chain):
+  """SPEC §5.6 / I20: the inputs' gradient is unscaled, even at coeff 0."""
+  target, weights = chain
+
+  def fn(ctx, key, inputs):
+    del key
+    masks = {s.name: SiteMask(ctx.ci.lower[s.name] * inputs[s.name])
+             for s in ctx.target.sites}
+    out = ctx.masked_forward(masks)
+    return jnp.mean(jnp.square(out - ctx.clean_output)), None
+
+  def prepare(ctx, key, state):
+    del key
+    return state, {s.name: jnp.full((8, 5), 0.5) for s in ctx.target.sites}
+
+  def finish(state, inputs, grads, aux, ctx):
+    del state, inputs, aux, ctx
+    return grads  # the test reads the inputs' gradient back from the state
+
+  def init_state(key, lead_shape):
+    del key
+    return {s.name: jnp.zeros((*lead_shape, 5)) for s in target.sites}
+
+  def build(coeff):
+    term = train_step.LossTerm("adv", coeff, fn, init_state, prepare, finish,
+                               coeff_on_model_side=True)
+    ci, built = _build(chain, (term,))
+    target_, _ = chain
+    comps = sites_lib.init_components(jax.random.key(0), target_.sites)
+    state = built.init(comps, ci.init(jax.random.key(1)), jax.random.key(2),
+                       (8,))
+    before = jax.tree.map(np.asarray, state._replace(rng=None))
+    x = jax.random.normal(jax.random.key(3), (8, 4))
+    new_state, _ = built.step(state, weights, x)
+    return new_state.term_states[0], new_state, before
+
+  g0, after0, before0 = build(0.0)
+  g1, after1, _ = build(1.0)
+  for site in g0:
+    np.testing.assert_allclose(g0[site], g1[site], rtol=1e-6)
+    assert float(jnp.abs(g0[site]).sum()) > 0
+  # Coefficient 0 leaves the CI params' gradient zero: Adam moves nothing.
+  np.testing.assert_array_equal(after0.ci_params["l0"].w_in,
+                                before0.ci_params["l0"].w_in)
+  assert not np.allclose(after1.ci_params["l0"].w_in,
+                         before0.ci_params["l0"].w_in)
