@@ -1,0 +1,91 @@
+"""Median jitted time of the component-MLP CI function, reference vs fast.
+
+Run: `.venv/bin/python -P bench/ci_mlp.py` (or `./dev bench ci_mlp`).
+For each `(B, C, d_gate)` it times, in this one process, the forward alone
+and `value_and_grad` with respect to the parameters and the input `h` (the
+training step's use: `h = x @ V`), for `ci_fns._component_mlp_pre_reference`
+and `ci_fns.component_mlp_pre`, and reports `[B, C, d_gate]` elements per
+second. The loss is `Σ clip(pre, 0, 1)²`, the shape of the importance losses.
+Timings interleave the two implementations so machine load hits both alike.
+"""
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from decompax.core import ci_fns
+
+_REPEATS = flags.DEFINE_integer("repeats", 30, "Timed calls per function.")
+_SHAPES = flags.DEFINE_list(
+  "shapes", ["4096x20x16", "4096x200x16", "2048x100x16"],
+  "Shapes BxCxD_GATE to time.")
+
+
+def make_inputs(b: int, c: int, d_gate: int):
+  """Return trained-looking params (nonzero biases) and a `[b, c]` input."""
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = ci_fns.init_component_mlp(keys[0], c, d_gate)
+  params = params._replace(
+    b_in=0.3 * jax.random.normal(keys[1], (c, d_gate)),
+    b_out=0.1 * jax.random.normal(keys[2], (c,)))
+  return params, jax.random.normal(keys[3], (b, c))
+
+
+def loss_fn(pre_fn):
+  """Return `(params, h) -> Σ clip(pre, 0, 1)²` for one implementation."""
+  def loss(params, h):
+    return jnp.sum(jnp.square(jnp.clip(pre_fn(params, h), 0.0, 1.0)))
+  return loss
+
+
+def median_times(fns: dict, args: tuple, repeats: int) -> dict:
+  """Return each function's median wall time (s), calls interleaved."""
+  for f in fns.values():
+    jax.block_until_ready(f(*args))
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, f in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv):
+  del argv
+  impls = {"reference": ci_fns._component_mlp_pre_reference,
+           "fast": ci_fns.component_mlp_pre}
+  print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<9} {'fwd ms':>8} "
+        f"{'Gelem/s':>8} {'fwd+bwd ms':>11} {'Gelem/s':>8}")
+  for shape in _SHAPES.value:
+    b, c, d_gate = (int(v) for v in shape.split("x"))
+    params, h = make_inputs(b, c, d_gate)
+    fns = {}
+    for name, pre_fn in impls.items():
+      loss = loss_fn(pre_fn)
+      fns[name, "fwd"] = jax.jit(loss)
+      fns[name, "bwd"] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    ref, new = fns["reference", "bwd"](params, h), fns["fast", "bwd"](params, h)
+    err = max(float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
+              for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(ref)))
+    med = median_times(fns, (params, h), _REPEATS.value)
+    elements = b * c * d_gate
+    for name in impls:
+      fwd, bwd = med[name, "fwd"], med[name, "bwd"]
+      print(f"{b:5d} {c:4d} {d_gate:3d} {name:<9} {1e3 * fwd:8.2f} "
+            f"{elements / fwd / 1e9:8.3f} {1e3 * bwd:11.2f} "
+            f"{elements / bwd / 1e9:8.3f}")
+    fwd = med["reference", "fwd"] / med["fast", "fwd"]
+    bwd = med["reference", "bwd"] / med["fast", "bwd"]
+    print(f"{'':14}speedup fwd {fwd:.1f}x, fwd+bwd {bwd:.1f}x; "
+          f"max rel diff of value and grads {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+  sys.argv[0] = "ci_mlp"
+  app.run(main)

@@ -1,0 +1,95 @@
+"""Fast component-MLP CI function against its plain form (SPEC §4.2)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decompax.core import ci_fns, fast_gelu
+
+_erf = np.vectorize(math.erf)
+
+
+def _params(seed, c, d_gate, scale=1.0):
+  # NumPy draws: jax.random would compile a kernel per shape, the bulk of
+  # these tests' time.
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  return ci_fns.PerComponentMLP(
+    w_in=scale * 1.4 * normal(c, d_gate),
+    b_in=scale * normal(c, d_gate),
+    w_out=0.5 * normal(c, d_gate),
+    b_out=normal(c),
+  )
+
+
+def _normal(seed, shape, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+
+
+def _value_and_grads(pre_fn, params, inner, cotangent):
+  def loss(p, h):
+    return jnp.sum(pre_fn(p, h) * cotangent)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, inner)
+
+
+def _assert_close(fast, ref, rtol):
+  for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref)):
+    scale = float(np.max(np.abs(b)))
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
+
+
+def test_gelu_and_derivative_match_float64_on_a_dense_grid():
+  z = np.linspace(-12.0, 12.0, 240_001, dtype=np.float32)
+  z64 = z.astype(np.float64)
+  cdf = 0.5 * (1.0 + _erf(z64 / math.sqrt(2.0)))
+  pdf = np.exp(-0.5 * z64 * z64) / math.sqrt(2.0 * math.pi)
+  gelu, grad = jax.jit(lambda x: (fast_gelu.gelu(x), fast_gelu.gelu_grad(x)))(z)
+  assert np.max(np.abs(gelu - z64 * cdf) / np.maximum(1.0, np.abs(z64))) < 3e-7
+  assert np.max(np.abs(grad - (cdf + z64 * pdf))) < 2.5e-7
+
+
+def test_gelu_saturates_far_from_zero():
+  # gelu exactly (no z·ε leak for huge |z|); gelu' to its 6e-8 clamp error.
+  z = jnp.array([-1e4, -50.0, 50.0, 1e4], jnp.float32)
+  np.testing.assert_array_equal(fast_gelu.gelu(z), [0.0, 0.0, 50.0, 1e4])
+  np.testing.assert_allclose(
+    fast_gelu.gelu_grad(z), [0.0, 0.0, 1.0, 1.0], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("lead,c,d_gate", [
+  ((7,), 3, 4),      # ragged c: rows folded and padded
+  ((2, 5), 8, 3),    # 2-D leading shape
+  ((40,), 20, 16),   # slices of the batch padded
+])
+def test_values_and_all_grads_match_reference(lead, c, d_gate):
+  params = _params(0, c, d_gate)
+  inner, cotangent = _normal(1, (*lead, c)), _normal(2, (*lead, c))
+  fast = _value_and_grads(ci_fns.component_mlp_pre, params, inner, cotangent)
+  ref = _value_and_grads(
+    ci_fns._component_mlp_pre_reference, params, inner, cotangent)
+  _assert_close(fast, ref, rtol=2e-6)
+
+
+def test_saturated_hidden_units_match_reference():
+  # |z| up to ~15: erf is ±1 and gelu' is 0 or 1 in fp32.
+  params = _params(3, 6, 5, scale=3.0)
+  inner, cotangent = _normal(4, (9, 6), scale=3.0), _normal(5, (9, 6))
+  z = inner[..., None] * params.w_in + params.b_in
+  assert float(jnp.max(jnp.abs(z))) > 10.0
+  fast = _value_and_grads(ci_fns.component_mlp_pre, params, inner, cotangent)
+  ref = _value_and_grads(
+    ci_fns._component_mlp_pre_reference, params, inner, cotangent)
+  _assert_close(fast, ref, rtol=2e-6)
+
+
+def test_non_float32_inputs_use_the_reference():
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _params(6, 3, 2))
+  inner = jnp.ones((4, 3), jnp.bfloat16)
+  pre = ci_fns.component_mlp_pre(params, inner)
+  assert pre.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(
+    pre, ci_fns._component_mlp_pre_reference(params, inner))
