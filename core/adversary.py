@@ -76,8 +76,9 @@ def init_source(
     source = jax.random.normal(key, shape, jnp.float32)
   else:
     raise ValueError(f"unknown parametrization {parametrization!r}")
-  zeros = jnp.zeros(shape, jnp.float32)
-  return SourceState(source, zeros, zeros)
+  # Two buffers: a donated train state must not alias m and v.
+  return SourceState(source, jnp.zeros(shape, jnp.float32),
+                     jnp.zeros(shape, jnp.float32))
 
 
 def effective(source: Float[Array, "*s"], parametrization: str) -> Float[Array, "*s"]:

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Key
 
+from decompax.core import rng
+
 Sampling = Literal["continuous", "binomial"]
 
 
@@ -42,12 +44,12 @@ def stochastic_source(
   Under `binomial` the delta channel stays `U[0,1]`.
   """
   shape = (*lead_shape, c + int(with_delta))
-  uniform = jax.random.uniform(key, shape, jnp.float32)
+  uniform = rng.uniform(key, shape)
   if sampling == "continuous":
     return uniform
   if sampling != "binomial":
     raise ValueError(f"unknown sampling {sampling!r}; use continuous|binomial")
-  bits = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.5, (*lead_shape, c))
+  bits = rng.bernoulli(jax.random.fold_in(key, 1), 0.5, (*lead_shape, c))
   components = bits.astype(jnp.float32)
   if not with_delta:
     return components
@@ -63,8 +65,8 @@ def uniform_k_routes(
   `k`-subset is equally likely given `k`.
   """
   k_key, rank_key = jax.random.split(key)
-  k = jax.random.randint(k_key, (*lead_shape, 1), 1, n_sites + 1)
-  scores = jax.random.uniform(rank_key, (*lead_shape, n_sites))
+  k = rng.randint(k_key, (*lead_shape, 1), 1, n_sites + 1)
+  scores = rng.uniform(rank_key, (*lead_shape, n_sites))
   ranks = jnp.argsort(jnp.argsort(scores, axis=-1), axis=-1)
   return ranks < k
 
@@ -73,7 +75,7 @@ def static_probability_routes(
   key: Key[Array, ""], lead_shape: tuple[int, ...], n_sites: int, p: float
 ) -> Bool[Array, "*l n"]:
   """Route each (position, site) independently with probability `p`."""
-  return jax.random.bernoulli(key, p, (*lead_shape, n_sites))
+  return rng.bernoulli(key, p, (*lead_shape, n_sites))
 
 
 def split_pair(key: Key[Array, ""]) -> tuple[Key[Array, ""], Key[Array, ""]]:

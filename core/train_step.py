@@ -82,6 +82,7 @@ class LossTerm(NamedTuple):
   state` runs after it. With `coeff_on_model_side`, the coefficient scales
   only the cotangents reaching components and CI, so the inputs' gradient is
   that of the unscaled term (SPEC §5.6: valid at coefficient 0).
+  `report(aux)` adds scalars to the step's metrics under `loss/`.
   """
 
   name: str
@@ -91,6 +92,7 @@ class LossTerm(NamedTuple):
   prepare: Optional[Callable[..., tuple[Any, Any]]] = None
   finish: Optional[Callable[..., Any]] = None
   coeff_on_model_side: bool = False
+  report: Optional[Callable[[Any], dict[str, Array]]] = None
 
 
 def simple_term(
@@ -252,7 +254,8 @@ def make_train_step(
         new_state, inputs_j = term.prepare(ctx, key, term_state)
         term_states.append(new_state)
         term_inputs.append(inputs_j)
-    grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
+    grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True,
+                                 allow_int=True)
     (_, (values, total, auxes)), (g_prepared, g_inputs) = grad_fn(
       prepared, tuple(term_inputs), ctx, terms, keys)
     ((g_components, g_ci),) = prep_vjp(g_prepared)
@@ -269,6 +272,9 @@ def make_train_step(
     ci_params = optax.apply_updates(state.ci_params, ci_updates)
     metrics = {"loss/total": total}
     metrics.update({f"loss/{k}": v for k, v in values.items()})
+    for term, aux in zip(terms, auxes):
+      if term.report is not None:
+        metrics.update({f"loss/{k}": v for k, v in term.report(aux).items()})
     for site, l0 in ci_l0(prepared[1].lower, config.ci_alive_threshold).items():
       metrics[f"ci_l0/{site}"] = l0
     metrics["grad_norm/components"] = optax.tree.norm(g_components)

@@ -7,6 +7,7 @@ that sharded sums agree with one-device sums (I11).
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -46,3 +47,39 @@ def frequency_minimality(
     jnp.sum(frequency_penalty(f, reference_token_count))
     for f in frequencies.values()
   )
+
+
+def frequency_penalty_grad(
+  f: Float[Array, "*c"], reference_token_count: float
+) -> Float[Array, "*c"]:
+  """Return `Φ'(f) = log2(1 + a'f) + a'f / ((1 + a'f)·ln 2)`."""
+  af = reference_token_count * f
+  return jnp.log2(1.0 + af) + af / ((1.0 + af) * math.log(2.0))
+
+
+def ema_rates(halflife_steps: float) -> tuple[float, float]:
+  """Return `(ld, α)`: the log decay per step and `1 − decay` (SPEC §5.3)."""
+  if not 0.0 < halflife_steps <= 1e6:
+    raise ValueError(f"ema_halflife_steps must lie in (0, 1e6], got "
+                     f"{halflife_steps}")
+  ld = -math.log(2.0) / halflife_steps
+  return ld, -math.expm1(ld)
+
+
+def ema_frequency_minimality(
+  f: Float[Array, " c"], ema: Float[Array, " c"], count: Array,
+  halflife_steps: float, reference_token_count: float,
+) -> tuple[Float[Array, ""], Float[Array, " c"]]:
+  """Return the EMA frequency penalty of one site and its updated EMA.
+
+  The value is `ΣΦ(f̂)` of the bias-corrected EMA `f̂` (equal to `f` at the
+  first observation, I13); the gradient is `Σ Φ'(f̂)·∂f/∂θ`.
+  """
+  ld, alpha = ema_rates(halflife_steps)
+  f_sg = jax.lax.stop_gradient(f)
+  new_ema = ema + alpha * (f_sg - ema)
+  f_hat = new_ema / (-jnp.expm1(ld * (count.astype(jnp.float32) + 1.0)))
+  slope = jax.lax.stop_gradient(frequency_penalty_grad(f_hat, reference_token_count))
+  value = jnp.sum(frequency_penalty(f_hat, reference_token_count)
+                  + slope * (f - f_sg))
+  return value, new_ema

@@ -4,6 +4,9 @@ Each constructor fixes a term's configuration and returns its coefficient and
 a pure function of the step context; the step multiplies by `coeff(step)`.
 """
 
+import jax
+import jax.numpy as jnp
+
 from decompax.core import masks as masks_lib
 from decompax.core import schedules
 from decompax.core.train_step import LossTerm, StepContext, simple_term
@@ -83,3 +86,56 @@ def stochastic_recon_term(
     )
 
   return simple_term(name, coeff, fn)
+
+
+def ema_frequency_minimality_term(
+  coeff: schedules.Coefficient, p: schedules.Coefficient,
+  reference_token_count: float, halflife_steps: float, sites: tuple,
+  eps: float = minimality.IMPORTANCE_EPS,
+) -> LossTerm:
+  """Return frequency minimality on a running per-component firing EMA (§5.3).
+
+  The EMA (per site `[C]`) and its observation count live in the train state.
+  The term's reported value is the EMA penalty; the single-batch `ΣΦ(f)` is
+  reported beside it as `frequency_minimality_batch`.
+  """
+  _check_p(p)
+  minimality.ema_rates(halflife_steps)  # validates the half-life up front
+  if reference_token_count <= 0:
+    raise ValueError("reference_token_count must be positive")
+
+  def init_state(key, lead_shape):
+    del key, lead_shape
+    return {"ema": {s.name: jnp.zeros((s.c,), jnp.float32) for s in sites},
+            "count": jnp.zeros((), jnp.int32)}
+
+  def prepare(ctx, key, state):
+    # The objective reads the EMA through the term's inputs; its gradient
+    # with respect to them is never used.
+    del ctx, key
+    return state, jax.lax.stop_gradient(state)
+
+  def stateful_fn(ctx: StepContext, key, state):
+    del key
+    freqs = _frequencies(ctx, p, eps)
+    total = jnp.zeros((), jnp.float32)
+    new_ema = {}
+    for site, f in freqs.items():
+      value, new_ema[site] = minimality.ema_frequency_minimality(
+        f, state["ema"][site], state["count"], halflife_steps,
+        reference_token_count)
+      total = total + value
+    batch = minimality.frequency_minimality(
+      jax.lax.stop_gradient(freqs), reference_token_count)
+    aux = {"ema": new_ema, "count": state["count"] + 1, "batch": batch}
+    return total, aux
+
+  def finish(state, inputs, grads, aux, ctx):
+    del state, inputs, grads, ctx
+    return {"ema": aux["ema"], "count": aux["count"]}
+
+  def report(aux):
+    return {"frequency_minimality_batch": aux["batch"]}
+
+  return LossTerm("frequency_minimality", coeff, stateful_fn, init_state,
+                  prepare, finish, report=report)

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Key
 
+from decompax.core import rng
+
 
 def sample_sparse_features(
   key: Key[Array, ""],
@@ -21,7 +23,7 @@ def sample_sparse_features(
   """Return a batch of sparse feature vectors (`at_least_zero_active`)."""
   # One uniform draw serves both choices: given `u < ρ`, `u/ρ` is U[0, 1).
   # Halves the RNG work, which dominates toy-target training on CPU.
-  u = jax.random.uniform(key, (batch_size, n_features), jnp.float32)
+  u = rng.uniform(key, (batch_size, n_features))
   values = low + (high - low) * (u / probability)
   return jnp.where(u < probability, values, 0.0)
 
