@@ -64,3 +64,94 @@ def adamw(config: AdamWConfig, total_steps: int) -> optax.GradientTransformation
     )
   )
   return optax.chain(*parts)
+
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+  """Muon for matrix leaves (SPEC §6.5); other leaves take Adam."""
+
+  lr: Schedule
+  beta: float = 0.95
+  nesterov: bool = True
+  ns_steps: int = 5
+  adam_b1: float = 0.9
+  adam_b2: float = 0.999
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  clip_max_norm: Optional[float] = None
+
+
+def newton_schulz(g: jax.Array, steps: int = 5) -> jax.Array:
+  """Return the approximate orthogonalisation of each trailing matrix.
+
+  `X₀ = G/‖G‖_F` (transposed when rows > cols), then `X ← aX + (bA + cA²)X`
+  with `A = XXᵀ`; batched over leading axes.
+  """
+  a, b, c = NS_COEFFS
+  tall = g.shape[-2] > g.shape[-1]
+  x = jnp.swapaxes(g, -1, -2) if tall else g
+  x = x.astype(jnp.float32)
+  norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+  x = x / jnp.where(norm > 0, norm, 1.0)
+  for _ in range(steps):
+    gram = x @ jnp.swapaxes(x, -1, -2)
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return jnp.swapaxes(x, -1, -2) if tall else x
+
+
+class MuonState(NamedTuple):
+  """Momentum of every leaf (matrix leaves use it) and Adam's state."""
+
+  momentum: optax.Updates
+  adam: optax.OptState
+
+
+def scale_by_muon(config: MuonConfig) -> optax.GradientTransformation:
+  """Orthogonalised momentum for ≥2-D leaves, Adam directions for the rest."""
+  adam = optax.scale_by_adam(config.adam_b1, config.adam_b2, config.eps)
+
+  def init_fn(params):
+    return MuonState(jax.tree.map(jnp.zeros_like, params), adam.init(params))
+
+  def update_fn(updates, state, params=None):
+    adam_updates, adam_state = adam.update(updates, state.adam, params)
+    momentum = jax.tree.map(lambda m, g: config.beta * m + g,
+                            state.momentum, updates)
+
+    def direction(g, m, adam_u):
+      if g.ndim < 2:
+        return adam_u
+      blended = g + config.beta * m if config.nesterov else m
+      rows, cols = g.shape[-2], g.shape[-1]
+      scale = max(1.0, cols / rows) ** 0.5
+      return (scale * newton_schulz(blended, config.ns_steps)).astype(g.dtype)
+
+    out = jax.tree.map(direction, updates, momentum, adam_updates)
+    return out, MuonState(momentum, adam_state)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def muon(config: MuonConfig, total_steps: int) -> optax.GradientTransformation:
+  """Return clip (if configured) → Muon → decoupled decay → `−lr(s)`."""
+  parts = []
+  if config.clip_max_norm is not None:
+    parts.append(clip_by_global_norm(config.clip_max_norm))
+  parts.append(scale_by_muon(config))
+  if config.weight_decay:
+    parts.append(optax.add_decayed_weights(config.weight_decay))
+  parts.append(optax.scale_by_schedule(
+    lambda count: -schedule_value(config.lr, count, total_steps)))
+  return optax.chain(*parts)
+
+
+def make_optimizer(
+  config: "AdamWConfig | MuonConfig", total_steps: int
+) -> optax.GradientTransformation:
+  """Return the optimizer a config describes."""
+  if isinstance(config, MuonConfig):
+    return muon(config, total_steps)
+  return adamw(config, total_steps)

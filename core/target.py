@@ -6,6 +6,7 @@ of inputs. Tap keys name activations of the clean forward; the key of a site's
 name is that site's input.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -35,6 +36,17 @@ Divergence = Callable[
 ]
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitSpec:
+  """How a site's output axis splits into `n_units` contiguous nonlinear
+  units of one kind (`neuron`, `attention_head`), each counted `multiplicity`
+  times (SPEC §5.10)."""
+
+  kind: str
+  n_units: int
+  multiplicity: float = 1.0
+
+
 class TargetFns(NamedTuple):
   """Everything the engine needs to know about a target model."""
 
@@ -48,3 +60,5 @@ class TargetFns(NamedTuple):
   # Returns the CI probe batch (one input per feature, SPEC §10: `0.75·e_i`);
   # None for targets without features to probe (language models).
   feature_probe: Optional[Callable[[], Batch]] = None
+  # Sites whose outputs feed nonlinear units, for the locality loss.
+  nonlinear_units: Optional[dict[str, UnitSpec]] = None

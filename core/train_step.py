@@ -113,7 +113,7 @@ class StepConfig:
   """Static settings of the step."""
 
   total_steps: int
-  components_opt: optim.AdamWConfig
+  components_opt: optim.AdamWConfig | optim.MuonConfig
   ci_opt: optim.AdamWConfig
   ci_alive_threshold: float = 0.0
 
@@ -207,7 +207,8 @@ def make_train_step(
   names = [t.name for t in terms]
   if len(set(names)) != len(names):
     raise ValueError(f"loss term names must be unique, got {names}")
-  components_tx = optim.adamw(config.components_opt, config.total_steps)
+  components_tx = optim.make_optimizer(config.components_opt,
+                                       config.total_steps)
   ci_tx = optim.adamw(config.ci_opt, config.total_steps)
 
   def init(components, ci_params, run_key, lead_shape=()):

@@ -149,3 +149,22 @@ def stochastic_recon_loss(
       total = total + divergence(masked_forward(site_masks), clean_output)
       n_forwards += 1
   return total / n_forwards
+
+
+def custom_groups_plan(
+  sites: tuple[SiteSpec, ...], groups: tuple[tuple[str, ...], ...],
+  routing: Routing = "all", n_draws: int = 1,
+) -> Plan:
+  """Return one entry per named site group, sites in canonical order."""
+  order = {s.name: i for i, s in enumerate(sites)}
+  entries = []
+  for group in groups:
+    unknown = [name for name in group if name not in order]
+    if unknown:
+      raise ValueError(f"plan group names unknown site {unknown[0]!r}; sites "
+                       f"are {', '.join(order)}")
+    if len(set(group)) != len(group):
+      raise ValueError(f"plan group {','.join(group)} lists a site twice")
+    live = tuple(sorted(group, key=order.__getitem__))
+    entries.append(PlanEntry(live, routing, n_draws))
+  return tuple(entries)

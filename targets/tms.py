@@ -139,6 +139,9 @@ def target_fns(config: TmsConfig, c: toy_sites.CPerSite) -> target.TargetFns:
     divergence=toy_sites.mse,
     batch_lead_shape=lambda x: x.shape[:-1],
     feature_probe=lambda: sparse_data.feature_probe(config.n_features),
+    # linear2's outputs are the ReLU's inputs: one neuron per feature.
+    nonlinear_units={
+      "linear2": target.UnitSpec("neuron", config.n_features)},
   )
 
 

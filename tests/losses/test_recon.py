@@ -76,3 +76,10 @@ def test_uniform_k_routes_each_position_over_the_entry():
 
 def test_mse_is_mean_over_elements():
   assert float(recon.mse(jnp.array([1.0, 3.0]), jnp.zeros(2))) == 5.0
+
+
+def test_custom_groups_plan_orders_and_validates():
+  plan = recon.custom_groups_plan(SITES, (("c", "a"), ("b",)), "uniform_k")
+  assert [e.live_sites for e in plan] == [("a", "c"), ("b",)]
+  with pytest.raises(ValueError, match="unknown site 'z'"):
+    recon.custom_groups_plan(SITES, (("a", "z"),))
