@@ -4,9 +4,10 @@ Sites, CI function, loss terms and optimizer settings; no I/O here.
 """
 
 from decompax.bin.train_flags import TrainConfig
-from decompax.core import ci_fns, optim, sites as sites_lib, train_step
+from decompax.core import adversary, ci_fns, optim, sites as sites_lib
+from decompax.core import train_step
 from decompax.core.schedules import Schedule
-from decompax.losses import recon, terms
+from decompax.losses import adversarial, locality, recon, terms
 
 
 def select_sites(
@@ -35,9 +36,11 @@ def lr_schedule(config: TrainConfig, peak: float) -> Schedule:
 def step_config(config: TrainConfig) -> train_step.StepConfig:
   """Return the optimizers' settings and the step's static values."""
   clip = config.clip_max_norm or None
+  optimizer = (optim.MuonConfig if config.components_optimizer == "muon"
+               else optim.AdamWConfig)
   return train_step.StepConfig(
     total_steps=config.num_steps,
-    components_opt=optim.AdamWConfig(
+    components_opt=optimizer(
       lr_schedule(config, config.lr), weight_decay=config.weight_decay,
       clip_max_norm=clip),
     ci_opt=optim.AdamWConfig(
@@ -52,9 +55,92 @@ def ci_config(config: TrainConfig) -> ci_fns.CIConfig:
   return ci_fns.CIConfig(config.ci_fn, config.ci_hidden)
 
 
+def parse_groups(text: str) -> tuple[tuple[str, ...], ...]:
+  """Return site groups from `a+b;c` (sites by '+', groups by ';')."""
+  groups = tuple(tuple(n.strip() for n in g.split("+") if n.strip())
+                 for g in text.split(";") if g.strip())
+  if not groups or any(not g for g in groups):
+    raise ValueError(f"--recon_groups {text!r} is not 'a+b;c' form")
+  return groups
+
+
+def make_plan(config: TrainConfig, sites, kind: str, routing: str,
+              subset_size: int) -> recon.Plan:
+  """Return the plan of one recon term by kind."""
+  n = config.n_mask_samples
+  if kind == "all_sites":
+    return recon.all_sites_plan(sites, routing, n)
+  if kind == "per_site":
+    return recon.per_site_plan(sites, n)
+  if kind == "subset":
+    return recon.subset_chunks_plan(sites, subset_size, routing, n)
+  return recon.custom_groups_plan(
+    sites, parse_groups(config.recon_groups), routing, n)
+
+
+def _floats(name: str, values: tuple[str, ...]) -> tuple[float, ...]:
+  try:
+    return tuple(float(v) for v in values)
+  except ValueError:
+    raise ValueError(f"--{name} must be numbers, got {','.join(values)}") from None
+
+
+def persistent_term(config: TrainConfig, sites) -> train_step.LossTerm:
+  """Return the persistent PGD term the flags describe."""
+  b1, b2 = _floats("pgd_betas", config.pgd_betas)
+  # Toy activations are positionless: a scope naming positions fails here.
+  adversary.scope_shape(config.pgd_scope, (config.batch_size,), 1)
+  source = adversary.SourceConfig(
+    config.pgd_scope, config.pgd_parametrization, config.pgd_step_rule,
+    b1, b2, config.pgd_eps)
+  lr = Schedule(config.pgd_lr, "constant", 1.0, config.pgd_lr_warmup_pct)
+  pgd = adversarial.PersistentConfig(
+    source, lr, config.pgd_n_warmup, config.pgd_objective,
+    config.pgd_start_frac)
+  plan = make_plan(config, sites, config.pgd_plan, config.pgd_routing,
+                   config.subset_size)
+  return adversarial.persistent_pgd_term(
+    "persistent_pgd_recon", config.pgd_coeff, plan, pgd, sites,
+    config.use_delta_component)
+
+
+def fresh_term(config: TrainConfig, sites) -> train_step.LossTerm:
+  """Return the fresh PGD term the flags describe."""
+  fresh = adversarial.FreshConfig(
+    config.fresh_pgd_init, config.fresh_pgd_scope, config.fresh_pgd_steps,
+    config.fresh_pgd_step_size)
+  plan = recon.all_sites_plan(sites, config.fresh_pgd_routing,
+                              config.n_mask_samples)
+  return adversarial.fresh_pgd_term(
+    "fresh_pgd_recon", config.fresh_pgd_coeff, plan, fresh,
+    config.use_delta_component)
+
+
+def locality_term(config: TrainConfig, units) -> train_step.LossTerm:
+  """Return the nonlinearity locality term the flags describe."""
+  if not units:
+    raise ValueError("this target declares no nonlinear units; drop "
+                     "--nonlinearity_coeff")
+  weights: dict[str, float | None] = {u.kind: 1.0 for u in units.values()}
+  if config.nonlinearity_weights:
+    weights = {}
+    for item in config.nonlinearity_weights:
+      kind, _, value = item.partition(":")
+      if not value:
+        raise ValueError(f"--nonlinearity_weights entry {item!r} is not "
+                         "kind:weight")
+      weights[kind] = None if value == "none" else _floats(
+        "nonlinearity_weights", (value,))[0]
+  final = config.nonlinearity_threshold_final_frac
+  threshold = (config.nonlinearity_threshold if final == 1.0 else Schedule(
+    config.nonlinearity_threshold, "linear", final))
+  return locality.nonlinearity_locality_term(
+    config.nonlinearity_coeff, threshold, units, weights)
+
+
 def loss_terms(
   config: TrainConfig, sites: tuple[sites_lib.SiteSpec, ...],
-  tokens_per_batch: int,
+  tokens_per_batch: int, units=None,
 ) -> tuple[train_step.LossTerm, ...]:
   """Return the configured loss terms, zero-coefficient terms left out."""
   p = Schedule(config.p_start, config.p_schedule, config.p_final_frac)
@@ -64,12 +150,16 @@ def loss_terms(
   if config.importance_coeff:
     out.append(terms.importance_minimality_term(
       config.importance_coeff, p, config.importance_eps))
-  if config.frequency_coeff:
+  a_prime = float(config.reference_token_count or tokens_per_batch)
+  if config.frequency_coeff and config.ema_halflife_steps:
+    out.append(terms.ema_frequency_minimality_term(
+      config.frequency_coeff, p, a_prime, config.ema_halflife_steps, sites,
+      config.importance_eps))
+  elif config.frequency_coeff:
     out.append(terms.frequency_minimality_term(
-      config.frequency_coeff, p,
-      config.reference_token_count or tokens_per_batch, config.importance_eps))
+      config.frequency_coeff, p, a_prime, config.importance_eps))
   n = config.n_mask_samples
-  plans = (
+  plans: tuple = (
     ("stochastic_recon", config.stochastic_coeff,
      recon.all_sites_plan(sites, config.stochastic_routing, n)),
     ("stochastic_recon_per_site", config.per_site_coeff,
@@ -78,8 +168,17 @@ def loss_terms(
      recon.subset_chunks_plan(sites, config.subset_size,
                               config.subset_routing, n)),
   )
+  if config.groups_coeff:
+    plans += (("stochastic_recon_groups", config.groups_coeff,
+               make_plan(config, sites, "groups", config.groups_routing, 1)),)
   for name, coeff, plan in plans:
     if coeff:
       out.append(terms.stochastic_recon_term(
         name, coeff, plan, config.use_delta_component, config.sampling))
+  if config.pgd_coeff:
+    out.append(persistent_term(config, sites))
+  if config.fresh_pgd_coeff:
+    out.append(fresh_term(config, sites))
+  if config.nonlinearity_coeff:
+    out.append(locality_term(config, units))
   return tuple(out)

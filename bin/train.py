@@ -28,6 +28,10 @@ SHORT_NAMES = {
   "stochastic_recon": "recon",
   "stochastic_recon_per_site": "recon_site",
   "stochastic_recon_subset": "recon_subset",
+  "stochastic_recon_groups": "recon_groups",
+  "persistent_pgd_recon": "pgd",
+  "fresh_pgd_recon": "fresh_pgd",
+  "nonlinearity_locality": "nl",
 }
 
 
@@ -146,6 +150,10 @@ def setup(config: train_flags.TrainConfig):
   """
   toy = registry.get(config.target)
   sites = recipe.select_sites(toy.sites(config.c), config.sites, toy.name)
+  # Builds every loss term once so that term-level refusals (unknown group
+  # sites, missing unit layouts) happen before anything is written.
+  recipe.loss_terms(config, sites, config.batch_size,
+                    toy.fns(config.c).nonlinear_units)
   output_dir = config.output_dir or os.path.join("runs", config.target)
   flags_text = resolved_flags_text()
   run_dir.check_run_dir(output_dir, flags_text, config.overwrite)
@@ -184,7 +192,8 @@ def build_run(config, toy, target, weights) -> Run:
     lambda comps, ws: faithfulness.faithfulness_per_kind(ws, comps),
     components, w_stacks, config.faithfulness_warmup_steps,
     config.faithfulness_warmup_lr, config.faithfulness_warmup_weight_decay)
-  terms = recipe.loss_terms(config, target.sites, config.batch_size)
+  terms = recipe.loss_terms(config, target.sites, config.batch_size,
+                            target.nonlinear_units)
   built = train_step.make_train_step(
     target, ci_fn, terms, recipe.step_config(config),
     sample_inputs=lambda key: toy.sample_inputs(key, config.batch_size))

@@ -104,6 +104,77 @@ _CI_ALIVE_THRESHOLD = flags.DEFINE_float(
   "ci_alive_threshold", 0.0, "CI above which a component counts in CI-L0.")
 
 
+_P_WARMUP_PCT = flags.DEFINE_float(
+  "p_warmup_pct", 0.0, "Warmup of the p-anneal: refused, p takes none.")
+_GROUPS_COEFF = flags.DEFINE_float(
+  "groups_coeff", 0.0, "Stochastic recon over --recon_groups (0: off).")
+_RECON_GROUPS = flags.DEFINE_string(
+  "recon_groups", "", "Site groups for plans of kind `groups`: sites joined "
+  "by '+', groups by ';' (e.g. 'linear1+linear2;linear2').")
+_GROUPS_ROUTING = flags.DEFINE_enum(
+  "groups_routing", "uniform_k", ["all", "uniform_k"],
+  "Routing within each group of the groups term.")
+_EMA_HALFLIFE = flags.DEFINE_float(
+  "ema_halflife_steps", 0.0, "Half-life (steps) of the running firing "
+  "estimate of frequency minimality (0: per-batch estimate).")
+_PGD_COEFF = flags.DEFINE_float(
+  "pgd_coeff", 0.0, "Persistent PGD recon term (0: off).")
+_PGD_PLAN = flags.DEFINE_enum(
+  "pgd_plan", "all_sites", ["all_sites", "per_site", "subset", "groups"],
+  "Plan of the persistent PGD term.")
+_PGD_ROUTING = flags.DEFINE_enum(
+  "pgd_routing", "all", ["all", "uniform_k"], "Routing of the PGD plan.")
+_PGD_SCOPE = flags.DEFINE_enum(
+  "pgd_scope", "c", ["c", "bc", "sc", "bsc"], "Axes a persistent source "
+  "keeps: c (shared over batch), bc (per example); sc/bsc need positions.")
+_PGD_PARAMETRIZATION = flags.DEFINE_enum(
+  "pgd_parametrization", "clamp", ["clamp", "sigmoid"],
+  "Persistent source storage: clamped to [0,1] or raw through a sigmoid.")
+_PGD_STEP_RULE = flags.DEFINE_enum(
+  "pgd_step_rule", "adam", ["adam", "sign"], "Persistent source ascent rule.")
+_PGD_LR = flags.DEFINE_float("pgd_lr", 0.01, "Persistent source step size.")
+_PGD_LR_SCHEDULE = flags.DEFINE_enum(
+  "pgd_lr_schedule", "constant", ["constant", "linear", "cosine"],
+  "Source LR schedule: constant after warmup (decays are refused).")
+_PGD_LR_WARMUP_PCT = flags.DEFINE_float(
+  "pgd_lr_warmup_pct", 0.0, "Fraction of steps of source LR warmup.")
+_PGD_BETAS = flags.DEFINE_list(
+  "pgd_betas", ["0.5", "0.99"], "Source Adam betas b1,b2.")
+_PGD_EPS = flags.DEFINE_float("pgd_eps", 1e-8, "Source Adam eps (after the root).")
+_PGD_N_WARMUP = flags.DEFINE_integer(
+  "pgd_n_warmup", 0, "Supplemental all-site ascents per step.")
+_PGD_OBJECTIVE = flags.DEFINE_enum(
+  "pgd_objective", "e2e", ["e2e", "term"], "What the adversary ascends.")
+_PGD_START_FRAC = flags.DEFINE_float(
+  "pgd_start_frac", 0.0, "Fraction of steps before the PGD term starts.")
+_FRESH_COEFF = flags.DEFINE_float(
+  "fresh_pgd_coeff", 0.0, "Fresh (per-step) PGD recon term (0: off).")
+_FRESH_INIT = flags.DEFINE_enum(
+  "fresh_pgd_init", "random", ["random", "ones", "zeroes"],
+  "Initial fresh PGD sources.")
+_FRESH_SCOPE = flags.DEFINE_enum(
+  "fresh_pgd_scope", "c", ["c", "bc", "bsc"], "Fresh PGD source scope.")
+_FRESH_STEPS = flags.DEFINE_integer(
+  "fresh_pgd_steps", 1, "Sign ascents of fresh PGD per step.")
+_FRESH_STEP_SIZE = flags.DEFINE_float(
+  "fresh_pgd_step_size", 0.1, "Fresh PGD ascent step size.")
+_FRESH_ROUTING = flags.DEFINE_enum(
+  "fresh_pgd_routing", "all", ["all", "uniform_k"], "Fresh PGD routing.")
+_NL_COEFF = flags.DEFINE_float(
+  "nonlinearity_coeff", 0.0, "Nonlinearity locality loss (0: off).")
+_NL_THRESHOLD = flags.DEFINE_float(
+  "nonlinearity_threshold", 1.0, "Soft-count threshold t at step 0.")
+_NL_THRESHOLD_FINAL = flags.DEFINE_float(
+  "nonlinearity_threshold_final_frac", 1.0,
+  "Final threshold as a fraction of the first (linear anneal when ≠ 1).")
+_NL_WEIGHTS = flags.DEFINE_list(
+  "nonlinearity_weights", [], "Per unit kind weight, kind:weight or "
+  "kind:none (default: weight 1 for every kind the target has).")
+_COMPONENTS_OPTIMIZER = flags.DEFINE_enum(
+  "components_optimizer", "adamw", ["adamw", "muon"],
+  "Optimizer of the components (the CI function always uses AdamW).")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Every setting of one decomposition run, validated."""
@@ -150,6 +221,36 @@ class TrainConfig:
   log_every: int
   figures_every: int
   ci_alive_threshold: float
+  p_warmup_pct: float
+  groups_coeff: float
+  recon_groups: str
+  groups_routing: str
+  ema_halflife_steps: float
+  pgd_coeff: float
+  pgd_plan: str
+  pgd_routing: str
+  pgd_scope: str
+  pgd_parametrization: str
+  pgd_step_rule: str
+  pgd_lr: float
+  pgd_lr_schedule: str
+  pgd_lr_warmup_pct: float
+  pgd_betas: tuple[str, ...]
+  pgd_eps: float
+  pgd_n_warmup: int
+  pgd_objective: str
+  pgd_start_frac: float
+  fresh_pgd_coeff: float
+  fresh_pgd_init: str
+  fresh_pgd_scope: str
+  fresh_pgd_steps: int
+  fresh_pgd_step_size: float
+  fresh_pgd_routing: str
+  nonlinearity_coeff: float
+  nonlinearity_threshold: float
+  nonlinearity_threshold_final_frac: float
+  nonlinearity_weights: tuple[str, ...]
+  components_optimizer: str
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -173,50 +274,12 @@ def _parse_widths(values: list[str]) -> tuple[int, ...]:
 
 def config_from_flags() -> TrainConfig:
   """Return the validated config of the parsed flags."""
-  config = TrainConfig(
-    target=_TARGET.value,
-    target_seed=_TARGET_SEED.value,
-    target_path=_TARGET_PATH.value,
-    sites=tuple(_SITES.value),
-    c=_C.value,
-    ci_fn=_CI_FN.value,
-    ci_hidden=_parse_widths(_CI_HIDDEN.value),
-    faithfulness_coeff=_FAITHFULNESS_COEFF.value,
-    importance_coeff=_IMPORTANCE_COEFF.value,
-    p_start=_P_START.value,
-    p_schedule=_P_SCHEDULE.value,
-    p_final_frac=_P_FINAL_FRAC.value,
-    importance_eps=_IMPORTANCE_EPS.value,
-    frequency_coeff=_FREQUENCY_COEFF.value,
-    reference_token_count=_REFERENCE_TOKEN_COUNT.value,
-    stochastic_coeff=_STOCHASTIC_COEFF.value,
-    stochastic_routing=_STOCHASTIC_ROUTING.value,
-    per_site_coeff=_PER_SITE_COEFF.value,
-    subset_coeff=_SUBSET_COEFF.value,
-    subset_size=_SUBSET_SIZE.value,
-    subset_routing=_SUBSET_ROUTING.value,
-    n_mask_samples=_N_MASK_SAMPLES.value,
-    sampling=_SAMPLING.value,
-    use_delta_component=_USE_DELTA.value,
-    lr=_LR.value,
-    lr_schedule=_LR_SCHEDULE.value,
-    lr_final_frac=_LR_FINAL_FRAC.value,
-    lr_warmup_pct=_LR_WARMUP_PCT.value,
-    weight_decay=_WEIGHT_DECAY.value,
-    clip_max_norm=_CLIP_MAX_NORM.value,
-    ci_lr=_CI_LR.value,
-    num_steps=_NUM_STEPS.value,
-    batch_size=_BATCH_SIZE.value,
-    seed=_SEED.value,
-    faithfulness_warmup_steps=_WARMUP_STEPS.value,
-    faithfulness_warmup_lr=_WARMUP_LR.value,
-    faithfulness_warmup_weight_decay=_WARMUP_WD.value,
-    output_dir=_OUTPUT_DIR.value,
-    overwrite=_OVERWRITE.value,
-    log_every=_LOG_EVERY.value,
-    figures_every=_FIGURES_EVERY.value,
-    ci_alive_threshold=_CI_ALIVE_THRESHOLD.value,
-  )
+  values = {}
+  for field in dataclasses.fields(TrainConfig):
+    value = flags.FLAGS[field.name].value
+    values[field.name] = tuple(value) if isinstance(value, list) else value
+  values["ci_hidden"] = _parse_widths(list(values["ci_hidden"]))
+  config = TrainConfig(**values)
   validate(config)
   return config
 
@@ -244,8 +307,30 @@ def validate(config: TrainConfig) -> None:
                      " drop it or choose linear|cosine")
   if config.p_schedule == "constant" and config.p_final_frac != 1.0:
     raise ValueError("--p_final_frac needs --p_schedule=linear|cosine")
-  if not (config.stochastic_coeff or config.per_site_coeff or config.subset_coeff):
+  if not (config.stochastic_coeff or config.per_site_coeff
+          or config.subset_coeff or config.groups_coeff or config.pgd_coeff
+          or config.fresh_pgd_coeff):
     raise ValueError("no reconstruction term: set --stochastic_coeff, "
-                     "--per_site_coeff or --subset_coeff above 0")
+                     "--per_site_coeff, --subset_coeff, --groups_coeff, "
+                     "--pgd_coeff or --fresh_pgd_coeff above 0")
+  if config.p_warmup_pct:
+    raise ValueError("the p-anneal takes no warmup; drop --p_warmup_pct")
+  if config.pgd_lr_schedule != "constant":
+    raise ValueError("a persistent source LR may warm up but not decay; use "
+                     "--pgd_lr_schedule=constant")
+  for name in ("groups_coeff", "pgd_coeff", "fresh_pgd_coeff",
+               "nonlinearity_coeff", "pgd_n_warmup", "fresh_pgd_steps",
+               "ema_halflife_steps"):
+    _non_negative(name, getattr(config, name))
+  if config.ema_halflife_steps > 1e6:
+    raise ValueError("--ema_halflife_steps must be at most 1e6")
+  if config.ema_halflife_steps and not config.frequency_coeff:
+    raise ValueError("--ema_halflife_steps needs --frequency_coeff above 0")
+  if len(config.pgd_betas) != 2:
+    raise ValueError("--pgd_betas takes two values, b1,b2")
+  uses_groups = config.groups_coeff or (
+    config.pgd_coeff and config.pgd_plan == "groups")
+  if uses_groups and not config.recon_groups:
+    raise ValueError("a groups plan needs --recon_groups, e.g. 'a+b;c'")
   if len(set(config.sites)) != len(config.sites):
     raise ValueError(f"--sites lists a site twice: {','.join(config.sites)}")

@@ -51,7 +51,8 @@ def test_every_flagfile_parses_and_builds_its_terms(parse, path):
   config = parse(f"--flagfile={path}")
   toy = registry.get(config.target)
   sites = recipe.select_sites(toy.sites(config.c), config.sites, toy.name)
-  terms = recipe.loss_terms(config, sites, config.batch_size)
+  terms = recipe.loss_terms(config, sites, config.batch_size,
+                            toy.fns(config.c).nonlinear_units)
   assert {t.name for t in terms} >= {"faithfulness", "importance_minimality"}
   recipe.step_config(config)
   recipe.ci_config(config)
@@ -69,6 +70,13 @@ def test_defaults_are_the_tms_5_2_flagfile(parse):
   (("--lr_schedule=constant", "--lr_final_frac=0.5"), "lr_final_frac"),
   (("--stochastic_coeff=0", "--per_site_coeff=0"), "no reconstruction term"),
   (("--ci_hidden=8,x",), "comma-separated integers"),
+  (("--p_warmup_pct=0.1",), "p-anneal takes no warmup"),
+  (("--pgd_coeff=1", "--pgd_lr_schedule=cosine"), "not decay"),
+  (("--groups_coeff=1", "--recon_groups=linear1+nope"), "unknown site 'nope'"),
+  (("--groups_coeff=1",), "needs --recon_groups"),
+  (("--pgd_coeff=1", "--pgd_scope=sc"), "needs positions"),
+  (("--nonlinearity_coeff=1", "--nonlinearity_weights=attention_head:1"),
+   "exactly neuron"),
 ])
 def test_bad_settings_fail_before_writing(parse, tmp_path, args, message):
   out = tmp_path / "run"
