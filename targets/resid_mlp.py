@@ -8,9 +8,17 @@ site in its kind's stack. Sites, canonical order: `layers.{i}.mlp_in` (kind
 `mlp_in`), `layers.{i}.mlp_out` (kind `mlp_out`), layer-ascending.
 Labels are `x + relu(κ ⊙ x)` with `κ ~ U[1, 2]` drawn once per model and
 stored with the weights.
+
+The clean and masked forwards never form `r` ([*b, d_embed], d_embed = 1000
+against n_features, d_mlp, C ≤ 100): `r` is kept as a `Residual`, a sum of
+`coef @ basis` terms, and every `r @ M` is `Σ coef @ (basis @ M)` with the
+`d_embed` contraction between weights. Equal to the dense definition
+(`forward`) up to float reassociation; only requested `mlp_in` taps are
+materialised.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 import jax
@@ -114,32 +122,178 @@ def init(key: Key[Array, ""], config: ResidMlpConfig) -> ResidMlpWeights:
   )
 
 
-def _forward(
+class Residual(NamedTuple):
+  """The residual stream `Σ_k coefs[k] @ bases[k] + const`, never formed.
+
+  Terms are the activations written into the stream (`x` through `w_e`, a
+  layer's `h` through `w_out`, a live `mlp_out`'s masked `a` through `U`)
+  with the matrices that write them; `const` sums the `b_out` biases.
+  """
+
+  coefs: tuple[Float[Array, "..."], ...]
+  bases: tuple[Float[Array, "_n d_embed"], ...]
+  const: Optional[Float[Array, " d_embed"]] = None
+
+
+def _project(
+  resid: Residual, m: Float[Array, "d_embed d_out"]
+) -> Float[Array, "*b d_out"]:
+  # `coef @ (basis @ m)`: the d_embed contraction is between weights, once per
+  # forward, not between batch rows. The fixed term order (a zero coefficient
+  # adds an exact ±0) keeps unrouted live sites bit-identical to clean ones.
+  out = None
+  for coef, basis in zip(resid.coefs, resid.bases):
+    term = coef @ (basis @ m)
+    out = term if out is None else out + term
+  if resid.const is not None:
+    out = out + resid.const @ m
+  return out
+
+
+def _materialise(resid: Residual) -> Float[Array, "*b d_embed"]:
+  out = None
+  for coef, basis in zip(resid.coefs, resid.bases):
+    term = coef @ basis
+    out = term if out is None else out + term
+  if resid.const is not None:
+    out = out + resid.const
+  return out
+
+
+# (site name, residual, W) -> residual @ W, or the live site's output.
+ReadSite = Callable[[str, Residual, Array], Array]
+# (site name, h, W) -> the (coef, basis) terms the site adds to the residual.
+WriteSite = Callable[[str, Array, Array], tuple[tuple[Array, Array], ...]]
+
+
+def _frozen_read(
+  name: str, resid: Residual, w: Float[Array, "d_embed d_mlp"]
+) -> Float[Array, "*b d_mlp"]:
+  del name
+  return _project(resid, w)
+
+
+def _frozen_write(
+  name: str, h: Float[Array, "*b d_mlp"], w: Float[Array, "d_mlp d_embed"]
+) -> tuple[tuple[Array, Array], ...]:
+  del name
+  return ((h, w),)
+
+
+def _decomposed_read(
+  resid: Residual,
+  w: Float[Array, "d_embed d_mlp"],
+  v: Float[Array, "d_embed c"],
+  u: Float[Array, "c d_mlp"],
+  site_mask: SiteMask,
+) -> Float[Array, "*b d_mlp"]:
+  # `site_forward.decomposed_matmul` with every `r @ M` taken by `_project`.
+  a = _project(resid, v)
+  y = (a * site_mask.mask) @ u
+  rw = None
+  if site_mask.delta is not None:
+    rw = _project(resid, w)
+    y = y + site_mask.delta[..., None] * (rw - a @ u)
+  if site_mask.route is not None:
+    rw = _project(resid, w) if rw is None else rw
+    y = jnp.where(site_mask.route[..., None], y, rw)
+  return y
+
+
+def _decomposed_write(
+  h: Float[Array, "*b d_mlp"],
+  w: Float[Array, "d_mlp d_embed"],
+  v: Float[Array, "d_mlp c"],
+  u: Float[Array, "c d_embed"],
+  site_mask: SiteMask,
+) -> tuple[tuple[Array, Array], ...]:
+  # `decomposed_matmul` regrouped by basis: `(a⊙m)·U + δ(h·W − a·U)` is
+  # `(δh)·W + (a⊙m − δa)·U`; unrouted positions write `h·W` and nothing on U.
+  a = h @ v
+  coef_u = a * site_mask.mask
+  coef_w = None
+  if site_mask.delta is not None:
+    delta = site_mask.delta[..., None]
+    coef_u = coef_u - delta * a
+    coef_w = delta * h
+  if site_mask.route is not None:
+    route = site_mask.route[..., None]
+    coef_u = jnp.where(route, coef_u, 0.0)
+    coef_w = jnp.where(route, 0.0 if coef_w is None else coef_w, h)
+  if coef_w is None:
+    return ((coef_u, u),)
+  return ((coef_w, w), (coef_u, u))
+
+
+def _masked_sites(
+  specs: tuple[sites.SiteSpec, ...],
+  components: sites.Components,
+  site_masks: dict[str, SiteMask],
+) -> tuple[ReadSite, WriteSite]:
+  """Return site ops running the sites in `site_masks` decomposed (§3.2)."""
+  by_name = toy_sites.site_specs_by_name(specs, site_masks)
+
+  def read(name, resid, w):
+    if name not in site_masks:
+      return _frozen_read(name, resid, w)
+    v, u = sites.site_factors(components, by_name[name])
+    return _decomposed_read(resid, w, v, u, site_masks[name])
+
+  def write(name, h, w):
+    if name not in site_masks:
+      return _frozen_write(name, h, w)
+    v, u = sites.site_factors(components, by_name[name])
+    return _decomposed_write(h, w, v, u, site_masks[name])
+
+  return read, write
+
+
+def _factored_forward(
   weights: ResidMlpWeights,
   x: Float[Array, "*b n_features"],
-  matmul: toy_sites.SiteMatmul,
+  read: ReadSite,
+  write: WriteSite,
+  wanted: tuple[str, ...] = (),
 ) -> tuple[Float[Array, "*b n_features"], dict[str, Float[Array, "..."]]]:
+  # Clean and masked forwards share this op sequence (SPEC I2); `mlp_in` taps
+  # are the only [*b, d_embed] arrays formed, and only the `wanted` ones.
   taps = {}
-  r = x @ weights.w_e
+  resid = Residual((x,), (weights.w_e,))
   for i in range(weights.w_in.shape[0]):
-    taps[f"layers.{i}.mlp_in"] = r
-    pre = matmul(f"layers.{i}.mlp_in", r, weights.w_in[i])
+    name_in, name_out = f"layers.{i}.mlp_in", f"layers.{i}.mlp_out"
+    if name_in in wanted:
+      taps[name_in] = _materialise(resid)
+    pre = read(name_in, resid, weights.w_in[i])
     if weights.b_in is not None:
       pre = pre + weights.b_in[i]
     h = jax.nn.relu(pre)
-    taps[f"layers.{i}.mlp_out"] = h
-    out = matmul(f"layers.{i}.mlp_out", h, weights.w_out[i])
+    taps[name_out] = h
+    terms = write(name_out, h, weights.w_out[i])
+    const = resid.const
     if weights.b_out is not None:
-      out = out + weights.b_out[i]
-    r = r + out
-  return r @ weights.w_e.T, taps
+      const = weights.b_out[i] if const is None else const + weights.b_out[i]
+    resid = Residual(
+      resid.coefs + tuple(t[0] for t in terms),
+      resid.bases + tuple(t[1] for t in terms),
+      const,
+    )
+  return _project(resid, weights.w_e.T), taps
 
 
 def forward(
   weights: ResidMlpWeights, x: Float[Array, "*b n_features"]
 ) -> Float[Array, "*b n_features"]:
-  """Return the frozen model's output."""
-  return _forward(weights, x, toy_sites.frozen_matmul)[0]
+  """Return the frozen model's output, by its definition (dense residual)."""
+  r = x @ weights.w_e
+  for i in range(weights.w_in.shape[0]):
+    pre = r @ weights.w_in[i]
+    if weights.b_in is not None:
+      pre = pre + weights.b_in[i]
+    out = jax.nn.relu(pre) @ weights.w_out[i]
+    if weights.b_out is not None:
+      out = out + weights.b_out[i]
+    r = r + out
+  return r @ weights.w_e.T
 
 
 def feature_space_forward(
@@ -147,28 +301,12 @@ def feature_space_forward(
 ) -> Float[Array, "*b n_features"]:
   """Return `forward(weights, x)` up to float reassociation, computed cheaply.
 
-  The residual is `Σ_k a_k @ M_k` over the activations `a_k` written into it
-  (`x` through `w_e`, each layer's `h` through `w_out`); every contraction
-  with `d_embed` is taken between weights instead of batch rows. Used for
-  target training, where `d_embed ≫ n_features, d_mlp` makes this ~30× less
-  work per step.
+  The residual is kept as `Σ_k a_k @ M_k` over the activations `a_k` written
+  into it (`x` through `w_e`, each layer's `h` through `w_out`); every
+  contraction with `d_embed` is taken between weights instead of batch rows
+  (`d_embed ≫ n_features, d_mlp`). The clean forward of `target_fns`.
   """
-  acts, writes = [x], [weights.w_e]
-  const = None if weights.b_out is None else jnp.zeros_like(weights.b_out[0])
-  for i in range(weights.w_in.shape[0]):
-    pre = sum(a @ (m @ weights.w_in[i]) for a, m in zip(acts, writes))
-    if const is not None:
-      pre = pre + const @ weights.w_in[i]
-    if weights.b_in is not None:
-      pre = pre + weights.b_in[i]
-    acts.append(jax.nn.relu(pre))
-    writes.append(weights.w_out[i])
-    if const is not None:
-      const = const + weights.b_out[i]
-  y = sum(a @ (m @ weights.w_e.T) for a, m in zip(acts, writes))
-  if const is not None:
-    y = y + const @ weights.w_e.T
-  return y
+  return _factored_forward(weights, x, _frozen_read, _frozen_write)[0]
 
 
 def frozen_stacks(
@@ -187,8 +325,11 @@ def target_fns(
   def clean_forward(
     weights: ResidMlpWeights, x: Float[Array, "*b n"], wanted: tuple[str, ...]
   ) -> tuple[Float[Array, "*b n"], dict[str, Float[Array, "..."]]]:
+    toy_sites.check_tap_keys(wanted, tuple(s.name for s in specs))
     weights = jax.lax.stop_gradient(weights)
-    y, taps = _forward(weights, x, toy_sites.frozen_matmul)
+    y, taps = _factored_forward(
+      weights, x, _frozen_read, _frozen_write, wanted
+    )
     return y, toy_sites.select_taps(taps, wanted)
 
   def masked_forward(
@@ -197,8 +338,8 @@ def target_fns(
     x: Float[Array, "*b n"],
     site_masks: dict[str, SiteMask],
   ) -> Float[Array, "*b n"]:
-    matmul = toy_sites.masked_matmul(specs, components, site_masks)
-    return _forward(weights, x, matmul)[0]
+    read, write = _masked_sites(specs, components, site_masks)
+    return _factored_forward(weights, x, read, write)[0]
 
   return target.TargetFns(
     sites=specs,

@@ -27,6 +27,18 @@ def frozen_matmul(
   return x @ w
 
 
+def site_specs_by_name(
+  site_specs: tuple[sites.SiteSpec, ...],
+  site_masks: dict[str, site_forward.SiteMask],
+) -> dict[str, sites.SiteSpec]:
+  """Return the specs by name; raise ValueError if a live site is unknown."""
+  by_name = sites.site_by_name(site_specs)
+  unknown = sorted(set(site_masks) - set(by_name))
+  if unknown:
+    raise ValueError(f"unknown live sites {unknown}; sites are {list(by_name)}")
+  return by_name
+
+
 def masked_matmul(
   site_specs: tuple[sites.SiteSpec, ...],
   components: sites.Components,
@@ -37,10 +49,7 @@ def masked_matmul(
   Raises:
     ValueError: a key of `site_masks` names no site.
   """
-  by_name = sites.site_by_name(site_specs)
-  unknown = sorted(set(site_masks) - set(by_name))
-  if unknown:
-    raise ValueError(f"unknown live sites {unknown}; sites are {list(by_name)}")
+  by_name = site_specs_by_name(site_specs, site_masks)
 
   def matmul(
     name: str, x: Float[Array, "*l d_in"], w: Float[Array, "d_in d_out"]
@@ -58,10 +67,17 @@ def select_taps(
   taps: dict[str, Float[Array, "..."]], wanted: tuple[str, ...]
 ) -> dict[str, Float[Array, "..."]]:
   """Return the requested taps; raise ValueError naming any unknown key."""
-  unknown = [k for k in wanted if k not in taps]
-  if unknown:
-    raise ValueError(f"unknown tap keys {unknown}; known keys are {list(taps)}")
+  check_tap_keys(wanted, tuple(taps))
   return {k: taps[k] for k in wanted}
+
+
+def check_tap_keys(wanted: tuple[str, ...], known: tuple[str, ...]) -> None:
+  """Raise ValueError naming every key of `wanted` not in `known`."""
+  unknown = [k for k in wanted if k not in known]
+  if unknown:
+    raise ValueError(
+      f"unknown tap keys {unknown}; known keys are {list(known)}"
+    )
 
 
 def c_per_site(c: CPerSite, names: tuple[str, ...]) -> dict[str, int]:
