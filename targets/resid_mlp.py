@@ -349,6 +349,10 @@ def target_fns(
     divergence=toy_sites.mse,
     batch_lead_shape=lambda x: x.shape[:-1],
     feature_probe=lambda: sparse_data.feature_probe(config.n_features),
+    # mlp_in writes the ReLU's inputs: one neuron per output column.
+    nonlinear_units={
+      s.name: target.UnitSpec("neuron", s.d_out)
+      for s in specs if s.kind == "mlp_in"},
   )
 
 
