@@ -185,9 +185,13 @@ def build_run(config, toy, target, weights) -> Run:
   init_key, _, run_key, data_key = jax.random.split(root, 4)
   vu_key, ci_key = jax.random.split(init_key)
   ci_fn = ci_fns.make_ci_fn(recipe.ci_config(config), target.sites)
-  components = sites_lib.init_components(vu_key, target.sites)
   all_stacks = target.frozen_stacks(weights)
   w_stacks = {s.kind: all_stacks[s.kind] for s in target.sites}
+  if config.components_init == "projected":
+    components = sites_lib.init_components_projected(
+      vu_key, target.sites, w_stacks)
+  else:
+    components = sites_lib.init_components(vu_key, target.sites)
   components, warmup_losses = warmup_lib.faithfulness_warmup(
     lambda comps, ws: faithfulness.faithfulness_per_kind(ws, comps),
     components, w_stacks, config.faithfulness_warmup_steps,

@@ -170,6 +170,10 @@ _NL_THRESHOLD_FINAL = flags.DEFINE_float(
 _NL_WEIGHTS = flags.DEFINE_list(
   "nonlinearity_weights", [], "Per unit kind weight, kind:weight or "
   "kind:none (default: weight 1 for every kind the target has).")
+_COMPONENTS_INIT = flags.DEFINE_enum(
+  "components_init", "normal", ["normal", "projected"],
+  "V/U init: normal (V ~ N/√d_in, U ~ N/√C; SPEC §6.1) or projected (unit "
+  "vectors scaled by their overlap with W; the SPD paper's).")
 _COMPONENTS_OPTIMIZER = flags.DEFINE_enum(
   "components_optimizer", "adamw", ["adamw", "muon"],
   "Optimizer of the components (the CI function always uses AdamW).")
@@ -251,6 +255,7 @@ class TrainConfig:
   nonlinearity_threshold_final_frac: float
   nonlinearity_weights: tuple[str, ...]
   components_optimizer: str
+  components_init: str
 
 
 def _positive(name: str, value: int | float) -> None:

@@ -114,3 +114,25 @@ def site_factors(
   """Return one site's `(V, U)` from its kind's stack."""
   factors = components[site.kind]
   return factors.v[site.row], factors.u[site.row]
+
+
+def init_components_projected(
+  key: Key[Array, ""], sites: tuple[SiteSpec, ...],
+  w_stacks: dict[str, Float[Array, "layer d_in d_out"]],
+) -> Components:
+  """Draw unit-norm factors, each component scaled to its overlap with `W`.
+
+  The SPD paper's init: `V[:, c]` and `U[c, :]` are random unit vectors and
+  `U[c, :]` is multiplied by `V[:, c]ᵀ·W·U[c, :]`, so each component starts
+  as the target's restriction to a random rank-1 direction pair. Keys as in
+  `init_components`.
+  """
+  drawn = init_components(key, sites)
+  out = {}
+  for kind, factors in drawn.items():
+    v = factors.v / jnp.linalg.norm(factors.v, axis=-2, keepdims=True)
+    u = factors.u / jnp.linalg.norm(factors.u, axis=-1, keepdims=True)
+    w = w_stacks[kind].astype(jnp.float32)
+    overlap = jnp.einsum("nic,nio,nco->nc", v, w, u)
+    out[kind] = Factors(v=v, u=u * overlap[..., None])
+  return out

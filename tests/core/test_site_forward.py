@@ -83,3 +83,15 @@ def test_validate_sites_refuses_bad_specs():
   with pytest.raises(ValueError, match="duplicate"):
     sites_lib.validate_sites((sites_lib.SiteSpec("a", "k", 0, 2, 2, 3),
                               sites_lib.SiteSpec("a", "j", 0, 2, 2, 3)))
+
+
+def test_projected_init_is_unit_norm_scaled_by_overlap():
+  sites = (sites_lib.SiteSpec("a", "k", 0, 4, 3, 6),)
+  w = {"k": jax.random.normal(jax.random.key(1), (1, 4, 3))}
+  comps = sites_lib.init_components_projected(jax.random.key(0), sites, w)
+  v, u = comps["k"].v[0], comps["k"].u[0]
+  np.testing.assert_allclose(jnp.linalg.norm(v, axis=0), jnp.ones(6), rtol=1e-5)
+  unit_u = u / jnp.linalg.norm(u, axis=1, keepdims=True)
+  overlap = jnp.einsum("ic,io,co->c", v, w["k"][0], unit_u)
+  np.testing.assert_allclose(jnp.linalg.norm(u, axis=1), jnp.abs(overlap),
+                             rtol=1e-5)
