@@ -360,14 +360,7 @@ def sample_inputs(
   key: Key[Array, ""], config: ResidMlpConfig, batch_size: int
 ) -> Float[Array, "b n"]:
   """Return a batch of sparse features (`ρ`, values `U[low, high]`)."""
-  return sparse_data.sample_sparse_features(
-    key,
-    batch_size,
-    config.n_features,
-    config.feature_probability,
-    config.value_low,
-    config.value_high,
-  )
+  return toy_sites.sample_inputs(key, config, batch_size)
 
 
 def labels(

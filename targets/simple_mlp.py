@@ -18,8 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float, Key
 
 from decompax.core import sites, target
-from decompax.core.site_forward import SiteMask
-from decompax.targets import sparse_data, toy_sites
+from decompax.targets import toy_sites
 from decompax.targets import train as train_lib
 
 
@@ -112,47 +111,15 @@ def target_fns(
   config: SimpleMlpConfig, c: toy_sites.CPerSite
 ) -> target.TargetFns:
   """Return the engine's function table for this MLP."""
-  specs = site_specs(config, c)
-
-  def clean_forward(
-    weights: SimpleMlpWeights, x: Float[Array, "*b n"], wanted: tuple[str, ...]
-  ) -> tuple[Float[Array, "*b n"], dict[str, Float[Array, "..."]]]:
-    weights = jax.lax.stop_gradient(weights)
-    y, taps = _forward(weights, x, toy_sites.frozen_matmul)
-    return y, toy_sites.select_taps(taps, wanted)
-
-  def masked_forward(
-    weights: SimpleMlpWeights,
-    components: sites.Components,
-    x: Float[Array, "*b n"],
-    site_masks: dict[str, SiteMask],
-  ) -> Float[Array, "*b n"]:
-    matmul = toy_sites.masked_matmul(specs, components, site_masks)
-    return _forward(weights, x, matmul)[0]
-
-  return target.TargetFns(
-    sites=specs,
-    clean_forward=clean_forward,
-    masked_forward=masked_forward,
-    frozen_stacks=frozen_stacks,
-    divergence=toy_sites.mse,
-    batch_lead_shape=lambda x: x.shape[:-1],
-    feature_probe=lambda: sparse_data.feature_probe(config.n_features),
-  )
+  return toy_sites.sequential_target_fns(
+    site_specs(config, c), _forward, frozen_stacks, config.n_features)
 
 
 def sample_inputs(
   key: Key[Array, ""], config: SimpleMlpConfig, batch_size: int
 ) -> Float[Array, "b n"]:
   """Return a batch of sparse features (`ρ`, values `U[low, high]`)."""
-  return sparse_data.sample_sparse_features(
-    key,
-    batch_size,
-    config.n_features,
-    config.feature_probability,
-    config.value_low,
-    config.value_high,
-  )
+  return toy_sites.sample_inputs(key, config, batch_size)
 
 
 def _loss(

@@ -5,7 +5,6 @@ probability `probability`, with a value drawn from `U[low, high]`, and is 0
 otherwise (`at_least_zero_active`: a row may be all zero).
 """
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Key
 

@@ -9,11 +9,13 @@ very same `x @ w` (SPEC I2: no live site ⇒ bit-identical to the clean forward)
 from collections.abc import Callable
 from typing import Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Key
 
-from decompax.core import site_forward, sites
+from decompax.core import site_forward, sites, target
+from decompax.targets import sparse_data
 
 SiteMatmul = Callable[[str, Array, Array], Array]
 CPerSite = Union[int, dict[str, int]]
@@ -120,3 +122,45 @@ def arrays_to_fields(
         f"weight {name}: shape {tuple(arrays[name].shape)}, expected {shape}"
       )
   return {name: jnp.asarray(arrays[name], jnp.float32) for name in shapes}
+
+
+def sequential_target_fns(
+  specs: tuple[sites.SiteSpec, ...],
+  forward: Callable,
+  frozen_stacks: Callable,
+  n_features: int,
+  nonlinear_units: dict | None = None,
+) -> target.TargetFns:
+  """Return the function table of a toy whose `forward(weights, x, matmul)`
+  runs every site through `matmul(name, x, w)` and returns `(y, taps)`.
+
+  The clean forward and the non-live sites of the masked forward share one
+  op sequence, so a masked forward with no live site is the clean forward.
+  """
+
+  def clean_forward(weights, x, wanted):
+    weights = jax.lax.stop_gradient(weights)
+    y, taps = forward(weights, x, frozen_matmul)
+    return y, select_taps(taps, wanted)
+
+  def masked_forward(weights, components, x, site_masks):
+    matmul = masked_matmul(specs, components, site_masks)
+    return forward(weights, x, matmul)[0]
+
+  return target.TargetFns(
+    sites=specs,
+    clean_forward=clean_forward,
+    masked_forward=masked_forward,
+    frozen_stacks=frozen_stacks,
+    divergence=mse,
+    batch_lead_shape=lambda x: x.shape[:-1],
+    feature_probe=lambda: sparse_data.feature_probe(n_features),
+    nonlinear_units=nonlinear_units,
+  )
+
+
+def sample_inputs(key: Key[Array, ""], config, batch_size: int) -> Float[Array, "b n"]:
+  """Return a batch of the toy's sparse features (`ρ`, values `U[low, high]`)."""
+  return sparse_data.sample_sparse_features(
+    key, batch_size, config.n_features, config.feature_probability,
+    config.value_low, config.value_high)

@@ -1,7 +1,6 @@
 """The counter-based generator: distribution, independence, invariance."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from decompax.core import rng

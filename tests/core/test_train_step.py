@@ -1,6 +1,5 @@
 """The step factory on a tiny chain target (SPEC §6.1)."""
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,7 +1,6 @@
 """Persistent and fresh PGD terms in the step (SPEC §5.6, §5.7, I17, I20, I21)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
