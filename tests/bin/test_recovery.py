@@ -41,9 +41,10 @@ def _run(config):
 
 
 def test_tms_5_2_embedding_becomes_one_component_per_feature(config_of):
-  """TMS 5-2, paper recipe, 10k of its 40k steps (seed 1): linear1 shows the
-  identity CI pattern with exactly five alive components."""
-  config = config_of("--seed=1", "--num_steps=10000")
+  """TMS 5-2, paper recipe after a faithfulness warmup, 10k of its 40k steps
+  (seed 1): linear1 shows the identity CI pattern with five alive components."""
+  config = config_of("--seed=1", "--num_steps=10000",
+                     "--faithfulness_warmup_steps=200")
   ci, metrics = _run(config)
   assert len(probe.alive_components(ci["linear1"])) == 5
   assert probe.identity_ci_error(ci["linear1"]) == 0
