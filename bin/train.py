@@ -154,7 +154,11 @@ def setup(config: train_flags.TrainConfig):
   # sites, missing unit layouts) happen before anything is written.
   recipe.loss_terms(config, sites, config.batch_size,
                     toy.fns(config.c).nonlinear_units)
-  output_dir = config.output_dir or os.path.join("runs", config.target)
+  output_dir = config.output_dir
+  if output_dir is None:
+    # The default location's parent is ours to create; a user's is not.
+    os.makedirs("runs", exist_ok=True)
+    output_dir = os.path.join("runs", config.target)
   flags_text = resolved_flags_text()
   run_dir.check_run_dir(output_dir, flags_text, config.overwrite)
   target_path = config.target_path or os.path.join(output_dir, "target.npz")
