@@ -439,9 +439,7 @@ def missing_features(
 
 def weights_to_arrays(weights: ResidMlpWeights) -> dict[str, np.ndarray]:
   """Return the weights as host arrays keyed by field (None fields left out)."""
-  return {
-    k: np.asarray(v) for k, v in weights._asdict().items() if v is not None
-  }
+  return toy_sites.fields_to_arrays(weights)
 
 
 def weights_from_arrays(

@@ -103,6 +103,13 @@ def mse(
   return jnp.mean(jnp.square(masked - clean))
 
 
+def fields_to_arrays(record) -> dict[str, np.ndarray]:
+  """Return a NamedTuple's array fields as host arrays (None fields left out)."""
+  return {
+    k: np.asarray(v) for k, v in record._asdict().items() if v is not None
+  }
+
+
 def arrays_to_fields(
   arrays: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, Float[Array, "..."]]:
