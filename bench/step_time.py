@@ -25,7 +25,11 @@ from decompax.targets import registry
 _STEPS = flags.DEFINE_integer("steps", 50, "Timed steps per recipe.")
 _WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed steps after compiling.")
 _RECIPES = flags.DEFINE_list(
-  "recipes", ["tms_5-2", "tms_40-10", "resid_mlp1"], "Flagfiles in flags/.")
+  "recipes",
+  ["tms_5-2", "tms_40-10", "resid_mlp1", "tms_5-2_vpd",
+   "tms_5-2_vpd+--pgd_coeff=0", "resid_mlp1_vpd", "resid_mlp1_vpd+--pgd_coeff=0"],
+  "Flagfiles in flags/, each optionally followed by '+'-joined flag overrides "
+  "(the VPD rows without their PGD term give the adversary's cost).")
 
 # Per-step time of the PyTorch reference implementation on a 2-core CPU (ms).
 REFERENCE_MS = {"tms_5-2": 25.0, "tms_40-10": 240.0, "resid_mlp1": 125.0}
@@ -46,11 +50,13 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 20) -> float:
 
 
 def load_recipe(name: str) -> train_flags.TrainConfig:
-  """Return the validated config of `flags/<name>.flags`."""
-  argv = flags.FLAGS.read_flags_from_files([f"--flagfile=flags/{name}.flags"],
+  """Return the validated config of `flags/<file>.flags` plus overrides,
+  for `name = file[+--flag=value...]`."""
+  file, *overrides = name.split("+")
+  argv = flags.FLAGS.read_flags_from_files([f"--flagfile=flags/{file}.flags"],
                                            force_gnu=False)
   flags.FLAGS.unparse_flags()
-  flags.FLAGS(["bench", *argv])
+  flags.FLAGS(["bench", *argv, *overrides])
   return train_flags.config_from_flags()
 
 
@@ -92,13 +98,13 @@ def main(argv):
   peak = matmul_flops_per_s()
   print(f"machine: {jax.devices()[0].device_kind}, fp32 matmul "
         f"{peak / 1e9:.1f} GFLOP/s (1024^3, median of 20)")
-  header = (f"{'recipe':<12} {'step ms':>8} {'ref ms':>7} {'speedup':>8} "
+  header = (f"{'recipe':<30} {'step ms':>8} {'ref ms':>7} {'speedup':>8} "
             f"{'GFLOP/s':>8} {'% matmul':>8} {'CI-MLP Gelem/s':>15}")
   print(header)
   for name in recipes:
     r = time_recipe(name, steps, warmup)
     ref = REFERENCE_MS.get(name, float("nan"))
-    print(f"{name:<12} {r['ms']:8.2f} {ref:7.0f} {ref / r['ms']:7.2f}x "
+    print(f"{name:<30} {r['ms']:8.2f} {ref:7.0f} {ref / r['ms']:7.2f}x "
           f"{r['flops'] / 1e9:8.2f} {100 * r['flops'] / peak:7.1f}% "
           f"{r['ci_elements'] / 1e9:15.3f}", flush=True)
 

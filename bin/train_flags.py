@@ -104,7 +104,7 @@ _LOG_EVERY = flags.DEFINE_integer(
 _FIGURES_EVERY = flags.DEFINE_integer(
   "figures_every", 0, "Steps between figure refreshes (0: at the end only).")
 _CI_ALIVE_THRESHOLD = flags.DEFINE_float(
-  "ci_alive_threshold", 0.0, "CI above which a component counts in CI-L0.")
+  "ci_alive_threshold", 0.1, "CI above which a component counts in CI-L0.")
 
 
 _P_WARMUP_PCT = flags.DEFINE_float(
