@@ -103,8 +103,9 @@ def main(argv):
   print(header)
   for name in recipes:
     r = time_recipe(name, steps, warmup)
-    ref = REFERENCE_MS.get(name, float("nan"))
-    print(f"{name:<30} {r['ms']:8.2f} {ref:7.0f} {ref / r['ms']:7.2f}x "
+    ref = REFERENCE_MS.get(name)
+    ref_text = f"{ref:7.0f} {ref / r['ms']:7.2f}x" if ref else f"{'-':>7} {'-':>8}"
+    print(f"{name:<30} {r['ms']:8.2f} {ref_text} "
           f"{r['flops'] / 1e9:8.2f} {100 * r['flops'] / peak:7.1f}% "
           f"{r['ci_elements'] / 1e9:15.3f}", flush=True)
 
