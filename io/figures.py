@@ -22,30 +22,12 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from decompax.core import probe
 from decompax.io import run_dir
 
 _DPI = 100
 # Beyond this many columns, ticks show positions instead of component ids.
 _MAX_LABELLED_COLUMNS = 16
-
-
-def permutation_for_identity(ci: Float[np.ndarray, "n c"]) -> list[int]:
-  """Return a column order under which `ci` looks as diagonal as possible.
-
-  Greedy: each row in turn takes the unused column where it has the largest
-  CI (ties to the lowest index). Columns left over follow, by descending
-  column max, so dead components come last.
-  """
-  ci = np.asarray(ci, dtype=np.float64)
-  used = np.zeros(ci.shape[1], dtype=bool)
-  order = []
-  for row in ci[: ci.shape[1]]:
-    col = int(np.argmax(np.where(used, -np.inf, row)))
-    used[col] = True
-    order.append(col)
-  rest = np.flatnonzero(~used)
-  rest = rest[np.argsort(-ci.max(axis=0, initial=-np.inf)[rest], kind="stable")]
-  return order + [int(c) for c in rest]
 
 
 def _save_png(fig: Figure, path: run_dir.Path) -> str:
@@ -90,7 +72,7 @@ def plot_ci_on_features(
   for ax, (site, ci) in zip(axes, ci_by_site.items()):
     ci = np.asarray(ci)
     vmax = max(1.0, float(np.max(ci, initial=0.0)))
-    order = permutation_for_identity(ci)
+    order = probe.identity_permutation(ci)
     _heatmap(fig, ax, ci[:, order], order,
              cmap="viridis", vmin=0.0, vmax=vmax)
     ax.set(title=site, xlabel="component (permuted)", ylabel="feature")

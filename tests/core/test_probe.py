@@ -41,3 +41,25 @@ def test_alive_and_active_features():
   ci, cols = _permuted_identity()
   assert probe.alive_components(ci) == sorted(cols)
   assert probe.active_features(ci)[5] == [0]
+
+
+def test_permutation_recovers_permuted_identity_with_dead_columns():
+  n, c = 4, 7
+  rng = np.random.default_rng(0)
+  perm = rng.permutation(c)
+  ci = np.zeros((n, c), np.float32)
+  ci[np.arange(n), perm[:n]] = 1.0
+  order = probe.identity_permutation(ci)
+  assert order[:n] == [int(p) for p in perm[:n]]
+  assert sorted(order) == list(range(c))
+  np.testing.assert_array_equal(ci[:, order][:, :n], np.eye(n))
+
+
+def test_permutation_puts_leftovers_by_descending_max():
+  ci = np.array([[0.9, 0.0, 0.2, 0.5]], np.float32)
+  assert probe.identity_permutation(ci) == [0, 3, 2, 1]
+
+
+def test_permutation_more_rows_than_columns():
+  ci = np.eye(5, 3, dtype=np.float32)
+  assert probe.identity_permutation(ci) == [0, 1, 2]

@@ -17,28 +17,6 @@ def _no_temp_files(directory):
   return not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_permutation_recovers_permuted_identity_with_dead_columns():
-  n, c = 4, 7
-  rng = np.random.default_rng(0)
-  perm = rng.permutation(c)
-  ci = np.zeros((n, c), np.float32)
-  ci[np.arange(n), perm[:n]] = 1.0
-  order = figures.permutation_for_identity(ci)
-  assert order[:n] == [int(p) for p in perm[:n]]
-  assert sorted(order) == list(range(c))
-  np.testing.assert_array_equal(ci[:, order][:, :n], np.eye(n))
-
-
-def test_permutation_puts_leftovers_by_descending_max():
-  ci = np.array([[0.9, 0.0, 0.2, 0.5]], np.float32)
-  assert figures.permutation_for_identity(ci) == [0, 3, 2, 1]
-
-
-def test_permutation_more_rows_than_columns():
-  ci = np.eye(5, 3, dtype=np.float32)
-  assert figures.permutation_for_identity(ci) == [0, 1, 2]
-
-
 def test_plot_ci_on_features_writes_png(tmp_path):
   ci = {"linear1": np.eye(3, 5, dtype=np.float32),
         "linear2": np.full((3, 2), 0.5, np.float32)}
