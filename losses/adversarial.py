@@ -88,7 +88,7 @@ def plan_loss(
   fixed_routes: tuple | None = None,
 ) -> Float[Array, ""]:
   """Return the mean output divergence over the plan's forwards."""
-  lead = next(iter(ctx.ci.lower.values())).shape[:-1]
+  lead = ctx.lead_shape()
   total, count = jnp.zeros((), jnp.float32), 0
   for e, entry in enumerate(plan):
     for d in range(entry.n_draws):
@@ -198,7 +198,7 @@ def fresh_pgd_term(
   """
 
   def init_sources(ctx, key):
-    lead = next(iter(ctx.ci.lower.values())).shape[:-1]
+    lead = ctx.lead_shape()
     out = {}
     for i, site in enumerate(ctx.target.sites):
       shape = adversary.scope_shape(config.scope, lead,
@@ -211,7 +211,7 @@ def fresh_pgd_term(
 
   def prepare(ctx, key, state):
     source_key, route_key = split_pair(key)
-    lead = next(iter(ctx.ci.lower.values())).shape[:-1]
+    lead = ctx.lead_shape()
     routes = tuple(
       recon.entry_routes(jax.random.fold_in(route_key, e), entry, lead)
       for e, entry in enumerate(plan))
