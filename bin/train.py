@@ -152,8 +152,8 @@ def setup(config: train_flags.TrainConfig):
   sites = recipe.select_sites(toy.sites(config.c), config.sites, toy.name)
   # Builds every loss term once so that term-level refusals (unknown group
   # sites, missing unit layouts) happen before anything is written.
-  recipe.loss_terms(config, sites, config.batch_size,
-                    toy.fns(config.c).nonlinear_units)
+  target = toy.fns(config.c)._replace(sites=sites)
+  recipe.loss_terms(config, sites, config.batch_size, target.nonlinear_units)
   output_dir = config.output_dir
   if output_dir is None:
     # The default location's parent is ours to create; a user's is not.
@@ -168,7 +168,6 @@ def setup(config: train_flags.TrainConfig):
   run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite)
   if not os.path.exists(target_path):
     run_dir.save_arrays(target_path, *cache)
-  target = toy.fns(config.c)._replace(sites=sites)
   return toy, target, weights, output_dir
 
 
