@@ -150,9 +150,9 @@ def setup(config: train_flags.TrainConfig):
   """
   toy = registry.get(config.target)
   sites = recipe.select_sites(toy.sites(config.c), config.sites, toy.name)
+  target = toy.fns(config.c)._replace(sites=sites)
   # Builds every loss term once so that term-level refusals (unknown group
   # sites, missing unit layouts) happen before anything is written.
-  target = toy.fns(config.c)._replace(sites=sites)
   recipe.loss_terms(config, sites, config.batch_size, target.nonlinear_units)
   output_dir = config.output_dir
   if output_dir is None:
@@ -188,8 +188,7 @@ def build_run(config, toy, target, weights) -> Run:
   init_key, _, run_key, data_key = jax.random.split(root, 4)
   vu_key, ci_key = jax.random.split(init_key)
   ci_fn = ci_fns.make_ci_fn(recipe.ci_config(config), target.sites)
-  all_stacks = target.frozen_stacks(weights)
-  w_stacks = {s.kind: all_stacks[s.kind] for s in target.sites}
+  w_stacks = target.frozen_stacks(weights)
   if config.components_init == "projected":
     components = sites_lib.init_components_projected(
       vu_key, target.sites, w_stacks)

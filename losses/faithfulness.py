@@ -39,8 +39,9 @@ def faithfulness_per_kind(
 ) -> Float[Array, ""]:
   """Return the global mean squared delta, one batched matmul per kind.
 
-  Rematerialised: the `[layer, d_in, d_out]` deltas are recomputed in the
-  backward rather than stored between the two passes.
+  Only the kinds in `components` count, so `w_stacks` may hold the target's
+  every kind. Rematerialised: the `[layer, d_in, d_out]` deltas are
+  recomputed in the backward rather than stored between the two passes.
   """
 
   @jax.checkpoint
@@ -48,7 +49,7 @@ def faithfulness_per_kind(
     return jnp.sum(jnp.square(weight_delta(w, v, u)))
 
   total = sum(
-    sum_sq(w_stacks[k], components[k].v, components[k].u) for k in w_stacks
+    sum_sq(w_stacks[k], components[k].v, components[k].u) for k in components
   )
-  count = sum(w.size for w in w_stacks.values())
+  count = sum(w_stacks[k].size for k in components)
   return total / count

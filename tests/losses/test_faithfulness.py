@@ -79,3 +79,11 @@ def test_i10_fp32_deltas_from_low_precision_weights():
   assert faithfulness.weight_delta(w, f.v, f.u).dtype == jnp.float32
   loss = faithfulness.faithfulness_per_kind({"k": w}, {"k": f})
   assert loss.dtype == jnp.float32
+
+
+def test_only_decomposed_kinds_count():
+  w, f = _stacks(jax.random.key(5), n=1)
+  other = jnp.ones((2, 3, 3))
+  alone = faithfulness.faithfulness_per_kind({"k": w}, {"k": f})
+  with_extra = faithfulness.faithfulness_per_kind({"k": w, "x": other}, {"k": f})
+  assert float(with_extra) == float(alone)
