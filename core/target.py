@@ -28,6 +28,15 @@ CleanForward = Callable[
 MaskedForward = Callable[
   [Weights, Components, Batch, dict[str, SiteMask]], Float[Array, "..."]
 ]
+# (weights, components, inputs, {live site: SiteMask}, clean taps, wanted tap
+# keys) -> (output, {tap key: activation of the masked forward}). `clean_taps`
+# holds what the clean forward returned for the step (at least `start_taps`),
+# so a target may start from a stored boundary instead of the inputs.
+MaskedForwardTaps = Callable[
+  [Weights, Components, Batch, dict[str, SiteMask],
+   dict[str, Float[Array, "..."]], tuple[str, ...]],
+  tuple[Float[Array, "..."], dict[str, Float[Array, "..."]]],
+]
 # weights -> {kind: W stack [layer, d_in, d_out]} in the orientation y = x·W.
 FrozenStacks = Callable[[Weights], dict[str, Float[Array, "layer d_in d_out"]]]
 # (masked output, clean output) -> scalar divergence, mean over positions.
@@ -62,3 +71,9 @@ class TargetFns(NamedTuple):
   feature_probe: Optional[Callable[[], Batch]] = None
   # Sites whose outputs feed nonlinear units, for the locality loss.
   nonlinear_units: Optional[dict[str, UnitSpec]] = None
+  # Masked forward that also returns activations (hidden-activation
+  # reconstruction, SPEC §5.9) and may start from the clean pass's boundaries.
+  # Tap key `<site>.out` is a site's output in both forwards.
+  masked_forward_taps: Optional[MaskedForwardTaps] = None
+  # Tap keys every step requests from the clean forward for masked starts.
+  start_taps: tuple[str, ...] = ()

@@ -56,12 +56,28 @@ class StepContext(NamedTuple):
   clean_output: Float[Array, "..."]
   components: Components
   ci: squash.CIOutput
+  # Everything the clean forward tapped: CI inputs, the target's start taps
+  # and the taps terms asked for.
+  clean_taps: Optional[dict] = None
 
   def masked_forward(self, site_masks) -> Float[Array, "..."]:
     """Run the target with `site_masks` on the step's inputs and components."""
+    if self.target.masked_forward_taps is not None:
+      return self.masked_forward_with_taps(site_masks, ())[0]
     return self.target.masked_forward(
       self.weights, self.components, self.inputs, site_masks
     )
+
+  def masked_forward_with_taps(
+    self, site_masks, wanted: tuple[str, ...]
+  ) -> tuple[Float[Array, "..."], dict[str, Float[Array, "..."]]]:
+    """Run the masked forward and return the `wanted` activations too."""
+    if self.target.masked_forward_taps is None:
+      raise ValueError("this target's masked forward returns no activations; "
+                       "drop the hidden-activation terms")
+    return self.target.masked_forward_taps(
+      self.weights, self.components, self.inputs, site_masks,
+      self.clean_taps or {}, wanted)
 
   def lead_shape(self) -> tuple[int, ...]:
     """Return the leading (non-feature) shape of the step's activations."""
@@ -83,6 +99,8 @@ class LossTerm(NamedTuple):
   only the cotangents reaching components and CI, so the inputs' gradient is
   that of the unscaled term (SPEC §5.6: valid at coefficient 0).
   `report(aux)` adds scalars to the step's metrics under `loss/`.
+  `clean_taps` names activations the term reads from the step's clean
+  forward (`ctx.clean_taps`).
   """
 
   name: str
@@ -93,6 +111,7 @@ class LossTerm(NamedTuple):
   finish: Optional[Callable[..., Any]] = None
   coeff_on_model_side: bool = False
   report: Optional[Callable[[Any], dict[str, Array]]] = None
+  clean_taps: tuple[str, ...] = ()
 
 
 def simple_term(
@@ -189,6 +208,16 @@ def objective(
   return differentiated, (values, reported, tuple(auxes))
 
 
+def clean_tap_keys(
+  ci_fn: CIFn, target: TargetFns, terms: tuple[LossTerm, ...]
+) -> tuple[str, ...]:
+  """Return, in first-seen order, every tap the step's clean forward keeps."""
+  keys = [*ci_fn.input_taps, *target.start_taps]
+  for term in terms:
+    keys.extend(term.clean_taps)
+  return tuple(dict.fromkeys(keys))
+
+
 def make_train_step(
   target: TargetFns,
   ci_fn: CIFn,
@@ -207,6 +236,7 @@ def make_train_step(
   names = [t.name for t in terms]
   if len(set(names)) != len(names):
     raise ValueError(f"loss term names must be unique, got {names}")
+  wanted_taps = clean_tap_keys(ci_fn, target, terms)
   components_tx = optim.make_optimizer(config.components_opt,
                                        config.total_steps)
   ci_tx = optim.adamw(config.ci_opt, config.total_steps)
@@ -232,7 +262,7 @@ def make_train_step(
     step_key = jax.random.fold_in(state.rng, state.step)
     clean_output, taps = jax.tree.map(
       jax.lax.stop_gradient,
-      target.clean_forward(weights, inputs, ci_fn.input_taps),
+      target.clean_forward(weights, inputs, wanted_taps),
     )
 
     def prep(theta):
@@ -244,7 +274,7 @@ def make_train_step(
       prep, (state.components, state.ci_params))
     frozen = jax.lax.stop_gradient(prepared)
     ctx = StepContext(state.step, config.total_steps, target, weights, inputs,
-                      clean_output, *frozen)
+                      clean_output, *frozen, clean_taps=taps)
     keys = _term_keys(step_key, len(terms))
     term_states, term_inputs = [], []
     for term, key, term_state in zip(terms, keys, state.term_states):

@@ -264,11 +264,15 @@ def _factored_forward(
     if name_in in wanted:
       taps[name_in] = _materialise(resid)
     pre = read(name_in, resid, weights.w_in[i])
+    taps[f"{name_in}.out"] = pre
     if weights.b_in is not None:
       pre = pre + weights.b_in[i]
     h = jax.nn.relu(pre)
     taps[name_out] = h
     terms = write(name_out, h, weights.w_out[i])
+    if f"{name_out}.out" in wanted:
+      written = Residual(tuple(t[0] for t in terms), tuple(t[1] for t in terms))
+      taps[f"{name_out}.out"] = _materialise(written)
     const = resid.const
     if weights.b_out is not None:
       const = weights.b_out[i] if const is None else const + weights.b_out[i]
@@ -321,15 +325,24 @@ def target_fns(
 ) -> target.TargetFns:
   """Return the engine's function table for this residual MLP."""
   specs = site_specs(config, c)
+  tap_keys = tuple(k for s in specs for k in (s.name, f"{s.name}.out"))
 
   def clean_forward(
     weights: ResidMlpWeights, x: Float[Array, "*b n"], wanted: tuple[str, ...]
   ) -> tuple[Float[Array, "*b n"], dict[str, Float[Array, "..."]]]:
-    toy_sites.check_tap_keys(wanted, tuple(s.name for s in specs))
+    toy_sites.check_tap_keys(wanted, tap_keys)
     weights = jax.lax.stop_gradient(weights)
     y, taps = _factored_forward(
       weights, x, _frozen_read, _frozen_write, wanted
     )
+    return y, toy_sites.select_taps(taps, wanted)
+
+  def masked_forward_taps(weights, components, x, site_masks, clean_taps,
+                          wanted):
+    del clean_taps  # the factored forward is cheap from the inputs
+    toy_sites.check_tap_keys(wanted, tap_keys)
+    read, write = _masked_sites(specs, components, site_masks)
+    y, taps = _factored_forward(weights, x, read, write, wanted)
     return y, toy_sites.select_taps(taps, wanted)
 
   def masked_forward(
@@ -345,6 +358,7 @@ def target_fns(
     sites=specs,
     clean_forward=clean_forward,
     masked_forward=masked_forward,
+    masked_forward_taps=masked_forward_taps,
     frozen_stacks=frozen_stacks,
     divergence=toy_sites.mse,
     batch_lead_shape=lambda x: x.shape[:-1],

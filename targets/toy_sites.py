@@ -147,12 +147,17 @@ def sequential_target_fns(
 
   def clean_forward(weights, x, wanted):
     weights = jax.lax.stop_gradient(weights)
-    y, taps = forward(weights, x, frozen_matmul)
-    return y, select_taps(taps, wanted)
+    return forward_with_outputs(forward, weights, x, frozen_matmul, wanted)
 
   def masked_forward(weights, components, x, site_masks):
     matmul = masked_matmul(specs, components, site_masks)
     return forward(weights, x, matmul)[0]
+
+  def masked_forward_taps(weights, components, x, site_masks, clean_taps,
+                          wanted):
+    del clean_taps  # toys are cheap enough to always start from the inputs
+    matmul = masked_matmul(specs, components, site_masks)
+    return forward_with_outputs(forward, weights, x, matmul, wanted)
 
   return target.TargetFns(
     sites=specs,
@@ -163,7 +168,25 @@ def sequential_target_fns(
     batch_lead_shape=lambda x: x.shape[:-1],
     feature_probe=lambda: sparse_data.feature_probe(n_features),
     nonlinear_units=nonlinear_units,
+    masked_forward_taps=masked_forward_taps,
   )
+
+
+def forward_with_outputs(
+  forward: Callable, weights, x: Float[Array, "*l d"], matmul: SiteMatmul,
+  wanted: tuple[str, ...],
+) -> tuple[Float[Array, "..."], dict[str, Float[Array, "..."]]]:
+  """Run `forward` and return its `wanted` taps, where `<site>.out` is the
+  output of that site's matmul (SPEC §5.9 hidden activations)."""
+  outputs = {}
+
+  def recording(name, h, w):
+    y = matmul(name, h, w)
+    outputs[f"{name}.out"] = y
+    return y
+
+  y, taps = forward(weights, x, recording)
+  return y, select_taps({**taps, **outputs}, wanted)
 
 
 def sample_inputs(key: Key[Array, ""], config, batch_size: int) -> Float[Array, "b n"]:
