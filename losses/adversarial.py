@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Key
 
-from decompax.core import adversary, schedules
+from decompax.core import adversary, rng, schedules
+from decompax.core import masks as masks_lib
 from decompax.core.masks import make_masks, split_pair
 from decompax.core.site_forward import SiteMask
 from decompax.core.train_step import LossTerm, StepContext
-from decompax.losses import recon
+from decompax.losses import hidden, recon
 
 FRESH_INITS = ("random", "ones", "zeroes")
 
@@ -86,8 +87,11 @@ def plan_loss(
   plan: recon.Plan,
   route_key: Key[Array, ""],
   fixed_routes: tuple | None = None,
+  forward_loss: hidden.ForwardLoss | None = None,
 ) -> Float[Array, ""]:
-  """Return the mean output divergence over the plan's forwards."""
+  """Return the mean forward loss (default: output divergence) over the
+  plan's forwards with masks from `sources`."""
+  forward_loss = forward_loss or hidden.forward_loss(ctx, None)
   lead = ctx.lead_shape()
   total, count = jnp.zeros((), jnp.float32), 0
   for e, entry in enumerate(plan):
@@ -97,15 +101,76 @@ def plan_loss(
       else:
         key = jax.random.fold_in(jax.random.fold_in(route_key, e), d)
         routes = recon.entry_routes(key, entry, lead)
-      masks = source_masks(ctx.ci.lower, sources, entry.live_sites, routes)
-      total = total + ctx.target.divergence(
-        ctx.masked_forward(masks), ctx.clean_output)
+      total = total + forward_loss(
+        source_masks(ctx.ci.lower, sources, entry.live_sites, routes))
       count += 1
   return total / count
 
 
+def merged_plan_loss(
+  ctx: StepContext,
+  sources: dict[str, Array],
+  plan: recon.Plan,
+  key: Key[Array, ""],
+  adv_fraction: Float[Array, ""],
+  with_delta: bool,
+  sampling: str,
+  forward_loss: hidden.ForwardLoss,
+) -> Float[Array, ""]:
+  """Return the mean forward loss where each batch row is adversarial with
+  probability `adv_fraction` (persistent sources, routed everywhere) and
+  stochastic otherwise (fresh sources, the entry's routing) (SPEC §5.8)."""
+  lead = ctx.lead_shape()
+  site_index = {s.name: i for i, s in enumerate(ctx.target.sites)}
+  total, count = jnp.zeros((), jnp.float32), 0
+  for e, entry in enumerate(plan):
+    for d in range(entry.n_draws):
+      fwd_key = jax.random.fold_in(jax.random.fold_in(key, e), d)
+      assign_key, draw_key, route_key = jax.random.split(fwd_key, 3)
+      assign = rng.bernoulli(assign_key, adv_fraction, lead[:1])
+      assign = assign.reshape(lead[:1] + (1,) * (len(lead) - 1))
+      routes = recon.entry_routes(route_key, entry, lead)
+      site_masks = {}
+      for name in entry.live_sites:
+        ci = ctx.ci.lower[name]
+        fresh = masks_lib.stochastic_source(
+          jax.random.fold_in(draw_key, site_index[name]), lead, ci.shape[-1],
+          with_delta, sampling)
+        persistent = jnp.broadcast_to(sources[name], fresh.shape)
+        mask, delta = make_masks(
+          ci, jnp.where(assign[..., None], persistent, fresh))
+        route = None if routes is None else routes[name] | assign
+        site_masks[name] = SiteMask(mask, delta, route)
+      total = total + forward_loss(site_masks)
+      count += 1
+  return total / count
+
+
+def check_bundles(bundles: dict[str, str]) -> None:
+  """Refuse a source bundle that feeds more than one term (I22).
+
+  Args:
+    bundles: `{term name: bundle name}` of every persistent term.
+  """
+  seen: dict[str, str] = {}
+  for term, bundle in bundles.items():
+    if bundle in seen:
+      raise ValueError(
+        f"source bundle {bundle!r} feeds two terms ({seen[bundle]} and "
+        f"{term}); a bundle feeds exactly one term, so name another bundle")
+    seen[bundle] = term
+
+
 def _all_sites_plan(ctx: StepContext) -> recon.Plan:
   return recon.all_sites_plan(ctx.target.sites, "all", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Merged:
+  """Settings of the merged stochastic/persistent term (SPEC §5.8)."""
+
+  adv_fraction: schedules.Coefficient
+  sampling: str = "continuous"
 
 
 def persistent_pgd_term(
@@ -115,14 +180,20 @@ def persistent_pgd_term(
   config: PersistentConfig,
   sites: tuple,
   with_delta: bool,
+  rider: hidden.HiddenRider | None = None,
+  merged: Merged | None = None,
 ) -> LossTerm:
   """Return a recon term whose masks come from persistent adversarial sources.
 
   Per step: `n_warmup` ascents with every site live and routed (I21), then the
   term's loss on the sources; its input gradient, unscaled by the coefficient
-  (I20), drives one final ascent after the backward (I17).
+  (I20), drives one final ascent after the backward (I17). Under the `e2e`
+  objective ascents maximize the output divergence alone: with a rider the
+  final gradient is retaken without it, on the same draws (I23). With
+  `merged`, rows mix persistent and fresh stochastic sources (§5.8).
   """
   parametrization = config.source.parametrization
+  ascent_rider = rider if config.objective == "term" else None
 
   def init_state(key, lead_shape):
     keys = jax.random.split(key, len(sites))
@@ -133,9 +204,8 @@ def persistent_pgd_term(
       states[site.name] = adversary.init_source(site_key, shape, parametrization)
     return {"sources": states, "count": jnp.zeros((), jnp.int32)}
 
-  def effective(states):
-    return {k: adversary.effective(s.source, parametrization)
-            for k, s in states.items()}
+  def effective(raw):
+    return {k: adversary.effective(v, parametrization) for k, v in raw.items()}
 
   def ascend_all(states, grads, count, lr):
     return {k: adversary.ascend(states[k], grads[k], count, lr, config.source)
@@ -144,15 +214,25 @@ def persistent_pgd_term(
   def active(ctx):
     return ctx.step >= int(config.start_frac * ctx.total_steps)
 
+  def term_loss(ctx, raw, key, term_rider):
+    forward = hidden.forward_loss(ctx, term_rider)
+    if merged is None:
+      return plan_loss(ctx, effective(raw), plan, key, forward_loss=forward)
+    fraction = schedules.schedule_value(merged.adv_fraction, ctx.step,
+                                        ctx.total_steps)
+    return merged_plan_loss(ctx, effective(raw), plan, key, fraction,
+                            with_delta, merged.sampling, forward)
+
   def prepare(ctx, key, state):
     del key
     lr = schedules.schedule_value(config.lr, ctx.step, ctx.total_steps)
     states, count = state["sources"], state["count"]
     warm_plan = _all_sites_plan(ctx)
+    warm_loss = hidden.forward_loss(ctx, ascent_rider)
 
     def adv_loss(raw):
-      eff = {k: adversary.effective(v, parametrization) for k, v in raw.items()}
-      return plan_loss(ctx, eff, warm_plan, jax.random.key(0))
+      return plan_loss(ctx, effective(raw), warm_plan, jax.random.key(0),
+                       forward_loss=warm_loss)
 
     for _ in range(config.n_warmup):
       raw = {k: s.source for k, s in states.items()}
@@ -165,13 +245,14 @@ def persistent_pgd_term(
     return {"sources": states, "count": count}, raw
 
   def fn(ctx, key, raw):
-    _, route_key = split_pair(key)
-    eff = {k: adversary.effective(v, parametrization) for k, v in raw.items()}
-    value = plan_loss(ctx, eff, plan, route_key)
-    return jnp.where(active(ctx), value, 0.0), None
+    _, loss_key = split_pair(key)
+    value = term_loss(ctx, raw, loss_key, rider)
+    return jnp.where(active(ctx), value, 0.0), loss_key
 
-  def finish(state, raw, grads, aux, ctx):
-    del raw, aux
+  def finish(state, raw, grads, loss_key, ctx):
+    if rider is not None and ascent_rider is None:
+      # `ctx` holds the pre-update parameters and stop-gradient CI.
+      grads = jax.grad(lambda r: term_loss(ctx, r, loss_key, None))(raw)
     lr = schedules.schedule_value(config.lr, ctx.step, ctx.total_steps)
     states, count = state["sources"], state["count"]
     stepped = ascend_all(states, grads, count, lr)
@@ -181,7 +262,8 @@ def persistent_pgd_term(
     return {"sources": states, "count": count + on.astype(jnp.int32)}
 
   return LossTerm(name, coeff, fn, init_state, prepare, finish,
-                  coeff_on_model_side=True)
+                  coeff_on_model_side=True,
+                  clean_taps=() if rider is None else rider.points)
 
 
 def fresh_pgd_term(

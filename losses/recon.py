@@ -121,6 +121,34 @@ def stochastic_site_masks(
   return out
 
 
+def stochastic_plan_mean(
+  forward_loss: Callable[[dict[str, SiteMask]], Float[Array, ""]],
+  ci_lower: dict[str, Float[Array, "*l c"]],
+  sites: tuple[SiteSpec, ...],
+  plan: Plan,
+  draw_key: Key[Array, ""],
+  route_key: Key[Array, ""],
+  with_delta: bool,
+  sampling: masks_lib.Sampling = "continuous",
+) -> Float[Array, ""]:
+  """Return the mean of `forward_loss` over the plan's stochastic forwards."""
+  site_index = {s.name: i for i, s in enumerate(sites)}
+  lead_shape = next(iter(ci_lower.values())).shape[:-1]
+  total = jnp.zeros((), jnp.float32)
+  n_forwards = 0
+  for e, entry in enumerate(plan):
+    for d in range(entry.n_draws):
+      fwd_key = jax.random.fold_in(jax.random.fold_in(draw_key, e), d)
+      rte_key = jax.random.fold_in(jax.random.fold_in(route_key, e), d)
+      routes = entry_routes(rte_key, entry, lead_shape)
+      site_masks = stochastic_site_masks(
+        fwd_key, entry, ci_lower, site_index, with_delta, sampling, routes
+      )
+      total = total + forward_loss(site_masks)
+      n_forwards += 1
+  return total / n_forwards
+
+
 def stochastic_recon_loss(
   masked_forward: Callable[[dict[str, SiteMask]], Array],
   clean_output: Array,
@@ -134,21 +162,9 @@ def stochastic_recon_loss(
   sampling: masks_lib.Sampling = "continuous",
 ) -> Float[Array, ""]:
   """Return the mean divergence from the clean output over the plan's draws."""
-  site_index = {s.name: i for i, s in enumerate(sites)}
-  lead_shape = next(iter(ci_lower.values())).shape[:-1]
-  total = jnp.zeros((), jnp.float32)
-  n_forwards = 0
-  for e, entry in enumerate(plan):
-    for d in range(entry.n_draws):
-      fwd_key = jax.random.fold_in(jax.random.fold_in(draw_key, e), d)
-      rte_key = jax.random.fold_in(jax.random.fold_in(route_key, e), d)
-      routes = entry_routes(rte_key, entry, lead_shape)
-      site_masks = stochastic_site_masks(
-        fwd_key, entry, ci_lower, site_index, with_delta, sampling, routes
-      )
-      total = total + divergence(masked_forward(site_masks), clean_output)
-      n_forwards += 1
-  return total / n_forwards
+  return stochastic_plan_mean(
+    lambda site_masks: divergence(masked_forward(site_masks), clean_output),
+    ci_lower, sites, plan, draw_key, route_key, with_delta, sampling)
 
 
 def custom_groups_plan(

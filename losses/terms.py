@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from decompax.core import masks as masks_lib
 from decompax.core import schedules
 from decompax.core.train_step import LossTerm, StepContext, simple_term
-from decompax.losses import faithfulness, minimality, recon
+from decompax.losses import faithfulness, hidden, minimality, recon
 
 
 def faithfulness_term(coeff: schedules.Coefficient) -> LossTerm:
@@ -18,8 +18,10 @@ def faithfulness_term(coeff: schedules.Coefficient) -> LossTerm:
 
   def fn(ctx: StepContext, key):
     del key
-    w_stacks = ctx.target.frozen_stacks(ctx.weights)
-    return faithfulness.faithfulness_per_kind(w_stacks, ctx.components)
+    w_stacks = ctx.constrain("faithfulness",
+                             ctx.target.frozen_stacks(ctx.weights))
+    return faithfulness.faithfulness_per_kind(
+      w_stacks, ctx.constrain("faithfulness", ctx.components))
 
   return simple_term("faithfulness", coeff, fn)
 
@@ -75,17 +77,21 @@ def stochastic_recon_term(
   plan: recon.Plan,
   with_delta: bool,
   sampling: masks_lib.Sampling = "continuous",
+  rider: hidden.HiddenRider | None = None,
 ) -> LossTerm:
-  """Return the mean output divergence over the plan's stochastic forwards."""
+  """Return the mean loss over the plan's stochastic forwards: the output
+  divergence, plus the hidden-activation rider when given (§5.9)."""
 
-  def fn(ctx: StepContext, key):
+  def fn(ctx: StepContext, key, inputs):
+    del inputs
     draw_key, route_key = masks_lib.split_pair(key)
-    return recon.stochastic_recon_loss(
-      ctx.masked_forward, ctx.clean_output, ctx.ci.lower, ctx.target.sites,
-      plan, draw_key, route_key, ctx.target.divergence, with_delta, sampling,
-    )
+    value = recon.stochastic_plan_mean(
+      hidden.forward_loss(ctx, rider), ctx.ci.lower, ctx.target.sites, plan,
+      draw_key, route_key, with_delta, sampling)
+    return value, None
 
-  return simple_term(name, coeff, fn)
+  return LossTerm(name, coeff, fn,
+                  clean_taps=() if rider is None else rider.points)
 
 
 def ema_frequency_minimality_term(

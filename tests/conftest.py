@@ -33,23 +33,39 @@ def make_chain_target(d: int = 4, d_out: int = 3, c: int = 5):
   def weight(weights, site):
     return weights[site.kind][site.row]
 
-  def clean_forward(weights, x, wanted):
+  def run(weights, x, matmul):
     taps, h = {}, x
     for site, act in zip(sites, acts):
       taps[site.name] = h
-      h = act(h @ weight(weights, site))
+      y = matmul(site, h, weight(weights, site))
+      taps[f"{site.name}.out"] = y
+      h = act(y)
+    return h, taps
+
+  def select(taps, wanted):
     unknown = set(wanted) - set(taps)
     if unknown:
       raise ValueError(f"unknown taps {sorted(unknown)}")
-    return h, {k: taps[k] for k in wanted}
+    return {k: taps[k] for k in wanted}
+
+  def clean_forward(weights, x, wanted):
+    h, taps = run(weights, x, lambda site, h, w: h @ w)
+    return h, select(taps, wanted)
+
+  def masked_run(weights, components, x, site_masks):
+    def matmul(site, h, w):
+      v, u = sites_lib.site_factors(components, site)
+      return site_forward.site_matmul(h, w, v, u, site_masks.get(site.name))
+    return run(weights, x, matmul)
 
   def masked_forward(weights, components, x, site_masks):
-    h = x
-    for site, act in zip(sites, acts):
-      v, u = sites_lib.site_factors(components, site)
-      h = act(site_forward.site_matmul(
-        h, weight(weights, site), v, u, site_masks.get(site.name)))
-    return h
+    return masked_run(weights, components, x, site_masks)[0]
+
+  def masked_forward_taps(weights, components, x, site_masks, clean_taps,
+                          wanted):
+    del clean_taps
+    h, taps = masked_run(weights, components, x, site_masks)
+    return h, select(taps, wanted)
 
   def mse(a, b):
     return jnp.mean(jnp.square(a - b))
@@ -58,6 +74,7 @@ def make_chain_target(d: int = 4, d_out: int = 3, c: int = 5):
     sites=sites,
     clean_forward=clean_forward,
     masked_forward=masked_forward,
+    masked_forward_taps=masked_forward_taps,
     frozen_stacks=lambda weights: dict(weights),
     divergence=mse,
     batch_lead_shape=lambda x: x.shape[:-1],
@@ -75,3 +92,83 @@ def make_chain_target(d: int = 4, d_out: int = 3, c: int = 5):
 def chain():
   """A tiny three-site target and its frozen weights."""
   return make_chain_target()
+
+
+def make_token_target(vocab: int = 6, d: int = 4, c: int = 3):
+  """Return a tiny LM-shaped target on tokens `[B, T]` and its weights.
+
+  A frozen embedding, a causal running mean over positions (so context
+  matters), then sites `mix` (ReLU after) and `head` giving logits; KL
+  divergence and next-token labels, as a language model exposes them.
+  Built only from `decompax.core`.
+  """
+  sites = (
+    sites_lib.SiteSpec("mix", "mix", 0, d, d, c),
+    sites_lib.SiteSpec("head", "head", 0, d, vocab, c),
+  )
+
+  def run(weights, tokens, matmul):
+    x = weights["embed"][tokens]
+    x = jnp.cumsum(x, axis=1) / jnp.arange(1, x.shape[1] + 1)[:, None]
+    taps = {"mix": x}
+    mixed = matmul(sites[0], x, weights["mix"][0])
+    taps["mix.out"] = mixed
+    taps["head"] = h = jax.nn.relu(mixed)
+    taps["head.out"] = logits = matmul(sites[1], h, weights["head"][0])
+    return logits, taps
+
+  def select(taps, wanted):
+    unknown = set(wanted) - set(taps)
+    if unknown:
+      raise ValueError(f"unknown taps {sorted(unknown)}")
+    return {k: taps[k] for k in wanted}
+
+  def clean_forward(weights, tokens, wanted):
+    logits, taps = run(weights, tokens, lambda s, x, w: x @ w)
+    return logits, select(taps, wanted)
+
+  def masked_run(weights, components, tokens, site_masks):
+    def matmul(site, x, w):
+      v, u = sites_lib.site_factors(components, site)
+      return site_forward.site_matmul(x, w, v, u, site_masks.get(site.name))
+    return run(weights, tokens, matmul)
+
+  def masked_forward_taps(weights, components, tokens, site_masks, clean_taps,
+                          wanted):
+    del clean_taps
+    logits, taps = masked_run(weights, components, tokens, site_masks)
+    return logits, select(taps, wanted)
+
+  def kl(masked, clean):
+    log_p = jax.nn.log_softmax(clean, axis=-1)
+    log_q = jax.nn.log_softmax(masked, axis=-1)
+    return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
+
+  def labels(tokens):
+    return jnp.concatenate(
+      [tokens[:, 1:], jnp.full_like(tokens[:, :1], -1)], axis=1)
+
+  fns = target.TargetFns(
+    sites=sites,
+    clean_forward=clean_forward,
+    masked_forward=lambda w, comps, t, m: masked_run(w, comps, t, m)[0],
+    frozen_stacks=lambda weights: {"mix": weights["mix"],
+                                   "head": weights["head"]},
+    divergence=kl,
+    batch_lead_shape=lambda tokens: tokens.shape,
+    masked_forward_taps=masked_forward_taps,
+    token_labels=labels,
+  )
+  keys = jax.random.split(jax.random.key(7), 3)
+  weights = {
+    "embed": jax.random.normal(keys[0], (vocab, d)),
+    "mix": jax.random.normal(keys[1], (1, d, d)) / jnp.sqrt(d),
+    "head": 2.0 * jax.random.normal(keys[2], (1, d, vocab)) / jnp.sqrt(d),
+  }
+  return fns, weights
+
+
+@pytest.fixture(scope="session")
+def token_target():
+  """A tiny LM-shaped target on tokens and its frozen weights."""
+  return make_token_target()

@@ -1,13 +1,16 @@
-"""Persistent and fresh PGD terms in the step (SPEC §5.6, §5.7, I17, I20, I21)."""
+"""Persistent, merged and fresh PGD terms in the step (SPEC §5.6-§5.8,
+I17-I24)."""
 
+import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from decompax.core import adversary, ci_fns, optim, sites as sites_lib
-from decompax.core import train_step
+from decompax.core import squash, train_step
 from decompax.core.schedules import Schedule
-from decompax.losses import adversarial, recon, terms
+from decompax.losses import adversarial, hidden, recon, terms
 
 B = 8
 
@@ -99,3 +102,126 @@ def test_i24_fresh_pgd_raises_the_loss_over_its_init(chain):
     _, _, metrics, _, _, _ = _run(chain, (term,))
     values[n_steps] = float(metrics["loss/fresh"])
   assert values[3] > values[0]
+
+
+def _persistent_with(target, objective="e2e", rider=None, merged=None,
+                     coeff=1.0):
+  config = adversarial.PersistentConfig(
+    adversary.SourceConfig(scope="c"), Schedule(0.05), n_warmup=1,
+    objective=objective)
+  plan = recon.all_sites_plan(target.sites, "uniform_k", 1)
+  return adversarial.persistent_pgd_term(
+    "persistent", coeff, plan, config, target.sites, with_delta=True,
+    rider=rider, merged=merged)
+
+
+def _sources(after):
+  return {k: np.asarray(s.source)
+          for k, s in after.term_states[1]["sources"].items()}
+
+
+RIDER = hidden.HiddenRider(2.0, ("l0.out", "l1.out"))
+
+
+def test_i23_e2e_without_rider_is_term(chain):
+  _, e2e, m_e2e, *_ = _run(chain, (_persistent_with(chain[0], "e2e"),))
+  _, term, m_term, *_ = _run(chain, (_persistent_with(chain[0], "term"),))
+  chex.assert_trees_all_equal(e2e._replace(rng=None), term._replace(rng=None))
+  assert float(m_e2e["loss/persistent"]) == float(m_term["loss/persistent"])
+
+
+def test_i23_e2e_with_rider_ascends_on_output_only(chain):
+  """Same draws and pre-update parameters: the e2e sources move exactly as
+  without the rider, while the rider still changes the loss and the model."""
+  _, plain, m_plain, *_ = _run(chain, (_persistent_with(chain[0]),))
+  _, e2e, m_e2e, *_ = _run(chain, (_persistent_with(chain[0], rider=RIDER),))
+  _, term, _, *_ = _run(chain, (
+    _persistent_with(chain[0], "term", rider=RIDER),))
+  for site, source in _sources(plain).items():
+    np.testing.assert_allclose(_sources(e2e)[site], source, rtol=1e-6,
+                               atol=1e-7)
+  assert any(not np.allclose(_sources(term)[s], v, rtol=1e-4, atol=1e-6)
+             for s, v in _sources(plain).items())
+  assert float(m_e2e["loss/persistent"]) > float(m_plain["loss/persistent"])
+  assert not np.allclose(e2e.components["sq"].v, plain.components["sq"].v)
+
+
+def test_merged_term_all_adversarial_is_the_persistent_route_all_term(chain):
+  target = chain[0]
+  config = adversarial.PersistentConfig(
+    adversary.SourceConfig(scope="c"), Schedule(0.05), n_warmup=1)
+  route_all = recon.all_sites_plan(target.sites, "all", 1)
+  uniform_k = recon.all_sites_plan(target.sites, "uniform_k", 1)
+  persistent = adversarial.persistent_pgd_term(
+    "persistent", 1.0, route_all, config, target.sites, True)
+  merged = adversarial.persistent_pgd_term(
+    "persistent", 1.0, uniform_k, config, target.sites, True,
+    merged=adversarial.Merged(1.0))
+  _, after_p, m_p, *_ = _run(chain, (persistent,))
+  _, after_m, m_m, *_ = _run(chain, (merged,))
+  np.testing.assert_allclose(float(m_m["loss/persistent"]),
+                             float(m_p["loss/persistent"]), rtol=1e-6)
+  for site, source in _sources(after_p).items():
+    np.testing.assert_allclose(_sources(after_m)[site], source, rtol=1e-6,
+                               atol=1e-7)
+
+
+def test_merged_term_without_adversarial_rows_leaves_sources_still(chain):
+  """At fraction 0 every row draws fresh sources: the persistent ones get a
+  zero gradient, so the final ascent moves nothing (Adam: 0 / (0 + eps))."""
+  config = adversarial.PersistentConfig(
+    adversary.SourceConfig(scope="c"), Schedule(0.05), n_warmup=0)
+  term = adversarial.persistent_pgd_term(
+    "persistent", 1.0, recon.all_sites_plan(chain[0].sites, "uniform_k", 1),
+    config, chain[0].sites, True, merged=adversarial.Merged(0.0))
+  before, after, metrics, *_ = _run(chain, (term,))
+  assert float(metrics["loss/persistent"]) > 0
+  for site, source in _sources(after).items():
+    np.testing.assert_array_equal(
+      source, before.term_states[1]["sources"][site].source)
+
+
+def test_i22_a_bundle_feeds_one_term():
+  adversarial.check_bundles({"pgd": "a", "merged": "b"})
+  with pytest.raises(ValueError, match="bundle 'a' feeds two terms"):
+    adversarial.check_bundles({"pgd": "a", "merged": "a"})
+
+
+def test_i24_fresh_pgd_one_routing_draw_and_no_main_loss_gradient(chain):
+  """The routes of every ascent and of the loss forward are one draw, and the
+  sources enter the objective as constants."""
+  target = chain[0]
+  plan = recon.all_sites_plan(target.sites, "uniform_k", 1)
+  term = adversarial.fresh_pgd_term(
+    "fresh", 1.0, plan, adversarial.FreshConfig("random", "bc", 2, 0.1), True)
+  _, _, _, built, ci, x = _run(chain, (term,))
+  del built
+  route_draws = []
+  real_routes = recon.entry_routes
+
+  def counting(key, entry, lead):
+    route_draws.append(key)
+    return real_routes(key, entry, lead)
+
+  recon.entry_routes = counting
+  try:
+    ctx = _context(chain, ci, x)
+    _, (sources, routes) = term.prepare(ctx, jax.random.key(7), None)
+    value_grad = jax.grad(lambda s: term.fn(ctx, jax.random.key(7),
+                                            (s, routes))[0])(sources)
+  finally:
+    recon.entry_routes = real_routes
+  assert len(route_draws) == len(plan)
+  for g in jax.tree.leaves(value_grad):
+    assert not np.any(np.asarray(g))
+
+
+def _context(chain, ci, x):
+  target, weights = chain
+  comps = sites_lib.init_components(jax.random.key(0), target.sites)
+  ci_params = ci.init(jax.random.key(1))
+  out, taps = target.clean_forward(weights, x, ci.input_taps)
+  ci_out = squash.squash(ci.apply(ci_params, taps, comps))
+  return train_step.StepContext(
+    jnp.zeros((), jnp.int32), 10, target, weights, x, out, comps, ci_out,
+    clean_taps=taps)
