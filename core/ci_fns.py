@@ -4,7 +4,8 @@ Every CI function maps clean taps (the key of a site's name is that site's
 input `[*L, d_in]`) to per-site pre-activations `[*L, C_s]`. Hidden
 activations are exact-erf GELU; weights are `N(0,1)·gain/√fan_in` with gain
 `√2` into a hidden layer and `1` into the output; biases start at zero. Site
-`i` (canonical order) initialises from `fold_in(key, i)`.
+`i` (canonical order) initialises from `fold_in(key, i)`. `make_ci_fn` also
+builds the LM chunkwise transformer of `ci_transformer` (SPEC §4.3).
 """
 
 import dataclasses
@@ -18,11 +19,13 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Key
 
-from decompax.core import fast_gelu
+from decompax.core import ci_transformer, fast_gelu
 from decompax.core.sites import Components, SiteSpec, site_factors
 
-CIKind = Literal["component_mlp", "vector_mlp", "site_mlp", "global_mlp"]
-CI_KINDS = ("component_mlp", "vector_mlp", "site_mlp", "global_mlp")
+CIKind = Literal[
+  "component_mlp", "vector_mlp", "site_mlp", "global_mlp", "transformer"]
+CI_KINDS = ("component_mlp", "vector_mlp", "site_mlp", "global_mlp",
+            "transformer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +33,14 @@ class CIConfig:
   """Which CI function, and its hidden widths.
 
   `component_mlp` and `vector_mlp` take exactly one hidden width (`d_gate`);
-  `site_mlp` and `global_mlp` take any number, including none.
+  `site_mlp` and `global_mlp` take any number, including none. `transformer`
+  ignores `hidden` and reads its sizes and chunks from `transformer`.
   """
 
   kind: str = "component_mlp"  # one of CI_KINDS
   hidden: tuple[int, ...] = (16,)
+  transformer: ci_transformer.TransformerCIConfig = (
+    ci_transformer.TransformerCIConfig())
 
   def __post_init__(self):
     if self.kind not in CI_KINDS:
@@ -177,17 +183,20 @@ def _batch_sums(
   # a reduction fused with elementwise work as scalar code, so the batch is
   # cut into slices added in one vectorised loop fusion; only `[g, n/k, c]`
   # partials go through a real reduction. Two sums travel as one complex64
-  # array, the only way to get two outputs from one CPU loop fusion.
+  # array, the only way to get two outputs from one CPU loop fusion. Slice
+  # `i` takes every k-th row, so a batch sharded over devices stays sharded
+  # on the partials' row axis (contiguous slices would each live on one
+  # device and be gathered whole).
   n, c = h.shape
   d_gate = w_in.shape[1]
   k = min(slices, n)
   rows = -(-n // k)
   pad = ((0, k * rows - n), (0, 0))
-  hs, gs = (jnp.pad(x, pad).reshape(k, rows, c) for x in (h, g))
+  hs, gs = (jnp.pad(x, pad).reshape(rows, k, c) for x in (h, g))
   wi, bi = (w.reshape(d_gate, 1, c) for w in _g_major(w_in, b_in))
   acc = None
   for i in range(k):
-    terms = fn(hs[i] * wi + bi, hs[i], gs[i])
+    terms = fn(hs[:, i] * wi + bi, hs[:, i], gs[:, i])
     acc = terms if acc is None else tuple(a + t for a, t in zip(acc, terms))
   packed = acc[0] if len(acc) == 1 else lax.complex(*acc)
   # Without the barrier XLA splits the sum into many small fusions.
@@ -309,6 +318,8 @@ def _site_keys(key, sites):
 
 def make_ci_fn(config: CIConfig, sites: tuple[SiteSpec, ...]) -> CIFn:
   """Return the `(init, apply)` pair of `config` over `sites`."""
+  if config.kind == "transformer":
+    return _make_transformer_ci_fn(config.transformer, sites)
   taps = tuple(s.name for s in sites)
   (width,) = config.hidden if len(config.hidden) == 1 else (None,)
 
@@ -369,3 +380,20 @@ def make_ci_fn(config: CIConfig, sites: tuple[SiteSpec, ...]) -> CIFn:
       return {s.name: p for s, p in zip(sites, parts)}
 
   return CIFn(input_taps=taps, init=init, apply=apply)
+
+
+def _make_transformer_ci_fn(
+  config: ci_transformer.TransformerCIConfig, sites: tuple[SiteSpec, ...]
+) -> CIFn:
+  # Chunks are resolved and checked here, before any parameter exists (I7).
+  plan = ci_transformer.plan_chunks(config, sites)
+
+  def init(key):
+    return ci_transformer.init_params(key, config, plan)
+
+  def apply(params, tap_values, components):
+    del components
+    pre = ci_transformer.apply(params, tap_values, config, plan)
+    return {s.name: pre[s.name] for s in sites}
+
+  return CIFn(input_taps=plan.taps, init=init, apply=apply)

@@ -55,6 +55,6 @@ def test_init_gains_and_zero_biases():
 
 def test_config_refuses_bad_kinds_and_widths():
   with pytest.raises(ValueError, match="unknown CI function"):
-    ci_fns.CIConfig("transformer", (4,))
+    ci_fns.CIConfig("lstm", (4,))
   with pytest.raises(ValueError, match="one hidden width"):
     ci_fns.CIConfig("component_mlp", (4, 4))

@@ -1,0 +1,227 @@
+"""Pre-tokenized token files and the batches drawn from them.
+
+A token file is two files side by side:
+- `NAME.bin`: every token id of the corpus, documents concatenated in order
+  with the EOS id after each one, as flat little-endian `uint16` (vocab
+  ≤ 65536) or `uint32`; no header, so it memory-maps as one array.
+- `NAME.json`: the header, `{"format": "decompax.tokens", "version": 1,
+  "dtype", "vocab_size", "num_tokens", "num_documents", "eos_id",
+  "tokenizer"}`.
+
+`bin/tokenize` writes them. A batch is a pure function of `(seed, step)`:
+global row `r` is the window of `seq_len` tokens starting at a counter-based
+hash of `(seed, step, r)`, so resuming at any step costs nothing and process
+`p` of `P` reads only its own rows `[p·B/P, (p+1)·B/P)`.
+"""
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable
+from typing import BinaryIO
+
+import numpy as np
+from jaxtyping import Int, UInt
+
+from decompax.io import run_dir
+
+FORMAT = "decompax.tokens"
+VERSION = 1
+_HEADER_KEYS = ("dtype", "vocab_size", "num_tokens", "num_documents",
+                "eos_id", "tokenizer")
+_MASK64 = (1 << 64) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenHeader:
+  """What `NAME.json` records about `NAME.bin`."""
+
+  dtype: str
+  vocab_size: int
+  num_tokens: int
+  num_documents: int
+  eos_id: int
+  tokenizer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+  """An opened token file: its header and the memory-mapped ids."""
+
+  header: TokenHeader
+  ids: np.ndarray  # memory-mapped `[num_tokens]`, the header's dtype
+  path: str
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+  """Return the narrowest unsigned dtype holding ids `0..vocab_size-1`."""
+  return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def header_path(path: run_dir.Path) -> str:
+  """Return the header file of token file `NAME.bin`: `NAME.json`."""
+  return os.path.splitext(os.fspath(path))[0] + ".json"
+
+
+def write_tokens(
+  path: run_dir.Path,
+  documents: Iterable[np.ndarray],
+  vocab_size: int,
+  eos_id: int,
+  tokenizer: str,
+) -> TokenHeader:
+  """Write every document followed by `eos_id` to `path` and its header.
+
+  Both files are replaced atomically, the ids first, so a crash leaves no
+  header that describes a partial file. Ids outside `[0, vocab_size)` raise
+  ValueError and leave the destination untouched.
+  """
+  path = os.fspath(path)
+  if not path.endswith(".bin"):
+    raise ValueError(f"token file {path} must end in .bin")
+  if not 0 <= eos_id < vocab_size:
+    raise ValueError(f"EOS id {eos_id} is outside the vocab [0, {vocab_size})")
+  dtype = np.dtype(dtype_for_vocab(vocab_size)).newbyteorder("<")
+  eos = np.array([eos_id], dtype)
+  counts = {"tokens": 0, "documents": 0}
+
+  def write(f: BinaryIO) -> None:
+    for doc in documents:
+      doc = np.asarray(doc)
+      if doc.size and (doc.min() < 0 or doc.max() >= vocab_size):
+        raise ValueError(
+          f"document {counts['documents']} holds ids outside the vocab"
+          f" [0, {vocab_size})")
+      f.write(doc.astype(dtype).tobytes())
+      f.write(eos.tobytes())
+      counts["tokens"] += doc.size + 1
+      counts["documents"] += 1
+
+  run_dir.atomic_write(path, write)
+  header = TokenHeader(dtype.name, vocab_size, counts["tokens"],
+                       counts["documents"], eos_id, tokenizer)
+  record = {"format": FORMAT, "version": VERSION} | dataclasses.asdict(header)
+  run_dir.atomic_write(
+    header_path(path),
+    lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()))
+  return header
+
+
+def _read_header(path: str) -> TokenHeader:
+  hpath = header_path(path)
+  if not os.path.exists(hpath):
+    raise ValueError(f"token header {hpath} not found; write {path} and its"
+                     " header with bin/tokenize")
+  try:
+    with open(hpath) as f:
+      record = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"token header {hpath} is not valid JSON ({e})") from None
+  if not isinstance(record, dict) or record.get("format") != FORMAT:
+    raise ValueError(f"{hpath} is not a {FORMAT} header")
+  if record.get("version") != VERSION:
+    raise ValueError(f"token header {hpath} has version"
+                     f" {record.get('version')}, this reader needs {VERSION};"
+                     " re-run bin/tokenize")
+  missing = [k for k in _HEADER_KEYS if k not in record]
+  if missing:
+    raise ValueError(f"token header {hpath} lacks {missing}")
+  header = TokenHeader(**{k: record[k] for k in _HEADER_KEYS})
+  if header.dtype != dtype_for_vocab(header.vocab_size):
+    raise ValueError(
+      f"token header {hpath}: dtype {header.dtype} does not match vocab size"
+      f" {header.vocab_size} (expected {dtype_for_vocab(header.vocab_size)})")
+  return header
+
+
+def open_tokens(path: run_dir.Path, vocab_size: int | None = None) -> Tokens:
+  """Return the memory-mapped token file `path` (`NAME.bin`) and its header.
+
+  With `vocab_size` (the model's), refuse a file tokenized for a larger vocab.
+
+  Raises:
+    ValueError: a missing file or header, a header that does not describe
+      the file, or a vocab larger than the model's.
+  """
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise ValueError(f"token file {path} not found; create it with"
+                     " bin/tokenize")
+  header = _read_header(path)
+  itemsize = np.dtype(header.dtype).itemsize
+  size = os.path.getsize(path)
+  if size != header.num_tokens * itemsize:
+    raise ValueError(
+      f"token file {path} has {size} bytes but its header promises"
+      f" {header.num_tokens} {header.dtype} tokens"
+      f" ({header.num_tokens * itemsize} bytes); re-run bin/tokenize")
+  if vocab_size is not None and header.vocab_size > vocab_size:
+    raise ValueError(
+      f"token file {path} was tokenized for vocab {header.vocab_size}, larger"
+      f" than the model's {vocab_size}; tokenize with the model's tokenizer")
+  if header.num_tokens == 0:
+    raise ValueError(f"token file {path} holds no tokens")
+  ids = np.memmap(path, dtype=np.dtype(header.dtype).newbyteorder("<"),
+                  mode="r", shape=(header.num_tokens,))
+  return Tokens(header, ids, path)
+
+
+def _mix64(x: UInt[np.ndarray, "*s"]) -> UInt[np.ndarray, "*s"]:
+  # splitmix64's finaliser: a bijection of uint64 whose outputs look
+  # independent for consecutive inputs. numpy uint64 arrays wrap silently.
+  x = x + np.uint64(0x9E3779B97F4A7C15)
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return x ^ (x >> np.uint64(31))
+
+
+def window_starts(
+  seed: int, step: int, rows: range, num_tokens: int, seq_len: int
+) -> Int[np.ndarray, " rows"]:
+  """Return the start of each global row's window at `(seed, step)`.
+
+  A pure function of its arguments: row `r`'s start depends on nothing but
+  `(seed, step, r)` and the stream and window lengths.
+  """
+  if not 0 < seq_len <= num_tokens:
+    raise ValueError(f"sequence length {seq_len} must be in [1, {num_tokens}],"
+                     " the token file's length")
+  seed_hash = _mix64(np.array([int(seed) & _MASK64], np.uint64))
+  step_hash = _mix64(seed_hash ^ np.uint64(int(step) & _MASK64))
+  row_ids = np.arange(rows.start, rows.stop, dtype=np.uint64)
+  h = _mix64(step_hash ^ _mix64(row_ids))
+  return (h % np.uint64(num_tokens - seq_len + 1)).astype(np.int64)
+
+
+def process_rows(batch_size: int, process_index: int,
+                 process_count: int) -> range:
+  """Return the global rows `[p·B/P, (p+1)·B/P)` that process `p` reads."""
+  if process_count <= 0 or not 0 <= process_index < process_count:
+    raise ValueError(f"process index {process_index} must be in"
+                     f" [0, {process_count})")
+  if batch_size <= 0 or batch_size % process_count:
+    raise ValueError(f"batch size {batch_size} must be a positive multiple of"
+                     f" the process count {process_count}")
+  per = batch_size // process_count
+  return range(process_index * per, (process_index + 1) * per)
+
+
+def read_batch(
+  tokens: Tokens,
+  seed: int,
+  step: int,
+  batch_size: int,
+  seq_len: int,
+  process_index: int = 0,
+  process_count: int = 1,
+) -> Int[np.ndarray, "rows seq"]:
+  """Return this process's rows of the global batch at `(seed, step)`.
+
+  `batch_size` is the global batch; the result has `batch_size /
+  process_count` rows of `seq_len` int32 ids. Concatenating every process's
+  rows in process order gives the single-process batch.
+  """
+  rows = process_rows(batch_size, process_index, process_count)
+  starts = window_starts(seed, step, rows, tokens.header.num_tokens, seq_len)
+  index = starts[:, None] + np.arange(seq_len)
+  return np.asarray(tokens.ids[index], np.int32)
