@@ -4,6 +4,8 @@ Full-length results are in the README; these runs are cut short to stay in
 the default suite and assert what a short run reliably shows.
 """
 
+import pathlib
+
 import jax
 import numpy as np
 import pytest
@@ -12,6 +14,8 @@ from absl import flags
 from decompax.bin import train, train_flags
 from decompax.core import probe
 from decompax.targets import registry
+
+FLAGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "flags"
 
 
 @pytest.fixture
@@ -51,3 +55,16 @@ def test_tms_5_2_embedding_becomes_one_component_per_feature(config_of):
   assert metrics["loss/faithfulness"] < 1e-5
   # Each input has ρ·n = 0.25 active features on average.
   assert 0.1 < metrics["ci_l0/linear1"] < 0.4
+
+
+@pytest.mark.slow
+def test_tms_5_2_vpd_flagfile_recovers_one_component_per_feature(config_of):
+  """The full VPD flagfile (40k steps): five alive components per matrix,
+  each serving one feature."""
+  config = config_of(f"--flagfile={FLAGS_DIR / 'tms_5-2_vpd.flags'}")
+  ci, metrics = _run(config)
+  for site in ("linear1", "linear2"):
+    active = probe.active_features(ci[site])
+    assert len(active) == 5
+    assert sorted(f for fs in active.values() for f in fs) == list(range(5))
+  assert metrics["loss/faithfulness"] < 1e-6
