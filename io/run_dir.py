@@ -31,7 +31,8 @@ METRICS_FILE = "metrics.jsonl"
 # Entries a run writes; `--overwrite` removes these and nothing else, so a
 # mistyped --output_dir never deletes files the run did not create.
 RUN_ENTRIES = (FLAGS_FILE, METRICS_FILE, "figures", "decomposition.npz",
-               "target.npz")
+               "target.npz", "checkpoints", "run_info.json", "profile",
+               "NO_CHECKPOINTS", "report")
 _METADATA_KEY = "__metadata__"
 # Dtype names per array: numpy stores ml_dtypes (bfloat16) as raw void bytes.
 _DTYPES_KEY = "__dtypes__"
@@ -57,12 +58,13 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> str:
   except BaseException:
     os.remove(tmp)
     raise
-  _fsync_dir(parent)
+  fsync_dir(parent)
   return path
 
 
-def _fsync_dir(path: str) -> None:
-  # Makes the rename itself durable; not every platform can open a directory.
+def fsync_dir(path: str) -> None:
+  """Make a rename inside `path` durable (where directories can be opened)."""
+  # Not every platform can open a directory.
   with contextlib.suppress(OSError):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -170,6 +172,21 @@ def _parse_record(line: str) -> dict | None:
   return record if isinstance(record, dict) else None
 
 
+def truncate_metrics(path: Path, last_step: int) -> int:
+  """Drop the records of `path` past `last_step`; return how many were kept.
+
+  A resumed run calls this with its restored step, so records that a killed
+  attempt logged after its last save are rewritten, not duplicated. Torn
+  lines go too; the file is replaced atomically.
+  """
+  if not os.path.exists(path):
+    return 0
+  kept = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+  text = "".join(json.dumps(r, default=_json_default) + "\n" for r in kept)
+  atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+  return len(kept)
+
+
 def read_metrics(path: Path) -> list[dict]:
   """Return the records of `path` in order; [] when it does not exist.
 
@@ -258,7 +275,7 @@ def _path_key(path: tuple) -> str:
   return key
 
 
-def _leaf_keys(tree: PyTree) -> tuple[list[str], list[Any]]:
+def leaf_keys(tree: PyTree) -> tuple[list[str], list[Any]]:
   """Return the slash path and the leaf of every leaf, in flatten order."""
   with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
   keys = [_path_key(p) for p, _ in with_path]
@@ -274,7 +291,7 @@ def flatten_tree(tree: PyTree) -> dict[str, np.ndarray]:
   (DictKey) their keys, and tuple or list entries (SequenceKey) their
   indices: `components/linear1/v`.
   """
-  keys, leaves = _leaf_keys(tree)
+  keys, leaves = leaf_keys(tree)
   return {k: np.asarray(leaf) for k, leaf in zip(keys, leaves)}
 
 
@@ -293,7 +310,7 @@ def unflatten_into(
   Raises ValueError naming the first key that is missing, unexpected, or
   differs from the template in shape or dtype.
   """
-  keys, leaves = _leaf_keys(template_tree)
+  keys, leaves = leaf_keys(template_tree)
   for key, leaf in zip(keys, leaves):
     if key not in flat:
       raise ValueError(f"{key}: missing from the stored arrays")

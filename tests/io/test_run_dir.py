@@ -265,3 +265,16 @@ def test_metrics_append_after_one_byte_torn_file(tmp_path):
   path.write_text("{")
   run_dir.append_metrics(path, {"step": 0})
   assert run_dir.read_metrics(path) == [{"step": 0}]
+
+
+def test_truncate_metrics_drops_records_past_a_step_and_torn_lines(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  assert run_dir.truncate_metrics(path, 5) == 0 and not path.exists()
+  for step in (0, 5, 10):
+    run_dir.append_metrics(path, {"step": step, "loss": float(step)})
+  with open(path, "a") as f:
+    f.write('{"step": 15, "lo')  # torn by a kill
+  assert run_dir.truncate_metrics(path, 5) == 2
+  assert [r["step"] for r in run_dir.read_metrics(path)] == [0, 5]
+  run_dir.append_metrics(path, {"step": 10})
+  assert [r["step"] for r in run_dir.read_metrics(path)] == [0, 5, 10]

@@ -1,0 +1,448 @@
+"""Checkpoints: atomic step directories of named items (SPEC §12).
+
+A checkpoint directory holds one directory per saved step, named by its label
+(completed optimizer steps, zero-padded to nine digits):
+
+  000000100/checkpoint.json               format, step, items; written last
+  000000100/decomposition/manifest.json   per array: shape, dtype; metadata
+  000000100/decomposition/arrays/components/mlp_in/v/   one zarr v3 array
+  000000100/training/...
+
+Array directories are the leaves' slash-joined tree paths (STYLE §9). A step
+is written under `.tmp-000000100` and renamed when complete, so a directory
+with a step name is whole unless the disk damaged it afterwards; checksums
+(see `tensor_store`) make such damage an error on read, and
+`restore_latest` falls back past it. Typed PRNG keys are stored as their key
+data plus the implementation's name.
+
+A training state splits into two items: `decomposition` (components and
+CI-function params, with the site specs and CI config that rebuild their
+structure) and `training` (every other state field);
+`decomposition.load_decomposition` reads the first alone (I37).
+"""
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jaxtyping import PyTree
+
+from decompax.io import run_dir, tensor_store
+from decompax.io.run_dir import Path
+
+FORMAT = "decompax-checkpoint/1"
+INDEX_FILE = "checkpoint.json"
+MANIFEST_FILE = "manifest.json"
+ARRAYS_DIR = "arrays"
+# A run directory keeps its checkpoints here.
+CHECKPOINT_DIR = "checkpoints"
+DECOMPOSITION = "decomposition"
+TRAINING = "training"
+DECOMPOSITION_FIELDS = ("components", "ci_params")
+_TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint cannot be used here; the message is one line."""
+
+
+class DamagedCheckpoint(CheckpointError):
+  """A saved step is unreadable (missing or corrupt files)."""
+
+
+def step_name(step: int) -> str:
+  """Return the directory name of label `step`."""
+  return f"{step:09d}"
+
+
+def step_path(directory: Path, step: int) -> str:
+  """Return the directory of label `step` under `directory`."""
+  return os.path.join(os.fspath(directory), step_name(step))
+
+
+def _sync(name: str) -> None:
+  # Every process writes its own shards; the primary creates and commits.
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+def _primary() -> bool:
+  return jax.process_index() == 0
+
+
+def _is_key(leaf: Any) -> bool:
+  dtype = getattr(leaf, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _as_array(leaf: Any) -> Any:
+  return leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+
+
+def _entry(leaf: Any) -> dict:
+  """Return the manifest entry of a leaf (array, ShapeDtypeStruct, number)."""
+  if _is_key(leaf):
+    data = jax.eval_shape(jax.random.key_data, leaf)
+    return {"shape": list(data.shape), "dtype": np.dtype(data.dtype).name,
+            "key": True}
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is None:
+    dtype = np.asarray(leaf).dtype
+  return {"shape": list(np.shape(leaf)), "dtype": np.dtype(dtype).name}
+
+
+def _write_json(path: Path, value: Any) -> None:
+  text = json.dumps(value, indent=1, sort_keys=True)
+  run_dir.atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def _write_item(root: str, item: str, tree: PyTree, metadata: Mapping) -> None:
+  keys, leaves = run_dir.leaf_keys(tree)
+  arrays = [jax.random.key_data(leaf) if _is_key(leaf) else _as_array(leaf)
+            for leaf in leaves]
+  entries = {k: _entry(leaf) for k, leaf in zip(keys, leaves)}
+  for key, leaf in zip(keys, leaves):
+    if _is_key(leaf):
+      entries[key]["key_impl"] = str(jax.random.key_impl(leaf))
+  paths = [os.path.join(root, item, ARRAYS_DIR, *k.split("/")) for k in keys]
+  ctx = tensor_store.context()
+  if _primary():
+    pending = [tensor_store.start_create(p, a.shape, a.dtype,
+                                         tensor_store.shard_shape_of(a), ctx)
+               for p, a in zip(paths, arrays)]
+    stores = [tensor_store.created(f, p) for f, p in zip(pending, paths)]
+  _sync(f"checkpoint-create-{root}-{item}")
+  if not _primary():
+    stores = [tensor_store.opened(tensor_store.start_open(p, ctx), p)
+              for p in paths]
+  futures = []
+  for store, array in zip(stores, arrays):
+    if isinstance(array, jax.Array) or _primary():
+      futures += tensor_store.start_write(store, array)
+  tensor_store.wait(futures)
+  _sync(f"checkpoint-written-{root}-{item}")
+  if _primary():
+    _write_json(os.path.join(root, item, MANIFEST_FILE), {
+      "format": FORMAT, "item": item, "arrays": entries,
+      "metadata": dict(metadata)})
+
+
+def _remove(path: Path) -> None:
+  if os.path.isdir(path):
+    shutil.rmtree(path)
+
+
+def _commit(tmp: str, final: str) -> None:
+  """Rename `tmp` to `final`, replacing an older directory of that name."""
+  parent, name = os.path.split(final)
+  trash = os.path.join(parent, _TRASH_PREFIX + name)
+  if os.path.lexists(final):
+    _remove(trash)
+    os.rename(final, trash)
+  os.rename(tmp, final)
+  run_dir.fsync_dir(parent)
+  _remove(trash)
+
+
+def save(
+  directory: Path,
+  step: int,
+  items: Mapping[str, PyTree],
+  metadata: Mapping[str, Mapping] | None = None,
+  after_item: Callable[[str], None] | None = None,
+) -> str:
+  """Write `items` as label `step` under `directory`; return its path.
+
+  The step directory appears only once every item is written. An existing
+  directory of the same label (a damaged one being replaced) is swapped out.
+  `after_item(name)` runs after each item is written (fault injection in
+  tests). Raises CheckpointError when the disk refuses a write.
+  """
+  directory = os.path.abspath(os.fspath(directory))
+  name = step_name(step)
+  tmp = os.path.join(directory, _TMP_PREFIX + name)
+  final = os.path.join(directory, name)
+  metadata = metadata or {}
+  try:
+    if _primary():
+      os.makedirs(directory, exist_ok=True)
+      _remove(tmp)
+      os.makedirs(tmp)
+    _sync(f"checkpoint-begin-{tmp}")
+    for item, tree in items.items():
+      _write_item(tmp, item, tree, metadata.get(item, {}))
+      if after_item is not None:
+        after_item(item)
+    if _primary():
+      _write_json(os.path.join(tmp, INDEX_FILE),
+                  {"format": FORMAT, "step": step, "items": list(items)})
+      _commit(tmp, final)
+  except (OSError, tensor_store.StoreError) as e:
+    raise CheckpointError(f"cannot save checkpoint {final}: {e}") from e
+  _sync(f"checkpoint-done-{final}")
+  return final
+
+
+def committed_steps(directory: Path) -> list[int]:
+  """Return the labels of committed step directories, oldest first."""
+  directory = os.fspath(directory)
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory)
+                if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
+def _read_json(path: Path, what: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except FileNotFoundError:
+    raise DamagedCheckpoint(f"{what} is missing") from None
+  except (OSError, ValueError) as e:
+    raise DamagedCheckpoint(f"{what} is unreadable: {e}") from None
+  if not isinstance(value, dict) or value.get("format") != FORMAT:
+    raise DamagedCheckpoint(f"{what} is not a {FORMAT} record")
+  return value
+
+
+def read_index(path: Path) -> dict:
+  """Return the index of the step directory `path`; DamagedCheckpoint if bad."""
+  index = _read_json(os.path.join(path, INDEX_FILE),
+                     f"{path}: {INDEX_FILE}")
+  name = os.path.basename(os.path.normpath(path))
+  if name.isdigit() and index.get("step") != int(name):
+    raise DamagedCheckpoint(f"{path}: {INDEX_FILE} names step"
+                            f" {index.get('step')}")
+  return index
+
+
+def latest_step(directory: Path) -> int | None:
+  """Return the newest label whose index reads, or None."""
+  for step in reversed(committed_steps(directory)):
+    try:
+      read_index(step_path(directory, step))
+    except DamagedCheckpoint:
+      continue
+    return step
+  return None
+
+
+def _manifest(path: Path, item: str) -> dict:
+  if not os.path.isdir(os.path.join(path, item)):
+    raise DamagedCheckpoint(f"{path} has no item {item!r}")
+  manifest = _read_json(os.path.join(path, item, MANIFEST_FILE),
+                        f"{path}: {item}/{MANIFEST_FILE}")
+  if not isinstance(manifest.get("arrays"), dict):
+    raise DamagedCheckpoint(f"{path}: {item}/{MANIFEST_FILE} lists no arrays")
+  return manifest
+
+
+def item_metadata(path: Path, item: str) -> dict:
+  """Return the metadata saved with `item` of the step directory `path`."""
+  return dict(_manifest(path, item).get("metadata", {}))
+
+
+def _describe(entry: dict) -> str:
+  return f"{entry.get('dtype')}{list(entry.get('shape', []))}"
+
+
+def _check_structure(where: str, stored: dict, keys: list[str],
+                     leaves: list) -> None:
+  missing = [k for k in keys if k not in stored]
+  if missing:
+    raise CheckpointError(
+      f"{where}: {missing[0]} is not stored ({len(missing)} missing); it was "
+      "written for another structure")
+  extra = sorted(set(stored) - set(keys))
+  if extra:
+    raise CheckpointError(
+      f"{where}: stored {extra[0]} is not in this run's state ({len(extra)} "
+      "extra); it was written for another structure")
+  for key, leaf in zip(keys, leaves):
+    want, got = _entry(leaf), stored[key]
+    if bool(want.get("key")) != bool(got.get("key")):
+      raise CheckpointError(
+        f"{where}: {key} is stored as {'a' if got.get('key') else 'no'} PRNG"
+        f" key, this run expects {'one' if want.get('key') else 'an array'}")
+    if (want["shape"], want["dtype"]) != (got.get("shape"), got.get("dtype")):
+      raise CheckpointError(
+        f"{where}: {key} is stored as {_describe(got)}, this run expects "
+        f"{_describe(want)}")
+
+
+def _shardings(template: PyTree, shardings: Any, n: int) -> list:
+  if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+    return [shardings] * n
+  return jax.tree_util.tree_structure(template).flatten_up_to(shardings)
+
+
+def _placement(leaf: Any, given: Any) -> jax.sharding.Sharding:
+  if given is not None:
+    return given
+  sharding = getattr(leaf, "sharding", None)
+  if isinstance(sharding, jax.sharding.Sharding):
+    return sharding
+  return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _open_all(path: Path, item: str, keys: list[str], stored: dict
+              ) -> list:
+  """Return the opened arrays of `keys`, opened concurrently."""
+  ctx = tensor_store.context()
+  paths = [os.path.join(path, item, ARRAYS_DIR, *k.split("/")) for k in keys]
+  pending = [tensor_store.start_open(p, ctx, stored[k]["shape"],
+                                     stored[k]["dtype"])
+             for p, k in zip(paths, keys)]
+  stores = []
+  for key, array_path, future in zip(keys, paths, pending):
+    try:
+      stores.append(tensor_store.opened(future, array_path))
+    except tensor_store.StoreError as e:
+      raise DamagedCheckpoint(
+        f"checkpoint {path} item {item}: {key}: {e}") from None
+  return stores
+
+
+def _finish_leaf(store, pending, entry: dict, leaf: Any, sharding):
+  if not entry.get("key"):
+    return tensor_store.finish_read(pending)
+  key = jax.random.wrap_key_data(tensor_store.read_host(store),
+                                 impl=entry.get("key_impl"))
+  if key.dtype != leaf.dtype:
+    raise tensor_store.StoreError(
+      f"key of type {key.dtype}, this run expects {leaf.dtype}")
+  return jax.device_put(key, sharding)
+
+
+def restore_item(
+  path: Path, item: str, template: PyTree, shardings: Any = None
+) -> PyTree:
+  """Return `item` of the step directory `path`, shaped like `template`.
+
+  `template` holds arrays or `jax.ShapeDtypeStruct`s; every restored leaf is
+  placed with `shardings` (one Sharding for all, or a tree matching
+  `template`), else with the template leaf's own sharding, else on the
+  first device. Only the regions each local device needs are read, all
+  arrays at once. Raises DamagedCheckpoint for unreadable files and
+  CheckpointError when the stored structure differs from `template`.
+  """
+  manifest = _manifest(path, item)
+  where = f"checkpoint {path} item {item}"
+  keys, leaves = run_dir.leaf_keys(template)
+  stored = manifest["arrays"]
+  _check_structure(where, stored, keys, leaves)
+  placements = [_placement(leaf, given) for leaf, given in zip(
+    leaves, _shardings(template, shardings, len(leaves)))]
+  stores = _open_all(path, item, keys, stored)
+  reads = [None if stored[k].get("key") else
+           tensor_store.start_read(store, sharding)
+           for k, store, sharding in zip(keys, stores, placements)]
+  restored = []
+  for key, store, pending, leaf, sharding in zip(keys, stores, reads, leaves,
+                                                 placements):
+    try:
+      restored.append(_finish_leaf(store, pending, stored[key], leaf,
+                                   sharding))
+    except tensor_store.StoreError as e:
+      raise DamagedCheckpoint(f"{where}: {key}: {e}") from None
+  treedef = jax.tree_util.tree_structure(template)
+  return jax.tree_util.tree_unflatten(treedef, restored)
+
+
+def read_item(path: Path, item: str) -> tuple[dict[str, np.ndarray], dict]:
+  """Return every array of `item` on the host by tree path, and its metadata.
+
+  Needs no template; PRNG keys come back as their raw key data.
+  """
+  manifest = _manifest(path, item)
+  keys = list(manifest["arrays"])
+  stores = _open_all(path, item, keys, manifest["arrays"])
+  reads = [store.read() for store in stores]
+  arrays = {}
+  for key, future in zip(keys, reads):
+    try:
+      arrays[key] = np.asarray(tensor_store.wait_value(future))
+    except tensor_store.StoreError as e:
+      raise DamagedCheckpoint(f"checkpoint {path} item {item}: {key}: {e}"
+                              ) from None
+  return arrays, dict(manifest.get("metadata", {}))
+
+
+def restore_latest(
+  directory: Path,
+  restore: Callable[[str], Any],
+  report: Callable[[str], None],
+) -> tuple[int, Any] | None:
+  """Return `(label, restore(step_path))` for the newest readable step.
+
+  A damaged step is reported through `report` and the previous one tried.
+  Returns None when there is no committed step; raises CheckpointError
+  when every committed step is damaged.
+  """
+  steps = committed_steps(directory)
+  for step in reversed(steps):
+    path = step_path(directory, step)
+    try:
+      read_index(path)
+      return step, restore(path)
+    except DamagedCheckpoint as e:
+      report(f"checkpoint {step_name(step)} is damaged and skipped: {e}")
+  if steps:
+    raise CheckpointError(
+      f"{directory}: all {len(steps)} checkpoints are damaged; delete them "
+      "to start over")
+  return None
+
+
+def prune(directory: Path, keep_last: int, protect: tuple[int, ...] = ()
+          ) -> list[int]:
+  """Delete all but the newest `keep_last` steps (and `protect`); return them.
+
+  A step is renamed out of sight before it is deleted, so a crash midway
+  never leaves a partly deleted step that looks committed.
+  """
+  steps = committed_steps(directory)
+  doomed = [s for s in steps[:max(len(steps) - keep_last, 0)]
+            if s not in protect]
+  if _primary():
+    for step in doomed:
+      trash = os.path.join(directory, _TRASH_PREFIX + step_name(step))
+      _remove(trash)
+      os.rename(step_path(directory, step), trash)
+      _remove(trash)
+  return doomed
+
+
+def remove_partial(directory: Path) -> list[str]:
+  """Delete what interrupted saves and prunes left; return their names."""
+  if not os.path.isdir(directory) or not _primary():
+    return []
+  names = [n for n in os.listdir(directory)
+           if n.startswith((_TMP_PREFIX, _TRASH_PREFIX))]
+  for name in names:
+    _remove(os.path.join(directory, name))
+  return names
+
+
+def split_state(state: Any) -> dict[str, dict[str, PyTree]]:
+  """Return a training state's fields as the two checkpoint items."""
+  fields = state._asdict()
+  return {
+    DECOMPOSITION: {k: fields[k] for k in DECOMPOSITION_FIELDS},
+    TRAINING: {k: v for k, v in fields.items()
+               if k not in DECOMPOSITION_FIELDS},
+  }
+
+
+def join_state(template: Any, items: Mapping[str, Mapping]) -> Any:
+  """Return `template` with the fields of the restored items put back."""
+  fields = {}
+  for item in items.values():
+    fields.update(item)
+  return template._replace(**fields)
