@@ -8,6 +8,7 @@ business.
 
 import dataclasses
 import functools
+import types
 from types import ModuleType
 from collections.abc import Callable
 from typing import Any, Optional, Union
@@ -17,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float, Key
 
 from decompax.core import sites, target
-from decompax.targets import resid_mlp, simple_mlp, tms, toy_sites
+from decompax.targets import induction, resid_mlp, simple_mlp, tms, toy_sites
 from decompax.targets import train as train_lib
 
 Weights = Any
@@ -43,6 +44,13 @@ class ToyTarget:
   sample_inputs: Callable[[Key[Array, ""], int], Float[Array, "b n"]]
   weights_to_arrays: Callable[[Weights], dict[str, np.ndarray]]
   weights_from_arrays: Callable[[dict[str, np.ndarray]], Weights]
+  # Targets whose function table and weight layout depend on the decomposed
+  # subset (LM-shaped toys: three layer stacks around the span) build both
+  # from the selected sites; None means `fns(c)._replace(sites=...)`.
+  fns_for_sites: Optional[
+    Callable[[tuple[sites.SiteSpec, ...]], target.TargetFns]] = None
+  weights_for_sites: Optional[
+    Callable[[Weights, tuple[sites.SiteSpec, ...]], Weights]] = None
 
 
 # name -> (module, config, default seed). Seeds are ones whose trained target
@@ -65,12 +73,30 @@ _TOYS: dict[str, tuple[ModuleType, Any, int]] = {
 
 def toy_names() -> tuple[str, ...]:
   """Return the registered toy names."""
-  return tuple(_TOYS)
+  return (*_TOYS, "induction")
+
+
+def fns_for(
+  toy: ToyTarget, c: toy_sites.CPerSite, selected: tuple[sites.SiteSpec, ...]
+) -> target.TargetFns:
+  """Return the function table decomposing the `selected` sites."""
+  if toy.fns_for_sites is not None:
+    return toy.fns_for_sites(selected)
+  return toy.fns(c)._replace(sites=selected)
+
+
+def weights_for(
+  toy: ToyTarget, weights: Weights, selected: tuple[sites.SiteSpec, ...]
+) -> Weights:
+  """Return the weights in the layout `fns_for(toy, c, selected)` takes."""
+  if toy.weights_for_sites is None:
+    return weights
+  return toy.weights_for_sites(weights, selected)
 
 
 def _train_checked(
   name: str,
-  module: ModuleType,
+  module: ModuleType | types.SimpleNamespace,
   config: Any,
   key: Union[Key[Array, ""], int],
   progress: Optional[train_lib.Progress] = None,
@@ -110,8 +136,30 @@ def build(
   )
 
 
+def build_induction(
+  config: induction.InductionConfig = induction.InductionConfig(),
+  default_seed: int = 0,
+) -> ToyTarget:
+  """Return the induction toy (token inputs; its layout follows the sites)."""
+  # `_train_checked` calls `module.missing_features(weights)`: bind config.
+  bound = types.SimpleNamespace(
+    train=induction.train,
+    missing_features=lambda w: induction.missing_features(w, config))
+  record = build("induction", induction, config, default_seed)
+  return dataclasses.replace(
+    record,
+    train=functools.partial(_train_checked, "induction", bound, config),
+    missing_features=bound.missing_features,
+    fns_for_sites=lambda s: induction.fns_for_sites(config, s),
+    weights_for_sites=lambda w, s: induction.weights_for_sites(w, config, s),
+  )
+
+
 def get(name: str) -> ToyTarget:
   """Return the registered toy `name`; ValueError lists the known names."""
+  if name == "induction":
+    return build_induction()
   if name not in _TOYS:
-    raise ValueError(f"unknown toy target {name!r}; known: {list(_TOYS)}")
+    raise ValueError(f"unknown toy target {name!r}; known: "
+                     f"{list(toy_names())}")
   return build(name, *_TOYS[name])

@@ -1,0 +1,186 @@
+"""Static shape of a GLU language model, and its check against a HF config.
+
+A `GluConfig` describes the decoder of SPEC §9.1: Llama-3.x (optionally with
+Llama-3 RoPE scaling) and Qwen3 dense (QK-norm). `config_from_hf` reads the
+plain dict of a Hugging Face config (`AutoConfig.to_dict()`, transformers 5
+or 4 spelling) and refuses anything this forward would silently compute
+differently, with a one-line reason.
+"""
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+FAMILIES = ("llama", "qwen3", "toy")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3.1 frequency rescaling (SPEC §9.1)."""
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GluConfig:
+  """Sizes and options of one GLU decoder (hashable, static)."""
+
+  n_layers: int
+  d_model: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  d_ff: int
+  vocab_size: int
+  rope_theta: float
+  rms_eps: float
+  tied: bool
+  qk_norm: bool
+  rope_scaling: Optional[RopeScaling] = None
+  family: str = "llama"
+  max_position: int = 8192
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"unknown model family {self.family!r}; use one of "
+                       f"{FAMILIES}")
+    for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim",
+                 "d_ff", "vocab_size"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model {name} must be positive, got "
+                         f"{getattr(self, name)}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads {self.n_heads} must be a multiple of "
+                       f"n_kv_heads {self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates "
+                       "halves)")
+
+  @property
+  def q_width(self) -> int:
+    return self.n_heads * self.head_dim
+
+  @property
+  def kv_width(self) -> int:
+    return self.n_kv_heads * self.head_dim
+
+
+def inv_freq(config: GluConfig) -> np.ndarray:
+  """Return RoPE inverse frequencies `[head_dim/2]` in fp32 (SPEC §9.1).
+
+  Computed in fp32 in the same op order as transformers' reference, so the
+  tables agree bit for bit where the two libraries' `pow` and `cos` do.
+  """
+  dim = config.head_dim
+  exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+  freq = (np.float32(1.0) / np.float32(config.rope_theta) ** exponents)
+  freq = freq.astype(np.float32)
+  scaling = config.rope_scaling
+  if scaling is None:
+    return freq
+  low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+  high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+  wavelen = np.float32(2 * math.pi) / freq
+  scaled = np.where(wavelen > low_wavelen, freq / scaling.factor, freq)
+  smooth = ((scaling.original_max_position / wavelen - scaling.low_freq_factor)
+            / (scaling.high_freq_factor - scaling.low_freq_factor))
+  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
+  value = hf.get(key, default)
+  return default if value is None else value
+
+
+def _refuse(hf: dict[str, Any], what: str, fix: str) -> None:
+  name = hf.get("_name_or_path") or hf.get("model_type", "?")
+  raise ValueError(f"unsupported model config ({name}): {what}; {fix}")
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, Optional[RopeScaling]]:
+  # transformers 5 folds `rope_theta` and `rope_scaling` into
+  # `rope_parameters`; 4.x configs keep them apart.
+  params = dict(_get(hf, "rope_scaling", {}))
+  params.update(_get(hf, "rope_parameters", {}))
+  theta = params.get("rope_theta", hf.get("rope_theta"))
+  if theta is None:
+    _refuse(hf, "no rope_theta", "the config must name the RoPE base")
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  partial = params.get("partial_rotary_factor",
+                       _get(hf, "partial_rotary_factor", 1.0))
+  if float(partial) != 1.0:
+    _refuse(hf, "partial_rotary_factor != 1", "only full-width RoPE is "
+            "implemented")
+  if rope_type == "default":
+    return float(theta), None
+  if rope_type != "llama3":
+    _refuse(hf, f"rope scaling type {rope_type!r}", "supported: default, "
+            "llama3")
+  return float(theta), RopeScaling(
+    float(params["factor"]), float(params["low_freq_factor"]),
+    float(params["high_freq_factor"]),
+    int(params["original_max_position_embeddings"]))
+
+
+def _check_options(hf: dict[str, Any], family: str) -> None:
+  if _get(hf, "hidden_act", "silu") != "silu":
+    _refuse(hf, f"hidden_act {hf['hidden_act']!r}", "only SwiGLU (silu) MLPs "
+            "are implemented")
+  for key in ("attention_bias", "mlp_bias"):
+    if _get(hf, key, False):
+      _refuse(hf, f"{key} is set", "the forward has no biases")
+  for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+    if _get(hf, key, 0):
+      _refuse(hf, "mixture-of-experts layers", "only dense models are "
+              "supported")
+  if _get(hf, "use_sliding_window", False):
+    _refuse(hf, "sliding-window attention", "only full causal attention is "
+            "implemented")
+  layer_types = _get(hf, "layer_types", [])
+  if any(t != "full_attention" for t in layer_types):
+    _refuse(hf, f"layer types {sorted(set(layer_types))}", "only "
+            "full_attention layers are implemented")
+  if family == "llama" and _get(hf, "sliding_window", None):
+    _refuse(hf, "sliding-window attention", "only full causal attention is "
+            "implemented")
+
+
+def config_from_hf(hf: dict[str, Any]) -> GluConfig:
+  """Return the `GluConfig` of a HF config dict; ValueError if unsupported."""
+  family = hf.get("model_type")
+  if family not in _ARCHITECTURES:
+    _refuse(hf, f"model_type {family!r} (architectures "
+            f"{hf.get('architectures')})", "supported: llama (Llama-3.x), "
+            "qwen3 (dense Qwen3)")
+  archs = _get(hf, "architectures", [_ARCHITECTURES[family]])
+  if list(archs) != [_ARCHITECTURES[family]]:
+    _refuse(hf, f"architectures {archs}", f"expected "
+            f"[{_ARCHITECTURES[family]}]")
+  _check_options(hf, family)
+  theta, scaling = _rope(hf)
+  n_heads = int(hf["num_attention_heads"])
+  head_dim = _get(hf, "head_dim", int(hf["hidden_size"]) // n_heads)
+  return GluConfig(
+    n_layers=int(hf["num_hidden_layers"]),
+    d_model=int(hf["hidden_size"]),
+    n_heads=n_heads,
+    n_kv_heads=int(_get(hf, "num_key_value_heads", n_heads)),
+    head_dim=int(head_dim),
+    d_ff=int(hf["intermediate_size"]),
+    vocab_size=int(hf["vocab_size"]),
+    rope_theta=theta,
+    rms_eps=float(hf["rms_norm_eps"]),
+    tied=bool(_get(hf, "tie_word_embeddings", False)),
+    qk_norm=family == "qwen3",
+    rope_scaling=scaling,
+    family=family,
+    max_position=int(_get(hf, "max_position_embeddings", 8192)),
+  )

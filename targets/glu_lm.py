@@ -1,0 +1,382 @@
+"""Pure forward of a GLU decoder LM over three stored layer stacks (SPEC §9).
+
+Frozen weights are stacked per kind on a leading `layer` axis, in the
+orientation `y = x @ W` (`W: [d_in, d_out]`), and stored as three stacks:
+the frozen prefix `[0, split)`, the decomposed span `[split, tail)` and the
+frozen tail `[tail, n_layers)` (an empty one is None). Each runs as one
+`lax.scan` over a whole stored leaf, so no forward slices a copy out of a
+stack (I41). Activations are `[b, t, ...]`; tokens `[b, t]` int.
+
+Tap keys (SPEC §1): `resid.{i}` is the residual entering block `i`
+(`resid.0` the embeddings, `resid.{n_layers}` the pre-final-norm residual);
+a site name `layers.{i}.self_attn.q_proj` is that matrix's input and
+`<site>.out` its output. Taps leave a segment's scan as stacked outputs only
+when the segment holds one; boundaries between segments are the carries.
+
+Site matmuls go through `SiteFn(role, x, w, extra)`, where `extra` is the
+per-layer slice of whatever the caller scanned beside the weights (live
+factors and masks): the clean forward and the frozen parts of a masked one
+run the very same `x @ w`, so a masked forward with no live site is the clean
+forward bit for bit (I2).
+"""
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from decompax.targets import glu_config
+
+ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+ATTENTION_IMPLS = ("reference", "xla", "cudnn", "auto")
+_SITE_RE = re.compile(
+  r"^layers\.(\d+)\.(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down))_proj"
+  r"(\.out)?$")
+_RESID_RE = re.compile(r"^resid\.(\d+)$")
+
+
+class LayerStack(NamedTuple):
+  """Frozen weights of consecutive layers, each leaf `[layer, ...]`."""
+
+  ln1: Float[Array, "layer d"]
+  q: Float[Array, "layer d q"]
+  k: Float[Array, "layer d kv"]
+  v: Float[Array, "layer d kv"]
+  o: Float[Array, "layer q d"]
+  ln2: Float[Array, "layer d"]
+  gate: Float[Array, "layer d f"]
+  up: Float[Array, "layer d f"]
+  down: Float[Array, "layer f d"]
+  q_norm: Optional[Float[Array, "layer hd"]] = None
+  k_norm: Optional[Float[Array, "layer hd"]] = None
+
+
+class GluWeights(NamedTuple):
+  """A decoder's frozen weights; `head` None means tied to `embed`."""
+
+  embed: Float[Array, "vocab d"]
+  prefix: Optional[LayerStack]
+  span: Optional[LayerStack]
+  tail: Optional[LayerStack]
+  norm: Float[Array, " d"]
+  head: Optional[Float[Array, "vocab d"]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """Layer bounds of the three stacks: `[0, split)`, `[split, tail)`, rest."""
+
+  n_layers: int
+  split: int
+  tail: int
+
+  def __post_init__(self):
+    if not 0 <= self.split <= self.tail <= self.n_layers:
+      raise ValueError(f"segment bounds 0 <= split {self.split} <= tail "
+                       f"{self.tail} <= n_layers {self.n_layers} violated")
+
+  def bounds(self) -> tuple[tuple[str, int, int], ...]:
+    return (("prefix", 0, self.split), ("span", self.split, self.tail),
+            ("tail", self.tail, self.n_layers))
+
+
+def site_name(layer: int, role: str) -> str:
+  """Return the HF-style name of one projection."""
+  group = "self_attn" if role in ("q", "k", "v", "o") else "mlp"
+  return f"layers.{layer}.{group}.{role}_proj"
+
+
+def parse_site(name: str) -> Optional[tuple[int, str, bool]]:
+  """Return `(layer, role, is_output)` of a site (or site-output) key."""
+  m = _SITE_RE.match(name)
+  if m is None:
+    return None
+  return int(m.group(1)), m.group(2) or m.group(3), m.group(4) is not None
+
+
+def split_stacks(
+  full: LayerStack, segments: Segments
+) -> tuple[Optional[LayerStack], Optional[LayerStack], Optional[LayerStack]]:
+  """Return the prefix, span and tail stacks of a whole-model stack.
+
+  Meant for host arrays at load time, never inside a jitted step (I41).
+  """
+  out = []
+  for _, lo, hi in segments.bounds():
+    out.append(None if lo == hi else jax.tree.map(lambda a: a[lo:hi], full))
+  return tuple(out)
+
+
+def check_segments(weights: GluWeights, segments: Segments) -> None:
+  """Raise ValueError unless the stored stacks have the segments' bounds."""
+  for name, lo, hi in segments.bounds():
+    stack = getattr(weights, name)
+    n = 0 if stack is None else stack.ln1.shape[0]
+    if n != hi - lo:
+      raise ValueError(f"stored {name} stack holds {n} layers, but the "
+                       f"segments need [{lo}, {hi}) (I41)")
+
+
+def rms_norm(
+  x: Float[Array, "*l d"], w: Float[Array, " d"], eps: float
+) -> Float[Array, "*l d"]:
+  """Return `x·rsqrt(mean(x²)+eps)·w`, the statistic in fp32 (N4)."""
+  xf = x.astype(jnp.float32)
+  var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+  return w * (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def rope_tables(
+  config: glu_config.GluConfig, t: int
+) -> tuple[Float[Array, "t hd"], Float[Array, "t hd"]]:
+  """Return fp32 `cos, sin` of `pos·inv_freq`, repeated over both halves."""
+  freqs = jnp.arange(t, dtype=jnp.float32)[:, None] * jnp.asarray(
+    glu_config.inv_freq(config))[None, :]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(
+  x: Float[Array, "b t h hd"], cos: Float[Array, "t hd"],
+  sin: Float[Array, "t hd"],
+) -> Float[Array, "b t h hd"]:
+  """Return `x·cos + rot(x)·sin`, `rot(x) = [−x₂, x₁]` (rotate-half)."""
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  cos = cos.astype(x.dtype)[:, None, :]
+  sin = sin.astype(x.dtype)[:, None, :]
+  return x * cos + rotated * sin
+
+
+def reference_attention(
+  q: Float[Array, "b t nh hd"], k: Float[Array, "b t nkv hd"],
+  v: Float[Array, "b t nkv hd"],
+) -> Float[Array, "b t nh hd"]:
+  """Return causal GQA attention as plain einsums (fp32 softmax).
+
+  kv head `j` serves query heads `j·r … j·r+r−1`, `r = nh/nkv`.
+  """
+  b, t, nh, hd = q.shape
+  nkv = k.shape[2]
+  qg = q.reshape(b, t, nkv, nh // nkv, hd)
+  scores = jnp.einsum("btgrh,bsgh->bgrts", qg, k) * (hd ** -0.5)
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  out = jnp.einsum("bgrts,bsgh->btgrh", probs, v)
+  return out.reshape(b, t, nh, hd)
+
+
+def attention_fn(impl: str) -> Callable[..., Array]:
+  """Return causal attention by name: `reference` einsums, or
+  `jax.nn.dot_product_attention` with implementation `xla`, `cudnn` or
+  `auto` (JAX's choice)."""
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"unknown attention implementation {impl!r}; use one of "
+                     f"{ATTENTION_IMPLS}")
+  if impl == "reference":
+    return reference_attention
+  implementation = None if impl == "auto" else impl
+
+  def attend(q, k, v):
+    return jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=implementation)
+
+  return attend
+
+
+# (role, x, W, per-layer extra) -> x·W or a live site's output.
+SiteFn = Callable[[str, Array, Array, Any], Array]
+
+
+def frozen_site(role: str, x: Array, w: Array, extra: Any) -> Array:
+  """Return the frozen `x @ w` (every matmul of the clean forward)."""
+  del role, extra
+  return x @ w
+
+
+def block(
+  h: Float[Array, "b t d"],
+  lw: LayerStack,
+  site: Callable[[str, Array, Array], Array],
+  config: glu_config.GluConfig,
+  rope: tuple[Array, Array],
+  attend: Callable[..., Array],
+) -> tuple[Float[Array, "b t d"], dict[str, Array]]:
+  """Run one decoder block (SPEC §9.1) on one layer's weights.
+
+  Returns the block output and its streams: `resid` (the input), each
+  role's input under the role and its output under `<role>.out`.
+  """
+  b, t, _ = h.shape
+  eps = config.rms_eps
+  xa = rms_norm(h, lw.ln1, eps)
+  q, k, v = site("q", xa, lw.q), site("k", xa, lw.k), site("v", xa, lw.v)
+  qh = q.reshape(b, t, config.n_heads, config.head_dim)
+  kh = k.reshape(b, t, config.n_kv_heads, config.head_dim)
+  vh = v.reshape(b, t, config.n_kv_heads, config.head_dim)
+  if lw.q_norm is not None:
+    qh, kh = rms_norm(qh, lw.q_norm, eps), rms_norm(kh, lw.k_norm, eps)
+  qh, kh = apply_rope(qh, *rope), apply_rope(kh, *rope)
+  o_in = attend(qh, kh, vh).reshape(b, t, config.q_width)
+  o = site("o", o_in, lw.o)
+  h1 = h + o
+  xm = rms_norm(h1, lw.ln2, eps)
+  gate, up = site("gate", xm, lw.gate), site("up", xm, lw.up)
+  act = jax.nn.silu(gate) * up
+  down = site("down", act, lw.down)
+  streams = {"resid": h, "q": xa, "k": xa, "v": xa, "o": o_in, "gate": xm,
+             "up": xm, "down": act, "q.out": q, "k.out": k, "v.out": v,
+             "o.out": o, "gate.out": gate, "up.out": up, "down.out": down}
+  return h1 + down, streams
+
+
+def parse_tap(key: str, n_layers: int) -> tuple[str, int]:
+  """Return `(stream, layer)` of a tap key; ValueError if unknown."""
+  m = _RESID_RE.match(key)
+  if m is not None and int(m.group(1)) <= n_layers:
+    return "resid", int(m.group(1))
+  parsed = parse_site(key)
+  if parsed is not None and parsed[0] < n_layers:
+    layer, role, is_out = parsed
+    return (f"{role}.out" if is_out else role), layer
+  raise ValueError(f"unknown tap key {key!r}; known: resid.0..resid."
+                   f"{n_layers}, layers.<i>.self_attn.{{q,k,v,o}}_proj, "
+                   "layers.<i>.mlp.{gate,up,down}_proj, each optionally "
+                   "with .out")
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardSpec:
+  """Static settings of a forward: model, segments, attention, remat.
+
+  `unroll` is `lax.scan`'s: unrolling small models is twice as fast on CPU
+  (toy training), scanning keeps compile time flat for deep ones.
+  """
+
+  config: glu_config.GluConfig
+  segments: Segments
+  attention: str = "reference"
+  remat: bool = True
+  unroll: int | bool = 1
+
+
+def _run_segment(
+  h: Array, stack: LayerStack, extra: Any, lo: int, hi: int,
+  site: SiteFn, streams: tuple[str, ...], spec: ForwardSpec,
+  rope: tuple[Array, Array], remat: bool,
+) -> tuple[Array, dict[str, Array]]:
+  if stack.ln1.shape[0] != hi - lo:
+    raise ValueError(f"stack of {stack.ln1.shape[0]} layers does not match "
+                     f"segment [{lo}, {hi}) (I41)")
+  attend = attention_fn(spec.attention)
+
+  def body(carry, xs):
+    lw, ex = xs
+    out, all_streams = block(
+      carry, lw, lambda r, x, w: site(r, x, w, ex), spec.config, rope, attend)
+    return out, {s: all_streams[s] for s in streams}
+
+  if remat:
+    body = jax.checkpoint(body)
+  return jax.lax.scan(body, h, (stack, extra), unroll=spec.unroll)
+
+
+def forward(
+  weights: GluWeights,
+  tokens: Int[Array, "b t"],
+  wanted: tuple[str, ...],
+  spec: ForwardSpec,
+  span_site: SiteFn = frozen_site,
+  span_extra: Any = None,
+  start: Optional[Float[Array, "b t d"]] = None,
+) -> tuple[Float[Array, "b t vocab"], dict[str, Array]]:
+  """Return logits and the `wanted` taps of one forward.
+
+  `span_site` runs the span's matmuls (scanning `span_extra` beside the
+  span weights); prefix and tail are always frozen. `start` is a residual
+  start at block `split` (SPEC §3.5): the prefix is not run, a tap below
+  `split` fails and `resid.{split}` is the start value (I28).
+  """
+  config, seg = spec.config, spec.segments
+  check_segments(weights, seg)
+  parsed = {key: parse_tap(key, config.n_layers) for key in wanted}
+  first = 0 if start is None else seg.split
+  below = [k for k, (_, layer) in parsed.items() if layer < first]
+  if below:
+    raise ValueError(f"taps {below} lie below the residual start at block "
+                     f"{first} (I28)")
+  rope = rope_tables(config, tokens.shape[1])
+  boundary = {}
+  if start is None:
+    h = jnp.take(weights.embed, tokens, axis=0)
+  else:
+    h = start
+  boundary[first] = h
+  stream_values = {}
+  for name, lo, hi in seg.bounds():
+    stack = getattr(weights, name)
+    if hi <= first:
+      continue
+    if stack is None:
+      boundary[hi] = h
+      continue
+    streams = tuple(sorted({s for s, layer in parsed.values()
+                            if lo <= layer < hi and not (
+                              s == "resid" and layer == lo)}))
+    is_span = name == "span"
+    h, ys = _run_segment(
+      h, stack, span_extra if is_span else None, lo, hi,
+      span_site if is_span else frozen_site, streams, spec, rope,
+      spec.remat and is_span and span_extra is not None)
+    boundary[hi] = h
+    stream_values[(lo, hi)] = ys
+  taps = {}
+  for key, (stream, layer) in parsed.items():
+    if stream == "resid" and layer in boundary:
+      taps[key] = boundary[layer]
+      continue
+    for (lo, hi), ys in stream_values.items():
+      if lo <= layer < hi:
+        taps[key] = ys[stream][layer - lo]
+  head = weights.embed if weights.head is None else weights.head
+  x = rms_norm(h, weights.norm, config.rms_eps)
+  logits = jnp.einsum("btd,vd->btv", x, head)
+  return logits, taps
+
+
+def all_tap_keys(config: glu_config.GluConfig) -> tuple[str, ...]:
+  """Return every tap key of a model, in layer order."""
+  keys = [f"resid.{i}" for i in range(config.n_layers + 1)]
+  for i in range(config.n_layers):
+    for role in ROLES:
+      keys += [site_name(i, role), f"{site_name(i, role)}.out"]
+  return tuple(keys)
+
+
+def init_stack(
+  key: jax.Array, config: glu_config.GluConfig, n: int,
+  dtype: Any = jnp.float32,
+) -> LayerStack:
+  """Return `n` random layers: matrices `N(0, 1/d_in)`, norms near 1."""
+  d, f, hd = config.d_model, config.d_ff, config.head_dim
+  shapes = {"q": (d, config.q_width), "k": (d, config.kv_width),
+            "v": (d, config.kv_width), "o": (config.q_width, d),
+            "gate": (d, f), "up": (d, f), "down": (f, d)}
+  keys = dict(zip([*shapes, "ln1", "ln2", "q_norm", "k_norm"],
+                  jax.random.split(key, len(shapes) + 4)))
+  mats = {r: jax.random.normal(keys[r], (n, *s), jnp.float32) / np.sqrt(s[0])
+          for r, s in shapes.items()}
+
+  def norm(name, width):
+    return 1.0 + 0.1 * jax.random.normal(keys[name], (n, width), jnp.float32)
+
+  qk = ({"q_norm": norm("q_norm", hd), "k_norm": norm("k_norm", hd)}
+        if config.qk_norm else {})
+  stack = LayerStack(ln1=norm("ln1", d), ln2=norm("ln2", d), **mats, **qk)
+  return jax.tree.map(lambda a: a.astype(dtype), stack)

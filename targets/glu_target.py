@@ -1,0 +1,378 @@
+"""Decomposition sites of a GLU decoder and its engine function table.
+
+Sites are any subset of `layers.{i}.self_attn.{q,k,v,o}_proj` and
+`layers.{i}.mlp.{gate,up,down}_proj` (SPEC §9.2). The decomposed span is
+`[split, tail)`, the first and one past the last decomposed layer. A role's
+sites form one kind `<role>_proj` (rows layer-ascending) when they share
+`C`; sites of one role with different `C` form kinds `<role>_proj.c<C>`.
+
+Masked forwards scan the span once with every kind that has a live site:
+per span layer the kind carries factors, mask, delta and an `active` flag.
+Layers where the kind has no live site, and unrouted positions, take the
+frozen `x @ W` through `where` (SPEC §3.3: a non-live site MAY run as live
+with route ≡ false), so any live set works with one uniform scan body. A
+kind whose rows are exactly the span's layers is scanned in place; others
+are gathered to span layout (a copy of the factors, only for such kinds).
+Masked forwards that see the clean pass's `resid.{split}` start there, so
+the frozen prefix is never recomputed (SPEC §3.5, exact: I27).
+"""
+
+import dataclasses
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from decompax.core import site_forward, target
+from decompax.core.sites import Components, SiteSpec, validate_sites
+from decompax.targets import glu_config, glu_lm
+
+CPerSite = Union[int, dict[str, int]]
+
+
+def role_dims(config: glu_config.GluConfig, role: str) -> tuple[int, int]:
+  """Return `(d_in, d_out)` of a role (SPEC §9.2)."""
+  d, f = config.d_model, config.d_ff
+  return {"q": (d, config.q_width), "k": (d, config.kv_width),
+          "v": (d, config.kv_width), "o": (config.q_width, d),
+          "gate": (d, f), "up": (d, f), "down": (f, d)}[role]
+
+
+def all_site_names(config: glu_config.GluConfig) -> tuple[str, ...]:
+  """Return every decomposable matrix in canonical order."""
+  return tuple(glu_lm.site_name(i, r)
+               for i in range(config.n_layers) for r in glu_lm.ROLES)
+
+
+def site_specs(
+  config: glu_config.GluConfig, names: tuple[str, ...], c: CPerSite
+) -> tuple[SiteSpec, ...]:
+  """Return the named sites in canonical order (layer, then q…down)."""
+  parsed = {}
+  for name in names:
+    p = glu_lm.parse_site(name)
+    if p is None or p[2] or p[0] >= config.n_layers:
+      raise ValueError(f"unknown site {name!r}; sites are layers.<i>.self_attn"
+                       ".{q,k,v,o}_proj and layers.<i>.mlp.{gate,up,down}_proj"
+                       f" for i < {config.n_layers}")
+    parsed[name] = p[:2]
+  if not parsed:
+    raise ValueError("no sites to decompose")
+  order = sorted(parsed, key=lambda n: (parsed[n][0],
+                                        glu_lm.ROLES.index(parsed[n][1])))
+  cs = {n: c for n in order} if isinstance(c, int) else dict(c)
+  missing = [n for n in order if n not in cs]
+  extra = sorted(set(cs) - set(order))
+  if missing or extra:
+    raise ValueError(f"C per site must name exactly the sites; missing "
+                     f"{missing}, unknown {extra}")
+  by_role: dict[str, list[str]] = {}
+  for n in order:
+    by_role.setdefault(parsed[n][1], []).append(n)
+  specs, rows = {}, {}
+  for role, members in by_role.items():
+    mixed = len({cs[n] for n in members}) > 1
+    d_in, d_out = role_dims(config, role)
+    for n in members:
+      kind = f"{role}_proj.c{cs[n]}" if mixed else f"{role}_proj"
+      rows[kind] = rows.get(kind, -1) + 1
+      specs[n] = SiteSpec(n, kind, rows[kind], d_in, d_out, cs[n])
+  out = tuple(specs[n] for n in order)
+  validate_sites(out)
+  return out
+
+
+def span_segments(
+  config: glu_config.GluConfig, sites: tuple[SiteSpec, ...]
+) -> glu_lm.Segments:
+  """Return the three-stack bounds around the decomposed layers."""
+  layers = [glu_lm.parse_site(s.name)[0] for s in sites]
+  return glu_lm.Segments(config.n_layers, min(layers), max(layers) + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KindLayout:
+  """A kind's role and the absolute layer of each of its rows."""
+
+  role: str
+  layers: tuple[int, ...]
+  names: tuple[str, ...]
+
+
+def kind_layouts(sites: tuple[SiteSpec, ...]) -> dict[str, KindLayout]:
+  """Return each kind's layout, rows in order."""
+  members: dict[str, list[SiteSpec]] = {}
+  for s in sites:
+    members.setdefault(s.kind, []).append(s)
+  out = {}
+  for kind, ss in members.items():
+    ss = sorted(ss, key=lambda s: s.row)
+    parsed = [glu_lm.parse_site(s.name) for s in ss]
+    out[kind] = KindLayout(parsed[0][1], tuple(p[0] for p in parsed),
+                           tuple(s.name for s in ss))
+  return out
+
+
+class LiveKind(NamedTuple):
+  """One kind's live inputs per span layer (scanned beside the weights)."""
+
+  v: Float[Array, "layer d_in c"]
+  u: Float[Array, "layer c d_out"]
+  mask: Float[Array, "layer *l c"]
+  delta: Optional[Float[Array, "layer *l"]]
+  active: Optional[Bool[Array, "layer *l"]]
+
+
+def _span_rows(layout: KindLayout, seg: glu_lm.Segments) -> list[int | None]:
+  row_of = {layer: r for r, layer in enumerate(layout.layers)}
+  return [row_of.get(layer) for layer in range(seg.split, seg.tail)]
+
+
+def live_kinds(
+  components: Components,
+  site_masks: dict[str, site_forward.SiteMask],
+  layouts: dict[str, KindLayout],
+  seg: glu_lm.Segments,
+  dtype: Any,
+) -> dict[str, LiveKind]:
+  """Return the span-stacked live inputs of every kind with a live site."""
+  out = {}
+  for kind, layout in layouts.items():
+    rows = _span_rows(layout, seg)
+    live = [None if r is None else site_masks.get(layout.names[r])
+            for r in rows]
+    present = [m for m in live if m is not None]
+    if not present:
+      continue
+    c = present[0].mask.shape[-1]
+    lead = jnp.broadcast_shapes(*(m.mask.shape[:-1] for m in present))
+    factors = components[kind]
+    if layout.layers == tuple(range(seg.split, seg.tail)):
+      v, u = factors.v, factors.u
+    else:
+      idx = np.array([0 if r is None else r for r in rows])
+      v, u = factors.v[idx], factors.u[idx]
+    mask = jnp.stack([
+      jnp.zeros((*lead, c), dtype) if m is None
+      else jnp.broadcast_to(m.mask, (*lead, c)).astype(dtype) for m in live])
+    delta = None
+    if any(m.delta is not None for m in present):
+      delta = jnp.stack([
+        jnp.zeros(lead, dtype) if m is None or m.delta is None
+        else jnp.broadcast_to(m.delta, lead).astype(dtype) for m in live])
+    active = None
+    if len(present) < len(live) or any(m.route is not None for m in present):
+      active = jnp.stack([
+        jnp.zeros(lead, bool) if m is None
+        else jnp.ones(lead, bool) if m.route is None
+        else jnp.broadcast_to(m.route, lead) for m in live])
+    out[kind] = LiveKind(v.astype(dtype), u.astype(dtype), mask, delta, active)
+  return out
+
+
+def live_site_fn(layouts: dict[str, KindLayout]) -> glu_lm.SiteFn:
+  """Return the span's site matmul: frozen `x @ w`, then each live kind of
+  the role where it is active (SPEC §3.2)."""
+  kinds_by_role: dict[str, list[str]] = {}
+  for kind, layout in layouts.items():
+    kinds_by_role.setdefault(layout.role, []).append(kind)
+
+  def site(role, x, w, extra):
+    y = x @ w
+    for kind in kinds_by_role.get(role, ()):
+      live = extra.get(kind)
+      if live is None:
+        continue
+      y_dec = site_forward.decomposed_matmul(
+        x, w, live.v, live.u, site_forward.SiteMask(live.mask, live.delta))
+      y = y_dec if live.active is None else jnp.where(
+        live.active[..., None], y_dec, y)
+    return y
+
+  return site
+
+
+def frozen_stacks(
+  weights: glu_lm.GluWeights, layouts: dict[str, KindLayout],
+  seg: glu_lm.Segments,
+) -> dict[str, Float[Array, "layer d_in d_out"]]:
+  """Return each decomposed kind's frozen `W` stack `[n_k, d_in, d_out]`.
+
+  A kind covering the span's layers in order is the stored span leaf
+  itself; others gather their rows.
+  """
+  out = {}
+  for kind, layout in layouts.items():
+    stack = getattr(weights.span, layout.role)
+    if layout.layers == tuple(range(seg.split, seg.tail)):
+      out[kind] = stack
+    else:
+      out[kind] = stack[np.array([layer - seg.split
+                                  for layer in layout.layers])]
+  return out
+
+
+def nonlinear_units(
+  config: glu_config.GluConfig, sites: tuple[SiteSpec, ...]
+) -> dict[str, target.UnitSpec]:
+  """Return the locality units (SPEC §5.10): gate/up neurons, q heads, k/v
+  kv heads counted `n_heads/n_kv_heads` times; o and down have none."""
+  out = {}
+  for s in sites:
+    role = glu_lm.parse_site(s.name)[1]
+    if role in ("gate", "up"):
+      out[s.name] = target.UnitSpec("neuron", config.d_ff)
+    elif role == "q":
+      out[s.name] = target.UnitSpec("attention_head", config.n_heads)
+    elif role in ("k", "v"):
+      out[s.name] = target.UnitSpec(
+        "attention_head", config.n_kv_heads,
+        config.n_heads / config.n_kv_heads)
+  return out
+
+
+def kl_clean_to_masked(
+  masked_logits: Float[Array, "*l v"], clean_logits: Float[Array, "*l v"]
+) -> Float[Array, ""]:
+  """Return `mean_ℓ KL(softmax(clean) ‖ softmax(masked))` in fp32 (I14).
+
+  The same function as `losses.recon.kl_clean_to_masked`, which targets may
+  not import (WORKSPACE.md); a test holds the two equal.
+  """
+  log_p = jax.nn.log_softmax(clean_logits.astype(jnp.float32), axis=-1)
+  log_q = jax.nn.log_softmax(masked_logits.astype(jnp.float32), axis=-1)
+  return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
+
+
+def token_labels(tokens: Int[Array, "b t"]) -> Int[Array, "b t"]:
+  """Return next-token labels, −1 at each sequence's last position."""
+  pad = jnp.full((tokens.shape[0], 1), -1, tokens.dtype)
+  return jnp.concatenate([tokens[:, 1:], pad], axis=1)
+
+
+def start_key(seg: glu_lm.Segments) -> Optional[str]:
+  """Return the tap a masked forward starts from, None without a prefix."""
+  return f"resid.{seg.split}" if seg.split > 0 else None
+
+
+def target_fns(
+  config: glu_config.GluConfig,
+  sites: tuple[SiteSpec, ...],
+  attention: str = "reference",
+  remat: bool = True,
+) -> target.TargetFns:
+  """Return the engine's function table for decomposing `sites`."""
+  validate_sites(sites)
+  seg = span_segments(config, sites)
+  layouts = kind_layouts(sites)
+  spec = glu_lm.ForwardSpec(config, seg, attention, remat)
+  glu_lm.attention_fn(attention)  # refuses an unknown name up front
+  site = live_site_fn(layouts)
+  names = {s.name for s in sites}
+  resume = start_key(seg)
+
+  def extras(weights, components, site_masks):
+    unknown = sorted(set(site_masks) - names)
+    if unknown:
+      raise ValueError(f"unknown live sites {unknown}; sites are "
+                       f"{sorted(names)}")
+    return live_kinds(components, site_masks, layouts, seg,
+                      weights.embed.dtype)
+
+  def clean_forward(weights, tokens, wanted):
+    weights = jax.lax.stop_gradient(weights)
+    return glu_lm.forward(weights, tokens, tuple(wanted), spec)
+
+  def masked_forward_taps(weights, components, tokens, site_masks,
+                          clean_taps, wanted):
+    start = None if resume is None else clean_taps.get(resume)
+    return glu_lm.forward(
+      weights, tokens, tuple(wanted), spec, site,
+      extras(weights, components, site_masks), start)
+
+  def masked_forward(weights, components, tokens, site_masks):
+    return glu_lm.forward(weights, tokens, (), spec, site,
+                          extras(weights, components, site_masks))[0]
+
+  return target.TargetFns(
+    sites=sites,
+    clean_forward=clean_forward,
+    masked_forward=masked_forward,
+    frozen_stacks=lambda w: frozen_stacks(w, layouts, seg),
+    divergence=kl_clean_to_masked,
+    batch_lead_shape=lambda tokens: tuple(tokens.shape),
+    nonlinear_units=nonlinear_units(config, sites),
+    masked_forward_taps=masked_forward_taps,
+    start_taps=() if resume is None else (resume,),
+    token_labels=token_labels,
+  )
+
+
+def layer_array_shapes(
+  config: glu_config.GluConfig,
+) -> dict[str, tuple[int, ...]]:
+  """Return the per-layer shape of every stacked weight array."""
+  shapes = {r: role_dims(config, r) for r in glu_lm.ROLES}
+  shapes.update(ln1=(config.d_model,), ln2=(config.d_model,))
+  if config.qk_norm:
+    shapes.update(q_norm=(config.head_dim,), k_norm=(config.head_dim,))
+  return shapes
+
+
+def weights_from_arrays(
+  arrays: dict[str, np.ndarray],
+  config: glu_config.GluConfig,
+  seg: glu_lm.Segments,
+  dtype=jnp.float32,
+) -> glu_lm.GluWeights:
+  """Return device weights split into the three stacks of `seg`.
+
+  `arrays` holds `embed`, `norm`, `head` (untied models only) and every
+  per-layer array stacked `[n_layers, ...]` in `x @ W` orientation.
+
+  Raises:
+    ValueError: a name or shape does not match `config`.
+  """
+  want = {"embed": (config.vocab_size, config.d_model),
+          "norm": (config.d_model,)}
+  if not config.tied:
+    want["head"] = (config.vocab_size, config.d_model)
+  for name, shape in layer_array_shapes(config).items():
+    want[name] = (config.n_layers, *shape)
+  if set(arrays) != set(want):
+    raise ValueError(f"weight arrays {sorted(arrays)} do not match the "
+                     f"model's {sorted(want)}")
+  for name, shape in want.items():
+    if tuple(arrays[name].shape) != shape:
+      raise ValueError(f"weight {name}: shape {tuple(arrays[name].shape)}, "
+                       f"expected {shape}")
+  stacks = glu_lm.split_stacks(
+    glu_lm.LayerStack(**{n: arrays[n] for n in want
+                         if n not in ("embed", "norm", "head")}), seg)
+
+  def put(a):
+    return jnp.asarray(a, dtype)
+
+  return glu_lm.GluWeights(
+    embed=put(arrays["embed"]),
+    prefix=None if stacks[0] is None else jax.tree.map(put, stacks[0]),
+    span=None if stacks[1] is None else jax.tree.map(put, stacks[1]),
+    tail=None if stacks[2] is None else jax.tree.map(put, stacks[2]),
+    norm=put(arrays["norm"]),
+    head=None if config.tied else put(arrays["head"]))
+
+
+def weights_to_arrays(weights: glu_lm.GluWeights) -> dict[str, np.ndarray]:
+  """Return host arrays in the `weights_from_arrays` layout."""
+  stacks = [s for s in (weights.prefix, weights.span, weights.tail)
+            if s is not None]
+  out = {"embed": np.asarray(weights.embed), "norm": np.asarray(weights.norm)}
+  if weights.head is not None:
+    out["head"] = np.asarray(weights.head)
+  for name in glu_lm.LayerStack._fields:
+    parts = [getattr(s, name) for s in stacks]
+    if parts[0] is not None:
+      out[name] = np.concatenate([np.asarray(p) for p in parts])
+  return out
