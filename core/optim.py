@@ -6,6 +6,7 @@ is initialised fresh when training starts.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 import jax
@@ -109,8 +110,18 @@ class MuonState(NamedTuple):
   adam: optax.OptState
 
 
-def scale_by_muon(config: MuonConfig) -> optax.GradientTransformation:
-  """Orthogonalised momentum for ≥2-D leaves, Adam directions for the rest."""
+def _unconstrained(role: str, tree):
+  del role
+  return tree
+
+
+def scale_by_muon(
+  config: MuonConfig, constrain: Callable = _unconstrained
+) -> optax.GradientTransformation:
+  """Orthogonalised momentum for ≥2-D leaves, Adam directions for the rest.
+
+  `constrain("muon", tree)` places the Newton–Schulz work (SPEC §8).
+  """
   adam = optax.scale_by_adam(config.adam_b1, config.adam_b2, config.eps)
 
   def init_fn(params):
@@ -121,26 +132,30 @@ def scale_by_muon(config: MuonConfig) -> optax.GradientTransformation:
     momentum = jax.tree.map(lambda m, g: config.beta * m + g,
                             state.momentum, updates)
 
-    def direction(g, m, adam_u):
+    def direction(g, blended, adam_u):
       if g.ndim < 2:
         return adam_u
-      blended = g + config.beta * m if config.nesterov else m
       rows, cols = g.shape[-2], g.shape[-1]
       scale = max(1.0, cols / rows) ** 0.5
       return (scale * newton_schulz(blended, config.ns_steps)).astype(g.dtype)
 
-    out = jax.tree.map(direction, updates, momentum, adam_updates)
+    blended = constrain("muon", jax.tree.map(
+      lambda g, m: g + config.beta * m if config.nesterov else m,
+      updates, momentum))
+    out = jax.tree.map(direction, updates, blended, adam_updates)
     return out, MuonState(momentum, adam_state)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def muon(config: MuonConfig, total_steps: int) -> optax.GradientTransformation:
+def muon(
+  config: MuonConfig, total_steps: int, constrain: Callable = _unconstrained
+) -> optax.GradientTransformation:
   """Return clip (if configured) → Muon → decoupled decay → `−lr(s)`."""
   parts = []
   if config.clip_max_norm is not None:
     parts.append(clip_by_global_norm(config.clip_max_norm))
-  parts.append(scale_by_muon(config))
+  parts.append(scale_by_muon(config, constrain))
   if config.weight_decay:
     parts.append(optax.add_decayed_weights(config.weight_decay))
   parts.append(optax.scale_by_schedule(
@@ -149,9 +164,10 @@ def muon(config: MuonConfig, total_steps: int) -> optax.GradientTransformation:
 
 
 def make_optimizer(
-  config: "AdamWConfig | MuonConfig", total_steps: int
+  config: "AdamWConfig | MuonConfig", total_steps: int,
+  constrain: Callable = _unconstrained,
 ) -> optax.GradientTransformation:
-  """Return the optimizer a config describes."""
+  """Return the optimizer a config describes (`constrain`: see Muon)."""
   if isinstance(config, MuonConfig):
-    return muon(config, total_steps)
+    return muon(config, total_steps, constrain)
   return adamw(config, total_steps)

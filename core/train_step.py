@@ -45,6 +45,17 @@ class TrainState(NamedTuple):
   rng: Key[Array, ""]
 
 
+# (placement category, pytree) -> the pytree pinned to that category's layout
+# (`jax.lax.with_sharding_constraint`); built by `decompax.placement`.
+Constrain = Callable[[str, Any], Any]
+
+
+def no_constraint(role: str, tree: Any) -> Any:
+  """Return `tree` unchanged: the single-device placement."""
+  del role
+  return tree
+
+
 class StepContext(NamedTuple):
   """What a loss term sees inside one step (a plain container, not a leaf)."""
 
@@ -59,13 +70,16 @@ class StepContext(NamedTuple):
   # Everything the clean forward tapped: CI inputs, the target's start taps
   # and the taps terms asked for.
   clean_taps: Optional[dict] = None
+  # Pins intermediates to the placement table (SPEC §8); identity by default.
+  constrain: Constrain = no_constraint
 
   def masked_forward(self, site_masks) -> Float[Array, "..."]:
     """Run the target with `site_masks` on the step's inputs and components."""
     if self.target.masked_forward_taps is not None:
       return self.masked_forward_with_taps(site_masks, ())[0]
     return self.target.masked_forward(
-      self.weights, self.components, self.inputs, site_masks
+      self.weights, self.constrain("operands", self.components), self.inputs,
+      site_masks
     )
 
   def masked_forward_with_taps(
@@ -76,8 +90,8 @@ class StepContext(NamedTuple):
       raise ValueError("this target's masked forward returns no activations; "
                        "drop the hidden-activation terms")
     return self.target.masked_forward_taps(
-      self.weights, self.components, self.inputs, site_masks,
-      self.clean_taps or {}, wanted)
+      self.weights, self.constrain("operands", self.components), self.inputs,
+      site_masks, self.clean_taps or {}, wanted)
 
   def lead_shape(self) -> tuple[int, ...]:
     """Return the leading (non-feature) shape of the step's activations."""
@@ -142,6 +156,17 @@ class TrainStep(NamedTuple):
 
   init: Callable[..., TrainState]
   step: Callable[..., tuple[TrainState, dict[str, Array]]]
+
+
+class StepShardings(NamedTuple):
+  """The jitted step's argument and result shardings (SPEC §8): trees (or
+  prefixes) of `jax.sharding.Sharding` for the state, the frozen weights,
+  the inputs (or data key) and the metrics."""
+
+  state: Any
+  weights: Any
+  inputs: Any
+  metrics: Any
 
 
 def ci_l0(
@@ -224,6 +249,8 @@ def make_train_step(
   terms: tuple[LossTerm, ...],
   config: StepConfig,
   sample_inputs: Optional[Callable[[Key[Array, ""]], Batch]] = None,
+  shardings: Optional[StepShardings] = None,
+  constrain: Constrain = no_constraint,
 ) -> TrainStep:
   """Return the initial-state builder and the ONE jitted training step.
 
@@ -231,14 +258,16 @@ def make_train_step(
   states draw from `fold_in(run_key, -1 - j)`-style keys of their own. With
   `sample_inputs`, the step draws its own batch from `fold_in(data_key,
   step)` (a pure function of seed and step) and takes `(state, weights,
-  data_key)`; otherwise it takes `(state, weights, inputs)`.
+  data_key)`; otherwise it takes `(state, weights, inputs)`. `shardings`
+  and `constrain` (from `decompax.placement`) place the step on a mesh;
+  without them it runs where its arguments live.
   """
   names = [t.name for t in terms]
   if len(set(names)) != len(names):
     raise ValueError(f"loss term names must be unique, got {names}")
   wanted_taps = clean_tap_keys(ci_fn, target, terms)
   components_tx = optim.make_optimizer(config.components_opt,
-                                       config.total_steps)
+                                       config.total_steps, constrain)
   ci_tx = optim.adamw(config.ci_opt, config.total_steps)
 
   def init(components, ci_params, run_key, lead_shape=()):
@@ -260,21 +289,23 @@ def make_train_step(
 
   def train_step(state: TrainState, weights: Weights, inputs: Batch):
     step_key = jax.random.fold_in(state.rng, state.step)
-    clean_output, taps = jax.tree.map(
+    clean_output, taps = constrain("activations", jax.tree.map(
       jax.lax.stop_gradient,
       target.clean_forward(weights, inputs, wanted_taps),
-    )
+    ))
 
     def prep(theta):
       components, ci_params = theta
-      return components, squash.squash(
-        ci_fn.apply(ci_params, taps, components))
+      components = constrain("compute", components)
+      return components, squash.squash(constrain(
+        "ci_activations", ci_fn.apply(ci_params, taps, components)))
 
     prepared, prep_vjp = jax.vjp(
       prep, (state.components, state.ci_params))
     frozen = jax.lax.stop_gradient(prepared)
     ctx = StepContext(state.step, config.total_steps, target, weights, inputs,
-                      clean_output, *frozen, clean_taps=taps)
+                      clean_output, *frozen, clean_taps=taps,
+                      constrain=constrain)
     keys = _term_keys(step_key, len(terms))
     term_states, term_inputs = [], []
     for term, key, term_state in zip(terms, keys, state.term_states):
@@ -315,13 +346,21 @@ def make_train_step(
                            finished, state.step + 1, state.rng)
     return new_state, metrics
 
+  placed = {}
+  if shardings is not None:
+    placed = dict(
+      in_shardings=(shardings.state, shardings.weights, shardings.inputs),
+      out_shardings=(shardings.state, shardings.metrics))
   if sample_inputs is None:
-    step = jax.jit(train_step, donate_argnums=0)
+    step = jax.jit(train_step, donate_argnums=0, **placed)
   else:
 
     def sampled_step(state, weights, data_key):
-      inputs = sample_inputs(jax.random.fold_in(data_key, state.step))
+      # Pinned to the batch layout, a counter-based sampler draws only each
+      # device's slice.
+      inputs = constrain("inputs", sample_inputs(
+        jax.random.fold_in(data_key, state.step)))
       return train_step(state, weights, inputs)
 
-    step = jax.jit(sampled_step, donate_argnums=0)
+    step = jax.jit(sampled_step, donate_argnums=0, **placed)
   return TrainStep(init=init, step=step)

@@ -1,0 +1,184 @@
+"""Static per-device memory of the Llama-3.1-8B layer-18 train step (SPEC §8).
+
+Run: `./dev bench memory` (or `.venv/bin/python -P bench/memory.py`).
+Everything is abstract (`jax.ShapeDtypeStruct`s, no weights): the step of
+the reference recipe exactly as `flags/l18.flags` builds it (SPEC §6.7:
+sites `layers.18.mlp.{gate,up,down}_proj`, C = 24576, bf16 frozen weights
+of all 32 layers, the chunkwise-transformer CI at its reference sizes),
+at a global batch of `--global_batch` sequences, placed by each preset on
+`--mesh` simulated CPU devices and compiled for CPU. It reports XLA's memory analysis of the compiled step per
+device (argument, output, temporary bytes, and the donated bytes aliased
+between arguments and outputs) and, from the placement alone, each device's
+share of the state: V/U masters plus their AdamW moments, and CI weights
+plus theirs. It then checks that `zero1` and `owner` divide the optimizer
+state by the fsdp size. `--place` (bin/train's flag) overrides categories of
+every preset.
+"""
+
+import json
+import math
+import pathlib
+import sys
+import time
+
+from absl import app, flags
+
+from decompax.bin import train_flags
+
+_MESH = flags.DEFINE_string("mesh", "1,8,1", "replicate,fsdp,tp sizes.")
+_PRESETS = flags.DEFINE_list("presets", ["ddp", "zero1", "owner"],
+                             "Placement presets to compare.")
+# Named apart from bin/train's flags, which the recipe's flagfile sets.
+_BATCH = flags.DEFINE_integer("global_batch", 8, "Global batch (sequences).")
+_SEQ_LEN = flags.DEFINE_integer("seq_length", 2048, "Tokens per sequence.")
+_C = flags.DEFINE_integer("components", 24576, "Components per matrix.")
+_LAYER = flags.DEFINE_integer("layer", 18, "Decomposed MLP's layer.")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_JSON = ROOT / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b" / \
+  "config.json"
+GIB = 2.0**30
+
+
+def _recipe(batch: int, seq_len: int, c: int):
+  argv = flags.FLAGS.read_flags_from_files(
+    [f"--flagfile={ROOT / 'flags' / 'l18.flags'}"], force_gnu=False)
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["memory", *argv, f"--batch_size={batch}",
+               f"--seq_len={seq_len}", f"--c={c}"])
+  return train_flags.config_from_flags()
+
+
+def build(config, layer: int):
+  """Return the target, CI function, terms and abstract state and weights."""
+  import jax
+  import jax.numpy as jnp
+  from decompax.bin import recipe
+  from decompax.core import ci_fns, train_step
+  from decompax.core import sites as sites_lib
+  from decompax.targets import glu_config, glu_lm, glu_target
+
+  glu = glu_config.config_from_hf(json.loads(CONFIG_JSON.read_text()))
+  names = tuple(glu_lm.site_name(layer, r) for r in ("gate", "up", "down"))
+  sites = glu_target.site_specs(glu, names, config.c)
+  target = glu_target.target_fns(glu, sites, config.attention, remat=True)
+  seg = glu_target.span_segments(glu, sites)
+  shapes = {"embed": (glu.vocab_size, glu.d_model), "norm": (glu.d_model,),
+            "head": (glu.vocab_size, glu.d_model)}
+  for name, shape in glu_target.layer_array_shapes(glu).items():
+    shapes[name] = (glu.n_layers, *shape)
+  arrays = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+            for k, s in shapes.items()}
+  weights = jax.eval_shape(lambda a: glu_target.weights_from_arrays(
+    a, glu, seg, jnp.bfloat16), arrays)
+  ci_config = recipe.ci_config(config, sites, glu.d_model)
+  ci_fn = ci_fns.make_ci_fn(ci_config, sites)
+  lead = (config.batch_size, config.seq_len)
+  terms = recipe.loss_terms(config, sites, math.prod(lead),
+                            target.nonlinear_units, lead)
+
+  def sample(key):
+    return jax.random.randint(key, lead, 0, glu.vocab_size, jnp.int32)
+
+  def make(**placed):
+    return train_step.make_train_step(
+      target, ci_fn, terms, recipe.step_config(config), sample_inputs=sample,
+      **placed)
+
+  key = jax.random.key(0)
+  components = jax.eval_shape(lambda: sites_lib.init_components(key, sites))
+  ci_params = jax.eval_shape(ci_fn.init, key)
+  state = jax.eval_shape(lambda c, p: make().init(c, p, key, lead),
+                         components, ci_params)
+  return make, state, weights, lead
+
+
+def per_device_bytes(tree, shardings) -> int:
+  """Return one device's bytes of `tree` laid out by `shardings`."""
+  import jax
+  total = 0
+  for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+    shard = sharding.shard_shape(leaf.shape)
+    total += math.prod(shard) * leaf.dtype.itemsize
+  return total
+
+
+def measure(preset: str, mesh_sizes, make, state, weights, lead,
+            overrides: tuple[str, ...] = ()) -> dict:
+  """Return the memory analysis and state shares of one preset."""
+  import jax
+  from decompax.bin import placement_setup
+  from decompax.placement import mesh as mesh_lib
+  from decompax.placement import shardings
+  from decompax.placement import table as table_lib
+
+  mesh = placement_setup.build_mesh(mesh_lib.MeshShape(*mesh_sizes),
+                                    jax.devices()[:math.prod(mesh_sizes)])
+  table = table_lib.make_table(preset, overrides)
+  placed = shardings.step_shardings(table, mesh, state, weights, lead)
+  built = make(shardings=placed,
+               constrain=shardings.make_constrain(table, mesh, lead))
+  start = time.time()
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  compiled = built.step.lower(state, weights, key).compile()
+  stats = compiled.memory_analysis()
+  s = placed.state
+  return {
+    "preset": preset,
+    "argument": stats.argument_size_in_bytes,
+    "output": stats.output_size_in_bytes,
+    "alias": stats.alias_size_in_bytes,
+    "temp": stats.temp_size_in_bytes,
+    "vu_state": per_device_bytes((state.components, state.components_opt),
+                                 (s.components, s.components_opt)),
+    "vu_opt": per_device_bytes(state.components_opt, s.components_opt),
+    "ci_state": per_device_bytes((state.ci_params, state.ci_opt),
+                                 (s.ci_params, s.ci_opt)),
+    "frozen": per_device_bytes(weights, placed.weights),
+    "compile_s": time.time() - start,
+  }
+
+
+def main(argv):
+  del argv
+  # Read before the recipe's flagfile re-parses every flag.
+  mesh_sizes = tuple(int(n) for n in _MESH.value.split(","))
+  presets = list(_PRESETS.value)
+  layer = _LAYER.value
+  overrides = tuple(flags.FLAGS.place)  # bin/train's --place, if given
+  import jax
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", math.prod(mesh_sizes))
+  config = _recipe(_BATCH.value, _SEQ_LEN.value, _C.value)
+  make, state, weights, lead = build(config, layer)
+  print(f"Llama-3.1-8B layer {layer} MLP, C={config.c}, batch "
+        f"{lead[0]}x{lead[1]}, mesh replicate,fsdp,tp = "
+        f"{','.join(map(str, mesh_sizes))}"
+        f"{'; --place=' + ','.join(overrides) if overrides else ''}; "
+        "GiB per device")
+  header = ("preset", "argument", "output", "alias", "temp", "V/U+opt",
+            "V/U opt", "CI+opt", "frozen", "compile s")
+  print(" | ".join(header))
+  rows = []
+  for preset in presets:
+    row = measure(preset, mesh_sizes, make, state, weights, lead, overrides)
+    rows.append(row)
+    print(" | ".join([preset] + [f"{row[k] / GIB:.2f}" for k in (
+      "argument", "output", "alias", "temp", "vu_state", "vu_opt",
+      "ci_state", "frozen")] + [f"{row['compile_s']:.0f}"]), flush=True)
+  fsdp = mesh_sizes[1]
+  by_preset = {r["preset"]: r for r in rows}
+  failed = False
+  if "ddp" in by_preset:
+    for preset in ("zero1", "owner"):
+      if preset in by_preset:
+        ratio = by_preset["ddp"]["vu_opt"] / by_preset[preset]["vu_opt"]
+        ok = ratio >= fsdp * (1 - 1e-6)
+        failed |= not ok
+        print(f"{preset}: optimizer state {ratio:.3f}x smaller than ddp "
+              f"(fsdp = {fsdp}): {'ok' if ok else 'FAILED'}")
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,204 @@
+"""Shardings of the step's pytrees under a placement table (SPEC §8).
+
+Turns the train state, frozen weights and batches into `NamedSharding` trees
+for the jitted step's `in_shardings`/`out_shardings`, and builds the
+`constrain(role, tree)` hook the step applies to its intermediates with
+`jax.lax.with_sharding_constraint`. Semantic axes come from each leaf's place
+in its tree:
+
+- V/U (`Factors` leaves `v`, `u`, and every optimizer leaf under those names):
+  `v (stack, d_in, c)`, `u (stack, c, d_out)`; other 3-D leaves of those
+  trees are frozen stacks `(stack, d_in, d_out)`.
+- Batch-led leaves (inputs, taps, outputs, CI): the batch's lead shape
+  `(batch[, seq])` then `feature` (or `c` for CI activations). Leaves whose
+  leading dims are not the batch's are left to the compiler.
+- Persistent sources (term-state leaves of rank `len(lead) + 1`): full-size
+  lead dims are `batch`/`seq` and follow the `inputs` layout, the channel
+  axis is `c` under `adversary`; other term-state leaves are replicated.
+- CI weights and frozen weights carry no names: every dimension is `largest`.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from decompax.core.train_step import StepShardings, TrainState
+from decompax.placement.table import Layout, PlacementTable, partition_spec
+
+COMPONENT_ROLES = ("optimizer", "compute", "operands", "faithfulness", "muon")
+BATCH_ROLES = {"inputs": "feature", "activations": "feature",
+               "ci_activations": "c"}
+
+
+def _last_name(path) -> str | None:
+  key = path[-1] if path else None
+  return getattr(key, "name", None)
+
+
+def component_axes(path, leaf) -> tuple[str | None, ...]:
+  """Return the semantic axes of a leaf of a V/U-shaped tree."""
+  name = _last_name(path)
+  if leaf.ndim == 3 and name == "v":
+    return ("stack", "d_in", "c")
+  if leaf.ndim == 3 and name == "u":
+    return ("stack", "c", "d_out")
+  if leaf.ndim == 3:
+    return ("stack", "d_in", "d_out")
+  return (None,) * leaf.ndim
+
+
+def batch_axes(
+  leaf, lead_shape: tuple[int, ...], last: str
+) -> tuple[str | None, ...] | None:
+  """Return `(batch[, seq], last…)`, or None when `leaf` is not batch-led."""
+  lead = len(lead_shape)
+  if leaf.ndim < lead or tuple(leaf.shape[:lead]) != tuple(lead_shape):
+    return None
+  return ("batch", "seq")[:lead] + (last,) * (leaf.ndim - lead)
+
+
+def source_axes(
+  leaf, lead_shape: tuple[int, ...]
+) -> tuple[str | None, ...] | None:
+  """Return a persistent source's axes, or None for other term-state leaves."""
+  lead = len(lead_shape)
+  if leaf.ndim != lead + 1:
+    return None
+  names = ("batch", "seq")[:lead]
+  if any(d not in (1, n) for d, n in zip(leaf.shape[:lead], lead_shape)):
+    return None
+  return tuple(name if d == n and n > 1 else None
+               for name, d, n in zip(names, leaf.shape, lead_shape)) + ("c",)
+
+
+def _specs(tree, layout: Layout, axes_fn, sizes) -> Any:
+  def one(path, leaf):
+    axes = axes_fn(path, leaf)
+    if axes is None:
+      return PartitionSpec()
+    return partition_spec(layout, axes, tuple(leaf.shape), sizes)
+
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _largest(path, leaf):
+  del path
+  return ("largest",) * leaf.ndim
+
+
+def source_layout(table: PlacementTable) -> Layout:
+  """Return the adversary's layout with the batch axes of the inputs."""
+  inputs = dict(table.layout("inputs").rules)
+  rules = dict(table.layout("adversary").rules)
+  for axis in ("batch", "seq"):
+    rules.pop(axis, None)
+    if axis in inputs:
+      rules[axis] = inputs[axis]
+  return Layout(tuple(rules.items()))
+
+
+def state_specs(
+  table: PlacementTable, state: TrainState, lead_shape: tuple[int, ...],
+  sizes: dict[str, int],
+) -> TrainState:
+  """Return a `TrainState` of `PartitionSpec`s (works on abstract states)."""
+  optimizer = table.layout("optimizer")
+  ci = table.layout("ci_weights")
+  return TrainState(
+    components=_specs(state.components, optimizer, component_axes, sizes),
+    ci_params=_specs(state.ci_params, ci, _largest, sizes),
+    components_opt=_specs(state.components_opt, optimizer, component_axes,
+                          sizes),
+    ci_opt=_specs(state.ci_opt, ci, _largest, sizes),
+    term_states=_specs(state.term_states, source_layout(table),
+                       lambda p, x: source_axes(x, lead_shape), sizes),
+    step=PartitionSpec(),
+    rng=PartitionSpec(),
+  )
+
+
+def weights_specs(
+  table: PlacementTable, weights: Any, sizes: dict[str, int]
+) -> Any:
+  """Return the frozen weights' specs (largest tiling dimension)."""
+  return _specs(weights, table.layout("frozen"), _largest, sizes)
+
+
+def batch_specs(
+  table: PlacementTable, batch: Any, lead_shape: tuple[int, ...],
+  sizes: dict[str, int],
+) -> Any:
+  """Return the specs of a batch whose leaves lead with `lead_shape`."""
+  return _specs(batch, table.layout("inputs"),
+                lambda p, x: batch_axes(x, lead_shape, "feature"), sizes)
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+  """Return `NamedSharding`s on `mesh` for a tree of specs."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def step_shardings(
+  table: PlacementTable, mesh: Mesh, state: TrainState, weights: Any,
+  lead_shape: tuple[int, ...], inputs: Any = None,
+) -> StepShardings:
+  """Return the jitted step's argument and result shardings.
+
+  `inputs` is a batch (its specs follow `inputs`) or None for steps that
+  take a data key (replicated) and sample inside.
+  """
+  sizes = dict(mesh.shape)
+  if inputs is None:
+    batch = NamedSharding(mesh, PartitionSpec())
+  else:
+    batch = named(mesh, batch_specs(table, inputs, lead_shape, sizes))
+  return StepShardings(
+    state=named(mesh, state_specs(table, state, lead_shape, sizes)),
+    weights=named(mesh, weights_specs(table, weights, sizes)),
+    inputs=batch,
+    metrics=NamedSharding(mesh, PartitionSpec()),
+  )
+
+
+def make_constrain(
+  table: PlacementTable, mesh: Mesh, lead_shape: tuple[int, ...]
+) -> Callable[[str, Any], Any]:
+  """Return the step's `constrain(role, tree)` hook.
+
+  A role is a placement category; each leaf the role's axis rule recognises
+  is pinned with `with_sharding_constraint`, the rest pass unchanged.
+  """
+  sizes = dict(mesh.shape)
+
+  def axes_of(role, path, leaf):
+    if role in COMPONENT_ROLES:
+      return component_axes(path, leaf)
+    if role in BATCH_ROLES:
+      return batch_axes(leaf, lead_shape, BATCH_ROLES[role])
+    return None
+
+  def constrain(role: str, tree: Any) -> Any:
+    layout = table.layout(role)
+
+    def one(path, leaf):
+      axes = axes_of(role, path, leaf)
+      if axes is None:
+        return leaf
+      spec = partition_spec(layout, axes, tuple(leaf.shape), sizes)
+      return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+  return constrain
+
+
+def constrained_sampler(
+  sample_inputs: Callable[[jax.Array], Any],
+  constrain: Callable[[str, Any], Any],
+) -> Callable[[jax.Array], Any]:
+  """Return `sample_inputs` whose batch is pinned to the `inputs` layout, so
+  an in-step sampler draws only each device's slice (counter-based RNG)."""
+  return lambda key: constrain("inputs", sample_inputs(key))

@@ -1,0 +1,235 @@
+"""The placement table: where each category of state lives (SPEC §8).
+
+Every array a step touches belongs to one *category* (`CATEGORIES`). A
+category's `Layout` maps *semantic axes* (`SEMANTIC_AXES`) to mesh axes
+(`replicate`, `fsdp`, `tp`); axes it does not name stay replicated. A leaf is
+described by one semantic axis per dimension (`None`: never sharded);
+`largest` stands for every dimension of a leaf without named axes (CI
+weights, frozen weights) and shards its largest dimension that tiles.
+
+Presets (`owner`, `zero1`, `ddp`) expand to a full table; `--place` entries
+replace single categories, each by a named layout (`LAYOUTS`) or by explicit
+rules `axis=mesh+mesh;axis=mesh`.
+
+Resolution is per leaf, dimension by dimension: a mesh axis serves at most
+one dimension of a leaf (the first that asks for it), axes of size 1 are
+dropped, and when a dimension does not tile its trailing mesh axes are
+dropped until it does. The batch axis never falls back: a batch that does not
+split over its mesh axes is a configuration error.
+"""
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from jax.sharding import PartitionSpec
+
+MESH_AXES = ("replicate", "fsdp", "tp")
+
+CATEGORIES = {
+  "optimizer": "V/U fp32 masters and the components optimizer's moments",
+  "compute": "V/U as the step computes with them, once per step",
+  "operands": "V/U as each masked forward consumes them",
+  "faithfulness": "V/U and frozen stacks inside the faithfulness loss",
+  "muon": "Muon's Newton-Schulz work (the blended momenta)",
+  "ci_weights": "CI-function parameters and their optimizer state",
+  "ci_activations": "CI pre-activations and squashings [*L, C]",
+  "frozen": "frozen target weights",
+  "inputs": "the batch (external activations)",
+  "activations": "clean outputs and taps (intermediate activations)",
+  "adversary": "shared-scope persistent sources and their moments; "
+               "batch-scoped ones follow the inputs' batch axes",
+}
+
+SEMANTIC_AXES = ("stack", "d_in", "d_out", "c", "batch", "seq", "feature",
+                 "largest")
+# Axes that must split as asked: replicating a batch defeats data parallelism.
+STRICT_AXES = ("batch",)
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Semantic axis -> mesh axes, in the order they split the dimension."""
+
+  rules: Rules = ()
+
+  def mesh_axes(self, axis: str | None) -> tuple[str, ...]:
+    """Return the mesh axes that shard `axis` (empty: replicated)."""
+    return dict(self.rules).get(axis, ()) if axis else ()
+
+
+def _layout(**rules: tuple[str, ...]) -> Layout:
+  return Layout(tuple(rules.items()))
+
+
+_R, _F, _T = MESH_AXES
+LAYOUTS: dict[str, Layout] = {
+  "replicated": _layout(),
+  # Pure data parallelism: the batch over every device.
+  "data": _layout(batch=(_R, _F, _T)),
+  # Activations of the sharded presets: batch over (replicate, fsdp), C and
+  # the CI's C-sized axes over tp.
+  "batch": _layout(batch=(_R, _F), c=(_T,)),
+  # Matrix dims over fsdp (one per leaf), unannotated leaves likewise.
+  "fsdp": _layout(d_in=(_F,), d_out=(_F,), largest=(_F,)),
+  # fsdp-resident compute weights: matrix dims over fsdp, C over tp.
+  "fsdp_tp": _layout(d_in=(_F,), d_out=(_F,), c=(_T,), largest=(_F,)),
+  "tp": _layout(c=(_T,)),
+  # Intra-matrix over the full mesh (SPEC §8 zero1).
+  "zero1": _layout(d_in=(_F,), d_out=(_F,), c=(_T, _R), largest=(_F, _T, _R)),
+  # Whole matrices per replica group, matrix dims over fsdp, C over tp.
+  "owner": _layout(stack=(_R,), d_in=(_F,), d_out=(_F,), c=(_T,),
+                   largest=(_F,)),
+  # Whole matrices per device where the stack tiles (Newton-Schulz work).
+  "stacked": _layout(stack=(_R, _F, _T)),
+}
+
+_SHARDED_PRESET = {
+  "optimizer": "zero1",
+  "compute": "fsdp_tp",
+  "operands": "tp",
+  # C whole: `W − V·U` cancels, so a C contraction split over devices
+  # would change the loss by far more than reassociation elsewhere does.
+  "faithfulness": "fsdp",
+  "muon": "stacked",
+  "ci_weights": "fsdp",
+  "ci_activations": "batch",
+  "frozen": "fsdp",
+  "inputs": "batch",
+  "activations": "batch",
+  "adversary": "tp",
+}
+PRESETS: dict[str, dict[str, str]] = {
+  "ddp": {**{c: "replicated" for c in CATEGORIES},
+          "inputs": "data", "activations": "data", "ci_activations": "data"},
+  "zero1": _SHARDED_PRESET,
+  "owner": {**_SHARDED_PRESET, "optimizer": "owner"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementTable:
+  """A layout for every category; build with `make_table`."""
+
+  preset: str
+  layouts: tuple[tuple[str, Layout], ...]
+
+  def layout(self, category: str) -> Layout:
+    """Return the layout of `category`."""
+    found = dict(self.layouts)
+    if category not in found:
+      raise ValueError(f"unknown placement category {category!r}; use one "
+                       f"of {', '.join(CATEGORIES)}")
+    return found[category]
+
+
+def parse_layout(text: str) -> Layout:
+  """Return a named layout or one written `axis=mesh+mesh;axis=mesh`."""
+  text = text.strip()
+  if text in LAYOUTS:
+    return LAYOUTS[text]
+  if "=" not in text:
+    raise ValueError(f"unknown layout {text!r}; use one of "
+                     f"{', '.join(LAYOUTS)} or axis=mesh_axis[+mesh_axis];...")
+  rules = {}
+  for rule in filter(None, (r.strip() for r in text.split(";"))):
+    axis, _, mesh = rule.partition("=")
+    axis = axis.strip()
+    if axis not in SEMANTIC_AXES:
+      raise ValueError(f"layout {text!r} names unknown axis {axis!r}; axes "
+                       f"are {', '.join(SEMANTIC_AXES)}")
+    mesh_axes = tuple(m.strip() for m in mesh.split("+") if m.strip())
+    missing = [m for m in mesh_axes if m not in MESH_AXES]
+    if missing or not mesh_axes:
+      raise ValueError(f"layout {text!r} maps {axis} to mesh axis "
+                       f"{(missing or [''])[0]!r}; the mesh has "
+                       f"{', '.join(MESH_AXES)}")
+    if len(set(mesh_axes)) != len(mesh_axes):
+      raise ValueError(f"layout {text!r} repeats a mesh axis for {axis}")
+    rules[axis] = mesh_axes
+  return Layout(tuple(rules.items()))
+
+
+def make_table(preset: str, overrides: tuple[str, ...] = ()) -> PlacementTable:
+  """Return the preset's table with `category:layout` overrides applied."""
+  if preset not in PRESETS:
+    raise ValueError(f"unknown placement preset {preset!r}; use one of "
+                     f"{', '.join(PRESETS)}")
+  layouts = {c: LAYOUTS[name] for c, name in PRESETS[preset].items()}
+  for item in overrides:
+    category, sep, text = item.partition(":")
+    category = category.strip()
+    if not sep:
+      raise ValueError(f"--place entry {item!r} is not category:layout")
+    if category not in CATEGORIES:
+      raise ValueError(f"--place names unknown category {category!r}; use "
+                       f"one of {', '.join(CATEGORIES)}")
+    layouts[category] = parse_layout(text)
+  return PlacementTable(preset, tuple(layouts.items()))
+
+
+def _tiling(
+  size: int, mesh_axes: list[str], sizes: Mapping[str, int]
+) -> list[str]:
+  # Drops trailing mesh axes until their product divides the dimension.
+  while mesh_axes and size % math.prod(sizes[a] for a in mesh_axes):
+    mesh_axes = mesh_axes[:-1]
+  return mesh_axes
+
+
+def _entry(mesh_axes: list[str]):
+  if not mesh_axes:
+    return None
+  return mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes)
+
+
+def partition_spec(
+  layout: Layout,
+  axes: tuple[str | None, ...],
+  shape: tuple[int, ...],
+  sizes: Mapping[str, int],
+) -> PartitionSpec:
+  """Return the spec of one leaf with semantic `axes` under `layout`.
+
+  `sizes` maps mesh axis -> size. Raises ValueError when a strict axis
+  (the batch) does not split over its mesh axes.
+  """
+  if len(axes) != len(shape):
+    raise ValueError(f"axes {axes} do not match shape {shape}")
+  if "largest" in axes:
+    return _largest_spec(layout, shape, sizes)
+  used: set[str] = set()
+  parts = []
+  for axis, size in zip(axes, shape):
+    wanted = [a for a in layout.mesh_axes(axis)
+              if a not in used and sizes.get(a, 1) > 1]
+    tiled = _tiling(size, wanted, sizes)
+    if axis in STRICT_AXES and tiled != wanted:
+      devices = math.prod(sizes[a] for a in wanted)
+      raise ValueError(
+        f"the {axis} axis of size {size} does not split over the "
+        f"{devices} devices of mesh axes {'x'.join(wanted)}; choose a size "
+        f"divisible by {devices}")
+    used.update(tiled)
+    parts.append(_entry(tiled))
+  return PartitionSpec(*parts)
+
+
+def _largest_spec(
+  layout: Layout, shape: tuple[int, ...], sizes: Mapping[str, int]
+) -> PartitionSpec:
+  # Shards the largest dimension that tiles, with as many of the rule's
+  # mesh axes as it can take (FSDP-style placement of unannotated leaves).
+  wanted = [a for a in layout.mesh_axes("largest") if sizes.get(a, 1) > 1]
+  parts: list = [None] * len(shape)
+  best: tuple[int, int, list[str]] | None = None
+  for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+    tiled = _tiling(shape[dim], wanted, sizes)
+    shards = math.prod(sizes[a] for a in tiled)
+    if tiled and (best is None or shards > best[0]):
+      best = (shards, dim, tiled)
+  if best is not None:
+    parts[best[1]] = _entry(best[2])
+  return PartitionSpec(*parts)
