@@ -77,3 +77,7 @@ class TargetFns(NamedTuple):
   masked_forward_taps: Optional[MaskedForwardTaps] = None
   # Tap keys every step requests from the clean forward for masked starts.
   start_taps: tuple[str, ...] = ()
+  # Language models: inputs -> int next-token labels over the batch's leading
+  # shape, negative where a position has none (a sequence's last). Enables
+  # the CE evals (SPEC §5.11); None for targets without token labels.
+  token_labels: Optional[Callable[[Batch], Any]] = None

@@ -61,9 +61,11 @@ def _heatmap(
 
 
 def plot_ci_on_features(
-  ci_by_site: Mapping[str, np.ndarray], path: run_dir.Path, title: str
+  ci_by_site: Mapping[str, np.ndarray], path: run_dir.Path, title: str,
+  ylabel: str = "feature",
 ) -> str:
-  """Return `path` after plotting one permuted CI heatmap per site."""
+  """Return `path` after plotting one permuted CI heatmap per site (rows:
+  probe features, or token positions for a batch-mean LM CI)."""
   if not ci_by_site:
     raise ValueError("plot_ci_on_features: no sites given")
   widths = [_panel_width(np.shape(ci)[1]) for ci in ci_by_site.values()]
@@ -75,7 +77,7 @@ def plot_ci_on_features(
     order = probe.identity_permutation(ci)
     _heatmap(fig, ax, ci[:, order], order,
              cmap="viridis", vmin=0.0, vmax=vmax)
-    ax.set(title=site, xlabel="component (permuted)", ylabel="feature")
+    ax.set(title=site, xlabel="component (permuted)", ylabel=ylabel)
   fig.suptitle(title)
   return _save_png(fig, path)
 
@@ -93,13 +95,14 @@ def _plot_factors(
   v: Float[np.ndarray, "d_in c"],
   u: Float[np.ndarray, "c d_out"],
   order: Sequence[int],
+  labels: Sequence[int],
 ) -> None:
   v_shown = v[:, list(order)]
   # U is drawn transposed so components share the x axis with V.
   u_shown = u[list(order), :].T
   for ax, image, name, rows in (
       (ax_v, v_shown, "V", "d_in"), (ax_u, u_shown, "U^T", "d_out")):
-    _heatmap(fig, ax, image, order, **_signed_style(image))
+    _heatmap(fig, ax, image, labels, **_signed_style(image))
     ax.set(title=f"{site} {name}", xlabel="component", ylabel=rows)
 
 
@@ -107,11 +110,14 @@ def plot_components(
   uv_by_site: Mapping[str, tuple[np.ndarray, np.ndarray]],
   path: run_dir.Path,
   column_order: Mapping[str, Sequence[int]] | None = None,
+  column_labels: Mapping[str, Sequence[int]] | None = None,
 ) -> str:
   """Return `path` after plotting V and U of every site side by side.
 
   `column_order[site]` lists the components to show, in order (a prefix such
   as the alive components is fine); sites without one show all components.
+  `column_labels[site]` names the shown columns (default: their indices),
+  e.g. the original ids of factors that were already gathered.
   """
   if not uv_by_site:
     raise ValueError("plot_components: no sites given")
@@ -122,8 +128,9 @@ def plot_components(
   fig = Figure(figsize=(width, 2.6 * len(uv_by_site)), layout="constrained")
   axes = fig.subplots(len(uv_by_site), 2, squeeze=False)
   for (ax_v, ax_u), (site, (v, u)) in zip(axes, uv_by_site.items()):
-    _plot_factors(
-      fig, ax_v, ax_u, site, np.asarray(v), np.asarray(u), orders[site])
+    labels = list((column_labels or {}).get(site, orders[site]))
+    _plot_factors(fig, ax_v, ax_u, site, np.asarray(v), np.asarray(u),
+                  orders[site], labels)
   return _save_png(fig, path)
 
 
@@ -153,5 +160,127 @@ def plot_loss_curves(
     ax.legend(fontsize="small")
   else:
     ax.text(0.5, 0.5, "no positive loss/ metrics", ha="center",
+            transform=ax.transAxes)
+  return _save_png(fig, path)
+
+
+def _site_grid(n_rows: int, n_sites: int, width: float = 3.4,
+               height: float = 2.6) -> tuple[Figure, np.ndarray]:
+  # Fixed margins instead of a layout engine: constrained layout redraws
+  # the figure several times, which doubles the cost of these grids.
+  fig = Figure(figsize=(width * n_sites, height * n_rows))
+  fig.subplots_adjust(left=0.95 / (width * n_sites), right=0.98,
+                      bottom=0.75 / (height * n_rows),
+                      top=1 - 0.3 / (height * n_rows), wspace=0.45,
+                      hspace=0.7)
+  return fig, fig.subplots(n_rows, n_sites, squeeze=False)
+
+
+def _plot_counts(ax: Axes, edges: np.ndarray, counts: np.ndarray,
+                 title: str, xlabel: str) -> None:
+  """Bar-plot `[below, bins…, above]` counts on `edges`, log count axis."""
+  counts = np.asarray(counts, np.float64)
+  inside = counts[1:-1]
+  ax.stairs(np.maximum(inside, 0.5), edges, fill=True, baseline=0.5)
+  outside = []
+  if counts[0]:
+    outside.append(f"<{edges[0]:g}: {int(counts[0])}")
+  if counts[-1]:
+    outside.append(f">{edges[-1]:g}: {int(counts[-1])}")
+  if outside:
+    xlabel += f"\n(outside: {', '.join(outside)})"
+  ax.set(title=title, xlabel=xlabel, ylabel="count", yscale="log")
+
+
+def plot_ci_histograms(
+  lower: Mapping[str, np.ndarray], lower_edges: np.ndarray,
+  pre: Mapping[str, np.ndarray], pre_edges: np.ndarray, path: run_dir.Path,
+) -> str:
+  """Return `path` after plotting per site the histograms of lower CI (top
+  row) and CI pre-activations (bottom row) from `[below, bins…, above]`
+  counts."""
+  if not lower:
+    raise ValueError("plot_ci_histograms: no sites given")
+  fig, axes = _site_grid(2, len(lower))
+  for col, site in enumerate(lower):
+    _plot_counts(axes[0, col], lower_edges, lower[site], site, "CI (lower)")
+    _plot_counts(axes[1, col], pre_edges, pre[site], site, "CI pre-activation")
+  return _save_png(fig, path)
+
+
+def plot_component_density(
+  density: Mapping[str, np.ndarray], mean_ci: Mapping[str, np.ndarray],
+  path: run_dir.Path, threshold: float,
+) -> str:
+  """Return `path` after plotting per site each component's firing density
+  (fraction of positions with CI above `threshold`, top) and mean CI
+  (bottom), components sorted by density."""
+  if not density:
+    raise ValueError("plot_component_density: no sites given")
+  fig, axes = _site_grid(2, len(density))
+  for col, site in enumerate(density):
+    order = np.argsort(-np.asarray(density[site]), kind="stable")
+    ranks = np.arange(len(order))
+    ax = axes[0, col]
+    ax.bar(ranks, np.maximum(np.asarray(density[site])[order], 1e-12),
+           width=1.0)
+    ax.set(title=site, yscale="log", ylim=(1e-6, 1.5),
+           ylabel=f"P(CI > {threshold:g})", xlabel="component (by density)")
+    ax = axes[1, col]
+    ax.bar(ranks, np.asarray(mean_ci[site])[order], width=1.0)
+    ax.set(ylabel="mean CI", xlabel="component (by density)", ylim=(0, 1))
+  return _save_png(fig, path)
+
+
+def plot_log_density(
+  counts: Mapping[str, np.ndarray], floor: float, path: run_dir.Path
+) -> str:
+  """Return `path` after plotting per site the share of positions in each
+  log-spaced CI band (`[C, 1 + n_bands]` counts, column 0 below `floor`),
+  components sorted by their mean band."""
+  if not counts:
+    raise ValueError("plot_log_density: no sites given")
+  fig, axes = _site_grid(1, len(counts), width=3.8, height=3.2)
+  axes = axes[0]
+  for ax, (site, table) in zip(axes, counts.items()):
+    table = np.asarray(table, np.float64)
+    share = table / np.maximum(table.sum(axis=1, keepdims=True), 1.0)
+    order = np.argsort(-(share * np.arange(share.shape[1])).sum(1),
+                       kind="stable")
+    image = np.log10(np.maximum(share[order].T, 1e-7))
+    mappable = ax.imshow(image, aspect="auto", origin="lower",
+                         interpolation="nearest", cmap="magma", vmin=-7, vmax=0)
+    fig.colorbar(mappable, ax=ax, label="log10 share of positions")
+    n_bands = share.shape[1] - 1
+    # Row k >= 1 is the band starting at floor^(1 − (k−1)/n_bands).
+    rows = sorted({int(r) for r in np.linspace(n_bands / 4, n_bands, 4)})
+    labels = [f"{floor ** (1 - (r - 1) / n_bands):.0e}" for r in rows]
+    ax.set_yticks([0, *rows], labels=[f"<{floor:.0e}", *labels])
+    ax.set(title=site, xlabel="component (by mean band)", ylabel="CI band")
+  return _save_png(fig, path)
+
+
+def plot_metric_curves(
+  metrics: Sequence[Mapping[str, Any]], prefix: str, path: run_dir.Path,
+  ylabel: str, log: bool = True,
+) -> str:
+  """Return `path` after plotting every metric named `prefix*` against step."""
+  keys = sorted({k for r in metrics for k in r if k.startswith(prefix)})
+  fig = Figure(figsize=(4.3, 3.0))
+  fig.subplots_adjust(left=0.2, right=0.97, bottom=0.15, top=0.95)
+  ax = fig.subplots()
+  for key in keys:
+    points = [(float(r["step"]), float(r[key])) for r in metrics
+              if "step" in r and isinstance(r.get(key), (int, float))
+              and math.isfinite(r[key]) and (r[key] > 0 or not log)]
+    if points:
+      steps, values = zip(*points)
+      ax.plot(steps, values, label=key[len(prefix):] or key, linewidth=1.0,
+              marker="." if len(points) < 30 else None)
+  ax.set(xlabel="step", ylabel=ylabel, yscale="log" if log else "linear")
+  if ax.lines:
+    ax.legend(fontsize="small")
+  else:
+    ax.text(0.5, 0.5, f"no {prefix} metrics yet", ha="center",
             transform=ax.transAxes)
   return _save_png(fig, path)

@@ -48,3 +48,36 @@ def test_plot_loss_curves_writes_png(tmp_path, metrics):
   assert figures.plot_loss_curves(metrics, path) == str(path)
   assert _is_png(path)
   assert _no_temp_files(tmp_path)
+
+
+def test_eval_tier_figures_write_pngs(tmp_path):
+  rng = np.random.default_rng(2)
+  edges = np.linspace(0.0, 1.0, 6)
+  counts = {"a": np.array([0, 5, 0, 2, 1, 9, 0]),
+            "b": np.array([3, 1, 1, 1, 1, 1, 4])}
+  paths = [
+    figures.plot_ci_histograms(counts, edges, counts, edges,
+                               tmp_path / "hist.png"),
+    figures.plot_component_density(
+      {"a": rng.uniform(size=5), "b": np.zeros(3)},
+      {"a": rng.uniform(size=5), "b": np.zeros(3)},
+      tmp_path / "density.png", 0.1),
+    figures.plot_log_density({"a": rng.integers(0, 9, size=(5, 10))}, 1e-9,
+                             tmp_path / "log_density.png"),
+    figures.plot_metric_curves(
+      [{"step": 0, "eval/recon/zero": 1.0}, {"step": 5, "eval/recon/zero": 0.5,
+                                             "eval/recon/ci": 0.0}],
+      "eval/recon/", tmp_path / "curves.png", "divergence"),
+    figures.plot_metric_curves([], "eval/ce/", tmp_path / "empty.png", "ce",
+                               log=False),
+  ]
+  for path in paths:
+    assert _is_png(path)
+  assert _no_temp_files(tmp_path)
+
+
+def test_plot_components_labels_gathered_columns(tmp_path):
+  uv = {"a": (np.ones((3, 2)), np.ones((2, 4)))}
+  path = figures.plot_components(uv, tmp_path / "uv.png",
+                                 column_labels={"a": [7, 3]})
+  assert _is_png(path)

@@ -1,0 +1,308 @@
+"""The jitted evaluation passes over held-out batches (SPEC §11).
+
+`make_eval_step` returns two jitted pure functions, each compiled once: the
+fast tier `(state, weights, key)` and the slow tier, which takes the fast
+tier's batches back instead of reading data again. Batch `i` is
+`sample_inputs(fold_in(fold_in(key, i), 0))`, so a fixed `key` gives the
+same held-out set at every eval. Every per-batch value is returned stacked
+on a leading `batch` axis and reduced on the host by `summarize`, which
+keeps counts exact (int64) over any number of batches.
+
+Fast tier, per batch: CI-L0 and firing counts per site, the output divergence
+of every mask variant (`evals.VARIANTS`), CE differences for targets with
+token labels, and every training term (plus their coefficiented total) on
+the eval batch with the state's term states. Toys add their probe CI.
+Slow tier adds: histograms of `lower` and `pre` CI, per-component CI sums and
+log-band density counts, hidden-activation errors at `<site>.out` (SPEC
+§5.9) and, for positioned targets, the batch-mean `[T, C]` CI; token targets
+add each component's top-CI positions and the batch's tokens.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Key
+
+from decompax.core import probe, squash
+from decompax.core.ci_fns import CIFn
+from decompax.core.target import Batch, TargetFns, Weights
+from decompax.core.train_step import (
+  Constrain, LossTerm, StepContext, TrainState, ci_l0, clean_tap_keys,
+  no_constraint, objective)
+from decompax.losses import evals, hidden, recon
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Static settings of the eval pass."""
+
+  n_batches: int
+  total_steps: int
+  ci_alive_threshold: float = 0.1
+  with_delta: bool = False
+  n_mask_samples: int = 1
+  top_contexts: int = 8
+
+
+class EvalOutput(NamedTuple):
+  """Device results of one eval pass; every leaf has a leading batch axis
+  except `probe` (one `[n_features, C]` CI per site, toys only)."""
+
+  scalars: dict[str, Array]
+  stats: dict[str, Array]
+  probe: dict[str, Array]
+
+
+def _site_out_keys(target: TargetFns) -> tuple[str, ...]:
+  return tuple(f"{s.name}.out" for s in target.sites)
+
+
+def _term_values(ctx: StepContext, terms: tuple[LossTerm, ...],
+                 term_states: tuple, key: Key[Array, ""]) -> dict[str, Array]:
+  keys = [jax.random.fold_in(key, 1 + j) for j in range(len(terms))]
+  inputs = tuple(
+    None if t.prepare is None else t.prepare(ctx, k, s)[1]
+    for t, k, s in zip(terms, keys, term_states))
+  prepared = (ctx.components, ctx.ci)
+  _, (values, total, _) = objective(prepared, inputs, ctx, terms, keys)
+  out = {f"loss/{name}": v for name, v in values.items()}
+  out["loss/total"] = total
+  return out
+
+
+def _hidden_act_stats(ctx: StepContext, key: Key[Array, ""],
+                      config: EvalConfig) -> dict[str, Array]:
+  """Return per site `Σ(masked − clean)²` and its element count at the
+  site's output: CI-masked forward, and summed over stochastic draws."""
+  wanted = _site_out_keys(ctx.target)
+  ci_masks = evals.variant_site_masks(
+    "ci_masked", key, ctx.ci.lower, ctx.target.sites, False, 0.0)
+  draws = {"ci_masked": [ci_masks]}
+  entry = recon.all_sites_plan(ctx.target.sites)[0]
+  index = {s.name: i for i, s in enumerate(ctx.target.sites)}
+  draws["stochastic"] = [
+    recon.stochastic_site_masks(
+      jax.random.fold_in(key, 1 + d), entry, ctx.ci.lower, index,
+      config.with_delta, "continuous", None)
+    for d in range(config.n_mask_samples)]
+  stats = {}
+  for variant, site_masks_list in draws.items():
+    for site_masks in site_masks_list:
+      _, taps = ctx.masked_forward_with_taps(site_masks, wanted)
+      errors = hidden.site_squared_errors(taps, ctx.clean_taps, wanted)
+      for tap, (err, numel) in errors.items():
+        site = tap[:-len(".out")]
+        err_key = f"hidden_err/{variant}/{site}"
+        n_key = f"hidden_n/{variant}/{site}"
+        stats[err_key] = stats.get(err_key, 0.0) + err
+        stats[n_key] = stats.get(n_key, 0) + jnp.asarray(numel, jnp.int32)
+  return stats
+
+
+def _slow_stats(ctx: StepContext, key: Key[Array, ""],
+                config: EvalConfig) -> dict[str, Array]:
+  stats = {}
+  for site in ctx.target.sites:
+    lower, pre = ctx.ci.lower[site.name], ctx.ci.pre[site.name]
+    stats[f"hist_lower/{site.name}"] = evals.histogram_counts(
+      lower, evals.LOWER_EDGES)
+    stats[f"hist_pre/{site.name}"] = evals.histogram_counts(
+      pre, evals.PRE_EDGES)
+    stats[f"ci_sum/{site.name}"] = jnp.sum(
+      lower.reshape(-1, site.c).astype(jnp.float32), axis=0)
+    stats[f"log_density/{site.name}"] = evals.log_density_counts(lower)
+    if lower.ndim == 3:
+      stats[f"position_ci/{site.name}"] = jnp.mean(lower, axis=0)
+    if ctx.target.token_labels is not None:
+      values, index = evals.top_positions(lower, config.top_contexts)
+      stats[f"top_ci/{site.name}"] = values
+      stats[f"top_index/{site.name}"] = index
+  if ctx.target.token_labels is not None:
+    stats["tokens"] = ctx.inputs
+  if ctx.target.masked_forward_taps is not None:
+    stats.update(_hidden_act_stats(ctx, key, config))
+  return stats
+
+
+class EvalFns(NamedTuple):
+  """The two jitted eval passes.
+
+  `fast(state, weights, key) -> (EvalOutput, batches)`: the fast tier over
+  the held-out batches, which it also returns (left on device) so that
+  `slow(state, weights, key, batches) -> stats` can reuse them without a
+  second data read.
+  """
+
+  fast: Callable[..., tuple[EvalOutput, Batch]]
+  slow: Callable[..., dict[str, Array]]
+
+
+def make_eval_step(
+  target: TargetFns,
+  ci_fn: CIFn,
+  terms: tuple[LossTerm, ...],
+  config: EvalConfig,
+  sample_inputs: Callable[[Key[Array, ""]], Batch],
+  constrain: Constrain = no_constraint,
+) -> EvalFns:
+  """Return the jitted fast and slow eval passes (see `EvalFns`).
+
+  `constrain` pins intermediates to a placement as in the train step.
+  """
+  if config.n_batches < 1:
+    raise ValueError(f"eval needs at least one batch, got {config.n_batches}")
+  fast_taps = clean_tap_keys(ci_fn, target, terms)
+  slow_taps = (*ci_fn.input_taps, *target.start_taps)
+  if target.masked_forward_taps is not None:
+    slow_taps += _site_out_keys(target)
+  slow_taps = tuple(dict.fromkeys(slow_taps))
+
+  def context(state, weights, inputs, wanted) -> StepContext:
+    clean_out, taps = constrain("activations", jax.lax.stop_gradient(
+      target.clean_forward(weights, inputs, wanted)))
+    components = constrain("compute", state.components)
+    ci = squash.squash(constrain(
+      "ci_activations", ci_fn.apply(state.ci_params, taps, components)))
+    return StepContext(state.step, config.total_steps, target, weights,
+                       inputs, clean_out, components, ci,
+                       clean_taps=taps, constrain=constrain)
+
+  def fast_batch(state: TrainState, weights: Weights, key: Key[Array, ""]):
+    data_key, mask_key, term_key = (jax.random.fold_in(key, j)
+                                    for j in range(3))
+    inputs = sample_inputs(data_key)
+    ctx = context(state, weights, inputs, fast_taps)
+    lower = ctx.ci.lower
+    scalars = {f"ci_l0/{k}": v
+               for k, v in ci_l0(lower, config.ci_alive_threshold).items()}
+    outputs = evals.variant_outputs(
+      ctx.masked_forward, mask_key, lower, target.sites, config.with_delta,
+      config.ci_alive_threshold)
+    for variant, out in outputs.items():
+      scalars[f"recon/{variant}"] = target.divergence(out, ctx.clean_output)
+    if target.token_labels is not None:
+      scalars.update(evals.ce_metrics(
+        outputs, ctx.clean_output, target.token_labels(inputs)))
+    scalars.update(_term_values(ctx, terms, state.term_states, term_key))
+    lead = tuple(target.batch_lead_shape(inputs))
+    stats = {f"fired/{s.name}": evals.firing_counts(
+      lower[s.name], config.ci_alive_threshold) for s in target.sites}
+    stats["positions"] = jnp.asarray(int(np.prod(lead)), jnp.int32)
+    return scalars, stats, inputs
+
+  def fast(state: TrainState, weights: Weights, key: Key[Array, ""]):
+    scalars, stats, batches = jax.lax.map(
+      lambda i: fast_batch(state, weights, jax.random.fold_in(key, i)),
+      jnp.arange(config.n_batches))
+    ci_probe = {}
+    if target.feature_probe is not None:
+      ci_probe = probe.probe_ci(target, ci_fn, weights, state.components,
+                                state.ci_params)
+    return EvalOutput(scalars, stats, ci_probe), batches
+
+  def slow(state: TrainState, weights: Weights, key: Key[Array, ""],
+           batches: Batch) -> dict[str, Array]:
+    def one(args):
+      i, inputs = args
+      ctx = context(state, weights, inputs, slow_taps)
+      hidden_key = jax.random.fold_in(jax.random.fold_in(key, i), 3)
+      return _slow_stats(ctx, hidden_key, config)
+
+    return jax.lax.map(one, (jnp.arange(config.n_batches), batches))
+
+  return EvalFns(jax.jit(fast), jax.jit(slow))
+
+
+def merge_slow(output: EvalOutput, slow_stats: dict[str, Array]) -> EvalOutput:
+  """Return `output` with the slow tier's per-batch stats added."""
+  return output._replace(stats={**output.stats, **slow_stats})
+
+
+class EvalSummary(NamedTuple):
+  """Host reduction of an `EvalOutput`.
+
+  `scalars` are the `eval/`-less metric names with float values: means over
+  batches, `alive/<site>` (components firing anywhere in the eval set),
+  `identity_ci_error/<site>` (toys) and the slow tier's
+  `hidden_acts/{ci_masked,stochastic}/<site|all>` (`Σe/Σn`). `arrays` holds
+  the slow tier's per-site arrays summed over batches: `density` and
+  `mean_ci` `[C]`, `hist_lower`/`hist_pre` counts, `log_density` `[C, n+1]`
+  and `position_ci` `[T, C]`; `probe` the toys' probe CI.
+  """
+
+  scalars: dict[str, float]
+  arrays: dict[str, dict[str, np.ndarray]]
+  probe: dict[str, np.ndarray]
+
+
+def _sum_batches(stats: dict[str, np.ndarray], prefix: str) -> dict:
+  return {k[len(prefix):]: np.sum(v.astype(
+    np.int64 if v.dtype.kind in "iu" else np.float64), axis=0)
+    for k, v in stats.items() if k.startswith(prefix)}
+
+
+def _hidden_scalars(stats: dict[str, np.ndarray]) -> dict[str, float]:
+  out = {}
+  for variant in ("ci_masked", "stochastic"):
+    errors = _sum_batches(stats, f"hidden_err/{variant}/")
+    counts = _sum_batches(stats, f"hidden_n/{variant}/")
+    if not errors:
+      continue
+    for site, err in errors.items():
+      out[f"hidden_acts/{variant}/{site}"] = float(err / counts[site])
+    out[f"hidden_acts/{variant}/all"] = float(
+      sum(errors.values()) / sum(counts.values()))
+  return out
+
+
+def summarize(output: EvalOutput) -> EvalSummary:
+  """Return the host reduction of a fetched (numpy) `EvalOutput`."""
+  scalars = {k: float(np.mean(v)) for k, v in output.scalars.items()}
+  stats = {k: np.asarray(v) for k, v in output.stats.items()}
+  positions = float(np.sum(stats["positions"]))
+  fired = _sum_batches(stats, "fired/")
+  for site, counts in fired.items():
+    scalars[f"alive/{site}"] = float(np.sum(counts > 0))
+  ci_probe = {k: np.asarray(v) for k, v in output.probe.items()}
+  for site, ci in ci_probe.items():
+    scalars[f"identity_ci_error/{site}"] = float(probe.identity_ci_error(ci))
+  scalars.update(_hidden_scalars(stats))
+  arrays: dict[str, dict[str, np.ndarray]] = {}
+  if any(k.startswith("hist_lower/") for k in stats):
+    arrays["density"] = {s: c / positions for s, c in fired.items()}
+    arrays["mean_ci"] = {s: c / positions for s, c in
+                         _sum_batches(stats, "ci_sum/").items()}
+    for name in ("hist_lower", "hist_pre", "log_density"):
+      arrays[name] = _sum_batches(stats, f"{name}/")
+    position_ci = _sum_batches(stats, "position_ci/")
+    if position_ci:
+      n_batches = len(stats["positions"])
+      arrays["position_ci"] = {s: v / n_batches for s, v in position_ci.items()}
+  return EvalSummary(scalars, arrays, ci_probe)
+
+
+def top_contexts(
+  stats: dict[str, np.ndarray], site: str, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Return per component its `k` top CI values over every eval batch, with
+  their batch and flat position, each `[C, k]` (from the slow tier's
+  per-batch top positions)."""
+  values = np.asarray(stats[f"top_ci/{site}"])    # [n_batches, C, k_b]
+  index = np.asarray(stats[f"top_index/{site}"])
+  n_batches, c, k_b = values.shape
+  values = values.transpose(1, 0, 2).reshape(c, -1)
+  index = index.transpose(1, 0, 2).reshape(c, -1)
+  batch = np.repeat(np.arange(n_batches), k_b)[None].repeat(c, axis=0)
+  order = np.argsort(-values, axis=1, kind="stable")[:, :k]
+  return tuple(np.take_along_axis(a, order, axis=1)
+               for a in (values, batch, index))
+
+
+def eval_data_key(seed: int) -> Key[Array, ""]:
+  """Return the held-out stream's key: disjoint from training draws."""
+  return jax.random.fold_in(jax.random.key(seed), 0xE7A1)
+

@@ -1,0 +1,179 @@
+"""Eval metrics of a decomposition on one batch (SPEC §5.9, §5.11, §11).
+
+Pure functions over one eval batch; the eval step (`eval_step`) maps them
+over the held-out batches. `*l` is the batch's leading shape (`(B,)` toys,
+`(B, T)` LMs). Counts are int32 per batch: one batch may hold at most 2^31
+(position, component) entries per site; callers sum batches in int64.
+
+Mask variants, each with every site live and routed, compared with the clean
+output through the target's divergence (KL for LMs, MSE for toys):
+  ci_masked   m = ci                         (SPEC §5.4 Constant(0))
+  unmasked    m = 1                          (Constant(1))
+  stochastic  m = ci + (1 − ci)·U[0,1]       (the training draw; δ if on)
+  rounded     m = [ci > threshold]
+  zero        m = 0                          (zero ablation of every site)
+  random      m = U[0,1]                     (CI ignored)
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, Key
+
+from decompax.core import masks as masks_lib
+from decompax.core.site_forward import SiteMask
+from decompax.core.sites import SiteSpec
+from decompax.losses import recon
+
+VARIANTS = ("ci_masked", "unmasked", "stochastic", "rounded", "zero", "random")
+# Fixed histogram edges, so counts add exactly over any number of batches.
+LOWER_EDGES = np.linspace(0.0, 1.0, 51)
+PRE_EDGES = np.linspace(-4.0, 4.0, 81)
+# Log-spaced CI bands over [1e-9, 1] (SPEC §11), plus an underflow column.
+LOG_DENSITY_MIN = 1e-9
+LOG_DENSITY_BINS = 18
+
+
+def variant_site_masks(
+  variant: str,
+  key: Key[Array, ""],
+  ci_lower: dict[str, Float[Array, "*l c"]],
+  sites: tuple[SiteSpec, ...],
+  with_delta: bool,
+  rounding_threshold: float,
+) -> dict[str, SiteMask]:
+  """Return every site's mask under one named variant (module docstring)."""
+  if variant == "stochastic":
+    entry = recon.all_sites_plan(sites)[0]
+    index = {s.name: i for i, s in enumerate(sites)}
+    return recon.stochastic_site_masks(
+      key, entry, ci_lower, index, with_delta, "continuous", None)
+  out = {}
+  for i, site in enumerate(sites):
+    ci = ci_lower[site.name]
+    if variant == "ci_masked":
+      mask = ci
+    elif variant == "unmasked":
+      mask = jnp.ones_like(ci)
+    elif variant == "rounded":
+      mask = (ci > rounding_threshold).astype(ci.dtype)
+    elif variant == "zero":
+      mask = jnp.zeros_like(ci)
+    elif variant == "random":
+      site_key = jax.random.fold_in(key, i)
+      mask = masks_lib.stochastic_source(
+        site_key, ci.shape[:-1], ci.shape[-1], False).astype(ci.dtype)
+    else:
+      raise ValueError(f"unknown mask variant {variant!r}; use one of "
+                       f"{VARIANTS}")
+    out[site.name] = SiteMask(mask)
+  return out
+
+
+def variant_outputs(
+  masked_forward: Callable[[dict[str, SiteMask]], Array],
+  key: Key[Array, ""],
+  ci_lower: dict[str, Float[Array, "*l c"]],
+  sites: tuple[SiteSpec, ...],
+  with_delta: bool,
+  rounding_threshold: float,
+) -> dict[str, Float[Array, "..."]]:
+  """Return the target's output under every mask variant."""
+  return {
+    variant: masked_forward(variant_site_masks(
+      variant, jax.random.fold_in(key, v), ci_lower, sites, with_delta,
+      rounding_threshold))
+    for v, variant in enumerate(VARIANTS)
+  }
+
+
+def cross_entropy(
+  logits: Float[Array, "*l v"], labels: Int[Array, "*l"]
+) -> Float[Array, ""]:
+  """Return the mean next-token cross entropy over labels `>= 0` (fp32).
+
+  A negative label marks a position without a target (a sequence's last).
+  """
+  log_q = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  valid = labels >= 0
+  picked = jnp.take_along_axis(
+    log_q, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+  count = jnp.maximum(jnp.sum(valid), 1)
+  return -jnp.sum(jnp.where(valid, picked, 0.0)) / count
+
+
+def ce_metrics(
+  outputs: dict[str, Float[Array, "*l v"]],
+  clean_logits: Float[Array, "*l v"],
+  labels: Int[Array, "*l"],
+) -> dict[str, Float[Array, ""]]:
+  """Return CE of the clean model and, per variant, its CE difference.
+
+  `ce_diff/<v> = CE(v) − CE(clean)`; `ce_unrecovered/<v>` divides that by
+  the zero-ablation difference `CE(zero) − CE(clean)` (0: as good as clean,
+  1: as bad as ablating every decomposed matrix).
+  """
+  clean = cross_entropy(clean_logits, labels)
+  zero_gap = cross_entropy(outputs["zero"], labels) - clean
+  out = {"ce/clean": clean}
+  for variant, logits in outputs.items():
+    diff = cross_entropy(logits, labels) - clean
+    out[f"ce_diff/{variant}"] = diff
+    out[f"ce_unrecovered/{variant}"] = diff / jnp.where(
+      zero_gap == 0, 1.0, zero_gap)
+  return out
+
+
+def firing_counts(
+  ci: Float[Array, "*l c"], threshold: float
+) -> Int[Array, " c"]:
+  """Return per component the number of positions with CI above threshold."""
+  fired = (ci > threshold).reshape(-1, ci.shape[-1])
+  return jnp.sum(fired, axis=0, dtype=jnp.int32)
+
+
+def histogram_counts(
+  x: Float[Array, "..."], edges: Float[np.ndarray, " e"]
+) -> Int[Array, " n"]:
+  """Return `[below, bin_1 … bin_{e−1}, above]` counts of all entries of x.
+
+  Bins are `[edge_i, edge_{i+1})` except the last, which also holds its right
+  edge (as in `numpy.histogram`); `n = len(edges) + 1`.
+  """
+  edges = jnp.asarray(edges, x.dtype)
+  flat = x.reshape(-1)
+  index = jnp.searchsorted(edges, flat, side="right")
+  n_edges = edges.shape[0]
+  index = jnp.where(flat == edges[-1], n_edges - 1, index)
+  return jnp.zeros((n_edges + 1,), jnp.int32).at[index].add(1)
+
+
+def log_density_counts(
+  ci: Float[Array, "*l c"], n_bins: int = LOG_DENSITY_BINS,
+  floor: float = LOG_DENSITY_MIN,
+) -> Int[Array, "c n"]:
+  """Return per component the count of positions in each log-spaced CI band.
+
+  Column 0 counts CI `< floor`; columns `1..n_bins` split `[floor, 1]` into
+  bands of equal width in `log10`, the last holding CI = 1.
+  """
+  c = ci.shape[-1]
+  flat = ci.reshape(-1, c).astype(jnp.float32)
+  span = -np.log10(floor)
+  scaled = (jnp.log10(jnp.maximum(flat, floor)) + span) / span * n_bins
+  band = 1 + jnp.clip(jnp.floor(scaled).astype(jnp.int32), 0, n_bins - 1)
+  band = jnp.where(flat < floor, 0, band)
+  cell = jnp.arange(c, dtype=jnp.int32) * (n_bins + 1) + band
+  counts = jnp.zeros((c * (n_bins + 1),), jnp.int32).at[cell.reshape(-1)].add(1)
+  return counts.reshape(c, n_bins + 1)
+
+
+def top_positions(
+  ci: Float[Array, "*l c"], k: int
+) -> tuple[Float[Array, "c k"], Int[Array, "c k"]]:
+  """Return per component its `k` largest CI values and their flat positions."""
+  flat = ci.reshape(-1, ci.shape[-1]).T
+  values, index = jax.lax.top_k(flat, min(k, flat.shape[-1]))
+  return values, index.astype(jnp.int32)

@@ -1,0 +1,123 @@
+"""The static run report and its LM component table."""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from decompax.io import figures, report, run_dir
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def referenced_files(page_path):
+  """Return the files an HTML page links or embeds, resolved to paths."""
+  with open(page_path, encoding="utf-8") as f:
+    page = f.read()
+  refs = re.findall(r'(?:src|href)="([^"]+)"', page)
+  base = os.path.dirname(page_path)
+  return [os.path.normpath(os.path.join(base, r)) for r in refs]
+
+
+def _synthetic_table():
+  context = report.Context(0.93, ("the", " <cat>", " sat"), 1)
+  return {
+    "layers.0.mlp.up_proj": [
+      report.ComponentRow(7, 0.25, 0.2, (context,)),
+      report.ComponentRow(2, 0.01, 0.005, ()),
+    ],
+    "layers.0.mlp.down_proj": [report.ComponentRow(0, 0.5, 0.4, (context,))],
+  }
+
+
+def test_component_table_round_trips_through_json():
+  table = _synthetic_table()
+  assert report.table_from_json(report.table_to_json(table)) == table
+
+
+def test_component_table_from_tokens_picks_frequent_components_and_windows():
+  tokens = np.arange(2 * 3 * 6).reshape(2, 3, 6)  # [n_batches, B, T]
+  density = {"s": np.array([0.1, 0.5, 0.0])}
+  mean_ci = {"s": np.array([0.05, 0.3, 0.0])}
+  # Component 1 fires most at batch 1, row 2, position 4 (flat 2·6 + 4).
+  top = {"s": (np.array([[0.5], [0.9], [0.0]]), np.array([[0], [1], [0]]),
+               np.array([[0], [16], [0]]))}
+  table = report.component_table(tokens, top, density, mean_ci,
+                                 lambda i: f"<{i}>", n_components=2,
+                                 before=2, after=1)
+  rows = table["s"]
+  assert [r.component for r in rows] == [1, 0]
+  assert rows[0].frequency == 0.5 and rows[0].mean_ci == 0.3
+  ctx = rows[0].contexts[0]
+  assert ctx.tokens == ("<32>", "<33>", "<34>", "<35>") and ctx.focus == 2
+  # At a sequence start the window is cut, and the focus moves with it.
+  assert rows[1].contexts[0].tokens == ("<0>", "<1>")
+  assert rows[1].contexts[0].focus == 0
+
+
+def test_render_escapes_tokens_and_marks_the_firing_position():
+  page = report.render_html("run <x>", "--target=t\n", [], [], [],
+                            _synthetic_table(), "now")
+  assert "<mark>&middot;&lt;cat&gt;</mark>" in page
+  assert "run &lt;x&gt;" in page and "<x>" not in page
+  assert page.count("<tr><td>7</td>") == 1
+  assert "<script" not in page
+
+
+@pytest.fixture
+def synthetic_run(tmp_path):
+  """A run directory as a finished toy run leaves it, plus an LM table."""
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / run_dir.FLAGS_FILE).write_text("--target=tms_5-2\n--c=4\n")
+  metrics = run / run_dir.METRICS_FILE
+  run_dir.append_metrics(metrics, {"step": 0, "eval/recon/zero": 0.5,
+                                   "eval/recon/ci_masked": 0.1,
+                                   "eval/ci_l0/a": 2.0})
+  for step in (10, 20):
+    run_dir.append_metrics(metrics, {
+      "step": step, "loss/faithfulness": 1.0 / step, "ci_l0/a": 1.5,
+      "eval/recon/zero": 0.5, "eval/recon/ci_masked": 0.1 / step,
+      "eval/ci_l0/a": 1.0, "eval/ce_diff/zero": 2.0})
+  rng = np.random.default_rng(0)
+  figures.plot_ci_on_features({"a": rng.uniform(size=(3, 4))},
+                              run / "figures" / "ci_on_features.png", "CI")
+  figures.plot_component_density(
+    {"a": rng.uniform(size=4)}, {"a": rng.uniform(size=4)},
+    run / "figures" / "ci_density.png", 0.1)
+  figures.plot_loss_curves([], run / "figures" / "losses.png")
+  report.write_table(run, _synthetic_table())
+  return run
+
+
+def test_report_references_only_existing_pngs(synthetic_run):
+  page = report.write_report(synthetic_run)
+  assert page == str(synthetic_run / "report" / "index.html")
+  refs = referenced_files(page)
+  assert refs, "the page shows no figure"
+  for ref in refs:
+    with open(ref, "rb") as f:
+      assert f.read(8) == PNG, ref
+  shown = {os.path.basename(r) for r in refs}
+  assert {"ci_on_features.png", "ci_density.png", "loss_curves.png",
+          "eval_recon.png", "eval_ce.png", "ci_l0.png"} <= shown
+  assert "losses.png" not in shown  # the report draws its own loss curve
+  text = (synthetic_run / "report" / "index.html").read_text()
+  assert "layers.0.mlp.up_proj" in text and "--c=4" in text
+  assert "(tms_5-2)" in text
+
+
+def test_report_of_a_directory_without_flags_is_refused(tmp_path):
+  with pytest.raises(ValueError, match="not a run directory"):
+    report.write_report(tmp_path)
+  assert not (tmp_path / "report").exists()
+
+
+def test_report_of_a_run_without_records_still_renders(tmp_path):
+  (tmp_path / run_dir.FLAGS_FILE).write_text("--target=x\n")
+  page = report.write_report(tmp_path)
+  assert referenced_files(page) == []
+  assert "--target=x" in open(page, encoding="utf-8").read()
+  json.dumps(os.listdir(tmp_path / "report"))

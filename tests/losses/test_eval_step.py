@@ -1,0 +1,206 @@
+"""The eval passes on known answers: a perfect toy decomposition, an LM shape.
+
+The toy is a two-site diagonal ReLU chain decomposed exactly (one component
+per feature, `V = I`, `U = diag(w)`) with an oracle CI function: CI 1 where a
+component's activation is non-zero, else 0. Every masked variant that keeps
+the CI-active components then reproduces the clean output exactly, and the
+zero ablation is the worst variant.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decompax.core import ci_fns, optim, sites as sites_lib, train_step
+from decompax.core.schedules import Schedule
+from decompax.losses import eval_step, evals, recon, terms
+from decompax.targets import sparse_data, toy_sites
+
+N = 5
+BATCH = 16
+
+
+def _diag_target():
+  specs = tuple(sites_lib.SiteSpec(n, n, 0, N, N, N) for n in ("l0", "l1"))
+
+  def forward(weights, x, matmul):
+    taps = {"l0": x}
+    h = jax.nn.relu(matmul("l0", x, weights["l0"][0]))
+    taps["l1"] = h
+    return jax.nn.relu(matmul("l1", h, weights["l1"][0])), taps
+
+  fns = toy_sites.sequential_target_fns(
+    specs, forward, lambda w: dict(w), N)
+  scale = jnp.linspace(0.5, 2.0, N)
+  weights = {"l0": jnp.diag(scale)[None], "l1": jnp.diag(scale[::-1])[None]}
+  return fns, weights
+
+
+def _oracle_ci_fn(sites):
+  def apply(params, taps, components):
+    del params
+    out = {}
+    for site in sites:
+      v, _ = sites_lib.site_factors(components, site)
+      active = jnp.abs(taps[site.name] @ v) > 0
+      out[site.name] = jnp.where(active, 2.0, -1.0)
+    return out
+
+  return ci_fns.CIFn(tuple(s.name for s in sites), lambda key: {}, apply)
+
+
+def _state(target, ci_fn, loss_terms, components, ci_params, lead):
+  adam = optim.AdamWConfig(Schedule(1e-3))
+  built = train_step.make_train_step(
+    target, ci_fn, loss_terms, train_step.StepConfig(10, adam, adam))
+  return built.init(components, ci_params, jax.random.key(0), lead)
+
+
+def _terms(sites):
+  return (
+    terms.faithfulness_term(1.0),
+    terms.importance_minimality_term(1e-3, 1.0),
+    terms.stochastic_recon_term("stochastic_recon", 1.0,
+                                recon.all_sites_plan(sites), False),
+  )
+
+
+@pytest.fixture(scope="module")
+def perfect():
+  target, weights = _diag_target()
+  components = {
+    site: sites_lib.Factors(v=jnp.eye(N)[None], u=weights[site])
+    for site in ("l0", "l1")}
+  ci_fn = _oracle_ci_fn(target.sites)
+  loss_terms = _terms(target.sites)
+  state = _state(target, ci_fn, loss_terms, components, {}, (BATCH,))
+
+  def sample(key):
+    return sparse_data.sample_sparse_features(key, BATCH, N, 0.3, 0.0, 1.0)
+
+  config = eval_step.EvalConfig(n_batches=3, total_steps=10)
+  fns = eval_step.make_eval_step(target, ci_fn, loss_terms, config, sample)
+  key = jax.random.key(5)
+  output, batches = fns.fast(state, weights, key)
+  slow = fns.slow(state, weights, key, batches)
+  output = jax.device_get(eval_step.merge_slow(output, slow))
+  return eval_step.summarize(output), np.asarray(batches), fns, state, weights
+
+
+def test_perfect_decomposition_has_zero_identity_error_and_recon(perfect):
+  summary = perfect[0]
+  s = summary.scalars
+  for site in ("l0", "l1"):
+    assert s[f"identity_ci_error/{site}"] == 0
+    np.testing.assert_array_equal(summary.probe[site] > 0.5, np.eye(N))
+  for variant in ("ci_masked", "unmasked", "rounded", "stochastic"):
+    assert s[f"recon/{variant}"] < 1e-12, variant
+  for variant in evals.VARIANTS:
+    assert s["recon/zero"] >= s[f"recon/{variant}"]
+  assert s["recon/zero"] > s["recon/random"] > 1e-6
+  assert s["loss/faithfulness"] == 0.0
+  assert s["loss/stochastic_recon"] < 1e-12
+  assert s["hidden_acts/ci_masked/all"] < 1e-12
+  assert s["hidden_acts/stochastic/all"] < 1e-12
+
+
+def test_ci_l0_alive_and_density_count_the_active_features(perfect):
+  summary, batches = perfect[0], perfect[1]
+  active = batches > 0  # [n_batches, B, N]; features map to components
+  for site in ("l0", "l1"):
+    np.testing.assert_allclose(summary.scalars[f"ci_l0/{site}"],
+                               active.sum(-1).mean(), rtol=1e-6)
+    assert summary.scalars[f"alive/{site}"] == np.any(
+      active, axis=(0, 1)).sum()
+    np.testing.assert_allclose(summary.arrays["density"][site],
+                               active.mean(axis=(0, 1)), rtol=1e-6)
+    np.testing.assert_allclose(summary.arrays["mean_ci"][site],
+                               active.mean(axis=(0, 1)), rtol=1e-6)
+
+
+def test_slow_histograms_hold_every_position_exactly(perfect):
+  summary, batches = perfect[0], perfect[1]
+  n_active = int(np.sum(batches > 0))
+  for site in ("l0", "l1"):
+    lower = summary.arrays["hist_lower"][site]
+    assert lower.sum() == batches.size
+    assert lower[-2] == n_active and lower[1] == batches.size - n_active
+    pre = summary.arrays["hist_pre"][site]
+    assert pre.sum() == batches.size
+    density = summary.arrays["log_density"][site]
+    np.testing.assert_array_equal(density[:, -1],
+                                  np.sum(batches > 0, axis=(0, 1)))
+
+
+def test_eval_passes_trace_once(perfect):
+  _, _, fns, state, weights = perfect
+  key = jax.random.key(5)
+  for _ in range(2):
+    _, batches = fns.fast(state, weights, key)
+    fns.slow(state, weights, key, batches)
+  assert fns.fast._cache_size() == 1 and fns.slow._cache_size() == 1
+
+
+def test_held_out_batches_depend_only_on_the_key(perfect):
+  _, batches, fns, state, weights = perfect
+  _, again = fns.fast(state, weights, jax.random.key(5))
+  np.testing.assert_array_equal(np.asarray(again), batches)
+  _, other = fns.fast(state, weights, jax.random.key(6))
+  assert not np.array_equal(np.asarray(other), batches)
+
+
+@pytest.fixture(scope="module")
+def token_eval(token_target):
+  target, weights = token_target
+  ci_fn = ci_fns.make_ci_fn(ci_fns.CIConfig("vector_mlp", (4,)), target.sites)
+  components = sites_lib.init_components(jax.random.key(1), target.sites)
+  loss_terms = _terms(target.sites)
+  lead = (3, 5)
+  state = _state(target, ci_fn, loss_terms, components,
+                 ci_fn.init(jax.random.key(2)), lead)
+
+  def sample(key):
+    return jax.random.randint(key, lead, 0, 6)
+
+  config = eval_step.EvalConfig(n_batches=2, total_steps=10, top_contexts=3)
+  fns = eval_step.make_eval_step(target, ci_fn, loss_terms, config, sample)
+  key = jax.random.key(9)
+  output, batches = fns.fast(state, weights, key)
+  output = jax.device_get(eval_step.merge_slow(
+    output, fns.slow(state, weights, key, batches)))
+
+  def ci_of(tokens):
+    _, taps = target.clean_forward(weights, tokens, ci_fn.input_taps)
+    pre = ci_fn.apply(state.ci_params, taps, state.components)
+    return np.clip(np.asarray(pre["mix"]), 0.0, 1.0)
+
+  return output, eval_step.summarize(output), np.asarray(batches), ci_of
+
+
+def test_token_target_reports_ce_and_kl(token_eval):
+  s = token_eval[1].scalars
+  assert s["ce/clean"] > 0
+  assert s["recon/unmasked"] > 0  # untrained factors: VU ≠ W
+  np.testing.assert_allclose(s["ce_unrecovered/zero"], 1.0, rtol=1e-5)
+  assert "identity_ci_error/mix" not in s  # no feature probe
+
+
+def test_token_target_top_contexts_are_the_largest_ci(token_eval):
+  output, _, batches, ci_of = token_eval
+  assert np.array_equal(output.stats["tokens"], batches)
+  ci = np.stack([ci_of(b) for b in batches])  # [n_batches, B, T, C]
+  values, batch, position = eval_step.top_contexts(output.stats, "mix", 3)
+  for c in range(ci.shape[-1]):
+    flat = ci[..., c].reshape(len(batches), -1)
+    np.testing.assert_allclose(values[c], np.sort(flat.reshape(-1))[::-1][:3],
+                               rtol=1e-6)
+    np.testing.assert_allclose(flat[batch[c], position[c]], values[c],
+                               rtol=1e-6)
+
+
+def test_token_target_position_ci_is_the_batch_mean(token_eval):
+  _, summary, batches, ci_of = token_eval
+  ci = np.stack([ci_of(b) for b in batches])
+  np.testing.assert_allclose(summary.arrays["position_ci"]["mix"],
+                             ci.mean(axis=(0, 1)), rtol=1e-5, atol=1e-7)

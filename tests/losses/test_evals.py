@@ -1,0 +1,118 @@
+"""Eval metric math on cases with known answers (SPEC §5.9, §5.11, §11)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decompax.core.sites import SiteSpec
+from decompax.losses import evals
+
+SITES = (SiteSpec("a", "a", 0, 3, 3, 4), SiteSpec("b", "b", 0, 3, 2, 2))
+
+
+def _ci(shape_a=(5, 4), shape_b=(5, 2)):
+  keys = jax.random.split(jax.random.key(0), 2)
+  return {"a": jax.random.uniform(keys[0], shape_a),
+          "b": jax.random.uniform(keys[1], shape_b)}
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_variant_masks_follow_their_definitions(with_delta):
+  ci = _ci()
+  key = jax.random.key(1)
+  masks = {v: evals.variant_site_masks(v, key, ci, SITES, with_delta, 0.5)
+           for v in evals.VARIANTS}
+  for site, c in ci.items():
+    np.testing.assert_array_equal(masks["ci_masked"][site].mask, c)
+    np.testing.assert_array_equal(masks["unmasked"][site].mask, 1.0)
+    np.testing.assert_array_equal(masks["zero"][site].mask, 0.0)
+    np.testing.assert_array_equal(masks["rounded"][site].mask,
+                                  (np.asarray(c) > 0.5).astype(np.float32))
+    random = np.asarray(masks["random"][site].mask)
+    assert random.min() >= 0 and random.max() <= 1 and random.std() > 0.1
+    stochastic = np.asarray(masks["stochastic"][site].mask)
+    assert np.all(stochastic >= np.asarray(c) - 1e-7)  # ci + (1−ci)·s ≥ ci
+    for variant in ("ci_masked", "unmasked", "rounded", "zero", "random"):
+      assert masks[variant][site].delta is None  # SPEC §5.4 Constant(v)
+    assert (masks["stochastic"][site].delta is not None) == with_delta
+
+
+def test_unknown_variant_is_refused():
+  with pytest.raises(ValueError, match="unknown mask variant"):
+    evals.variant_site_masks("half", jax.random.key(0), _ci(), SITES, False,
+                             0.1)
+
+
+def test_cross_entropy_known_answers():
+  labels = jnp.array([[1, 2, -1]])
+  uniform = jnp.zeros((1, 3, 5))
+  np.testing.assert_allclose(evals.cross_entropy(uniform, labels), np.log(5),
+                             rtol=1e-6)
+  certain = jax.nn.one_hot(jnp.array([[1, 2, 0]]), 5) * 100.0
+  assert float(evals.cross_entropy(certain, labels)) < 1e-6
+  # A wrong prediction at the unlabelled last position does not count.
+  wrong_last = certain.at[0, 2].set(jax.nn.one_hot(4, 5) * 100.0)
+  assert float(evals.cross_entropy(wrong_last, labels)) < 1e-6
+
+
+def test_ce_metrics_are_zero_for_clean_and_one_for_zero_ablation():
+  key_clean, key_zero, key_mid = jax.random.split(jax.random.key(3), 3)
+  labels = jax.random.randint(key_clean, (4, 6), 0, 7)
+  clean = jax.nn.one_hot(labels, 7) * 4.0
+  zero = jax.random.normal(key_zero, (4, 6, 7))
+  outputs = {"unmasked": clean, "zero": zero,
+             "random": clean + jax.random.normal(key_mid, (4, 6, 7))}
+  out = evals.ce_metrics(outputs, clean, labels)
+  assert float(out["ce_diff/unmasked"]) == 0.0
+  assert float(out["ce_unrecovered/unmasked"]) == 0.0
+  np.testing.assert_allclose(out["ce_unrecovered/zero"], 1.0, rtol=1e-6)
+  np.testing.assert_allclose(
+    out["ce_diff/zero"],
+    evals.cross_entropy(zero, labels) - evals.cross_entropy(clean, labels),
+    rtol=1e-6)
+
+
+def test_firing_counts_count_positions_above_threshold():
+  ci = jnp.array([[[0.0, 0.2], [0.5, 0.1]], [[0.11, 1.0], [0.0, 0.0]]])
+  np.testing.assert_array_equal(evals.firing_counts(ci, 0.1), [2, 2])
+
+
+def test_histograms_add_up_exactly_over_batches():
+  rng = np.random.default_rng(0)
+  batches = [rng.normal(0.3, 2.0, size=(7, 5)).astype(np.float32)
+             for _ in range(4)]
+  batches[0][0, :3] = [evals.PRE_EDGES[0], evals.PRE_EDGES[-1], 100.0]
+  edges = evals.PRE_EDGES
+  total = sum(np.asarray(evals.histogram_counts(jnp.asarray(b), edges),
+                         np.int64) for b in batches)
+  everything = np.concatenate([b.reshape(-1) for b in batches])
+  inside, _ = np.histogram(everything, edges)
+  np.testing.assert_array_equal(total[1:-1], inside)
+  assert total[0] == np.sum(everything < edges[0])
+  assert total[-1] == np.sum(everything > edges[-1])
+  assert total.sum() == everything.size
+
+
+def test_lower_histogram_puts_one_in_the_last_bin():
+  counts = evals.histogram_counts(jnp.array([0.0, 1.0, 1.0, 0.5]),
+                                  evals.LOWER_EDGES)
+  assert int(counts[0]) == 0 and int(counts[-1]) == 0
+  assert int(counts[1]) == 1 and int(counts[-2]) == 2
+
+
+def test_log_density_bands():
+  ci = jnp.array([[0.0, 1.0], [1e-10, 0.5], [1e-5, 1e-9]])
+  counts = np.asarray(evals.log_density_counts(ci, n_bins=9))
+  # Component 0: two below 1e-9, one in the band [1e-5, 1e-4).
+  assert counts[0, 0] == 2 and counts[0, 1 + 4] == 1
+  # Component 1: 1 and 0.5 in the top band, 1e-9 in the bottom one.
+  assert counts[1, 9] == 2 and counts[1, 1] == 1
+  assert counts.sum() == ci.size
+
+
+def test_top_positions_are_each_components_largest():
+  ci = jnp.array([[[0.1, 0.9], [0.7, 0.2]], [[0.3, 0.0], [0.8, 0.95]]])
+  values, index = evals.top_positions(ci, 2)
+  np.testing.assert_allclose(values, [[0.8, 0.7], [0.95, 0.9]])
+  np.testing.assert_array_equal(index, [[3, 1], [3, 0]])
