@@ -3,11 +3,14 @@
 Sites, CI function, loss terms and optimizer settings; no I/O here.
 """
 
+import jax
+
 from decompax.bin.train_flags import TrainConfig
-from decompax.core import adversary, ci_fns, optim, sites as sites_lib
+from decompax.core import adversary, ci_fns, ci_transformer, optim
+from decompax.core import sites as sites_lib
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
-from decompax.losses import adversarial, locality, recon, terms
+from decompax.losses import adversarial, hidden, locality, recon, terms
 
 
 def select_sites(
@@ -50,9 +53,36 @@ def step_config(config: TrainConfig) -> train_step.StepConfig:
   )
 
 
-def ci_config(config: TrainConfig) -> ci_fns.CIConfig:
-  """Return the CI function's config."""
-  return ci_fns.CIConfig(config.ci_fn, config.ci_hidden)
+def ci_config(config: TrainConfig, sites=(), resid_width: int = 0
+              ) -> ci_fns.CIConfig:
+  """Return the CI function's config.
+
+  With `resid_width` (a language model's d_model), the transformer CI has
+  one chunk per decomposed block reading `resid.<block>` (SPEC §4.3);
+  without it, one chunk per site reading that site's input.
+  """
+  if config.ci_fn != "transformer":
+    return ci_fns.CIConfig(config.ci_fn, config.ci_hidden)
+  chunks, widths = (), ()
+  if resid_width:
+    chunks = ci_transformer.chunks_by_tap(
+      tuple(sites), lambda s: f"resid.{block_of(s.name)}")
+    widths = tuple((c.input_taps[0], resid_width) for c in chunks)
+  return ci_fns.CIConfig("transformer", config.ci_hidden,
+                         ci_transformer.TransformerCIConfig(
+    chunks=chunks, tap_widths=widths, d_model=config.ci_d_model,
+    n_blocks=config.ci_n_blocks, n_heads=config.ci_n_heads,
+    n_kv_heads=config.ci_n_kv_heads, d_mlp=config.ci_d_mlp,
+    attention=config.ci_attention, remat=config.ci_remat))
+
+
+def block_of(site_name: str) -> int:
+  """Return the block index of an LM site name `layers.<i>.<...>`."""
+  parts = site_name.split(".")
+  if len(parts) < 2 or parts[0] != "layers" or not parts[1].isdigit():
+    raise ValueError(f"site {site_name!r} is not layers.<i>.<module>; the "
+                     "transformer CI chunks language-model sites by block")
+  return int(parts[1])
 
 
 def parse_groups(text: str) -> tuple[tuple[str, ...], ...]:
@@ -85,23 +115,68 @@ def _floats(name: str, values: tuple[str, ...]) -> tuple[float, ...]:
     raise ValueError(f"--{name} must be numbers, got {','.join(values)}") from None
 
 
-def persistent_term(config: TrainConfig, sites) -> train_step.LossTerm:
-  """Return the persistent PGD term the flags describe."""
+def rider(config: TrainConfig, sites, term: str) -> hidden.HiddenRider | None:
+  """Return the hidden-activation rider of recon term `term`, if it has one."""
+  if term not in config.hidden_terms:
+    return None
+  points = config.hidden_points or tuple(f"{s.name}.out" for s in sites)
+  return hidden.HiddenRider(config.hidden_coeff, tuple(points))
+
+
+def check_rider_points(config: TrainConfig, target, weights, inputs) -> None:
+  """Raise ValueError unless the target can tap every rider point."""
+  if not config.hidden_terms:
+    return
+  if target.masked_forward_taps is None:
+    raise ValueError(f"target {config.target} returns no masked activations; "
+                     "drop --hidden_coeff")
+  points = rider(config, target.sites, config.hidden_terms[0]).points
+  try:
+    jax.eval_shape(lambda w, x: target.clean_forward(w, x, points), weights,
+                   inputs)
+  except ValueError as e:
+    raise ValueError(f"--hidden_points: {e}") from None
+
+
+def persistent_config(config: TrainConfig) -> adversarial.PersistentConfig:
+  """Return the source settings shared by the persistent and merged terms."""
   b1, b2 = _floats("pgd_betas", config.pgd_betas)
-  # Toy activations are positionless: a scope naming positions fails here.
-  adversary.scope_shape(config.pgd_scope, (config.batch_size,), 1)
   source = adversary.SourceConfig(
     config.pgd_scope, config.pgd_parametrization, config.pgd_step_rule,
     b1, b2, config.pgd_eps)
   lr = Schedule(config.pgd_lr, "constant", 1.0, config.pgd_lr_warmup_pct)
-  pgd = adversarial.PersistentConfig(
+  return adversarial.PersistentConfig(
     source, lr, config.pgd_n_warmup, config.pgd_objective,
     config.pgd_start_frac)
+
+
+def persistent_term(config: TrainConfig, sites,
+                    lead_shape: tuple[int, ...]) -> train_step.LossTerm:
+  """Return the persistent PGD term the flags describe."""
+  # A scope naming positions fails here for positionless (toy) targets.
+  adversary.scope_shape(config.pgd_scope, lead_shape, 1)
   plan = make_plan(config, sites, config.pgd_plan, config.pgd_routing,
                    config.subset_size)
   return adversarial.persistent_pgd_term(
-    "persistent_pgd_recon", config.pgd_coeff, plan, pgd, sites,
-    config.use_delta_component)
+    "persistent_pgd_recon", config.pgd_coeff, plan, persistent_config(config),
+    sites, config.use_delta_component,
+    rider=rider(config, sites, "persistent_pgd_recon"))
+
+
+def merged_term(config: TrainConfig, sites,
+                lead_shape: tuple[int, ...]) -> train_step.LossTerm:
+  """Return the merged stochastic/persistent term the flags describe."""
+  adversary.scope_shape(config.pgd_scope, lead_shape, 1)
+  plan = make_plan(config, sites, config.merged_plan, config.merged_routing,
+                   config.subset_size)
+  final = config.merged_adv_fraction_final_frac
+  fraction = (config.merged_adv_fraction if final == 1.0 else Schedule(
+    config.merged_adv_fraction, "linear", final))
+  return adversarial.persistent_pgd_term(
+    "merged_recon", config.merged_coeff, plan, persistent_config(config),
+    sites, config.use_delta_component,
+    rider=rider(config, sites, "merged_recon"),
+    merged=adversarial.Merged(fraction, config.sampling))
 
 
 def fresh_term(config: TrainConfig, sites) -> train_step.LossTerm:
@@ -140,9 +215,13 @@ def locality_term(config: TrainConfig, units) -> train_step.LossTerm:
 
 def loss_terms(
   config: TrainConfig, sites: tuple[sites_lib.SiteSpec, ...],
-  tokens_per_batch: int, units=None,
+  tokens_per_batch: int, units=None, lead_shape: tuple[int, ...] = (),
 ) -> tuple[train_step.LossTerm, ...]:
-  """Return the configured loss terms, zero-coefficient terms left out."""
+  """Return the configured loss terms, zero-coefficient terms left out.
+
+  `lead_shape` is the batch's activation lead shape, `(B,)` by default.
+  """
+  lead_shape = lead_shape or (config.batch_size,)
   p = Schedule(config.p_start, config.p_schedule, config.p_final_frac)
   out = []
   if config.faithfulness_coeff:
@@ -174,9 +253,16 @@ def loss_terms(
   for name, coeff, plan in plans:
     if coeff:
       out.append(terms.stochastic_recon_term(
-        name, coeff, plan, config.use_delta_component, config.sampling))
+        name, coeff, plan, config.use_delta_component, config.sampling,
+        rider=rider(config, sites, name)))
+  bundles = {}
   if config.pgd_coeff:
-    out.append(persistent_term(config, sites))
+    out.append(persistent_term(config, sites, lead_shape))
+    bundles["persistent_pgd_recon"] = config.pgd_bundle
+  if config.merged_coeff:
+    out.append(merged_term(config, sites, lead_shape))
+    bundles["merged_recon"] = config.merged_bundle
+  adversarial.check_bundles(bundles)
   if config.fresh_pgd_coeff:
     out.append(fresh_term(config, sites))
   if config.nonlinearity_coeff:

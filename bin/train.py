@@ -2,9 +2,12 @@
 
 Without flags it runs the embedded default, the SPD paper's TMS 5-2 recipe.
 The run directory receives the resolved flags, `metrics.jsonl`, the trained
-target, the final decomposition and PNG figures.
+target, checkpoints, the final decomposition and PNG figures. The same
+command resumes an interrupted run; SIGTERM/SIGINT save the completed step
+and exit with 75 for a requeue (`checkpointing`).
 """
 
+import functools
 import os
 import sys
 import time
@@ -14,10 +17,12 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from decompax.bin import recipe, train_flags
+from decompax.bin import checkpointing, evaluation, recipe, run_records
+from decompax.bin import lm_setup, placement_setup, train_flags
 from decompax.core import ci_fns, probe, sites as sites_lib, train_step
 from decompax.core import warmup as warmup_lib
-from decompax.io import figures, run_dir
+from decompax.io import checkpoint, figures, run_dir
+from decompax.placement import transfer
 from decompax.losses import faithfulness
 from decompax.targets import registry
 
@@ -30,6 +35,7 @@ SHORT_NAMES = {
   "stochastic_recon_subset": "recon_subset",
   "stochastic_recon_groups": "recon_groups",
   "persistent_pgd_recon": "pgd",
+  "merged_recon": "merged",
   "fresh_pgd_recon": "fresh_pgd",
   "nonlinearity_locality": "nl",
 }
@@ -46,7 +52,7 @@ def resolved_flags_text() -> str:
   module_flags = flags.FLAGS.get_flags_for_module(train_flags)
   lines = []
   for flag in sorted(module_flags, key=lambda f: f.name):
-    if flag.name == "overwrite":
+    if flag.name == "overwrite" or flag.name in placement_setup.LAUNCH_FLAGS:
       continue
     value = flag.value
     if isinstance(value, list):
@@ -111,15 +117,23 @@ def write_figures(output_dir, target, ci_fn, weights, state, metrics_path):
   """Render CI-on-features, U/V and loss-curve PNGs into `figures/`."""
   fig_dir = os.path.join(output_dir, "figures")
   os.makedirs(fig_dir, exist_ok=True)
+  if target.feature_probe is None:  # language models: no features to probe
+    records = run_dir.read_metrics(metrics_path)
+    if records:
+      figures.plot_loss_curves(records, os.path.join(fig_dir, "losses.png"))
+    return {}
+  # The state arrives on the host (fetched); the probe and the factor reads
+  # are JAX functions, so give them arrays again.
+  state = state._replace(components=jax.device_put(state.components),
+                         ci_params=jax.device_put(state.ci_params))
   ci = jax.device_get(probe.probe_ci(
     target, ci_fn, weights, state.components, state.ci_params))
   ci = {site: np.asarray(v) for site, v in ci.items()}
   figures.plot_ci_on_features(
     ci, os.path.join(fig_dir, "ci_on_features.png"), "CI on one-hot features")
   uv, order = {}, {}
-  components = jax.device_get(state.components)
   for site in target.sites:
-    v, u = sites_lib.site_factors(components, site)
+    v, u = jax.device_get(sites_lib.site_factors(state.components, site))
     uv[site.name] = (np.asarray(v), np.asarray(u))
     perm = probe.identity_permutation(ci[site.name])
     alive = set(probe.alive_components(ci[site.name]))
@@ -143,31 +157,57 @@ def summarize(ci: dict[str, np.ndarray]) -> list[str]:
   return lines
 
 
+def resolve_target(config: train_flags.TrainConfig):
+  """Return the target record, the selected sites, their function table and,
+  for checkpoint LMs, the weight loader (None: toys train their weights)."""
+  if lm_setup.is_lm(config):
+    toy, target, load = lm_setup.hf_target(config)
+    return toy, target.sites, target, load
+  toy = registry.get(config.target)
+  sites = recipe.select_sites(toy.sites(config.c), config.sites, toy.name)
+  return toy, sites, registry.fns_for(toy, config.c, sites), None
+
+
+def ci_config_of(config, toy, sites):
+  """Return the run's CI config; LM transformer CIs chunk by block."""
+  width = toy.config.d_model if lm_setup.is_lm(config) else 0
+  return recipe.ci_config(config, sites, width)
+
+
 def setup(config: train_flags.TrainConfig):
   """Return the toy, its function table, trained weights and run dir.
 
   Every check of user input happens here, before anything is written.
   """
-  toy = registry.get(config.target)
-  sites = recipe.select_sites(toy.sites(config.c), config.sites, toy.name)
-  target = toy.fns(config.c)._replace(sites=sites)
+  toy, sites, target, load_lm = resolve_target(config)
+  lead = lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size)
   # Builds every loss term once so that term-level refusals (unknown group
   # sites, missing unit layouts) happen before anything is written.
-  recipe.loss_terms(config, sites, config.batch_size, target.nonlinear_units)
+  recipe.loss_terms(config, sites, lm_setup.tokens_per_batch(lead),
+                    target.nonlinear_units, lead)
   output_dir = config.output_dir
   if output_dir is None:
     # The default location's parent is ours to create; a user's is not.
     os.makedirs("runs", exist_ok=True)
-    output_dir = os.path.join("runs", config.target)
+    output_dir = os.path.join("runs", toy.name)
   flags_text = resolved_flags_text()
   run_dir.check_run_dir(output_dir, flags_text, config.overwrite)
+  checkpointing.check_entry(config, output_dir, sites,
+                            ci_config_of(config, toy, sites))
   target_path = config.target_path or os.path.join(output_dir, "target.npz")
   # --overwrite replaces the run, including a target cached inside it.
   use_cache = config.target_path is not None or not config.overwrite
-  weights, cache = load_or_train_target(toy, config, target_path, use_cache)
-  run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite)
-  if not os.path.exists(target_path):
-    run_dir.save_arrays(target_path, *cache)
+  if lm_setup.is_lm(config):
+    weights, cache = load_lm(), None
+  else:
+    weights, cache = load_or_train_target(toy, config, target_path, use_cache)
+    weights = registry.weights_for(toy, weights, sites)
+  recipe.check_rider_points(config, target, weights,
+                            toy.sample_inputs(jax.random.key(0), 2))
+  if placement_setup.is_writer():
+    run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite)
+    if cache is not None and not os.path.exists(target_path):
+      run_dir.save_arrays(target_path, *cache)
   return toy, target, weights, output_dir
 
 
@@ -180,14 +220,26 @@ class Run(NamedTuple):
   terms: tuple[train_step.LossTerm, ...]
   data_key: jax.Array
   warmup_losses: jax.Array
+  # The frozen weights as the step takes them (on the mesh when placed), the
+  # batch sampler and the placement hook for other passes (evals).
+  weights: object = None
+  sample_inputs: object = None
+  constrain: object = train_step.no_constraint
 
 
-def build_run(config, toy, target, weights) -> Run:
-  """Initialise, warm up faithfulness and build the step of one run."""
+def build_run(config, toy, target, weights, restore=None,
+              placement=None) -> Run:
+  """Initialise, warm up faithfulness and build the step of one run.
+
+  With `restore(state, reinit)` (a resume or fine-tune init) the warmup is
+  skipped and the initial state is replaced by the restored one. With a
+  `placement_setup.Placement` the step, state and weights go on its mesh.
+  """
   root = jax.random.key(config.seed)
   init_key, _, run_key, data_key = jax.random.split(root, 4)
   vu_key, ci_key = jax.random.split(init_key)
-  ci_fn = ci_fns.make_ci_fn(recipe.ci_config(config), target.sites)
+  ci_fn = ci_fns.make_ci_fn(ci_config_of(config, toy, target.sites),
+                            target.sites)
   w_stacks = target.frozen_stacks(weights)
   if config.components_init == "projected":
     components = sites_lib.init_components_projected(
@@ -196,23 +248,47 @@ def build_run(config, toy, target, weights) -> Run:
     components = sites_lib.init_components(vu_key, target.sites)
   components, warmup_losses = warmup_lib.faithfulness_warmup(
     lambda comps, ws: faithfulness.faithfulness_per_kind(ws, comps),
-    components, w_stacks, config.faithfulness_warmup_steps,
+    components, w_stacks,
+    0 if restore else config.faithfulness_warmup_steps,
     config.faithfulness_warmup_lr, config.faithfulness_warmup_weight_decay)
-  terms = recipe.loss_terms(config, target.sites, config.batch_size,
-                            target.nonlinear_units)
-  built = train_step.make_train_step(
-    target, ci_fn, terms, recipe.step_config(config),
-    sample_inputs=lambda key: toy.sample_inputs(key, config.batch_size))
-  state = built.init(components, ci_fn.init(ci_key), run_key,
-                     (config.batch_size,))
-  return Run(built, state, ci_fn, terms, data_key, warmup_losses)
+  lead = lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size)
+  terms = recipe.loss_terms(config, target.sites,
+                            lm_setup.tokens_per_batch(lead),
+                            target.nonlinear_units, lead)
+
+  def sample(key):
+    return toy.sample_inputs(key, config.batch_size)
+
+  make_step = functools.partial(
+    train_step.make_train_step, target, ci_fn, terms,
+    recipe.step_config(config), sample_inputs=sample)
+  built = make_step()
+  state = built.init(components, ci_fn.init(ci_key), run_key, lead)
+  if restore is not None:
+    state = restore(state, lambda comps, ci_params: built.init(
+      comps, ci_params, run_key, lead))
+  constrain = train_step.no_constraint
+  if placement is not None:
+    built, state, weights, sample, constrain = placement_setup.place_run(
+      placement, make_step, state, weights, lead, sample)
+  return Run(built, state, ci_fn, terms, data_key, warmup_losses, weights,
+             sample, constrain)
 
 
-def train(config, toy, target, weights, output_dir):
-  """Warm up, train with progress output, then write results."""
-  run = build_run(config, toy, target, weights)
+def train(config, toy, target, weights, output_dir, placement=None):
+  """Warm up, train with progress output, then write results.
+
+  Every process runs this; only process 0 writes (`placement_setup`).
+  """
+  writer = placement_setup.is_writer()
+  session = checkpointing.open_session(
+    config, output_dir, target.sites,
+    ci_config_of(config, toy, target.sites))
+  run = build_run(config, toy, target, weights,
+                  checkpointing.restorer(session), placement)
+  checkpointing.after_warmup(session, run.state)
   state, ci_fn, data_key = run.state, run.ci_fn, run.data_key
-  if config.faithfulness_warmup_steps:
+  if run.warmup_losses.shape[0]:
     warm_first, warm_last = jax.device_get(run.warmup_losses)[[0, -1]]
     print(f"[warmup] {config.faithfulness_warmup_steps} faithfulness steps: "
           f"{warm_first:.3e} -> {warm_last:.3e}")
@@ -221,11 +297,18 @@ def train(config, toy, target, weights, output_dir):
   print(f"[train] {toy.name}: sites {', '.join(s.name for s in target.sites)}"
         f"; C={config.c}; terms {', '.join(t.name for t in terms)}")
   compile_start = time.time()
-  compiled = built.step.lower(state, weights, data_key).compile()
+  compiled = built.step.lower(state, run.weights, data_key).compile(
+    placement.compiler_options if placement else None)
   print(f"[train] step compiled in {time.time() - compile_start:.1f}s")
+  evaluator = evaluation.make_evaluator(
+    config, target, ci_fn, terms, run.sample_inputs, run.weights, output_dir,
+    constrain=run.constrain)
+  if int(jax.device_get(state.step)) == 0:  # fresh runs only (SPEC I44)
+    evaluation.log_baseline(evaluator, state, metrics_path)
   window_start, window_steps = time.time(), 0
-  for s in range(config.num_steps):
-    state, metrics = compiled(state, weights, data_key)
+  for s in range(int(jax.device_get(state.step)), config.num_steps):
+    run_records.profile_before_step(config, output_dir, s)
+    state, metrics = compiled(state, run.weights, data_key)
     window_steps += 1
     done = s + 1
     if done % config.log_every == 0 or done == config.num_steps:
@@ -233,13 +316,26 @@ def train(config, toy, target, weights, output_dir):
       elapsed = time.time() - window_start
       step_time = elapsed / window_steps
       record = {"step": done, **metrics, "step_time_s": step_time}
-      run_dir.append_metrics(metrics_path, record)
-      print(progress_line(done, config.num_steps, metrics, target.sites,
-                          1.0 / step_time), flush=True)
+      record.update(evaluator.evaluate(
+        state, done, lambda: checkpointing.stop_requested(session)))
+      if writer:
+        run_dir.append_metrics(metrics_path, record)
+        print(progress_line(done, config.num_steps, metrics, target.sites,
+                            1.0 / step_time), flush=True)
       if config.figures_every and done % config.figures_every == 0:
-        write_figures(output_dir, target, ci_fn, weights, state, metrics_path)
+        host_state = transfer.fetch(state)  # collective: every process
+        if writer:
+          write_figures(output_dir, target, ci_fn, weights, host_state,
+                        metrics_path)
       window_start, window_steps = time.time(), 0
-  finish(config, target, ci_fn, weights, state, output_dir, metrics_path)
+    run_records.profile_after_step(config, output_dir, state, done)
+    checkpointing.after_step(session, state, done)
+  checkpointing.close(session)
+  evaluator.close()
+  state = transfer.fetch(state)  # collective: every process
+  if writer:
+    finish(config, target, ci_fn, weights, state, output_dir, metrics_path)
+    evaluation.write_final_report(output_dir)
 
 
 def finish(config, target, ci_fn, weights, state, output_dir, metrics_path):
@@ -269,10 +365,17 @@ def main(argv: list[str]) -> None:
   jax.config.update("jax_transfer_guard_device_to_host", "disallow")
   try:
     config = train_flags.config_from_flags()
+    placement_config = placement_setup.config_from_flags()
+    placement_setup.start(placement_config)
+    placement = placement_setup.make_placement(placement_config,
+                                               (config.batch_size,))
     toy, target, weights, output_dir = setup(config)
   except ValueError as e:
     fail(str(e))
-  train(config, toy, target, weights, output_dir)
+  try:
+    train(config, toy, target, weights, output_dir, placement)
+  except checkpoint.CheckpointError as e:
+    fail(str(e))
 
 
 def parse_flags(argv: list[str]) -> list[str]:

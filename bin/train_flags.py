@@ -8,23 +8,59 @@ import dataclasses
 
 from absl import flags
 
+from decompax.bin import checkpointing, run_records
+
 _TARGET = flags.DEFINE_string(
   "target", "tms_5-2",
   "Toy target: tms_5-2, tms_5-2-id, tms_40-10, tms_40-10-id, resid_mlp1, "
-  "resid_mlp2, resid_mlp3 or simple_mlp.")
+  "resid_mlp2, resid_mlp3, simple_mlp or induction; or hf, a language "
+  "model read from --model_dir.")
 _TARGET_SEED = flags.DEFINE_integer(
   "target_seed", None, "Seed of the target's own training (default: the "
   "target's known-good seed).")
 _TARGET_PATH = flags.DEFINE_string(
   "target_path", None, "Cached trained target (.npz); trained and written "
   "there when absent. Default: <output_dir>/target.npz.")
+_MODEL_DIR = flags.DEFINE_string(
+  "model_dir", None, "--target=hf: local Hugging Face checkpoint directory "
+  "(config.json and safetensors).")
+_SEQ_LEN = flags.DEFINE_integer(
+  "seq_len", 64, "Tokens per sequence of a --target=hf batch.")
+_ATTENTION = flags.DEFINE_enum(
+  "attention", "reference", ["reference", "xla", "cudnn", "auto"],
+  "Attention of LM targets: plain einsums, or jax.nn.dot_product_attention "
+  "with implementation xla, cudnn or JAX's choice (auto).")
+_COMPUTE_DTYPE = flags.DEFINE_enum(
+  "compute_dtype", "bfloat16", ["bfloat16", "float32"],
+  "Dtype of --target=hf frozen weights and activations (SPEC N4).")
 _SITES = flags.DEFINE_list(
-  "sites", [], "Sites to decompose, comma-separated (default: all).")
+  "sites", [], "Sites to decompose, comma-separated (default: all); "
+  "--target=hf also takes shell patterns, e.g. 'layers.18.mlp.*'.")
 _C = flags.DEFINE_integer("c", 20, "Components per decomposed matrix.")
 _CI_FN = flags.DEFINE_enum(
   "ci_fn", "component_mlp",
-  ["component_mlp", "vector_mlp", "site_mlp", "global_mlp"],
-  "Causal-importance function (SPEC §4.2).")
+  ["component_mlp", "vector_mlp", "site_mlp", "global_mlp", "transformer"],
+  "Causal-importance function: the toy MLPs of SPEC §4.2 or the chunkwise "
+  "transformer of §4.3 (LMs: one chunk per decomposed block reading "
+  "resid.<block>; toys: one chunk per site reading its input).")
+_CI_D_MODEL = flags.DEFINE_integer(
+  "ci_d_model", 64, "Transformer CI: width of each chunk's transformer.")
+_CI_N_BLOCKS = flags.DEFINE_integer(
+  "ci_n_blocks", 2, "Transformer CI: blocks per chunk (0 allowed).")
+_CI_N_HEADS = flags.DEFINE_integer(
+  "ci_n_heads", 4, "Transformer CI: attention heads (head dim must be even).")
+_CI_N_KV_HEADS = flags.DEFINE_integer(
+  "ci_n_kv_heads", None, "Transformer CI: key/value heads (default: "
+  "--ci_n_heads, i.e. multi-head attention).")
+_CI_D_MLP = flags.DEFINE_integer(
+  "ci_d_mlp", 256, "Transformer CI: MLP width of each block.")
+_CI_ATTENTION = flags.DEFINE_enum(
+  "ci_attention", "reference", ["reference", "xla", "cudnn", "auto"],
+  "Transformer CI attention: the portable einsum reference, or "
+  "jax.nn.dot_product_attention with that implementation (auto: JAX picks).")
+_CI_REMAT = flags.DEFINE_bool(
+  "ci_remat", False, "Transformer CI: recompute every block activation in "
+  "the backward pass instead of keeping the matmul outputs.")
 _CI_HIDDEN = flags.DEFINE_list(
   "ci_hidden", ["16"], "Hidden widths of the CI function (d_gate for "
   "component/vector MLPs).")
@@ -105,6 +141,19 @@ _FIGURES_EVERY = flags.DEFINE_integer(
   "figures_every", 0, "Steps between figure refreshes (0: at the end only).")
 _CI_ALIVE_THRESHOLD = flags.DEFINE_float(
   "ci_alive_threshold", 0.1, "CI above which a component counts in CI-L0.")
+_EVAL_EVERY = flags.DEFINE_integer(
+  "eval_every", 1000, "Steps between fast evals on held-out batches (CI-L0, "
+  "alive counts, masked recon family, loss terms); a multiple of "
+  "--log_every; also at the last step, and at step 0 of a fresh run (0: "
+  "no eval).")
+_SLOW_EVAL_EVERY = flags.DEFINE_integer(
+  "slow_eval_every", 10000, "Steps between slow evals (CI histograms and "
+  "densities, hidden-activation recon, figures, report); a multiple of "
+  "--eval_every; also at the last step (0: none).")
+_EVAL_BATCHES = flags.DEFINE_integer(
+  "eval_batches", 4, "Held-out batches of --batch_size per eval.")
+_SLOW_ON_FIRST_STEP = flags.DEFINE_bool(
+  "slow_on_first_step", True, "Run the slow eval at step 0 of a fresh run.")
 
 
 _P_WARMUP_PCT = flags.DEFINE_float(
@@ -150,6 +199,36 @@ _PGD_OBJECTIVE = flags.DEFINE_enum(
   "pgd_objective", "e2e", ["e2e", "term"], "What the adversary ascends.")
 _PGD_START_FRAC = flags.DEFINE_float(
   "pgd_start_frac", 0.0, "Fraction of steps before the PGD term starts.")
+_PGD_BUNDLE = flags.DEFINE_string(
+  "pgd_bundle", "pgd", "Name of the persistent PGD term's source bundle "
+  "(a bundle feeds exactly one term).")
+_MERGED_COEFF = flags.DEFINE_float(
+  "merged_coeff", 0.0, "Merged stochastic/persistent recon term (SPEC "
+  "§5.8; 0: off). Its sources step with the --pgd_* settings.")
+_MERGED_PLAN = flags.DEFINE_enum(
+  "merged_plan", "all_sites", ["all_sites", "per_site", "subset", "groups"],
+  "Plan of the merged term.")
+_MERGED_ROUTING = flags.DEFINE_enum(
+  "merged_routing", "uniform_k", ["all", "uniform_k"],
+  "Routing of the merged term's stochastic rows.")
+_MERGED_ADV_FRACTION = flags.DEFINE_float(
+  "merged_adv_fraction", 0.5, "Probability that a batch row of the merged "
+  "term uses the persistent sources, at step 0.")
+_MERGED_ADV_FRACTION_FINAL = flags.DEFINE_float(
+  "merged_adv_fraction_final_frac", 1.0, "Final adversarial fraction as a "
+  "fraction of the first (linear anneal when ≠ 1).")
+_MERGED_BUNDLE = flags.DEFINE_string(
+  "merged_bundle", "merged", "Name of the merged term's source bundle.")
+_HIDDEN_COEFF = flags.DEFINE_float(
+  "hidden_coeff", 0.0, "Hidden-activation reconstruction rider (SPEC §5.9) "
+  "on the --hidden_terms (0: off).")
+_HIDDEN_POINTS = flags.DEFINE_list(
+  "hidden_points", [], "Activations the rider matches (tap keys; default: "
+  "every decomposed site's output, <site>.out).")
+_HIDDEN_TERMS = flags.DEFINE_list(
+  "hidden_terms", [], "Recon terms the rider rides on: stochastic_recon, "
+  "stochastic_recon_per_site, stochastic_recon_subset, "
+  "stochastic_recon_groups, persistent_pgd_recon, merged_recon.")
 _FRESH_COEFF = flags.DEFINE_float(
   "fresh_pgd_coeff", 0.0, "Fresh (per-step) PGD recon term (0: off).")
 _FRESH_INIT = flags.DEFINE_enum(
@@ -177,9 +256,67 @@ _COMPONENTS_INIT = flags.DEFINE_enum(
   "components_init", "normal", ["normal", "projected"],
   "V/U init: normal (V ~ N/√d_in, U ~ N/√C; SPEC §6.1) or projected (unit "
   "vectors scaled by their overlap with W; the SPD paper's).")
+_CHECKPOINTING = flags.DEFINE_enum(
+  "checkpointing", "periodic", ["periodic", "none"],
+  "periodic: save to <output_dir>/checkpoints after warmup, every "
+  "--save_every steps, at the end and on SIGTERM/SIGINT (then exit 75, "
+  "EX_TEMPFAIL, for a requeue); the same command resumes. none: save "
+  "nothing; the run directory then cannot be re-entered.")
+_SAVE_EVERY = flags.DEFINE_integer(
+  "save_every", 1000, "Steps between periodic checkpoints.")
+_KEEP_LAST = flags.DEFINE_integer(
+  "keep_last", 3, "Checkpoints kept, newest first (the final one is never "
+  "pruned).")
+_KEEP_ALL = flags.DEFINE_bool(
+  "keep_all", False, "Keep every checkpoint (overrides --keep_last).")
+_INIT_FROM = flags.DEFINE_string(
+  "init_from", None, "Fine-tune init: <run_dir>/<step> or <run_dir>/latest. "
+  "Starts from that run's decomposition with fresh optimizers, adversaries, "
+  "EMA and step 0, no warmup; its sites, C and CI function must match.")
+_PROFILE_STEPS = flags.DEFINE_string(
+  "profile_steps", "", "START:END writes a jax.profiler trace of steps "
+  "[START, END) to <output_dir>/profile (empty: no trace).")
 _COMPONENTS_OPTIMIZER = flags.DEFINE_enum(
   "components_optimizer", "adamw", ["adamw", "muon"],
   "Optimizer of the components (the CI function always uses AdamW).")
+
+# Scale-out (read by bin/placement_setup.py into its own config; SPEC §8).
+_REPLICATE = flags.DEFINE_integer(
+  "replicate", None, "Size of the `replicate` mesh axis (node groups; "
+  "default 1).")
+_FSDP = flags.DEFINE_integer(
+  "fsdp", None, "Size of the `fsdp` mesh axis (data shards; default: every "
+  "device the other axes leave).")
+_TP = flags.DEFINE_integer(
+  "tp", None, "Size of the `tp` mesh axis (the C axis of V/U and CI; "
+  "default 1). replicate x fsdp x tp must equal the device count.")
+_PLACEMENT = flags.DEFINE_enum(
+  "placement", "ddp", ["ddp", "zero1", "owner"],
+  "Placement preset: ddp (state replicated, batch over every device), zero1 "
+  "(V/U masters and moments sharded over the whole mesh), owner (stacks over "
+  "replicate, matrix dims over fsdp, C over tp).")
+_PLACE = flags.DEFINE_list(
+  "place", [], "Per-category overrides of the preset, category:layout, e.g. "
+  "optimizer:fsdp,frozen:replicated; a layout is a name (replicated, data, "
+  "batch, fsdp, fsdp_tp, tp, zero1, owner, stacked) or axis=mesh[+mesh];...")
+_LOCAL_DEVICE_COUNT = flags.DEFINE_integer(
+  "local_device_count", None, "Devices this process drives, as launched "
+  "(CPU: simulated devices; default: all it sees).")
+_COORDINATOR_ADDRESS = flags.DEFINE_string(
+  "coordinator_address", None, "host:port of process 0 of a multi-process "
+  "run (jax.distributed); auto: take everything from the cluster "
+  "environment.")
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", None, "Processes of a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer(
+  "process_id", None, "This process's index, 0 .. num_processes-1 (0 writes "
+  "logs and figures).")
+_COMPILER = flags.DEFINE_string(
+  "compiler", "bare", "XLA options of the step's compile: bare, tuned-v1 "
+  "(GPU collective scheduling) or xla_option=value pairs, comma-separated.")
+_COMPILATION_CACHE_DIR = flags.DEFINE_string(
+  "compilation_cache_dir", None, "Directory of JAX's persistent "
+  "compilation cache (default: none).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +326,21 @@ class TrainConfig:
   target: str
   target_seed: int | None
   target_path: str | None
+  model_dir: str | None
+  seq_len: int
+  attention: str
+  compute_dtype: str
   sites: tuple[str, ...]
   c: int
   ci_fn: str
   ci_hidden: tuple[int, ...]
+  ci_d_model: int
+  ci_n_blocks: int
+  ci_n_heads: int
+  ci_n_kv_heads: int | None
+  ci_d_mlp: int
+  ci_attention: str
+  ci_remat: bool
   faithfulness_coeff: float
   importance_coeff: float
   p_start: float
@@ -228,6 +376,10 @@ class TrainConfig:
   log_every: int
   figures_every: int
   ci_alive_threshold: float
+  eval_every: int
+  slow_eval_every: int
+  eval_batches: int
+  slow_on_first_step: bool
   p_warmup_pct: float
   groups_coeff: float
   recon_groups: str
@@ -247,6 +399,16 @@ class TrainConfig:
   pgd_n_warmup: int
   pgd_objective: str
   pgd_start_frac: float
+  pgd_bundle: str
+  merged_coeff: float
+  merged_plan: str
+  merged_routing: str
+  merged_adv_fraction: float
+  merged_adv_fraction_final_frac: float
+  merged_bundle: str
+  hidden_coeff: float
+  hidden_points: tuple[str, ...]
+  hidden_terms: tuple[str, ...]
   fresh_pgd_coeff: float
   fresh_pgd_init: str
   fresh_pgd_scope: str
@@ -259,6 +421,12 @@ class TrainConfig:
   nonlinearity_weights: tuple[str, ...]
   components_optimizer: str
   components_init: str
+  checkpointing: str
+  save_every: int
+  keep_last: int
+  keep_all: bool
+  init_from: str | None
+  profile_steps: str
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -280,6 +448,62 @@ def _parse_widths(values: list[str]) -> tuple[int, ...]:
     ) from None
 
 
+def _validate_eval_cadence(config: TrainConfig) -> None:
+  """Raise ValueError unless log_every | eval_every | slow_eval_every."""
+  _positive("eval_batches", config.eval_batches)
+  _non_negative("eval_every", config.eval_every)
+  _non_negative("slow_eval_every", config.slow_eval_every)
+  every, slow = config.eval_every, config.slow_eval_every
+  if every and every % config.log_every:
+    raise ValueError(f"--eval_every={every} must be a multiple of "
+                     f"--log_every={config.log_every}")
+  if slow and not every:
+    raise ValueError("--slow_eval_every needs --eval_every above 0 (or set "
+                     "--slow_eval_every=0)")
+  if slow and slow % every:
+    raise ValueError(f"--slow_eval_every={slow} must be a multiple of "
+                     f"--eval_every={every}")
+
+
+RIDER_TERMS = {
+  "stochastic_recon": "stochastic_coeff",
+  "stochastic_recon_per_site": "per_site_coeff",
+  "stochastic_recon_subset": "subset_coeff",
+  "stochastic_recon_groups": "groups_coeff",
+  "persistent_pgd_recon": "pgd_coeff",
+  "merged_recon": "merged_coeff",
+}
+
+
+def _validate_merged_and_rider(config: TrainConfig) -> None:
+  """Raise ValueError for a bad merged term or hidden-activation rider."""
+  _non_negative("merged_coeff", config.merged_coeff)
+  _non_negative("hidden_coeff", config.hidden_coeff)
+  final = config.merged_adv_fraction * config.merged_adv_fraction_final_frac
+  for value in (config.merged_adv_fraction, final):
+    if not 0.0 <= value <= 1.0:
+      raise ValueError("the merged term's adversarial fraction must stay in "
+                       f"[0, 1], got {value}")
+  if (config.pgd_coeff and config.merged_coeff
+      and config.pgd_bundle == config.merged_bundle):
+    raise ValueError(
+      f"source bundle {config.pgd_bundle!r} feeds two terms "
+      "(persistent_pgd_recon and merged_recon); a bundle feeds exactly one "
+      "term: give --merged_bundle another name")
+  if config.hidden_coeff and not config.hidden_terms:
+    raise ValueError("the hidden-activation rider never stands alone: name "
+                     "the recon terms it rides on with --hidden_terms")
+  if config.hidden_terms and not config.hidden_coeff:
+    raise ValueError("--hidden_terms needs --hidden_coeff above 0")
+  for term in config.hidden_terms:
+    if term not in RIDER_TERMS:
+      raise ValueError(f"--hidden_terms names {term!r}, not a recon term "
+                       f"that takes a rider; use {', '.join(RIDER_TERMS)}")
+    if not getattr(config, RIDER_TERMS[term]):
+      raise ValueError(f"--hidden_terms names {term}, which is off; set "
+                       f"--{RIDER_TERMS[term]} above 0")
+
+
 def config_from_flags() -> TrainConfig:
   """Return the validated config of the parsed flags."""
   values = {}
@@ -299,6 +523,7 @@ def validate(config: TrainConfig) -> None:
   for name in ("num_steps", "batch_size", "log_every", "n_mask_samples",
                "subset_size", "lr"):
     _positive(name, getattr(config, name))
+  _validate_eval_cadence(config)
   for name in ("faithfulness_coeff", "importance_coeff", "frequency_coeff",
                "stochastic_coeff", "per_site_coeff", "subset_coeff",
                "weight_decay", "clip_max_norm", "faithfulness_warmup_steps",
@@ -317,10 +542,11 @@ def validate(config: TrainConfig) -> None:
     raise ValueError("--p_final_frac needs --p_schedule=linear|cosine")
   if not (config.stochastic_coeff or config.per_site_coeff
           or config.subset_coeff or config.groups_coeff or config.pgd_coeff
-          or config.fresh_pgd_coeff):
+          or config.fresh_pgd_coeff or config.merged_coeff):
     raise ValueError("no reconstruction term: set --stochastic_coeff, "
                      "--per_site_coeff, --subset_coeff, --groups_coeff, "
-                     "--pgd_coeff or --fresh_pgd_coeff above 0")
+                     "--pgd_coeff, --merged_coeff or --fresh_pgd_coeff "
+                     "above 0")
   if config.p_warmup_pct:
     raise ValueError("the p-anneal takes no warmup; drop --p_warmup_pct")
   if config.pgd_lr_schedule != "constant":
@@ -336,9 +562,16 @@ def validate(config: TrainConfig) -> None:
     raise ValueError("--ema_halflife_steps needs --frequency_coeff above 0")
   if len(config.pgd_betas) != 2:
     raise ValueError("--pgd_betas takes two values, b1,b2")
+  _validate_merged_and_rider(config)
   uses_groups = config.groups_coeff or (
-    config.pgd_coeff and config.pgd_plan == "groups")
+    config.pgd_coeff and config.pgd_plan == "groups") or (
+    config.merged_coeff and config.merged_plan == "groups")
   if uses_groups and not config.recon_groups:
     raise ValueError("a groups plan needs --recon_groups, e.g. 'a+b;c'")
+  _positive("seq_len", config.seq_len)
   if len(set(config.sites)) != len(config.sites):
     raise ValueError(f"--sites lists a site twice: {','.join(config.sites)}")
+  for name in ("save_every", "keep_last"):
+    _positive(name, getattr(config, name))
+  checkpointing.parse_init_from(config.init_from)
+  run_records.parse_profile_steps(config.profile_steps, config.num_steps)

@@ -11,10 +11,11 @@ from absl import flags
 
 from decompax.bin import recipe, train, train_flags
 from decompax.io import run_dir
-from decompax.targets import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAGFILES = sorted((ROOT / "flags").glob("*.flags"))
+# Checkpoint LMs (--target=hf) read --model_dir: tests/bin/test_lm_train.py.
+TOY_FLAGFILES = [p for p in FLAGFILES if "--target=hf" not in p.read_text()]
 
 
 @pytest.fixture
@@ -46,13 +47,12 @@ def test_there_are_flagfiles_for_every_paper_toy():
           "resid_mlp2", "resid_mlp3"} <= names
 
 
-@pytest.mark.parametrize("path", FLAGFILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", TOY_FLAGFILES, ids=lambda p: p.stem)
 def test_every_flagfile_parses_and_builds_its_terms(parse, path):
   config = parse(f"--flagfile={path}")
-  toy = registry.get(config.target)
-  sites = recipe.select_sites(toy.sites(config.c), config.sites, toy.name)
+  _, sites, target, _ = train.resolve_target(config)
   terms = recipe.loss_terms(config, sites, config.batch_size,
-                            toy.fns(config.c).nonlinear_units)
+                            target.nonlinear_units)
   assert {t.name for t in terms} >= {"faithfulness", "importance_minimality"}
   recipe.step_config(config)
   recipe.ci_config(config)
@@ -77,6 +77,19 @@ def test_defaults_are_the_tms_5_2_flagfile(parse):
   (("--pgd_coeff=1", "--pgd_scope=sc"), "needs positions"),
   (("--nonlinearity_coeff=1", "--nonlinearity_weights=attention_head:1"),
    "exactly neuron"),
+  (("--log_every=300",), "--eval_every=1000 must be a multiple of"),
+  (("--slow_eval_every=1500",), "must be a multiple of --eval_every"),
+  (("--eval_every=0",), "--slow_eval_every needs --eval_every"),
+  (("--eval_batches=0",), "--eval_batches must be positive"),
+  (("--pgd_coeff=1", "--merged_coeff=1", "--merged_bundle=pgd"),
+   "bundle 'pgd' feeds two terms"),
+  (("--hidden_coeff=1",), "never stands alone"),
+  (("--hidden_coeff=1", "--hidden_terms=fresh_pgd_recon"),
+   "not a recon term that takes a rider"),
+  (("--hidden_coeff=1", "--hidden_terms=merged_recon"), "which is off"),
+  (("--hidden_coeff=1", "--hidden_terms=stochastic_recon",
+    "--hidden_points=linear1.out,nope"), "unknown tap keys"),
+  (("--merged_coeff=1", "--merged_adv_fraction=1.5"), "stay in"),
 ])
 def test_bad_settings_fail_before_writing(parse, tmp_path, args, message):
   out = tmp_path / "run"
@@ -133,19 +146,23 @@ def test_short_run_writes_every_record(tmp_path):
   assert "step 20/20" in result.stdout and "ETA" in result.stdout
   assert "--num_steps=20" in (out / "flags.txt").read_text()
   records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in records] == [10, 20]
+  # Step 0 is the fresh run's eval baseline; the last step evals too.
+  assert [r["step"] for r in records] == [0, 10, 20]
   for key in ("loss/faithfulness", "loss/stochastic_recon", "ci_l0/linear1",
-              "step_time_s"):
+              "step_time_s", "eval/recon/ci_masked", "eval/alive/linear1"):
     assert key in records[-1]
+  assert "eval/recon/zero" in records[0] and "loss/total" not in records[0]
+  assert (out / "report" / "index.html").is_file()
   arrays, meta = run_dir.load_arrays(out / "decomposition.npz")
   assert arrays["components/linear1/v"].shape == (1, 5, 20)
   assert [s["name"] for s in meta["sites"]] == ["linear1", "linear2"]
   for name in ("ci_on_features", "components", "losses"):
     png = (out / "figures" / f"{name}.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-  # The same command again is accepted (same flags) and reuses the target.
+  assert (out / "checkpoints" / "000000020" / "checkpoint.json").is_file()
+  # The same command again would resume; a finished run is refused (§12).
   again = _bin_train(
     "--num_steps=20", "--batch_size=64", "--log_every=10",
     "--faithfulness_warmup_steps=5", f"--output_dir={out}")
-  assert again.returncode == 0, again.stderr[-2000:]
-  assert "[target] loaded" in again.stdout
+  assert again.returncode == 2, again.stderr[-2000:]
+  assert "already holds the finished run (step 20 of 20)" in again.stderr

@@ -1,0 +1,345 @@
+"""Checkpoint policy of `bin/train`: resume, saves, preemption (SPEC §12).
+
+With `--checkpointing=periodic` a run saves label 0 after its warmup (or
+fine-tune init), every `--save_every` steps, at the end, and when SIGTERM or
+SIGINT arrives: the signal only sets a flag, serviced at the next step
+boundary by saving the completed step and exiting with `REQUEUE_EXIT_CODE`
+(75, EX_TEMPFAIL). A signal during setup or warmup exits with the same code
+without saving (I40). Rerunning the same command restores the newest
+readable checkpoint, skips the warmup and continues on the same trajectory:
+the step draws its batch and keys from `(seed, step)` (I36).
+
+`--checkpointing=none` writes nothing under `checkpoints/` and leaves a
+marker that refuses re-entry (I39). `--init_from` restores only a parent's
+decomposition onto a fresh run after checking that it matches (I38).
+
+Tests inject faults through the environment variable `DECOMPAX_FAULT`:
+`sigterm_before_warmup`, `sigterm_after_step=K` (the process signals itself)
+and `kill_mid_save=K` (SIGKILL after the first item of label K is written).
+"""
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from decompax.core import ci_fns, sites as sites_lib
+from decompax.io import checkpoint, decomposition, run_dir
+from decompax.bin import run_records
+
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", what schedulers requeue
+NONE_MARKER = "NO_CHECKPOINTS"
+FAULT_ENV = "DECOMPAX_FAULT"
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Session(NamedTuple):
+  """One launch of a run as far as checkpoints are concerned."""
+
+  config: Any
+  output_dir: str
+  directory: str
+  mode: str  # "fresh", "resume" or "init_from"
+  sites: tuple[sites_lib.SiteSpec, ...]
+  ci_config: ci_fns.CIConfig
+  stop: threading.Event
+  handlers: dict
+
+
+def _writer() -> bool:
+  # Process 0 alone writes run files; io.checkpoint coordinates the shards.
+  return jax.process_index() == 0
+
+
+def _say(message: str) -> None:
+  if _writer():
+    print(f"[checkpoint] {message}", flush=True)
+
+
+def checkpoint_dir(output_dir: str) -> str:
+  """Return where a run directory keeps its checkpoints."""
+  return os.path.join(output_dir, checkpoint.CHECKPOINT_DIR)
+
+
+def parse_init_from(text: str | None) -> tuple[str, int | None] | None:
+  """Return `(run_dir, step)` of `--init_from` (step None: latest), or None."""
+  if not text:
+    return None
+  parent, step = os.path.split(os.path.normpath(text))
+  if not parent or not (step.isdigit() or step == "latest"):
+    raise ValueError(f"--init_from must be <run_dir>/<step> or "
+                     f"<run_dir>/latest, got {text!r}")
+  return parent, None if step == "latest" else int(step)
+
+
+def _fault(name: str) -> int | None:
+  """Return the step of fault `name` in DECOMPAX_FAULT (-1: no step)."""
+  for part in os.environ.get(FAULT_ENV, "").split(","):
+    key, _, value = part.partition("=")
+    if key == name:
+      return int(value) if value else -1
+  return None
+
+
+def parent_step_dir(text: str) -> str:
+  """Return the step directory `--init_from` names; ValueError if unusable."""
+  parent, step = parse_init_from(text)
+  directory = checkpoint_dir(parent)
+  if not os.path.isdir(directory):
+    directory = parent  # a checkpoint directory named directly
+  if step is None:
+    step = checkpoint.latest_step(directory)
+    if step is None:
+      raise ValueError(f"--init_from {text}: no checkpoint in {directory}")
+  path = checkpoint.step_path(directory, step)
+  if not os.path.isdir(path):
+    have = checkpoint.committed_steps(directory)
+    raise ValueError(f"--init_from {text}: no checkpoint of step {step} in "
+                     f"{directory} (it has {have or 'none'})")
+  checkpoint.read_index(path)
+  return path
+
+
+def _difference(path: str, parent: Any, here: Any) -> str | None:
+  if isinstance(parent, dict) and isinstance(here, dict):
+    for key in sorted(set(parent) | set(here)):
+      found = _difference(f"{path}.{key}", parent.get(key), here.get(key))
+      if found:
+        return found
+    return None
+  if parent != here:
+    return f"{path} is {parent} in the parent, {here} here"
+  return None
+
+
+def structure_mismatch(
+  metadata: dict, sites: tuple[sites_lib.SiteSpec, ...],
+  ci_config: ci_fns.CIConfig,
+) -> str | None:
+  """Return the first difference in sites, C or CI function, or None."""
+  stored = metadata.get("sites", [])
+  names = [s.get("name") for s in stored]
+  if names != [s.name for s in sites]:
+    return (f"sites are {','.join(map(str, names))} in the parent, "
+            f"{','.join(s.name for s in sites)} here")
+  for entry, site in zip(stored, sites):
+    found = _difference(f"site {site.name}", entry, decomposition.to_json(site))
+    if found:
+      return found
+  return _difference("ci_config", metadata.get("ci_config"),
+                     decomposition.to_json(ci_config))
+
+
+def check_entry(config, output_dir: str, sites, ci_config) -> None:
+  """Raise ValueError, writing nothing, unless this launch may proceed.
+
+  Refuses re-entering a `--checkpointing=none` run, resuming a finished
+  run, and an `--init_from` parent that is missing or structurally
+  different.
+  """
+  if config.overwrite:
+    latest = None
+  else:
+    if os.path.exists(os.path.join(output_dir, NONE_MARKER)):
+      raise ValueError(
+        f"output dir {output_dir} holds a --checkpointing=none run, which "
+        "cannot be re-entered; pass --overwrite or choose another "
+        "--output_dir")
+    latest = checkpoint.latest_step(checkpoint_dir(output_dir))
+  # A run killed between its final save and its final records resumes into
+  # the finish alone.
+  finished = os.path.exists(os.path.join(output_dir, "decomposition.npz"))
+  if latest is not None and latest >= config.num_steps and finished:
+    raise ValueError(
+      f"output dir {output_dir} already holds the finished run (step "
+      f"{latest} of {config.num_steps}); pass --overwrite to redo it or "
+      "choose another --output_dir")
+  if config.init_from and latest is None:
+    path = parent_step_dir(config.init_from)
+    mismatch = structure_mismatch(
+      checkpoint.item_metadata(path, checkpoint.DECOMPOSITION), sites,
+      ci_config)
+    if mismatch:
+      raise ValueError(f"--init_from {config.init_from}: {mismatch}; sites, "
+                       "C and the CI function must match the parent's")
+
+
+def _install_handlers(stop: threading.Event) -> dict:
+  def handle(signum, frame):
+    del frame
+    if stop.is_set() and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C stops at once
+    stop.set()
+
+  return {s: signal.signal(s, handle) for s in _SIGNALS}
+
+
+def open_session(config, output_dir: str, sites, ci_config) -> Session:
+  """Start checkpointing for this launch and record it in the run dir."""
+  directory = checkpoint_dir(output_dir)
+  if config.checkpointing == "none":
+    if _writer():
+      run_dir.atomic_write(os.path.join(output_dir, NONE_MARKER),
+                           lambda f: f.write(b"--checkpointing=none\n"))
+    mode = "fresh"
+  else:
+    for name in checkpoint.remove_partial(directory):
+      _say(f"removed {name}, left by an interrupted save")
+    mode = ("resume" if checkpoint.committed_steps(directory)
+            else "init_from" if config.init_from else "fresh")
+  if _writer():
+    run_records.record_launch(output_dir, mode)
+  stop = threading.Event()
+  session = Session(config, output_dir, directory, mode, sites, ci_config,
+                    stop, _install_handlers(stop))
+  if _fault("sigterm_before_warmup") is not None:
+    os.kill(os.getpid(), signal.SIGTERM)
+  return session
+
+
+def close(session: Session) -> None:
+  """Give the signals back to their previous handlers."""
+  for signum, handler in session.handlers.items():
+    signal.signal(signum, handler)
+
+
+def _restore_own(session: Session, template):
+  items = checkpoint.split_state(template)
+
+  def restore(path):
+    metadata = checkpoint.item_metadata(path, checkpoint.DECOMPOSITION)
+    mismatch = structure_mismatch(metadata, session.sites, session.ci_config)
+    if mismatch:
+      raise checkpoint.CheckpointError(
+        f"checkpoint {path} belongs to another run: {mismatch}")
+    return {name: checkpoint.restore_item(path, name, tree)
+            for name, tree in items.items()}
+
+  found = checkpoint.restore_latest(session.directory, restore, _say)
+  if found is None:
+    raise checkpoint.CheckpointError(
+      f"{session.directory}: its checkpoints vanished during the launch")
+  step, restored = found
+  path = checkpoint.step_path(session.directory, step)
+  _say(f"resumed from step {step} ({path})")
+  return step, checkpoint.join_state(template, restored)
+
+
+def _restore_parent(session: Session, template, reinit):
+  path = parent_step_dir(session.config.init_from)
+  item = checkpoint.restore_item(
+    path, checkpoint.DECOMPOSITION,
+    checkpoint.split_state(template)[checkpoint.DECOMPOSITION])
+  _say(f"fine-tuning from the decomposition of {path}")
+  return 0, reinit(item["components"], item["ci_params"])
+
+
+def restorer(session: Session) -> Callable | None:
+  """Return `restore(template, reinit) -> state` for build_run, or None.
+
+  None means a fresh run (warmup, then label 0). `reinit(components,
+  ci_params)` builds a fresh state around a restored decomposition.
+  """
+  if session.mode == "fresh":
+    _truncate_metrics(session, 0)
+    return None
+
+  def restore(template, reinit):
+    if session.mode == "resume":
+      step, state = _restore_own(session, template)
+    else:
+      step, state = _restore_parent(session, template, reinit)
+    _truncate_metrics(session, step)
+    return state
+
+  return restore
+
+
+def _truncate_metrics(session: Session, step: int) -> None:
+  if _writer():
+    run_dir.truncate_metrics(
+      os.path.join(session.output_dir, run_dir.METRICS_FILE), step)
+
+
+def _exit_for_requeue(session: Session, message: str) -> None:
+  _say(message)
+  close(session)
+  sys.exit(REQUEUE_EXIT_CODE)
+
+
+def stop_requested(session: Session) -> bool:
+  """Return whether a stop signal is pending (agreed across processes).
+
+  An eval pass may poll this to abandon itself before the step boundary.
+  """
+  if jax.process_count() == 1:
+    return session.stop.is_set()
+  from jax.experimental import multihost_utils
+  # bin/train disallows implicit device-to-host copies; this one is meant.
+  with jax.transfer_guard("allow"):
+    flags = multihost_utils.process_allgather(np.array(session.stop.is_set()))
+  return bool(np.any(flags))
+
+
+def after_warmup(session: Session, state) -> None:
+  """Exit unsaved if a signal came during setup; else save label 0 if new."""
+  if stop_requested(session):
+    _exit_for_requeue(session, "stop signal during setup or warmup: exiting "
+                      f"without saving (exit {REQUEUE_EXIT_CODE})")
+  if session.mode != "resume" and session.config.checkpointing == "periodic":
+    save(session, state)
+
+
+def after_step(session: Session, state, done: int) -> None:
+  """Save when due; on a stop signal save and exit for a requeue.
+
+  A signal at the last step only lets the run finish normally.
+  """
+  if _fault("sigterm_after_step") == done:
+    os.kill(os.getpid(), signal.SIGTERM)
+  config = session.config
+  periodic = config.checkpointing == "periodic"
+  final = done == config.num_steps
+  stop = not final and stop_requested(session)
+  if periodic and (stop or final or done % config.save_every == 0):
+    save(session, state)
+  if stop:
+    what = "saved" if periodic else "not saved (--checkpointing=none)"
+    _exit_for_requeue(session, f"stop signal: step {done} {what}; exiting "
+                      f"with {REQUEUE_EXIT_CODE} for a requeue")
+
+
+def _kill_mid_save(step: int) -> Callable[[str], None] | None:
+  if _fault("kill_mid_save") != step:
+    return None
+
+  def kill(item):
+    del item
+    os.kill(os.getpid(), signal.SIGKILL)
+
+  return kill
+
+
+def save(session: Session, state) -> str:
+  """Write `state` as its step's checkpoint and prune old ones."""
+  config = session.config
+  step = int(jax.device_get(state.step))
+  metadata = {
+    checkpoint.DECOMPOSITION: decomposition.decomposition_metadata(
+      session.sites, session.ci_config, target=config.target,
+      config=decomposition.to_json(config)),
+    checkpoint.TRAINING: {"step": step},
+  }
+  path = checkpoint.save(session.directory, step,
+                         checkpoint.split_state(state), metadata,
+                         after_item=_kill_mid_save(step))
+  if not config.keep_all:
+    checkpoint.prune(session.directory, config.keep_last,
+                     protect=(config.num_steps,))
+  _say(f"saved step {step}")
+  return path

@@ -1,0 +1,276 @@
+"""In-loop evaluation of `bin/train` (SPEC §11, I44).
+
+Which tiers run after a step, the jitted eval passes on the held-out stream,
+the `eval/` scalars for `metrics.jsonl`, and the slow tier's figures and
+report, rendered on one background thread of process 0 so that the training
+loop never waits for matplotlib. At most one render runs and one waits; a
+newer slow eval replaces a waiting one.
+"""
+
+import functools
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decompax.core import probe, sites as sites_lib
+from decompax.core.target import TargetFns
+from decompax.core.train_step import LossTerm, TrainState, no_constraint
+from decompax.io import figures, report, run_dir
+from decompax.losses import eval_step, evals
+from decompax.placement import transfer
+
+# Components drawn per site in the U/V figure (alive ones first).
+MAX_UV_COLUMNS = 64
+
+
+def due(config, done: int) -> tuple[bool, bool]:
+  """Return whether the fast and the slow tier run after `done` steps.
+
+  Cadences nest (`slow_eval_every` is a multiple of `eval_every`); both tiers
+  also run at the last step. Step 0 is the fresh-run baseline: the caller
+  asks only on fresh runs, and the slow tier runs there only with
+  `slow_on_first_step` (I44).
+  """
+  every, slow_every = config.eval_every, config.slow_eval_every
+  if not every:
+    return False, False
+  if done == 0:
+    return True, bool(slow_every and config.slow_on_first_step)
+  last = done == config.num_steps
+  fast = last or done % every == 0
+  slow = bool(slow_every) and (last or done % slow_every == 0)
+  return fast, slow
+
+
+class FigureWorker(NamedTuple):
+  """`submit(job)` queues a render; `close()` waits for the queued ones."""
+
+  submit: Callable[[Callable[[], Any]], None]
+  close: Callable[[], None]
+
+
+def start_figure_worker(enabled: bool) -> FigureWorker:
+  """Return a one-thread render queue (a no-op one when not `enabled`)."""
+  if not enabled:
+    return FigureWorker(lambda job: None, lambda: None)
+  jobs: queue.Queue = queue.Queue(maxsize=1)
+  switch_interval = sys.getswitchinterval()
+
+  def work():
+    while (job := jobs.get()) is not None:
+      try:
+        # Hands the GIL back to the training loop within 0.2 ms instead of
+        # 5 ms whenever it needs to dispatch while this thread renders.
+        sys.setswitchinterval(2e-4)
+        job()
+      except Exception:  # a failed figure must not end the run
+        print("[eval] figure rendering failed:\n" + traceback.format_exc(),
+              file=sys.stderr, flush=True)
+      finally:
+        sys.setswitchinterval(switch_interval)
+
+  thread = threading.Thread(target=work, name="decompax-figures", daemon=True)
+  thread.start()
+
+  def submit(job):
+    while True:
+      try:
+        jobs.put_nowait(job)
+        return
+      except queue.Full:
+        try:
+          jobs.get_nowait()  # the waiting render is stale: drop it
+        except queue.Empty:
+          pass
+
+  def close():
+    jobs.put(None)
+    thread.join()
+
+  return FigureWorker(submit, close)
+
+
+def uv_columns(
+  components, sites: tuple[sites_lib.SiteSpec, ...],
+  order: dict[str, list[int]],
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Return per site `(V[:, order], U[order, :])` fetched to the host."""
+  picked = {}
+  for site in sites:
+    v, u = sites_lib.site_factors(components, site)
+    index = jnp.asarray(order[site.name], jnp.int32)
+    picked[site.name] = (jnp.take(v, index, axis=1), jnp.take(u, index, axis=0))
+  return transfer.fetch(picked)  # collective: every process
+
+
+def column_order(summary: eval_step.EvalSummary, site: str,
+                 threshold: float) -> list[int]:
+  """Return the components to draw for `site`: identity-permuted alive ones
+  on toys (probe CI), else by descending firing density; at least one."""
+  if site in summary.probe:
+    ci = summary.probe[site]
+    alive = set(probe.alive_components(ci, threshold))
+    order = [c for c in probe.identity_permutation(ci) if c in alive]
+    order = order or probe.identity_permutation(ci)[:1]
+  else:
+    density = summary.arrays["density"][site]
+    ranked = np.argsort(-density, kind="stable")
+    order = [int(c) for c in ranked if density[c] > 0] or [int(ranked[0])]
+  return order[:MAX_UV_COLUMNS]
+
+
+def render_slow(
+  output_dir: str, summary: eval_step.EvalSummary,
+  uv: dict[str, tuple[np.ndarray, np.ndarray]], order: dict[str, list[int]],
+  table: Optional[report.ComponentTable], threshold: float,
+) -> None:
+  """Write the slow tier's figures, the LM component table and the report."""
+  fig_dir = os.path.join(output_dir, "figures")
+  arrays = summary.arrays
+  figures.plot_ci_histograms(
+    arrays["hist_lower"], evals.LOWER_EDGES, arrays["hist_pre"],
+    evals.PRE_EDGES, os.path.join(fig_dir, "ci_histograms.png"))
+  figures.plot_component_density(
+    arrays["density"], arrays["mean_ci"],
+    os.path.join(fig_dir, "ci_density.png"), threshold)
+  figures.plot_log_density(arrays["log_density"], evals.LOG_DENSITY_MIN,
+                           os.path.join(fig_dir, "ci_log_density.png"))
+  if summary.probe:
+    figures.plot_ci_on_features(
+      summary.probe, os.path.join(fig_dir, "ci_on_features.png"),
+      "CI on one-hot features")
+  if "position_ci" in arrays:
+    figures.plot_ci_on_features(
+      arrays["position_ci"], os.path.join(fig_dir, "position_ci.png"),
+      "Batch-mean CI per position", ylabel="position")
+  figures.plot_components(uv, os.path.join(fig_dir, "components.png"),
+                          column_labels=order)
+  if table is not None:
+    report.write_table(output_dir, table)
+  report.write_report(output_dir)
+
+
+def lm_table(
+  stats: dict[str, np.ndarray], summary: eval_step.EvalSummary,
+  sites: tuple[sites_lib.SiteSpec, ...], decode: Callable[[int], str],
+  k: int,
+) -> report.ComponentTable:
+  """Return the component table of a token target's slow eval."""
+  top = {s.name: eval_step.top_contexts(stats, s.name, k) for s in sites}
+  return report.component_table(
+    stats["tokens"], top, summary.arrays["density"],
+    summary.arrays["mean_ci"], decode)
+
+
+def _eval_line(done: int, scalars: dict[str, float], sites, seconds: float,
+               slow: bool) -> str:
+  parts = [f"[eval] step {done}" + (" (slow)" if slow else "")]
+  for variant in ("ci_masked", "stochastic", "zero"):
+    parts.append(f"{variant} {scalars[f'recon/{variant}']:.3e}")
+  for key in ("ci_l0", "alive", "identity_ci_error"):
+    if f"{key}/{sites[0].name}" in scalars:
+      values = "/".join(f"{scalars[f'{key}/{s.name}']:.3g}" for s in sites)
+      parts.append(f"{key} {values}")
+  parts.append(f"{seconds:.2f}s")
+  return "  ".join(parts)
+
+
+class Evaluator(NamedTuple):
+  """`evaluate(state, done, abandon)` returns the `eval/` scalars of the
+  tiers due after `done` steps ({} when none is, or when `abandon()` turns
+  true before the pass ends); `close()` waits for the renders."""
+
+  evaluate: Callable[..., dict[str, float]]
+  close: Callable[[], None]
+
+
+def make_evaluator(
+  config, target: TargetFns, ci_fn, terms: tuple[LossTerm, ...],
+  sample_inputs: Callable, weights, output_dir: str,
+  decode: Optional[Callable[[int], str]] = None,
+  constrain: Callable = no_constraint,
+) -> Evaluator:
+  """Return the evaluator of one run (see `Evaluator`).
+
+  `sample_inputs(key)` draws one batch; the held-out stream's key is a pure
+  function of `config.seed`, disjoint from the training draws. `decode`
+  turns token ids into strings for the LM component table (default: ids).
+  `constrain` is the run's placement hook (`bin/placement_setup`).
+  """
+  if not config.eval_every:
+    return Evaluator(lambda state, done, abandon=None: {}, lambda: None)
+  eval_config = eval_step.EvalConfig(
+    n_batches=config.eval_batches, total_steps=config.num_steps,
+    ci_alive_threshold=config.ci_alive_threshold,
+    with_delta=config.use_delta_component,
+    n_mask_samples=config.n_mask_samples)
+  fns = eval_step.make_eval_step(target, ci_fn, terms, eval_config,
+                                 sample_inputs, constrain)
+  key = eval_step.eval_data_key(config.seed)
+  writer = jax.process_index() == 0
+  worker = start_figure_worker(writer)
+  decode = decode or str
+  threshold = config.ci_alive_threshold
+
+  def evaluate(state: TrainState, done: int,
+               abandon: Callable[[], bool] = lambda: False
+               ) -> dict[str, float]:
+    fast, slow = due(config, done)
+    if not fast or abandon():
+      return {}
+    start = time.time()
+    output, batches = fns.fast(state, weights, key)
+    if slow and abandon():
+      # A pending stop signal: drop the pass so the save comes sooner.
+      return {}
+    if slow:
+      output = eval_step.merge_slow(
+        output, fns.slow(state, weights, key, batches))
+    output = transfer.fetch(output)  # collective: every process
+    summary = eval_step.summarize(output)
+    if slow:
+      order = {s.name: column_order(summary, s.name, threshold)
+               for s in target.sites}
+      uv = uv_columns(state.components, target.sites, order)
+      table = None
+      if "tokens" in output.stats:
+        table = lm_table(output.stats, summary, target.sites, decode,
+                         eval_config.top_contexts)
+      worker.submit(functools.partial(
+        render_slow, output_dir, summary, uv, order, table, threshold))
+    seconds = time.time() - start
+    if writer:
+      print(_eval_line(done, summary.scalars, target.sites, seconds, slow),
+            flush=True)
+    record = {f"eval/{k}": v for k, v in summary.scalars.items()}
+    record["eval/time_s"] = seconds
+    return record
+
+  return Evaluator(evaluate, worker.close)
+
+
+def log_baseline(evaluator: Evaluator, state: TrainState,
+                 metrics_path: str) -> None:
+  """Evaluate a fresh run before its first update; record it as step 0.
+
+  Every process evaluates; process 0 writes the record.
+  """
+  record = evaluator.evaluate(state, 0)
+  if record and jax.process_index() == 0:
+    run_dir.append_metrics(metrics_path, {"step": 0, **record})
+
+
+def write_final_report(output_dir: str) -> None:
+  """Rewrite the report once the run's last figures exist (process 0)."""
+  if jax.process_index() == 0:
+    path = report.write_report(output_dir)
+    print(f"[report] wrote {path}")

@@ -1,0 +1,105 @@
+"""Language-model targets of `bin/train`: `--target=hf --model_dir=DIR`.
+
+The model is a local Hugging Face checkpoint (Llama-3.x or dense Qwen3,
+`targets/glu_config.py` says what is refused); `--sites` names its matrices
+or shell patterns over them (`layers.18.mlp.*`). Batches are uniform random
+token ids `[batch_size, seq_len]`, a pure function of the step's key.
+"""
+
+import fnmatch
+import math
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from decompax.core import target as target_lib
+from decompax.io import hf_checkpoint
+from decompax.targets import glu_config, glu_target
+
+HF = "hf"
+_DTYPES = {"bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
+           "float32": (jnp.float32, np.float32)}
+
+
+class LmTarget(NamedTuple):
+  """What `bin/train` reads of a language-model target (as of a toy's)."""
+
+  name: str
+  config: glu_config.GluConfig
+  sample_inputs: Callable[[jax.Array, int], jax.Array]
+
+
+def is_lm(config) -> bool:
+  """Return whether the run decomposes a checkpoint language model."""
+  return config.target == HF
+
+
+def expand_sites(
+  names: tuple[str, ...], patterns: tuple[str, ...]
+) -> tuple[str, ...]:
+  """Return the names matching any pattern, in the order of `names`.
+
+  Raises:
+    ValueError: a pattern matches no name.
+  """
+  for pattern in patterns:
+    if not fnmatch.filter(names, pattern):
+      raise ValueError(f"--sites entry {pattern!r} matches no site; sites "
+                       "are layers.<i>.self_attn.{q,k,v,o}_proj and "
+                       f"layers.<i>.mlp.{{gate,up,down}}_proj, i < "
+                       f"{len(names) // 7}")
+  return tuple(n for n in names
+               if any(fnmatch.fnmatchcase(n, p) for p in patterns))
+
+
+def hf_target(config) -> tuple[LmTarget, target_lib.TargetFns,
+                               Callable[[], Any]]:
+  """Return the record, the function table and a weight loader of
+  `--model_dir`; ValueError on an unusable checkpoint or flags."""
+  if not config.model_dir:
+    raise ValueError("--target=hf needs --model_dir=<local Hugging Face "
+                     "checkpoint directory>")
+  model_dir = config.model_dir
+  glu = glu_config.config_from_hf(hf_checkpoint.read_config(model_dir))
+  if config.seq_len > glu.max_position:
+    raise ValueError(f"--seq_len {config.seq_len} exceeds the model's "
+                     f"max_position_embeddings {glu.max_position}")
+  everything = glu_target.all_site_names(glu)
+  names = (expand_sites(everything, config.sites) if config.sites
+           else everything)
+  sites = glu_target.site_specs(glu, names, config.c)
+  fns = glu_target.target_fns(glu, sites, config.attention, remat=True)
+  seg = glu_target.span_segments(glu, sites)
+  jnp_dtype, np_dtype = _DTYPES[config.compute_dtype]
+
+  def load():
+    arrays = hf_checkpoint.load_decoder_arrays(
+      model_dir, glu.n_layers, glu.qk_norm, glu.tied, np_dtype)
+    return glu_target.weights_from_arrays(arrays, glu, seg, jnp_dtype)
+
+  def sample_inputs(key, batch_size):
+    return jax.random.randint(key, (batch_size, config.seq_len), 0,
+                              glu.vocab_size, jnp.int32)
+
+  name = os.path.basename(os.path.normpath(model_dir))
+  return LmTarget(name, glu, sample_inputs), fns, load
+
+
+def lead_shape(
+  fns: target_lib.TargetFns, sample_inputs: Callable[[jax.Array, int], Any],
+  batch_size: int,
+) -> tuple[int, ...]:
+  """Return the activations' leading shape of one batch (`(B,)`, `(B, T)`)."""
+  batch = jax.eval_shape(lambda k: sample_inputs(k, batch_size),
+                         jax.random.key(0))
+  return tuple(fns.batch_lead_shape(batch))
+
+
+def tokens_per_batch(shape: tuple[int, ...]) -> int:
+  """Return the element count of a lead shape (frequency minimality's a')."""
+  return math.prod(shape)

@@ -1,0 +1,227 @@
+"""Scale-out wiring of `bin/train`: processes, compiler, mesh and placement.
+
+`config_from_flags` validates the placement flags up front; `start` runs
+before JAX touches a device (simulated CPU devices, compilation cache,
+`jax.distributed`); `make_placement` builds the mesh over every device of
+every process and checks it; `place_run` rebuilds a run's step with the
+table's shardings and moves its state and weights onto the mesh. Only
+process 0 writes files (`is_writer`).
+"""
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+from absl import flags
+from jax.sharding import AxisType, Mesh
+
+from decompax.bin import train_flags  # noqa: F401  (defines the flags)
+from decompax.core import train_step
+from decompax.placement import mesh as mesh_lib
+from decompax.placement import shardings, transfer
+from decompax.placement import table as table_lib
+
+# Flags that describe one process's launch, not the run: left out of the
+# run directory's resolved flags, so every process of a run (and a resume
+# launched differently) sees the same record.
+LAUNCH_FLAGS = ("coordinator_address", "num_processes", "process_id",
+                "local_device_count", "compilation_cache_dir")
+
+# XLA options of `--compiler=tuned-v1`: GPU collective scheduling and
+# combining for sharded steps (other platforms ignore them).
+COMPILER_PRESETS: dict[str, dict[str, Any]] = {
+  "bare": {},
+  "tuned-v1": {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_highest_priority_async_stream": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_all_reduce_combine_threshold_bytes": 134217728,
+    "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 134217728,
+  },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+  """The scale-out flags, validated."""
+
+  replicate: int | None = None
+  fsdp: int | None = None
+  tp: int | None = None
+  placement: str = "ddp"
+  place: tuple[str, ...] = ()
+  local_device_count: int | None = None
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  compiler: str = "bare"
+  compilation_cache_dir: str | None = None
+
+  @property
+  def table(self) -> table_lib.PlacementTable:
+    """Return the placement table of the preset and overrides."""
+    return table_lib.make_table(self.placement, self.place)
+
+  @property
+  def distributed(self) -> bool:
+    """Return whether this launch joins a multi-process run."""
+    return (self.coordinator_address is not None
+            or self.num_processes is not None or self.process_id is not None)
+
+
+def _parse_value(text: str) -> bool | int | float | str:
+  lowered = text.strip().lower()
+  if lowered in ("true", "false"):
+    return lowered == "true"
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text.strip()
+
+
+def compiler_options(text: str) -> dict[str, Any]:
+  """Return the XLA options of a preset name or of `name=value,…`."""
+  if text in COMPILER_PRESETS:
+    return dict(COMPILER_PRESETS[text])
+  options = {}
+  for item in filter(None, (i.strip() for i in text.split(","))):
+    name, sep, value = item.partition("=")
+    if not sep or not name.strip().startswith("xla_"):
+      raise ValueError(
+        f"--compiler={text!r}: use {' or '.join(COMPILER_PRESETS)} or "
+        "xla_option=value pairs separated by commas")
+    options[name.strip()] = _parse_value(value)
+  return options
+
+
+def check_compiler_options(options: dict[str, Any]) -> None:
+  """Raise ValueError unless XLA knows every option (a tiny compile)."""
+  if not options:
+    return
+  try:
+    jax.jit(lambda x: x + 1).lower(1.0).compile(options)
+  except Exception as e:  # XLA reports unknown options as runtime errors.
+    first = str(e).strip().splitlines()[0]
+    raise ValueError(f"--compiler: {first}") from None
+
+
+def config_from_flags() -> PlacementConfig:
+  """Return the validated placement config of the parsed flags."""
+  values = {f.name: flags.FLAGS[f.name].value
+            for f in dataclasses.fields(PlacementConfig)}
+  values["place"] = tuple(values["place"])
+  config = PlacementConfig(**values)
+  config.table  # noqa: B018  (unknown categories and layouts fail here)
+  compiler_options(config.compiler)
+  for name in ("local_device_count", "num_processes"):
+    value = getattr(config, name)
+    if value is not None and value < 1:
+      raise ValueError(f"--{name} must be positive, got {value}")
+  if config.process_id is not None and config.num_processes is not None:
+    if not 0 <= config.process_id < config.num_processes:
+      raise ValueError(f"--process_id={config.process_id} must lie in "
+                       f"[0, --num_processes={config.num_processes})")
+  cache = config.compilation_cache_dir
+  if cache is not None and os.path.exists(cache) and not os.path.isdir(cache):
+    raise ValueError(f"--compilation_cache_dir {cache} is a file; name a "
+                     "directory")
+  return config
+
+
+def start(config: PlacementConfig) -> None:
+  """Configure JAX before its first device use: CPU device count, the
+  persistent compilation cache and `jax.distributed` (one call per process)."""
+  if config.local_device_count is not None:
+    # Simulated CPU devices; accelerators are checked in `make_placement`.
+    jax.config.update("jax_num_cpu_devices", config.local_device_count)
+  if config.compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir",
+                      config.compilation_cache_dir)
+  if config.distributed:
+    address = config.coordinator_address
+    # `auto` leaves every setting to the cluster environment JAX detects.
+    jax.distributed.initialize(
+      coordinator_address=None if address == "auto" else address,
+      num_processes=config.num_processes, process_id=config.process_id)
+  check_compiler_options(compiler_options(config.compiler))
+
+
+def is_writer() -> bool:
+  """Return whether this process writes logs, figures and results."""
+  return jax.process_index() == 0
+
+
+class Placement(NamedTuple):
+  """The mesh of a run, its placement table and the step's XLA options."""
+
+  mesh: Mesh
+  table: table_lib.PlacementTable
+  compiler_options: dict[str, Any] = {}
+
+
+def build_mesh(shape: mesh_lib.MeshShape, devices=None) -> Mesh:
+  """Return the `(replicate, fsdp, tp)` mesh over `devices` (default: all)."""
+  devices = jax.devices() if devices is None else list(devices)
+  return jax.make_mesh(
+    tuple(shape.sizes.values()), table_lib.MESH_AXES,
+    axis_types=(AxisType.Auto,) * len(table_lib.MESH_AXES), devices=devices)
+
+
+def make_placement(
+  config: PlacementConfig, lead_shape: tuple[int, ...]
+) -> Placement:
+  """Return the run's mesh, table and compiler options, checked against the
+  devices present and the batch's lead shape (it must split evenly)."""
+  local = jax.local_devices()
+  mesh_lib.check_local_devices(config.local_device_count, len(local),
+                               local[0].platform)
+  shape = mesh_lib.mesh_shape(jax.device_count(), config.replicate,
+                              config.fsdp, config.tp)
+  table = config.table
+  table_lib.partition_spec(table.layout("inputs"),
+                           ("batch", "seq")[:len(lead_shape)], lead_shape,
+                           shape.sizes)
+  return Placement(build_mesh(shape), table,
+                   compiler_options(config.compiler))
+
+
+class PlacedRun(NamedTuple):
+  """A run's step rebuilt for the mesh, its state and weights on it, the
+  batch sampler pinned to the batch layout and the step's `constrain` hook
+  (both for other jitted passes over the run, such as evals)."""
+
+  built: train_step.TrainStep
+  state: train_step.TrainState
+  weights: Any
+  sample_inputs: Callable[[jax.Array], Any]
+  constrain: train_step.Constrain
+
+
+def place_run(
+  placement: Placement,
+  make_step: Callable[..., train_step.TrainStep],
+  state: train_step.TrainState,
+  weights: Any,
+  lead_shape: tuple[int, ...],
+  sample_inputs: Callable[[jax.Array], Any],
+) -> PlacedRun:
+  """Return the run placed on the mesh (see `PlacedRun`).
+
+  `make_step(shardings=, constrain=)` builds the run's step (a data-key
+  step: its batch is sampled inside, each device drawing its own slice).
+  Raises ValueError when the batch does not split over its mesh axes.
+  """
+  mesh, table, _ = placement
+  step_shardings = shardings.step_shardings(table, mesh, state, weights,
+                                            lead_shape)
+  constrain = shardings.make_constrain(table, mesh, lead_shape)
+  return PlacedRun(
+    make_step(shardings=step_shardings, constrain=constrain),
+    transfer.put(state, step_shardings.state),
+    transfer.put(weights, step_shardings.weights),
+    shardings.constrained_sampler(sample_inputs, constrain), constrain)

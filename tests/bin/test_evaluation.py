@@ -1,0 +1,134 @@
+"""bin/evaluation: eval cadence, the figure worker, an LM-shaped eval."""
+
+import os
+import re
+import threading
+import time
+import types
+
+import jax
+import pytest
+
+from decompax.bin import evaluation
+from decompax.core import ci_fns, optim, sites as sites_lib, train_step
+from decompax.core.schedules import Schedule
+from decompax.io import run_dir
+from decompax.losses import recon, terms
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _cadence(**overrides):
+  values = dict(eval_every=2, slow_eval_every=4, slow_on_first_step=True,
+                num_steps=10)
+  return types.SimpleNamespace(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("slow_on_first_step", [True, False])
+def test_tiers_nest_and_the_slow_baseline_needs_its_flag(slow_on_first_step):
+  # I44: the slow tier at step 0 only with slow_on_first_step (the caller
+  # asks for step 0 on fresh runs only); cadences nest.
+  config = _cadence(slow_on_first_step=slow_on_first_step)
+  tiers = {done: evaluation.due(config, done) for done in range(11)}
+  assert [d for d, (fast, _) in tiers.items() if fast] == [0, 2, 4, 6, 8, 10]
+  slow = [d for d, (_, s) in tiers.items() if s]
+  assert slow == ([0] if slow_on_first_step else []) + [4, 8, 10]
+  assert all(fast for fast, s in tiers.values() if s)
+
+
+def test_last_step_evaluates_off_cadence_and_zero_disables():
+  assert evaluation.due(_cadence(num_steps=7), 7) == (True, True)
+  assert evaluation.due(_cadence(slow_eval_every=0), 4) == (True, False)
+  assert evaluation.due(_cadence(slow_eval_every=0), 0) == (True, False)
+  off = _cadence(eval_every=0, slow_eval_every=0)
+  assert not any(any(evaluation.due(off, d)) for d in range(11))
+
+
+def test_figure_worker_never_blocks_and_renders_the_newest():
+  worker = evaluation.start_figure_worker(True)
+  started, release, ran = threading.Event(), threading.Event(), []
+
+  def slow_job():
+    started.set()
+    release.wait(5)
+    ran.append("slow")
+
+  worker.submit(slow_job)
+  started.wait(5)
+  begin = time.perf_counter()
+  for i in range(5):
+    worker.submit(lambda i=i: ran.append(i))
+  assert time.perf_counter() - begin < 0.5
+  release.set()
+  worker.close()
+  assert ran == ["slow", 4]  # stale waiting renders were replaced
+
+
+def test_failed_render_is_reported_and_the_worker_continues(capsys):
+  worker = evaluation.start_figure_worker(True)
+  ran = []
+  worker.submit(lambda: 1 / 0)
+  time.sleep(0.2)
+  worker.submit(lambda: ran.append(True))
+  worker.close()
+  assert ran == [True]
+  assert "ZeroDivisionError" in capsys.readouterr().err
+
+
+def test_disabled_worker_does_nothing():
+  worker = evaluation.start_figure_worker(False)
+  ran = []
+  worker.submit(lambda: ran.append(True))
+  worker.close()
+  assert ran == []
+
+
+def test_lm_eval_writes_component_table_figures_and_report(
+    token_target, tmp_path):
+  target, weights = token_target
+  ci_fn = ci_fns.make_ci_fn(ci_fns.CIConfig("vector_mlp", (4,)), target.sites)
+  loss_terms = (
+    terms.faithfulness_term(1.0),
+    terms.stochastic_recon_term("stochastic_recon", 1.0,
+                                recon.all_sites_plan(target.sites), False))
+  adam = optim.AdamWConfig(Schedule(1e-3))
+  built = train_step.make_train_step(target, ci_fn, loss_terms,
+                                     train_step.StepConfig(4, adam, adam))
+  state = built.init(sites_lib.init_components(jax.random.key(1),
+                                               target.sites),
+                     ci_fn.init(jax.random.key(2)), jax.random.key(3), (3, 5))
+  config = types.SimpleNamespace(
+    eval_every=2, slow_eval_every=2, slow_on_first_step=True, num_steps=4,
+    eval_batches=2, ci_alive_threshold=0.1, use_delta_component=False,
+    n_mask_samples=1, seed=0)
+  (tmp_path / run_dir.FLAGS_FILE).write_text("--target=tiny_lm\n")
+  metrics = str(tmp_path / run_dir.METRICS_FILE)
+  vocab = ["<bos>", " the", " cat", " sat", " on", "<&>"]
+  evaluator = evaluation.make_evaluator(
+    config, target, ci_fn, loss_terms,
+    lambda key: jax.random.randint(key, (3, 5), 0, 6), weights,
+    str(tmp_path), decode=vocab.__getitem__)
+  evaluation.log_baseline(evaluator, state, metrics)
+  assert evaluator.evaluate(state, 1) == {}
+  # A stop signal pending during a due pass abandons it (SPEC §12).
+  assert evaluator.evaluate(state, 2, lambda: True) == {}
+  polls = iter((False, True))
+  assert evaluator.evaluate(state, 2, lambda: next(polls)) == {}
+  evaluator.close()
+  evaluation.write_final_report(str(tmp_path))
+  (record,) = run_dir.read_metrics(metrics)
+  assert record["step"] == 0
+  for key in ("eval/ce/clean", "eval/ce_diff/ci_masked",
+              "eval/ce_unrecovered/zero", "eval/recon/stochastic",
+              "eval/hidden_acts/ci_masked/mix", "eval/loss/faithfulness"):
+    assert key in record
+  assert (tmp_path / "report" / "components.json").is_file()
+  assert (tmp_path / "figures" / "position_ci.png").read_bytes()[:8] == PNG
+  page = (tmp_path / "report" / "index.html").read_text()
+  assert "Top components per site" in page and "&middot;" in page
+  refs = re.findall(r'(?:src|href)="([^"]+)"', page)
+  assert refs
+  for ref in refs:
+    path = os.path.normpath(os.path.join(tmp_path, "report", ref))
+    with open(path, "rb") as f:
+      assert f.read(8) == PNG, ref

@@ -1,0 +1,160 @@
+"""bin/train on checkpoint language models (`--target=hf`)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+
+from decompax.bin import lm_setup, recipe, train, train_flags
+from decompax.io import run_dir
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = ROOT / "flags" / "tiny_llama.flags"
+L18 = ROOT / "flags" / "l18.flags"
+LLAMA_8B_CONFIG = ROOT / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b"
+
+
+@pytest.fixture
+def parse():
+  """Parse `--flag=value` arguments into FLAGS; restore the defaults after."""
+
+  def _parse(*args):
+    flags.FLAGS.unparse_flags()
+    argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
+    flags.FLAGS(["train", *argv])
+    return train_flags.config_from_flags()
+
+  yield _parse
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS.mark_as_parsed()
+
+
+def test_tiny_llama_flagfile_resolves(parse, monkeypatch):
+  monkeypatch.chdir(ROOT)  # the flagfile's --model_dir is repo-relative
+  config = parse(f"--flagfile={TINY}")
+  toy, sites, target, load = train.resolve_target(config)
+  assert toy.name == "tiny_llama" and load is not None
+  assert [s.name for s in sites] == [f"layers.1.mlp.{r}_proj"
+                                     for r in ("gate", "up", "down")]
+  assert target.start_taps == ("resid.1",)
+  lead = lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size)
+  assert lead == (config.batch_size, config.seq_len)
+
+
+def test_l18_flagfile_validates_against_the_8b_config(parse):
+  # The 8B weights are not here; its config.json is, and that is all the
+  # site table, the function table and the loss terms need.
+  config = parse(f"--flagfile={L18}", f"--model_dir={LLAMA_8B_CONFIG}")
+  toy, sites, target, _ = train.resolve_target(config)
+  assert [(s.name, s.kind, s.row, s.d_in, s.d_out, s.c) for s in sites] == [
+    ("layers.18.mlp.gate_proj", "gate_proj", 0, 4096, 14336, 24576),
+    ("layers.18.mlp.up_proj", "up_proj", 0, 4096, 14336, 24576),
+    ("layers.18.mlp.down_proj", "down_proj", 0, 14336, 4096, 24576)]
+  assert target.start_taps == ("resid.18",)
+  lead = lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size)
+  assert lead == (512, 2048)
+  terms = recipe.loss_terms(config, sites, lm_setup.tokens_per_batch(lead),
+                            target.nonlinear_units, lead)
+  assert [t.name for t in terms] == [
+    "faithfulness", "importance_minimality", "frequency_minimality",
+    "stochastic_recon", "persistent_pgd_recon"]
+  assert config.compute_dtype == "bfloat16"
+  # The reference CI (SPEC §4.3): one chunk reading resid.18, three outputs.
+  ci = train.ci_config_of(config, toy, sites)
+  assert ci.kind == "transformer"
+  assert [(c.input_taps, c.output_sites) for c in ci.transformer.chunks] == [
+    (("resid.18",), tuple(s.name for s in sites))]
+  assert ci.transformer.tap_widths == (("resid.18", 4096),)
+  assert (ci.transformer.d_model, ci.transformer.n_blocks,
+          ci.transformer.n_heads, ci.transformer.d_mlp) == (4096, 4, 64, 16384)
+  assert train.ci_fns.make_ci_fn(ci, sites).input_taps == ("resid.18",)
+
+
+@pytest.mark.parametrize("args,message", [
+  (("--target=hf",), "needs --model_dir"),
+  (("--target=hf", "--model_dir=/nonexistent"), "holds no config.json"),
+  (("--target=hf", f"--model_dir={LLAMA_8B_CONFIG}",
+    "--sites=layers.40.mlp.*"), "matches no site"),
+  (("--target=hf", f"--model_dir={LLAMA_8B_CONFIG}", "--seq_len=200000"),
+   "exceeds the model's max_position_embeddings"),
+])
+def test_bad_lm_settings_fail_before_writing(parse, tmp_path, args, message):
+  out = tmp_path / "run"
+  with pytest.raises(ValueError, match=message):
+    train.setup(parse(*args, f"--output_dir={out}"))
+  assert not out.exists()
+
+
+def test_site_patterns_expand_in_model_order():
+  names = ("layers.0.mlp.up_proj", "layers.1.self_attn.q_proj",
+           "layers.1.mlp.up_proj")
+  assert lm_setup.expand_sites(names, ("layers.1.*", "layers.0.mlp.up_proj")
+                               ) == names
+
+
+def test_tiny_llama_decomposes_end_to_end(tmp_path):
+  out = tmp_path / "run"
+  result = subprocess.run(
+    [sys.executable, "-P", str(ROOT / "bin" / "train"), f"--flagfile={TINY}",
+     "--num_steps=4", "--log_every=2", "--eval_every=4",
+     "--slow_eval_every=4", "--faithfulness_warmup_steps=2",
+     f"--output_dir={out}"],
+    cwd=ROOT, capture_output=True, text=True, timeout=600,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = run_dir.read_metrics(out / "metrics.jsonl")
+  steps = [r["step"] for r in records if "loss/total" in r]
+  assert steps == [2, 4]
+  assert all(json.dumps(r) for r in records)
+  assert (out / "decomposition.npz").is_file()
+  assert "PyTorch was not found" not in result.stderr
+
+
+def test_tiny_llama_vpd_run_resumes_bitwise(parse, monkeypatch, tmp_path):
+  """I36 on the GLU transformer target with the transformer CI, persistent
+  PGD over positions and EMA frequency minimality: 4 straight steps equal
+  2 steps, save, restore onto a fresh state, 2 steps."""
+  import jax
+  import numpy as np
+
+  from decompax.io import checkpoint
+
+  monkeypatch.chdir(ROOT)
+  config = parse(
+    f"--flagfile={TINY}", "--num_steps=4", "--batch_size=2", "--seq_len=8",
+    "--faithfulness_warmup_steps=0", "--pgd_coeff=0.5", "--pgd_scope=sc",
+    "--pgd_n_warmup=1", "--frequency_coeff=1e-3", "--ema_halflife_steps=4",
+    "--components_optimizer=muon")
+  toy, _, target, load = train.resolve_target(config)
+  weights = load()
+
+  def host(tree):
+    return jax.tree.map(
+      lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key) else x), jax.device_get(tree))
+
+  run = train.build_run(config, toy, target, weights)
+  state, metrics = run.state, []
+  for _ in range(4):
+    state, m = run.built.step(state, run.weights, run.data_key)
+    metrics.append(host(m))
+  straight = host(state)
+
+  run = train.build_run(config, toy, target, weights)
+  state = run.state
+  for _ in range(2):
+    state, _ = run.built.step(state, run.weights, run.data_key)
+  path = checkpoint.save(tmp_path, 2, checkpoint.split_state(state))
+  template = train.build_run(config, toy, target, weights).state
+  items = checkpoint.split_state(template)
+  state = checkpoint.join_state(template, {
+    name: checkpoint.restore_item(path, name, tree)
+    for name, tree in items.items()})
+  for k in (2, 3):
+    state, m = run.built.step(state, run.weights, run.data_key)
+    jax.tree.map(np.testing.assert_array_equal, host(m), metrics[k])
+  jax.tree.map(np.testing.assert_array_equal, host(state), straight)

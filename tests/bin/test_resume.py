@@ -1,0 +1,449 @@
+"""bin/train checkpoints: exact resume, preemption, fine-tune init (SPEC §12).
+
+The in-process tests drive bin/train's own pieces (setup, build_run, the
+checkpoint session) around ONE compiled step of a tiny TMS 5-2 run with the
+full VPD recipe (subset recon, persistent PGD with its Adam moments, EMA
+frequency minimality). One subprocess test kills a real `bin/train` mid-write
+and then stops its resumed run with a real SIGTERM.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import pytest
+from absl import flags
+
+from decompax.bin import checkpointing, recipe, run_records, train
+from decompax.bin import train_flags
+from decompax.io import checkpoint, load_decomposition, run_dir
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+STEPS, SAVE_EVERY = 8, 4
+VPD_ARGS = (
+  f"--flagfile={ROOT / 'flags' / 'tms_5-2_vpd.flags'}",
+  f"--num_steps={STEPS}", "--batch_size=16", "--log_every=2",
+  f"--save_every={SAVE_EVERY}", "--keep_all", "--faithfulness_warmup_steps=3",
+  "--eval_every=0", "--slow_eval_every=0",
+)
+
+
+def _config(*args: str) -> train_flags.TrainConfig:
+  flags.FLAGS.unparse_flags()
+  try:
+    argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
+    flags.FLAGS(["train", *argv])
+    return train_flags.config_from_flags()
+  finally:
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS.mark_as_parsed()
+
+
+class Straight(NamedTuple):
+  config: Any
+  toy: Any
+  target: Any
+  weights: Any
+  compiled: Any
+  data_key: Any
+  state: Any
+  metrics: list
+  output_dir: str
+  target_path: str
+
+
+def _session(config, target):
+  os.makedirs(config.output_dir, exist_ok=True)
+  return checkpointing.open_session(config, config.output_dir, target.sites,
+                                    recipe.ci_config(config))
+
+
+def _host(tree):
+  def leaf(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(leaf, tree)
+
+
+def _assert_bitwise_equal(a, b):
+  a, b = _host(a), _host(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """The uninterrupted run: label 0 after warmup, saves at 4 and 8."""
+  root = tmp_path_factory.mktemp("resume")
+  target_path = str(root / "target.npz")
+  config = _config(*VPD_ARGS, f"--output_dir={root / 'straight'}",
+                   f"--target_path={target_path}")
+  toy, target, weights, output_dir = train.setup(config)
+  session = _session(config, target)
+  try:
+    run = train.build_run(config, toy, target, weights,
+                          checkpointing.restorer(session))
+    assert run.warmup_losses.shape == (3,)
+    checkpointing.after_warmup(session, run.state)
+    compiled = run.built.step.lower(run.state, weights, run.data_key).compile()
+    state, metrics = run.state, []
+    for done in range(1, STEPS + 1):
+      state, m = compiled(state, weights, run.data_key)
+      metrics.append(jax.device_get(m))
+      checkpointing.after_step(session, state, done)
+  finally:
+    checkpointing.close(session)
+  return Straight(config, toy, target, weights, compiled, run.data_key, state,
+                  metrics, output_dir, target_path)
+
+
+def test_the_vpd_state_holds_adversary_and_ema_state(straight):
+  arrays, _ = checkpoint.read_item(
+    checkpoint.step_path(checkpointing.checkpoint_dir(straight.output_dir),
+                         STEPS), checkpoint.TRAINING)
+  assert any(k.endswith("sources/linear1/m") for k in arrays)
+  assert any(k.endswith("ema/linear1") for k in arrays)
+  assert "rng" in arrays and "step" in arrays
+  assert int(arrays["step"]) == STEPS
+
+
+def test_resume_from_half_way_is_bitwise_the_straight_run(straight, tmp_path):
+  # I36: the run "killed" after its step-4 save resumes and ends identical.
+  out = tmp_path / "run"
+  shutil.copytree(straight.output_dir, out)
+  ckpts = out / checkpoint.CHECKPOINT_DIR
+  shutil.rmtree(ckpts / checkpoint.step_name(STEPS))
+  metrics = out / run_dir.METRICS_FILE
+  for step in (2, 4, 6):  # the killed attempt had logged past its save
+    run_dir.append_metrics(metrics, {"step": step})
+  config = dataclasses.replace(straight.config, output_dir=str(out))
+  session = _session(config, straight.target)
+  try:
+    assert session.mode == "resume"
+    run = train.build_run(config, straight.toy, straight.target,
+                          straight.weights, checkpointing.restorer(session))
+    assert run.warmup_losses.shape == (0,)  # no warmup on resume
+    assert int(jax.device_get(run.state.step)) == SAVE_EVERY
+    assert [r["step"] for r in run_dir.read_metrics(metrics)] == [2, 4]
+    state = run.state
+    for done in range(SAVE_EVERY + 1, STEPS + 1):
+      state, m = straight.compiled(state, straight.weights, run.data_key)
+      _assert_bitwise_equal(jax.device_get(m), straight.metrics[done - 1])
+      checkpointing.after_step(session, state, done)
+  finally:
+    checkpointing.close(session)
+  _assert_bitwise_equal(state, straight.state)
+  assert checkpoint.committed_steps(ckpts) == [0, SAVE_EVERY, STEPS]
+
+
+def test_sigterm_saves_the_completed_step_and_exits_75(straight, tmp_path):
+  config = dataclasses.replace(straight.config, output_dir=str(tmp_path / "r"))
+  before = signal.getsignal(signal.SIGTERM)
+  session = _session(config, straight.target)
+  run = train.build_run(config, straight.toy, straight.target,
+                        straight.weights, checkpointing.restorer(session))
+  checkpointing.after_warmup(session, run.state)
+  state, _ = straight.compiled(run.state, straight.weights, run.data_key)
+  os.kill(os.getpid(), signal.SIGTERM)  # through bin/train's real handler
+  with pytest.raises(SystemExit) as exit_info:
+    checkpointing.after_step(session, state, 1)
+  assert exit_info.value.code == checkpointing.REQUEUE_EXIT_CODE == 75
+  assert signal.getsignal(signal.SIGTERM) == before
+  ckpts = checkpointing.checkpoint_dir(config.output_dir)
+  assert checkpoint.committed_steps(ckpts) == [0, 1]
+  assert load_decomposition(config.output_dir).step == 1
+
+
+def test_signal_during_warmup_exits_without_saving(straight, tmp_path,
+                                                   monkeypatch):  # I40
+  monkeypatch.setenv(checkpointing.FAULT_ENV, "sigterm_before_warmup")
+  config = dataclasses.replace(straight.config, output_dir=str(tmp_path / "r"))
+  session = _session(config, straight.target)
+  run = train.build_run(config, straight.toy, straight.target,
+                        straight.weights, checkpointing.restorer(session))
+  assert run.warmup_losses.shape == (3,)
+  with pytest.raises(SystemExit) as exit_info:
+    checkpointing.after_warmup(session, run.state)
+  assert exit_info.value.code == 75
+  assert not os.path.exists(checkpointing.checkpoint_dir(config.output_dir))
+
+
+def test_checkpointing_none_writes_nothing_and_refuses_reentry(
+    straight, tmp_path, monkeypatch):  # I39
+  config = dataclasses.replace(straight.config, checkpointing="none",
+                               output_dir=str(tmp_path / "r"))
+  sites, ci_config = straight.target.sites, recipe.ci_config(config)
+  checkpointing.check_entry(config, config.output_dir, sites, ci_config)
+  session = _session(config, straight.target)
+  run = train.build_run(config, straight.toy, straight.target,
+                        straight.weights, checkpointing.restorer(session))
+  checkpointing.after_warmup(session, run.state)
+  state = run.state
+  monkeypatch.setenv(checkpointing.FAULT_ENV,
+                     f"sigterm_after_step={SAVE_EVERY}")
+  with pytest.raises(SystemExit) as exit_info:
+    for done in range(1, STEPS + 1):
+      state, _ = straight.compiled(state, straight.weights, run.data_key)
+      checkpointing.after_step(session, state, done)
+  assert exit_info.value.code == 75 and done == SAVE_EVERY
+  assert not os.path.exists(checkpointing.checkpoint_dir(config.output_dir))
+  with pytest.raises(ValueError, match="cannot be re-entered"):
+    checkpointing.check_entry(config, config.output_dir, sites, ci_config)
+  again = dataclasses.replace(config, overwrite=True)
+  checkpointing.check_entry(again, config.output_dir, sites, ci_config)
+
+
+def test_a_finished_run_refuses_to_resume(straight):
+  args = (straight.config, straight.output_dir, straight.target.sites,
+          recipe.ci_config(straight.config))
+  records = os.path.join(straight.output_dir, "decomposition.npz")
+  # Killed after the final save but before the final records: resumable.
+  assert not os.path.exists(records)
+  checkpointing.check_entry(*args)
+  pathlib.Path(records).write_bytes(b"")
+  try:
+    with pytest.raises(ValueError, match=r"finished run \(step 8 of 8\)"):
+      checkpointing.check_entry(*args)
+  finally:
+    os.remove(records)
+
+
+def test_init_from_restores_only_the_decomposition(straight, tmp_path):  # I38
+  parent = os.path.join(straight.output_dir, str(SAVE_EVERY))
+  config = dataclasses.replace(
+    straight.config, output_dir=str(tmp_path / "ft"), init_from=parent,
+    lr=3e-3, pgd_coeff=0.25)
+  sites, ci_config = straight.target.sites, recipe.ci_config(config)
+  checkpointing.check_entry(config, config.output_dir, sites, ci_config)
+  session = _session(config, straight.target)
+  assert session.mode == "init_from"
+  run = train.build_run(config, straight.toy, straight.target,
+                        straight.weights, checkpointing.restorer(session))
+  fresh_session = _session(dataclasses.replace(
+    config, init_from=None, output_dir=str(tmp_path / "fresh")),
+    straight.target)
+  fresh = train.build_run(config, straight.toy, straight.target,
+                          straight.weights,
+                          checkpointing.restorer(fresh_session))
+  assert run.warmup_losses.shape == (0,)  # no warmup
+  loaded = load_decomposition(checkpoint.step_path(
+    checkpointing.checkpoint_dir(straight.output_dir), SAVE_EVERY))
+  _assert_bitwise_equal(run.state.components, loaded.components)
+  _assert_bitwise_equal(run.state.ci_params, loaded.ci_params)
+  # Optimizers, adversary sources, EMA, step and rng are a fresh run's.
+  for field in ("components_opt", "ci_opt", "term_states", "step", "rng"):
+    _assert_bitwise_equal(getattr(run.state, field),
+                          getattr(fresh.state, field))
+  checkpointing.after_warmup(session, run.state)  # label 0 of the new run
+  assert checkpoint.committed_steps(session.directory) == [0]
+  checkpointing.close(session)
+  checkpointing.close(fresh_session)
+
+
+@pytest.mark.parametrize("change,message", [
+  ({"c": 10}, "site linear1.c is 20 in the parent, 10 here"),
+  ({"ci_hidden": (8,)}, "ci_config.hidden is [16] in the parent, [8] here"),
+  ({"sites": ("linear2",)}, "sites are linear1,linear2 in the parent, "
+   "linear2 here"),
+])
+def test_init_from_refuses_a_structural_mismatch(straight, tmp_path, change,
+                                                 message):  # I38
+  config = dataclasses.replace(
+    straight.config, output_dir=str(tmp_path / "ft"),
+    init_from=os.path.join(straight.output_dir, "latest"), **change)
+  sites = recipe.select_sites(straight.toy.sites(config.c), config.sites,
+                              config.target)
+  with pytest.raises(ValueError) as info:
+    checkpointing.check_entry(config, config.output_dir, sites,
+                              recipe.ci_config(config))
+  assert message in str(info.value)
+  assert not os.path.exists(config.output_dir)
+
+
+def test_init_from_names_a_missing_step(straight, tmp_path):
+  config = dataclasses.replace(
+    straight.config, output_dir=str(tmp_path / "ft"),
+    init_from=os.path.join(straight.output_dir, "3"))
+  with pytest.raises(ValueError, match="no checkpoint of step 3"):
+    checkpointing.check_entry(config, config.output_dir,
+                              straight.target.sites,
+                              recipe.ci_config(config))
+
+
+def _bin_train(args, env_extra=None, **kwargs):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop(checkpointing.FAULT_ENV, None)
+  env.update(env_extra or {})
+  return subprocess.Popen(
+    [sys.executable, "-P", str(ROOT / "bin" / "train"), *args], cwd=ROOT,
+    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    **kwargs)
+
+
+def _lines(process):
+  """Yield the process's output lines, failing after 300 s of silence."""
+  lines: queue.Queue = queue.Queue()
+
+  def pump():
+    for line in process.stdout:
+      lines.put(line)
+    lines.put(None)
+
+  threading.Thread(target=pump, daemon=True).start()
+  while True:
+    line = lines.get(timeout=300)
+    if line is None:
+      return
+    yield line
+
+
+def test_killed_mid_write_then_sigterm_resumes_without_losing_steps(
+    straight, tmp_path):
+  out = tmp_path / "run"
+  args = ["--num_steps=100000", "--batch_size=16", "--log_every=5",
+          "--per_site_coeff=0", "--save_every=5", "--keep_last=2",
+          "--faithfulness_warmup_steps=2",
+          "--eval_every=0", "--slow_eval_every=0",
+          f"--target_path={straight.target_path}", f"--output_dir={out}"]
+  ckpts = out / checkpoint.CHECKPOINT_DIR
+  # A SIGKILL after the first item of step 10's checkpoint was written.
+  killed = _bin_train(args, {checkpointing.FAULT_ENV: "kill_mid_save=10"})
+  output = "".join(_lines(killed))
+  assert killed.wait(timeout=60) == -signal.SIGKILL, output[-2000:]
+  assert checkpoint.committed_steps(ckpts) == [0, 5]
+  assert os.path.exists(ckpts / ".tmp-000000010" / "decomposition")
+  assert [r["step"] for r in run_dir.read_metrics(out / "metrics.jsonl")] == [
+    5, 10]
+
+  # The same command resumes from step 5; a real SIGTERM then stops it.
+  resumed = _bin_train(args)
+  seen, stopped_at = [], None
+  for line in _lines(resumed):
+    seen.append(line)
+    if stopped_at is None and line.startswith("step 20/"):
+      resumed.send_signal(signal.SIGTERM)
+      stopped_at = 20
+  output = "".join(seen)
+  assert resumed.wait(timeout=60) == 75, output[-2000:]
+  assert "[target] loaded" in output and "[warmup]" not in output
+  assert "removed .tmp-000000010" in output
+  assert "resumed from step 5" in output
+  final = load_decomposition(out).step
+  assert final >= stopped_at
+  assert f"stop signal: step {final} saved" in output
+  records = [r["step"] for r in run_dir.read_metrics(out / "metrics.jsonl")]
+  assert records == list(range(5, final // 5 * 5 + 1, 5))
+  assert not [n for n in os.listdir(ckpts) if n.startswith(".")]
+  launches = json.loads((out / "run_info.json").read_text())["launches"]
+  assert [entry["mode"] for entry in launches] == ["fresh", "resume"]
+  assert launches[0]["versions"]["tensorstore"]
+
+
+@pytest.mark.parametrize("args,message", [
+  (("--save_every=0",), "--save_every must be positive"),
+  (("--keep_last=0",), "--keep_last must be positive"),
+  (("--init_from=runs",), "--init_from must be <run_dir>/<step>"),
+  (("--init_from=runs/x/step5",), "--init_from must be <run_dir>/<step>"),
+  (("--profile_steps=5",), "--profile_steps must be START:END"),
+  (("--num_steps=10", "--profile_steps=4:11"), "0 <= START < END <= "
+   "--num_steps"),
+])
+def test_bad_checkpoint_flags_are_refused(args, message):
+  with pytest.raises(ValueError, match=message):
+    _config(*args)
+
+
+def test_profile_window_writes_a_trace(straight, tmp_path):
+  config = dataclasses.replace(straight.config, output_dir=str(tmp_path),
+                               profile_steps="1:2")
+  session = _session(dataclasses.replace(config, checkpointing="none"),
+                     straight.target)
+  run = train.build_run(config, straight.toy, straight.target,
+                        straight.weights, None)
+  state = run.state
+  for index in range(3):
+    run_records.profile_before_step(config, config.output_dir, index)
+    state, _ = straight.compiled(state, straight.weights, run.data_key)
+    run_records.profile_after_step(config, config.output_dir, state,
+                                         index + 1)
+  checkpointing.close(session)
+  traces = [name for _, _, names in os.walk(tmp_path / "profile")
+            for name in names if name.endswith(".xplane.pb")]
+  assert len(traces) == 1
+
+
+def _truncate_first_shard(step_dir):
+  arrays = os.path.join(step_dir, checkpoint.DECOMPOSITION, "arrays",
+                        "components", "linear1", "v", "c", "0", "0", "0")
+  with open(arrays, "r+b") as f:
+    f.truncate(8)
+
+
+def _resumable_copy(straight, tmp_path):
+  out = tmp_path / "run"
+  shutil.copytree(straight.output_dir, out)
+  ckpts = out / checkpoint.CHECKPOINT_DIR
+  shutil.rmtree(ckpts / checkpoint.step_name(STEPS))
+  return out, ckpts
+
+
+def test_resume_skips_a_damaged_newest_checkpoint(straight, tmp_path,
+                                                  capsys):
+  out, ckpts = _resumable_copy(straight, tmp_path)
+  _truncate_first_shard(ckpts / checkpoint.step_name(SAVE_EVERY))
+  config = dataclasses.replace(straight.config, output_dir=str(out))
+  session = _session(config, straight.target)
+  try:
+    run = train.build_run(config, straight.toy, straight.target,
+                          straight.weights, checkpointing.restorer(session))
+  finally:
+    checkpointing.close(session)
+  assert int(jax.device_get(run.state.step)) == 0
+  printed = capsys.readouterr().out
+  assert "checkpoint 000000004 is damaged and skipped" in printed
+  assert "resumed from step 0" in printed
+
+
+@pytest.mark.parametrize("damage,message", [
+  ("all", "all 2 checkpoints are damaged"),
+  ("foreign", "belongs to another run: sites are linear1,linear2 in the "
+   "parent, linear1 here"),
+])
+def test_unusable_checkpoints_are_one_line_errors(straight, tmp_path, damage,
+                                                  message):
+  out, ckpts = _resumable_copy(straight, tmp_path)
+  config = dataclasses.replace(straight.config, output_dir=str(out))
+  target = straight.target
+  if damage == "all":
+    for step in (0, SAVE_EVERY):
+      _truncate_first_shard(ckpts / checkpoint.step_name(step))
+  else:
+    config = dataclasses.replace(config, sites=("linear1",))
+    target = target._replace(sites=target.sites[:1])
+  session = _session(config, target)
+  try:
+    with pytest.raises(checkpoint.CheckpointError) as info:
+      train.build_run(config, straight.toy, target, straight.weights,
+                      checkpointing.restorer(session))
+  finally:
+    checkpointing.close(session)
+  assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_overwrite_removes_every_entry_checkpointing_writes():
+  written = (checkpoint.CHECKPOINT_DIR, checkpointing.NONE_MARKER,
+             run_records.RUN_INFO_FILE, run_records.PROFILE_DIR)
+  assert set(written) <= set(run_dir.RUN_ENTRIES)
