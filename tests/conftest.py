@@ -13,6 +13,7 @@ flags.FLAGS.mark_as_parsed()
 
 
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from decompax.core import site_forward, sites as sites_lib, target  # noqa: E402
@@ -172,3 +173,26 @@ def make_token_target(vocab: int = 6, d: int = 4, c: int = 3):
 def token_target():
   """A tiny LM-shaped target on tokens and its frozen weights."""
   return make_token_target()
+
+
+def _host(tree):
+  def leaf(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(leaf, tree)
+
+
+@pytest.fixture(scope="session")
+def assert_bitwise_equal():
+  """Return an assertion that two pytrees (typed keys included) have the
+  same structure and bit-identical leaves."""
+
+  def check(a, b):
+    a, b = _host(a), _host(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      assert x.dtype == y.dtype and x.shape == y.shape
+      assert x.tobytes() == y.tobytes()
+
+  return check

@@ -14,9 +14,8 @@ import re
 
 import jax
 import pytest
-from absl import flags
 
-from decompax.bin import train, train_flags
+from decompax.bin import train
 from decompax.io import run_dir
 from decompax.targets import registry
 
@@ -38,21 +37,6 @@ OVERRIDES = ("--num_steps=1", "--batch_size=8", "--log_every=1",
              "--eval_every=1", "--slow_eval_every=1", "--eval_batches=2",
              "--noslow_on_first_step", "--save_every=1", "--c=8",
              "--ci_hidden=4")
-
-
-@pytest.fixture
-def parse():
-  """Parse flags into a TrainConfig; restore the defaults after."""
-
-  def _parse(*args):
-    flags.FLAGS.unparse_flags()
-    argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
-    flags.FLAGS(["train", *argv])
-    return train_flags.config_from_flags()
-
-  yield _parse
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS.mark_as_parsed()
 
 
 def test_every_cpu_flagfile_has_a_smoke_run():

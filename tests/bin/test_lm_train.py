@@ -7,30 +7,14 @@ import subprocess
 import sys
 
 import pytest
-from absl import flags
 
-from decompax.bin import lm_setup, recipe, train, train_flags
+from decompax.bin import lm_setup, recipe, train
 from decompax.io import run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ROOT / "flags" / "tiny_llama.flags"
 L18 = ROOT / "flags" / "l18.flags"
 LLAMA_8B_CONFIG = ROOT / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b"
-
-
-@pytest.fixture
-def parse():
-  """Parse `--flag=value` arguments into FLAGS; restore the defaults after."""
-
-  def _parse(*args):
-    flags.FLAGS.unparse_flags()
-    argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
-    flags.FLAGS(["train", *argv])
-    return train_flags.config_from_flags()
-
-  yield _parse
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS.mark_as_parsed()
 
 
 def test_tiny_llama_flagfile_resolves(parse, monkeypatch):
@@ -114,12 +98,12 @@ def test_tiny_llama_decomposes_end_to_end(tmp_path):
   assert "PyTorch was not found" not in result.stderr
 
 
-def test_tiny_llama_vpd_run_resumes_bitwise(parse, monkeypatch, tmp_path):
+def test_tiny_llama_vpd_run_resumes_bitwise(parse, monkeypatch, tmp_path,
+                                            assert_bitwise_equal):
   """I36 on the GLU transformer target with the transformer CI, persistent
   PGD over positions and EMA frequency minimality: 4 straight steps equal
   2 steps, save, restore onto a fresh state, 2 steps."""
   import jax
-  import numpy as np
 
   from decompax.io import checkpoint
 
@@ -132,17 +116,12 @@ def test_tiny_llama_vpd_run_resumes_bitwise(parse, monkeypatch, tmp_path):
   toy, _, target, load = train.resolve_target(config)
   weights = load()
 
-  def host(tree):
-    return jax.tree.map(
-      lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
-        x.dtype, jax.dtypes.prng_key) else x), jax.device_get(tree))
-
   run = train.build_run(config, toy, target, weights)
   state, metrics = run.state, []
   for _ in range(4):
     state, m = run.built.step(state, run.weights, run.data_key)
-    metrics.append(host(m))
-  straight = host(state)
+    metrics.append(jax.device_get(m))
+  straight = state
 
   run = train.build_run(config, toy, target, weights)
   state = run.state
@@ -156,5 +135,5 @@ def test_tiny_llama_vpd_run_resumes_bitwise(parse, monkeypatch, tmp_path):
     for name, tree in items.items()})
   for k in (2, 3):
     state, m = run.built.step(state, run.weights, run.data_key)
-    jax.tree.map(np.testing.assert_array_equal, host(m), metrics[k])
-  jax.tree.map(np.testing.assert_array_equal, host(state), straight)
+    assert_bitwise_equal(m, metrics[k])
+  assert_bitwise_equal(state, straight)

@@ -20,7 +20,6 @@ import threading
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 import pytest
 from absl import flags
 
@@ -68,22 +67,6 @@ def _session(config, target):
                                     recipe.ci_config(config))
 
 
-def _host(tree):
-  def leaf(x):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x = jax.random.key_data(x)
-    return np.asarray(jax.device_get(x))
-  return jax.tree.map(leaf, tree)
-
-
-def _assert_bitwise_equal(a, b):
-  a, b = _host(a), _host(b)
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert x.tobytes() == y.tobytes()
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   """The uninterrupted run: label 0 after warmup, saves at 4 and 8."""
@@ -120,7 +103,8 @@ def test_the_vpd_state_holds_adversary_and_ema_state(straight):
   assert int(arrays["step"]) == STEPS
 
 
-def test_resume_from_half_way_is_bitwise_the_straight_run(straight, tmp_path):
+def test_resume_from_half_way_is_bitwise_the_straight_run(
+    straight, tmp_path, assert_bitwise_equal):
   # I36: the run "killed" after its step-4 save resumes and ends identical.
   out = tmp_path / "run"
   shutil.copytree(straight.output_dir, out)
@@ -141,11 +125,11 @@ def test_resume_from_half_way_is_bitwise_the_straight_run(straight, tmp_path):
     state = run.state
     for done in range(SAVE_EVERY + 1, STEPS + 1):
       state, m = straight.compiled(state, straight.weights, run.data_key)
-      _assert_bitwise_equal(jax.device_get(m), straight.metrics[done - 1])
+      assert_bitwise_equal(jax.device_get(m), straight.metrics[done - 1])
       checkpointing.after_step(session, state, done)
   finally:
     checkpointing.close(session)
-  _assert_bitwise_equal(state, straight.state)
+  assert_bitwise_equal(state, straight.state)
   assert checkpoint.committed_steps(ckpts) == [0, SAVE_EVERY, STEPS]
 
 
@@ -221,7 +205,8 @@ def test_a_finished_run_refuses_to_resume(straight):
     os.remove(records)
 
 
-def test_init_from_restores_only_the_decomposition(straight, tmp_path):  # I38
+def test_init_from_restores_only_the_decomposition(
+    straight, tmp_path, assert_bitwise_equal):  # I38
   parent = os.path.join(straight.output_dir, str(SAVE_EVERY))
   config = dataclasses.replace(
     straight.config, output_dir=str(tmp_path / "ft"), init_from=parent,
@@ -241,11 +226,11 @@ def test_init_from_restores_only_the_decomposition(straight, tmp_path):  # I38
   assert run.warmup_losses.shape == (0,)  # no warmup
   loaded = load_decomposition(checkpoint.step_path(
     checkpointing.checkpoint_dir(straight.output_dir), SAVE_EVERY))
-  _assert_bitwise_equal(run.state.components, loaded.components)
-  _assert_bitwise_equal(run.state.ci_params, loaded.ci_params)
+  assert_bitwise_equal(run.state.components, loaded.components)
+  assert_bitwise_equal(run.state.ci_params, loaded.ci_params)
   # Optimizers, adversary sources, EMA, step and rng are a fresh run's.
   for field in ("components_opt", "ci_opt", "term_states", "step", "rng"):
-    _assert_bitwise_equal(getattr(run.state, field),
+    assert_bitwise_equal(getattr(run.state, field),
                           getattr(fresh.state, field))
   checkpointing.after_warmup(session, run.state)  # label 0 of the new run
   assert checkpoint.committed_steps(session.directory) == [0]

@@ -7,30 +7,14 @@ import subprocess
 import sys
 
 import pytest
-from absl import flags
 
-from decompax.bin import recipe, train, train_flags
+from decompax.bin import recipe, train
 from decompax.io import run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAGFILES = sorted((ROOT / "flags").glob("*.flags"))
 # Checkpoint LMs (--target=hf) read --model_dir: tests/bin/test_lm_train.py.
 TOY_FLAGFILES = [p for p in FLAGFILES if "--target=hf" not in p.read_text()]
-
-
-@pytest.fixture
-def parse():
-  """Parse `--flag=value` arguments into FLAGS; restore the defaults after."""
-
-  def _parse(*args):
-    flags.FLAGS.unparse_flags()
-    argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
-    flags.FLAGS(["train", *argv])
-    return train_flags.config_from_flags()
-
-  yield _parse
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS.mark_as_parsed()
 
 
 def _bin_train(*args, cwd=ROOT):

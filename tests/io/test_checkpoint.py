@@ -60,30 +60,15 @@ def _shapes(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def _host(tree):
-  def leaf(x):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x = jax.random.key_data(x)
-    return np.asarray(jax.device_get(x))
-  return jax.tree.map(leaf, tree)
-
-
-def _assert_bitwise_equal(a, b):
-  a, b = _host(a), _host(b)
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert x.tobytes() == y.tobytes()
-
-
-def test_round_trip_is_bitwise_with_keys_bf16_and_none(tmp_path):
+def test_round_trip_is_bitwise_with_keys_bf16_and_none(
+    tmp_path, assert_bitwise_equal):
   items = _items()
   path = checkpoint.save(tmp_path, 11, items, _metadata())
   assert os.path.basename(path) == "000000011"
   assert checkpoint.read_index(path)["items"] == ["decomposition", "training"]
   for name, tree in items.items():
     restored = checkpoint.restore_item(path, name, _shapes(tree))
-    _assert_bitwise_equal(restored, tree)
+    assert_bitwise_equal(restored, tree)
   restored = checkpoint.restore_item(path, "training",
                                      _shapes(items["training"]))
   assert restored["term_states"][0] is None
@@ -111,7 +96,8 @@ def test_split_and_join_state_cover_every_field():
 
 
 @pytest.mark.multidevice
-def test_written_at_four_devices_restores_at_one_and_eight(tmp_path):
+def test_written_at_four_devices_restores_at_one_and_eight(
+    tmp_path, assert_bitwise_equal):
   devices = jax.devices()
   mesh4 = Mesh(np.array(devices[:4]), ("c",))
   value = jnp.arange(2 * 4 * 8, dtype=jnp.float32).reshape(2, 4, 8)
@@ -127,7 +113,7 @@ def test_written_at_four_devices_restores_at_one_and_eight(tmp_path):
   one = jax.sharding.SingleDeviceSharding(devices[5])
   at_one = checkpoint.restore_item(path, "training", _shapes(tree), one)
   assert at_one["v"].sharding == one
-  _assert_bitwise_equal(at_one, tree)
+  assert_bitwise_equal(at_one, tree)
 
   mesh8 = Mesh(np.array(devices), ("d",))
   layout = {"v": NamedSharding(mesh8, P(None, None, "d")),
@@ -135,7 +121,7 @@ def test_written_at_four_devices_restores_at_one_and_eight(tmp_path):
   at_eight = checkpoint.restore_item(path, "training", _shapes(tree), layout)
   assert at_eight["v"].sharding == layout["v"]
   assert {s.data.shape for s in at_eight["v"].addressable_shards} == {(2, 4, 1)}
-  _assert_bitwise_equal(at_eight, tree)
+  assert_bitwise_equal(at_eight, tree)
 
 
 def test_a_failed_save_leaves_no_step_and_is_cleaned_up(tmp_path):
@@ -153,11 +139,11 @@ def test_a_failed_save_leaves_no_step_and_is_cleaned_up(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
-def test_saving_a_label_again_replaces_it(tmp_path):
+def test_saving_a_label_again_replaces_it(tmp_path, assert_bitwise_equal):
   checkpoint.save(tmp_path, 2, _items(seed=0))
   path = checkpoint.save(tmp_path, 2, _items(seed=1))
   restored = checkpoint.restore_item(path, "training", _shapes(_training(1)))
-  _assert_bitwise_equal(restored, _training(1))
+  assert_bitwise_equal(restored, _training(1))
   assert sorted(os.listdir(tmp_path)) == ["000000002"]
 
 
@@ -245,7 +231,8 @@ def test_damage_is_a_one_line_error(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["truncated array file", "missing item",
                                   "missing index"])
-def test_latest_falls_back_past_a_damaged_step(tmp_path, name):
+def test_latest_falls_back_past_a_damaged_step(
+    tmp_path, name, assert_bitwise_equal):
   checkpoint.save(tmp_path, 1, _items(seed=1), _metadata())
   newest = checkpoint.save(tmp_path, 2, _items(seed=2), _metadata())
   CORRUPTIONS[name][0](newest)
@@ -255,7 +242,7 @@ def test_latest_falls_back_past_a_damaged_step(tmp_path, name):
     tmp_path, lambda p: checkpoint.restore_item(p, "decomposition", template),
     reports.append)
   assert step == 1
-  _assert_bitwise_equal(restored, _decomposition(seed=1))
+  assert_bitwise_equal(restored, _decomposition(seed=1))
   assert len(reports) == 1 and "000000002 is damaged" in reports[0]
 
 
@@ -284,7 +271,8 @@ def test_a_checkpoint_of_another_site_set_is_refused_by_name(tmp_path):
     checkpoint.restore_item(path, "decomposition", wider)
 
 
-def test_load_decomposition_needs_no_training_item(tmp_path):  # I37
+def test_load_decomposition_needs_no_training_item(
+    tmp_path, assert_bitwise_equal):  # I37
   run = tmp_path / "run"
   directory = run / checkpoint.CHECKPOINT_DIR
   checkpoint.save(directory, 4, _items(seed=4), _metadata())
@@ -296,7 +284,7 @@ def test_load_decomposition_needs_no_training_item(tmp_path):  # I37
     assert loaded.sites == SITES and loaded.ci_config == CI_CONFIG
     assert loaded.metadata == {"target": "chain"}
     assert isinstance(loaded.components["sq"], sites_lib.Factors)
-    _assert_bitwise_equal(
+    assert_bitwise_equal(
       {"components": loaded.components, "ci_params": loaded.ci_params},
       _decomposition(seed=8))
 
@@ -318,7 +306,8 @@ def test_configs_survive_json():
                               decomposition.to_json(SITES[0])) == SITES[0]
 
 
-def test_token_target_vpd_state_resumes_bitwise(token_target, tmp_path):  # I36
+def test_token_target_vpd_state_resumes_bitwise(
+    token_target, tmp_path, assert_bitwise_equal):  # I36
   """An LM-shaped target with Muon, persistent PGD over positions and an EMA
   frequency term: 4 straight steps equal 2 steps, save, restore onto a
   freshly built state, 2 steps."""
@@ -370,5 +359,5 @@ def test_token_target_vpd_state_resumes_bitwise(token_target, tmp_path):  # I36
   assert isinstance(state, train_step.TrainState)
   for k in range(2, 4):
     state, m = built.step(state, weights, data_key)
-    _assert_bitwise_equal(jax.device_get(m), metrics[k])
-  _assert_bitwise_equal(state, straight)
+    assert_bitwise_equal(jax.device_get(m), metrics[k])
+  assert_bitwise_equal(state, straight)
