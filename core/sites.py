@@ -16,7 +16,13 @@ from jaxtyping import Array, Float, Key
 
 @dataclasses.dataclass(frozen=True)
 class SiteSpec:
-  """One decomposed matrix: its name, kind, row in the kind's stack, shape."""
+  """One decomposed matrix: its name, kind, row in the kind's stack, shape.
+
+  `draw_path` keys the site's stochastic draws (`fold_in` along the path,
+  SPEC §3.6): layered targets give `(kind_index, absolute_layer)`, so a
+  site's draws do not depend on which other sites are decomposed; empty
+  means the site's canonical index (positionless toys).
+  """
 
   name: str
   kind: str
@@ -24,6 +30,7 @@ class SiteSpec:
   d_in: int
   d_out: int
   c: int
+  draw_path: tuple[int, ...] = ()
 
 
 class Factors(NamedTuple):
@@ -55,7 +62,26 @@ def validate_sites(sites: tuple[SiteSpec, ...]) -> None:
   for site in sites:
     if site.c <= 0:
       raise ValueError(f"site {site.name}: C must be positive, got {site.c}")
+  with_path = [s for s in sites if s.draw_path]
+  if with_path and len(with_path) != len(sites):
+    raise ValueError("either every site has a draw_path or none has: mixed "
+                     "keys could collide with canonical indices")
+  paths = [s.draw_path for s in with_path]
+  if len(set(paths)) != len(paths):
+    raise ValueError(f"draw paths must be unique, got {paths}")
   kind_specs(sites)
+
+
+def draw_paths(sites: tuple[SiteSpec, ...]) -> dict[str, tuple[int, ...]]:
+  """Return the path keying each site's stochastic draws (see SiteSpec)."""
+  return {s.name: s.draw_path or (i,) for i, s in enumerate(sites)}
+
+
+def fold_path(key: Key[Array, ""], path: tuple[int, ...]) -> Key[Array, ""]:
+  """Return `key` folded with each element of `path` in turn."""
+  for part in path:
+    key = jax.random.fold_in(key, part)
+  return key
 
 
 def kind_specs(sites: tuple[SiteSpec, ...]) -> dict[str, KindSpec]:

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Key
 
 from decompax.core import adversary, rng, schedules
 from decompax.core import masks as masks_lib
+from decompax.core import sites as sites_lib
 from decompax.core.masks import make_masks, split_pair
 from decompax.core.site_forward import SiteMask
 from decompax.core.train_step import LossTerm, StepContext
@@ -121,7 +122,7 @@ def merged_plan_loss(
   probability `adv_fraction` (persistent sources, routed everywhere) and
   stochastic otherwise (fresh sources, the entry's routing) (SPEC §5.8)."""
   lead = ctx.lead_shape()
-  site_index = {s.name: i for i, s in enumerate(ctx.target.sites)}
+  site_index = sites_lib.draw_paths(ctx.target.sites)
   total, count = jnp.zeros((), jnp.float32), 0
   for e, entry in enumerate(plan):
     for d in range(entry.n_draws):
@@ -134,7 +135,7 @@ def merged_plan_loss(
       for name in entry.live_sites:
         ci = ctx.ci.lower[name]
         fresh = masks_lib.stochastic_source(
-          jax.random.fold_in(draw_key, site_index[name]), lead, ci.shape[-1],
+          sites_lib.fold_path(draw_key, site_index[name]), lead, ci.shape[-1],
           with_delta, sampling)
         persistent = jnp.broadcast_to(sources[name], fresh.shape)
         mask, delta = make_masks(
@@ -316,3 +317,38 @@ def fresh_pgd_term(
     return plan_loss(ctx, sources, plan, jax.random.key(0), routes), None
 
   return LossTerm(name, coeff, fn, prepare=prepare)
+
+
+def pgd_probe(
+  ctx: StepContext,
+  key: Key[Array, ""],
+  n_steps: int,
+  step_size: float,
+) -> Float[Array, ""]:
+  """Return the output divergence at fresh sign-PGD sources (SPEC §5.7 eval
+  probe): every site live and routed, sources `U[0,1]` at scope `c` (one
+  `[C]` vector per site, shared by every position, no delta channel; site
+  `s` draws from `fold_path(key, draw_paths[s])`), then `n_steps` of
+  `clip(S + step_size·sign(∂D/∂S), 0, 1)` against stop-gradient components
+  and CI.
+  """
+  frozen = ctx._replace(components=jax.lax.stop_gradient(ctx.components),
+                        ci=jax.lax.stop_gradient(ctx.ci))
+  plan = recon.all_sites_plan(ctx.target.sites)
+  lead = ctx.lead_shape()
+  paths = sites_lib.draw_paths(ctx.target.sites)
+  sources = {
+    s.name: jax.random.uniform(sites_lib.fold_path(key, paths[s.name]),
+                               adversary.scope_shape("c", lead, s.c))
+    for s in ctx.target.sites}
+
+  def divergence(s):
+    return plan_loss(frozen, s, plan, key)
+
+  def ascend(_, s):
+    grads = jax.grad(divergence)(s)
+    return {k: adversary.sign_pgd_step(s[k], grads[k], step_size) for k in s}
+
+  # A loop, not an unrolled chain: compile time stays that of one ascent.
+  sources = jax.lax.fori_loop(0, n_steps, ascend, sources)
+  return divergence(jax.lax.stop_gradient(sources))

@@ -23,6 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, Key
 
 from decompax.core import masks as masks_lib
+from decompax.core import sites as sites_lib
 from decompax.core.site_forward import SiteMask
 from decompax.core.sites import SiteSpec
 from decompax.losses import recon
@@ -47,11 +48,12 @@ def variant_site_masks(
   """Return every site's mask under one named variant (module docstring)."""
   if variant == "stochastic":
     entry = recon.all_sites_plan(sites)[0]
-    index = {s.name: i for i, s in enumerate(sites)}
+    index = sites_lib.draw_paths(sites)
     return recon.stochastic_site_masks(
       key, entry, ci_lower, index, with_delta, "continuous", None)
   out = {}
-  for i, site in enumerate(sites):
+  paths = sites_lib.draw_paths(sites)
+  for site in sites:
     ci = ci_lower[site.name]
     if variant == "ci_masked":
       mask = ci
@@ -62,7 +64,7 @@ def variant_site_masks(
     elif variant == "zero":
       mask = jnp.zeros_like(ci)
     elif variant == "random":
-      site_key = jax.random.fold_in(key, i)
+      site_key = sites_lib.fold_path(key, paths[site.name])
       mask = masks_lib.stochastic_source(
         site_key, ci.shape[:-1], ci.shape[-1], False).astype(ci.dtype)
     else:

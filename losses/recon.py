@@ -3,9 +3,10 @@
 A plan is a tuple of entries `(live_sites, routing, n_draws)`; each draw is
 one masked forward whose output is compared with the clean output, and the
 term's loss is the mean over all forwards of the plan (I15). Keys derive as
-`fold_in(fold_in(key, entry), draw)` then `fold_in(·, site_index)` with the
-site's canonical index, so a site's draw does not depend on which other
-sites are live.
+`fold_in(fold_in(key, entry), draw)` then folded along the site's draw path
+(`core.sites.draw_paths`: its canonical index, or `(kind, absolute layer)`
+for layered targets), so a site's draw does not depend on which other sites
+are live.
 """
 
 import dataclasses
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Key
 
 from decompax.core import masks as masks_lib
+from decompax.core import sites as sites_lib
 from decompax.core.site_forward import SiteMask
 from decompax.core.sites import SiteSpec
 
@@ -102,7 +104,7 @@ def stochastic_site_masks(
   key: Key[Array, ""],
   entry: PlanEntry,
   ci_lower: dict[str, Float[Array, "*l c"]],
-  site_index: dict[str, int],
+  site_index: dict[str, tuple[int, ...]],
   with_delta: bool,
   sampling: masks_lib.Sampling,
   routes: dict[str, Array] | None,
@@ -111,7 +113,7 @@ def stochastic_site_masks(
   out = {}
   for name in entry.live_sites:
     ci = ci_lower[name]
-    site_key = jax.random.fold_in(key, site_index[name])
+    site_key = sites_lib.fold_path(key, site_index[name])
     source = masks_lib.stochastic_source(
       site_key, ci.shape[:-1], ci.shape[-1], with_delta, sampling
     )
@@ -132,7 +134,7 @@ def stochastic_plan_mean(
   sampling: masks_lib.Sampling = "continuous",
 ) -> Float[Array, ""]:
   """Return the mean of `forward_loss` over the plan's stochastic forwards."""
-  site_index = {s.name: i for i, s in enumerate(sites)}
+  site_index = sites_lib.draw_paths(sites)
   lead_shape = next(iter(ci_lower.values())).shape[:-1]
   total = jnp.zeros((), jnp.float32)
   n_forwards = 0

@@ -78,7 +78,9 @@ def site_specs(
     for n in members:
       kind = f"{role}_proj.c{cs[n]}" if mixed else f"{role}_proj"
       rows[kind] = rows.get(kind, -1) + 1
-      specs[n] = SiteSpec(n, kind, rows[kind], d_in, d_out, cs[n])
+      # Keyed by (kind, absolute layer): draws independent of the span.
+      draw_path = (glu_lm.ROLES.index(role), parsed[n][0])
+      specs[n] = SiteSpec(n, kind, rows[kind], d_in, d_out, cs[n], draw_path)
   out = tuple(specs[n] for n in order)
   validate_sites(out)
   return out
@@ -262,8 +264,14 @@ def target_fns(
   sites: tuple[SiteSpec, ...],
   attention: str = "reference",
   remat: bool = True,
+  prefix_sharing: bool = True,
 ) -> target.TargetFns:
-  """Return the engine's function table for decomposing `sites`."""
+  """Return the engine's function table for decomposing `sites`.
+
+  With `prefix_sharing` off, masked forwards ignore the clean pass's
+  boundary and rerun the frozen prefix from the tokens (SPEC §3.5 D5: equal
+  up to reassociation); it exists to measure what sharing saves.
+  """
   validate_sites(sites)
   seg = span_segments(config, sites)
   layouts = kind_layouts(sites)
@@ -271,7 +279,7 @@ def target_fns(
   glu_lm.attention_fn(attention)  # refuses an unknown name up front
   site = live_site_fn(layouts)
   names = {s.name for s in sites}
-  resume = start_key(seg)
+  resume = start_key(seg) if prefix_sharing else None
 
   def extras(weights, components, site_masks):
     unknown = sorted(set(site_masks) - names)

@@ -83,6 +83,23 @@ def test_validate_sites_refuses_bad_specs():
   with pytest.raises(ValueError, match="duplicate"):
     sites_lib.validate_sites((sites_lib.SiteSpec("a", "k", 0, 2, 2, 3),
                               sites_lib.SiteSpec("a", "j", 0, 2, 2, 3)))
+  with pytest.raises(ValueError, match="every site has a draw_path"):
+    sites_lib.validate_sites((sites_lib.SiteSpec("a", "k", 0, 2, 2, 3, (1,)),
+                              sites_lib.SiteSpec("b", "j", 0, 2, 2, 3)))
+  with pytest.raises(ValueError, match="unique"):
+    sites_lib.validate_sites((
+      sites_lib.SiteSpec("a", "k", 0, 2, 2, 3, (0, 1)),
+      sites_lib.SiteSpec("b", "j", 0, 2, 2, 3, (0, 1))))
+
+
+def test_draw_paths_default_to_canonical_indices():
+  plain = (sites_lib.SiteSpec("a", "k", 0, 2, 2, 3),
+           sites_lib.SiteSpec("b", "j", 0, 2, 2, 3))
+  assert sites_lib.draw_paths(plain) == {"a": (0,), "b": (1,)}
+  key = jax.random.key(3)
+  np.testing.assert_array_equal(
+    jax.random.key_data(sites_lib.fold_path(key, (4, 2))),
+    jax.random.key_data(jax.random.fold_in(jax.random.fold_in(key, 4), 2)))
 
 
 def test_projected_init_is_unit_norm_scaled_by_overlap():

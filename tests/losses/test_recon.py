@@ -55,7 +55,7 @@ def test_i15_loss_is_mean_over_all_forwards():
 
 def test_site_draws_do_not_depend_on_other_live_sites():
   ci = {s.name: jnp.zeros((5, 3)) for s in SITES}
-  index = {s.name: i for i, s in enumerate(SITES)}
+  index = sites_lib.draw_paths(SITES)
   key = jax.random.key(7)
   both = recon.stochastic_site_masks(
     key, recon.PlanEntry(("a", "b")), ci, index, True, "continuous", None)

@@ -59,7 +59,7 @@ def _stochastic_masks(fns, key, routing="uniform_k"):
   ci = {s.name: jax.random.uniform(jax.random.fold_in(key, i), (B, T, s.c))
         for i, s in enumerate(fns.sites)}
   entry = recon.all_sites_plan(fns.sites, routing)[0]
-  index = {s.name: i for i, s in enumerate(fns.sites)}
+  index = sites_lib.draw_paths(fns.sites)
   routes = recon.entry_routes(jax.random.fold_in(key, 99), entry, (B, T))
   return recon.stochastic_site_masks(key, entry, ci, index, True,
                                      "continuous", routes)
@@ -88,6 +88,31 @@ def test_per_site_c_splits_a_role_into_kinds():
     ("up_proj.c3", 0, 3), ("up_proj.c7", 0, 7)]
   with pytest.raises(ValueError, match="unknown"):
     glu_target.site_specs(CONFIG, names[:1], {names[0]: 3, names[1]: 7})
+
+
+def test_draws_are_keyed_by_kind_and_absolute_layer():  # SPEC §3.6
+  # The same matrix draws the same source whichever other sites (and so
+  # whichever span and canonical index) the decomposition has.
+  down = glu_lm.site_name(2, "down")
+  alone = glu_target.site_specs(CONFIG, (down,), C)
+  wider = glu_target.site_specs(
+    CONFIG, (glu_lm.site_name(0, "q"), glu_lm.site_name(1, "up"), down), C)
+  assert alone[0].draw_path == wider[-1].draw_path == (6, 2)
+  ci = jnp.full((B, T, C), 0.25)
+
+  def mask_of(specs):
+    entry = recon.all_sites_plan(specs)[0]
+    masks = recon.stochastic_site_masks(
+      jax.random.key(5), entry, {s.name: ci for s in specs},
+      sites_lib.draw_paths(specs), True, "continuous", None)
+    return masks[down].mask
+
+  np.testing.assert_array_equal(mask_of(alone), mask_of(wider))
+  first = glu_target.site_specs(CONFIG, (glu_lm.site_name(0, "q"),), C)
+  assert not np.array_equal(mask_of(alone), recon.stochastic_site_masks(
+    jax.random.key(5), recon.all_sites_plan(first)[0],
+    {first[0].name: ci}, sites_lib.draw_paths(first), True, "continuous",
+    None)[first[0].name].mask)
 
 
 def test_unknown_sites_are_refused():
@@ -202,6 +227,31 @@ def test_prefix_residual_start_equals_input_start(starts, masks):  # I27
   np.testing.assert_array_equal(from_resid[0], from_tokens[0])
   for key in from_tokens[1]:
     np.testing.assert_array_equal(from_resid[1][key], from_tokens[1][key])
+
+
+def test_prefix_sharing_off_reruns_the_prefix_to_the_same_loss(model):  # I27
+  fns, weights, components, tokens = model
+  off = glu_target.target_fns(CONFIG, fns.sites, prefix_sharing=False)
+  assert fns.start_taps and off.start_taps == ()
+  # A wrong boundary proves the off variant never reads the clean taps.
+  wrong = {f"resid.{SPLIT}": jnp.ones((B, T, CONFIG.d_model))}
+
+  @jax.jit
+  def run(key):
+    clean, taps = fns.clean_forward(weights, tokens, fns.start_taps)
+    masks = _stochastic_masks(fns, key)
+    shared = fns.masked_forward_taps(weights, components, tokens, masks, taps,
+                                     ())[0]
+    rerun = off.masked_forward_taps(weights, components, tokens, masks, wrong,
+                                    ())[0]
+    return (shared, rerun, fns.divergence(shared, clean),
+            off.divergence(rerun, clean))
+
+  shared, rerun, shared_loss, rerun_loss = run(jax.random.key(7))
+  assert float(shared_loss) > 1e-4
+  # SPEC §3.5 D5: a differently compiled start agrees within 2e-5 abs.
+  np.testing.assert_allclose(rerun_loss, shared_loss, rtol=0, atol=2e-5)
+  np.testing.assert_allclose(rerun, shared, rtol=1e-5, atol=2e-5)
 
 
 def test_masks_change_the_output(starts, clean_passes):
