@@ -1,6 +1,5 @@
 """Target training and the representation check (SPEC §10)."""
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -14,20 +13,16 @@ from decompax.targets import train as train_lib
 @pytest.fixture(scope="module")
 def trained_tms_5_2():
   toy = registry.get("tms_5-2")
-  start = time.perf_counter()
-  weights = toy.train(toy.default_seed)
-  return toy, weights, time.perf_counter() - start
+  return toy, toy.train(toy.default_seed)
 
 
 def test_trained_tms_5_2_default_seed_represents_all_features(trained_tms_5_2):
-  toy, weights, seconds = trained_tms_5_2
+  toy, weights = trained_tms_5_2
   assert toy.missing_features(weights) == ()
-  # 10k steps in scan chunks stay a few seconds on CPU.
-  assert seconds < 30
 
 
 def test_missing_features_detects_zeroed_tms_feature(trained_tms_5_2):
-  toy, weights, _ = trained_tms_5_2
+  toy, weights = trained_tms_5_2
   dropped = weights._replace(w=weights.w.at[4].set(0.0))
   assert toy.missing_features(dropped) == (4,)
 
