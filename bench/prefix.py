@@ -1,0 +1,248 @@
+"""What prefix sharing saves on a deep, narrow Llama (SPEC §3.5, §9.3).
+
+Run: `./dev bench prefix` (or `.venv/bin/python -P bench/prefix.py`).
+The model is Llama-shaped (32 layers, GQA, SwiGLU) but narrow, with random
+weights: step cost does not depend on them. For each `--layers` entry it
+decomposes that whole block (all 7 sites q, k, v, o, gate, up, down) with
+the reference LM recipe (`flags/l18.flags`: faithfulness, importance and
+frequency minimality, stochastic recon, persistent PGD with its warmup
+ascents, the chunkwise transformer CI) shrunk to CPU sizes, and builds the
+step exactly as `bin/train` does, twice:
+  * prefix sharing ON: masked forwards resume from the clean pass's
+    `resid.{layer}`, the frozen prefix runs once per step;
+  * OFF: every masked forward reruns the frozen prefix from the tokens.
+All variants are compiled and timed in one process; their timed steps
+interleave (one step of each in turn), so machine-load drift hits all
+alike. It reports compile time (lower + compile wall), the median step
+time, the prefix scans left in the compiled step, the OFF/ON ratios beside
+the reference's (GPU), and both variants' first-step recon losses,
+which must agree (D5: within 2e-5 abs; the exit status says).
+
+Every OFF prefix rerun is the same computation of the same operands
+(weights, tokens), so XLA's common-subexpression elimination merges them
+into the clean pass's scan: with CSE on, OFF compiles to one prefix scan,
+like ON. The bench then reruns itself in a child process with
+`--xla_disable_hlo_passes=cse` (`--noxla_cse`), where OFF keeps one scan
+per masked forward, as a framework without CSE runs it; that table is what the
+reference's ratios compare to. Sharing makes the saving a property of the
+program rather than of a compiler pass.
+"""
+
+import math
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from decompax.bin import lm_setup, train, train_flags
+from decompax.targets import glu_config, glu_lm, glu_target
+
+_STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per variant.")
+_WARMUP = flags.DEFINE_integer(
+  "warmup", 3, "Untimed steps after compiling (at least 1: the first "
+  "step's losses are compared).")
+_LAYERS = flags.DEFINE_list("layers", ["18", "31"],
+                            "Decomposed blocks, one pair of variants each.")
+# Named apart from bin/train's flags, which the recipe's flagfile sets.
+_BATCH = flags.DEFINE_integer("global_batch", 4, "Sequences per batch.")
+_SEQ_LEN = flags.DEFINE_integer("seq_length", 32, "Tokens per sequence.")
+_C = flags.DEFINE_integer("components", 64, "Components per matrix.")
+_XLA_CSE = flags.DEFINE_bool(
+  "xla_cse", True, "Leave XLA's common-subexpression elimination on; off, "
+  "the compiler cannot merge the OFF variants' identical prefix scans.")
+_COMPARE = flags.DEFINE_bool(
+  "compare_without_cse", True, "Then rerun in a child process with "
+  "--noxla_cse.")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# OFF/ON step-time ratio of the reference implementation on one GPU.
+REFERENCE_RATIO = {18: 1.25, 31: 1.82}
+# Llama-3.1-8B's depth and head layout, narrow enough for a CPU step.
+MODEL = glu_config.GluConfig(
+  n_layers=32, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128,
+  vocab_size=256, rope_theta=500000.0, rms_eps=1e-5, tied=False,
+  qk_norm=False)
+# The reference recipe at CPU sizes (the CI as in flags/tiny_llama.flags).
+RECIPE_OVERRIDES = (
+  "--compute_dtype=float32", "--attention=reference",
+  "--ci_attention=reference", "--ci_d_model=32", "--ci_n_blocks=1",
+  "--ci_n_heads=2", "--ci_d_mlp=64", "--faithfulness_warmup_steps=0")
+RECON_TERMS = ("loss/stochastic_recon", "loss/persistent_pgd_recon")
+
+
+def recipe(batch: int, seq_len: int, c: int) -> train_flags.TrainConfig:
+  """Return the validated `flags/l18.flags` config at bench sizes."""
+  argv = flags.FLAGS.read_flags_from_files(
+    [f"--flagfile={ROOT / 'flags' / 'l18.flags'}"], force_gnu=False)
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["prefix", *argv, *RECIPE_OVERRIDES, f"--batch_size={batch}",
+               f"--seq_len={seq_len}", f"--c={c}"])
+  return train_flags.config_from_flags()
+
+
+def random_arrays(config: glu_config.GluConfig, seed: int = 0
+                  ) -> dict[str, np.ndarray]:
+  """Return random host weights in `weights_from_arrays` layout."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for name, shape in glu_target.layer_array_shapes(config).items():
+    if len(shape) == 2:
+      value = rng.standard_normal((config.n_layers, *shape)) / math.sqrt(
+        shape[0])
+    else:
+      value = 1 + 0.1 * rng.standard_normal((config.n_layers, *shape))
+    out[name] = value.astype(np.float32)
+  for name in ("embed", "head")[:1 if config.tied else 2]:
+    out[name] = rng.standard_normal(
+      (config.vocab_size, config.d_model)).astype(np.float32)
+  out["norm"] = np.ones(config.d_model, np.float32)
+  return out
+
+
+def build_variant(config: train_flags.TrainConfig,
+                  model: glu_config.GluConfig, arrays: dict[str, np.ndarray],
+                  layer: int, prefix_sharing: bool) -> train.Run:
+  """Return the run decomposing block `layer` whole, as `bin/train` builds
+  it for `--target=hf` (`lm_setup.hf_target`), sharing the prefix or not."""
+  names = tuple(glu_lm.site_name(layer, r) for r in glu_lm.ROLES)
+  sites = glu_target.site_specs(model, names, config.c)
+  target = glu_target.target_fns(model, sites, config.attention, remat=True,
+                                 prefix_sharing=prefix_sharing)
+  seg = glu_target.span_segments(model, sites)
+  weights = glu_target.weights_from_arrays(arrays, model, seg, jnp.float32)
+
+  def sample_inputs(key, batch_size):
+    return jax.random.randint(key, (batch_size, config.seq_len), 0,
+                              model.vocab_size, jnp.int32)
+
+  record = lm_setup.LmTarget("narrow_llama", model, sample_inputs)
+  return train.build_run(config, record, target, weights)
+
+
+def prefix_loops(compiled_text: str, split: int) -> int:
+  """Return how many `split`-trip loops (prefix scans) the compiled step
+  holds, RNG loops aside."""
+  trip = f'"known_trip_count":{{"n":"{split}"}}'
+  return sum(1 for line in compiled_text.splitlines()
+             if " while(" in line and trip in line and "threefry" not in line)
+
+
+def compile_variant(run: train.Run, layer: int) -> dict:
+  """Return the compiled step with its compile wall time and prefix loops."""
+  start = time.perf_counter()
+  step = run.built.step.lower(run.state, run.weights, run.data_key).compile()
+  return {"step": step, "compile_s": time.perf_counter() - start,
+          "prefix_loops": prefix_loops(step.as_text(), layer),
+          "run": run, "state": run.state, "times": [], "first": None}
+
+
+def advance(variant: dict) -> None:
+  """Run one step of `variant`, recording its wall time and, the first
+  time, its recon losses."""
+  run = variant["run"]
+  start = time.perf_counter()
+  variant["state"], metrics = variant["step"](variant["state"], run.weights,
+                                              run.data_key)
+  jax.block_until_ready(variant["state"])
+  variant["times"].append(time.perf_counter() - start)
+  if variant["first"] is None:
+    variant["first"] = {k: float(metrics[k]) for k in RECON_TERMS}
+
+
+def measure(config: train_flags.TrainConfig, layers: list[int], steps: int,
+            warmup: int) -> dict[tuple[int, bool], dict]:
+  """Return every variant `(layer, sharing)` compiled and timed, its
+  timed steps interleaved with the others'."""
+  arrays = random_arrays(MODEL)
+  # The process's first compile pays one-time setup; not the variants'.
+  jax.jit(jnp.sin)(jnp.ones(2)).block_until_ready()
+  variants = {}
+  for i, layer in enumerate(layers):
+    # Alternating which variant compiles first evens out warm caches.
+    for sharing in ((True, False) if i % 2 == 0 else (False, True)):
+      run = build_variant(config, MODEL, arrays, layer, sharing)
+      variants[layer, sharing] = compile_variant(run, layer)
+      print(f"  compiled layer {layer} prefix sharing "
+            f"{'on' if sharing else 'off'} in "
+            f"{variants[layer, sharing]['compile_s']:.1f} s", flush=True)
+  for i in range(warmup + steps):
+    for v in variants.values():
+      advance(v)
+      if i < warmup:
+        v["times"].pop()
+  return variants
+
+
+def report(variants: dict[tuple[int, bool], dict], cse: bool) -> bool:
+  """Print the table and OFF/ON ratios; return whether D5 held."""
+  print(f"{'layer':>5} {'sharing':>7} {'compile s':>9} {'step ms':>8} "
+        f"{'prefix loops':>12} " + " ".join(
+          f"{k.split('/')[1]:>20}" for k in RECON_TERMS))
+  for layer, sharing in sorted(variants, key=lambda k: (k[0], not k[1])):
+    v = variants[layer, sharing]
+    print(f"{layer:>5} {'on' if sharing else 'off':>7} {v['compile_s']:9.1f} "
+          f"{1e3 * statistics.median(v['times']):8.1f} "
+          f"{v['prefix_loops']:12d} " + " ".join(
+            f"{v['first'][k]:20.8g}" for k in RECON_TERMS))
+  print(f"OFF/ON ratios (XLA CSE {'on' if cse else 'off'}):")
+  print(f"{'layer':>5} {'step':>7} {'reference (GPU)':>15} {'compile':>8} "
+        f"{'max |first-step loss diff|':>26}")
+  ok = True
+  for layer in sorted({layer for layer, _ in variants}):
+    on, off = variants[layer, True], variants[layer, False]
+    ratio = statistics.median(off["times"]) / statistics.median(on["times"])
+    ref = REFERENCE_RATIO.get(layer)
+    diff = max(abs(on["first"][k] - off["first"][k]) for k in RECON_TERMS)
+    ok &= diff <= 2e-5
+    print(f"{layer:>5} {ratio:6.2f}x {f'{ref:.2f}x' if ref else '-':>15} "
+          f"{off['compile_s'] / on['compile_s']:7.2f}x {diff:26.2e}"
+          f"{'' if diff <= 2e-5 else '  FAILED (D5: 2e-5 abs)'}")
+  return ok
+
+
+def without_cse_argv() -> list[str]:
+  """Return the command rerunning this bench with XLA's CSE off."""
+  own = ("steps", "warmup", "layers", "global_batch", "seq_length",
+         "components")
+  return [sys.executable, "-P", __file__, "--noxla_cse",
+          "--nocompare_without_cse", *(
+            flags.FLAGS[name].serialize() for name in own)]
+
+
+def main(argv):
+  del argv
+  # Read before the recipe's flagfile re-parses every flag.
+  steps, warmup = _STEPS.value, max(1, _WARMUP.value)
+  layers = [int(n) for n in _LAYERS.value]
+  cse, compare = _XLA_CSE.value, _COMPARE.value
+  child = without_cse_argv() if compare and cse else None
+  if not cse:
+    # Read when the backend starts, which nothing has done yet.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_disable_hlo_passes=cse").strip()
+  config = recipe(_BATCH.value, _SEQ_LEN.value, _C.value)
+  print(f"machine: {jax.devices()[0].device_kind}; XLA CSE "
+        f"{'on' if cse else 'off'}; {MODEL.n_layers}-layer Llama, d "
+        f"{MODEL.d_model}, d_ff {MODEL.d_ff}, heads {MODEL.n_heads}/"
+        f"{MODEL.n_kv_heads}; one whole block (7 sites), C={config.c}, batch "
+        f"{config.batch_size}x{config.seq_len}; flags/l18.flags recipe "
+        f"(pgd_n_warmup={config.pgd_n_warmup}); median of {steps} "
+        f"interleaved steps after {warmup}", flush=True)
+  ok = report(measure(config, layers, steps, warmup), cse)
+  if child is not None:
+    print("\nThe same without XLA's CSE, which otherwise merges the OFF "
+          "variant's identical prefix scans into one:", flush=True)
+    ok &= subprocess.run(child).returncode == 0
+  sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+  sys.argv[0] = "prefix"
+  app.run(main)
