@@ -13,6 +13,12 @@ share of the state: V/U masters plus their AdamW moments, and CI weights
 plus theirs. It then checks that `zero1` and `owner` divide the optimizer
 state by the fsdp size. `--place` (bin/train's flag) overrides categories of
 every preset.
+
+The CPU compile overstates an accelerator's temp: `--attention=auto`
+resolves to XLA's attention, which materialises fp32 `[b, heads, t, t]`
+probabilities (cuDNN's fused kernel does not), bf16 collectives are staged
+through fp32 copies, and gradient reductions are full-size all-reduces
+rather than reduce-scatters.
 """
 
 import json

@@ -5,6 +5,7 @@ Sites, CI function, loss terms and optimizer settings; no I/O here.
 
 import jax
 
+from decompax.bin import lm_setup
 from decompax.bin.train_flags import TrainConfig
 from decompax.core import adversary, ci_fns, ci_transformer, optim
 from decompax.core import sites as sites_lib
@@ -50,7 +51,16 @@ def step_config(config: TrainConfig) -> train_step.StepConfig:
       lr_schedule(config, config.ci_lr or config.lr),
       weight_decay=config.weight_decay),
     ci_alive_threshold=config.ci_alive_threshold,
+    compute_dtype=compute_dtype(config),
   )
+
+
+def compute_dtype(config: TrainConfig) -> str | None:
+  """Return the step's compute dtype (N4): a language model's
+  --compute_dtype below fp32, else None (toys and fp32 LMs use the masters)."""
+  if lm_setup.is_lm(config) and config.compute_dtype != "float32":
+    return config.compute_dtype
+  return None
 
 
 def ci_config(config: TrainConfig, sites=(), resid_width: int = 0

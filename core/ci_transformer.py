@@ -52,7 +52,8 @@ class TransformerCIConfig:
   `chunks` empty means one chunk per site reading that site's own input.
   `tap_widths` names the width of every tap that is not a site input (a site
   name's tap is that site's `d_in`). `n_kv_heads` None means multi-head
-  attention. `remat` recomputes everything in the backward pass instead of
+  attention. `remat` keeps only each block's input and recomputes the block
+  in the backward pass (one block's activations live at a time) instead of
   keeping the matmul outputs.
   """
 
@@ -198,8 +199,9 @@ def apply_rope(
   """Rotate-half RoPE at positions `0..t−1`."""
   angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq
   angle = jnp.concatenate([angle, angle], axis=-1)[:, None, :]
+  cos, sin = jnp.cos(angle).astype(x.dtype), jnp.sin(angle).astype(x.dtype)
   x1, x2 = jnp.split(x, 2, axis=-1)
-  return x * jnp.cos(angle) + jnp.concatenate([-x2, x1], -1) * jnp.sin(angle)
+  return x * cos + jnp.concatenate([-x2, x1], -1) * sin
 
 
 def reference_attention(
@@ -295,13 +297,15 @@ def _block(
 ) -> Float[Array, "b t d_model"]:
   b, t, _ = h.shape
   hd = config.head_dim
-  x = rms(h)
+  x = rms(h).astype(h.dtype)
   q = apply_rope((x @ p.wq).reshape(b, t, config.n_heads, hd), inv_freq)
   k = apply_rope((x @ p.wk).reshape(b, t, config.kv_heads, hd), inv_freq)
   v = (x @ p.wv).reshape(b, t, config.kv_heads, hd)
   o = attention(q, k, v, config.attention).reshape(b, t, -1)
   h = h + o @ p.wo
-  hidden = jax.nn.gelu(rms(h) @ p.w1 + p.b1, approximate=False)
+  # N3: the nonlinearity in fp32 whatever the compute dtype.
+  pre = (rms(h).astype(h.dtype) @ p.w1 + p.b1).astype(jnp.float32)
+  hidden = jax.nn.gelu(pre, approximate=False).astype(h.dtype)
   return h + hidden @ p.w2 + p.b2
 
 
@@ -311,12 +315,18 @@ def chunk_forward(
   config: TransformerCIConfig,
   inv_freq: Float[Array, " half"],
 ) -> Float[Array, "b t c_sum"]:
-  """Return one chunk's pre-activations from its normalised taps `u`."""
-  h = u @ params.w_in + params.b_in
+  """Return one chunk's pre-activations from its normalised taps `u`,
+  computed in the parameters' dtype (N4: bf16 for LMs; `rms` statistics
+  stay fp32)."""
+  h = u.astype(params.w_in.dtype) @ params.w_in + params.b_in
 
   def body(h, block):
     return _block(h, block, config, inv_freq), None
 
+  if config.remat:
+    # Only the block inputs are kept; the backward recomputes one block at a
+    # time instead of stacking every block's attention and MLP activations.
+    body = jax.checkpoint(body)
   h, _ = lax.scan(body, h, params.blocks)
   return h @ params.w_out + params.b_out
 
@@ -342,10 +352,13 @@ def apply(
   """Return every site's CI pre-activations from its chunk's taps."""
   lead = taps[plan.chunks[0].input_taps[0]].shape[:-1]
   inv_freq = lax.stop_gradient(rope_inv_freq(config.head_dim))
-  policy = (jax.checkpoint_policies.nothing_saveable if config.remat
-            else jax.checkpoint_policies.dots_saveable)
-  forward = jax.checkpoint(
-    lambda p, u: chunk_forward(p, u, config, inv_freq), policy=policy)
+
+  def forward(p, u):
+    return chunk_forward(p, u, config, inv_freq)
+
+  if not config.remat:
+    forward = jax.checkpoint(
+      forward, policy=jax.checkpoint_policies.dots_saveable)
   pre = jax.vmap(forward)(params, chunk_inputs(plan, taps))
   bounds = list(itertools.accumulate(plan.c_slots))[:-1]
   out = {}

@@ -72,14 +72,22 @@ class StepContext(NamedTuple):
   clean_taps: Optional[dict] = None
   # Pins intermediates to the placement table (SPEC §8); identity by default.
   constrain: Constrain = no_constraint
+  # V/U in the step's compute dtype, cast once per step (N4); masked
+  # forwards read these. None: they read `components`.
+  compute_components: Optional[Components] = None
+
+  def operands(self) -> Components:
+    """Return V/U as a masked forward consumes them."""
+    components = (self.components if self.compute_components is None
+                  else self.compute_components)
+    return self.constrain("operands", components)
 
   def masked_forward(self, site_masks) -> Float[Array, "..."]:
     """Run the target with `site_masks` on the step's inputs and components."""
     if self.target.masked_forward_taps is not None:
       return self.masked_forward_with_taps(site_masks, ())[0]
     return self.target.masked_forward(
-      self.weights, self.constrain("operands", self.components), self.inputs,
-      site_masks
+      self.weights, self.operands(), self.inputs, site_masks
     )
 
   def masked_forward_with_taps(
@@ -90,7 +98,7 @@ class StepContext(NamedTuple):
       raise ValueError("this target's masked forward returns no activations; "
                        "drop the hidden-activation terms")
     return self.target.masked_forward_taps(
-      self.weights, self.constrain("operands", self.components), self.inputs,
+      self.weights, self.operands(), self.inputs,
       site_masks, self.clean_taps or {}, wanted)
 
   def lead_shape(self) -> tuple[int, ...]:
@@ -149,6 +157,10 @@ class StepConfig:
   components_opt: optim.AdamWConfig | optim.MuonConfig
   ci_opt: optim.AdamWConfig
   ci_alive_threshold: float = 0.0
+  # SPEC N4 (LMs: "bfloat16"): V/U are cast to this dtype once per step
+  # before any gather, CI parameters and taps before the CI call. None (toys)
+  # computes with the fp32 masters as they are.
+  compute_dtype: Optional[str] = None
 
 
 class TrainStep(NamedTuple):
@@ -202,30 +214,42 @@ def _term_keys(step_key, n):
   return [jax.random.fold_in(step_key, 1 + j) for j in range(n)]
 
 
+def with_prepared(ctx: StepContext, prepared: tuple) -> StepContext:
+  """Return `ctx` reading `prepared`: `(components, ci)`, then the
+  compute-dtype V/U when the step casts them (N4)."""
+  components, ci, *compute = prepared
+  return ctx._replace(components=components, ci=ci,
+                      compute_components=compute[0] if compute else None)
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+  """Return `tree` with its floating-point leaves cast to `dtype`."""
+  return jax.tree.map(
+    lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating)
+    else a, tree)
+
+
 def objective(
-  prepared: tuple[Components, squash.CIOutput],
+  prepared: tuple,
   term_inputs: tuple,
   ctx: StepContext,
   terms: tuple[LossTerm, ...],
   keys: list,
 ) -> tuple[Float[Array, ""], tuple[dict[str, Array], Float[Array, ""], tuple]]:
   """Return the differentiated sum, the raw term values, the coefficiented
-  total and each term's aux."""
-  components, ci = prepared
+  total and each term's aux; `prepared` as `with_prepared` reads it."""
   differentiated = jnp.zeros((), jnp.float32)
   reported = jnp.zeros((), jnp.float32)
   values, auxes = {}, []
   for term, key, inputs in zip(terms, keys, term_inputs):
     coeff = schedules.schedule_value(term.coeff, ctx.step, ctx.total_steps)
     if term.coeff_on_model_side:
-      term_ctx = ctx._replace(
-        components=scale_cotangent(components, coeff),
-        ci=scale_cotangent(ci, coeff))
+      term_ctx = with_prepared(
+        ctx, tuple(scale_cotangent(p, coeff) for p in prepared))
       value, aux = term.fn(term_ctx, key, inputs)
       differentiated = differentiated + value
     else:
-      value, aux = term.fn(ctx._replace(components=components, ci=ci), key,
-                           inputs)
+      value, aux = term.fn(with_prepared(ctx, prepared), key, inputs)
       differentiated = differentiated + coeff * value
     reported = reported + coeff * value
     values[term.name] = value
@@ -296,16 +320,27 @@ def make_train_step(
 
     def prep(theta):
       components, ci_params = theta
-      components = constrain("compute", components)
-      return components, squash.squash(constrain(
-        "ci_activations", ci_fn.apply(ci_params, taps, components)))
+      if config.compute_dtype is None:
+        components = constrain("compute", components)
+        return components, squash.squash(constrain(
+          "ci_activations", ci_fn.apply(ci_params, taps, components)))
+      # N4: cast before the gather to the compute layout; the fp32 masters
+      # stay for faithfulness (N2), the CI is squashed in fp32 (N3).
+      compute = constrain("compute", cast_floats(components,
+                                                 config.compute_dtype))
+      pre = ci_fn.apply(cast_floats(ci_params, config.compute_dtype),
+                        cast_floats(taps, config.compute_dtype), compute)
+      ci = squash.squash(constrain(
+        "ci_activations", cast_floats(pre, jnp.float32)))
+      return components, ci, compute
 
     prepared, prep_vjp = jax.vjp(
       prep, (state.components, state.ci_params))
     frozen = jax.lax.stop_gradient(prepared)
-    ctx = StepContext(state.step, config.total_steps, target, weights, inputs,
-                      clean_output, *frozen, clean_taps=taps,
-                      constrain=constrain)
+    ctx = with_prepared(
+      StepContext(state.step, config.total_steps, target, weights, inputs,
+                  clean_output, *frozen[:2], clean_taps=taps,
+                  constrain=constrain), frozen)
     keys = _term_keys(step_key, len(terms))
     term_states, term_inputs = [], []
     for term, key, term_state in zip(terms, keys, state.term_states):

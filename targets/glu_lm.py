@@ -330,10 +330,14 @@ def forward(
                             if lo <= layer < hi and not (
                               s == "resid" and layer == lo)}))
     is_span = name == "span"
+    # A masked forward differentiates the span and, through its carry, the
+    # frozen tail: without remat each tail layer's attention scores and MLP
+    # activations would stay stacked until the backward. The prefix never
+    # sees a live site, so it has nothing to keep.
     h, ys = _run_segment(
       h, stack, span_extra if is_span else None, lo, hi,
       span_site if is_span else frozen_site, streams, spec, rope,
-      spec.remat and is_span and span_extra is not None)
+      spec.remat and name != "prefix" and span_extra is not None)
     boundary[hi] = h
     stream_values[(lo, hi)] = ys
   taps = {}
