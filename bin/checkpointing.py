@@ -208,8 +208,10 @@ def close(session: Session) -> None:
     signal.signal(signum, handler)
 
 
-def _restore_own(session: Session, template):
+def _restore_own(session: Session, template, shardings):
   items = checkpoint.split_state(template)
+  placed = (dict.fromkeys(items) if shardings is None
+            else checkpoint.split_state(shardings))
 
   def restore(path):
     metadata = checkpoint.item_metadata(path, checkpoint.DECOMPOSITION)
@@ -217,7 +219,7 @@ def _restore_own(session: Session, template):
     if mismatch:
       raise checkpoint.CheckpointError(
         f"checkpoint {path} belongs to another run: {mismatch}")
-    return {name: checkpoint.restore_item(path, name, tree)
+    return {name: checkpoint.restore_item(path, name, tree, placed[name])
             for name, tree in items.items()}
 
   found = checkpoint.restore_latest(session.directory, restore, _say)
@@ -230,30 +232,35 @@ def _restore_own(session: Session, template):
   return step, checkpoint.join_state(template, restored)
 
 
-def _restore_parent(session: Session, template, reinit):
+def _restore_parent(session: Session, template, reinit, shardings):
   path = parent_step_dir(session.config.init_from)
+  name = checkpoint.DECOMPOSITION
   item = checkpoint.restore_item(
-    path, checkpoint.DECOMPOSITION,
-    checkpoint.split_state(template)[checkpoint.DECOMPOSITION])
+    path, name, checkpoint.split_state(template)[name],
+    None if shardings is None else checkpoint.split_state(shardings)[name])
   _say(f"fine-tuning from the decomposition of {path}")
   return 0, reinit(item["components"], item["ci_params"])
 
 
 def restorer(session: Session) -> Callable | None:
-  """Return `restore(template, reinit) -> state` for build_run, or None.
+  """Return `restore(template, reinit, shardings) -> state` for build_run,
+  or None.
 
   None means a fresh run (warmup, then label 0). `reinit(components,
   ci_params)` builds a fresh state around a restored decomposition.
+  `shardings` (a state of `NamedSharding`s, or None: the template's own
+  devices) is where each leaf is read to, shard by shard, so a placed run
+  never holds a whole copy of its state on one device.
   """
   if session.mode == "fresh":
     _truncate_metrics(session, 0)
     return None
 
-  def restore(template, reinit):
+  def restore(template, reinit, shardings=None):
     if session.mode == "resume":
-      step, state = _restore_own(session, template)
+      step, state = _restore_own(session, template, shardings)
     else:
-      step, state = _restore_parent(session, template, reinit)
+      step, state = _restore_parent(session, template, reinit, shardings)
     _truncate_metrics(session, step)
     return state
 

@@ -3,7 +3,9 @@
 `config_from_flags` validates the placement flags up front; `start` runs
 before JAX touches a device (simulated CPU devices, compilation cache,
 `jax.distributed`); `make_placement` builds the mesh over every device of
-every process and checks it; `place_run` rebuilds a run's step with the
+every process and checks it; `check_layouts` refuses `--place` layouts
+that do not tile the run's arrays and reports where the preset's do not
+(before anything is written); `place_run` rebuilds a run's step with the
 table's shardings and moves its state and weights onto the mesh. Only
 process 0 writes files (`is_writer`).
 """
@@ -190,6 +192,56 @@ def make_placement(
                    compiler_options(config.compiler))
 
 
+def fallback_lines(
+  found: tuple[shardings.Fallback, ...], sizes: dict[str, int]
+) -> list[str]:
+  """Return one `[placement]` line per category with preset fallbacks."""
+  by_category: dict[str, list[shardings.Fallback]] = {}
+  for fallback in found:
+    by_category.setdefault(fallback.category, []).append(fallback)
+  lines = []
+  for category, group in by_category.items():
+    leaves = list(dict.fromkeys(f.leaf for f in group))
+    meshes = dict.fromkeys(table_lib.mesh_text(f.shortfall.wanted, sizes)
+                           for f in group)
+    first = group[0]
+    shape = ",".join(map(str, first.shape))
+    lines.append(
+      f"[placement] {category}: {len(leaves)} "
+      f"lea{'f keeps' if len(leaves) == 1 else 'ves keep'} dims replicated "
+      f"that do not tile {' or '.join(meshes)} (e.g. {first.leaf} [{shape}])")
+  return lines
+
+
+def check_layouts(
+  placement: Placement, state: train_step.TrainState, weights: Any,
+  lead_shape: tuple[int, ...], frozen_stacks: Any = None,
+) -> list[str]:
+  """Return the startup report of the preset's fallbacks (`fallback_lines`).
+
+  `state`, `weights` and `frozen_stacks` may be abstract. Raises ValueError
+  (one line) when a `--place` layout does not tile, before anything is
+  placed or compiled.
+  """
+  sizes = dict(placement.mesh.shape)
+  return fallback_lines(
+    shardings.fallbacks(placement.table, sizes, state, weights, lead_shape,
+                        frozen_stacks), sizes)
+
+
+def state_shardings(
+  placement: Placement | None, state: train_step.TrainState,
+  lead_shape: tuple[int, ...],
+) -> train_step.TrainState | None:
+  """Return the `NamedSharding` of every state leaf (None: unplaced), so a
+  checkpoint restores each leaf straight into its place."""
+  if placement is None:
+    return None
+  mesh, table, _ = placement
+  return shardings.named(mesh, shardings.state_specs(
+    table, state, lead_shape, dict(mesh.shape)))
+
+
 class PlacedRun(NamedTuple):
   """A run's step rebuilt for the mesh, its state and weights on it, the
   batch sampler pinned to the batch layout and the step's `constrain` hook
@@ -200,6 +252,8 @@ class PlacedRun(NamedTuple):
   weights: Any
   sample_inputs: Callable[[jax.Array], Any]
   constrain: train_step.Constrain
+  # Where a host-read batch goes (None for steps that sample inside).
+  inputs_sharding: Any = None
 
 
 def place_run(
@@ -209,19 +263,23 @@ def place_run(
   weights: Any,
   lead_shape: tuple[int, ...],
   sample_inputs: Callable[[jax.Array], Any],
+  inputs: Any = None,
 ) -> PlacedRun:
   """Return the run placed on the mesh (see `PlacedRun`).
 
-  `make_step(shardings=, constrain=)` builds the run's step (a data-key
-  step: its batch is sampled inside, each device drawing its own slice).
+  `make_step(shardings=, constrain=)` builds the run's step: a data-key
+  step (its batch is sampled inside, each device drawing its own slice),
+  or, given `inputs` (a batch or its shapes), a step taking host batches.
   Raises ValueError when the batch does not split over its mesh axes.
+  State leaves already placed (restored from a checkpoint) stay put.
   """
   mesh, table, _ = placement
   step_shardings = shardings.step_shardings(table, mesh, state, weights,
-                                            lead_shape)
+                                            lead_shape, inputs)
   constrain = shardings.make_constrain(table, mesh, lead_shape)
   return PlacedRun(
     make_step(shardings=step_shardings, constrain=constrain),
     transfer.put(state, step_shardings.state),
     transfer.put(weights, step_shardings.weights),
-    shardings.constrained_sampler(sample_inputs, constrain), constrain)
+    shardings.constrained_sampler(sample_inputs, constrain), constrain,
+    None if inputs is None else step_shardings.inputs)

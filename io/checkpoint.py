@@ -119,7 +119,8 @@ def _write_item(root: str, item: str, tree: PyTree, metadata: Mapping) -> None:
     stores = [tensor_store.created(f, p) for f, p in zip(pending, paths)]
   _sync(f"checkpoint-create-{root}-{item}")
   if not _primary():
-    stores = [tensor_store.opened(tensor_store.start_open(p, ctx), p)
+    stores = [tensor_store.opened(tensor_store.start_open(p, ctx), p,
+                                  complete=False)
               for p in paths]
   futures = []
   for store, array in zip(stores, arrays):
@@ -309,15 +310,17 @@ def _open_all(path: Path, item: str, keys: list[str], stored: dict
   return stores
 
 
-def _finish_leaf(store, pending, entry: dict, leaf: Any, sharding):
+def _finish_leaf(pending, entry: dict, leaf: Any):
+  array = tensor_store.finish_read(pending)
   if not entry.get("key"):
-    return tensor_store.finish_read(pending)
-  key = jax.random.wrap_key_data(tensor_store.read_host(store),
-                                 impl=entry.get("key_impl"))
+    return array
+  # Key data read with the key's sharding (its trailing axis whole) gives
+  # the key that sharding, on every process's own devices.
+  key = jax.random.wrap_key_data(array, impl=entry.get("key_impl"))
   if key.dtype != leaf.dtype:
     raise tensor_store.StoreError(
       f"key of type {key.dtype}, this run expects {leaf.dtype}")
-  return jax.device_put(key, sharding)
+  return key
 
 
 def restore_item(
@@ -340,15 +343,12 @@ def restore_item(
   placements = [_placement(leaf, given) for leaf, given in zip(
     leaves, _shardings(template, shardings, len(leaves)))]
   stores = _open_all(path, item, keys, stored)
-  reads = [None if stored[k].get("key") else
-           tensor_store.start_read(store, sharding)
-           for k, store, sharding in zip(keys, stores, placements)]
+  reads = [tensor_store.start_read(store, sharding)
+           for store, sharding in zip(stores, placements)]
   restored = []
-  for key, store, pending, leaf, sharding in zip(keys, stores, reads, leaves,
-                                                 placements):
+  for key, pending, leaf in zip(keys, reads, leaves):
     try:
-      restored.append(_finish_leaf(store, pending, stored[key], leaf,
-                                   sharding))
+      restored.append(_finish_leaf(pending, stored[key], leaf))
     except tensor_store.StoreError as e:
       raise DamagedCheckpoint(f"{where}: {key}: {e}") from None
   treedef = jax.tree_util.tree_structure(template)

@@ -39,7 +39,8 @@ FIGURE_CAPTIONS = {
 _SKIPPED_FIGURES = ("losses.png",)
 # Headline columns: mask variants in order, then per-site metrics.
 RECON_ORDER = tuple(f"recon/{v}" for v in (
-  "ci_masked", "stochastic", "rounded", "unmasked", "random", "zero"))
+  "ci_masked", "stochastic", "pgd", "rounded", "unmasked", "random",
+  "zero"))
 SITE_COLUMNS = (
   ("ci_l0", "CI-L0"), ("alive", "alive"),
   ("identity_ci_error", "identity CI error"),
@@ -204,10 +205,21 @@ def _figure(src: str, caption: str) -> str:
           "</figcaption></figure>")
 
 
+# Whitespace a token may hold, drawn visibly (after HTML escaping).
+_VISIBLE_WHITESPACE = (
+  (" ", "&middot;"), ("\t", "&rarr;"), ("\r", "&#x240D;"), ("\n", "&crarr;"))
+
+
+def _visible(text: str) -> str:
+  for char, sign in _VISIBLE_WHITESPACE:
+    text = text.replace(char, sign)
+  return text
+
+
 def _context_html(context: Context) -> str:
   words = []
   for i, word in enumerate(context.tokens):
-    text = _esc(word).replace(" ", "&middot;").replace("\n", "&crarr;")
+    text = _visible(_esc(word))
     words.append(f"<mark>{text}</mark>" if i == context.focus else text)
   return (f"<div class=ctx><span class=ci>{context.ci:.2f}</span> "
           f"<code>{''.join(words)}</code></div>")

@@ -120,13 +120,16 @@ def start_open(path: str, ctx: ts.Context, shape=None, dtype=None):
   return ts.open(spec, open=True, context=ctx, **constraints)
 
 
-def opened(future, path: str) -> ts.TensorStore:
-  """Return the array `future` opened, with every shard file present.
+def opened(future, path: str, complete: bool = True) -> ts.TensorStore:
+  """Return the array `future` opened, with every shard file present unless
+  not `complete` (an array another process just created, to write into).
 
   Raises StoreError when its metadata disagrees with the requested shape or
   dtype, or a shard file is missing.
   """
   store = _result(future, "")
+  if not complete:
+    return store
   # A rank-0 array reports no chunk shape.
   shard_shape = tuple(store.chunk_layout.write_chunk.shape or ())
   for key in _expected_chunk_keys(tuple(store.shape), shard_shape):
@@ -169,11 +172,6 @@ def _expected_chunk_keys(shape, shard_shape) -> list[str]:
 
 def _normalize(index: Index, shape) -> tuple[tuple[int, int], ...]:
   return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-
-
-def read_host(store: ts.TensorStore) -> np.ndarray:
-  """Return the whole array on the host."""
-  return np.asarray(_result(store.read(), ""))
 
 
 class PendingRead(NamedTuple):

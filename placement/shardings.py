@@ -16,16 +16,22 @@ in its tree:
   lead dims are `batch`/`seq` and follow the `inputs` layout, the channel
   axis is `c` under `adversary`; other term-state leaves are replicated.
 - CI weights and frozen weights carry no names: every dimension is `largest`.
+
+`fallbacks` lists, before anything is placed, every dimension a preset's
+layout leaves (partly) replicated because it does not tile its mesh axes;
+an authored (`--place`) layout raises ValueError there instead.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from decompax.core.optim import MuonState
 from decompax.core.train_step import StepShardings, TrainState
-from decompax.placement.table import Layout, PlacementTable, partition_spec
+from decompax.placement.table import Layout, PlacementTable, Shortfall
+from decompax.placement.table import partition_spec, resolve
 
 COMPONENT_ROLES = ("optimizer", "compute", "operands", "faithfulness", "muon")
 BATCH_ROLES = {"inputs": "feature", "activations": "feature",
@@ -73,12 +79,20 @@ def source_axes(
                for name, d, n in zip(names, leaf.shape, lead_shape)) + ("c",)
 
 
-def _specs(tree, layout: Layout, axes_fn, sizes) -> Any:
+def path_text(path, prefix: str = "") -> str:
+  """Return a tree path as `components/linear1/v` (for messages)."""
+  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+           for k in path]
+  return "/".join([prefix, *names] if prefix else names)
+
+
+def _specs(tree, layout: Layout, axes_fn, sizes, prefix: str = "") -> Any:
   def one(path, leaf):
     axes = axes_fn(path, leaf)
     if axes is None:
       return PartitionSpec()
-    return partition_spec(layout, axes, tuple(leaf.shape), sizes)
+    return partition_spec(layout, axes, tuple(leaf.shape), sizes,
+                          path_text(path, prefix))
 
   return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -107,13 +121,15 @@ def state_specs(
   optimizer = table.layout("optimizer")
   ci = table.layout("ci_weights")
   return TrainState(
-    components=_specs(state.components, optimizer, component_axes, sizes),
-    ci_params=_specs(state.ci_params, ci, _largest, sizes),
+    components=_specs(state.components, optimizer, component_axes, sizes,
+                      "components"),
+    ci_params=_specs(state.ci_params, ci, _largest, sizes, "ci_params"),
     components_opt=_specs(state.components_opt, optimizer, component_axes,
-                          sizes),
-    ci_opt=_specs(state.ci_opt, ci, _largest, sizes),
+                          sizes, "components_opt"),
+    ci_opt=_specs(state.ci_opt, ci, _largest, sizes, "ci_opt"),
     term_states=_specs(state.term_states, source_layout(table),
-                       lambda p, x: source_axes(x, lead_shape), sizes),
+                       lambda p, x: source_axes(x, lead_shape), sizes,
+                       "term_states"),
     step=PartitionSpec(),
     rng=PartitionSpec(),
   )
@@ -123,7 +139,7 @@ def weights_specs(
   table: PlacementTable, weights: Any, sizes: dict[str, int]
 ) -> Any:
   """Return the frozen weights' specs (largest tiling dimension)."""
-  return _specs(weights, table.layout("frozen"), _largest, sizes)
+  return _specs(weights, table.layout("frozen"), _largest, sizes, "weights")
 
 
 def batch_specs(
@@ -187,12 +203,98 @@ def make_constrain(
       axes = axes_of(role, path, leaf)
       if axes is None:
         return leaf
-      spec = partition_spec(layout, axes, tuple(leaf.shape), sizes)
+      spec = partition_spec(layout, axes, tuple(leaf.shape), sizes,
+                            path_text(path, role))
       return jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
   return constrain
+
+
+class Fallback(NamedTuple):
+  """A leaf whose preset layout leaves a dimension (partly) replicated."""
+
+  category: str
+  leaf: str
+  shape: tuple[int, ...]
+  shortfall: Shortfall
+
+
+def _ci_activation_shapes(components: Any, lead_shape: tuple[int, ...]):
+  # `[*lead, C]` per kind: the CI activations' shapes, C from each V.
+  found = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(components)[0]:
+    if _last_name(path) == "v" and leaf.ndim == 3:
+      found[path_text(path[:-1])] = jax.ShapeDtypeStruct(
+        (*lead_shape, leaf.shape[-1]), leaf.dtype)
+  return found
+
+
+def _uses_muon(components_opt: Any) -> bool:
+  return any(isinstance(x, MuonState) for x in jax.tree.leaves(
+    components_opt, is_leaf=lambda x: isinstance(x, MuonState)))
+
+
+def _resolved_trees(
+  table: PlacementTable, state: TrainState, weights: Any,
+  lead_shape: tuple[int, ...], frozen_stacks: Any,
+) -> list:
+  # (category, layout, tree, axes_fn, prefix) of every tree whose shapes
+  # are known before the step is traced.
+  batch_led = lambda p, x: batch_axes(x, lead_shape, "c")  # noqa: E731
+  sources = lambda p, x: source_axes(x, lead_shape)  # noqa: E731
+  found = [
+    ("optimizer", table.layout("optimizer"), state.components,
+     component_axes, "components"),
+    ("optimizer", table.layout("optimizer"), state.components_opt,
+     component_axes, "components_opt"),
+    ("ci_weights", table.layout("ci_weights"), state.ci_params, _largest,
+     "ci_params"),
+    ("ci_weights", table.layout("ci_weights"), state.ci_opt, _largest,
+     "ci_opt"),
+    ("adversary", source_layout(table), state.term_states, sources,
+     "term_states"),
+    ("frozen", table.layout("frozen"), weights, _largest, "weights"),
+  ]
+  roles = ["compute", "operands", "faithfulness"]
+  if _uses_muon(state.components_opt):
+    roles.append("muon")
+  for role in roles:
+    found.append((role, table.layout(role), state.components, component_axes,
+                  "components"))
+  if frozen_stacks is not None:
+    found.append(("faithfulness", table.layout("faithfulness"),
+                  frozen_stacks, component_axes, "frozen_stacks"))
+  found.append(("ci_activations", table.layout("ci_activations"),
+                _ci_activation_shapes(state.components, lead_shape),
+                batch_led, "ci"))
+  return found
+
+
+def fallbacks(
+  table: PlacementTable, sizes: dict[str, int], state: TrainState,
+  weights: Any, lead_shape: tuple[int, ...], frozen_stacks: Any = None,
+) -> tuple[Fallback, ...]:
+  """Return every dimension a preset's layout leaves (partly) replicated.
+
+  Covers the state, the frozen weights (and `frozen_stacks`, as the
+  faithfulness loss sees them) and the CI activations, under every
+  category whose trees these are; works on abstract trees. Raises
+  ValueError (one line) where an authored layout does not tile.
+  """
+  found = []
+  for category, layout, tree, axes_fn, prefix in _resolved_trees(
+      table, state, weights, lead_shape, frozen_stacks):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      axes = axes_fn(path, leaf)
+      if axes is None:
+        continue
+      shape, name = tuple(leaf.shape), path_text(path, prefix)
+      partition_spec(layout, axes, shape, sizes, name)  # authored: raises
+      found += [Fallback(category, name, shape, short)
+                for short in resolve(layout, axes, shape, sizes).shortfalls]
+  return tuple(found)
 
 
 def constrained_sampler(

@@ -12,15 +12,18 @@ replace single categories, each by a named layout (`LAYOUTS`) or by explicit
 rules `axis=mesh+mesh;axis=mesh`.
 
 Resolution is per leaf, dimension by dimension: a mesh axis serves at most
-one dimension of a leaf (the first that asks for it), axes of size 1 are
-dropped, and when a dimension does not tile its trailing mesh axes are
-dropped until it does. The batch axis never falls back: a batch that does not
-split over its mesh axes is a configuration error.
+one dimension of a leaf (the first that asks for it) and axes of size 1 are
+dropped. When a dimension does not tile its mesh axes, a preset's layout
+drops trailing mesh axes until it does (the dimension stays partly
+replicated; `resolve` returns these `Shortfall`s so that callers can report
+them), while a layout the user authored (`--place`) and the batch axis never
+fall back: there a dimension that does not tile is a configuration error.
 """
 
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from jax.sharding import PartitionSpec
 
@@ -51,9 +54,14 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Semantic axis -> mesh axes, in the order they split the dimension."""
+  """Semantic axis -> mesh axes, in the order they split the dimension.
+
+  `authored` is the `--place` entry that wrote the layout (empty for a
+  preset's): an authored layout is strict, it never falls back.
+  """
 
   rules: Rules = ()
+  authored: str = ""
 
   def mesh_axes(self, axis: str | None) -> tuple[str, ...]:
     """Return the mesh axes that shard `axis` (empty: replicated)."""
@@ -166,8 +174,37 @@ def make_table(preset: str, overrides: tuple[str, ...] = ()) -> PlacementTable:
     if category not in CATEGORIES:
       raise ValueError(f"--place names unknown category {category!r}; use "
                        f"one of {', '.join(CATEGORIES)}")
-    layouts[category] = parse_layout(text)
+    layouts[category] = dataclasses.replace(
+      parse_layout(text), authored=f"{category}:{text.strip()}")
   return PlacementTable(preset, tuple(layouts.items()))
+
+
+class Shortfall(NamedTuple):
+  """A dimension that does not tile every mesh axis its layout names, where
+  no other dimension of the leaf takes the axes it leaves.
+
+  `axis` is its semantic axis, or `largest` for a leaf of which no
+  dimension tiles them all (`size`: the dimension that took the most, else
+  the largest); `kept` is the part of `wanted` it does tile, the rest
+  replicates.
+  """
+
+  axis: str
+  size: int
+  wanted: tuple[str, ...]
+  kept: tuple[str, ...]
+
+
+class Resolved(NamedTuple):
+  """A leaf's spec and the dimensions that fell back to get it."""
+
+  spec: PartitionSpec
+  shortfalls: tuple[Shortfall, ...]
+
+
+def mesh_text(mesh_axes: tuple[str, ...], sizes: Mapping[str, int]) -> str:
+  """Return `fsdp=8` or `tp+replicate=4`: mesh axes and their product."""
+  return f"{'+'.join(mesh_axes)}={math.prod(sizes[a] for a in mesh_axes)}"
 
 
 def _tiling(
@@ -185,41 +222,39 @@ def _entry(mesh_axes: list[str]):
   return mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes)
 
 
-def partition_spec(
+def resolve(
   layout: Layout,
   axes: tuple[str | None, ...],
   shape: tuple[int, ...],
   sizes: Mapping[str, int],
-) -> PartitionSpec:
-  """Return the spec of one leaf with semantic `axes` under `layout`.
+) -> Resolved:
+  """Return the spec of one leaf with semantic `axes` under `layout`, with
+  the dimensions that do not tile their mesh axes (never raises for them).
 
-  `sizes` maps mesh axis -> size. Raises ValueError when a strict axis
-  (the batch) does not split over its mesh axes.
+  `sizes` maps mesh axis -> size.
   """
   if len(axes) != len(shape):
     raise ValueError(f"axes {axes} do not match shape {shape}")
   if "largest" in axes:
-    return _largest_spec(layout, shape, sizes)
+    return _largest(layout, shape, sizes)
   used: set[str] = set()
-  parts = []
+  parts, shortfalls = [], []
   for axis, size in zip(axes, shape):
     wanted = [a for a in layout.mesh_axes(axis)
               if a not in used and sizes.get(a, 1) > 1]
     tiled = _tiling(size, wanted, sizes)
-    if axis in STRICT_AXES and tiled != wanted:
-      devices = math.prod(sizes[a] for a in wanted)
-      raise ValueError(
-        f"the {axis} axis of size {size} does not split over the "
-        f"{devices} devices of mesh axes {'x'.join(wanted)}; choose a size "
-        f"divisible by {devices}")
+    if tiled != wanted:
+      shortfalls.append(Shortfall(axis, size, tuple(wanted), tuple(tiled)))
     used.update(tiled)
     parts.append(_entry(tiled))
-  return PartitionSpec(*parts)
+  # A mesh axis one dimension could not take, a later one may have taken.
+  return Resolved(PartitionSpec(*parts), tuple(
+    s for s in shortfalls if set(s.wanted) - set(s.kept) - used))
 
 
-def _largest_spec(
+def _largest(
   layout: Layout, shape: tuple[int, ...], sizes: Mapping[str, int]
-) -> PartitionSpec:
+) -> Resolved:
   # Shards the largest dimension that tiles, with as many of the rule's
   # mesh axes as it can take (FSDP-style placement of unannotated leaves).
   wanted = [a for a in layout.mesh_axes("largest") if sizes.get(a, 1) > 1]
@@ -232,4 +267,49 @@ def _largest_spec(
       best = (shards, dim, tiled)
   if best is not None:
     parts[best[1]] = _entry(best[2])
-  return PartitionSpec(*parts)
+  kept = best[2] if best is not None else []
+  shortfalls = ()
+  if shape and kept != wanted:
+    size = shape[best[1]] if best is not None else max(shape)
+    shortfalls = (Shortfall("largest", size, tuple(wanted), tuple(kept)),)
+  return Resolved(PartitionSpec(*parts), shortfalls)
+
+
+def _refusal(layout: Layout, leaf: str, shape: tuple[int, ...],
+             short: Shortfall, sizes: Mapping[str, int]) -> str:
+  mesh = mesh_text(short.wanted, sizes)
+  if not layout.authored:  # the batch axis of a preset
+    devices = math.prod(sizes[a] for a in short.wanted)
+    return (f"the {short.axis} axis of size {short.size} does not split "
+            f"over the {devices} devices of mesh axes "
+            f"{'x'.join(short.wanted)}; choose a size divisible by {devices}")
+  category = layout.authored.partition(":")[0]
+  product = "*".join(short.wanted)
+  if short.axis == "largest":
+    what = f"no dimension that tiles {mesh}"
+    fix = f"{product} divides one of its dimensions"
+  else:
+    what = f"{short.axis} of size {short.size}, which does not tile {mesh}"
+    fix = f"{product} divides {short.size}"
+  return (f"--place={layout.authored}: {leaf or 'a leaf'} "
+          f"[{','.join(map(str, shape))}] has {what}; choose mesh sizes so "
+          f"that {fix}, or another layout for {category}")
+
+
+def partition_spec(
+  layout: Layout,
+  axes: tuple[str | None, ...],
+  shape: tuple[int, ...],
+  sizes: Mapping[str, int],
+  leaf: str = "",
+) -> PartitionSpec:
+  """Return the spec of one leaf (`leaf`: its name, for errors).
+
+  Raises ValueError (one line) when a dimension does not tile its mesh axes
+  under an authored layout, or a batch axis does not split.
+  """
+  resolved = resolve(layout, axes, tuple(shape), sizes)
+  for short in resolved.shortfalls:
+    if layout.authored or short.axis in STRICT_AXES:
+      raise ValueError(_refusal(layout, leaf, tuple(shape), short, sizes))
+  return resolved.spec

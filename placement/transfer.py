@@ -15,6 +15,9 @@ from jax.experimental import multihost_utils
 
 
 def _put_leaf(leaf, sharding):
+  if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(
+      sharding, leaf.ndim):
+    return leaf  # already placed (a restored checkpoint): no host copy
   if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     data = _put_leaf(jax.random.key_data(leaf), sharding)
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
@@ -27,7 +30,8 @@ def put(tree: Any, shardings: Any) -> Any:
   """Return `tree` laid out by `shardings` (a matching tree).
 
   Every process must hold the same host values (they derive from the seed),
-  and each supplies only its own devices' shards.
+  and each supplies only its own devices' shards. Leaves already laid out
+  by their sharding are kept as they are.
   """
   return jax.tree.map(_put_leaf, tree, shardings)
 

@@ -9,7 +9,9 @@ import jax
 import pytest
 from absl import flags
 
-from decompax.bin import placement_setup
+from decompax.bin import placement_setup, train, train_flags
+from decompax.io import run_dir
+from decompax.targets import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -113,3 +115,59 @@ def test_binary_reports_a_bad_mesh_in_one_line(tmp_path):
   assert len(lines) == 1 and lines[0].startswith("train: error:")
   assert "spans 2 devices but 1 are present" in lines[0]
   assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def tms_target(tmp_path_factory):
+  """An untrained TMS 5-2 saved as a cached target (placement ignores the
+  weights' values)."""
+  toy = registry.get("tms_5-2")
+  path = tmp_path_factory.mktemp("target") / "target.npz"
+  run_dir.save_arrays(str(path),
+                      toy.weights_to_arrays(toy.init(jax.random.key(0))),
+                      {"target": toy.name, "target_seed": toy.default_seed})
+  return path
+
+
+def _setup_args(parse, tms_target, out, *args):
+  placement_config = parse(f"--target_path={tms_target}",
+                           f"--output_dir={out}", "--batch_size=64", *args)
+  config = train_flags.config_from_flags()
+  return config, placement_setup.make_placement(placement_config, (64,))
+
+
+def test_an_authored_layout_that_does_not_tile_fails_before_any_write(
+    parse, tms_target, tmp_path):
+  out = tmp_path / "run"
+  config, placement = _setup_args(parse, tms_target, out, "--placement=zero1",
+                                  "--place=optimizer:d_in=fsdp")
+  with pytest.raises(ValueError) as info:
+    train.setup(config, placement)
+  assert str(info.value).startswith(
+    "--place=optimizer:d_in=fsdp: components/linear1/v [1,5,")
+  assert "d_in of size 5, which does not tile fsdp=8" in str(info.value)
+  assert "\n" not in str(info.value)
+  assert not out.exists()
+
+
+def _report(capsys) -> list[str]:
+  return [line for line in capsys.readouterr().out.splitlines()
+          if line.startswith("[placement]")]
+
+
+def test_setup_reports_preset_fallbacks_once_per_category(
+    parse, tms_target, tmp_path, capsys):
+  # TMS dims (5, 2) tile no 8-way fsdp: zero1 keeps them replicated.
+  config, placement = _setup_args(parse, tms_target, tmp_path / "zero1",
+                                  "--placement=zero1")
+  train.setup(config, placement)
+  lines = _report(capsys)
+  categories = [line.split(":")[0] for line in lines]
+  assert len(set(categories)) == len(categories)
+  assert any(line.startswith("[placement] optimizer: ")
+             and "do not tile fsdp=8 (e.g. components/linear1/v [1,5," in line
+             for line in lines), lines
+  # Nothing shards under ddp except the batch, which tiles: no report.
+  config, placement = _setup_args(parse, tms_target, tmp_path / "ddp")
+  train.setup(config, placement)
+  assert _report(capsys) == []

@@ -23,9 +23,12 @@ import jax
 import pytest
 from absl import flags
 
-from decompax.bin import checkpointing, recipe, run_records, train
-from decompax.bin import train_flags
+from decompax.bin import checkpointing, placement_setup, recipe, run_records
+from decompax.bin import train, train_flags
 from decompax.io import checkpoint, load_decomposition, run_dir
+from decompax.placement import mesh as mesh_lib
+from decompax.placement import shardings
+from decompax.placement import table as table_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS, SAVE_EVERY = 8, 4
@@ -432,3 +435,76 @@ def test_overwrite_removes_every_entry_checkpointing_writes():
   written = (checkpoint.CHECKPOINT_DIR, checkpointing.NONE_MARKER,
              run_records.RUN_INFO_FILE, run_records.PROFILE_DIR)
   assert set(written) <= set(run_dir.RUN_ENTRIES)
+
+
+def test_a_placed_resume_reads_each_leaf_into_its_shards(
+    straight, tmp_path, monkeypatch, assert_bitwise_equal):
+  """The restore is handed the zero1 shardings of a 2x2x2 mesh and its
+  arrays are the placed state itself: no leaf passes through one device."""
+  out, _ = _resumable_copy(straight, tmp_path)
+  config = dataclasses.replace(straight.config, output_dir=str(out))
+  table = table_lib.make_table("zero1")
+  mesh = placement_setup.build_mesh(mesh_lib.MeshShape(2, 2, 2))
+  handed, restored = [], []
+  restore_item = checkpoint.restore_item
+
+  def spy(path, item, template, shardings=None):
+    handed.append(shardings)
+    restored.append(restore_item(path, item, template, shardings))
+    return restored[-1]
+
+  monkeypatch.setattr(checkpoint, "restore_item", spy)
+  session = _session(config, straight.target)
+  try:
+    placed = train.build_run(config, straight.toy, straight.target,
+                             straight.weights,
+                             checkpointing.restorer(session),
+                             placement_setup.Placement(mesh, table))
+  finally:
+    checkpointing.close(session)
+  monkeypatch.undo()
+  want = shardings.named(mesh, shardings.state_specs(
+    table, placed.state, (config.batch_size,), dict(mesh.shape)))
+  items = checkpoint.split_state(want)
+  assert handed == [items[checkpoint.DECOMPOSITION],
+                    items[checkpoint.TRAINING]]
+  for leaf, sharding in zip(jax.tree.leaves(placed.state),
+                            jax.tree.leaves(want)):
+    assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+  # place_run kept the restored arrays rather than copying them again.
+  assert {id(x) for x in jax.tree.leaves(placed.state)} <= {
+    id(x) for x in jax.tree.leaves(restored)}
+  assert not placed.state.components["linear1"].v.sharding.is_fully_replicated
+  session = _session(config, straight.target)
+  try:
+    plain = train.build_run(config, straight.toy, straight.target,
+                            straight.weights, checkpointing.restorer(session))
+  finally:
+    checkpointing.close(session)
+  assert int(jax.device_get(plain.state.step)) == SAVE_EVERY
+  assert_bitwise_equal(placed.state, plain.state)
+
+
+def test_a_placed_init_from_reads_the_parent_into_its_shards(
+    straight, tmp_path, assert_bitwise_equal):  # I38
+  config = dataclasses.replace(
+    straight.config, output_dir=str(tmp_path / "ft"),
+    init_from=os.path.join(straight.output_dir, str(SAVE_EVERY)))
+  mesh = placement_setup.build_mesh(mesh_lib.MeshShape(2, 2, 2))
+  table = table_lib.make_table("zero1")
+  session = _session(config, straight.target)
+  try:
+    run = train.build_run(config, straight.toy, straight.target,
+                          straight.weights, checkpointing.restorer(session),
+                          placement_setup.Placement(mesh, table))
+  finally:
+    checkpointing.close(session)
+  want = shardings.named(mesh, shardings.state_specs(
+    table, run.state, (config.batch_size,), dict(mesh.shape)))
+  for leaf, sharding in zip(jax.tree.leaves(run.state),
+                            jax.tree.leaves(want)):
+    assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+  loaded = load_decomposition(checkpoint.step_path(
+    checkpointing.checkpoint_dir(straight.output_dir), SAVE_EVERY))
+  assert_bitwise_equal(run.state.components, loaded.components)
+  assert int(jax.device_get(run.state.step)) == 0

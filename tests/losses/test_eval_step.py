@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import ci_fns, optim, sites as sites_lib, train_step
+from decompax.core import ci_fns, optim, sites as sites_lib, squash
+from decompax.core import train_step
 from decompax.core.schedules import Schedule
-from decompax.losses import eval_step, evals, recon, terms
+from decompax.losses import adversarial, eval_step, evals, recon, terms
 from decompax.targets import sparse_data, toy_sites
 
 N = 5
@@ -94,7 +95,9 @@ def test_perfect_decomposition_has_zero_identity_error_and_recon(perfect):
   for site in ("l0", "l1"):
     assert s[f"identity_ci_error/{site}"] == 0
     np.testing.assert_array_equal(summary.probe[site] > 0.5, np.eye(N))
-  for variant in ("ci_masked", "unmasked", "rounded", "stochastic"):
+  # The PGD probe too: masks ci + (1 − ci)·S keep every active component
+  # whole whatever S, and inactive ones contribute nothing (SPEC §5.7).
+  for variant in ("ci_masked", "unmasked", "rounded", "stochastic", "pgd"):
     assert s[f"recon/{variant}"] < 1e-12, variant
   for variant in evals.VARIANTS:
     assert s["recon/zero"] >= s[f"recon/{variant}"]
@@ -204,3 +207,95 @@ def test_token_target_position_ci_is_the_batch_mean(token_eval):
   ci = np.stack([ci_of(b) for b in batches])
   np.testing.assert_allclose(summary.arrays["position_ci"]["mix"],
                              ci.mean(axis=(0, 1)), rtol=1e-5, atol=1e-7)
+
+
+# The fresh-PGD eval probe (SPEC §5.7) on the diagonal chain with CI 0
+# everywhere: masks are the sources themselves, so the output is
+# `s0·s1·w0·w1·x` per feature (x >= 0) and the MSE is
+# `mean(((1 − s0·s1)·w0·w1·x)²)`. Every ascent lowers both sources (the
+# gradient is <= 0), so enough steps reach S = 0, the zero ablation.
+
+
+def _zero_ci_fn(sites):
+  def apply(params, taps, components):
+    del params, components
+    return {s.name: jnp.full(taps[s.name].shape[:-1] + (s.c,), -1.0)
+            for s in sites}
+
+  return ci_fns.CIFn(tuple(s.name for s in sites), lambda key: {}, apply)
+
+
+def _perfect_components(weights):
+  return {site: sites_lib.Factors(v=jnp.eye(N)[None], u=weights[site])
+          for site in ("l0", "l1")}
+
+
+@pytest.fixture(scope="module")
+def zero_ci_context():
+  target, weights = _diag_target()
+  x = sparse_data.sample_sparse_features(jax.random.key(3), BATCH, N, 0.5,
+                                         0.0, 1.0)
+  clean, _ = target.clean_forward(weights, x, ())
+  zeros = {s.name: jnp.zeros((BATCH, N)) for s in target.sites}
+  ctx = train_step.StepContext(
+    jnp.zeros((), jnp.int32), 10, target, weights, x, clean,
+    _perfect_components(weights), squash.CIOutput(zeros, zeros, zeros))
+  gain = np.asarray(weights["l0"][0].diagonal() * weights["l1"][0].diagonal())
+  return ctx, np.asarray(x) * gain  # the clean output, per feature
+
+
+def test_pgd_probe_without_steps_is_the_divergence_at_its_random_init(
+    zero_ci_context):
+  ctx, clean = zero_ci_context
+  key = jax.random.key(11)
+  value = adversarial.pgd_probe(ctx, key, 0, 0.1)
+  # Site i draws one [C] vector from fold_in(key, i), shared by the batch.
+  s0, s1 = (np.asarray(jax.random.uniform(jax.random.fold_in(key, i), (1, N)))
+            for i in range(2))
+  expected = np.mean(((1.0 - s0 * s1) * clean) ** 2)
+  np.testing.assert_allclose(float(value), expected, rtol=1e-5)
+  assert expected < 0.9 * np.mean(clean ** 2)  # the init is no ablation
+
+
+def test_pgd_probe_ascends_to_the_zero_ablation(zero_ci_context):
+  ctx, clean = zero_ci_context
+  key = jax.random.key(11)
+  values = [float(adversarial.pgd_probe(ctx, key, n, 0.1))
+            for n in (0, 3, 12)]
+  zero_ablation = np.mean(clean ** 2)
+  assert values[0] < values[1] < zero_ablation
+  # 12 steps of 0.1 take every source from U[0,1] to 0.
+  np.testing.assert_allclose(values[2], zero_ablation, rtol=1e-6)
+
+
+def test_eval_probe_reaches_the_zero_ablation_and_zero_steps_disable_it():
+  target, weights = _diag_target()
+  ci_fn = _zero_ci_fn(target.sites)
+  loss_terms = _terms(target.sites)
+  state = _state(target, ci_fn, loss_terms, _perfect_components(weights), {},
+                 (BATCH,))
+
+  def sample(key):
+    return sparse_data.sample_sparse_features(key, BATCH, N, 0.3, 0.0, 1.0)
+
+  scalars = {}
+  for n_steps in (12, 0):
+    config = eval_step.EvalConfig(n_batches=2, total_steps=10,
+                                  pgd_steps=n_steps, pgd_lr=0.1)
+    fns = eval_step.make_eval_step(target, ci_fn, loss_terms, config, sample)
+    output, _ = fns.fast(state, weights, jax.random.key(5))
+    scalars[n_steps] = eval_step.summarize(jax.device_get(output)).scalars
+  s = scalars[12]
+  assert s["recon/zero"] > s["recon/random"] > 0
+  np.testing.assert_allclose(s["recon/pgd"], s["recon/zero"], rtol=1e-6)
+  assert "recon/pgd" not in scalars[0]
+  assert scalars[0]["recon/zero"] == s["recon/zero"]
+
+
+@pytest.mark.parametrize("field,value,message", [
+  ("pgd_steps", -1, "PGD steps must be >= 0"),
+  ("pgd_lr", 0.0, "PGD step size must be positive"),
+])
+def test_eval_config_refuses_a_bad_pgd_probe(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    eval_step.EvalConfig(n_batches=1, total_steps=1, **{field: value})

@@ -1,5 +1,6 @@
 """Placement tables, mesh shapes and the specs they give (SPEC §8)."""
 
+import dataclasses
 import math
 
 import jax
@@ -8,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from decompax.core import sites as sites_lib
+from decompax.core import train_step
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -34,10 +36,13 @@ def test_overrides_replace_only_their_categories():
   table = table_lib.make_table(
     "zero1", ("optimizer:fsdp", "frozen:replicated",
               "adversary:c=tp+replicate;stack=fsdp"))
-  assert table.layout("optimizer") == table_lib.LAYOUTS["fsdp"]
-  assert table.layout("frozen") == table_lib.LAYOUTS["replicated"]
+  assert table.layout("optimizer").rules == table_lib.LAYOUTS["fsdp"].rules
+  assert table.layout("frozen").rules == ()
   assert table.layout("adversary").rules == (
     ("c", ("tp", "replicate")), ("stack", ("fsdp",)))
+  # Authored entries remember their text: they never fall back.
+  assert table.layout("optimizer").authored == "optimizer:fsdp"
+  assert table.layout("compute").authored == ""
   for category in set(table_lib.CATEGORIES) - {"optimizer", "frozen",
                                                "adversary"}:
     assert table.layout(category) == base.layout(category)
@@ -80,6 +85,40 @@ def test_non_tiling_dimensions_drop_trailing_mesh_axes():
   # C = 6 tiles tp (2) but not tp x replicate (4); d_in = 5 tiles nothing.
   assert _spec(table, "optimizer", V_AXES, (1, 5, 6), MESH_2X2X2) == P(
     None, None, "tp")
+  # The preset's fallbacks are recorded, for the startup report.
+  resolved = table_lib.resolve(table.layout("optimizer"), V_AXES, (1, 5, 6),
+                               MESH_2X2X2)
+  assert resolved.shortfalls == (
+    table_lib.Shortfall("d_in", 5, ("fsdp",), ()),
+    table_lib.Shortfall("c", 6, ("tp", "replicate"), ("tp",)))
+  assert table_lib.resolve(table.layout("optimizer"), V_AXES, (1, 8, 8),
+                           MESH_2X2X2).shortfalls == ()
+
+
+@pytest.mark.parametrize("place,axes,shape,sizes,message", [
+  ("optimizer:d_in=fsdp", V_AXES, (1, 5, 16), FSDP_8,
+   "--place=optimizer:d_in=fsdp: components/l/v [1,5,16] has d_in of size "
+   "5, which does not tile fsdp=8; choose mesh sizes so that fsdp divides 5,"
+   " or another layout for optimizer"),
+  ("optimizer:zero1", V_AXES, (1, 16, 6), MESH_2X2X2,
+   "--place=optimizer:zero1: components/l/v [1,16,6] has c of size 6, "
+   "which does not tile tp+replicate=4; choose mesh sizes so that "
+   "tp*replicate divides 6, or another layout for optimizer"),
+  ("frozen:fsdp", ("largest",) * 2, (5, 3), FSDP_8,
+   "--place=frozen:fsdp: components/l/v [5,3] has no dimension that tiles "
+   "fsdp=8; choose mesh sizes so that fsdp divides one of its dimensions, "
+   "or another layout for frozen"),
+])
+def test_authored_layouts_never_fall_back(place, axes, shape, sizes,
+                                         message):
+  category = place.partition(":")[0]
+  layout = table_lib.make_table("zero1", (place,)).layout(category)
+  with pytest.raises(ValueError) as info:
+    table_lib.partition_spec(layout, axes, shape, sizes, "components/l/v")
+  assert str(info.value) == message
+  # The same rules from the preset fall back instead.
+  preset = dataclasses.replace(layout, authored="")
+  table_lib.partition_spec(preset, axes, shape, sizes, "components/l/v")
 
 
 def test_a_mesh_axis_shards_one_dimension_of_a_leaf():
@@ -172,3 +211,41 @@ def test_local_device_count_must_match_the_launch():
   mesh_lib.check_local_devices(None, 8, "cpu")
   with pytest.raises(ValueError, match="sees 8 cpu device"):
     mesh_lib.check_local_devices(4, 8, "cpu")
+
+
+def _abstract_run(d_in: int, d_out: int, c: int):
+  """Return an abstract state, frozen weights and stacks of one kind."""
+  f32 = jnp.float32
+  shape = jax.ShapeDtypeStruct
+  factors = sites_lib.Factors(shape((2, d_in, c), f32),
+                              shape((2, c, d_out), f32))
+  state = train_step.TrainState(
+    components={"mlp": factors}, ci_params={"w": shape((d_in, c), f32)},
+    components_opt=(), ci_opt=(), term_states=(None,),
+    step=shape((), jnp.int32),
+    rng=jax.eval_shape(lambda: jax.random.key(0)))
+  stacks = {"mlp": shape((2, d_in, d_out), f32)}
+  return state, stacks, stacks
+
+
+def test_fallbacks_list_what_a_preset_replicates():
+  table = table_lib.make_table("zero1")
+  tiling = _abstract_run(16, 8, 8)
+  assert shardings.fallbacks(table, MESH_2X2X2, *tiling[:2], (16,),
+                             tiling[2]) == ()
+  state, weights, stacks = _abstract_run(5, 8, 8)
+  found = shardings.fallbacks(table, MESH_2X2X2, state, weights, (16,),
+                              stacks)
+  short = table_lib.Shortfall("d_in", 5, ("fsdp",), ())
+  # V's d_in under every V/U category that shards it; the frozen stack
+  # [2,5,8] is no fallback: its d_out takes fsdp instead.
+  assert {(f.category, f.leaf, f.shortfall) for f in found} == {
+    ("optimizer", "components/mlp/v", short),
+    ("compute", "components/mlp/v", short),
+    ("faithfulness", "components/mlp/v", short),
+  }
+  assert all(f.shape == (2, 5, 8) for f in found)
+  with pytest.raises(ValueError, match="--place=compute:fsdp_tp: "
+                     "components/mlp/v"):
+    shardings.fallbacks(table_lib.make_table("zero1", ("compute:fsdp_tp",)),
+                        MESH_2X2X2, state, weights, (16,), stacks)

@@ -1,9 +1,13 @@
-"""A real two-process `bin/train` run on localhost (SPEC §8, I34).
+"""Real two-process `bin/train` runs on localhost (SPEC §8, §11, §12, I34).
 
 Two processes with two simulated CPU devices each join through
 `jax.distributed` (CPU collectives) on a free port and train on one
 4-device mesh; process 0's metrics must match the one-process reference
-trajectory, and process 1 must write nothing.
+trajectory, both processes write their shards of each checkpoint, and only
+process 0 prints or writes run files. The slow check adds both eval tiers
+and a resume: stopped by a signal to process 0 alone, both save and exit;
+relaunched, both resume, and the run logs what one uninterrupted process
+logs.
 """
 
 import json
@@ -15,12 +19,13 @@ import sys
 
 import pytest
 
-from decompax.io import run_dir
+from decompax.io import checkpoint, run_dir
 
 pytestmark = pytest.mark.multidevice
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 400
+TIMINGS = ("step_time_s", "eval/time_s")
 
 
 def _free_port() -> int:
@@ -29,48 +34,137 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(args, process_id, log):
-  return subprocess.Popen(
-    [sys.executable, "-P", str(ROOT / "bin" / "train"), *args,
-     f"--process_id={process_id}"],
-    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"})
+def _start(tmp_path, name: str, args, n_processes: int = 2, env0=None):
+  """Launch `bin/train` in `n_processes` processes (extra environment
+  `env0` for process 0 only); return them with their log paths."""
+  if n_processes > 1:
+    args = [*args, "--local_device_count=2", f"--num_processes={n_processes}",
+            f"--coordinator_address=localhost:{_free_port()}"]
+  started = []
+  for i in range(n_processes):
+    path = tmp_path / f"{name}{i}.log"
+    with open(path, "w") as log:
+      proc = subprocess.Popen(
+        [sys.executable, "-P", str(ROOT / "bin" / "train"), *args,
+         *([f"--process_id={i}"] if n_processes > 1 else [])],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu",
+             **((env0 or {}) if i == 0 else {})})
+    started.append((proc, path))
+  return started
+
+
+def _finish(started) -> tuple[list[int], list[str]]:
+  """Return the exit codes and outputs of `_start`ed processes."""
+  try:
+    codes = [proc.wait(timeout=TIMEOUT_S) for proc, _ in started]
+  finally:
+    for proc, _ in started:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  return codes, [path.read_text() for _, path in started]
+
+
+def _records(out: pathlib.Path) -> list[dict]:
+  records = [json.loads(line)
+             for line in (out / "metrics.jsonl").read_text().splitlines()]
+  return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+
+
+def _cached_target(tmp_path, p) -> pathlib.Path:
+  target_path = tmp_path / "target.npz"
+  run_dir.save_arrays(str(target_path), p.toy.weights_to_arrays(p.weights),
+                      {"target": p.config.target,
+                       "target_seed": p.toy.default_seed})
+  return target_path
 
 
 def test_two_processes_match_the_one_process_trajectory(
     tmp_path, helpers, tms_vpd, tms_reference):
   p = tms_vpd
-  target_path = tmp_path / "target.npz"
-  run_dir.save_arrays(str(target_path), p.toy.weights_to_arrays(p.weights),
-                      {"target": p.config.target,
-                       "target_seed": p.toy.default_seed})
   out = tmp_path / "run"
   args = [
     f"--flagfile={helpers.FLAGS_DIR / 'tms_5-2_vpd.flags'}",
     f"--batch_size={p.config.batch_size}", "--num_steps=5", "--log_every=1",
     "--faithfulness_warmup_steps=0", "--eval_every=0", "--slow_eval_every=0",
-    "--checkpointing=none", f"--target_path={target_path}",
-    f"--output_dir={out}", "--placement=zero1", "--local_device_count=2",
-    f"--coordinator_address=localhost:{_free_port()}", "--num_processes=2",
+    "--save_every=5", f"--target_path={_cached_target(tmp_path, p)}",
+    f"--output_dir={out}", "--placement=zero1",
   ]
-  logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]
-  procs = [_launch(args, i, logs[i]) for i in range(2)]
-  try:
-    codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    for log in logs:
-      log.close()
-  texts = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
+  codes, texts = _finish(_start(tmp_path, "process", args))
   assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
-  records = [json.loads(line)
-             for line in (out / "metrics.jsonl").read_text().splitlines()]
+  records = _records(out)
   assert [r.pop("step") for r in records] == [1, 2, 3, 4, 5]
-  for record in records:
-    record.pop("step_time_s")
   helpers.assert_same_trajectory(tms_reference.metrics, records)
+  # Checkpoints hold both processes' shards: under zero1 on fsdp = 4 a CI
+  # weight [20, 16] splits 4 ways (a file each), half of them on process 1.
+  ckpts = out / checkpoint.CHECKPOINT_DIR
+  assert checkpoint.committed_steps(ckpts) == [0, 5]
+  w_in = (ckpts / checkpoint.step_name(5) / checkpoint.DECOMPOSITION /
+          "arrays" / "ci_params" / "linear1" / "w_in" / "c")
+  assert sorted(os.listdir(w_in)) == ["0", "1", "2", "3"]
   # Only process 0 wrote: one record per step, and its progress lines.
   assert "step 5/5" in texts[0] and "step 5/5" not in texts[1]
+  assert "[checkpoint] saved step 5" in texts[0]
+  assert "[checkpoint]" not in texts[1]
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_save_and_resume_like_one(
+    tmp_path, helpers, tms_vpd, tms_reference):
+  """Both eval tiers, a signal-stopped save and a two-process resume log
+  what one uninterrupted process logs (SPEC D4, I36); ~3-4 min on 2 cores."""
+  p = tms_vpd
+  target_path = _cached_target(tmp_path, p)
+  args = [
+    f"--flagfile={helpers.FLAGS_DIR / 'tms_5-2_vpd.flags'}",
+    f"--batch_size={p.config.batch_size}", "--num_steps=5", "--log_every=1",
+    "--faithfulness_warmup_steps=0", "--eval_every=2", "--slow_eval_every=2",
+    "--eval_batches=1", "--save_every=5", f"--target_path={target_path}",
+    "--placement=zero1",
+  ]
+  out = tmp_path / "run"
+  # replicate x tp = 2 x 2: zero1 splits each V's C over both processes.
+  # The relaunch reads its programs from the first launch's cache.
+  two = [*args, f"--output_dir={out}", "--replicate=2", "--tp=2",
+         f"--compilation_cache_dir={tmp_path / 'cache'}"]
+  # One uninterrupted process runs alongside.
+  single = _start(tmp_path, "single",
+                  [*args, f"--output_dir={tmp_path / 'one'}"], n_processes=1)
+  # Process 0 alone is signalled after step 2; both save it and stop.
+  codes, stopped = _finish(_start(
+    tmp_path, "stopped", two, env0={"DECOMPAX_FAULT": "sigterm_after_step=2"}))
+  assert codes == [75, 75], "\n".join(t[-3000:] for t in stopped)
+  ckpts = out / checkpoint.CHECKPOINT_DIR
+  assert checkpoint.committed_steps(ckpts) == [0, 2]
+  assert not [n for n in os.listdir(ckpts) if n.startswith(".")]
+  step_dir = ckpts / checkpoint.step_name(2)
+  assert checkpoint.read_index(step_dir)["items"] == [
+    checkpoint.DECOMPOSITION, checkpoint.TRAINING]
+  # V [1, 5, 20]: C over tp x replicate, one shard file per device, half
+  # of them process 1's to write.
+  v_dir = (step_dir / checkpoint.DECOMPOSITION / "arrays" / "components" /
+           "linear1" / "v" / "c" / "0" / "0")
+  assert sorted(os.listdir(v_dir)) == ["0", "1", "2", "3"]
+  codes, resumed = _finish(_start(tmp_path, "resumed", two))
+  assert codes == [0, 0], "\n".join(t[-3000:] for t in resumed)
+  assert "resumed from step 2" in resumed[0]
+  codes, alone = _finish(single)
+  assert codes == [0], alone[0][-3000:]
+
+  records, reference = _records(out), _records(tmp_path / "one")
+  assert [r.pop("step") for r in records] == [0, 1, 2, 3, 4, 5]
+  assert [r.pop("step") for r in reference] == [0, 1, 2, 3, 4, 5]
+  assert any(k.startswith("eval/") for k in records[2])
+  helpers.assert_same_trajectory(reference, records)  # D4, I36
+  steps = [{k: v for k, v in r.items() if not k.startswith("eval/")}
+           for r in records[1:]]
+  helpers.assert_same_trajectory(tms_reference.metrics, steps)  # I34
+  # Process 0 alone prints, renders and writes the report.
+  for name in ("ci_histograms.png", "components.png"):
+    assert (out / "figures" / name).exists()
+  assert (out / "report" / "index.html").exists()
+  assert "[report] wrote" in resumed[0] and "[eval] step 5" in resumed[0]
+  for text in (stopped[1], resumed[1]):
+    for mark in ("[eval]", "[report]", "[checkpoint]", "step 5/5", "[result]"):
+      assert mark not in text
