@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decompax.bin import render_process
 from decompax.core import probe, sites as sites_lib
 from decompax.core.target import TargetFns
 from decompax.core.train_step import LossTerm, TrainState, no_constraint
@@ -99,6 +100,23 @@ def start_figure_worker(enabled: bool) -> FigureWorker:
   return FigureWorker(submit, close)
 
 
+def lazy_render_process() -> render_process.RenderProcess:
+  """Return a render process started at its first job (runs without slow
+  evals never start one)."""
+  started: list[render_process.RenderProcess] = []
+
+  def run(job):
+    if not started:
+      started.append(render_process.start())
+    started[0].run(job)
+
+  def close():
+    if started:
+      started[0].close()
+
+  return render_process.RenderProcess(run, close)
+
+
 def uv_columns(
   components, sites: tuple[sites_lib.SiteSpec, ...],
   order: dict[str, list[int]],
@@ -174,8 +192,9 @@ def lm_table(
 def _eval_line(done: int, scalars: dict[str, float], sites, seconds: float,
                slow: bool) -> str:
   parts = [f"[eval] step {done}" + (" (slow)" if slow else "")]
-  for variant in ("ci_masked", "stochastic", "zero"):
-    parts.append(f"{variant} {scalars[f'recon/{variant}']:.3e}")
+  for variant in ("ci_masked", "stochastic", "pgd", "zero"):
+    if f"recon/{variant}" in scalars:
+      parts.append(f"{variant} {scalars[f'recon/{variant}']:.3e}")
   for key in ("ci_l0", "alive", "identity_ci_error"):
     if f"{key}/{sites[0].name}" in scalars:
       values = "/".join(f"{scalars[f'{key}/{s.name}']:.3g}" for s in sites)
@@ -198,6 +217,8 @@ def make_evaluator(
   sample_inputs: Callable, weights, output_dir: str,
   decode: Optional[Callable[[int], str]] = None,
   constrain: Callable = no_constraint,
+  eval_batches: Any = None,
+  compute_dtype: Optional[str] = None,
 ) -> Evaluator:
   """Return the evaluator of one run (see `Evaluator`).
 
@@ -205,6 +226,9 @@ def make_evaluator(
   function of `config.seed`, disjoint from the training draws. `decode`
   turns token ids into strings for the LM component table (default: ids).
   `constrain` is the run's placement hook (`bin/placement_setup`).
+  `eval_batches` (stacked `[eval_batches, ...]`, e.g. read from a token
+  file) replace the sampled held-out batches. `compute_dtype` is the train
+  step's (`recipe.compute_dtype`), so evals compute as training does.
   """
   if not config.eval_every:
     return Evaluator(lambda state, done, abandon=None: {}, lambda: None)
@@ -212,12 +236,16 @@ def make_evaluator(
     n_batches=config.eval_batches, total_steps=config.num_steps,
     ci_alive_threshold=config.ci_alive_threshold,
     with_delta=config.use_delta_component,
-    n_mask_samples=config.n_mask_samples)
-  fns = eval_step.make_eval_step(target, ci_fn, terms, eval_config,
-                                 sample_inputs, constrain)
+    n_mask_samples=config.n_mask_samples,
+    pgd_steps=config.eval_pgd_steps, pgd_lr=config.eval_pgd_lr,
+    compute_dtype=compute_dtype)
+  fns = eval_step.make_eval_step(
+    target, ci_fn, terms, eval_config,
+    sample_inputs if eval_batches is None else None, constrain)
   key = eval_step.eval_data_key(config.seed)
   writer = jax.process_index() == 0
   worker = start_figure_worker(writer)
+  off_loop = lazy_render_process()
   decode = decode or str
   threshold = config.ci_alive_threshold
 
@@ -228,7 +256,7 @@ def make_evaluator(
     if not fast or abandon():
       return {}
     start = time.time()
-    output, batches = fns.fast(state, weights, key)
+    output, batches = fns.fast(state, weights, key, eval_batches)
     if slow and abandon():
       # A pending stop signal: drop the pass so the save comes sooner.
       return {}
@@ -245,8 +273,8 @@ def make_evaluator(
       if "tokens" in output.stats:
         table = lm_table(output.stats, summary, target.sites, decode,
                          eval_config.top_contexts)
-      worker.submit(functools.partial(
-        render_slow, output_dir, summary, uv, order, table, threshold))
+      worker.submit(functools.partial(off_loop.run, functools.partial(
+        render_slow, output_dir, summary, uv, order, table, threshold)))
     seconds = time.time() - start
     if writer:
       print(_eval_line(done, summary.scalars, target.sites, seconds, slow),
@@ -255,7 +283,11 @@ def make_evaluator(
     record["eval/time_s"] = seconds
     return record
 
-  return Evaluator(evaluate, worker.close)
+  def close():
+    worker.close()
+    off_loop.close()
+
+  return Evaluator(evaluate, close)
 
 
 def log_baseline(evaluator: Evaluator, state: TrainState,

@@ -18,7 +18,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from decompax.bin import checkpointing, evaluation, recipe, run_records
-from decompax.bin import lm_setup, placement_setup, train_flags
+from decompax.bin import lm_setup, placement_setup, token_data, train_flags
+from decompax.bin import tokens_text
 from decompax.core import ci_fns, probe, sites as sites_lib, train_step
 from decompax.core import warmup as warmup_lib
 from decompax.io import checkpoint, figures, run_dir
@@ -174,10 +175,11 @@ def ci_config_of(config, toy, sites):
   return recipe.ci_config(config, sites, width)
 
 
-def setup(config: train_flags.TrainConfig):
+def setup(config: train_flags.TrainConfig, placement=None):
   """Return the toy, its function table, trained weights and run dir.
 
-  Every check of user input happens here, before anything is written.
+  Every check of user input happens here, before anything is written
+  (with a placement: its `--place` layouts, see `report_placement`).
   """
   toy, sites, target, load_lm = resolve_target(config)
   lead = lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size)
@@ -204,11 +206,37 @@ def setup(config: train_flags.TrainConfig):
     weights = registry.weights_for(toy, weights, sites)
   recipe.check_rider_points(config, target, weights,
                             toy.sample_inputs(jax.random.key(0), 2))
+  if lm_setup.is_lm(config):
+    print(token_data.describe(open_token_data(config, toy)))
+  if placement is not None:
+    report_placement(config, toy, target, weights, placement)
   if placement_setup.is_writer():
     run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite)
     if cache is not None and not os.path.exists(target_path):
       run_dir.save_arrays(target_path, *cache)
   return toy, target, weights, output_dir
+
+
+def report_placement(config, toy, target, weights, placement) -> None:
+  """Refuse `--place` layouts that do not tile the run's arrays (ValueError)
+  and print where the preset's layouts replicate what does not tile
+  (process 0), from the run's shapes alone."""
+  state = jax.eval_shape(lambda: build_run(
+    config, toy, target, weights, restore=lambda state, *_: state).state)
+  lines = placement_setup.check_layouts(
+    placement, state, weights,
+    lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size),
+    jax.eval_shape(target.frozen_stacks, weights))
+  if placement_setup.is_writer():
+    for line in lines:
+      print(line)
+
+
+def open_token_data(config, toy) -> token_data.TokenData | None:
+  """Return an LM run's token files (None: batches sampled in the step)."""
+  if not lm_setup.is_lm(config):
+    return None
+  return token_data.open_data(config, toy.config.vocab_size)
 
 
 class Run(NamedTuple):
@@ -225,14 +253,31 @@ class Run(NamedTuple):
   weights: object = None
   sample_inputs: object = None
   constrain: object = train_step.no_constraint
+  # Token files (None: the step samples its own batch from `data_key`) and
+  # where a host batch goes on the mesh (None: unplaced).
+  data: token_data.TokenData | None = None
+  inputs_sharding: object = None
+
+  def step_inputs(self, step: int):
+    """Return what the step takes beside state and weights at `step`."""
+    if self.data is None:
+      return self.data_key
+    return token_data.train_batch(self.data, step, self.inputs_sharding)
+
+  def eval_batches(self, n_batches: int):
+    """Return the held-out batches read from token files, or None."""
+    if self.data is None:
+      return None
+    return token_data.eval_batches(self.data, n_batches, self.inputs_sharding)
 
 
 def build_run(config, toy, target, weights, restore=None,
               placement=None) -> Run:
   """Initialise, warm up faithfulness and build the step of one run.
 
-  With `restore(state, reinit)` (a resume or fine-tune init) the warmup is
-  skipped and the initial state is replaced by the restored one. With a
+  With `restore(state, reinit, shardings)` (a resume or fine-tune init) the
+  warmup is skipped and the initial state is replaced by the restored one,
+  read onto the placement's shardings when placed. With a
   `placement_setup.Placement` the step, state and weights go on its mesh.
   """
   root = jax.random.key(config.seed)
@@ -259,20 +304,25 @@ def build_run(config, toy, target, weights, restore=None,
   def sample(key):
     return toy.sample_inputs(key, config.batch_size)
 
+  data = open_token_data(config, toy)
   make_step = functools.partial(
     train_step.make_train_step, target, ci_fn, terms,
-    recipe.step_config(config), sample_inputs=sample)
+    recipe.step_config(config), sample_inputs=None if data else sample)
   built = make_step()
   state = built.init(components, ci_fn.init(ci_key), run_key, lead)
   if restore is not None:
+    # Placed runs read each leaf straight into its shards on the mesh.
     state = restore(state, lambda comps, ci_params: built.init(
-      comps, ci_params, run_key, lead))
-  constrain = train_step.no_constraint
+      comps, ci_params, run_key, lead),
+      placement_setup.state_shardings(placement, state, lead))
+  constrain, inputs_sharding = train_step.no_constraint, None
   if placement is not None:
-    built, state, weights, sample, constrain = placement_setup.place_run(
-      placement, make_step, state, weights, lead, sample)
+    built, state, weights, sample, constrain, inputs_sharding = (
+      placement_setup.place_run(
+        placement, make_step, state, weights, lead, sample,
+        None if data is None else token_data.example_batch(data)))
   return Run(built, state, ci_fn, terms, data_key, warmup_losses, weights,
-             sample, constrain)
+             sample, constrain, data, inputs_sharding)
 
 
 def train(config, toy, target, weights, output_dir, placement=None):
@@ -287,7 +337,7 @@ def train(config, toy, target, weights, output_dir, placement=None):
   run = build_run(config, toy, target, weights,
                   checkpointing.restorer(session), placement)
   checkpointing.after_warmup(session, run.state)
-  state, ci_fn, data_key = run.state, run.ci_fn, run.data_key
+  state, ci_fn = run.state, run.ci_fn
   if run.warmup_losses.shape[0]:
     warm_first, warm_last = jax.device_get(run.warmup_losses)[[0, -1]]
     print(f"[warmup] {config.faithfulness_warmup_steps} faithfulness steps: "
@@ -297,18 +347,24 @@ def train(config, toy, target, weights, output_dir, placement=None):
   print(f"[train] {toy.name}: sites {', '.join(s.name for s in target.sites)}"
         f"; C={config.c}; terms {', '.join(t.name for t in terms)}")
   compile_start = time.time()
-  compiled = built.step.lower(state, run.weights, data_key).compile(
-    placement.compiler_options if placement else None)
+  first = int(jax.device_get(state.step))
+  compiled = built.step.lower(
+    state, run.weights, run.step_inputs(first)).compile(
+      placement.compiler_options if placement else None)
   print(f"[train] step compiled in {time.time() - compile_start:.1f}s")
   evaluator = evaluation.make_evaluator(
     config, target, ci_fn, terms, run.sample_inputs, run.weights, output_dir,
-    constrain=run.constrain)
-  if int(jax.device_get(state.step)) == 0:  # fresh runs only (SPEC I44)
+    constrain=run.constrain,
+    eval_batches=run.eval_batches(config.eval_batches),
+    compute_dtype=recipe.compute_dtype(config),
+    decode=(tokens_text.token_decoder(config.model_dir)
+            if lm_setup.is_lm(config) else None))
+  if first == 0:  # fresh runs only (SPEC I44)
     evaluation.log_baseline(evaluator, state, metrics_path)
   window_start, window_steps = time.time(), 0
-  for s in range(int(jax.device_get(state.step)), config.num_steps):
+  for s in range(first, config.num_steps):
     run_records.profile_before_step(config, output_dir, s)
-    state, metrics = compiled(state, run.weights, data_key)
+    state, metrics = compiled(state, run.weights, run.step_inputs(s))
     window_steps += 1
     done = s + 1
     if done % config.log_every == 0 or done == config.num_steps:
@@ -369,7 +425,7 @@ def main(argv: list[str]) -> None:
     placement_setup.start(placement_config)
     placement = placement_setup.make_placement(placement_config,
                                                (config.batch_size,))
-    toy, target, weights, output_dir = setup(config)
+    toy, target, weights, output_dir = setup(config, placement)
   except ValueError as e:
     fail(str(e))
   try:

@@ -26,6 +26,13 @@ _MODEL_DIR = flags.DEFINE_string(
   "(config.json and safetensors).")
 _SEQ_LEN = flags.DEFINE_integer(
   "seq_len", 64, "Tokens per sequence of a --target=hf batch.")
+_DATA_PATH = flags.DEFINE_string(
+  "data_path", None, "--target=hf: token file (NAME.bin from bin/tokenize) "
+  "the training batches are read from; default: uniform random token ids.")
+_EVAL_DATA_PATH = flags.DEFINE_string(
+  "eval_data_path", None, "--target=hf: held-out token file of the eval "
+  "batches; default: windows of --data_path on a stream of their own (not "
+  "held-out text).")
 _ATTENTION = flags.DEFINE_enum(
   "attention", "reference", ["reference", "xla", "cudnn", "auto"],
   "Attention of LM targets: plain einsums, or jax.nn.dot_product_attention "
@@ -154,6 +161,11 @@ _EVAL_BATCHES = flags.DEFINE_integer(
   "eval_batches", 4, "Held-out batches of --batch_size per eval.")
 _SLOW_ON_FIRST_STEP = flags.DEFINE_bool(
   "slow_on_first_step", True, "Run the slow eval at step 0 of a fresh run.")
+_EVAL_PGD_STEPS = flags.DEFINE_integer(
+  "eval_pgd_steps", 20, "Sign-PGD ascents of the fast eval's fresh-PGD probe "
+  "(eval/recon/pgd: every site routed, random sources per site; 0: off).")
+_EVAL_PGD_LR = flags.DEFINE_float(
+  "eval_pgd_lr", 0.1, "Step size of the eval's fresh-PGD probe.")
 
 
 _P_WARMUP_PCT = flags.DEFINE_float(
@@ -328,6 +340,8 @@ class TrainConfig:
   target_path: str | None
   model_dir: str | None
   seq_len: int
+  data_path: str | None
+  eval_data_path: str | None
   attention: str
   compute_dtype: str
   sites: tuple[str, ...]
@@ -380,6 +394,8 @@ class TrainConfig:
   slow_eval_every: int
   eval_batches: int
   slow_on_first_step: bool
+  eval_pgd_steps: int
+  eval_pgd_lr: float
   p_warmup_pct: float
   groups_coeff: float
   recon_groups: str
@@ -453,6 +469,8 @@ def _validate_eval_cadence(config: TrainConfig) -> None:
   _positive("eval_batches", config.eval_batches)
   _non_negative("eval_every", config.eval_every)
   _non_negative("slow_eval_every", config.slow_eval_every)
+  _non_negative("eval_pgd_steps", config.eval_pgd_steps)
+  _positive("eval_pgd_lr", config.eval_pgd_lr)
   every, slow = config.eval_every, config.slow_eval_every
   if every and every % config.log_every:
     raise ValueError(f"--eval_every={every} must be a multiple of "
@@ -569,6 +587,12 @@ def validate(config: TrainConfig) -> None:
   if uses_groups and not config.recon_groups:
     raise ValueError("a groups plan needs --recon_groups, e.g. 'a+b;c'")
   _positive("seq_len", config.seq_len)
+  if (config.data_path or config.eval_data_path) and config.target != "hf":
+    raise ValueError("--data_path and --eval_data_path read token files for "
+                     "--target=hf; toys draw their own data")
+  if config.eval_data_path and not config.data_path:
+    raise ValueError("--eval_data_path needs --data_path (the training "
+                     "tokens)")
   if len(set(config.sites)) != len(config.sites):
     raise ValueError(f"--sites lists a site twice: {','.join(config.sites)}")
   for name in ("save_every", "keep_last"):

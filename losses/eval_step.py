@@ -1,15 +1,18 @@
 """The jitted evaluation passes over held-out batches (SPEC §11).
 
 `make_eval_step` returns two jitted pure functions, each compiled once: the
-fast tier `(state, weights, key)` and the slow tier, which takes the fast
-tier's batches back instead of reading data again. Batch `i` is
-`sample_inputs(fold_in(fold_in(key, i), 0))`, so a fixed `key` gives the
-same held-out set at every eval. Every per-batch value is returned stacked
+fast tier `(state, weights, key, batches)` and the slow tier, which takes the
+fast tier's batches back instead of reading data again. Held-out batches
+come from the host (`batches` stacked `[n_batches, ...]`, e.g. windows of a
+token file read once) or, without them, batch `i` is
+`sample_inputs(fold_in(fold_in(key, i), 0))`; either way a fixed `key`
+gives the same held-out set at every eval. Every per-batch value is returned stacked
 on a leading `batch` axis and reduced on the host by `summarize`, which
 keeps counts exact (int64) over any number of batches.
 
 Fast tier, per batch: CI-L0 and firing counts per site, the output divergence
-of every mask variant (`evals.VARIANTS`), CE differences for targets with
+of every mask variant (`evals.VARIANTS`) and at the fresh-PGD probe's
+sources (`recon/pgd`, SPEC §5.7), CE differences for targets with
 token labels, and every training term (plus their coefficiented total) on
 the eval batch with the state's term states. Toys add their probe CI.
 Slow tier adds: histograms of `lower` and `pre` CI, per-component CI sums and
@@ -27,13 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Key
 
-from decompax.core import probe, squash
+from decompax.core import probe
+from decompax.core import sites as sites_lib
 from decompax.core.ci_fns import CIFn
 from decompax.core.target import Batch, TargetFns, Weights
 from decompax.core.train_step import (
   Constrain, LossTerm, StepContext, TrainState, ci_l0, clean_tap_keys,
-  no_constraint, objective)
-from decompax.losses import evals, hidden, recon
+  no_constraint, objective, prepare, with_prepared)
+from decompax.losses import adversarial, evals, hidden, recon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +50,18 @@ class EvalConfig:
   with_delta: bool = False
   n_mask_samples: int = 1
   top_contexts: int = 8
+  # The fresh-PGD probe (SPEC §5.7): sign ascents and their step (0: off).
+  pgd_steps: int = 20
+  pgd_lr: float = 0.1
+  # The train step's `StepConfig.compute_dtype` (N4; None: the masters).
+  compute_dtype: str | None = None
+
+  def __post_init__(self):
+    if self.pgd_steps < 0:
+      raise ValueError(f"eval PGD steps must be >= 0, got {self.pgd_steps}")
+    if self.pgd_lr <= 0:
+      raise ValueError(f"eval PGD step size must be positive, got "
+                       f"{self.pgd_lr}")
 
 
 class EvalOutput(NamedTuple):
@@ -68,6 +84,8 @@ def _term_values(ctx: StepContext, terms: tuple[LossTerm, ...],
     None if t.prepare is None else t.prepare(ctx, k, s)[1]
     for t, k, s in zip(terms, keys, term_states))
   prepared = (ctx.components, ctx.ci)
+  if ctx.compute_components is not None:
+    prepared += (ctx.compute_components,)
   _, (values, total, _) = objective(prepared, inputs, ctx, terms, keys)
   out = {f"loss/{name}": v for name, v in values.items()}
   out["loss/total"] = total
@@ -83,7 +101,7 @@ def _hidden_act_stats(ctx: StepContext, key: Key[Array, ""],
     "ci_masked", key, ctx.ci.lower, ctx.target.sites, False, 0.0)
   draws = {"ci_masked": [ci_masks]}
   entry = recon.all_sites_plan(ctx.target.sites)[0]
-  index = {s.name: i for i, s in enumerate(ctx.target.sites)}
+  index = sites_lib.draw_paths(ctx.target.sites)
   draws["stochastic"] = [
     recon.stochastic_site_masks(
       jax.random.fold_in(key, 1 + d), entry, ctx.ci.lower, index,
@@ -131,8 +149,9 @@ def _slow_stats(ctx: StepContext, key: Key[Array, ""],
 class EvalFns(NamedTuple):
   """The two jitted eval passes.
 
-  `fast(state, weights, key) -> (EvalOutput, batches)`: the fast tier over
-  the held-out batches, which it also returns (left on device) so that
+  `fast(state, weights, key, batches=None) -> (EvalOutput, batches)`: the
+  fast tier over the held-out batches (given, or sampled from `key`), which
+  it also returns (left on device) so that
   `slow(state, weights, key, batches) -> stats` can reuse them without a
   second data read.
   """
@@ -146,11 +165,12 @@ def make_eval_step(
   ci_fn: CIFn,
   terms: tuple[LossTerm, ...],
   config: EvalConfig,
-  sample_inputs: Callable[[Key[Array, ""]], Batch],
+  sample_inputs: Callable[[Key[Array, ""]], Batch] | None,
   constrain: Constrain = no_constraint,
 ) -> EvalFns:
   """Return the jitted fast and slow eval passes (see `EvalFns`).
 
+  Without `sample_inputs`, `fast` must be given the held-out batches.
   `constrain` pins intermediates to a placement as in the train step.
   """
   if config.n_batches < 1:
@@ -164,17 +184,22 @@ def make_eval_step(
   def context(state, weights, inputs, wanted) -> StepContext:
     clean_out, taps = constrain("activations", jax.lax.stop_gradient(
       target.clean_forward(weights, inputs, wanted)))
-    components = constrain("compute", state.components)
-    ci = squash.squash(constrain(
-      "ci_activations", ci_fn.apply(state.ci_params, taps, components)))
-    return StepContext(state.step, config.total_steps, target, weights,
-                       inputs, clean_out, components, ci,
-                       clean_taps=taps, constrain=constrain)
+    # The same V/U and CI as the train step computes with (N4).
+    prepared = prepare(state.components, state.ci_params, taps, ci_fn,
+                       config.compute_dtype, constrain)
+    return with_prepared(
+      StepContext(state.step, config.total_steps, target, weights, inputs,
+                  clean_out, *prepared[:2], clean_taps=taps,
+                  constrain=constrain), prepared)
 
-  def fast_batch(state: TrainState, weights: Weights, key: Key[Array, ""]):
+  def fast_batch(state: TrainState, weights: Weights, key: Key[Array, ""],
+                 inputs: Batch | None):
     data_key, mask_key, term_key = (jax.random.fold_in(key, j)
                                     for j in range(3))
-    inputs = sample_inputs(data_key)
+    if inputs is None:
+      inputs = sample_inputs(data_key)
+    else:
+      inputs = constrain("inputs", inputs)
     ctx = context(state, weights, inputs, fast_taps)
     lower = ctx.ci.lower
     scalars = {f"ci_l0/{k}": v
@@ -184,6 +209,10 @@ def make_eval_step(
       config.ci_alive_threshold)
     for variant, out in outputs.items():
       scalars[f"recon/{variant}"] = target.divergence(out, ctx.clean_output)
+    if config.pgd_steps:
+      # Index 4: disjoint from the data, mask and term keys (and slow's 3).
+      scalars["recon/pgd"] = adversarial.pgd_probe(
+        ctx, jax.random.fold_in(key, 4), config.pgd_steps, config.pgd_lr)
     if target.token_labels is not None:
       scalars.update(evals.ce_metrics(
         outputs, ctx.clean_output, target.token_labels(inputs)))
@@ -194,10 +223,16 @@ def make_eval_step(
     stats["positions"] = jnp.asarray(int(np.prod(lead)), jnp.int32)
     return scalars, stats, inputs
 
-  def fast(state: TrainState, weights: Weights, key: Key[Array, ""]):
+  def fast(state: TrainState, weights: Weights, key: Key[Array, ""],
+           batches: Batch | None = None):
+    if batches is None and sample_inputs is None:
+      raise ValueError("this eval step reads no data: pass its batches")
+    if batches is not None:
+      _check_batch_count(batches, config.n_batches)
     scalars, stats, batches = jax.lax.map(
-      lambda i: fast_batch(state, weights, jax.random.fold_in(key, i)),
-      jnp.arange(config.n_batches))
+      lambda args: fast_batch(state, weights,
+                              jax.random.fold_in(key, args[0]), args[1]),
+      (jnp.arange(config.n_batches), batches))
     ci_probe = {}
     if target.feature_probe is not None:
       ci_probe = probe.probe_ci(target, ci_fn, weights, state.components,
@@ -215,6 +250,13 @@ def make_eval_step(
     return jax.lax.map(one, (jnp.arange(config.n_batches), batches))
 
   return EvalFns(jax.jit(fast), jax.jit(slow))
+
+
+def _check_batch_count(batches: Batch, n_batches: int) -> None:
+  counts = {leaf.shape[0] for leaf in jax.tree.leaves(batches)}
+  if counts != {n_batches}:
+    raise ValueError(f"eval batches stack {sorted(counts)} batches; the eval "
+                     f"step was built for {n_batches}")
 
 
 def merge_slow(output: EvalOutput, slow_stats: dict[str, Array]) -> EvalOutput:

@@ -84,7 +84,7 @@ def test_disabled_worker_does_nothing():
 
 
 def test_lm_eval_writes_component_table_figures_and_report(
-    token_target, tmp_path):
+    token_target, tmp_path, capsys):
   target, weights = token_target
   ci_fn = ci_fns.make_ci_fn(ci_fns.CIConfig("vector_mlp", (4,)), target.sites)
   loss_terms = (
@@ -100,7 +100,7 @@ def test_lm_eval_writes_component_table_figures_and_report(
   config = types.SimpleNamespace(
     eval_every=2, slow_eval_every=2, slow_on_first_step=True, num_steps=4,
     eval_batches=2, ci_alive_threshold=0.1, use_delta_component=False,
-    n_mask_samples=1, seed=0)
+    n_mask_samples=1, seed=0, eval_pgd_steps=3, eval_pgd_lr=0.1)
   (tmp_path / run_dir.FLAGS_FILE).write_text("--target=tiny_lm\n")
   metrics = str(tmp_path / run_dir.METRICS_FILE)
   vocab = ["<bos>", " the", " cat", " sat", " on", "<&>"]
@@ -120,8 +120,11 @@ def test_lm_eval_writes_component_table_figures_and_report(
   assert record["step"] == 0
   for key in ("eval/ce/clean", "eval/ce_diff/ci_masked",
               "eval/ce_unrecovered/zero", "eval/recon/stochastic",
-              "eval/hidden_acts/ci_masked/mix", "eval/loss/faithfulness"):
+              "eval/hidden_acts/ci_masked/mix", "eval/loss/faithfulness",
+              "eval/recon/pgd"):
     assert key in record
+  assert record["eval/recon/pgd"] > 0  # untrained factors: VU ≠ W
+  assert re.search(r"\[eval\] step 0 .* pgd \d", capsys.readouterr().out)
   assert (tmp_path / "report" / "components.json").is_file()
   assert (tmp_path / "figures" / "position_ci.png").read_bytes()[:8] == PNG
   page = (tmp_path / "report" / "index.html").read_text()

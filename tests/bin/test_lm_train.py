@@ -6,10 +6,11 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from decompax.bin import lm_setup, recipe, train
-from decompax.io import run_dir
+from decompax.io import run_dir, tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ROOT / "flags" / "tiny_llama.flags"
@@ -47,6 +48,7 @@ def test_l18_flagfile_validates_against_the_8b_config(parse):
     "faithfulness", "importance_minimality", "frequency_minimality",
     "stochastic_recon", "persistent_pgd_recon"]
   assert config.compute_dtype == "bfloat16"
+  assert recipe.step_config(config).compute_dtype == "bfloat16"  # N4
   # The reference CI (SPEC §4.3): one chunk reading resid.18, three outputs.
   ci = train.ci_config_of(config, toy, sites)
   assert ci.kind == "transformer"
@@ -82,11 +84,15 @@ def test_site_patterns_expand_in_model_order():
 
 def test_tiny_llama_decomposes_end_to_end(tmp_path):
   out = tmp_path / "run"
+  data = tmp_path / "corpus.bin"
+  rng = np.random.default_rng(0)
+  tokens.write_tokens(data, [rng.integers(0, 127, 50) for _ in range(20)],
+                      128, 127, "test")
   result = subprocess.run(
     [sys.executable, "-P", str(ROOT / "bin" / "train"), f"--flagfile={TINY}",
      "--num_steps=4", "--log_every=2", "--eval_every=4",
      "--slow_eval_every=4", "--faithfulness_warmup_steps=2",
-     f"--output_dir={out}"],
+     f"--data_path={data}", f"--output_dir={out}"],
     cwd=ROOT, capture_output=True, text=True, timeout=600,
     env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert result.returncode == 0, result.stderr[-3000:]
@@ -96,6 +102,7 @@ def test_tiny_llama_decomposes_end_to_end(tmp_path):
   assert all(json.dumps(r) for r in records)
   assert (out / "decomposition.npz").is_file()
   assert "PyTorch was not found" not in result.stderr
+  assert f"[data] {data}: 1,020 tokens, 20 documents" in result.stdout
 
 
 def test_tiny_llama_vpd_run_resumes_bitwise(parse, monkeypatch, tmp_path,

@@ -38,7 +38,8 @@ def test_every_flagfile_parses_and_builds_its_terms(parse, path):
   terms = recipe.loss_terms(config, sites, config.batch_size,
                             target.nonlinear_units)
   assert {t.name for t in terms} >= {"faithfulness", "importance_minimality"}
-  recipe.step_config(config)
+  # Toys stay fp32 whatever --compute_dtype says (N4).
+  assert recipe.step_config(config).compute_dtype is None
   recipe.ci_config(config)
 
 
@@ -65,6 +66,8 @@ def test_defaults_are_the_tms_5_2_flagfile(parse):
   (("--slow_eval_every=1500",), "must be a multiple of --eval_every"),
   (("--eval_every=0",), "--slow_eval_every needs --eval_every"),
   (("--eval_batches=0",), "--eval_batches must be positive"),
+  (("--eval_pgd_steps=-1",), "--eval_pgd_steps must be >= 0"),
+  (("--eval_pgd_lr=0",), "--eval_pgd_lr must be positive"),
   (("--pgd_coeff=1", "--merged_coeff=1", "--merged_bundle=pgd"),
    "bundle 'pgd' feeds two terms"),
   (("--hidden_coeff=1",), "never stands alone"),

@@ -138,3 +138,25 @@ def test_fp32_step_has_no_bf16():  # N4: toys fp32 throughout
   built, state, weights, _ = _step(None, jnp.float32)
   text = built.step.lower(state, weights, jax.random.key(4)).as_text()
   assert "bf16" not in text
+
+
+@pytest.mark.parametrize("dtype,casts", [("bfloat16", 1), (None, None)])
+def test_eval_pass_computes_like_the_train_step(lowered, dtype, casts):
+  # The eval's masked forwards (mask variants, terms, PGD probe) read the
+  # V/U the train step would: cast once per batch under N4.
+  from decompax.losses import eval_step
+
+  _, _, state, weights, fns = lowered[dtype]
+  ci_fn = ci_fns.make_ci_fn(
+    ci_fns.CIConfig("transformer", (), CI_CONFIG), fns.sites)
+  plan = recon.all_sites_plan(fns.sites)
+  evaluated = eval_step.make_eval_step(
+    fns, ci_fn, (terms.stochastic_recon_term("recon", 1.0, plan, False),),
+    eval_step.EvalConfig(n_batches=1, total_steps=3, pgd_steps=1,
+                         compute_dtype=dtype),
+    lambda key: jax.random.randint(key, (B, T), 0, CONFIG.vocab_size))
+  text = evaluated.fast.lower(state, weights, jax.random.key(0)).as_text()
+  for factors in state.components.values():
+    for leaf in factors:
+      found = _casts_to_bf16(text, leaf.shape)
+      assert found == casts if casts else found > 1, (leaf.shape, found)

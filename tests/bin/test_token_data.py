@@ -1,0 +1,152 @@
+"""LM runs read their batches from token files (`--data_path`)."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+
+from decompax.bin import placement_setup, token_data, train, train_flags
+from decompax.io import tokens as tokens_lib
+from decompax.losses import eval_step
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = ROOT / "flags" / "tiny_llama.flags"
+MODEL_DIR = ROOT / "tests" / "fixtures" / "tiny_llama"
+VOCAB = 128  # the tiny Llama fixture's
+SMALL = ("--num_steps=3", "--batch_size=8", "--seq_len=8", "--c=8",
+         "--faithfulness_warmup_steps=0", "--eval_batches=2")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  """Return a training and a held-out token file of random documents."""
+  folder = tmp_path_factory.mktemp("tokens")
+  rng = np.random.default_rng(0)
+  paths = []
+  for name, n_docs in (("train", 40), ("held_out", 6)):
+    docs = [rng.integers(0, VOCAB - 1, rng.integers(5, 30))
+            for _ in range(n_docs)]
+    path = folder / f"{name}.bin"
+    tokens_lib.write_tokens(path, docs, VOCAB, VOCAB - 1, "test")
+    paths.append(path)
+  return tuple(paths)
+
+
+def _parse(*args):
+  flags.FLAGS.unparse_flags()
+  argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
+  flags.FLAGS(["train", *argv])
+  return train_flags.config_from_flags()
+
+
+def _config(files, *args):
+  return _parse(f"--flagfile={TINY}", f"--model_dir={MODEL_DIR}", *SMALL,
+                f"--data_path={files[0]}", f"--eval_data_path={files[1]}",
+                *args)
+
+
+@pytest.fixture(scope="module")
+def built(files):
+  """Return one tiny-Llama run reading the token files, built once."""
+  config = _config(files)
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS.mark_as_parsed()
+  toy, _, target, load = train.resolve_target(config)
+  weights = load()
+  return config, toy, target, weights, train.build_run(
+    config, toy, target, weights)
+
+
+@pytest.fixture
+def lm(parse, files):
+  """Return a parser of tiny-Llama configs reading the token files."""
+  return lambda *args: parse(f"--flagfile={TINY}", f"--model_dir={MODEL_DIR}",
+                             *SMALL, f"--data_path={files[0]}",
+                             f"--eval_data_path={files[1]}", *args)
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def test_each_step_trains_on_its_window_batch(built, files):  # R4
+  config, *_, run = built
+  opened = tokens_lib.open_tokens(files[0])
+  for step in (0, 2):
+    expected = tokens_lib.read_batch(opened, config.seed, step, 8, 8)
+    np.testing.assert_array_equal(run.step_inputs(step), expected)
+  start = run.state
+  _, from_file = run.built.step(_copy(start), run.weights, run.step_inputs(0))
+  _, again = run.built.step(_copy(start), run.weights, run.step_inputs(0))
+  _, other = run.built.step(_copy(start), run.weights, run.step_inputs(1))
+  # The batch is the only input that differs, and it reaches the loss.
+  assert float(from_file["loss/total"]) == float(again["loss/total"])
+  assert float(from_file["loss/total"]) != float(other["loss/total"])
+  held = run.eval_batches(2)
+  assert held.shape == (2, 8, 8)
+  eval_file = tokens_lib.open_tokens(files[1])
+  for i in range(2):
+    np.testing.assert_array_equal(held[i], tokens_lib.read_batch(
+      eval_file, config.seed + token_data.EVAL_STREAM, i, 8, 8))
+
+
+def test_eval_pass_reads_the_given_batches(built):
+  _, _, target, _, run = built
+  fns = eval_step.make_eval_step(
+    target, run.ci_fn, run.terms,
+    eval_step.EvalConfig(n_batches=2, total_steps=3), None)
+  held = run.eval_batches(2)
+  output, batches = fns.fast(run.state, run.weights, jax.random.key(0), held)
+  np.testing.assert_array_equal(batches, held)
+  assert np.isfinite(np.asarray(output.scalars["recon/ci_masked"])).all()
+  with pytest.raises(ValueError, match="pass its batches"):
+    fns.fast(run.state, run.weights, jax.random.key(0))
+
+
+def test_placed_run_reads_batches_onto_the_batch_sharding(built):
+  config, toy, target, weights, plain = built
+  placement = placement_setup.make_placement(
+    placement_setup.PlacementConfig(placement="zero1"), (8, 8))
+  placed = train.build_run(config, toy, target, weights, placement=placement)
+  batch = placed.step_inputs(0)
+  assert batch.sharding == placed.inputs_sharding
+  assert len(batch.sharding.device_set) == 8
+  _, m_placed = placed.built.step(placed.state, placed.weights, batch)
+  _, m_plain = plain.built.step(_copy(plain.state), plain.weights,
+                                plain.step_inputs(0))
+  np.testing.assert_allclose(float(m_placed["loss/total"]),
+                             float(m_plain["loss/total"]), rtol=1e-5)
+
+
+def test_the_run_names_its_data(lm, files, tmp_path, capsys):
+  train.setup(lm(f"--output_dir={tmp_path / 'run'}"))
+  line = capsys.readouterr().out
+  assert f"[data] {files[0]}" in line and "held_out.bin" in line
+
+
+@pytest.mark.parametrize("extra,message", [
+  (("--seq_len=200",), "fewer than one --seq_len=200"),
+  (("--eval_data_path=/nonexistent/x.bin",), "/nonexistent/x"),
+])
+def test_bad_token_input_fails_before_writing(lm, tmp_path, extra, message):
+  out = tmp_path / "run"
+  with pytest.raises(ValueError, match=message) as info:
+    train.setup(lm(*extra, f"--output_dir={out}"))
+  assert "\n" not in str(info.value)
+  assert not out.exists()
+
+
+def test_token_files_are_refused_where_they_cannot_apply(parse, files,
+                                                         tmp_path):
+  with pytest.raises(ValueError, match="toys draw their own data"):
+    parse("--target=tms_5-2", f"--data_path={files[0]}")
+  with pytest.raises(ValueError, match="needs --data_path"):
+    parse(f"--flagfile={TINY}", f"--eval_data_path={files[1]}")
+  big = tmp_path / "big.bin"
+  tokens_lib.write_tokens(big, [np.array([500])], 1000, 999, "test")
+  with pytest.raises(ValueError, match="larger than the model's"):
+    token_data.open_data(
+      parse(f"--flagfile={TINY}", f"--data_path={big}"), VOCAB)
