@@ -229,6 +229,30 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
     else a, tree)
 
 
+def prepare(
+  components: Components, ci_params: Any, taps: dict, ci_fn: CIFn,
+  compute_dtype: Optional[str], constrain: Constrain = no_constraint,
+) -> tuple:
+  """Return `(components, ci)`, plus the compute-dtype V/U when
+  `compute_dtype` is set, as `with_prepared` reads them.
+
+  With a compute dtype (N4) V/U are cast once, before the gather to the
+  compute layout, and so are the CI parameters and taps before the CI call;
+  the fp32 masters stay for faithfulness (N2) and the CI is squashed in
+  fp32 (N3).
+  """
+  if compute_dtype is None:
+    components = constrain("compute", components)
+    return components, squash.squash(constrain(
+      "ci_activations", ci_fn.apply(ci_params, taps, components)))
+  compute = constrain("compute", cast_floats(components, compute_dtype))
+  pre = ci_fn.apply(cast_floats(ci_params, compute_dtype),
+                    cast_floats(taps, compute_dtype), compute)
+  ci = squash.squash(constrain(
+    "ci_activations", cast_floats(pre, jnp.float32)))
+  return components, ci, compute
+
+
 def objective(
   prepared: tuple,
   term_inputs: tuple,
@@ -319,20 +343,8 @@ def make_train_step(
     ))
 
     def prep(theta):
-      components, ci_params = theta
-      if config.compute_dtype is None:
-        components = constrain("compute", components)
-        return components, squash.squash(constrain(
-          "ci_activations", ci_fn.apply(ci_params, taps, components)))
-      # N4: cast before the gather to the compute layout; the fp32 masters
-      # stay for faithfulness (N2), the CI is squashed in fp32 (N3).
-      compute = constrain("compute", cast_floats(components,
-                                                 config.compute_dtype))
-      pre = ci_fn.apply(cast_floats(ci_params, config.compute_dtype),
-                        cast_floats(taps, config.compute_dtype), compute)
-      ci = squash.squash(constrain(
-        "ci_activations", cast_floats(pre, jnp.float32)))
-      return components, ci, compute
+      return prepare(theta[0], theta[1], taps, ci_fn, config.compute_dtype,
+                     constrain)
 
     prepared, prep_vjp = jax.vjp(
       prep, (state.components, state.ci_params))
