@@ -1,9 +1,17 @@
 """Fixtures shared by the bin tests."""
 
+import json
+import os
+import pathlib
+import re
+
+import jax
 import pytest
 from absl import flags
 
-from decompax.bin import train_flags
+from decompax.bin import train, train_flags
+from decompax.io import run_dir
+from decompax.targets import registry
 
 
 @pytest.fixture
@@ -19,3 +27,93 @@ def parse():
   yield _parse
   flags.FLAGS.unparse_flags()
   flags.FLAGS.mark_as_parsed()
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Flagfiles that need a downloaded checkpoint and an accelerator.
+NOT_CPU_SIZED = {"l18"}
+PNG = b"\x89PNG\r\n\x1a\n"
+# Small C and CI widths: compile time grows with them, code paths do not.
+SMOKE_OVERRIDES = (
+  "--num_steps=1", "--batch_size=8", "--log_every=1", "--eval_every=1",
+  "--slow_eval_every=1", "--eval_batches=2", "--noslow_on_first_step",
+  "--save_every=1", "--c=8", "--ci_hidden=4", "--eval_pgd_steps=2")
+
+
+def cpu_flagfiles() -> list[pathlib.Path]:
+  """Return every flagfile a CPU runs in minutes."""
+  return [p for p in sorted((ROOT / "flags").glob("*.flags"))
+          if p.stem not in NOT_CPU_SIZED]
+
+
+def pytest_generate_tests(metafunc):
+  # A smoke module names its share of the flagfiles (SMOKE_GROUP: the TMS
+  # ones or the rest), so the suite's workers run the two files side by side.
+  if "smoke_flagfile" in metafunc.fixturenames:
+    tms = metafunc.module.SMOKE_GROUP == "tms"
+    paths = [p for p in cpu_flagfiles() if p.stem.startswith("tms_") == tms]
+    metafunc.parametrize("smoke_flagfile", paths, ids=[p.stem for p in paths])
+
+
+@pytest.fixture
+def cpu_flagfile_names() -> set[str]:
+  return {p.stem for p in cpu_flagfiles()}
+
+
+@pytest.fixture
+def smoke_run(parse, tmp_path, capsys):
+  """Return a runner of one flagfile through both eval tiers and a save.
+
+  In-process (no JAX start-up per flagfile) on an untrained target with a
+  tiny batch: the fast tier alone at step 0 (the fresh-run baseline), one
+  training step, both tiers at step 1 with the slow tier's figures and
+  report rendered off the loop, and checkpoints.
+  """
+
+  def run(path: pathlib.Path) -> None:
+    out = tmp_path / "run"
+    args = [f"--flagfile={path}", *SMOKE_OVERRIDES, f"--output_dir={out}"]
+    config = parse(*args)
+    if config.faithfulness_warmup_steps:
+      args.append("--faithfulness_warmup_steps=2")
+    if config.target in registry.toy_names():
+      # An untrained toy stands in for the trained one: setup loads it from
+      # the target cache instead of training for thousands of steps.
+      toy = registry.get(config.target)
+      cache = tmp_path / "target.npz"
+      seed = (toy.default_seed if config.target_seed is None
+              else config.target_seed)
+      run_dir.save_arrays(
+        cache, toy.weights_to_arrays(toy.init(jax.random.key(0))),
+        {"target": toy.name, "target_seed": seed})
+      args.append(f"--target_path={cache}")
+    config = parse(*args)
+    toy, target, weights, output_dir = train.setup(config)
+    train.train(config, toy, target, weights, output_dir)
+    check_smoke_run(out, target, capsys.readouterr().err)
+
+  return run
+
+
+def check_smoke_run(out: pathlib.Path, target, stderr: str) -> None:
+  """Assert a smoke run left every record, figure, page and checkpoint."""
+  sites = target.sites
+  assert "figure rendering failed" not in stderr
+  records = run_dir.read_metrics(out / "metrics.jsonl")
+  assert [r["step"] for r in records] == [0, 1]
+  slow_key = f"eval/hidden_acts/ci_masked/{sites[0].name}"
+  assert [slow_key in r for r in records] == [False, True]
+  for record in records:
+    for variant in ("ci_masked", "stochastic", "zero", "random", "pgd"):
+      assert record[f"eval/recon/{variant}"] >= 0.0
+  json.dumps(records)  # every value is a plain number
+  probed = ("ci_on_features", "components") if target.feature_probe else ()
+  for name in ("ci_histograms", "ci_density", "ci_log_density", *probed):
+    assert (out / "figures" / f"{name}.png").read_bytes()[:8] == PNG
+  page = (out / "report" / "index.html").read_text()
+  refs = re.findall(r'(?:src|href)="([^"]+)"', page)
+  assert len(refs) >= 8
+  for ref in refs:
+    with open(os.path.join(out, "report", ref), "rb") as f:
+      assert f.read(8) == PNG, ref
+  assert list((out / "checkpoints").iterdir())
