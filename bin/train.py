@@ -309,12 +309,20 @@ def build_run(config, toy, target, weights, restore=None,
     train_step.make_train_step, target, ci_fn, terms,
     recipe.step_config(config), sample_inputs=None if data else sample)
   built = make_step()
-  state = built.init(components, ci_fn.init(ci_key), run_key, lead)
+  ci_params = ci_fn.init(ci_key)
+  shardings = placement_setup.state_shardings(placement, jax.eval_shape(
+    lambda c, p, k: built.init(c, p, k, lead), components, ci_params,
+    run_key), lead)
+  init = built.init
+  if shardings is not None:
+    # The optimizer moments are born in their shards: a whole copy of the
+    # state need never fit one device.
+    init = jax.jit(built.init, static_argnums=3, out_shardings=shardings)
+  state = init(components, ci_params, run_key, lead)
   if restore is not None:
     # Placed runs read each leaf straight into its shards on the mesh.
     state = restore(state, lambda comps, ci_params: built.init(
-      comps, ci_params, run_key, lead),
-      placement_setup.state_shardings(placement, state, lead))
+      comps, ci_params, run_key, lead), shardings)
   constrain, inputs_sharding = train_step.no_constraint, None
   if placement is not None:
     built, state, weights, sample, constrain, inputs_sharding = (
