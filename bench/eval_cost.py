@@ -7,7 +7,7 @@ window of `--steps` steps three ways, in this one process:
   * eval off,
   * the fast tier every `--eval_every` steps,
   * the fast tier plus the slow tier every `--slow_eval_every` steps, with
-    its figures and report rendered on the background thread as in a run.
+    its figures and report rendered by the niced render process as in a run.
 It also times each eval pass alone. `overhead / passes` is the loop's extra
 time over the isolated cost of the eval passes it ran: near 1 means the
 eval adds its forward passes and nothing else (rendering stays off the
@@ -96,6 +96,7 @@ def bench_recipe(name: str, steps: int, every: int, slow_every: int,
   }
   for ev in evaluators.values():  # compile both tiers outside the window
     ev.evaluate(state, slow_every)
+    ev.drain()  # and let those renders finish before anything is timed
   fns = eval_step.make_eval_step(
     target, run.ci_fn, run.terms,
     eval_step.EvalConfig(config.eval_batches, config.num_steps,
@@ -118,7 +119,7 @@ def bench_recipe(name: str, steps: int, every: int, slow_every: int,
   for label, ev in evaluators.items():
     record[f"{label}_s"], state = _window(compiled, state, run, ev.evaluate,
                                           steps)
-    ev.close()
+    ev.close()  # a render still running must not load the next window
   off_after, state = _window(compiled, state, run, None, steps)
   record["off_s"] = (off_before + off_after) / 2
   n_fast, n_slow = steps // every, steps // slow_every
