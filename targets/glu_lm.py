@@ -11,7 +11,8 @@ Tap keys (SPEC §1): `resid.{i}` is the residual entering block `i`
 (`resid.0` the embeddings, `resid.{n_layers}` the pre-final-norm residual);
 a site name `layers.{i}.self_attn.q_proj` is that matrix's input and
 `<site>.out` its output. Taps leave a segment's scan as stacked outputs only
-when the segment holds one; boundaries between segments are the carries.
+for its layers up to the deepest tapped one; boundaries between segments
+are the carries.
 
 Site matmuls go through `SiteFn(role, x, w, extra)`, where `extra` is the
 per-layer slice of whatever the caller scanned beside the weights (live
@@ -269,8 +270,10 @@ class ForwardSpec:
 def _run_segment(
   h: Array, stack: LayerStack, extra: Any, lo: int, hi: int,
   site: SiteFn, streams: tuple[str, ...], spec: ForwardSpec,
-  rope: tuple[Array, Array], remat: bool,
+  rope: tuple[Array, Array], remat: bool, emit_layers: tuple[int, ...] = (),
 ) -> tuple[Array, dict[str, Array]]:
+  """Run layers `[lo, hi)`; `ys` stacks `streams` of layers `lo` up to the
+  deepest of `emit_layers` (all layers when it is empty)."""
   if stack.ln1.shape[0] != hi - lo:
     raise ValueError(f"stack of {stack.ln1.shape[0]} layers does not match "
                      f"segment [{lo}, {hi}) (I41)")
@@ -284,7 +287,26 @@ def _run_segment(
 
   if remat:
     body = jax.checkpoint(body)
-  return jax.lax.scan(body, h, (stack, extra), unroll=spec.unroll)
+  last = max(emit_layers, default=hi - 1)
+  if extra is not None or last == hi - 1:
+    return jax.lax.scan(body, h, (stack, extra), unroll=spec.unroll)
+  # Taps stop below the segment's end (SPEC §3.4): the layers above run the
+  # same body emitting nothing. Both scans index the one stored stack, so no
+  # sub-range of it is copied (I41). Only for forwards without live factors,
+  # whose slices are never differentiated.
+  def indexed(carry, i):
+    return body(carry, (jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack),
+      None))
+
+  def quiet(carry, i):
+    return indexed(carry, i)[0], None
+
+  emitting = last + 1 - lo
+  h, ys = jax.lax.scan(indexed, h, jnp.arange(emitting), unroll=spec.unroll)
+  h, _ = jax.lax.scan(quiet, h, jnp.arange(emitting, hi - lo),
+                      unroll=spec.unroll)
+  return h, ys
 
 
 def forward(
@@ -326,9 +348,9 @@ def forward(
     if stack is None:
       boundary[hi] = h
       continue
-    streams = tuple(sorted({s for s, layer in parsed.values()
-                            if lo <= layer < hi and not (
-                              s == "resid" and layer == lo)}))
+    emitted = {(s, layer) for s, layer in parsed.values()
+               if lo <= layer < hi and not (s == "resid" and layer == lo)}
+    streams = tuple(sorted({s for s, _ in emitted}))
     is_span = name == "span"
     # A masked forward differentiates the span and, through its carry, the
     # frozen tail: without remat each tail layer's attention scores and MLP
@@ -337,7 +359,8 @@ def forward(
     h, ys = _run_segment(
       h, stack, span_extra if is_span else None, lo, hi,
       span_site if is_span else frozen_site, streams, spec, rope,
-      spec.remat and name != "prefix" and span_extra is not None)
+      spec.remat and name != "prefix" and span_extra is not None,
+      tuple(layer for _, layer in emitted))
     boundary[hi] = h
     stream_values[(lo, hi)] = ys
   taps = {}

@@ -70,6 +70,16 @@ def _session(config, target):
                                     recipe.ci_config(config))
 
 
+def _restored_run(config, straight):
+  """Return the run `bin/train` would build to resume `config`."""
+  session = _session(config, straight.target)
+  try:
+    return train.build_run(config, straight.toy, straight.target,
+                           straight.weights, checkpointing.restorer(session))
+  finally:
+    checkpointing.close(session)
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   """The uninterrupted run: label 0 after warmup, saves at 4 and 8."""
@@ -393,12 +403,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(straight, tmp_path,
   out, ckpts = _resumable_copy(straight, tmp_path)
   _truncate_first_shard(ckpts / checkpoint.step_name(SAVE_EVERY))
   config = dataclasses.replace(straight.config, output_dir=str(out))
-  session = _session(config, straight.target)
-  try:
-    run = train.build_run(config, straight.toy, straight.target,
-                          straight.weights, checkpointing.restorer(session))
-  finally:
-    checkpointing.close(session)
+  run = _restored_run(config, straight)
   assert int(jax.device_get(run.state.step)) == 0
   printed = capsys.readouterr().out
   assert "checkpoint 000000004 is damaged and skipped" in printed
@@ -475,12 +480,7 @@ def test_a_placed_resume_reads_each_leaf_into_its_shards(
   assert {id(x) for x in jax.tree.leaves(placed.state)} <= {
     id(x) for x in jax.tree.leaves(restored)}
   assert not placed.state.components["linear1"].v.sharding.is_fully_replicated
-  session = _session(config, straight.target)
-  try:
-    plain = train.build_run(config, straight.toy, straight.target,
-                            straight.weights, checkpointing.restorer(session))
-  finally:
-    checkpointing.close(session)
+  plain = _restored_run(config, straight)
   assert int(jax.device_get(plain.state.step)) == SAVE_EVERY
   assert_bitwise_equal(placed.state, plain.state)
 

@@ -170,12 +170,32 @@ def test_fused_clean_pass_equals_output_only_forward(model, clean_passes):
   assert none == {}
   np.testing.assert_array_equal(plain, logits)
   fns, weights, _, tokens = model
-  for keys in (("resid.2",),
+  for keys in (("resid.2",), ("layers.1.mlp.up_proj",),
                ("layers.0.mlp.up_proj", "layers.3.mlp.down_proj.out")):
     few_logits, few = run(weights, tokens, keys)
     np.testing.assert_array_equal(few_logits, plain)
     for k in keys:
       np.testing.assert_array_equal(few[k], taps[k])
+
+
+def test_taps_stop_at_the_deepest_tapped_layer(model):  # SPEC §3.4
+  fns, weights, _, tokens = model
+
+  def scan_lengths(keys):
+    jaxpr = jax.make_jaxpr(fns.clean_forward, static_argnums=2)(
+      weights, tokens, keys)
+    return sorted(e.params["length"] for e in jaxpr.eqns
+                  if e.primitive.name == "scan")
+
+  # Prefix [0, 1), span [1, 3), tail [3, 4): a tap at layer 1 leaves the
+  # span's second layer to a scan of its own that emits nothing.
+  assert scan_lengths(("layers.1.mlp.up_proj",)) == [1, 1, 1, 1]
+  assert scan_lengths(("layers.2.mlp.up_proj",)) == [1, 1, 2]
+  jaxpr = jax.make_jaxpr(fns.clean_forward, static_argnums=2)(
+    weights, tokens, ("layers.1.mlp.up_proj",))
+  emitted = [v.aval.shape for e in jaxpr.eqns if e.primitive.name == "scan"
+             for v in e.outvars[1:]]
+  assert emitted == [(1, B, T, CONFIG.d_model)]
 
 
 def test_taps_are_the_residuals_and_site_activations(clean_passes):
