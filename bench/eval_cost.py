@@ -10,8 +10,10 @@ window of `--steps` steps three ways, in this one process:
     its figures and report rendered by the niced render process as in a run.
 It also times each eval pass alone. `overhead / passes` is the loop's extra
 time over the isolated cost of the eval passes it ran: near 1 means the
-eval adds its forward passes and nothing else (rendering stays off the
-loop). The last column projects the slowdown at the default cadences
+eval adds its forward passes and nothing else. `same, no figures` repeats
+the fast+slow window without rendering: the loop's own cost of its evals,
+apart from the CPU the render process takes from a machine with no idle
+core. The last column projects the slowdown at the default cadences
 (fast every 1000 steps, slow every 10000) from the measured per-eval costs.
 """
 
@@ -93,6 +95,9 @@ def bench_recipe(name: str, steps: int, every: int, slow_every: int,
     "fast+slow": evaluation.make_evaluator(timed, target, run.ci_fn,
                                            run.terms, run.sample_inputs,
                                            run.weights, out),
+    "no figures": evaluation.make_evaluator(timed, target, run.ci_fn,
+                                            run.terms, run.sample_inputs,
+                                            run.weights, out, render=False),
   }
   for ev in evaluators.values():  # compile both tiers outside the window
     ev.evaluate(state, slow_every)
@@ -146,15 +151,17 @@ def main(argv):
         f"fast eval every {every}, slow every {slow_every}")
   print(f"{'recipe':<12} {'step ms':>8} {'fast ms':>8} {'slow ms':>8} "
         f"{'on/off fast':>11} {'on/off +slow':>12} {'overhead/passes':>15} "
-        f"{'on/off @1000/10000':>18}")
+        f"{'same, no figures':>16} {'on/off @1000/10000':>18}")
   for name in recipes:
     r = bench_recipe(name, window, every, slow_every, repeats)
     overhead = r["fast+slow_s"] - r["off_s"]
+    bare = r["no figures_s"] - r["off_s"]
     projected = _projected_ratio(r, every, slow_every, window, 1000, 10000)
     print(f"{name:<12} {r['step_ms']:8.2f} {r['fast_ms']:8.2f} "
           f"{r['slow_ms']:8.2f} {r['fast_s'] / r['off_s']:11.3f} "
           f"{r['fast+slow_s'] / r['off_s']:12.3f} "
-          f"{overhead / r['passes_s']:15.2f} {projected:18.4f}", flush=True)
+          f"{overhead / r['passes_s']:15.2f} {bare / r['passes_s']:16.2f} "
+          f"{projected:18.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -221,6 +221,7 @@ def make_evaluator(
   constrain: Callable = no_constraint,
   eval_batches: Any = None,
   compute_dtype: Optional[str] = None,
+  render: bool = True,
 ) -> Evaluator:
   """Return the evaluator of one run (see `Evaluator`).
 
@@ -231,6 +232,8 @@ def make_evaluator(
   `eval_batches` (stacked `[eval_batches, ...]`, e.g. read from a token
   file) replace the sampled held-out batches. `compute_dtype` is the train
   step's (`recipe.compute_dtype`), so evals compute as training does.
+  `render=False` skips figures and report (bench/eval_cost.py isolates the
+  loop's own cost of an eval that way).
   """
   if not config.eval_every:
     return Evaluator(lambda state, done, abandon=None: {}, lambda: None)
@@ -246,7 +249,7 @@ def make_evaluator(
     sample_inputs if eval_batches is None else None, constrain)
   key = eval_step.eval_data_key(config.seed)
   writer = jax.process_index() == 0
-  worker = start_figure_worker(writer)
+  worker = start_figure_worker(writer and render)
   off_loop = lazy_render_process()
   decode = decode or str
   threshold = config.ci_alive_threshold
