@@ -4,10 +4,10 @@ Writes `<run_dir>/report/index.html` (and its curve PNGs) from the files of
 a finished or a running run; open it in any browser.
 """
 
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from decompax.bin import cli
 from decompax.io import report
 
 _RUN_DIR = flags.DEFINE_string(
@@ -17,8 +17,7 @@ _RUN_DIR = flags.DEFINE_string(
 
 def fail(message: str) -> None:
   """Print a one-line error and exit non-zero."""
-  print(f"report: error: {message}", file=sys.stderr)
-  sys.exit(2)
+  cli.fail("report", message)
 
 
 def main(argv: list[str]) -> None:
@@ -32,17 +31,9 @@ def main(argv: list[str]) -> None:
   print(f"[report] wrote {path}")
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """Parse flags, turning absl's parse errors into one-line errors."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(f"{e}; see --helpfull")
-
-
 def entry() -> None:
   """Launch the absl app (used by the `bin/report` launcher)."""
-  app.run(main, flags_parser=parse_flags)
+  cli.launch("report", main)
 
 
 if __name__ == "__main__":

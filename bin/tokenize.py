@@ -11,12 +11,12 @@ Both files appear atomically once everything is tokenized.
 
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from decompax.bin import cli
 from decompax.io import tokens as tokens_lib
 
 _TOKENIZER = flags.DEFINE_string(
@@ -43,8 +43,7 @@ _OVERWRITE = flags.DEFINE_bool(
 
 def fail(message: str) -> None:
   """Print a one-line error and exit non-zero."""
-  print(f"tokenize: error: {message}", file=sys.stderr)
-  sys.exit(2)
+  cli.fail("tokenize", message)
 
 
 def load_tokenizer(path: str):
@@ -173,17 +172,9 @@ def main(argv: list[str]) -> None:
         f" {time.time() - start:.1f}s")
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """Parse flags, turning absl's parse errors into one-line errors."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(f"{e}; see --helpfull")
-
-
 def entry() -> None:
   """Launch the absl app (used by the `bin/tokenize` launcher)."""
-  app.run(main, flags_parser=parse_flags)
+  cli.launch("tokenize", main)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,14 @@ and exit with 75 for a requeue (`checkpointing`).
 
 import functools
 import os
-import sys
 import time
 from typing import NamedTuple
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
-from decompax.bin import checkpointing, evaluation, recipe, run_records
+from decompax.bin import checkpointing, cli, evaluation, recipe, run_records
 from decompax.bin import lm_setup, placement_setup, token_data, train_flags
 from decompax.bin import tokens_text
 from decompax.core import ci_fns, probe, sites as sites_lib, train_step
@@ -44,8 +43,7 @@ SHORT_NAMES = {
 
 def fail(message: str) -> None:
   """Print a one-line error and exit non-zero."""
-  print(f"train: error: {message}", file=sys.stderr)
-  sys.exit(2)
+  cli.fail("train", message)
 
 
 def resolved_flags_text() -> str:
@@ -442,17 +440,9 @@ def main(argv: list[str]) -> None:
     fail(str(e))
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """Parse flags, turning absl's parse errors into one-line errors."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(f"{e}; see --helpfull")
-
-
 def entry() -> None:
   """Launch the absl app (used by the `bin/train` launcher)."""
-  app.run(main, flags_parser=parse_flags)
+  cli.launch("train", main)
 
 
 if __name__ == "__main__":

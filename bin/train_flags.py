@@ -534,6 +534,20 @@ def config_from_flags() -> TrainConfig:
   return config
 
 
+def parse_config(*args: str) -> TrainConfig:
+  """Return the validated config of `bin/train` arguments (flagfiles
+  included) without leaving them parsed: FLAGS are back at their defaults
+  after, so one process can build several runs."""
+  flags.FLAGS.unparse_flags()
+  try:
+    argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
+    flags.FLAGS(["train", *argv])
+    return config_from_flags()
+  finally:
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS.mark_as_parsed()
+
+
 def validate(config: TrainConfig) -> None:
   """Raise ValueError naming the first invalid setting and its fix."""
   if config.c <= 0:

@@ -9,25 +9,12 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from absl import flags
 
-from decompax.bin import train, train_flags
+from decompax.bin import train
 from decompax.core import probe
 from decompax.targets import registry
 
 FLAGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "flags"
-
-
-@pytest.fixture
-def config_of():
-  def _config(*args):
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["train", *args])
-    return train_flags.config_from_flags()
-
-  yield _config
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS.mark_as_parsed()
 
 
 def _run(config):
@@ -44,10 +31,10 @@ def _run(config):
     k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
-def test_tms_5_2_embedding_becomes_one_component_per_feature(config_of):
+def test_tms_5_2_embedding_becomes_one_component_per_feature(parse):
   """TMS 5-2, paper recipe after a faithfulness warmup, 10k of its 40k steps
   (seed 1): linear1 shows the identity CI pattern with five alive components."""
-  config = config_of("--seed=1", "--num_steps=10000",
+  config = parse("--seed=1", "--num_steps=10000",
                      "--faithfulness_warmup_steps=200")
   ci, metrics = _run(config)
   assert len(probe.alive_components(ci["linear1"])) == 5
@@ -58,10 +45,10 @@ def test_tms_5_2_embedding_becomes_one_component_per_feature(config_of):
 
 
 @pytest.mark.slow
-def test_tms_5_2_vpd_flagfile_recovers_one_component_per_feature(config_of):
+def test_tms_5_2_vpd_flagfile_recovers_one_component_per_feature(parse):
   """The full VPD flagfile (40k steps): five alive components per matrix,
   each serving one feature."""
-  config = config_of(f"--flagfile={FLAGS_DIR / 'tms_5-2_vpd.flags'}")
+  config = parse(f"--flagfile={FLAGS_DIR / 'tms_5-2_vpd.flags'}")
   ci, metrics = _run(config)
   for site in ("linear1", "linear2"):
     active = probe.active_features(ci[site])

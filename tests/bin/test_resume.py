@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 
 import jax
 import pytest
-from absl import flags
 
 from decompax.bin import checkpointing, placement_setup, recipe, run_records
 from decompax.bin import train, train_flags
@@ -38,17 +37,6 @@ VPD_ARGS = (
   f"--save_every={SAVE_EVERY}", "--keep_all", "--faithfulness_warmup_steps=3",
   "--eval_every=0", "--slow_eval_every=0",
 )
-
-
-def _config(*args: str) -> train_flags.TrainConfig:
-  flags.FLAGS.unparse_flags()
-  try:
-    argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
-    flags.FLAGS(["train", *argv])
-    return train_flags.config_from_flags()
-  finally:
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS.mark_as_parsed()
 
 
 class Straight(NamedTuple):
@@ -85,7 +73,7 @@ def straight(tmp_path_factory):
   """The uninterrupted run: label 0 after warmup, saves at 4 and 8."""
   root = tmp_path_factory.mktemp("resume")
   target_path = str(root / "target.npz")
-  config = _config(*VPD_ARGS, f"--output_dir={root / 'straight'}",
+  config = train_flags.parse_config(*VPD_ARGS, f"--output_dir={root / 'straight'}",
                    f"--target_path={target_path}")
   toy, target, weights, output_dir = train.setup(config)
   session = _session(config, target)
@@ -361,7 +349,7 @@ def test_killed_mid_write_then_sigterm_resumes_without_losing_steps(
 ])
 def test_bad_checkpoint_flags_are_refused(args, message):
   with pytest.raises(ValueError, match=message):
-    _config(*args)
+    train_flags.parse_config(*args)
 
 
 def test_profile_window_writes_a_trace(straight, tmp_path):

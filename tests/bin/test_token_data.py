@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
 
 from decompax.bin import placement_setup, token_data, train, train_flags
 from decompax.io import tokens as tokens_lib
@@ -35,25 +34,12 @@ def files(tmp_path_factory):
   return tuple(paths)
 
 
-def _parse(*args):
-  flags.FLAGS.unparse_flags()
-  argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
-  flags.FLAGS(["train", *argv])
-  return train_flags.config_from_flags()
-
-
-def _config(files, *args):
-  return _parse(f"--flagfile={TINY}", f"--model_dir={MODEL_DIR}", *SMALL,
-                f"--data_path={files[0]}", f"--eval_data_path={files[1]}",
-                *args)
-
-
 @pytest.fixture(scope="module")
 def built(files):
   """Return one tiny-Llama run reading the token files, built once."""
-  config = _config(files)
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS.mark_as_parsed()
+  config = train_flags.parse_config(
+    f"--flagfile={TINY}", f"--model_dir={MODEL_DIR}", *SMALL,
+    f"--data_path={files[0]}", f"--eval_data_path={files[1]}")
   toy, _, target, load = train.resolve_target(config)
   weights = load()
   return config, toy, target, weights, train.build_run(

@@ -153,3 +153,12 @@ def test_short_run_writes_every_record(tmp_path):
     "--faithfulness_warmup_steps=5", f"--output_dir={out}")
   assert again.returncode == 2, again.stderr[-2000:]
   assert "already holds the finished run (step 20 of 20)" in again.stderr
+
+
+def test_parse_config_leaves_the_flags_at_their_defaults():
+  from absl import flags as absl_flags
+
+  from decompax.bin import train_flags as tf
+
+  assert tf.parse_config("--c=7", "--seed=3").c == 7
+  assert absl_flags.FLAGS.c == absl_flags.FLAGS["c"].default

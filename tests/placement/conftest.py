@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
 
 from decompax.bin import lm_setup, placement_setup, train, train_flags
 from decompax.placement import mesh as mesh_lib
@@ -25,18 +24,6 @@ from decompax.placement import table as table_lib
 from decompax.targets import glu_config, glu_lm, glu_target, registry
 
 FLAGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "flags"
-
-
-def parse_config(*args: str) -> train_flags.TrainConfig:
-  """Return the config of `bin/train` flags; FLAGS are restored after."""
-  flags.FLAGS.unparse_flags()
-  try:
-    argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
-    flags.FLAGS(["train", *argv])
-    return train_flags.config_from_flags()
-  finally:
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS.mark_as_parsed()
 
 
 def vpd_config(name: str, *args: str) -> train_flags.TrainConfig:
@@ -49,9 +36,9 @@ def vpd_config(name: str, *args: str) -> train_flags.TrainConfig:
   on the 2x2x2 mesh, with V/U equal to 1.8e-7. Without the warmup every
   metric, faithfulness included, agrees to ~2e-7.
   """
-  return parse_config(f"--flagfile={FLAGS_DIR / (name + '.flags')}",
-                      "--eval_every=0", "--slow_eval_every=0",
-                      "--faithfulness_warmup_steps=0", *args)
+  return train_flags.parse_config(
+    f"--flagfile={FLAGS_DIR / (name + '.flags')}", "--eval_every=0",
+    "--slow_eval_every=0", "--faithfulness_warmup_steps=0", *args)
 
 
 class Problem(NamedTuple):
@@ -83,7 +70,7 @@ def lm_problem(*args: str) -> Problem:
   """Return the two-block LM under the reference LM recipe (l18.flags:
   every term, the chunkwise-transformer CI) at toy sizes: MLPs of both
   blocks, C = 64, a one-block CI transformer of width 16, fp32."""
-  config = parse_config(
+  config = train_flags.parse_config(
     f"--flagfile={FLAGS_DIR / 'l18.flags'}", "--model_dir=unused",
     "--compute_dtype=float32", "--attention=reference", "--c=64",
     "--ci_d_model=16", "--ci_n_blocks=1", "--ci_n_heads=2",
