@@ -2,14 +2,14 @@
 
 Which tiers run after a step, the jitted eval passes on the held-out stream,
 the `eval/` scalars for `metrics.jsonl`, and the slow tier's figures and
-report, rendered on one background thread of process 0 so that the training
-loop never waits for matplotlib. At most one render runs and one waits; a
-newer slow eval replaces a waiting one.
+report, drawn by a niced child process that one background thread of
+process 0 feeds, so that the training loop never waits for matplotlib.
+Rendering is held to `--figure_cpu_share` of one core (`start_figure_worker`).
 """
 
 import functools
+import math
 import os
-import queue
 import sys
 import threading
 import time
@@ -53,51 +53,88 @@ def due(config, done: int) -> tuple[bool, bool]:
 
 
 class FigureWorker(NamedTuple):
-  """`submit(job)` queues a render; `close()` waits for the queued ones and
-  stops; `drain()` waits for them and keeps the worker."""
+  """`submit(job)` hands a render over without waiting; `close()` draws the
+  waiting job and stops; `drain()` draws it and keeps the worker."""
 
   submit: Callable[[Callable[[], Any]], None]
   close: Callable[[], None]
   drain: Callable[[], None] = lambda: None
 
 
-def start_figure_worker(enabled: bool) -> FigureWorker:
-  """Return a one-thread render queue (a no-op one when not `enabled`)."""
+def start_figure_worker(enabled: bool, cpu_share: float = 1.0,
+                        clock: Callable[[], float] = time.monotonic
+                        ) -> FigureWorker:
+  """Return a one-thread render queue (a no-op one when not `enabled`).
+
+  At most one render runs and one waits; a newer job replaces the waiting
+  one. After a render of `t` seconds the worker rests until `t / cpu_share`
+  have passed since it began, so over a run rendering takes at most
+  `cpu_share` of one core: where the step keeps every core busy (training
+  on CPU) slow evals at a short cadence would otherwise take that time from
+  the step. `drain()` and `close()` skip the rest, so the newest figures are
+  always drawn.
+  """
   if not enabled:
     return FigureWorker(lambda job: None, lambda: None)
-  jobs: queue.Queue = queue.Queue(maxsize=1)
+  if not 0.0 < cpu_share <= 1.0:
+    raise ValueError(f"the figures' CPU share must lie in (0, 1], got "
+                     f"{cpu_share}")
+  changed = threading.Condition()
+  waiting: Optional[Callable[[], Any]] = None
+  busy, flushing, closing = False, 0, False
+
+  def next_job(rest_until: float) -> Optional[Callable[[], Any]]:
+    nonlocal waiting, busy
+    with changed:
+      while waiting is None or not (flushing or closing
+                                    or clock() >= rest_until):
+        if waiting is None and closing:
+          return None
+        changed.wait(None if waiting is None else rest_until - clock())
+      job, waiting, busy = waiting, None, True
+      return job
 
   def work():
-    while (job := jobs.get()) is not None:
+    nonlocal busy
+    rest_until = -math.inf
+    while (job := next_job(rest_until)) is not None:
+      began = clock()
       try:
         job()
       except Exception:  # a failed figure must not end the run
         print("[eval] figure rendering failed:\n" + traceback.format_exc(),
               file=sys.stderr, flush=True)
-      finally:
-        jobs.task_done()
-    jobs.task_done()
+      rest_until = began + (clock() - began) / cpu_share
+      with changed:
+        busy = False
+        changed.notify_all()
 
   thread = threading.Thread(target=work, name="decompax-figures", daemon=True)
   thread.start()
 
   def submit(job):
-    while True:
-      try:
-        jobs.put_nowait(job)
-        return
-      except queue.Full:
-        try:
-          jobs.get_nowait()  # the waiting render is stale: drop it
-          jobs.task_done()
-        except queue.Empty:
-          pass
+    nonlocal waiting
+    with changed:
+      waiting = job  # the one it replaces is stale
+      changed.notify_all()
+
+  def drain():
+    nonlocal flushing
+    with changed:
+      flushing += 1
+      changed.notify_all()
+      while waiting is not None or busy:
+        changed.wait()
+      flushing -= 1
 
   def close():
-    jobs.put(None)
+    nonlocal closing
+    with changed:
+      closing = True
+      changed.notify_all()
     thread.join()
 
-  return FigureWorker(submit, close, jobs.join)
+  return FigureWorker(submit, close, drain)
 
 
 def lazy_render_process() -> render_process.RenderProcess:
@@ -117,17 +154,30 @@ def lazy_render_process() -> render_process.RenderProcess:
   return render_process.RenderProcess(run, close)
 
 
+@functools.partial(jax.jit, static_argnames="sites")
+def _gather_columns(components, sites, index):
+  picked = {}
+  for site in sites:
+    v, u = sites_lib.site_factors(components, site)
+    picked[site.name] = (jnp.take(v, index[site.name], axis=1),
+                         jnp.take(u, index[site.name], axis=0))
+  return picked
+
+
 def uv_columns(
   components, sites: tuple[sites_lib.SiteSpec, ...],
   order: dict[str, list[int]],
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """Return per site `(V[:, order], U[order, :])` fetched to the host."""
-  picked = {}
-  for site in sites:
-    v, u = sites_lib.site_factors(components, site)
-    index = jnp.asarray(order[site.name], jnp.int32)
-    picked[site.name] = (jnp.take(v, index, axis=1), jnp.take(u, index, axis=0))
-  return transfer.fetch(picked)  # collective: every process
+  # Indices padded to one length per site: one compiled gather serves every
+  # slow eval, whatever number of components is alive.
+  width = {s.name: min(MAX_UV_COLUMNS, s.c) for s in sites}
+  index = {name: np.resize(np.asarray(order[name], np.int32), width[name])
+           for name in width}
+  # collective: every process
+  picked = transfer.fetch(_gather_columns(components, sites, index))
+  return {name: (v[:, :len(order[name])], u[:len(order[name])])
+          for name, (v, u) in picked.items()}
 
 
 def column_order(summary: eval_step.EvalSummary, site: str,
@@ -187,6 +237,25 @@ def lm_table(
   return report.component_table(
     stats["tokens"], top, summary.arrays["density"],
     summary.arrays["mean_ci"], decode)
+
+
+def render_job(
+  output_dir: str, state: TrainState, output: eval_step.EvalOutput,
+  summary: eval_step.EvalSummary, sites: tuple[sites_lib.SiteSpec, ...],
+  decode: Callable[[int], str], threshold: float, top_contexts: int,
+) -> Callable[[], None]:
+  """Return the render of one slow eval: a picklable call of `render_slow`.
+
+  The drawn U/V columns are fetched now, while `state` is live (collective:
+  every process).
+  """
+  order = {s.name: column_order(summary, s.name, threshold) for s in sites}
+  uv = uv_columns(state.components, sites, order)
+  table = None
+  if "tokens" in output.stats:
+    table = lm_table(output.stats, summary, sites, decode, top_contexts)
+  return functools.partial(render_slow, output_dir, summary, uv, order,
+                           table, threshold)
 
 
 def _eval_line(done: int, scalars: dict[str, float], sites, seconds: float,
@@ -249,7 +318,7 @@ def make_evaluator(
     sample_inputs if eval_batches is None else None, constrain)
   key = eval_step.eval_data_key(config.seed)
   writer = jax.process_index() == 0
-  worker = start_figure_worker(writer and render)
+  worker = start_figure_worker(writer and render, config.figure_cpu_share)
   off_loop = lazy_render_process()
   decode = decode or str
   threshold = config.ci_alive_threshold
@@ -271,15 +340,9 @@ def make_evaluator(
     output = transfer.fetch(output)  # collective: every process
     summary = eval_step.summarize(output)
     if slow:
-      order = {s.name: column_order(summary, s.name, threshold)
-               for s in target.sites}
-      uv = uv_columns(state.components, target.sites, order)
-      table = None
-      if "tokens" in output.stats:
-        table = lm_table(output.stats, summary, target.sites, decode,
-                         eval_config.top_contexts)
-      worker.submit(functools.partial(off_loop.run, functools.partial(
-        render_slow, output_dir, summary, uv, order, table, threshold)))
+      worker.submit(functools.partial(off_loop.run, render_job(
+        output_dir, state, output, summary, target.sites, decode, threshold,
+        eval_config.top_contexts)))
     seconds = time.time() - start
     if writer:
       print(_eval_line(done, summary.scalars, target.sites, seconds, slow),

@@ -2,8 +2,10 @@
 
 Matplotlib holds the GIL for most of a render; in a thread of the training
 process it slows the loop's dispatch, and at normal priority it competes
-for the same cores as the step. The child runs at a lower priority
-(`NICENESS`), so it takes the cores the step leaves idle. Jobs are pickled
+for the same cores as the step. The child runs at the lowest priority
+(`NICENESS`), so it mostly takes the cycles the step leaves idle; where the
+step keeps every core busy, `bin/evaluation.start_figure_worker` also caps
+the renders' share of a core. Jobs are pickled
 callables sent over the child's stdin, one at a time; the child answers one
 status byte per job and prints a failed job's traceback to the shared
 stderr, never ending the run.
@@ -20,7 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-NICENESS = 10
+NICENESS = 19
 _OK, _FAILED = b"0", b"1"
 _LENGTH_BYTES = 8
 

@@ -157,6 +157,11 @@ _SLOW_EVAL_EVERY = flags.DEFINE_integer(
   "slow_eval_every", 10000, "Steps between slow evals (CI histograms and "
   "densities, hidden-activation recon, figures, report); a multiple of "
   "--eval_every; also at the last step (0: none).")
+_FIGURE_CPU_SHARE = flags.DEFINE_float(
+  "figure_cpu_share", 0.05, "Most of one CPU core that drawing the slow "
+  "evals' figures may take over a run; at a shorter cadence some slow evals "
+  "are not drawn, the last one always is (1: draw each as soon as the last "
+  "is done).")
 _EVAL_BATCHES = flags.DEFINE_integer(
   "eval_batches", 4, "Held-out batches of --batch_size per eval.")
 _SLOW_ON_FIRST_STEP = flags.DEFINE_bool(
@@ -392,6 +397,7 @@ class TrainConfig:
   ci_alive_threshold: float
   eval_every: int
   slow_eval_every: int
+  figure_cpu_share: float
   eval_batches: int
   slow_on_first_step: bool
   eval_pgd_steps: int
@@ -471,6 +477,9 @@ def _validate_eval_cadence(config: TrainConfig) -> None:
   _non_negative("slow_eval_every", config.slow_eval_every)
   _non_negative("eval_pgd_steps", config.eval_pgd_steps)
   _positive("eval_pgd_lr", config.eval_pgd_lr)
+  if not 0.0 < config.figure_cpu_share <= 1.0:
+    raise ValueError(f"--figure_cpu_share must lie in (0, 1], got "
+                     f"{config.figure_cpu_share}")
   every, slow = config.eval_every, config.slow_eval_every
   if every and every % config.log_every:
     raise ValueError(f"--eval_every={every} must be a multiple of "

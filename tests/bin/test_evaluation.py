@@ -7,6 +7,7 @@ import time
 import types
 
 import jax
+import numpy as np
 import pytest
 
 from decompax.bin import evaluation
@@ -64,6 +65,58 @@ def test_figure_worker_never_blocks_and_renders_the_newest():
   assert ran == ["slow", 4]  # stale waiting renders were replaced
 
 
+def test_figure_worker_rests_to_hold_its_cpu_share():
+  now = [0.0]
+  worker = evaluation.start_figure_worker(True, cpu_share=0.25,
+                                          clock=lambda: now[0])
+  drawn, finished = [], threading.Event()
+
+  def render(label):
+    now[0] += 1.0  # each render takes one (fake) second
+    drawn.append(label)
+    finished.set()
+
+  worker.submit(lambda: render("first"))
+  assert finished.wait(5)
+  finished.clear()
+  worker.submit(lambda: render("stale"))
+  worker.submit(lambda: render("second"))
+  time.sleep(0.2)  # inside the rest: 1 s of work allows 4 s per render
+  assert drawn == ["first"]
+  now[0] = 3.9
+  time.sleep(0.2)
+  assert drawn == ["first"]
+  now[0] = 4.0
+  worker.submit(lambda: render("third"))  # wakes the worker; replaces second
+  assert finished.wait(5)
+  assert drawn == ["first", "third"]
+
+
+def test_figure_worker_drains_and_closes_without_resting():
+  now = [0.0]
+  worker = evaluation.start_figure_worker(True, cpu_share=0.01,
+                                          clock=lambda: now[0])
+  drawn = []
+
+  def render(label):
+    now[0] += 1.0
+    drawn.append(label)
+
+  worker.submit(lambda: render("first"))
+  worker.drain()
+  worker.submit(lambda: render("drained"))
+  worker.drain()  # the rest would last 99 fake seconds
+  worker.submit(lambda: render("last"))
+  worker.close()
+  assert drawn == ["first", "drained", "last"]
+
+
+def test_figure_worker_rejects_a_share_outside_one_core():
+  for share in (0.0, 1.5):
+    with pytest.raises(ValueError, match="CPU share"):
+      evaluation.start_figure_worker(True, cpu_share=share)
+
+
 def test_failed_render_is_reported_and_the_worker_continues(capsys):
   worker = evaluation.start_figure_worker(True)
   ran = []
@@ -83,6 +136,23 @@ def test_disabled_worker_does_nothing():
   assert ran == []
 
 
+def test_uv_columns_picks_the_ordered_columns_with_one_compiled_gather():
+  sites = (sites_lib.SiteSpec("a", "a", 0, 3, 2, 5),
+           sites_lib.SiteSpec("b", "b", 0, 2, 4, 70))
+  components = sites_lib.init_components(jax.random.key(0), sites)
+  before = evaluation._gather_columns._cache_size()
+  for order in ({"a": [4, 0], "b": [69, 3, 1]},
+                {"a": [2], "b": list(range(70))}):
+    picked = evaluation.uv_columns(components, sites, order)
+    for site in sites:
+      v, u = (np.asarray(f) for f in sites_lib.site_factors(components, site))
+      want = order[site.name][:evaluation.MAX_UV_COLUMNS]
+      got_v, got_u = picked[site.name]
+      np.testing.assert_array_equal(got_v, v[:, want])
+      np.testing.assert_array_equal(got_u, u[want])
+  assert evaluation._gather_columns._cache_size() == before + 1
+
+
 def test_lm_eval_writes_component_table_figures_and_report(
     token_target, tmp_path, capsys):
   target, weights = token_target
@@ -100,7 +170,8 @@ def test_lm_eval_writes_component_table_figures_and_report(
   config = types.SimpleNamespace(
     eval_every=2, slow_eval_every=2, slow_on_first_step=True, num_steps=4,
     eval_batches=2, ci_alive_threshold=0.1, use_delta_component=False,
-    n_mask_samples=1, seed=0, eval_pgd_steps=3, eval_pgd_lr=0.1)
+    n_mask_samples=1, seed=0, eval_pgd_steps=3, eval_pgd_lr=0.1,
+    figure_cpu_share=1.0)
   (tmp_path / run_dir.FLAGS_FILE).write_text("--target=tiny_lm\n")
   metrics = str(tmp_path / run_dir.METRICS_FILE)
   vocab = ["<bos>", " the", " cat", " sat", " on", "<&>"]

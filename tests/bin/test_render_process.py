@@ -36,7 +36,8 @@ def test_child_renders_at_lower_priority_and_reports_its_death(tmp_path):
   child = render_process.start()
   child.run(functools.partial(
     exec, f"import os; open({str(out)!r}, 'w').write(str(os.nice(0)))"))
-  assert int(out.read_text()) == os.nice(0) + render_process.NICENESS
+  # The kernel caps niceness at 19, the lowest priority.
+  assert int(out.read_text()) == min(19, os.nice(0) + render_process.NICENESS)
   with pytest.raises(RuntimeError, match="exited"):
     child.run(functools.partial(os._exit, 3))  # the child dies mid-job
   child.close()

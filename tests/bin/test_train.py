@@ -68,6 +68,8 @@ def test_defaults_are_the_tms_5_2_flagfile(parse):
   (("--eval_batches=0",), "--eval_batches must be positive"),
   (("--eval_pgd_steps=-1",), "--eval_pgd_steps must be >= 0"),
   (("--eval_pgd_lr=0",), "--eval_pgd_lr must be positive"),
+  (("--figure_cpu_share=0",), "--figure_cpu_share must lie in"),
+  (("--figure_cpu_share=2",), "--figure_cpu_share must lie in"),
   (("--pgd_coeff=1", "--merged_coeff=1", "--merged_bundle=pgd"),
    "bundle 'pgd' feeds two terms"),
   (("--hidden_coeff=1",), "never stands alone"),
