@@ -2,19 +2,36 @@
 
 Run: `./dev bench eval_cost` (or `.venv/bin/python -P bench/eval_cost.py`).
 For each recipe it builds the run as `bin/train` does (untrained target
-weights), compiles the step and both eval passes, then times the same
-window of `--steps` steps three ways, in this one process:
+weights), compiles the step and both eval passes, then runs `--rounds`
+rounds. A round first times, each right after `--every` steps and in turn
+(`paired_costs`), the bare fast pass, an evaluate call of the fast tier,
+the bare fast and slow passes, and an evaluate call of both tiers. Then it
+times the same `--window` of steps three ways, in an order rotated from
+round to round so that drifting machine load falls on each way alike:
   * eval off,
-  * the fast tier every `--eval_every` steps,
-  * the fast tier plus the slow tier every `--slow_eval_every` steps, with
-    its figures and report rendered by the niced render process as in a run.
-It also times each eval pass alone. `overhead / passes` is the loop's extra
-time over the isolated cost of the eval passes it ran: near 1 means the
-eval adds its forward passes and nothing else. `same, no figures` repeats
-the fast+slow window without rendering: the loop's own cost of its evals,
-apart from the CPU the render process takes from a machine with no idle
-core. The last column projects the slowdown at the default cadences
-(fast every 1000 steps, slow every 10000) from the measured per-eval costs.
+  * the fast tier every `--every` steps,
+  * the fast tier plus the slow tier every `--slow_every` steps.
+Every window fetches the step's metrics at each eval step, as `bin/train`
+does at its log steps.
+
+Reported per recipe, as medians over the rounds with their range:
+  * `fast` and `fast+slow`: window time over the eval-off window;
+  * `loop / passes`: the fast+slow window's extra time over the time of the
+    bare passes it ran. 1 means the evals cost the loop their forward
+    passes and nothing more;
+  * `fast call / pass` and `slow call / passes`: an evaluate call over the
+    bare passes it runs; the call adds the host reduction of the outputs
+    (scalars, summed arrays, the drawn U/V columns) and the eval line;
+  * `loop / calls`: the window's extra time over the time inside its calls.
+    1 means the loop pays for the calls and nothing after them (no slower
+    steps, no waiting for figures).
+The slow tier's figures are drawn in a child process, held to
+`--figure_cpu_share` of one core (`bin/evaluation.start_figure_worker`), so
+they are not in the windows; `render s` is the CPU time of one render
+(median of three, in this process) and `figures, core share` the part of
+one core the renders take at this cadence and at the default one. The last
+column projects the loop's slowdown at the default cadences (fast every
+1000 steps, slow every 10000) from the measured per-eval loop costs.
 """
 
 import dataclasses
@@ -31,22 +48,23 @@ from decompax.io import run_dir
 from decompax.losses import eval_step
 from decompax.targets import registry
 
-_STEPS = flags.DEFINE_integer("window", 400, "Steps per timed window.")
+_WINDOW = flags.DEFINE_integer("window", 200, "Steps per timed window.")
 _EVERY = flags.DEFINE_integer("every", 50, "Fast eval cadence in the window.")
 _SLOW_EVERY = flags.DEFINE_integer(
-  "slow_every", 200, "Slow eval cadence in the window.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timings per isolated pass.")
+  "slow_every", 100, "Slow eval cadence in the window.")
+_ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds of the three windows.")
+_REPEATS = flags.DEFINE_integer(
+  "repeats", 3, "Timings per isolated pass per round.")
 _BENCH_RECIPES = flags.DEFINE_list(
   "bench_recipes", ["tms_5-2", "resid_mlp1"], "Flagfiles in flags/.")
+
+DEFAULT_EVERY, DEFAULT_SLOW_EVERY = 1000, 10000
+WAYS = ("off", "fast", "fast+slow")
 
 
 def load_recipe(name: str) -> train_flags.TrainConfig:
   """Return the validated config of `flags/<name>.flags`."""
-  argv = flags.FLAGS.read_flags_from_files([f"--flagfile=flags/{name}.flags"],
-                                           force_gnu=False)
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(["bench", *argv])
-  return train_flags.config_from_flags()
+  return train_flags.parse_config(f"--flagfile=flags/{name}.flags")
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -58,21 +76,72 @@ def _median_time(fn, repeats: int) -> float:
   return statistics.median(times)
 
 
-def _window(compiled, state, run, evaluate, steps: int):
-  """Return the wall time of `steps` steps (evaluating when given) and the
-  final state (the step donates its input)."""
+def _median_cpu(fn, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    start = time.process_time()
+    fn()
+    times.append(time.process_time() - start)
+  return statistics.median(times)
+
+
+def window(compiled, state, run, evaluate, steps: int, every: int):
+  """Run `steps` steps as `bin/train`'s loop does with `log_every = every`.
+
+  Returns the wall time, the time inside `evaluate` calls (none when it is
+  None) and the final state (the step donates its input).
+  """
+  in_calls = 0.0
   start = time.perf_counter()
   for s in range(steps):
-    state, _ = compiled(state, run.weights, run.data_key)
-    if evaluate is not None:
-      evaluate(state, s + 1)
+    state, metrics = compiled(state, run.weights, run.data_key)
+    if (s + 1) % every == 0:
+      jax.device_get(metrics)
+      if evaluate is not None:
+        called = time.perf_counter()
+        evaluate(state, s + 1)
+        in_calls += time.perf_counter() - called
   jax.block_until_ready(state)
-  return time.perf_counter() - start, state
+  return time.perf_counter() - start, in_calls, state
+
+
+def paired_costs(compiled, state, run, fns, key, evaluators, every: int,
+                 slow_every: int, repeats: int):
+  """Return median times of four things, each run right after `every`
+  steps as the loop runs its evals, and the final state: the bare fast
+  pass, an evaluate call of the fast tier, the bare fast and slow passes,
+  and an evaluate call of both tiers. The four alternate, so drifting load
+  falls on each alike.
+
+  Back to back, a pass finds its code and buffers in the caches; after a
+  stretch of steps, where the loop runs it, it does not (on the 2-core CPU
+  the tms_5-2 fast pass takes 51 ms back to back and 72 ms after 50 steps).
+  """
+  def both():
+    output, batches = fns.fast(state, run.weights, key)
+    return output, fns.slow(state, run.weights, key, batches)
+
+  measures = {
+    "fast_pass": lambda: fns.fast(state, run.weights, key),
+    "fast_call": lambda: evaluators["fast"].evaluate(state, every),
+    "both_pass": both,
+    "both_call": lambda: evaluators["fast+slow"].evaluate(state, slow_every),
+  }
+  times = {name: [] for name in measures}
+  for _ in range(repeats):
+    for name, measure in measures.items():
+      *_, state = window(compiled, state, run, None, every, every)
+      times[name].append(_median_time(measure, 1))
+  return {k: statistics.median(v) for k, v in times.items()}, state
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+  return statistics.median(values), min(values), max(values)
 
 
 def bench_recipe(name: str, steps: int, every: int, slow_every: int,
-                 repeats: int) -> dict:
-  """Return the timing record of one recipe."""
+                 rounds: int, repeats: int) -> dict:
+  """Return the timing record of one recipe (see the module docstring)."""
   config = load_recipe(name)
   toy = registry.get(config.target)
   target = toy.fns(config.c)
@@ -86,82 +155,114 @@ def bench_recipe(name: str, steps: int, every: int, slow_every: int,
   out = tempfile.mkdtemp(prefix="eval_cost_")
   run_dir.prepare_run_dir(out, f"--target={config.target}\n", False)
   timed = dataclasses.replace(
-    config, num_steps=steps + 1, log_every=1, eval_every=every,
-    slow_eval_every=slow_every, slow_on_first_step=False)
-  fast_only = dataclasses.replace(timed, slow_eval_every=0)
+    config, num_steps=steps + 1, eval_every=every, slow_eval_every=slow_every,
+    slow_on_first_step=False)
   evaluators = {
-    "fast": evaluation.make_evaluator(fast_only, target, run.ci_fn, run.terms,
-                                      run.sample_inputs, run.weights, out),
-    "fast+slow": evaluation.make_evaluator(timed, target, run.ci_fn,
-                                           run.terms, run.sample_inputs,
-                                           run.weights, out),
-    "no figures": evaluation.make_evaluator(timed, target, run.ci_fn,
-                                            run.terms, run.sample_inputs,
-                                            run.weights, out, render=False),
+    "fast": evaluation.make_evaluator(
+      dataclasses.replace(timed, slow_eval_every=0), target, run.ci_fn,
+      run.terms, run.sample_inputs, run.weights, out, render=False),
+    "fast+slow": evaluation.make_evaluator(
+      timed, target, run.ci_fn, run.terms, run.sample_inputs, run.weights,
+      out, render=False),
   }
-  for ev in evaluators.values():  # compile both tiers outside the window
+  for ev in evaluators.values():  # compile both tiers outside the windows
     ev.evaluate(state, slow_every)
-    ev.drain()  # and let those renders finish before anything is timed
-  fns = eval_step.make_eval_step(
-    target, run.ci_fn, run.terms,
-    eval_step.EvalConfig(config.eval_batches, config.num_steps,
-                         config.ci_alive_threshold,
-                         config.use_delta_component, config.n_mask_samples),
-    run.sample_inputs)
+  eval_config = eval_step.EvalConfig(
+    config.eval_batches, config.num_steps, config.ci_alive_threshold,
+    config.use_delta_component, config.n_mask_samples, pgd_steps=
+    config.eval_pgd_steps, pgd_lr=config.eval_pgd_lr)
+  fns = eval_step.make_eval_step(target, run.ci_fn, run.terms, eval_config,
+                                 run.sample_inputs)
   key = eval_step.eval_data_key(config.seed)
-  _, batches = fns.fast(state, run.weights, key)
-  step_s, state = _window(compiled, state, run, None, repeats * 10)
-  record = {
-    "recipe": name,
-    "step_ms": 1e3 * step_s / (repeats * 10),
-    "fast_ms": 1e3 * _median_time(
-      lambda: fns.fast(state, run.weights, key), repeats),
-    "slow_ms": 1e3 * _median_time(
-      lambda: fns.slow(state, run.weights, key, batches), repeats),
-  }
-  # Off is timed before and after the eval windows, against drifting load.
-  off_before, state = _window(compiled, state, run, None, steps)
-  for label, ev in evaluators.items():
-    record[f"{label}_s"], state = _window(compiled, state, run, ev.evaluate,
-                                          steps)
-    ev.close()  # a render still running must not load the next window
-  off_after, state = _window(compiled, state, run, None, steps)
-  record["off_s"] = (off_before + off_after) / 2
   n_fast, n_slow = steps // every, steps // slow_every
-  record["passes_s"] = 1e-3 * (n_fast * record["fast_ms"]
-                               + n_slow * record["slow_ms"])
+  rows = {k: [] for k in ("fast", "fast+slow", "loop", "fast_calls",
+                          "slow_calls", "loop_calls", "step_s", "fast_pass_s",
+                          "slow_pass_s", "fast_cost_s", "slow_cost_s")}
+  for r in range(rounds):
+    costs, state = paired_costs(compiled, state, run, fns, key, evaluators,
+                                every, slow_every, repeats)
+    fast_s, slow_s = costs["fast_pass"], costs["both_pass"] - costs["fast_pass"]
+    times, calls = {}, {}
+    for way in WAYS[r % 3:] + WAYS[:r % 3]:
+      evaluate = evaluators[way].evaluate if way in evaluators else None
+      times[way], calls[way], state = window(compiled, state, run, evaluate,
+                                             steps, every)
+    passes = n_fast * fast_s + n_slow * slow_s
+    extra = times["fast+slow"] - times["off"]
+    rows["fast"].append(times["fast"] / times["off"])
+    rows["fast+slow"].append(times["fast+slow"] / times["off"])
+    rows["loop"].append(extra / passes)
+    rows["fast_calls"].append(costs["fast_call"] / costs["fast_pass"])
+    rows["slow_calls"].append(costs["both_call"] / costs["both_pass"])
+    rows["loop_calls"].append(extra / calls["fast+slow"])
+    rows["step_s"].append(times["off"] / steps)
+    rows["fast_pass_s"].append(fast_s)
+    rows["slow_pass_s"].append(slow_s)
+    rows["fast_cost_s"].append((times["fast"] - times["off"]) / n_fast)
+    rows["slow_cost_s"].append(
+      (times["fast+slow"] - times["fast"]) / n_slow)
+  for ev in evaluators.values():
+    ev.close()
+  output, batches = fns.fast(state, run.weights, key)
+  output = eval_step.merge_slow(output,
+                                fns.slow(state, run.weights, key, batches))
+  output = jax.device_get(output)
+  summary = eval_step.summarize(output)
+  job = evaluation.render_job(out, state, output, summary, target.sites, str,
+                              config.ci_alive_threshold,
+                              eval_config.top_contexts)
+  job()  # matplotlib's first figure pays its imports and font cache
+  record = {k: _spread(v) for k, v in rows.items()}
+  record["recipe"] = name
+  record["render_s"] = _median_cpu(job, 3)
+  record["share"] = config.figure_cpu_share
   return record
 
 
-def _projected_ratio(r: dict, every: int, slow_every: int, steps: int,
-                     at_every: int, at_slow: int) -> float:
-  """Return the loop's slowdown at other cadences from this window's
-  measured per-eval loop costs."""
-  step_s = r["off_s"] / steps
-  fast_cost = (r["fast_s"] - r["off_s"]) / (steps // every)
-  slow_cost = (r["fast+slow_s"] - r["fast_s"]) / (steps // slow_every)
-  return 1 + (fast_cost / at_every + slow_cost / at_slow) / step_s
+def projected_ratio(r: dict, at_every: int, at_slow: int) -> float:
+  """Return the loop's slowdown at other cadences from the measured
+  per-eval loop costs (medians)."""
+  step_s = r["step_s"][0]
+  extra = r["fast_cost_s"][0] / at_every + r["slow_cost_s"][0] / at_slow
+  return 1 + extra / step_s
+
+
+def figure_share(r: dict, slow_every: int) -> float:
+  """Return the part of one core the renders take with a slow eval every
+  `slow_every` steps, under the run's cap."""
+  return min(r["share"], r["render_s"] / (slow_every * r["step_s"][0]))
+
+
+def _cell(spread: tuple[float, float, float], digits: int = 2) -> str:
+  median, low, high = spread
+  return f"{median:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
 def main(argv):
   del argv
-  window, every, slow_every = _STEPS.value, _EVERY.value, _SLOW_EVERY.value
-  repeats, recipes = _REPEATS.value, _BENCH_RECIPES.value
-  print(f"machine: {jax.devices()[0].device_kind}; window {window} steps, "
-        f"fast eval every {every}, slow every {slow_every}")
-  print(f"{'recipe':<12} {'step ms':>8} {'fast ms':>8} {'slow ms':>8} "
-        f"{'on/off fast':>11} {'on/off +slow':>12} {'overhead/passes':>15} "
-        f"{'same, no figures':>16} {'on/off @1000/10000':>18}")
+  # Read before the first recipe parse resets every flag.
+  steps, every, slow_every = _WINDOW.value, _EVERY.value, _SLOW_EVERY.value
+  rounds, repeats, recipes = _ROUNDS.value, _REPEATS.value, _BENCH_RECIPES.value
+  print(f"machine: {jax.devices()[0].device_kind}; {rounds} rounds of "
+        f"{steps}-step windows, fast eval every {every}, slow every "
+        f"{slow_every}; medians [min, max] over rounds")
+  columns = ("recipe", "step ms", "fast pass ms", "slow pass ms", "fast",
+             "fast+slow", "loop / passes", "fast call / pass",
+             "slow call / passes", "loop / calls", "render s",
+             "figures, core share", "default cadence")
+  print(" | ".join(columns))
   for name in recipes:
-    r = bench_recipe(name, window, every, slow_every, repeats)
-    overhead = r["fast+slow_s"] - r["off_s"]
-    bare = r["no figures_s"] - r["off_s"]
-    projected = _projected_ratio(r, every, slow_every, window, 1000, 10000)
-    print(f"{name:<12} {r['step_ms']:8.2f} {r['fast_ms']:8.2f} "
-          f"{r['slow_ms']:8.2f} {r['fast_s'] / r['off_s']:11.3f} "
-          f"{r['fast+slow_s'] / r['off_s']:12.3f} "
-          f"{overhead / r['passes_s']:15.2f} {bare / r['passes_s']:16.2f} "
-          f"{projected:18.4f}", flush=True)
+    r = bench_recipe(name, steps, every, slow_every, rounds, repeats)
+    cells = (
+      name, f"{1e3 * r['step_s'][0]:.2f}",
+      f"{1e3 * r['fast_pass_s'][0]:.1f}", f"{1e3 * r['slow_pass_s'][0]:.1f}",
+      _cell(r["fast"], 3), _cell(r["fast+slow"], 3), _cell(r["loop"]),
+      _cell(r["fast_calls"]), _cell(r["slow_calls"]), _cell(r["loop_calls"]),
+      f"{r['render_s']:.2f}",
+      f"{figure_share(r, slow_every):.3f} here, "
+      f"{figure_share(r, DEFAULT_SLOW_EVERY):.3f} default",
+      f"{projected_ratio(r, DEFAULT_EVERY, DEFAULT_SLOW_EVERY):.4f}")
+    print(" | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
