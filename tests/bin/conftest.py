@@ -1,5 +1,7 @@
 """Fixtures shared by the bin tests."""
 
+import functools
+import importlib.util
 import json
 import os
 import pathlib
@@ -12,6 +14,23 @@ from absl import flags
 from decompax.bin import train, train_flags
 from decompax.io import run_dir
 from decompax.targets import registry
+
+
+@functools.cache
+def _bench_module(name: str):
+  # Each script defines its absl flags at import: load it once per process.
+  root = pathlib.Path(__file__).resolve().parents[2]
+  spec = importlib.util.spec_from_file_location(
+    f"bench_{name}", root / "bench" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="session")
+def load_bench():
+  """Return a loader of `bench/<name>.py` as a module."""
+  return _bench_module
 
 
 @pytest.fixture

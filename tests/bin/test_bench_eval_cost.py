@@ -1,20 +1,11 @@
 """bench/eval_cost.py times every way of one recipe and the passes alone."""
 
-import importlib.util
-import pathlib
-
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def bench():
-  spec = importlib.util.spec_from_file_location(
-    "bench_eval_cost", ROOT / "bench" / "eval_cost.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def bench(load_bench):
+  return load_bench("eval_cost")
 
 
 @pytest.mark.slow

@@ -1,14 +1,10 @@
 """bench/prefix.py builds runs whose prefix sharing ON and OFF agree."""
 
-import importlib.util
-import pathlib
-
 import pytest
 from absl import flags
 
 from decompax.targets import glu_config
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The bench's model at test size; layer 2 leaves a two-layer prefix.
 SMALL = glu_config.GluConfig(
   n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=24,
@@ -18,12 +14,8 @@ LAYER = 2
 
 
 @pytest.fixture(scope="module")
-def bench():
-  spec = importlib.util.spec_from_file_location(
-    "bench_prefix", ROOT / "bench" / "prefix.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def bench(load_bench):
+  return load_bench("prefix")
 
 
 @pytest.mark.slow
