@@ -54,7 +54,7 @@ _SLOW_EVERY = flags.DEFINE_integer(
   "slow_every", 100, "Slow eval cadence in the window.")
 _ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds of the three windows.")
 _REPEATS = flags.DEFINE_integer(
-  "repeats", 3, "Timings per isolated pass per round.")
+  "repeats", 3, "Timings of each bare pass and call per round.")
 _BENCH_RECIPES = flags.DEFINE_list(
   "bench_recipes", ["tms_5-2", "resid_mlp1"], "Flagfiles in flags/.")
 
@@ -139,6 +139,20 @@ def _spread(values: list[float]) -> tuple[float, float, float]:
   return statistics.median(values), min(values), max(values)
 
 
+def make_evaluators(config, run, target, out: str, steps: int, every: int,
+                    slow_every: int) -> dict[str, evaluation.Evaluator]:
+  """Return the evaluators of the fast and the fast+slow windows. They draw
+  no figures: the renders run in a child process, apart from the loop."""
+  timed = dataclasses.replace(
+    config, num_steps=steps + 1, eval_every=every, slow_eval_every=slow_every,
+    slow_on_first_step=False)
+  tiers = {"fast": dataclasses.replace(timed, slow_eval_every=0),
+           "fast+slow": timed}
+  return {way: evaluation.make_evaluator(
+    tier, target, run.ci_fn, run.terms, run.sample_inputs, run.weights, out,
+    render=False) for way, tier in tiers.items()}
+
+
 def bench_recipe(name: str, steps: int, every: int, slow_every: int,
                  rounds: int, repeats: int) -> dict:
   """Return the timing record of one recipe (see the module docstring)."""
@@ -154,17 +168,8 @@ def bench_recipe(name: str, steps: int, every: int, slow_every: int,
     state, _ = compiled(state, run.weights, run.data_key)
   out = tempfile.mkdtemp(prefix="eval_cost_")
   run_dir.prepare_run_dir(out, f"--target={config.target}\n", False)
-  timed = dataclasses.replace(
-    config, num_steps=steps + 1, eval_every=every, slow_eval_every=slow_every,
-    slow_on_first_step=False)
-  evaluators = {
-    "fast": evaluation.make_evaluator(
-      dataclasses.replace(timed, slow_eval_every=0), target, run.ci_fn,
-      run.terms, run.sample_inputs, run.weights, out, render=False),
-    "fast+slow": evaluation.make_evaluator(
-      timed, target, run.ci_fn, run.terms, run.sample_inputs, run.weights,
-      out, render=False),
-  }
+  evaluators = make_evaluators(config, run, target, out, steps, every,
+                               slow_every)
   for ev in evaluators.values():  # compile both tiers outside the windows
     ev.evaluate(state, slow_every)
   eval_config = eval_step.EvalConfig(
@@ -174,49 +179,60 @@ def bench_recipe(name: str, steps: int, every: int, slow_every: int,
   fns = eval_step.make_eval_step(target, run.ci_fn, run.terms, eval_config,
                                  run.sample_inputs)
   key = eval_step.eval_data_key(config.seed)
-  n_fast, n_slow = steps // every, steps // slow_every
-  rows = {k: [] for k in ("fast", "fast+slow", "loop", "fast_calls",
-                          "slow_calls", "loop_calls", "step_s", "fast_pass_s",
-                          "slow_pass_s", "fast_cost_s", "slow_cost_s")}
+  _, batches = fns.fast(state, run.weights, key)  # compile the bare passes
+  jax.block_until_ready(fns.slow(state, run.weights, key, batches))
+  rows = []
   for r in range(rounds):
     costs, state = paired_costs(compiled, state, run, fns, key, evaluators,
                                 every, slow_every, repeats)
-    fast_s, slow_s = costs["fast_pass"], costs["both_pass"] - costs["fast_pass"]
     times, calls = {}, {}
     for way in WAYS[r % 3:] + WAYS[:r % 3]:
       evaluate = evaluators[way].evaluate if way in evaluators else None
       times[way], calls[way], state = window(compiled, state, run, evaluate,
                                              steps, every)
-    passes = n_fast * fast_s + n_slow * slow_s
-    extra = times["fast+slow"] - times["off"]
-    rows["fast"].append(times["fast"] / times["off"])
-    rows["fast+slow"].append(times["fast+slow"] / times["off"])
-    rows["loop"].append(extra / passes)
-    rows["fast_calls"].append(costs["fast_call"] / costs["fast_pass"])
-    rows["slow_calls"].append(costs["both_call"] / costs["both_pass"])
-    rows["loop_calls"].append(extra / calls["fast+slow"])
-    rows["step_s"].append(times["off"] / steps)
-    rows["fast_pass_s"].append(fast_s)
-    rows["slow_pass_s"].append(slow_s)
-    rows["fast_cost_s"].append((times["fast"] - times["off"]) / n_fast)
-    rows["slow_cost_s"].append(
-      (times["fast+slow"] - times["fast"]) / n_slow)
+    rows.append(round_row(costs, times, calls["fast+slow"], steps,
+                          steps // every, steps // slow_every))
   for ev in evaluators.values():
     ev.close()
-  output, batches = fns.fast(state, run.weights, key)
-  output = eval_step.merge_slow(output,
-                                fns.slow(state, run.weights, key, batches))
-  output = jax.device_get(output)
-  summary = eval_step.summarize(output)
-  job = evaluation.render_job(out, state, output, summary, target.sites, str,
-                              config.ci_alive_threshold,
-                              eval_config.top_contexts)
-  job()  # matplotlib's first figure pays its imports and font cache
-  record = {k: _spread(v) for k, v in rows.items()}
-  record["recipe"] = name
-  record["render_s"] = _median_cpu(job, 3)
-  record["share"] = config.figure_cpu_share
+  render_s = render_cpu_seconds(out, state, run, fns, key, target, config,
+                                eval_config.top_contexts)
+  record = {k: _spread([row[k] for row in rows]) for k in rows[0]}
+  record.update(recipe=name, render_s=render_s,
+                share=config.figure_cpu_share)
   return record
+
+
+def round_row(costs: dict, times: dict, in_calls: float, steps: int,
+              n_fast: int, n_slow: int) -> dict:
+  """Return one round's ratios and per-eval costs (see the docstring)."""
+  fast_s, slow_s = costs["fast_pass"], costs["both_pass"] - costs["fast_pass"]
+  extra = times["fast+slow"] - times["off"]
+  return {
+    "fast": times["fast"] / times["off"],
+    "fast+slow": times["fast+slow"] / times["off"],
+    "loop": extra / (n_fast * fast_s + n_slow * slow_s),
+    "fast_calls": costs["fast_call"] / costs["fast_pass"],
+    "slow_calls": costs["both_call"] / costs["both_pass"],
+    "loop_calls": extra / in_calls,
+    "step_s": times["off"] / steps,
+    "fast_pass_s": fast_s,
+    "slow_pass_s": slow_s,
+    "fast_cost_s": (times["fast"] - times["off"]) / n_fast,
+    "slow_cost_s": (times["fast+slow"] - times["fast"]) / n_slow,
+  }
+
+
+def render_cpu_seconds(out, state, run, fns, key, target, config,
+                       top_contexts: int) -> float:
+  """Return the median CPU time of drawing one slow eval's figures here."""
+  output, batches = fns.fast(state, run.weights, key)
+  output = jax.device_get(eval_step.merge_slow(
+    output, fns.slow(state, run.weights, key, batches)))
+  job = evaluation.render_job(out, state, output,
+                              eval_step.summarize(output), target.sites, str,
+                              config.ci_alive_threshold, top_contexts)
+  job()  # matplotlib's first figure pays its imports and font cache
+  return _median_cpu(job, 3)
 
 
 def projected_ratio(r: dict, at_every: int, at_slow: int) -> float:
