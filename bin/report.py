@@ -4,7 +4,6 @@ Writes `<run_dir>/report/index.html` (and its curve PNGs) from the files of
 a finished or a running run; open it in any browser.
 """
 
-
 from absl import flags, logging
 
 from decompax.bin import cli

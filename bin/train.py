@@ -207,7 +207,7 @@ def setup(config: train_flags.TrainConfig, placement=None):
   if lm_setup.is_lm(config):
     print(token_data.describe(open_token_data(config, toy)))
   if placement is not None:
-    report_placement(config, toy, target, weights, placement)
+    report_placement(config, toy, target, weights, placement, lead)
   if placement_setup.is_writer():
     run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite)
     if cache is not None and not os.path.exists(target_path):
@@ -215,15 +215,16 @@ def setup(config: train_flags.TrainConfig, placement=None):
   return toy, target, weights, output_dir
 
 
-def report_placement(config, toy, target, weights, placement) -> None:
+def report_placement(config, toy, target, weights, placement,
+                     lead: tuple[int, ...]) -> None:
   """Refuse `--place` layouts that do not tile the run's arrays (ValueError)
   and print where the preset's layouts replicate what does not tile
-  (process 0), from the run's shapes alone."""
+  (process 0), from the run's shapes alone; `lead` is the batch's lead
+  shape."""
   state = jax.eval_shape(lambda: build_run(
     config, toy, target, weights, restore=lambda state, *_: state).state)
   lines = placement_setup.check_layouts(
-    placement, state, weights,
-    lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size),
+    placement, state, weights, lead,
     jax.eval_shape(target.frozen_stacks, weights))
   if placement_setup.is_writer():
     for line in lines:
