@@ -222,6 +222,13 @@ def with_prepared(ctx: StepContext, prepared: tuple) -> StepContext:
                       compute_components=compute[0] if compute else None)
 
 
+def prepared_of(ctx: StepContext) -> tuple:
+  """Return what `with_prepared` read into `ctx` (its inverse)."""
+  if ctx.compute_components is None:
+    return ctx.components, ctx.ci
+  return ctx.components, ctx.ci, ctx.compute_components
+
+
 def cast_floats(tree: Any, dtype: Any) -> Any:
   """Return `tree` with its floating-point leaves cast to `dtype`."""
   return jax.tree.map(

@@ -36,7 +36,7 @@ from decompax.core.ci_fns import CIFn
 from decompax.core.target import Batch, TargetFns, Weights
 from decompax.core.train_step import (
   Constrain, LossTerm, StepContext, TrainState, ci_l0, clean_tap_keys,
-  no_constraint, objective, prepare, with_prepared)
+  no_constraint, objective, prepare, prepared_of, with_prepared)
 from decompax.losses import adversarial, evals, hidden, recon
 
 
@@ -83,10 +83,8 @@ def _term_values(ctx: StepContext, terms: tuple[LossTerm, ...],
   inputs = tuple(
     None if t.prepare is None else t.prepare(ctx, k, s)[1]
     for t, k, s in zip(terms, keys, term_states))
-  prepared = (ctx.components, ctx.ci)
-  if ctx.compute_components is not None:
-    prepared += (ctx.compute_components,)
-  _, (values, total, _) = objective(prepared, inputs, ctx, terms, keys)
+  _, (values, total, _) = objective(prepared_of(ctx), inputs, ctx, terms,
+                                    keys)
   out = {f"loss/{name}": v for name, v in values.items()}
   out["loss/total"] = total
   return out
