@@ -113,23 +113,28 @@ def source_layout(table: PlacementTable) -> Layout:
   return Layout(tuple(rules.items()))
 
 
+def _state_trees(table: PlacementTable, lead_shape: tuple[int, ...]):
+  # (field, category, layout, axes_fn) of every TrainState field that the
+  # table places; `step` and `rng` are replicated.
+  optimizer, ci = table.layout("optimizer"), table.layout("ci_weights")
+  sources = lambda p, x: source_axes(x, lead_shape)  # noqa: E731
+  return (
+    ("components", "optimizer", optimizer, component_axes),
+    ("components_opt", "optimizer", optimizer, component_axes),
+    ("ci_params", "ci_weights", ci, _largest),
+    ("ci_opt", "ci_weights", ci, _largest),
+    ("term_states", "adversary", source_layout(table), sources),
+  )
+
+
 def state_specs(
   table: PlacementTable, state: TrainState, lead_shape: tuple[int, ...],
   sizes: dict[str, int],
 ) -> TrainState:
   """Return a `TrainState` of `PartitionSpec`s (works on abstract states)."""
-  optimizer = table.layout("optimizer")
-  ci = table.layout("ci_weights")
   return TrainState(
-    components=_specs(state.components, optimizer, component_axes, sizes,
-                      "components"),
-    ci_params=_specs(state.ci_params, ci, _largest, sizes, "ci_params"),
-    components_opt=_specs(state.components_opt, optimizer, component_axes,
-                          sizes, "components_opt"),
-    ci_opt=_specs(state.ci_opt, ci, _largest, sizes, "ci_opt"),
-    term_states=_specs(state.term_states, source_layout(table),
-                       lambda p, x: source_axes(x, lead_shape), sizes,
-                       "term_states"),
+    **{field: _specs(getattr(state, field), layout, axes_fn, sizes, field)
+       for field, _, layout, axes_fn in _state_trees(table, lead_shape)},
     step=PartitionSpec(),
     rng=PartitionSpec(),
   )
@@ -243,20 +248,11 @@ def _resolved_trees(
   # (category, layout, tree, axes_fn, prefix) of every tree whose shapes
   # are known before the step is traced.
   batch_led = lambda p, x: batch_axes(x, lead_shape, "c")  # noqa: E731
-  sources = lambda p, x: source_axes(x, lead_shape)  # noqa: E731
-  found = [
-    ("optimizer", table.layout("optimizer"), state.components,
-     component_axes, "components"),
-    ("optimizer", table.layout("optimizer"), state.components_opt,
-     component_axes, "components_opt"),
-    ("ci_weights", table.layout("ci_weights"), state.ci_params, _largest,
-     "ci_params"),
-    ("ci_weights", table.layout("ci_weights"), state.ci_opt, _largest,
-     "ci_opt"),
-    ("adversary", source_layout(table), state.term_states, sources,
-     "term_states"),
-    ("frozen", table.layout("frozen"), weights, _largest, "weights"),
-  ]
+  found = [(category, layout, getattr(state, field), axes_fn, field)
+           for field, category, layout, axes_fn
+           in _state_trees(table, lead_shape)]
+  found.append(("frozen", table.layout("frozen"), weights, _largest,
+                "weights"))
   roles = ["compute", "operands", "faithfulness"]
   if _uses_muon(state.components_opt):
     roles.append("muon")
