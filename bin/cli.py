@@ -1,5 +1,6 @@
 """What every decompax binary shares: one-line errors and the absl launch."""
 
+import math
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -7,10 +8,10 @@ from typing import NoReturn
 from absl import app, flags
 
 
-def fail(program: str, message: str) -> NoReturn:
-  """Print `<program>: error: <message>` on one line and exit with 2."""
+def fail(program: str, message: str, code: int = 2) -> NoReturn:
+  """Print `<program>: error: <message>` on one line and exit with `code`."""
   print(f"{program}: error: {message}", file=sys.stderr)
-  sys.exit(2)
+  sys.exit(code)
 
 
 def launch(program: str, main: Callable[[list[str]], None]) -> None:
@@ -23,3 +24,27 @@ def launch(program: str, main: Callable[[list[str]], None]) -> None:
       fail(program, f"{e}; see --helpfull")
 
   app.run(main, flags_parser=parse_flags)
+
+
+class FiniteFloatParser(flags.FloatParser):
+  """Float parser that refuses NaN and infinity."""
+
+  def convert(self, argument: int | float | str) -> float:
+    # NaN fails every comparison, so later range checks let it through;
+    # refusing it here covers flagfiles and defaults alike.
+    value = super().convert(argument)
+    if not math.isfinite(value):
+      raise ValueError("must be a finite number")
+    return value
+
+
+def define_float(name: str, default: float | None, help_text: str,
+                 module_name: str):
+  """Return the holder of a float flag that refuses NaN and infinity.
+
+  Pass the defining module's `__name__`: the flag then belongs to it, as
+  with `flags.DEFINE_float`, and `get_flags_for_module` lists it.
+  """
+  return flags.DEFINE(FiniteFloatParser(), name, default, help_text,
+                      serializer=flags.ArgumentSerializer(),
+                      module_name=module_name)

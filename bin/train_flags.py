@@ -5,10 +5,47 @@ Library code never reads FLAGS: `config_from_flags` turns them into a
 """
 
 import dataclasses
+import functools
+import math
 
 from absl import flags
 
-from decompax.bin import checkpointing, run_records
+from decompax.bin import checkpointing, cli, run_records
+
+
+# Every float flag of bin/train refuses NaN and infinity.
+_define_float = functools.partial(cli.define_float, module_name=__name__)
+
+
+class _NumbersListParser(flags.ListParser):
+  """Comma-separated list parser whose numbers must be finite: each entry,
+  or with `keyed` the weight of each `kind:weight` entry (`kind:none` and
+  entries without a colon are left to the flag's reader)."""
+
+  def __init__(self, keyed: bool = False) -> None:
+    super().__init__()
+    self.keyed = keyed
+
+  def parse(self, argument: str | list[str]) -> list[str]:
+    items = super().parse(argument)
+    for item in items:
+      number = item.partition(":")[2] if self.keyed else item
+      if self.keyed and number in ("", "none"):
+        continue
+      try:
+        finite = math.isfinite(float(number))
+      except ValueError:
+        finite = False
+      if not finite:
+        raise ValueError(f"{number!r} is not a finite number")
+    return items
+
+
+def _define_numbers(name: str, default: list[str], help_text: str,
+                    keyed: bool = False):
+  return flags.DEFINE(_NumbersListParser(keyed), name, default, help_text,
+                      serializer=flags.CsvListSerializer(","))
+
 
 _TARGET = flags.DEFINE_string(
   "target", "tms_5-2",
@@ -71,33 +108,33 @@ _CI_REMAT = flags.DEFINE_bool(
 _CI_HIDDEN = flags.DEFINE_list(
   "ci_hidden", ["16"], "Hidden widths of the CI function (d_gate for "
   "component/vector MLPs).")
-_FAITHFULNESS_COEFF = flags.DEFINE_float(
+_FAITHFULNESS_COEFF = _define_float(
   "faithfulness_coeff", 1.0, "Coefficient of the faithfulness loss.")
-_IMPORTANCE_COEFF = flags.DEFINE_float(
+_IMPORTANCE_COEFF = _define_float(
   "importance_coeff", 3e-3, "Coefficient of importance minimality.")
-_P_START = flags.DEFINE_float(
+_P_START = _define_float(
   "p_start", 1.0, "Exponent p of importance minimality at step 0.")
 _P_SCHEDULE = flags.DEFINE_enum(
   "p_schedule", "constant", ["constant", "linear", "cosine"],
   "Anneal of p (no warmup: the p-anneal refuses one).")
-_P_FINAL_FRAC = flags.DEFINE_float(
+_P_FINAL_FRAC = _define_float(
   "p_final_frac", 1.0, "Final p as a fraction of --p_start.")
-_IMPORTANCE_EPS = flags.DEFINE_float(
+_IMPORTANCE_EPS = _define_float(
   "importance_eps", 1e-12, "ε inside the power of importance minimality.")
-_FREQUENCY_COEFF = flags.DEFINE_float(
+_FREQUENCY_COEFF = _define_float(
   "frequency_coeff", 0.0, "Coefficient of frequency minimality (0: off).")
-_REFERENCE_TOKEN_COUNT = flags.DEFINE_float(
+_REFERENCE_TOKEN_COUNT = _define_float(
   "reference_token_count", None, "a' of frequency minimality (default: the "
   "batch's token count).")
-_STOCHASTIC_COEFF = flags.DEFINE_float(
+_STOCHASTIC_COEFF = _define_float(
   "stochastic_coeff", 1.0, "Stochastic recon with all sites live (0: off).")
 _STOCHASTIC_ROUTING = flags.DEFINE_enum(
   "stochastic_routing", "all", ["all", "uniform_k"],
   "Routing of the all-sites stochastic term.")
-_PER_SITE_COEFF = flags.DEFINE_float(
+_PER_SITE_COEFF = _define_float(
   "per_site_coeff", 1.0, "Stochastic recon with one site live at a time "
   "(the SPD layerwise loss; 0: off).")
-_SUBSET_COEFF = flags.DEFINE_float(
+_SUBSET_COEFF = _define_float(
   "subset_coeff", 0.0, "Stochastic recon over consecutive site chunks (0: off).")
 _SUBSET_SIZE = flags.DEFINE_integer(
   "subset_size", 2, "Sites per chunk of the subset term.")
@@ -111,19 +148,19 @@ _SAMPLING = flags.DEFINE_enum(
   "Stochastic source distribution.")
 _USE_DELTA = flags.DEFINE_bool(
   "use_delta_component", False, "Add the maskable delta channel W − VU.")
-_LR = flags.DEFINE_float("lr", 1e-3, "Peak learning rate of the components.")
+_LR = _define_float("lr", 1e-3, "Peak learning rate of the components.")
 _LR_SCHEDULE = flags.DEFINE_enum(
   "lr_schedule", "cosine", ["constant", "linear", "cosine"],
   "Learning-rate decay of both optimizers.")
-_LR_FINAL_FRAC = flags.DEFINE_float(
+_LR_FINAL_FRAC = _define_float(
   "lr_final_frac", 0.0, "Final learning rate as a fraction of the peak.")
-_LR_WARMUP_PCT = flags.DEFINE_float(
+_LR_WARMUP_PCT = _define_float(
   "lr_warmup_pct", 0.0, "Fraction of steps of linear learning-rate warmup.")
-_WEIGHT_DECAY = flags.DEFINE_float(
+_WEIGHT_DECAY = _define_float(
   "weight_decay", 0.0, "AdamW weight decay of components and CI function.")
-_CLIP_MAX_NORM = flags.DEFINE_float(
+_CLIP_MAX_NORM = _define_float(
   "clip_max_norm", 0.0, "Global-norm clip of component gradients (0: off).")
-_CI_LR = flags.DEFINE_float(
+_CI_LR = _define_float(
   "ci_lr", None, "Peak learning rate of the CI function (default: --lr).")
 _NUM_STEPS = flags.DEFINE_integer("num_steps", 40_000, "Training steps.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 4096, "Batch size.")
@@ -133,9 +170,9 @@ _SEED = flags.DEFINE_integer(
 _WARMUP_STEPS = flags.DEFINE_integer(
   "faithfulness_warmup_steps", 0, "Faithfulness-only AdamW steps first (the "
   "SPD paper's recipes take none).")
-_WARMUP_LR = flags.DEFINE_float(
+_WARMUP_LR = _define_float(
   "faithfulness_warmup_lr", 0.01, "Learning rate of the warmup.")
-_WARMUP_WD = flags.DEFINE_float(
+_WARMUP_WD = _define_float(
   "faithfulness_warmup_weight_decay", 0.1, "Weight decay of the warmup.")
 _OUTPUT_DIR = flags.DEFINE_string(
   "output_dir", None, "Run directory (default: runs/<target>). Its parent "
@@ -146,7 +183,7 @@ _LOG_EVERY = flags.DEFINE_integer(
   "log_every", 500, "Steps between progress lines and metrics records.")
 _FIGURES_EVERY = flags.DEFINE_integer(
   "figures_every", 0, "Steps between figure refreshes (0: at the end only).")
-_CI_ALIVE_THRESHOLD = flags.DEFINE_float(
+_CI_ALIVE_THRESHOLD = _define_float(
   "ci_alive_threshold", 0.1, "CI above which a component counts in CI-L0.")
 _EVAL_EVERY = flags.DEFINE_integer(
   "eval_every", 1000, "Steps between fast evals on held-out batches (CI-L0, "
@@ -157,7 +194,7 @@ _SLOW_EVAL_EVERY = flags.DEFINE_integer(
   "slow_eval_every", 10000, "Steps between slow evals (CI histograms and "
   "densities, hidden-activation recon, figures, report); a multiple of "
   "--eval_every; also at the last step (0: none).")
-_FIGURE_CPU_SHARE = flags.DEFINE_float(
+_FIGURE_CPU_SHARE = _define_float(
   "figure_cpu_share", 0.05, "Most of one CPU core that drawing the slow "
   "evals' figures may take over a run; at a shorter cadence some slow evals "
   "are not drawn, the last one always is (1: draw each as soon as the last "
@@ -169,13 +206,13 @@ _SLOW_ON_FIRST_STEP = flags.DEFINE_bool(
 _EVAL_PGD_STEPS = flags.DEFINE_integer(
   "eval_pgd_steps", 20, "Sign-PGD ascents of the fast eval's fresh-PGD probe "
   "(eval/recon/pgd: every site routed, random sources per site; 0: off).")
-_EVAL_PGD_LR = flags.DEFINE_float(
+_EVAL_PGD_LR = _define_float(
   "eval_pgd_lr", 0.1, "Step size of the eval's fresh-PGD probe.")
 
 
-_P_WARMUP_PCT = flags.DEFINE_float(
+_P_WARMUP_PCT = _define_float(
   "p_warmup_pct", 0.0, "Warmup of the p-anneal: refused, p takes none.")
-_GROUPS_COEFF = flags.DEFINE_float(
+_GROUPS_COEFF = _define_float(
   "groups_coeff", 0.0, "Stochastic recon over --recon_groups (0: off).")
 _RECON_GROUPS = flags.DEFINE_string(
   "recon_groups", "", "Site groups for plans of kind `groups`: sites joined "
@@ -183,10 +220,10 @@ _RECON_GROUPS = flags.DEFINE_string(
 _GROUPS_ROUTING = flags.DEFINE_enum(
   "groups_routing", "uniform_k", ["all", "uniform_k"],
   "Routing within each group of the groups term.")
-_EMA_HALFLIFE = flags.DEFINE_float(
+_EMA_HALFLIFE = _define_float(
   "ema_halflife_steps", 0.0, "Half-life (steps) of the running firing "
   "estimate of frequency minimality (0: per-batch estimate).")
-_PGD_COEFF = flags.DEFINE_float(
+_PGD_COEFF = _define_float(
   "pgd_coeff", 0.0, "Persistent PGD recon term (0: off).")
 _PGD_PLAN = flags.DEFINE_enum(
   "pgd_plan", "all_sites", ["all_sites", "per_site", "subset", "groups"],
@@ -201,25 +238,25 @@ _PGD_PARAMETRIZATION = flags.DEFINE_enum(
   "Persistent source storage: clamped to [0,1] or raw through a sigmoid.")
 _PGD_STEP_RULE = flags.DEFINE_enum(
   "pgd_step_rule", "adam", ["adam", "sign"], "Persistent source ascent rule.")
-_PGD_LR = flags.DEFINE_float("pgd_lr", 0.01, "Persistent source step size.")
+_PGD_LR = _define_float("pgd_lr", 0.01, "Persistent source step size.")
 _PGD_LR_SCHEDULE = flags.DEFINE_enum(
   "pgd_lr_schedule", "constant", ["constant", "linear", "cosine"],
   "Source LR schedule: constant after warmup (decays are refused).")
-_PGD_LR_WARMUP_PCT = flags.DEFINE_float(
+_PGD_LR_WARMUP_PCT = _define_float(
   "pgd_lr_warmup_pct", 0.0, "Fraction of steps of source LR warmup.")
-_PGD_BETAS = flags.DEFINE_list(
+_PGD_BETAS = _define_numbers(
   "pgd_betas", ["0.5", "0.99"], "Source Adam betas b1,b2.")
-_PGD_EPS = flags.DEFINE_float("pgd_eps", 1e-8, "Source Adam eps (after the root).")
+_PGD_EPS = _define_float("pgd_eps", 1e-8, "Source Adam eps (after the root).")
 _PGD_N_WARMUP = flags.DEFINE_integer(
   "pgd_n_warmup", 0, "Supplemental all-site ascents per step.")
 _PGD_OBJECTIVE = flags.DEFINE_enum(
   "pgd_objective", "e2e", ["e2e", "term"], "What the adversary ascends.")
-_PGD_START_FRAC = flags.DEFINE_float(
+_PGD_START_FRAC = _define_float(
   "pgd_start_frac", 0.0, "Fraction of steps before the PGD term starts.")
 _PGD_BUNDLE = flags.DEFINE_string(
   "pgd_bundle", "pgd", "Name of the persistent PGD term's source bundle "
   "(a bundle feeds exactly one term).")
-_MERGED_COEFF = flags.DEFINE_float(
+_MERGED_COEFF = _define_float(
   "merged_coeff", 0.0, "Merged stochastic/persistent recon term (SPEC "
   "§5.8; 0: off). Its sources step with the --pgd_* settings.")
 _MERGED_PLAN = flags.DEFINE_enum(
@@ -228,15 +265,15 @@ _MERGED_PLAN = flags.DEFINE_enum(
 _MERGED_ROUTING = flags.DEFINE_enum(
   "merged_routing", "uniform_k", ["all", "uniform_k"],
   "Routing of the merged term's stochastic rows.")
-_MERGED_ADV_FRACTION = flags.DEFINE_float(
+_MERGED_ADV_FRACTION = _define_float(
   "merged_adv_fraction", 0.5, "Probability that a batch row of the merged "
   "term uses the persistent sources, at step 0.")
-_MERGED_ADV_FRACTION_FINAL = flags.DEFINE_float(
+_MERGED_ADV_FRACTION_FINAL = _define_float(
   "merged_adv_fraction_final_frac", 1.0, "Final adversarial fraction as a "
   "fraction of the first (linear anneal when ≠ 1).")
 _MERGED_BUNDLE = flags.DEFINE_string(
   "merged_bundle", "merged", "Name of the merged term's source bundle.")
-_HIDDEN_COEFF = flags.DEFINE_float(
+_HIDDEN_COEFF = _define_float(
   "hidden_coeff", 0.0, "Hidden-activation reconstruction rider (SPEC §5.9) "
   "on the --hidden_terms (0: off).")
 _HIDDEN_POINTS = flags.DEFINE_list(
@@ -246,7 +283,7 @@ _HIDDEN_TERMS = flags.DEFINE_list(
   "hidden_terms", [], "Recon terms the rider rides on: stochastic_recon, "
   "stochastic_recon_per_site, stochastic_recon_subset, "
   "stochastic_recon_groups, persistent_pgd_recon, merged_recon.")
-_FRESH_COEFF = flags.DEFINE_float(
+_FRESH_COEFF = _define_float(
   "fresh_pgd_coeff", 0.0, "Fresh (per-step) PGD recon term (0: off).")
 _FRESH_INIT = flags.DEFINE_enum(
   "fresh_pgd_init", "random", ["random", "ones", "zeroes"],
@@ -255,20 +292,21 @@ _FRESH_SCOPE = flags.DEFINE_enum(
   "fresh_pgd_scope", "c", ["c", "bc", "bsc"], "Fresh PGD source scope.")
 _FRESH_STEPS = flags.DEFINE_integer(
   "fresh_pgd_steps", 1, "Sign ascents of fresh PGD per step.")
-_FRESH_STEP_SIZE = flags.DEFINE_float(
+_FRESH_STEP_SIZE = _define_float(
   "fresh_pgd_step_size", 0.1, "Fresh PGD ascent step size.")
 _FRESH_ROUTING = flags.DEFINE_enum(
   "fresh_pgd_routing", "all", ["all", "uniform_k"], "Fresh PGD routing.")
-_NL_COEFF = flags.DEFINE_float(
+_NL_COEFF = _define_float(
   "nonlinearity_coeff", 0.0, "Nonlinearity locality loss (0: off).")
-_NL_THRESHOLD = flags.DEFINE_float(
+_NL_THRESHOLD = _define_float(
   "nonlinearity_threshold", 1.0, "Soft-count threshold t at step 0.")
-_NL_THRESHOLD_FINAL = flags.DEFINE_float(
+_NL_THRESHOLD_FINAL = _define_float(
   "nonlinearity_threshold_final_frac", 1.0,
   "Final threshold as a fraction of the first (linear anneal when ≠ 1).")
-_NL_WEIGHTS = flags.DEFINE_list(
+_NL_WEIGHTS = _define_numbers(
   "nonlinearity_weights", [], "Per unit kind weight, kind:weight or "
-  "kind:none (default: weight 1 for every kind the target has).")
+  "kind:none (default: weight 1 for every kind the target has).",
+  keyed=True)
 _COMPONENTS_INIT = flags.DEFINE_enum(
   "components_init", "normal", ["normal", "projected"],
   "V/U init: normal (V ~ N/√d_in, U ~ N/√C; SPEC §6.1) or projected (unit "
@@ -286,6 +324,17 @@ _KEEP_LAST = flags.DEFINE_integer(
   "pruned).")
 _KEEP_ALL = flags.DEFINE_bool(
   "keep_all", False, "Keep every checkpoint (overrides --keep_last).")
+_ON_NONFINITE = flags.DEFINE_enum(
+  "on_nonfinite", "stop", ["stop", "skip"],
+  "A step whose losses or updated state hold NaN or infinity. stop: save "
+  "nothing from it and exit 3 at the next log step or save, naming the "
+  "step, its first non-finite term and the newest good checkpoint. skip: "
+  "drop that update (the step counter still moves on) and count it in "
+  "the metrics as nonfinite/steps. May differ between launches of a run.")
+_MAX_SKIPPED_IN_A_ROW = flags.DEFINE_integer(
+  "max_skipped_in_a_row", 100, "With --on_nonfinite=skip: stop as a "
+  "diverged run once this many updates in a row were non-finite (a run "
+  "that cannot recover). May differ between launches of a run.")
 _INIT_FROM = flags.DEFINE_string(
   "init_from", None, "Fine-tune init: <run_dir>/<step> or <run_dir>/latest. "
   "Starts from that run's decomposition with fresh optimizers, adversaries, "
@@ -447,6 +496,8 @@ class TrainConfig:
   save_every: int
   keep_last: int
   keep_all: bool
+  on_nonfinite: str
+  max_skipped_in_a_row: int
   init_from: str | None
   profile_steps: str
 
@@ -618,7 +669,7 @@ def validate(config: TrainConfig) -> None:
                      "tokens)")
   if len(set(config.sites)) != len(config.sites):
     raise ValueError(f"--sites lists a site twice: {','.join(config.sites)}")
-  for name in ("save_every", "keep_last"):
+  for name in ("save_every", "keep_last", "max_skipped_in_a_row"):
     _positive(name, getattr(config, name))
   checkpointing.parse_init_from(config.init_from)
   run_records.parse_profile_steps(config.profile_steps, config.num_steps)

@@ -1,0 +1,98 @@
+"""Number flags of bin/train refuse NaN and infinity when they are parsed.
+
+A non-finite value passes every comparison in `train_flags.validate` (each
+comparison with NaN is false) and would reach the optimizer.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+
+from decompax.bin import train_flags
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FLOAT_FLAGS = sorted(
+  f.name for f in flags.FLAGS.get_flags_for_module(train_flags)
+  if isinstance(f.parser, flags.FloatParser))
+NON_FINITE = ("nan", "NaN", "inf", "-inf", "Infinity", "1e999")
+
+
+@pytest.fixture
+def parse_args():
+  """Parse `bin/train` arguments (flagfiles too); restore the defaults."""
+
+  def _parse(*args):
+    flags.FLAGS.unparse_flags()
+    argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
+    flags.FLAGS(["train", *argv])
+
+  yield _parse
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS.mark_as_parsed()
+
+
+def test_every_float_flag_is_found():
+  # Guards the parametrization below against silently covering nothing.
+  assert len(FLOAT_FLAGS) >= 38
+  assert {"lr", "pgd_eps", "ci_lr", "reference_token_count"} <= set(
+    FLOAT_FLAGS)
+
+
+@pytest.mark.parametrize("name", FLOAT_FLAGS)
+@pytest.mark.parametrize("text", NON_FINITE)
+def test_float_flags_refuse_non_finite_values(parse_args, name, text):
+  with pytest.raises(flags.IllegalFlagValueError) as info:
+    parse_args(f"--{name}={text}")
+  assert f"--{name}={text}: must be a finite number" in str(info.value)
+
+
+@pytest.mark.parametrize("name", FLOAT_FLAGS)
+def test_float_flags_keep_finite_values(parse_args, name):
+  parse_args(f"--{name}=0.25")
+  assert flags.FLAGS[name].value == 0.25
+
+
+def test_a_flagfile_value_is_checked_too(parse_args, tmp_path):
+  flagfile = tmp_path / "run.flags"
+  flagfile.write_text("--c=4\n--ci_lr=inf\n")
+  with pytest.raises(flags.IllegalFlagValueError,
+                     match="--ci_lr=inf: must be a finite number"):
+    parse_args(f"--flagfile={flagfile}")
+
+
+@pytest.mark.parametrize("name,text", [
+  ("pgd_betas", "nan,0.99"),
+  ("pgd_betas", "0.5,inf"),
+  ("pgd_betas", "0.5,x"),
+  ("nonlinearity_weights", "gelu:nan"),
+  ("nonlinearity_weights", "relu:1,gelu:-inf"),
+])
+def test_list_flags_of_numbers_refuse_non_finite_entries(parse_args, name,
+                                                         text):
+  with pytest.raises(flags.IllegalFlagValueError) as info:
+    parse_args(f"--{name}={text}")
+  assert f"--{name}={text}: " in str(info.value)
+  assert "finite number" in str(info.value)
+
+
+def test_list_flags_of_numbers_keep_good_entries(parse_args):
+  parse_args("--pgd_betas=0.9,0.999", "--nonlinearity_weights=relu:2,gelu:none")
+  assert flags.FLAGS.pgd_betas == ["0.9", "0.999"]
+  assert flags.FLAGS.nonlinearity_weights == ["relu:2", "gelu:none"]
+
+
+def test_bin_train_refuses_nan_on_one_line_before_writing(tmp_path):
+  out = tmp_path / "run"
+  result = subprocess.run(
+    [sys.executable, "-P", str(ROOT / "bin" / "train"), "--lr=nan",
+     f"--output_dir={out}"],
+    cwd=ROOT, capture_output=True, text=True, timeout=120,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+    "train: error: flag --lr=nan: must be a finite number; see --helpfull"]
+  assert not out.exists()
