@@ -38,7 +38,8 @@ def open_data(config, vocab_size: int) -> TokenData | None:
 
   Raises:
     ValueError: a file is missing, malformed, tokenized for a larger
-      vocabulary, or shorter than one sequence.
+      vocabulary, holds ids past its header's vocabulary, or is shorter
+      than one sequence.
   """
   if not config.data_path:
     return None

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from absl import flags, logging
 
 from decompax.bin import cli
+from decompax.io import hf_checkpoint
 from decompax.io import tokens as tokens_lib
 
 _TOKENIZER = flags.DEFINE_string(
@@ -35,8 +36,8 @@ _EOS_ID = flags.DEFINE_integer(
   " tokenizer's EOS token.")
 _BATCH_DOCS = flags.DEFINE_integer(
   "batch_docs", 256, "Documents tokenized per tokenizer call.")
-_PROGRESS_SECONDS = flags.DEFINE_float(
-  "progress_seconds", 10.0, "Seconds between progress lines.")
+_PROGRESS_SECONDS = cli.define_float(
+  "progress_seconds", 10.0, "Seconds between progress lines.", __name__)
 _OVERWRITE = flags.DEFINE_bool(
   "overwrite", False, "Replace an existing --output.")
 
@@ -47,23 +48,16 @@ def fail(message: str) -> None:
 
 
 def load_tokenizer(path: str):
-  """Return the tokenizer saved in directory `path` (local files only)."""
+  """Return the tokenizer saved in directory `path` (local files only).
+
+  Raises:
+    ValueError: no directory, no loadable tokenizer in it, or one of fewer
+      than two entries.
+  """
   if not os.path.isdir(path):
     raise ValueError(f"--tokenizer {path} is not a directory; give a local"
                      " Hugging Face tokenizer or model directory")
-  # transformers advises at import that torch is absent; tokenizers need
-  # none, and the advice would break the one-line error contract.
-  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-  import transformers  # noqa: PLC0415 (heavy import, only when tokenizing)
-
-  transformers.logging.set_verbosity_error()
-
-  try:
-    return transformers.AutoTokenizer.from_pretrained(
-      path, local_files_only=True)
-  except (OSError, ValueError) as e:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-    raise ValueError(f"cannot load a tokenizer from {path}: {first}") from None
+  return hf_checkpoint.read_tokenizer(path)
 
 
 def check_paths(inputs: list[str], output: str, overwrite: bool) -> None:
@@ -72,6 +66,8 @@ def check_paths(inputs: list[str], output: str, overwrite: bool) -> None:
   for path in inputs:
     if not os.path.isfile(path):
       raise ValueError(f"--input {path} not found")
+    if not os.path.getsize(path):
+      raise ValueError(f"--input {path} is empty; give a file holding text")
   if not output.endswith(".bin"):
     raise ValueError(f"--output {output} must end in .bin")
   parent = os.path.dirname(os.path.abspath(output))
@@ -125,15 +121,22 @@ def batched(docs: Iterator[str], size: int) -> Iterator[list[str]]:
 
 
 def tokenized(tokenizer, inputs, text_field, batch_docs, progress_seconds):
-  """Yield each document's ids, printing progress as it goes."""
+  """Yield each document's ids, printing progress as it goes.
+
+  Raises:
+    ValueError: an input whose documents give no ids at all, which would
+      add nothing but EOS ids to the file.
+  """
   start = last = time.time()
   n_docs = n_tokens = 0
   for path in inputs:
+    n_text = 0
     for batch in batched(read_documents(path, text_field), batch_docs):
       ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
       for doc in ids:
         n_docs += 1
         n_tokens += len(doc) + 1
+        n_text += len(doc)
         yield doc
       now = time.time()
       if now - last >= progress_seconds:
@@ -141,6 +144,10 @@ def tokenized(tokenizer, inputs, text_field, batch_docs, progress_seconds):
         rate = n_tokens / max(now - start, 1e-9)
         print(f"[tokenize] {path}: {n_docs} documents, {n_tokens} tokens,"
               f" {rate:,.0f} tokens/s", flush=True)
+    if not n_text:
+      raise ValueError(f"--input {path} tokenizes to nothing but EOS; check"
+                       " that it holds text and that --tokenizer is the"
+                       " model's tokenizer")
 
 
 def main(argv: list[str]) -> None:

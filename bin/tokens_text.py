@@ -15,10 +15,6 @@ import jax
 
 from decompax.io import hf_checkpoint
 
-# Files any Hugging Face tokenizer directory holds at least one of.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
-                   "tokenizer.model", "vocab.json")
-
 
 def _ids_only(why: str) -> Callable[[int], str]:
   if jax.process_index() == 0:
@@ -34,7 +30,7 @@ def token_decoder(model_dir: str) -> Callable[[int], str]:
   token) shows as `<id>`, so that no context position is invisible.
   """
   if not any(os.path.isfile(os.path.join(model_dir, name))
-             for name in TOKENIZER_FILES):
+             for name in hf_checkpoint.TOKENIZER_FILES):
     return _ids_only(f"no tokenizer in {model_dir}")
   try:
     tokenizer = hf_checkpoint.read_tokenizer(model_dir)

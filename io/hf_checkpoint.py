@@ -61,26 +61,76 @@ def _import_transformers():
   return transformers
 
 
-def read_tokenizer(model_dir: str):
-  """Return the checkpoint's tokenizer (transformers, local files only)."""
-  transformers = _import_transformers()
+# Files a Hugging Face tokenizer directory holds at least one of.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
+                   "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+_TOKENIZER_FIX = ("; point it at a local Hugging Face tokenizer or model"
+                  " directory holding tokenizer.json (or tokenizer_config.json"
+                  " and its vocabulary files)")
 
+
+def read_tokenizer(model_dir: str):
+  """Return the checkpoint's tokenizer (transformers, local files only).
+
+  Raises:
+    ValueError: no tokenizer files in `model_dir`, files transformers cannot
+      load, or a tokenizer of fewer than two entries (what a bare model
+      config loads as: it turns any text into nothing).
+  """
+  where = f"cannot read a tokenizer from {model_dir}"
+  if not any(os.path.isfile(os.path.join(model_dir, name))
+             for name in TOKENIZER_FILES):
+    raise ValueError(f"{where}: it holds no tokenizer.json,"
+                     " tokenizer_config.json or other tokenizer file"
+                     f"{_TOKENIZER_FIX}")
+  transformers = _import_transformers()
   try:
-    return transformers.AutoTokenizer.from_pretrained(
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
       model_dir, local_files_only=True)
-  except (ValueError, OSError) as e:
-    raise ValueError(f"cannot read a tokenizer from {model_dir}: "
-                     f"{str(e).splitlines()[0]}") from None
+  # Malformed files surface as whatever the parser of each format raises
+  # (KeyError for a tokenizer.json lacking a section); all are the
+  # directory's fault and get the one-line error.
+  except Exception as e:  # noqa: BLE001
+    why = " ".join(str(e).split())
+    raise ValueError(f"{where} ({type(e).__name__}: {why}){_TOKENIZER_FIX}"
+                     ) from None
+  if len(tokenizer) < 2:
+    raise ValueError(f"{where}: its vocabulary size is {len(tokenizer)},"
+                     f" too small to tell tokens apart{_TOKENIZER_FIX}")
+  return tokenizer
+
+
+_REFETCH = "download or copy it again"
+
+
+def _weight_map(index: str) -> dict[str, str]:
+  try:
+    with open(index, encoding="utf-8") as f:
+      weight_map = json.load(f)["weight_map"]
+    return {str(name): str(file) for name, file in weight_map.items()}
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    reason = " ".join(str(e).split()) or type(e).__name__
+    raise ValueError(f"cannot read {index}: {reason}; {_REFETCH}") from None
 
 
 def tensor_files(model_dir: str) -> dict[str, str]:
-  """Return tensor name -> safetensors file path for the checkpoint."""
+  """Return tensor name -> safetensors file path for the checkpoint.
+
+  Raises:
+    ValueError: no weights, an unreadable index, or a shard the index names
+      missing from `model_dir`.
+  """
   index = os.path.join(model_dir, "model.safetensors.index.json")
   if os.path.isfile(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
-    return {name: os.path.join(model_dir, file)
-            for name, file in weight_map.items()}
+    files = {name: os.path.join(model_dir, file)
+             for name, file in _weight_map(index).items()}
+    for path in sorted(set(files.values())):
+      if not os.path.isfile(path):
+        raise ValueError(
+          f"{index} names {os.path.relpath(path, model_dir)}, which is not "
+          f"in {model_dir}; download or copy the missing shard")
+    return files
   single = os.path.join(model_dir, "model.safetensors")
   if not os.path.isfile(single):
     raise ValueError(f"{model_dir} holds neither model.safetensors nor "
@@ -88,20 +138,64 @@ def tensor_files(model_dir: str) -> dict[str, str]:
   return {name: single for name in read_header(single)}
 
 
-def read_header(path: str) -> dict[str, dict[str, Any]]:
-  """Return a safetensors file's tensor entries (dtype, shape, offsets)."""
-  with open(path, "rb") as f:
-    (n,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(n))
+def _data_end(path: str, header: dict[str, Any]) -> int:
+  """Return the end of the data the header's entries describe."""
+  try:
+    return max((int(e["data_offsets"][1]) for e in header.values()),
+               default=0)
+  except (TypeError, KeyError, IndexError, ValueError):
+    raise ValueError(f"{path} has a malformed safetensors header (an entry "
+                     f"without data_offsets); {_REFETCH}") from None
+
+
+def _read_header(path: str) -> tuple[int, dict[str, Any]]:
+  """Return a safetensors file's header length and tensor entries.
+
+  Raises a one-line ValueError naming `path` when it is unreadable, not
+  safetensors, or shorter than its header says (a truncated copy).
+  """
+  try:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+      prefix = f.read(8)
+      n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+      raw = f.read(n) if n is not None and 8 + n <= size else b""
+  except OSError as e:
+    raise ValueError(f"cannot read {path}: {e.strerror}; {_REFETCH}") from None
+  if n is None:
+    raise ValueError(f"{path} is not a safetensors file: {size} bytes, less "
+                     f"than its 8-byte header length; {_REFETCH}")
+  if 8 + n > size:
+    raise ValueError(f"{path} is truncated: {size} bytes, but its header "
+                     f"alone takes {8 + n}; {_REFETCH}")
+  try:
+    header = json.loads(raw)
+  except ValueError:  # also UnicodeDecodeError
+    header = None
+  if not isinstance(header, dict):
+    raise ValueError(f"{path} is not a safetensors file: its header is not "
+                     f"a JSON object; {_REFETCH}")
   header.pop("__metadata__", None)
-  return header
+  need = 8 + n + _data_end(path, header)
+  if need > size:
+    raise ValueError(f"{path} is truncated: {size} bytes of the {need} its "
+                     f"header describes; {_REFETCH}")
+  return n, header
+
+
+def read_header(path: str) -> dict[str, dict[str, Any]]:
+  """Return a safetensors file's tensor entries (dtype, shape, offsets).
+
+  Raises:
+    ValueError: naming `path`, when it is short, truncated or no
+      safetensors file.
+  """
+  return _read_header(path)[1]
 
 
 def read_tensor(path: str, name: str) -> np.ndarray:
   """Return one tensor of a safetensors file, memory-mapped read-only."""
-  with open(path, "rb") as f:
-    (n,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(n))
+  n, header = _read_header(path)
   if name not in header:
     raise ValueError(f"{path} holds no tensor {name!r}")
   entry = header[name]

@@ -8,10 +8,17 @@ A token file is two files side by side:
   "dtype", "vocab_size", "num_tokens", "num_documents", "eos_id",
   "tokenizer"}`.
 
-`bin/tokenize` writes them. A batch is a pure function of `(seed, step)`:
-global row `r` is the window of `seq_len` tokens starting at a counter-based
-hash of `(seed, step, r)`, so resuming at any step costs nothing and process
-`p` of `P` reads only its own rows `[p·B/P, (p+1)·B/P)`.
+`bin/tokenize` writes them. Opening one reads every id once, in chunks of
+bounded memory, and refuses ids past the header's vocab: the header cannot
+vouch for a `.bin` edited or replaced after it was written (a recorded
+maximum would need a checksum, whose check reads every id anyway), and an
+id past the model's vocab does not fail in the embedding lookup, it trains
+on NaN.
+
+A batch is a pure function of `(seed, step)`: global row `r` is the window
+of `seq_len` tokens starting at a counter-based hash of `(seed, step, r)`,
+so resuming at any step costs nothing and process `p` of `P` reads only its
+own rows `[p·B/P, (p+1)·B/P)`.
 """
 
 import dataclasses
@@ -29,7 +36,10 @@ FORMAT = "decompax.tokens"
 VERSION = 1
 _HEADER_KEYS = ("dtype", "vocab_size", "num_tokens", "num_documents",
                 "eos_id", "tokenizer")
+_COUNT_KEYS = ("vocab_size", "num_tokens", "num_documents", "eos_id")
 _MASK64 = (1 << 64) - 1
+# Ids read per chunk when scanning a file for its largest id.
+_SCAN_IDS = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +117,10 @@ def write_tokens(
   return header
 
 
+def _is_count(value: object) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _read_header(path: str) -> TokenHeader:
   hpath = header_path(path)
   if not os.path.exists(hpath):
@@ -126,7 +140,15 @@ def _read_header(path: str) -> TokenHeader:
   missing = [k for k in _HEADER_KEYS if k not in record]
   if missing:
     raise ValueError(f"token header {hpath} lacks {missing}")
+  bad = [k for k in _COUNT_KEYS if not _is_count(record[k])]
+  if bad:
+    raise ValueError(f"token header {hpath}: {bad} must be non-negative"
+                     " integers; re-run bin/tokenize")
   header = TokenHeader(**{k: record[k] for k in _HEADER_KEYS})
+  if not 0 <= header.eos_id < header.vocab_size:
+    raise ValueError(f"token header {hpath}: EOS id {header.eos_id} is outside"
+                     f" its vocab [0, {header.vocab_size}); re-run"
+                     " bin/tokenize")
   if header.dtype != dtype_for_vocab(header.vocab_size):
     raise ValueError(
       f"token header {hpath}: dtype {header.dtype} does not match vocab size"
@@ -138,10 +160,12 @@ def open_tokens(path: run_dir.Path, vocab_size: int | None = None) -> Tokens:
   """Return the memory-mapped token file `path` (`NAME.bin`) and its header.
 
   With `vocab_size` (the model's), refuse a file tokenized for a larger vocab.
+  Every id is read once to check it against the header's vocab.
 
   Raises:
     ValueError: a missing file or header, a header that does not describe
-      the file, or a vocab larger than the model's.
+      the file (its size or its largest id), or a vocab larger than the
+      model's.
   """
   path = os.fspath(path)
   if not os.path.isfile(path):
@@ -161,9 +185,32 @@ def open_tokens(path: run_dir.Path, vocab_size: int | None = None) -> Tokens:
       f" than the model's {vocab_size}; tokenize with the model's tokenizer")
   if header.num_tokens == 0:
     raise ValueError(f"token file {path} holds no tokens")
-  ids = np.memmap(path, dtype=np.dtype(header.dtype).newbyteorder("<"),
-                  mode="r", shape=(header.num_tokens,))
+  dtype = np.dtype(header.dtype).newbyteorder("<")
+  top = max_id(path, dtype)
+  # The header's vocab is at most the model's (checked above), so ids inside
+  # it are inside the model's too.
+  if top >= header.vocab_size:
+    model = "" if vocab_size is None else f" (the model's is {vocab_size})"
+    raise ValueError(
+      f"token file {path} holds id {top}, outside the vocab"
+      f" [0, {header.vocab_size}) of its header {header_path(path)}{model};"
+      " re-run bin/tokenize with the model's tokenizer")
+  ids = np.memmap(path, dtype=dtype, mode="r", shape=(header.num_tokens,))
   return Tokens(header, ids, path)
+
+
+def max_id(path: run_dir.Path, dtype: np.dtype) -> int:
+  """Return the largest id in the flat `dtype` file `path` (0 when empty).
+
+  Reads into one reused buffer rather than through a memory map, so memory
+  stays at one chunk however large the file.
+  """
+  buffer = np.empty(_SCAN_IDS, dtype)
+  top = 0
+  with open(path, "rb") as f:
+    while n_bytes := f.readinto(buffer):
+      top = max(top, int(buffer[:n_bytes // dtype.itemsize].max()))
+  return top
 
 
 def _mix64(x: UInt[np.ndarray, "*s"]) -> UInt[np.ndarray, "*s"]:

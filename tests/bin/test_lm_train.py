@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -144,3 +145,45 @@ def test_tiny_llama_vpd_run_resumes_bitwise(parse, monkeypatch, tmp_path,
     state, m = run.built.step(state, run.weights, run.data_key)
     assert_bitwise_equal(m, metrics[k])
   assert_bitwise_equal(state, straight)
+
+
+def _truncate_half(model: pathlib.Path) -> pathlib.Path:
+  path = model / "model.safetensors"
+  data = path.read_bytes()
+  path.write_bytes(data[:len(data) // 2])
+  return path
+
+
+def _cut_to_four_bytes(model: pathlib.Path) -> pathlib.Path:
+  path = model / "model.safetensors"
+  path.write_bytes(path.read_bytes()[:4])
+  return path
+
+
+@pytest.mark.parametrize("damage,message", [
+  (_truncate_half, "is truncated"),
+  (_cut_to_four_bytes, "is not a safetensors file: 4 bytes"),
+])
+def test_damaged_weights_fail_before_writing(parse, tmp_path, damage,
+                                             message):
+  model = tmp_path / "tiny_llama"
+  shutil.copytree(ROOT / "tests" / "fixtures" / "tiny_llama", model)
+  path = damage(model)
+  out = tmp_path / "run"
+  with pytest.raises(ValueError, match=message) as info:
+    train.setup(parse(f"--flagfile={TINY}", f"--model_dir={model}",
+                      f"--output_dir={out}"))
+  assert str(info.value).startswith(f"{path} ")
+  assert not out.exists()
+
+
+def test_a_missing_shard_fails_before_writing(parse, tmp_path):
+  model = tmp_path / "tiny_qwen3"
+  shutil.copytree(ROOT / "tests" / "fixtures" / "tiny_qwen3", model)
+  (model / "model-00001-of-00002.safetensors").unlink()
+  out = tmp_path / "run"
+  with pytest.raises(ValueError, match="names model-00001-of-00002"
+                     ".safetensors, which is not in"):
+    train.setup(parse(f"--flagfile={TINY}", f"--model_dir={model}",
+                      f"--output_dir={out}"))
+  assert not out.exists()

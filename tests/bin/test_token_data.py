@@ -1,5 +1,6 @@
 """LM runs read their batches from token files (`--data_path`)."""
 
+import json
 import pathlib
 
 import jax
@@ -121,6 +122,21 @@ def test_bad_token_input_fails_before_writing(lm, tmp_path, extra, message):
   out = tmp_path / "run"
   with pytest.raises(ValueError, match=message) as info:
     train.setup(lm(*extra, f"--output_dir={out}"))
+  assert "\n" not in str(info.value)
+  assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["data_path", "eval_data_path"])
+def test_ids_past_the_vocab_fail_before_writing(lm, tmp_path, flag):
+  # A header claiming vocab 10 over ids up to 999: trained NaN from step 0.
+  forged = tmp_path / "forged.bin"
+  tokens_lib.write_tokens(forged, [np.arange(1000)], 1000, 9, "test")
+  hpath = tokens_lib.header_path(forged)
+  header = json.loads(pathlib.Path(hpath).read_text())
+  pathlib.Path(hpath).write_text(json.dumps(header | {"vocab_size": 10}))
+  out = tmp_path / "run"
+  with pytest.raises(ValueError, match=f"{forged} holds id 999") as info:
+    train.setup(lm(f"--{flag}={forged}", f"--output_dir={out}"))
   assert "\n" not in str(info.value)
   assert not out.exists()
 

@@ -9,32 +9,69 @@ import sys
 import numpy as np
 import pytest
 
-from decompax.io import tokens
+from decompax.io import hf_checkpoint, tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORDS = ["[UNK]", "[EOS]", "the", "cat", "sat", "on", "mat", "a", "dog", "."]
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-  """A word-level tokenizer saved as a Hugging Face tokenizer directory."""
+def _save_word_level(path, words, eos, unk):
+  """Save a word-level tokenizer of `words` as a Hugging Face directory."""
   import transformers  # noqa: PLC0415 (slow import; only these tests use it)
   from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
 
   word_level = Tokenizer(models.WordLevel(
-    {w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    {w: i for i, w in enumerate(words)}, unk_token=unk))
   word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  path = tmp_path_factory.mktemp("tokenizer")
   transformers.PreTrainedTokenizerFast(
-    tokenizer_object=word_level, eos_token="[EOS]", unk_token="[UNK]",
+    tokenizer_object=word_level, eos_token=eos, unk_token=unk,
   ).save_pretrained(path)
   return str(path)
 
 
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+  """A word-level tokenizer saved as a Hugging Face tokenizer directory."""
+  return _save_word_level(tmp_path_factory.mktemp("tokenizer"), WORDS,
+                          "[EOS]", "[UNK]")
+
+
+def _config_only(path):
+  # What the issue met: a model config and no tokenizer files, which
+  # transformers loads as a tokenizer of one entry.
+  (path / "config.json").write_text('{"model_type": "gpt2"}')
+  return str(path)
+
+
+def _one_entry(path):
+  return _save_word_level(path, ["[EOS]"], "[EOS]", "[EOS]")
+
+
+def _broken_json(path):
+  (path / "tokenizer.json").write_text('{"a": 1}')
+  return str(path)
+
+
+def _command(args):
+  return [sys.executable, "-P", str(ROOT / "bin" / "tokenize"), *args]
+
+
 def _tokenize(*args):
-  return subprocess.run(
-    [sys.executable, "-P", str(ROOT / "bin" / "tokenize"), *args],
-    cwd=ROOT, capture_output=True, text=True, timeout=300)
+  return subprocess.run(_command(args), cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+
+
+def _tokenize_all(*arg_lists):
+  # Concurrently: each run spends seconds importing transformers.
+  runs = [subprocess.Popen(_command(args), cwd=ROOT, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+          for args in arg_lists]
+  results = []
+  for run in runs:
+    out, err = run.communicate(timeout=300)
+    results.append(subprocess.CompletedProcess(run.args, run.returncode, out,
+                                               err))
+  return results
 
 
 def _ids(text):
@@ -87,8 +124,45 @@ def test_bad_inputs_are_one_line_errors_that_write_nothing(tmp_path,
   _assert_fails(_tokenize(*base, f"--input={tmp_path / 'none.txt'}"),
                 "none.txt not found")
   _assert_fails(_tokenize(f"--tokenizer={tmp_path}", f"--output={out}",
-                          f"--input={jsonl}"), "cannot load a tokenizer")
+                          f"--input={jsonl}"), "cannot read a tokenizer")
   assert os.listdir(out.parent) == []
   out.write_bytes(b"")
   _assert_fails(_tokenize(*base, f"--input={jsonl}"),
                 "exists; pass --overwrite")
+
+
+@pytest.mark.parametrize("make,match", [
+  (lambda path: str(path), "holds no tokenizer.json"),
+  (_config_only, "holds no tokenizer.json"),
+  (_one_entry, "its vocabulary size is 1"),
+  (_broken_json, r"\(KeyError: 'added_tokens'\)"),
+])
+def test_unusable_tokenizers_are_one_line_errors(tmp_path, make, match):
+  path = make(tmp_path)
+  with pytest.raises(ValueError, match=match) as error:
+    hf_checkpoint.read_tokenizer(path)
+  message = str(error.value)
+  assert "\n" not in message
+  assert message.startswith(f"cannot read a tokenizer from {path}")
+  assert message.endswith("tokenizer_config.json and its vocabulary files)")
+
+
+def test_inputs_that_give_no_tokens_are_refused(tmp_path, tokenizer_dir):
+  inputs = tmp_path / "inputs"
+  inputs.mkdir()
+  words = inputs / "words.txt"
+  words.write_text(" ".join(["hello"] * 5000))
+  (inputs / "empty.txt").write_text("")
+  (inputs / "blank.jsonl").write_text('{"text": ""}\n\n{"text": " "}\n')
+  out = tmp_path / "out" / "train.bin"
+  out.parent.mkdir()
+  config_only = _config_only(tmp_path)
+  base = [f"--tokenizer={tokenizer_dir}", f"--output={out}"]
+  results = _tokenize_all(
+    [f"--tokenizer={config_only}", f"--input={words}", f"--output={out}"],
+    [*base, f"--input={inputs / 'empty.txt'}"],
+    [*base, f"--input={words}", f"--input={inputs / 'blank.jsonl'}"])
+  _assert_fails(results[0], f"cannot read a tokenizer from {config_only}")
+  _assert_fails(results[1], "empty.txt is empty; give a file holding text")
+  _assert_fails(results[2], "blank.jsonl tokenizes to nothing but EOS")
+  assert os.listdir(out.parent) == []

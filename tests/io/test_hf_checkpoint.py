@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import shutil
 import struct
 
 import ml_dtypes
@@ -70,3 +71,73 @@ def test_read_config_gives_the_plain_dict():
   hf = hf_checkpoint.read_config(str(FIXTURES / "tiny_llama"))
   assert hf["model_type"] == "llama" and hf["num_hidden_layers"] == 3
   assert hf["rope_parameters"]["rope_type"] == "llama3"
+
+
+# A damaged checkpoint is refused on one line that names the file and the
+# fix; each test damages a copy of a fixture.
+
+
+def _copy(tmp_path, name):
+  out = tmp_path / name
+  shutil.copytree(FIXTURES / name, out)
+  return out
+
+
+def _load_error(model_dir, n_layers=3, qk_norm=False) -> str:
+  with pytest.raises(ValueError) as info:
+    hf_checkpoint.load_decoder_arrays(str(model_dir), n_layers, qk_norm, True)
+  message = str(info.value)
+  assert "\n" not in message
+  return message
+
+
+def test_a_file_shorter_than_its_header_length_is_named(tmp_path):
+  model = _copy(tmp_path, "tiny_llama")
+  path = model / "model.safetensors"
+  path.write_bytes(path.read_bytes()[:4])
+  assert _load_error(model) == (
+    f"{path} is not a safetensors file: 4 bytes, less than its 8-byte "
+    "header length; download or copy it again")
+
+
+def test_a_half_truncated_file_is_named(tmp_path):
+  model = _copy(tmp_path, "tiny_llama")
+  path = model / "model.safetensors"
+  data = path.read_bytes()
+  path.write_bytes(data[:len(data) // 2])
+  assert _load_error(model) == (
+    f"{path} is truncated: {len(data) // 2} bytes of the {len(data)} its "
+    "header describes; download or copy it again")
+
+
+def test_a_file_cut_inside_its_header_is_named(tmp_path):
+  model = _copy(tmp_path, "tiny_llama")
+  path = model / "model.safetensors"
+  path.write_bytes(path.read_bytes()[:20])
+  assert _load_error(model).startswith(f"{path} is truncated: 20 bytes, but "
+                                       "its header alone takes ")
+
+
+def test_a_header_that_is_not_json_is_named(tmp_path):
+  path = tmp_path / "model.safetensors"
+  path.write_bytes(struct.pack("<Q", 4) + b"\xff{}x")
+  with pytest.raises(ValueError, match="its header is not a JSON object"):
+    hf_checkpoint.tensor_files(str(tmp_path))
+
+
+def test_a_missing_shard_is_named_with_its_index(tmp_path):
+  model = _copy(tmp_path, "tiny_qwen3")
+  (model / "model-00002-of-00002.safetensors").unlink()
+  index = model / "model.safetensors.index.json"
+  assert _load_error(model, qk_norm=True) == (
+    f"{index} names model-00002-of-00002.safetensors, which is not in "
+    f"{model}; download or copy the missing shard")
+
+
+def test_an_unreadable_index_is_named(tmp_path):
+  model = _copy(tmp_path, "tiny_qwen3")
+  index = model / "model.safetensors.index.json"
+  index.write_text(index.read_text()[:100])
+  message = _load_error(model, qk_norm=True)
+  assert message.startswith(f"cannot read {index}: ")
+  assert message.endswith("; download or copy it again")

@@ -111,6 +111,9 @@ def test_missing_files_are_one_line_errors(tmp_path, token_file):
   (lambda h: json.dumps({k: v for k, v in h.items() if k != "eos_id"}),
    r"lacks \['eos_id'\]"),
   (lambda h: json.dumps(h | {"dtype": "uint32"}), "does not match vocab"),
+  (lambda h: json.dumps(h | {"vocab_size": "50"}),
+   r"\['vocab_size'\] must be non-negative integers"),
+  (lambda h: json.dumps(h | {"eos_id": VOCAB}), f"EOS id {VOCAB} is outside"),
   (lambda h: json.dumps(h | {"num_tokens": h["num_tokens"] + 1}),
    "bytes but its header promises"),
 ])
@@ -129,6 +132,31 @@ def test_truncated_file_and_small_model_vocab_are_refused(token_file):
   with open(token_file, "r+b") as f:
     f.truncate(4)
   _one_line_error(lambda: tokens.open_tokens(token_file), "re-run bin/tokenize")
+
+
+def test_ids_past_the_header_vocab_are_refused(tmp_path):
+  # The header promises vocab 10 but the ids run to 999: unchecked, they
+  # index past the model's embedding and train on NaN.
+  path = tmp_path / "forged.bin"
+  tokens.write_tokens(path, [np.arange(1000)], 1000, 9, "t")
+  hpath = tokens.header_path(path)
+  with open(hpath) as f:
+    header = json.load(f)
+  with open(hpath, "w") as f:
+    json.dump(header | {"vocab_size": 10}, f)
+  for vocab_size in (None, 10, 128):
+    _one_line_error(lambda: tokens.open_tokens(path, vocab_size),
+                    r"holds id 999, outside the vocab \[0, 10\)")
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 23])
+def test_max_id_reads_every_chunk(tmp_path, monkeypatch, n):
+  monkeypatch.setattr(tokens, "_SCAN_IDS", 4)
+  path = tmp_path / "ids.bin"
+  ids = np.arange(n, dtype="<u4")[::-1].copy()
+  ids[-1] = 70_000  # in the last, possibly partial, chunk
+  ids.tofile(path)
+  assert tokens.max_id(path, np.dtype("<u4")) == 70_000
 
 
 def test_bad_batch_requests_are_one_line_errors(token_file):
