@@ -10,14 +10,26 @@ callables sent over the child's stdin, one at a time; the child answers one
 status byte per job and prints a failed job's traceback to the shared
 stderr, never ending the run.
 
-`python -m decompax.bin.render_process` is the child's entry point.
+The child dies with the training process, whatever ends it: on Linux through
+a parent-death signal, elsewhere within `_POLL_S` of noticing it was
+orphaned. An audit hook also checks for the parent before every file the
+child creates, renames or removes, so a killed run's directory is never
+written, or recreated, after the kill. Ctrl-C is left to the parent.
+
+`python -m decompax.bin.render_process <parent pid>` is the child's entry
+point.
 """
 
+import contextlib
+import ctypes
 import io
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -25,6 +37,15 @@ from typing import Any, NamedTuple
 NICENESS = 19
 _OK, _FAILED = b"0", b"1"
 _LENGTH_BYTES = 8
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_POLL_S = 0.2
+# Audit events of calls that change the file system; `open` counts when its
+# flags can write.
+_CHANGES = frozenset({"os.rename", "os.mkdir", "os.remove", "os.rmdir",
+                      "os.truncate", "os.link", "os.symlink",
+                      "shutil.rmtree"})
+_WRITE_FLAGS = (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND
+                | os.O_TRUNC)
 
 
 class RenderProcess(NamedTuple):
@@ -35,9 +56,15 @@ class RenderProcess(NamedTuple):
 
 
 def start() -> RenderProcess:
-  """Start the child; its stderr is this process's."""
+  """Start the child; its stderr is this process's.
+
+  On Linux the child also dies with the thread that calls this (the
+  parent-death signal follows the creating thread), so start it from the
+  thread that runs its jobs.
+  """
   child = subprocess.Popen(
-    [sys.executable, "-P", "-m", "decompax.bin.render_process"],
+    [sys.executable, "-P", "-m", "decompax.bin.render_process",
+     str(os.getpid())],
     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
   def run(job):
@@ -82,19 +109,65 @@ def serve(jobs: io.BufferedIOBase, answers: io.BufferedIOBase) -> None:
   while (job := _read_job(jobs)) is not None:
     try:
       job()
-      answers.write(_OK)
+      status = _OK
     except Exception:  # a failed figure must not end the run
       print("[eval] figure rendering failed:\n" + traceback.format_exc(),
             file=sys.stderr, flush=True)
-      answers.write(_FAILED)
+      status = _FAILED
     try:
+      answers.write(status)
       answers.flush()
     except BrokenPipeError:
       return  # the parent has exited; its run ends without these figures
 
 
-if __name__ == "__main__":
+def _orphaned(parent: int) -> bool:
+  # An orphan is adopted by init or a subreaper: its parent id changes.
+  return os.getppid() != parent
+
+
+def _set_parent_death_signal() -> None:
+  if sys.platform.startswith("linux"):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _watch_parent(parent: int) -> None:
+  """Exit the process once `parent` is gone; polls, for any platform."""
+  while not _orphaned(parent):
+    time.sleep(_POLL_S)
+  os._exit(0)
+
+
+def _write_guard(parent: int) -> Callable[[str, tuple], None]:
+  """Return an audit hook that exits the process, before the call, when a
+  file system change is attempted after `parent` is gone."""
+
+  def hook(event: str, args: tuple) -> None:
+    writes = event in _CHANGES or (
+      event == "open" and isinstance(args[2], int)
+      and args[2] & _WRITE_FLAGS)
+    if writes and _orphaned(parent):
+      os._exit(0)
+
+  return hook
+
+
+def main(parent: int) -> None:
+  """Serve jobs from stdin for as long as `parent` lives, then exit."""
+  _set_parent_death_signal()
+  # Also catches a parent that died before the signal was armed.
+  threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+  # Jobs are arbitrary callables: a hook is the one place that sees every
+  # write they make.
+  sys.addaudithook(_write_guard(parent))
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
   os.nice(NICENESS)
-  serve(sys.stdin.buffer, sys.stdout.buffer)
+  with contextlib.suppress(BrokenPipeError):  # stderr gone with the parent
+    serve(sys.stdin.buffer, sys.stdout.buffer)
   # Skips the exit-time flush of an answer pipe the parent may have closed.
   os._exit(0)
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]))

@@ -16,7 +16,7 @@ import sys
 
 import jax
 
-from decompax.io import run_dir
+from decompax.io import checkpoint, run_dir
 
 RUN_INFO_FILE = "run_info.json"
 PROFILE_DIR = "profile"
@@ -70,7 +70,11 @@ def launch_record(mode: str) -> dict:
 
 
 def record_launch(output_dir: str, mode: str) -> None:
-  """Append this launch to `<output_dir>/run_info.json` (atomically)."""
+  """Append this launch to `<output_dir>/run_info.json` (atomically).
+
+  Raises CheckpointError naming the file when the disk refuses the write:
+  `bin/train` reports that on one line once training has begun.
+  """
   path = os.path.join(output_dir, RUN_INFO_FILE)
   launches = []
   if os.path.exists(path):
@@ -81,7 +85,10 @@ def record_launch(output_dir: str, mode: str) -> None:
       launches = []  # an unreadable record is replaced, never fatal
   launches.append(launch_record(mode))
   text = json.dumps({"launches": launches}, indent=1)
-  run_dir.atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+  try:
+    run_dir.atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+  except OSError as e:
+    raise checkpoint.CheckpointError(run_dir.write_refusal(path, e)) from None
 
 
 def parse_profile_steps(text: str, num_steps: int) -> tuple[int, int] | None:

@@ -2,8 +2,9 @@
 
 Figures are built on `matplotlib.figure.Figure` directly, never pyplot, so no
 GUI backend or global figure registry is involved and plotting is safe from
-any thread. Each plot function writes one small PNG atomically (the parent
-directory is created if needed) and returns its path.
+any thread. Each plot function writes one small PNG atomically and returns
+its path; the PNG's directory is created if its own parent exists, so a
+deleted run directory is never recreated.
 
 Per site, `ci` is `[n_features, c]`: the causal importance of every component
 (column) on the one-hot input of every feature (row). `v` is `[d_in, c]` and
@@ -11,6 +12,7 @@ Per site, `ci` is `[n_features, c]`: the causal importance of every component
 axis.
 """
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -32,7 +34,10 @@ _MAX_LABELLED_COLUMNS = 16
 
 def _save_png(fig: Figure, path: run_dir.Path) -> str:
   path = os.fspath(path)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  # One level only: a render that outlives its run fails here instead of
+  # recreating the deleted run directory.
+  with contextlib.suppress(FileExistsError):
+    os.mkdir(os.path.dirname(os.path.abspath(path)))
   return run_dir.atomic_write(
     path, lambda f: fig.savefig(f, format="png", dpi=_DPI))
 

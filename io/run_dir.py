@@ -4,17 +4,22 @@ A run directory holds `flags.txt`, `metrics.jsonl`, `figures/` and `.npz`
 files. Whole files are written by `atomic_write` (temporary file in the same
 directory, fsync, `os.replace`), so a crash leaves the old file or the new
 one, never half of one. Metrics are appended one JSON line at a time instead,
-and readers skip a line torn by a crash.
+and readers skip a line torn by a crash. While a run lives, its writer holds
+the lock of `.lock` (`lock_run_dir`), so a second trainer cannot write there.
 
 Array files map slash-joined tree paths (`components/mlp_up/v`) to arrays
 (STYLE §9), so files stay readable when record classes are renamed.
 """
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
+import socket
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
@@ -33,6 +38,11 @@ METRICS_FILE = "metrics.jsonl"
 RUN_ENTRIES = (FLAGS_FILE, METRICS_FILE, "figures", "decomposition.npz",
                "target.npz", "checkpoints", "run_info.json", "profile",
                "NO_CHECKPOINTS", "report")
+# Held by the live run's writer; never in RUN_ENTRIES, so `--overwrite`
+# keeps it and cannot take a live run's directory.
+LOCK_FILE = ".lock"
+# flock errors of file systems that do not lock (Lustre mounted noflock).
+_NO_LOCKING = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 _METADATA_KEY = "__metadata__"
 # Dtype names per array: numpy stores ml_dtypes (bfloat16) as raw void bytes.
 _DTYPES_KEY = "__dtypes__"
@@ -73,18 +83,54 @@ def fsync_dir(path: str) -> None:
       os.close(fd)
 
 
+def _flag_values(text: str) -> dict[str, str]:
+  """Return the `--name=value` lines of a flags text as {name: value}."""
+  values = {}
+  for line in text.splitlines():
+    name, sep, value = line.removeprefix("--").partition("=")
+    if line.startswith("--") and sep:
+      values[name] = value
+  return values
+
+
+def _shown(value: str | None) -> str:
+  if value is None:
+    return "not recorded"
+  return value or "unset"
+
+
+def flag_changes(old_text: str, new_text: str, shown: int = 4) -> str:
+  """Return the flags that differ, `--lr was 0.001, now 0.002; ...`."""
+  old, new = _flag_values(old_text), _flag_values(new_text)
+  names = sorted(n for n in old.keys() | new.keys()
+                 if old.get(n) != new.get(n))
+  if not names:
+    return f"its {FLAGS_FILE} lists the same values in another form"
+  changes = [f"--{n} was {_shown(old.get(n))}, now {_shown(new.get(n))}"
+             for n in names[:shown]]
+  if len(names) > shown:
+    changes.append(f"and {len(names) - shown} more")
+  return "; ".join(changes)
+
+
 def _conflict(path: str, flags_text: str) -> str | None:
-  """Return why `path` cannot host a run with `flags_text`, or None."""
+  """Return why `path` cannot host a run with `flags_text` and the fix,
+  or None."""
   if not os.path.isdir(path):
     return None
   flags_path = os.path.join(path, FLAGS_FILE)
   if os.path.isfile(flags_path):
-    with open(flags_path, encoding="utf-8") as f:
-      if f.read() == flags_text:
-        return None
-    return "it holds a run with different flags"
+    with open(flags_path, encoding="utf-8", errors="replace") as f:
+      old_text = f.read()
+    if old_text == flags_text:
+      return None
+    changes = flag_changes(old_text, flags_text)
+    return (f"holds a run with other flags ({changes}); resume it with the "
+            "same flags, replace it with --overwrite, or choose another "
+            "--output_dir")
   if any(os.path.lexists(os.path.join(path, e)) for e in RUN_ENTRIES):
-    return f"it holds run files but no {FLAGS_FILE}"
+    return (f"holds run files but no {FLAGS_FILE}; pass --overwrite or choose "
+            "another --output_dir")
   return None
 
 
@@ -97,27 +143,79 @@ def _remove_run_entries(path: str) -> None:
       os.remove(full)
 
 
-def check_run_dir(path: Path, flags_text: str, overwrite: bool) -> None:
-  """Raise ValueError, touching nothing, unless `path` can host this run.
+def write_refusal(path: str, error: OSError) -> str:
+  """Return, on one line, why `path` could not be written and the fix."""
+  reason = error.strerror or str(error)
+  if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    fix = "free space there and rerun, or choose another --output_dir"
+  elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+    fix = "choose a writable --output_dir"
+  else:
+    fix = "choose another --output_dir"
+  return f"cannot write to {path}: {reason}; {fix}"
 
-  The parent must exist; an existing directory must hold the same flags
-  (a resume) unless `overwrite`.
-  """
-  path = os.path.abspath(os.fspath(path))
+
+def _check_writable(directory: str, size: int) -> None:
+  """Raise ValueError unless `size` bytes can be written in `directory`."""
+  # Asking os.access is not enough: root passes it on a read-only mount and
+  # it knows nothing of free space. A probe of the flags file's size fails
+  # the way the first real write would, before anything is written.
+  try:
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-probe.")
+  except OSError as e:
+    raise ValueError(write_refusal(directory, e)) from None
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(b"\0" * size)
+      f.flush()
+      os.fsync(f.fileno())
+  except OSError as e:
+    raise ValueError(write_refusal(directory, e)) from None
+  finally:
+    with contextlib.suppress(OSError):
+      os.remove(probe)
+
+
+def _not_a_directory(path: str) -> str:
+  if os.path.isfile(path):
+    return "is a file, not a directory"
+  return "is not a directory"
+
+
+def _check_parent(path: str) -> None:
+  """Raise ValueError unless the parent of `path` is a directory."""
   parent = os.path.dirname(path)
-  if not os.path.isdir(parent):
+  if os.path.isdir(parent):
+    return
+  ancestor = parent
+  while not os.path.lexists(ancestor):
+    ancestor = os.path.dirname(ancestor)
+  if os.path.isdir(ancestor):
     raise ValueError(
       f"output parent {parent} does not exist; create it or choose another"
       " --output_dir")
+  raise ValueError(
+    f"{ancestor} {_not_a_directory(ancestor)}; choose another --output_dir")
+
+
+def check_run_dir(path: Path, flags_text: str, overwrite: bool) -> None:
+  """Raise ValueError, leaving nothing behind, unless `path` can host this run.
+
+  The parent must be a directory; an existing directory must hold the same
+  flags (a resume) unless `overwrite`; and the directory that will receive
+  the run's first file must take one of `flags_text`'s size (a probe file,
+  removed again).
+  """
+  path = os.path.abspath(os.fspath(path))
+  _check_parent(path)
   if os.path.lexists(path) and not os.path.isdir(path):
-    raise ValueError(
-      f"output dir {path} exists and is not a directory; choose another"
-      " --output_dir")
+    raise ValueError(f"output dir {path} {_not_a_directory(path)}; choose "
+                     "another --output_dir")
   reason = _conflict(path, flags_text)
   if reason is not None and not overwrite:
-    raise ValueError(
-      f"output dir {path}: {reason}; pass --overwrite or choose another"
-      " --output_dir")
+    raise ValueError(f"output dir {path} {reason}")
+  _check_writable(path if os.path.isdir(path) else os.path.dirname(path),
+                  len(flags_text.encode("utf-8")))
 
 
 def prepare_run_dir(path: Path, flags_text: str, overwrite: bool) -> None:
@@ -135,6 +233,58 @@ def prepare_run_dir(path: Path, flags_text: str, overwrite: bool) -> None:
   os.makedirs(path, exist_ok=True)
   atomic_write(os.path.join(path, FLAGS_FILE),
                lambda f: f.write(flags_text.encode("utf-8")))
+
+
+def _holder(fd: int) -> str:
+  """Return the holder recorded in the lock file `fd`, on one line."""
+  text = os.pread(fd, 256, 0).decode("utf-8", "replace")
+  return " ".join(text.split()) or "another process"
+
+
+def _open_lock(path: str) -> int:
+  try:
+    with contextlib.suppress(FileExistsError):
+      os.mkdir(path)
+    return os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT,
+                   0o644)
+  except OSError as e:
+    raise ValueError(f"cannot lock output dir {path}: {e.strerror}; choose "
+                     "another --output_dir") from e
+
+
+def lock_run_dir(path: Path) -> int:
+  """Return an open descriptor holding the exclusive lock of run `path`.
+
+  Creates `path` (its parent must exist) and `path/.lock`, into which the
+  holder writes `pid <pid> on <host>`. The lock lives as long as the
+  descriptor, so it lasts for the process's life unless closed, and the
+  kernel drops it when the process dies: the file a dead run left never
+  blocks. Raises a one-line ValueError naming the holder when another
+  process holds the lock. Where the file system cannot lock, warns and
+  returns the descriptor unlocked.
+  """
+  path = os.path.abspath(os.fspath(path))
+  fd = _open_lock(path)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    holder = _holder(fd)
+    os.close(fd)
+    raise ValueError(
+      f"output dir {path} is in use by {holder}; wait for that run to end "
+      "or choose another --output_dir") from None
+  except OSError as e:
+    if e.errno not in _NO_LOCKING:
+      os.close(fd)
+      raise ValueError(f"cannot lock output dir {path}: {e.strerror}; "
+                       "choose another --output_dir") from e
+    warnings.warn(f"{path} cannot be locked ({e.strerror}); a second "
+                  "trainer on it would not be refused")
+    return fd
+  me = f"pid {os.getpid()} on {socket.gethostname()}\n".encode("utf-8")
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, me, 0)
+  return fd
 
 
 def _json_default(value: Any) -> Any:

@@ -1,5 +1,6 @@
 """bin/train: flagfiles, bad input, and one short end-to-end run."""
 
+import errno
 import json
 import os
 import pathlib
@@ -164,3 +165,63 @@ def test_parse_config_leaves_the_flags_at_their_defaults():
 
   assert tf.parse_config("--c=7", "--seed=3").c == 7
   assert absl_flags.FLAGS.c == absl_flags.FLAGS["c"].default
+
+
+def test_rerun_with_other_flags_names_them(parse, tmp_path):
+  out = tmp_path / "run"
+  parse(f"--output_dir={out}", "--lr=0.001", "--c=8")
+  run_dir.prepare_run_dir(out, train.resolved_flags_text(), overwrite=False)
+  with pytest.raises(ValueError) as info:
+    train.setup(parse(f"--output_dir={out}", "--lr=0.002", "--c=8"))
+  assert str(info.value) == (
+    f"output dir {out} holds a run with other flags (--lr was 0.001, now "
+    "0.002); resume it with the same flags, replace it with --overwrite, or "
+    "choose another --output_dir")
+
+
+def _disk_full(monkeypatch):
+  def fsync(fd):
+    del fd
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_rerun_on_a_full_disk_is_refused_before_writing(parse, tmp_path,
+                                                        monkeypatch):
+  out = tmp_path / "run"
+  args = (f"--output_dir={out}", "--c=8")
+  parse(*args)
+  run_dir.prepare_run_dir(out, train.resolved_flags_text(), overwrite=False)
+  before = {p: p.stat().st_mtime_ns for p in out.iterdir()}
+  config = parse(*args)
+  _disk_full(monkeypatch)
+  with pytest.raises(ValueError) as info:
+    train.setup(config)
+  assert str(info.value) == (
+    f"cannot write to {out}: No space left on device; free space there and "
+    "rerun, or choose another --output_dir")
+  assert {p: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_a_full_disk_at_the_launch_record_is_one_line(tmp_path, monkeypatch):
+  from decompax.bin import run_records
+  from decompax.io import checkpoint
+
+  _disk_full(monkeypatch)
+  with pytest.raises(checkpoint.CheckpointError) as info:
+    run_records.record_launch(str(tmp_path), "resume")
+  assert str(info.value) == (
+    f"cannot write to {tmp_path / 'run_info.json'}: No space left on "
+    "device; free space there and rerun, or choose another --output_dir")
+  assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_output_dirs_are_refused_in_setup(parse, tmp_path):
+  afile = tmp_path / "afile"
+  afile.write_text("x")
+  with pytest.raises(ValueError, match=f"^{afile} is a file, not a dir"):
+    train.setup(parse(f"--output_dir={afile / 'x'}"))
+  if os.path.isdir("/sys"):  # read-only even for root
+    with pytest.raises(ValueError, match="^cannot write to /sys: "):
+      train.setup(parse("--output_dir=/sys/decompax_run"))

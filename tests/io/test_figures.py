@@ -81,3 +81,13 @@ def test_plot_components_labels_gathered_columns(tmp_path):
   path = figures.plot_components(uv, tmp_path / "uv.png",
                                  column_labels={"a": [7, 3]})
   assert _is_png(path)
+
+
+def test_a_deleted_run_directory_is_not_recreated(tmp_path):
+  run = tmp_path / "run"
+  with pytest.raises(FileNotFoundError):
+    figures.plot_loss_curves([], run / "figures" / "losses.png")
+  assert not run.exists()
+  run.mkdir()  # a live run: its figures directory is made on first use
+  figures.plot_loss_curves([], run / "figures" / "losses.png")
+  assert _is_png(run / "figures" / "losses.png")

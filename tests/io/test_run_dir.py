@@ -1,7 +1,12 @@
 """Tests for decompax.io.run_dir."""
 
+import errno
+import fcntl
 import json
 import os
+import socket
+import subprocess
+import sys
 from typing import NamedTuple
 
 import jax
@@ -119,6 +124,85 @@ def test_prepare_overwrite_removes_only_run_entries(tmp_path):
   run_dir.prepare_run_dir(out, "--c=6\n", overwrite=True)
   assert sorted(os.listdir(out)) == ["flags.txt", "notes.md"]
   assert (out / "flags.txt").read_text() == "--c=6\n"
+
+
+def _me(pid=None):
+  return f"pid {pid or os.getpid()} on {socket.gethostname()}"
+
+
+def test_lock_creates_the_dir_and_names_its_holder(tmp_path):
+  out = tmp_path / "run"
+  fd = run_dir.lock_run_dir(out)
+  try:
+    assert (out / run_dir.LOCK_FILE).read_text() == _me() + "\n"
+    # A second descriptor is a second holder, even in this process.
+    with pytest.raises(ValueError) as info:
+      run_dir.lock_run_dir(out)
+    assert str(info.value) == (
+      f"output dir {out} is in use by {_me()}; wait for that run to end or"
+      " choose another --output_dir")
+  finally:
+    os.close(fd)
+  os.close(run_dir.lock_run_dir(out))  # closing released it
+
+
+def test_lock_of_a_dead_process_does_not_block(tmp_path):
+  out = tmp_path / "run"
+  holder = subprocess.Popen(
+    [sys.executable, "-P", "-c",
+     "import sys, time; from decompax.io import run_dir; "
+     "run_dir.lock_run_dir(sys.argv[1]); print('locked', flush=True); "
+     "time.sleep(60)", str(out)],
+    stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "locked\n"
+    with pytest.raises(ValueError, match=f"in use by {_me(holder.pid)};"):
+      run_dir.lock_run_dir(out)
+  finally:
+    holder.kill()
+    holder.wait()
+  fd = run_dir.lock_run_dir(out)
+  assert (out / run_dir.LOCK_FILE).read_text() == _me() + "\n"
+  os.close(fd)
+
+
+def test_overwrite_keeps_the_lock(tmp_path):
+  out = tmp_path / "run"
+  fd = run_dir.lock_run_dir(out)
+  try:
+    run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+    run_dir.prepare_run_dir(out, "--c=6\n", overwrite=True)
+    assert sorted(os.listdir(out)) == [run_dir.LOCK_FILE, "flags.txt"]
+    with pytest.raises(ValueError, match="in use by"):
+      run_dir.lock_run_dir(out)
+  finally:
+    os.close(fd)
+
+
+def test_a_lock_file_alone_is_no_run(tmp_path):
+  out = tmp_path / "run"
+  os.close(run_dir.lock_run_dir(out))
+  run_dir.check_run_dir(out, "--c=5\n", overwrite=False)
+
+
+def test_lock_in_a_missing_parent_is_refused(tmp_path):
+  with pytest.raises(ValueError, match="cannot lock output dir .*: No such"):
+    run_dir.lock_run_dir(tmp_path / "absent" / "run")
+
+
+def test_a_lock_file_that_cannot_be_opened_is_refused(tmp_path):
+  (tmp_path / run_dir.LOCK_FILE).mkdir()
+  with pytest.raises(ValueError, match="cannot lock output dir .*: Is a dir"):
+    run_dir.lock_run_dir(tmp_path)
+
+
+def test_lock_warns_where_the_file_system_cannot_lock(tmp_path, monkeypatch):
+  def no_flock(fd, operation):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+  monkeypatch.setattr(fcntl, "flock", no_flock)
+  with pytest.warns(UserWarning, match="cannot be locked"):
+    os.close(run_dir.lock_run_dir(tmp_path))
 
 
 def test_metrics_round_trip_with_numpy_and_jax_scalars(tmp_path):
@@ -278,3 +362,98 @@ def test_truncate_metrics_drops_records_past_a_step_and_torn_lines(tmp_path):
   assert [r["step"] for r in run_dir.read_metrics(path)] == [0, 5]
   run_dir.append_metrics(path, {"step": 10})
   assert [r["step"] for r in run_dir.read_metrics(path)] == [0, 5, 10]
+
+
+# Refusals of check_run_dir: one line naming the path and the fix, and
+# nothing left behind.
+
+
+def test_check_refuses_a_file_among_the_ancestors(tmp_path):
+  afile = tmp_path / "afile"
+  afile.write_text("x")
+  for out in (afile / "run", afile / "sub" / "run"):
+    with pytest.raises(ValueError) as info:
+      run_dir.check_run_dir(out, "--c=5\n", overwrite=False)
+    assert str(info.value) == (
+      f"{afile} is a file, not a directory; choose another --output_dir")
+  with pytest.raises(ValueError, match=f"output dir {afile} is a file, not"):
+    run_dir.check_run_dir(afile, "--c=5\n", overwrite=True)
+  assert sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys"), reason="no /sys")
+def test_check_refuses_a_read_only_parent_even_for_root():
+  # sysfs takes no new files, whoever asks; os.access would say yes to root.
+  with pytest.raises(ValueError) as info:
+    run_dir.check_run_dir("/sys/decompax_run", "--c=5\n", overwrite=False)
+  message = str(info.value)
+  assert message.startswith("cannot write to /sys: ")
+  assert message.endswith("; choose a writable --output_dir")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through 0o555")
+def test_check_refuses_a_directory_without_write_permission(tmp_path):
+  parent = tmp_path / "locked"
+  parent.mkdir(mode=0o555)
+  with pytest.raises(ValueError, match=f"cannot write to {parent}: "
+                     "Permission denied; choose a writable --output_dir"):
+    run_dir.check_run_dir(parent / "run", "--c=5\n", overwrite=False)
+
+
+def _disk_full(monkeypatch):
+  def fsync(fd):
+    del fd
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(run_dir.os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_check_refuses_a_full_disk_and_leaves_no_probe(tmp_path, monkeypatch,
+                                                       existing):
+  out = tmp_path / "run"
+  if existing:  # a rerun of the same command, to resume
+    run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  where = out if existing else tmp_path
+  before = sorted(os.listdir(where))
+  _disk_full(monkeypatch)
+  with pytest.raises(ValueError) as info:
+    run_dir.check_run_dir(out, "--c=5\n", overwrite=False)
+  assert str(info.value) == (
+    f"cannot write to {where}: No space left on device; free space there "
+    "and rerun, or choose another --output_dir")
+  assert sorted(os.listdir(where)) == before
+
+
+def test_check_names_the_flags_that_differ(tmp_path):
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(
+    out, "--c=5\n--ci_lr=\n--lr=0.001\n--seed=1\n", overwrite=False)
+  with pytest.raises(ValueError) as info:
+    run_dir.check_run_dir(
+      out, "--c=5\n--ci_lr=0.01\n--lr=0.002\n--new=1\n--seed=1\n", False)
+  assert str(info.value) == (
+    f"output dir {out} holds a run with other flags (--ci_lr was unset, now "
+    "0.01; --lr was 0.001, now 0.002; --new was not recorded, now 1); "
+    "resume it with the same flags, replace it with --overwrite, or choose "
+    "another --output_dir")
+  run_dir.check_run_dir(out, "--c=6\n", overwrite=True)
+
+
+def test_flag_changes_are_capped():
+  old = "".join(f"--f{i}=0\n" for i in range(6))
+  new = "".join(f"--f{i}=1\n" for i in range(6))
+  assert run_dir.flag_changes(old, new) == (
+    "--f0 was 0, now 1; --f1 was 0, now 1; --f2 was 0, now 1; --f3 was 0, "
+    "now 1; and 2 more")
+
+
+@pytest.mark.parametrize("code,fix", [
+  (errno.ENOSPC, "free space there and rerun, or choose another --output_dir"),
+  (errno.EROFS, "choose a writable --output_dir"),
+  (errno.EIO, "choose another --output_dir"),
+])
+def test_write_refusal_names_the_path_and_the_fix(code, fix):
+  error = OSError(code, os.strerror(code))
+  assert run_dir.write_refusal("/r/flags.txt", error) == (
+    f"cannot write to /r/flags.txt: {os.strerror(code)}; {fix}")
