@@ -28,11 +28,17 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from decompax.core import ci_fns, sites as sites_lib
+from decompax.core import ci_fns, health, sites as sites_lib
 from decompax.io import checkpoint, decomposition, run_dir
 from decompax.bin import run_records
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", what schedulers requeue
+# A diverged run: rerunning the same command would diverge again, so this
+# is not a requeue.
+DIVERGED_EXIT_CODE = 3
+# State fields newer than the checkpoint format's first version: a
+# checkpoint without them resumes with their initial values.
+ADDED_STATE_FIELDS = ("health/",)
 NONE_MARKER = "NO_CHECKPOINTS"
 FAULT_ENV = "DECOMPAX_FAULT"
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -49,6 +55,66 @@ class Session(NamedTuple):
   ci_config: ci_fns.CIConfig
   stop: threading.Event
   handlers: dict
+  # What `Health.first_part` indexes (`health.part_names`); set once the
+  # run's terms are built (`with_terms`).
+  part_names: tuple[str, ...] = ()
+
+
+class Diverged(Exception):
+  """The run took a non-finite step; the message is one line."""
+
+
+def with_terms(session: Session, term_names: tuple[str, ...]) -> Session:
+  """Return `session` able to name the parts of the run's steps."""
+  return session._replace(part_names=health.part_names(term_names))
+
+
+_state_finite = jax.jit(health.all_finite)
+
+
+def _newest_good(session: Session) -> str:
+  if session.config.checkpointing == "none":
+    return "none (--checkpointing=none)"
+  step = checkpoint.latest_step(session.directory)
+  if step is None:
+    return "none"
+  return checkpoint.step_path(session.directory, step)
+
+
+def divergence(session: Session, state, full: bool = False) -> str | None:
+  """Return why `state` must not be saved or trained on, or None.
+
+  Under `--on_nonfinite=stop` any recorded non-finite step counts; under
+  skip those updates were dropped and the state stays usable until
+  `--max_skipped_in_a_row` of them come in a row. With `full` (before a
+  save) every state leaf is checked as well, which also catches a warmup
+  that diverged.
+  """
+  config = session.config
+  record = jax.device_get(state.health)
+  first = health.describe(record, session.part_names)
+  newest = f"newest good checkpoint: {_newest_good(session)}"
+  if config.on_nonfinite == "stop" and record.nonfinite_steps > 0:
+    return (f"diverged at {first}; nothing saved from it; "
+            f"{newest}; lower --lr, or rerun with --on_nonfinite=skip to "
+            "drop such updates")
+  if (config.on_nonfinite == "skip"
+      and record.streak >= config.max_skipped_in_a_row):
+    return (f"diverged: {int(record.streak)} updates in a row were not "
+            f"finite (the run's first: {first}); {newest}; lower --lr or "
+            "raise --max_skipped_in_a_row")
+  if full and not bool(jax.device_get(_state_finite(state))):
+    return (f"diverged: the state of step {int(jax.device_get(state.step))}"
+            f" is not finite; nothing saved from it; {newest}; lower --lr "
+            "and --faithfulness_warmup_lr")
+  return None
+
+
+def check_finite(session: Session, state, full: bool = False) -> None:
+  """Raise Diverged when `divergence` finds a reason."""
+  reason = divergence(session, state, full)
+  if reason is not None:
+    raise Diverged(reason)
 
 
 def _writer() -> bool:
@@ -219,8 +285,13 @@ def _restore_own(session: Session, template, shardings):
     if mismatch:
       raise checkpoint.CheckpointError(
         f"checkpoint {path} belongs to another run: {mismatch}")
-    return {name: checkpoint.restore_item(path, name, tree, placed[name])
-            for name, tree in items.items()}
+    restored = {name: checkpoint.restore_item(path, name, tree, placed[name],
+                                              added=ADDED_STATE_FIELDS)
+                for name, tree in items.items()}
+    # A diverged state must never be trained on again: fall back past it.
+    for name, tree in restored.items():
+      checkpoint.check_finite(path, name, tree)
+    return restored
 
   found = checkpoint.restore_latest(session.directory, restore, _say)
   if found is None:
@@ -268,9 +339,12 @@ def restorer(session: Session) -> Callable | None:
 
 
 def _truncate_metrics(session: Session, step: int) -> None:
+  # The loop logs a step-0 baseline whenever it starts at step 0, so a
+  # resume from label 0 drops the old one rather than duplicating it.
   if _writer():
     run_dir.truncate_metrics(
-      os.path.join(session.output_dir, run_dir.METRICS_FILE), step)
+      os.path.join(session.output_dir, run_dir.METRICS_FILE),
+      step if step > 0 else -1)
 
 
 def _exit_for_requeue(session: Session, message: str) -> None:
@@ -333,7 +407,11 @@ def _kill_mid_save(step: int) -> Callable[[str], None] | None:
 
 
 def save(session: Session, state) -> str:
-  """Write `state` as its step's checkpoint and prune old ones."""
+  """Write `state` as its step's checkpoint and prune old ones.
+
+  Raises Diverged, writing and pruning nothing, for a non-finite state.
+  """
+  check_finite(session, state, full=True)
   config = session.config
   step = int(jax.device_get(state.step))
   metadata = {

@@ -52,6 +52,7 @@ def step_config(config: TrainConfig) -> train_step.StepConfig:
       weight_decay=config.weight_decay),
     ci_alive_threshold=config.ci_alive_threshold,
     compute_dtype=compute_dtype(config),
+    on_nonfinite=config.on_nonfinite,
   )
 
 

@@ -19,7 +19,8 @@ from absl import flags, logging
 from decompax.bin import checkpointing, cli, evaluation, recipe, run_records
 from decompax.bin import lm_setup, placement_setup, token_data, train_flags
 from decompax.bin import tokens_text
-from decompax.core import ci_fns, probe, sites as sites_lib, train_step
+from decompax.core import ci_fns, health, probe, sites as sites_lib
+from decompax.core import train_step
 from decompax.core import warmup as warmup_lib
 from decompax.io import checkpoint, figures, run_dir
 from decompax.placement import transfer
@@ -41,6 +42,10 @@ SHORT_NAMES = {
 }
 
 
+# Flags a launch may change without changing the run (flags.txt omits them).
+RELAUNCH_FLAGS = ("overwrite", "on_nonfinite", "max_skipped_in_a_row")
+
+
 def fail(message: str) -> None:
   """Print a one-line error and exit non-zero."""
   cli.fail("train", message)
@@ -51,7 +56,7 @@ def resolved_flags_text() -> str:
   module_flags = flags.FLAGS.get_flags_for_module(train_flags)
   lines = []
   for flag in sorted(module_flags, key=lambda f: f.name):
-    if flag.name == "overwrite" or flag.name in placement_setup.LAUNCH_FLAGS:
+    if flag.name in RELAUNCH_FLAGS or flag.name in placement_setup.LAUNCH_FLAGS:
       continue
     value = flag.value
     if isinstance(value, list):
@@ -192,6 +197,12 @@ def setup(config: train_flags.TrainConfig, placement=None):
     output_dir = os.path.join("runs", toy.name)
   flags_text = resolved_flags_text()
   run_dir.check_run_dir(output_dir, flags_text, config.overwrite)
+  # The lock lasts as long as its descriptor, which nothing closes. An
+  # existing run is locked before anything reads it; a new one only once
+  # every check has passed, since locking creates the directory.
+  writer, lock = placement_setup.is_writer(), None
+  if writer and os.path.isdir(output_dir):
+    lock = run_dir.lock_run_dir(output_dir)
   checkpointing.check_entry(config, output_dir, sites,
                             ci_config_of(config, toy, sites))
   target_path = config.target_path or os.path.join(output_dir, "target.npz")
@@ -208,7 +219,9 @@ def setup(config: train_flags.TrainConfig, placement=None):
     print(token_data.describe(open_token_data(config, toy)))
   if placement is not None:
     report_placement(config, toy, target, weights, placement, lead)
-  if placement_setup.is_writer():
+  if writer:
+    if lock is None:
+      run_dir.lock_run_dir(output_dir)
     run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite)
     if cache is not None and not os.path.exists(target_path):
       run_dir.save_arrays(target_path, *cache)
@@ -343,6 +356,7 @@ def train(config, toy, target, weights, output_dir, placement=None):
     ci_config_of(config, toy, target.sites))
   run = build_run(config, toy, target, weights,
                   checkpointing.restorer(session), placement)
+  session = checkpointing.with_terms(session, tuple(t.name for t in run.terms))
   checkpointing.after_warmup(session, run.state)
   state, ci_fn = run.state, run.ci_fn
   if run.warmup_losses.shape[0]:
@@ -369,6 +383,7 @@ def train(config, toy, target, weights, output_dir, placement=None):
   if first == 0:  # fresh runs only (SPEC I44)
     evaluation.log_baseline(evaluator, state, metrics_path)
   window_start, window_steps = time.time(), 0
+  skipped = int(jax.device_get(state.health.nonfinite_steps))
   for s in range(first, config.num_steps):
     run_records.profile_before_step(config, output_dir, s)
     state, metrics = compiled(state, run.weights, run.step_inputs(s))
@@ -376,6 +391,7 @@ def train(config, toy, target, weights, output_dir, placement=None):
     done = s + 1
     if done % config.log_every == 0 or done == config.num_steps:
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      skipped = check_nonfinite(session, state, metrics, skipped)
       elapsed = time.time() - window_start
       step_time = elapsed / window_steps
       record = {"step": done, **metrics, "step_time_s": step_time}
@@ -395,10 +411,25 @@ def train(config, toy, target, weights, output_dir, placement=None):
     checkpointing.after_step(session, state, done)
   checkpointing.close(session)
   evaluator.close()
+  checkpointing.check_finite(session, state, full=True)
   state = transfer.fetch(state)  # collective: every process
   if writer:
     finish(config, target, ci_fn, weights, state, output_dir, metrics_path)
     evaluation.write_final_report(output_dir)
+
+
+def check_nonfinite(session, state, metrics: dict, skipped: int) -> int:
+  """Stop a diverged run (Diverged) or, under --on_nonfinite=skip, say how
+  many updates were dropped since the last look; return the count."""
+  count = int(metrics["nonfinite/steps"])
+  if count:
+    checkpointing.check_finite(session, state)
+  if count > skipped and placement_setup.is_writer():
+    record = jax.device_get(state.health)
+    print(f"[train] skipped {count - skipped} non-finite update(s); "
+          f"{count} in all, the first at "
+          f"{health.describe(record, session.part_names)}", flush=True)
+  return count
 
 
 def finish(config, target, ci_fn, weights, state, output_dir, metrics_path):
@@ -435,10 +466,16 @@ def main(argv: list[str]) -> None:
     toy, target, weights, output_dir = setup(config, placement)
   except ValueError as e:
     fail(str(e))
+  except OSError as e:  # the disk filled or vanished under the setup
+    fail(run_dir.write_refusal(e.filename or config.output_dir, e))
   try:
     train(config, toy, target, weights, output_dir, placement)
   except checkpoint.CheckpointError as e:
     fail(str(e))
+  except checkpointing.Diverged as e:
+    cli.fail("train", str(e), checkpointing.DIVERGED_EXIT_CODE)
+  except OSError as e:  # metrics, figures or results; checkpoints are safe
+    fail(run_dir.write_refusal(e.filename or output_dir, e))
 
 
 def entry() -> None:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, Key
 
-from decompax.core import optim, schedules, squash
+from decompax.core import health as health_lib, optim, schedules, squash
 from decompax.core.ci_fns import CIFn
 from decompax.core.sites import Components
 from decompax.core.target import Batch, TargetFns, Weights
@@ -33,7 +33,8 @@ class TrainState(NamedTuple):
   """Everything a training step reads and writes.
 
   `term_states` holds one entry per loss term (None for stateless terms):
-  persistent adversary sources and moments, frequency EMAs.
+  persistent adversary sources and moments, frequency EMAs. `health`
+  counts the non-finite steps and names the first (`core.health`).
   """
 
   components: Components
@@ -43,6 +44,7 @@ class TrainState(NamedTuple):
   term_states: tuple
   step: Int[Array, ""]
   rng: Key[Array, ""]
+  health: health_lib.Health
 
 
 # (placement category, pytree) -> the pytree pinned to that category's layout
@@ -161,6 +163,10 @@ class StepConfig:
   # before any gather, CI parameters and taps before the CI call. None (toys)
   # computes with the fp32 masters as they are.
   compute_dtype: Optional[str] = None
+  # What a non-finite step does to the state: "stop" applies it (the host
+  # stops the run at its next look at `health`), "skip" drops the update
+  # and keeps the previous state (only the step counter moves on).
+  on_nonfinite: str = "stop"
 
 
 class TrainStep(NamedTuple):
@@ -318,6 +324,9 @@ def make_train_step(
   without them it runs where its arguments live.
   """
   names = [t.name for t in terms]
+  if config.on_nonfinite not in ("stop", "skip"):
+    raise ValueError(f"on_nonfinite must be stop or skip, got "
+                     f"{config.on_nonfinite!r}")
   if len(set(names)) != len(names):
     raise ValueError(f"loss term names must be unique, got {names}")
   wanted_taps = clean_tap_keys(ci_fn, target, terms)
@@ -340,6 +349,7 @@ def make_train_step(
       term_states=term_states,
       step=jnp.zeros((), jnp.int32),
       rng=run_key,
+      health=health_lib.healthy(),
     )
 
   def train_step(state: TrainState, weights: Weights, inputs: Batch):
@@ -396,8 +406,15 @@ def make_train_step(
     metrics["grad_norm/components"] = optax.tree.norm(g_components)
     metrics["lr/components"] = schedules.schedule_value(
       config.components_opt.lr, state.step, config.total_steps)
-    new_state = TrainState(components, ci_params, components_opt, ci_opt,
-                           finished, state.step + 1, state.rng)
+    updated = (components, ci_params, components_opt, ci_opt, finished)
+    finite, health = health_lib.record(
+      state.health, (*(values[n] for n in names), *updated), state.step + 1)
+    if config.on_nonfinite == "skip":
+      updated = health_lib.keep_if(finite, updated, (
+        state.components, state.ci_params, state.components_opt,
+        state.ci_opt, state.term_states))
+    metrics["nonfinite/steps"] = health.nonfinite_steps
+    new_state = TrainState(*updated, state.step + 1, state.rng, health)
     return new_state, metrics
 
   placed = {}

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from decompax.core import health
 from decompax.io import run_dir, tensor_store
 from decompax.io.run_dir import Path
 
@@ -53,6 +54,10 @@ class CheckpointError(ValueError):
 
 class DamagedCheckpoint(CheckpointError):
   """A saved step is unreadable (missing or corrupt files)."""
+
+
+class NonfiniteCheckpoint(DamagedCheckpoint):
+  """A saved step reads, but holds a NaN or an infinity."""
 
 
 def step_name(step: int) -> str:
@@ -151,6 +156,17 @@ def _commit(tmp: str, final: str) -> None:
   _remove(trash)
 
 
+def _reason(error: Exception) -> str:
+  """Return the gist of a failed write, not the store's whole chain."""
+  if isinstance(error, OSError) and error.strerror:
+    return error.strerror
+  text = str(error)
+  if "No space left" in text:
+    return "No space left on device"
+  first = text.splitlines()[0] if text else type(error).__name__
+  return first if len(first) <= 160 else first[:157] + "..."
+
+
 def save(
   directory: Path,
   step: int,
@@ -185,7 +201,10 @@ def save(
                   {"format": FORMAT, "step": step, "items": list(items)})
       _commit(tmp, final)
   except (OSError, tensor_store.StoreError) as e:
-    raise CheckpointError(f"cannot save checkpoint {final}: {e}") from e
+    raise CheckpointError(
+      f"cannot save checkpoint {final}: {_reason(e)}; the checkpoints "
+      "before it are intact: fix that and rerun the same command to "
+      "resume") from e
   _sync(f"checkpoint-done-{final}")
   return final
 
@@ -254,8 +273,8 @@ def _describe(entry: dict) -> str:
 
 
 def _check_structure(where: str, stored: dict, keys: list[str],
-                     leaves: list) -> None:
-  missing = [k for k in keys if k not in stored]
+                     leaves: list, added: tuple[str, ...] = ()) -> None:
+  missing = [k for k in keys if k not in stored and not k.startswith(added)]
   if missing:
     raise CheckpointError(
       f"{where}: {missing[0]} is not stored ({len(missing)} missing); it was "
@@ -266,6 +285,8 @@ def _check_structure(where: str, stored: dict, keys: list[str],
       f"{where}: stored {extra[0]} is not in this run's state ({len(extra)} "
       "extra); it was written for another structure")
   for key, leaf in zip(keys, leaves):
+    if key not in stored:
+      continue
     want, got = _entry(leaf), stored[key]
     if bool(want.get("key")) != bool(got.get("key")):
       raise CheckpointError(
@@ -324,7 +345,8 @@ def _finish_leaf(pending, entry: dict, leaf: Any):
 
 
 def restore_item(
-  path: Path, item: str, template: PyTree, shardings: Any = None
+  path: Path, item: str, template: PyTree, shardings: Any = None,
+  added: tuple[str, ...] = (),
 ) -> PyTree:
   """Return `item` of the step directory `path`, shaped like `template`.
 
@@ -332,27 +354,53 @@ def restore_item(
   placed with `shardings` (one Sharding for all, or a tree matching
   `template`), else with the template leaf's own sharding, else on the
   first device. Only the regions each local device needs are read, all
-  arrays at once. Raises DamagedCheckpoint for unreadable files and
-  CheckpointError when the stored structure differs from `template`.
+  arrays at once. Leaves whose tree path starts with one of `added` (state
+  fields newer than the checkpoint) keep the template's value when the
+  checkpoint lacks them; the template must then hold arrays. Raises
+  DamagedCheckpoint for unreadable files and CheckpointError when the
+  stored structure differs from `template`.
   """
   manifest = _manifest(path, item)
   where = f"checkpoint {path} item {item}"
-  keys, leaves = run_dir.leaf_keys(template)
+  all_keys, all_leaves = run_dir.leaf_keys(template)
   stored = manifest["arrays"]
-  _check_structure(where, stored, keys, leaves)
+  _check_structure(where, stored, all_keys, all_leaves, added)
   placements = [_placement(leaf, given) for leaf, given in zip(
-    leaves, _shardings(template, shardings, len(leaves)))]
+    all_leaves, _shardings(template, shardings, len(all_leaves)))]
+  present = [i for i, k in enumerate(all_keys) if k in stored]
+  keys = [all_keys[i] for i in present]
   stores = _open_all(path, item, keys, stored)
-  reads = [tensor_store.start_read(store, sharding)
-           for store, sharding in zip(stores, placements)]
-  restored = []
-  for key, pending, leaf in zip(keys, reads, leaves):
+  reads = [tensor_store.start_read(stores[j], placements[i])
+           for j, i in enumerate(present)]
+  # Leaves the checkpoint lacks keep the template's value, placed alike.
+  restored = [leaf if key in stored else jax.device_put(leaf, sharding)
+              for key, leaf, sharding in zip(all_keys, all_leaves,
+                                             placements)]
+  for i, key, pending in zip(present, keys, reads):
     try:
-      restored.append(_finish_leaf(pending, stored[key], leaf))
+      restored[i] = _finish_leaf(pending, stored[key], all_leaves[i])
     except tensor_store.StoreError as e:
       raise DamagedCheckpoint(f"{where}: {key}: {e}") from None
   treedef = jax.tree_util.tree_structure(template)
   return jax.tree_util.tree_unflatten(treedef, restored)
+
+
+@jax.jit
+def _finite_leaves(leaves: list) -> list:
+  return [health.all_finite(leaf) for leaf in leaves]
+
+
+def check_finite(path: Path, item: str, tree: PyTree) -> None:
+  """Raise NonfiniteCheckpoint naming the first array of `tree` (restored
+  from `item` of `path`) that holds a NaN or an infinity."""
+  keys, leaves = run_dir.leaf_keys(tree)
+  arrays = [leaf for leaf in leaves if not _is_key(leaf)]
+  names = [k for k, leaf in zip(keys, leaves) if not _is_key(leaf)]
+  flags = jax.device_get(_finite_leaves(arrays))
+  for name, finite in zip(names, flags):
+    if not finite:
+      raise NonfiniteCheckpoint(
+        f"checkpoint {path} item {item}: {name} holds NaN or infinity")
 
 
 def read_item(path: Path, item: str) -> tuple[dict[str, np.ndarray], dict]:
@@ -381,7 +429,8 @@ def restore_latest(
 ) -> tuple[int, Any] | None:
   """Return `(label, restore(step_path))` for the newest readable step.
 
-  A damaged step is reported through `report` and the previous one tried.
+  A damaged step (DamagedCheckpoint, NonfiniteCheckpoint included) is
+  reported through `report` and the previous one tried.
   Returns None when there is no committed step; raises CheckpointError
   when every committed step is damaged.
   """
@@ -392,11 +441,13 @@ def restore_latest(
       read_index(path)
       return step, restore(path)
     except DamagedCheckpoint as e:
-      report(f"checkpoint {step_name(step)} is damaged and skipped: {e}")
+      what = ("holds non-finite values" if isinstance(e, NonfiniteCheckpoint)
+              else "is damaged")
+      report(f"checkpoint {step_name(step)} {what} and is skipped: {e}")
   if steps:
     raise CheckpointError(
-      f"{directory}: all {len(steps)} checkpoints are damaged; delete them "
-      "to start over")
+      f"{directory}: all {len(steps)} checkpoints are damaged or hold "
+      "non-finite values; delete them to start over")
   return None
 
 

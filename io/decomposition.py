@@ -89,7 +89,8 @@ def decomposition_template(
   return jax.eval_shape(build, jax.random.key(0))
 
 
-def _load_step(step_dir: str, sharding: Any) -> Decomposition:
+def _load_step(step_dir: str, sharding: Any, strict: bool = False
+               ) -> Decomposition:
   metadata = checkpoint.item_metadata(step_dir, DECOMPOSITION)
   try:
     sites = tuple(from_json(sites_lib.SiteSpec, s) for s in metadata["sites"])
@@ -100,6 +101,12 @@ def _load_step(step_dir: str, sharding: Any) -> Decomposition:
       f"checkpoint {step_dir}: cannot rebuild the decomposition from its "
       f"metadata ({type(e).__name__}: {e})") from None
   item = checkpoint.restore_item(step_dir, DECOMPOSITION, template, sharding)
+  try:
+    checkpoint.check_finite(step_dir, DECOMPOSITION, item)
+  except checkpoint.NonfiniteCheckpoint as e:
+    if strict:
+      raise
+    warnings.warn(f"{e}; its components are not a usable decomposition")
   rest = {k: v for k, v in metadata.items() if k not in ("sites", "ci_config")}
   step = int(checkpoint.read_index(step_dir)["step"])
   return Decomposition(item["components"], item["ci_params"], sites,
@@ -110,8 +117,9 @@ def load_decomposition(path: Path, sharding: Any = None) -> Decomposition:
   """Return the decomposition saved at `path`, without its training item.
 
   `path` is a step directory, a checkpoint directory or a run directory
-  (then its newest readable step; damaged newer ones are skipped with a
-  warning). Arrays are placed with `sharding` (one Sharding or a tree like
+  (then its newest readable, finite step; damaged or non-finite newer ones
+  are skipped with a warning). A step directory named directly is loaded
+  even when it holds NaN or infinity, with a warning. Arrays are placed with `sharding` (one Sharding or a tree like
   the item), else on the first device. Raises CheckpointError.
   """
   path = os.fspath(path)
@@ -119,7 +127,8 @@ def load_decomposition(path: Path, sharding: Any = None) -> Decomposition:
     return _load_step(path, sharding)
   for directory in (os.path.join(path, checkpoint.CHECKPOINT_DIR), path):
     found = checkpoint.restore_latest(
-      directory, lambda p: _load_step(p, sharding), warnings.warn)
+      directory, lambda p: _load_step(p, sharding, strict=True),
+      warnings.warn)
     if found is not None:
       return found[1]
   raise CheckpointError(f"no checkpoint at {path}")

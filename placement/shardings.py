@@ -115,7 +115,7 @@ def source_layout(table: PlacementTable) -> Layout:
 
 def _state_trees(table: PlacementTable, lead_shape: tuple[int, ...]):
   # (field, category, layout, axes_fn) of every TrainState field that the
-  # table places; `step` and `rng` are replicated.
+  # table places; `step`, `rng` and `health` are replicated.
   optimizer, ci = table.layout("optimizer"), table.layout("ci_weights")
   sources = lambda p, x: source_axes(x, lead_shape)  # noqa: E731
   return (
@@ -137,6 +137,7 @@ def state_specs(
        for field, _, layout, axes_fn in _state_trees(table, lead_shape)},
     step=PartitionSpec(),
     rng=PartitionSpec(),
+    health=jax.tree.map(lambda _: PartitionSpec(), state.health),
   )
 
 

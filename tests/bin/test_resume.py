@@ -24,6 +24,7 @@ import pytest
 
 from decompax.bin import checkpointing, placement_setup, recipe, run_records
 from decompax.bin import train, train_flags
+from decompax.core import health
 from decompax.io import checkpoint, load_decomposition, run_dir
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
@@ -394,7 +395,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(straight, tmp_path,
   run = _restored_run(config, straight)
   assert int(jax.device_get(run.state.step)) == 0
   printed = capsys.readouterr().out
-  assert "checkpoint 000000004 is damaged and skipped" in printed
+  assert "checkpoint 000000004 is damaged and is skipped" in printed
   assert "resumed from step 0" in printed
 
 
@@ -441,9 +442,9 @@ def test_a_placed_resume_reads_each_leaf_into_its_shards(
   handed, restored = [], []
   restore_item = checkpoint.restore_item
 
-  def spy(path, item, template, shardings=None):
+  def spy(path, item, template, shardings=None, **kwargs):
     handed.append(shardings)
-    restored.append(restore_item(path, item, template, shardings))
+    restored.append(restore_item(path, item, template, shardings, **kwargs))
     return restored[-1]
 
   monkeypatch.setattr(checkpoint, "restore_item", spy)
@@ -496,3 +497,94 @@ def test_a_placed_init_from_reads_the_parent_into_its_shards(
     checkpointing.checkpoint_dir(straight.output_dir), SAVE_EVERY))
   assert_bitwise_equal(run.state.components, loaded.components)
   assert int(jax.device_get(run.state.step)) == 0
+
+
+def _poison(tree):
+  """Return `tree` with every float leaf NaN."""
+  return jax.tree.map(
+    lambda a: a * float("nan") if jax.numpy.issubdtype(
+      a.dtype, jax.numpy.floating) else a, tree)
+
+
+def _save_raw(ckpts, step, state, like):
+  """Write `state` as label `step` with the metadata of step dir `like`,
+  bypassing the trainer's finiteness check (an older trainer's save)."""
+  metadata = {item: checkpoint.item_metadata(like, item)
+              for item in (checkpoint.DECOMPOSITION, checkpoint.TRAINING)}
+  checkpoint.save(ckpts, step, checkpoint.split_state(state), metadata)
+
+
+def test_resume_never_chooses_a_nonfinite_checkpoint(straight, tmp_path,
+                                                     capsys):
+  out, ckpts = _resumable_copy(straight, tmp_path)
+  newest = ckpts / checkpoint.step_name(SAVE_EVERY)
+  state = _restored_run(dataclasses.replace(
+    straight.config, output_dir=str(out)), straight).state
+  _save_raw(ckpts, SAVE_EVERY, state._replace(
+    components=_poison(state.components)), newest)
+  capsys.readouterr()
+  run = _restored_run(dataclasses.replace(
+    straight.config, output_dir=str(out)), straight)
+  assert int(jax.device_get(run.state.step)) == 0
+  printed = capsys.readouterr().out
+  assert "checkpoint 000000004 holds non-finite values and is skipped" in (
+    printed)
+  assert "components/linear1/v holds NaN or infinity" in printed
+  # A library user is warned too, and gets the older, finite step.
+  with pytest.warns(UserWarning, match="holds non-finite values"):
+    assert load_decomposition(out).step == 0
+  with pytest.warns(UserWarning, match="not a usable decomposition"):
+    assert load_decomposition(newest).step == SAVE_EVERY
+
+
+def test_a_checkpoint_without_the_health_record_resumes(
+    straight, tmp_path, assert_bitwise_equal):
+  # Checkpoints written before the state carried `health` still resume,
+  # with a clean record.
+  out, ckpts = _resumable_copy(straight, tmp_path)
+  training = ckpts / checkpoint.step_name(SAVE_EVERY) / checkpoint.TRAINING
+  shutil.rmtree(training / checkpoint.ARRAYS_DIR / "health")
+  manifest = json.loads((training / checkpoint.MANIFEST_FILE).read_text())
+  manifest["arrays"] = {k: v for k, v in manifest["arrays"].items()
+                        if not k.startswith("health/")}
+  (training / checkpoint.MANIFEST_FILE).write_text(json.dumps(manifest))
+  run = _restored_run(dataclasses.replace(
+    straight.config, output_dir=str(out)), straight)
+  assert int(jax.device_get(run.state.step)) == SAVE_EVERY
+  assert_bitwise_equal(run.state.health, health.healthy())
+
+
+def test_a_nonfinite_state_is_never_saved_and_nothing_is_pruned(
+    straight, tmp_path):
+  out, ckpts = _resumable_copy(straight, tmp_path)
+  config = dataclasses.replace(straight.config, output_dir=str(out),
+                               keep_all=False, keep_last=1)
+  session = checkpointing.with_terms(_session(config, straight.target),
+                                     ("recon",))
+  try:
+    state = _restored_run(config, straight).state
+    bad = state._replace(ci_params=_poison(state.ci_params),
+                         step=state.step + 1)
+    with pytest.raises(checkpointing.Diverged) as info:
+      checkpointing.save(session, bad)
+  finally:
+    checkpointing.close(session)
+  message = str(info.value)
+  assert "the state of step 5 is not finite" in message
+  assert f"newest good checkpoint: {ckpts / '000000004'}" in message
+  assert "\n" not in message
+  assert checkpoint.committed_steps(ckpts) == [0, SAVE_EVERY]
+
+
+def test_a_resume_from_label_0_keeps_no_stale_baseline(straight, tmp_path):
+  # The loop logs the step-0 baseline again whenever it starts at step 0.
+  out, ckpts = _resumable_copy(straight, tmp_path)
+  shutil.rmtree(ckpts / checkpoint.step_name(SAVE_EVERY))
+  metrics = out / run_dir.METRICS_FILE
+  metrics.unlink(missing_ok=True)
+  for step in (0, 2):
+    run_dir.append_metrics(metrics, {"step": step})
+  run = _restored_run(dataclasses.replace(
+    straight.config, output_dir=str(out)), straight)
+  assert int(jax.device_get(run.state.step)) == 0
+  assert run_dir.read_metrics(metrics) == []

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from decompax.core import sites as sites_lib
+from decompax.core import health, sites as sites_lib
 from decompax.core import train_step
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
@@ -223,7 +223,8 @@ def _abstract_run(d_in: int, d_out: int, c: int):
     components={"mlp": factors}, ci_params={"w": shape((d_in, c), f32)},
     components_opt=(), ci_opt=(), term_states=(None,),
     step=shape((), jnp.int32),
-    rng=jax.eval_shape(lambda: jax.random.key(0)))
+    rng=jax.eval_shape(lambda: jax.random.key(0)),
+    health=jax.eval_shape(health.healthy))
   stacks = {"mlp": shape((2, d_in, d_out), f32)}
   return state, stacks, stacks
 
