@@ -14,8 +14,10 @@ marker that refuses re-entry (I39). `--init_from` restores only a parent's
 decomposition onto a fresh run after checking that it matches (I38).
 
 Tests inject faults through the environment variable `DECOMPAX_FAULT`:
-`sigterm_before_warmup`, `sigterm_after_step=K` (the process signals itself)
-and `kill_mid_save=K` (SIGKILL after the first item of label K is written).
+`sigterm_before_warmup`, `sigterm_after_step=K` (the process signals itself),
+and SIGKILLs around the save of label K: `kill_mid_save=K` (after its first
+item is written), `kill_after_save=K` (committed, nothing pruned yet) and
+`kill_mid_prune=K` (an old step hidden for deletion, not yet deleted).
 """
 
 import os
@@ -395,12 +397,14 @@ def after_step(session: Session, state, done: int) -> None:
                       f"with {REQUEUE_EXIT_CODE} for a requeue")
 
 
-def _kill_mid_save(step: int) -> Callable[[str], None] | None:
-  if _fault("kill_mid_save") != step:
+def _killer(fault: str, step: int) -> Callable[..., None] | None:
+  """Return a callback that SIGKILLs this process when DECOMPAX_FAULT names
+  `fault` at `step`, else None."""
+  if _fault(fault) != step:
     return None
 
-  def kill(item):
-    del item
+  def kill(*args):
+    del args
     os.kill(os.getpid(), signal.SIGKILL)
 
   return kill
@@ -422,9 +426,12 @@ def save(session: Session, state) -> str:
   }
   path = checkpoint.save(session.directory, step,
                          checkpoint.split_state(state), metadata,
-                         after_item=_kill_mid_save(step))
+                         after_item=_killer("kill_mid_save", step))
+  if (kill := _killer("kill_after_save", step)) is not None:
+    kill()
   if not config.keep_all:
     checkpoint.prune(session.directory, config.keep_last,
-                     protect=(config.num_steps,))
+                     protect=(config.num_steps,),
+                     after_hide=_killer("kill_mid_prune", step))
   _say(f"saved step {step}")
   return path

@@ -451,12 +451,13 @@ def restore_latest(
   return None
 
 
-def prune(directory: Path, keep_last: int, protect: tuple[int, ...] = ()
-          ) -> list[int]:
+def prune(directory: Path, keep_last: int, protect: tuple[int, ...] = (),
+          after_hide: Callable[[int], None] | None = None) -> list[int]:
   """Delete all but the newest `keep_last` steps (and `protect`); return them.
 
   A step is renamed out of sight before it is deleted, so a crash midway
   never leaves a partly deleted step that looks committed.
+  `after_hide(step)` runs between the two (fault injection in tests).
   """
   steps = committed_steps(directory)
   doomed = [s for s in steps[:max(len(steps) - keep_last, 0)]
@@ -466,6 +467,8 @@ def prune(directory: Path, keep_last: int, protect: tuple[int, ...] = ()
       trash = os.path.join(directory, _TRASH_PREFIX + step_name(step))
       _remove(trash)
       os.rename(step_path(directory, step), trash)
+      if after_hide is not None:
+        after_hide(step)
       _remove(trash)
   return doomed
 

@@ -1,0 +1,78 @@
+"""Run many short `bin/<program>` invocations from one warm process.
+
+Used by `test_bad_inputs.py`: importing JAX and the libraries costs seconds
+per process, most of a refusal's run. This script imports them once, then
+forks one child per invocation, which runs the program's real `entry()` as
+its launcher would, with its own argv, working directory, environment and
+stdout/stderr files. Only modules that define no absl flags are imported
+before the fork (the binaries define clashing flag names), and no JAX
+backend is started in the parent, so each child starts its own.
+
+stdin: a JSON list of `{"id", "program", "argv", "cwd", "env", "prelude",
+"out"}`; stdout: a JSON object of `id -> exit code`. `prelude` is Python
+run in the child before the program (a fault to inject); `out` is where
+`<id>.stdout` and `<id>.stderr` go.
+"""
+
+import importlib
+import json
+import os
+import sys
+import traceback
+
+PRELOADED = ("jax", "jax.numpy", "numpy", "optax", "tensorstore", "scipy",
+             "matplotlib", "decompax.core.train_step", "decompax.io.checkpoint",
+             "decompax.io.figures", "decompax.losses.evals",
+             "decompax.targets.registry", "decompax.placement.shardings")
+PARALLEL = max(os.cpu_count() or 1, 2)
+
+
+def _child(row: dict) -> None:
+  """Run one invocation; never returns."""
+  code = 1
+  try:
+    os.chdir(row["cwd"])
+    os.environ.update(row["env"])
+    out = os.path.join(row["out"], row["id"])
+    for fd, suffix in ((1, "stdout"), (2, "stderr")):
+      file = os.open(f"{out}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+      os.dup2(file, fd)
+      os.close(file)
+    sys.stdin = open(os.devnull)
+    exec(row.get("prelude") or "", {})
+    sys.argv = [row["program"], *row["argv"]]
+    importlib.import_module(f"decompax.bin.{row['program']}").entry()
+    code = 0
+  except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+  except BaseException:  # what the real launcher would print
+    traceback.print_exc()
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+  rows = json.load(sys.stdin)
+  for name in PRELOADED:
+    importlib.import_module(name)
+  from jax._src import xla_bridge  # noqa: PLC0415
+  assert not xla_bridge._backends, "a backend started before the fork"
+  codes, running = {}, {}
+  pending = list(rows)
+  while pending or running:
+    while pending and len(running) < PARALLEL:
+      row = pending.pop(0)
+      sys.stdout.flush()
+      pid = os.fork()
+      if pid == 0:
+        _child(row)
+      running[pid] = row["id"]
+    pid, status = os.wait()
+    codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+  json.dump(codes, sys.stdout)
+
+
+if __name__ == "__main__":
+  main()

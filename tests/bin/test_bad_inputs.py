@@ -1,0 +1,472 @@
+"""Every bad input to the binaries: one line naming the problem and the fix.
+
+One table, one row per case: the program, its arguments, what to prepare
+first, the exit code and a fragment of the one-line message. All rows run
+once per module, in parallel, through `run_binaries.py` (the real
+`entry()` of each program in a forked child). Each row's stderr must hold
+exactly one line starting with `<program>: error:` (exit 2; 3 for a
+diverged run) and no traceback.
+
+`{T}` in arguments is the row's own temporary directory, `{ROOT}` the
+repository.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from absl import flags
+
+from decompax.bin import train
+from decompax.io import tokens
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LLAMA = ("--flagfile={ROOT}/flags/tiny_llama.flags",)
+OUT = "--output_dir={T}/o"
+DIVERGE = ("--num_steps=10", "--save_every=5", "--log_every=5",
+           "--batch_size=32", "--eval_every=0", "--slow_eval_every=0",
+           "--figures_every=0", "--faithfulness_warmup_steps=5", "--lr=1e6")
+
+
+class Row(NamedTuple):
+  id: str
+  program: str
+  argv: tuple[str, ...]
+  fragment: str
+  code: int = 2
+  setup: Callable[[pathlib.Path], object] | None = None
+  prelude: str = ""
+
+
+# Setups: each gets the row's directory and may return a process to kill
+# once the rows have run.
+
+def _flagfile(text: str):
+  def setup(t):
+    (t / "f.flags").write_text(text + "\n")
+  return setup
+
+
+def _touch(t):
+  (t / "afile").write_text("x")
+
+
+def _model_copy(name: str, damage: Callable[[pathlib.Path], None]):
+  def setup(t):
+    shutil.copytree(ROOT / "tests" / "fixtures" / name, t / "m")
+    damage(t / "m")
+  return setup
+
+
+def _cut(size: Callable[[int], int]):
+  def damage(model):
+    path = model / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:size(len(data))])
+  return damage
+
+
+def _drop_second_shard(model):
+  (model / "model-00002-of-00002.safetensors").unlink()
+
+
+def _flags_txt(*args: str):
+  """Leave {T}/r holding a run made with `args` (its flags.txt)."""
+
+  def setup(t):
+    out = t / "r"
+    out.mkdir()
+    flags.FLAGS.unparse_flags()
+    try:
+      flags.FLAGS(["train", *args, f"--output_dir={out}"])
+      (out / "flags.txt").write_text(train.resolved_flags_text())
+    finally:
+      flags.FLAGS.unparse_flags()
+      flags.FLAGS.mark_as_parsed()
+  return setup
+
+
+def _forged_tokens(**header):
+  """Leave {T}/f.bin, 1000 ids 0..999, whose header claims `header`."""
+
+  def setup(t):
+    tokens.write_tokens(t / "f.bin", [np.arange(1000)], 1000, 9, "t")
+    path = pathlib.Path(tokens.header_path(t / "f.bin"))
+    path.write_text(json.dumps(json.loads(path.read_text()) | header))
+  return setup
+
+
+def _good_tokens(t):
+  tokens.write_tokens(t / "g.bin", [np.arange(100) % 50], 128, 1, "t")
+
+
+def _both_tokens(t):
+  _good_tokens(t)
+  _forged_tokens(vocab_size=10)(t)
+
+
+def _lock_holder(t):
+  (t / "o").mkdir()
+  holder = subprocess.Popen(
+    [sys.executable, "-P", "-c",
+     "import sys, time; from decompax.io import run_dir; "
+     "run_dir.lock_run_dir(sys.argv[1]); print('locked', flush=True); "
+     "time.sleep(600)", str(t / "o")],
+    stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline().strip() == "locked"
+  return holder
+
+
+def _lock_not_a_file(t):
+  (t / "o" / ".lock").mkdir(parents=True)
+
+
+def _config_only_tokenizer(t):
+  (t / "tok").mkdir()
+  (t / "tok" / "config.json").write_text('{"model_type": "gpt2"}')
+  _words(t)
+
+
+def _words(t):
+  (t / "w.txt").write_text(" ".join(["hello"] * 5000) + "\n")
+
+
+def _broken_tokenizer(t):
+  (t / "tok").mkdir()
+  (t / "tok" / "tokenizer.json").write_text('{"a": 1}')
+  _words(t)
+
+
+def _word_level(t, words, eos, unk):
+  import transformers  # noqa: PLC0415 (slow; only tokenizer rows need it)
+  from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+
+  level = Tokenizer(models.WordLevel(
+    {w: i for i, w in enumerate(words)}, unk_token=unk))
+  level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  transformers.PreTrainedTokenizerFast(
+    tokenizer_object=level, eos_token=eos, unk_token=unk,
+  ).save_pretrained(t / "tok")
+
+
+def _one_entry_tokenizer(t):
+  _word_level(t, ["[EOS]"], "[EOS]", "[EOS]")
+  _words(t)
+
+
+def _eos_only_input(t):
+  _word_level(t, ["[UNK]", "[EOS]", "the", "cat"], "[EOS]", "[UNK]")
+  (t / "w.txt").write_text("the cat\n")
+  (t / "b.jsonl").write_text('{"text": ""}\n\n{"text": " "}\n')
+
+
+def _empty_input(t):
+  (t / "empty.txt").write_text("")
+
+
+def _input_file(t):
+  (t / "in.txt").write_text("some words\n")
+
+
+FULL_DISK = (
+  "import errno, os\n"
+  "def _full(fd):\n"
+  "  raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+  "os.fsync = _full\n")
+TOKENIZE = ("--tokenizer={T}/tok", "--input={T}/w.txt", "--output={T}/o.bin")
+FIXTURE_TOKENIZER = "--tokenizer={ROOT}/tests/fixtures/tiny_llama"
+
+ROWS = (
+  # Never save or report garbage.
+  Row("diverged", "train", (*DIVERGE, OUT), "diverged at step 2 (first "
+      "non-finite value: loss/", code=3),
+  Row("token_ids_past_vocab", "train", (*LLAMA, "--data_path={T}/f.bin", OUT),
+      "holds id 999, outside the vocab [0, 10)", setup=_forged_tokens(
+        vocab_size=10)),
+  Row("eval_token_ids_past_vocab", "train", (
+    *LLAMA, "--data_path={T}/g.bin", "--eval_data_path={T}/f.bin", OUT),
+    "holds id 999, outside the vocab [0, 10)", setup=_both_tokens),
+  Row("token_eos_past_vocab", "train", (*LLAMA, "--data_path={T}/f.bin", OUT),
+      "EOS id 5000 is outside", setup=_forged_tokens(eos_id=5000)),
+  Row("token_vocab_not_a_count", "train", (
+    *LLAMA, "--data_path={T}/f.bin", OUT), "must be non-negative integers",
+    setup=_forged_tokens(vocab_size="50")),
+  Row("tokenizer_config_only", "tokenize", TOKENIZE,
+      "it holds no tokenizer.json", setup=_config_only_tokenizer),
+  Row("tokenizer_dir_empty", "tokenize", TOKENIZE,
+      "it holds no tokenizer.json", setup=lambda t: (
+        (t / "tok").mkdir(), _words(t))),
+  Row("tokenizer_json_broken", "tokenize", TOKENIZE,
+      "(KeyError: 'added_tokens')", setup=_broken_tokenizer),
+  Row("tokenizer_one_entry", "tokenize", TOKENIZE,
+      "its vocabulary size is 1", setup=_one_entry_tokenizer),
+  Row("tokenize_empty_input", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/empty.txt", "--output={T}/o.bin"),
+    "is empty; give a file holding text", setup=_empty_input),
+  Row("tokenize_only_eos", "tokenize", (
+    "--tokenizer={T}/tok", "--input={T}/w.txt", "--input={T}/b.jsonl",
+    "--output={T}/o.bin"), "b.jsonl tokenizes to nothing but EOS",
+    setup=_eos_only_input),
+  Row("lr_nan", "train", ("--lr=nan", OUT),
+      "flag --lr=nan: must be a finite number"),
+  Row("lr_inf", "train", ("--lr=inf", OUT),
+      "flag --lr=inf: must be a finite number"),
+  Row("flagfile_inf", "train", ("--flagfile={T}/f.flags", OUT),
+      "--ci_lr=inf: must be a finite number", setup=_flagfile("--ci_lr=inf")),
+  Row("list_nan", "train", ("--pgd_betas=nan,0.99", OUT),
+      "'nan' is not a finite number"),
+  Row("keyed_list_inf", "train", ("--nonlinearity_weights=relu:inf", OUT),
+      "'inf' is not a finite number"),
+  Row("tokenize_float_nan", "tokenize", (
+    "--progress_seconds=nan", FIXTURE_TOKENIZER, "--input={T}/in.txt",
+    "--output={T}/o.bin"), "--progress_seconds=nan: must be a finite"),
+  # One run directory, one writer.
+  Row("run_dir_in_use", "train", (OUT,), "is in use by pid",
+      setup=_lock_holder),
+  Row("run_dir_in_use_overwrite", "train", (OUT, "--overwrite"),
+      "is in use by pid", setup=_lock_holder),
+  Row("lock_not_a_file", "train", (OUT,), "cannot lock output dir",
+      setup=_lock_not_a_file),
+  # One clear line instead of a traceback.
+  Row("read_only_output", "train", ("--output_dir=/sys/decompax_run",),
+      "cannot write to /sys: "),
+  Row("output_under_a_file", "train", ("--output_dir=/etc/passwd/x",),
+      "/etc/passwd is a file, not a directory"),
+  Row("output_is_a_file", "train", ("--output_dir={T}/afile",),
+      "is a file, not a directory", setup=_touch),
+  Row("safetensors_under_8_bytes", "train", (
+    *LLAMA, "--model_dir={T}/m", OUT), "is not a safetensors file: 4 bytes",
+    setup=_model_copy("tiny_llama", _cut(lambda n: 4))),
+  Row("safetensors_half", "train", (*LLAMA, "--model_dir={T}/m", OUT),
+      "model.safetensors is truncated: ",
+      setup=_model_copy("tiny_llama", _cut(lambda n: n // 2))),
+  Row("missing_shard", "train", (
+    "--flagfile={ROOT}/flags/tiny_llama.flags", "--model_dir={T}/m", OUT),
+    "names model-00002-of-00002.safetensors, which is not in",
+    setup=_model_copy("tiny_qwen3", _drop_second_shard)),
+  Row("full_disk", "train", (OUT,), "No space left on device; free space "
+      "there", prelude=FULL_DISK),
+  Row("other_flags", "train", ("--output_dir={T}/r", "--lr=0.002"),
+      "--lr was 0.001, now 0.002", setup=_flags_txt("--lr=0.001")),
+  # Refusals that already worked.
+  Row("unknown_flag", "train", ("--bogus=1", OUT),
+      "Unknown command line flag 'bogus'"),
+  Row("positional", "train", ("extra_arg", OUT),
+      "unexpected argument 'extra_arg'"),
+  Row("flagfile_no_dashes", "train", ("--flagfile={T}/f.flags", OUT),
+      "unexpected argument 'target=tms_5-2'",
+      setup=_flagfile("target=tms_5-2")),
+  Row("flagfile_missing", "train", ("--flagfile={T}/none.flags", OUT),
+      "Unable to open flagfile"),
+  Row("int_not_int", "train", ("--c=abc", OUT), "flag --c=abc: invalid"),
+  Row("enum_unknown", "train", ("--attention=bogus", OUT),
+      "value should be one of"),
+  Row("c_zero", "train", ("--c=0", OUT), "--c must be a positive number"),
+  Row("steps_zero", "train", ("--num_steps=0", OUT),
+      "--num_steps must be positive, got 0"),
+  Row("batch_negative", "train", ("--batch_size=-1", OUT),
+      "--batch_size must be positive, got -1"),
+  Row("lr_zero", "train", ("--lr=0", OUT), "--lr must be positive"),
+  Row("weight_decay_negative", "train", ("--weight_decay=-1", OUT),
+      "--weight_decay must be >= 0"),
+  Row("ci_lr_zero", "train", ("--ci_lr=0", OUT), "--ci_lr must be positive"),
+  Row("warmup_pct_one", "train", ("--lr_warmup_pct=1", OUT),
+      "--lr_warmup_pct must lie in [0, 1)"),
+  Row("final_frac_constant", "train", (
+    "--lr_schedule=constant", "--lr_final_frac=0.5", OUT),
+    "has no effect with --lr_schedule=constant"),
+  Row("p_final_frac_alone", "train", ("--p_final_frac=0.5", OUT),
+      "--p_final_frac needs --p_schedule=linear|cosine"),
+  Row("no_recon_term", "train", (
+    "--stochastic_coeff=0", "--per_site_coeff=0", OUT),
+    "no reconstruction term"),
+  Row("p_warmup", "train", ("--p_warmup_pct=0.1", OUT),
+      "the p-anneal takes no warmup"),
+  Row("pgd_lr_decay", "train", ("--pgd_lr_schedule=cosine", OUT),
+      "may warm up but not decay"),
+  Row("ema_without_frequency", "train", ("--ema_halflife_steps=10", OUT),
+      "--ema_halflife_steps needs --frequency_coeff above 0"),
+  Row("pgd_betas_one", "train", ("--pgd_betas=0.9", OUT),
+      "--pgd_betas takes two values"),
+  Row("groups_without_plan", "train", ("--groups_coeff=1", OUT),
+      "a groups plan needs --recon_groups"),
+  Row("groups_unknown_site", "train", (
+    "--groups_coeff=1", "--recon_groups=nope", OUT),
+    "plan group names unknown site 'nope'"),
+  Row("tokens_for_a_toy", "train", ("--data_path={T}/x.bin", OUT),
+      "read token files for --target=hf"),
+  Row("site_twice", "train", ("--sites=linear1,linear1", OUT),
+      "--sites lists a site twice"),
+  Row("site_unknown", "train", ("--sites=nope", OUT),
+      "unknown site 'nope' for target tms_5-2"),
+  Row("target_unknown", "train", ("--target=nope", OUT),
+      "unknown toy target 'nope'"),
+  Row("eval_cadence", "train", ("--log_every=5", "--eval_every=7", OUT),
+      "--eval_every=7 must be a multiple of --log_every=5"),
+  Row("slow_eval_without_eval", "train", ("--eval_every=0", OUT),
+      "--slow_eval_every needs --eval_every above 0"),
+  Row("figure_share_zero", "train", ("--figure_cpu_share=0", OUT),
+      "--figure_cpu_share must lie in (0, 1]"),
+  Row("ci_hidden_words", "train", ("--ci_hidden=a", OUT),
+      "--ci_hidden must be comma-separated integers"),
+  Row("ci_heads_zero", "train", (
+    "--ci_fn=transformer", "--ci_n_heads=0", OUT),
+    "CI transformer n_heads must be positive"),
+  Row("profile_steps_form", "train", ("--profile_steps=5", OUT),
+      "--profile_steps must be START:END"),
+  Row("init_from_form", "train", ("--init_from=bad", OUT),
+      "--init_from must be <run_dir>/<step> or <run_dir>/latest"),
+  Row("init_from_missing", "train", ("--init_from={T}/nowhere/latest", OUT),
+      "no checkpoint in"),
+  Row("hidden_alone", "train", ("--hidden_coeff=1", OUT),
+      "the hidden-activation rider never stands alone"),
+  Row("hidden_terms_off", "train", ("--hidden_terms=stochastic_recon", OUT),
+      "--hidden_terms needs --hidden_coeff above 0"),
+  Row("merged_fraction", "train", (
+    "--merged_coeff=1", "--merged_adv_fraction=1.5", OUT),
+    "must stay in [0, 1], got 1.5"),
+  Row("bundle_twice", "train", (
+    "--pgd_coeff=1", "--merged_coeff=1", "--merged_bundle=pgd", OUT),
+    "source bundle 'pgd' feeds two terms"),
+  Row("save_every_zero", "train", ("--save_every=0", OUT),
+      "--save_every must be positive, got 0"),
+  Row("keep_last_zero", "train", ("--keep_last=0", OUT),
+      "--keep_last must be positive, got 0"),
+  Row("skip_limit_zero", "train", ("--max_skipped_in_a_row=0", OUT),
+      "--max_skipped_in_a_row must be positive, got 0"),
+  Row("eval_batches_zero", "train", ("--eval_batches=0", OUT),
+      "--eval_batches must be positive, got 0"),
+  Row("hf_without_model", "train", ("--target=hf", OUT),
+      "--target=hf needs --model_dir"),
+  Row("hf_no_config", "train", ("--target=hf", "--model_dir=/nonexistent",
+                                OUT), "holds no config.json"),
+  Row("seq_len_too_long", "train", (*LLAMA, "--seq_len=100000", OUT),
+      "exceeds the model's max_position_embeddings 256"),
+  Row("lm_sites_match_nothing", "train", (*LLAMA, "--sites=layers.9.*", OUT),
+      "matches no site"),
+  Row("token_file_missing", "train", (*LLAMA, "--data_path={T}/missing.bin",
+                                      OUT),
+      "not found; create it with bin/tokenize"),
+  Row("eval_data_alone", "train", (*LLAMA, "--eval_data_path={T}/x.bin", OUT),
+      "--eval_data_path needs --data_path"),
+  Row("output_parent_missing", "train", ("--output_dir={T}/missing/run",),
+      "does not exist"),
+  Row("mesh_axis_zero", "train", ("--fsdp=0", OUT),
+      "--fsdp must be a positive mesh axis size, got 0"),
+  Row("process_id_range", "train", (
+    "--process_id=3", "--num_processes=2", OUT),
+    "--process_id=3 must lie in [0, --num_processes=2)"),
+  Row("cache_dir_is_file", "train", ("--compilation_cache_dir={T}/afile", OUT),
+      "is a file; name a directory", setup=_touch),
+  Row("compiler_unknown", "train", ("--compiler=bogus", OUT),
+      "--compiler='bogus': use bare or tuned-v1"),
+  Row("place_form", "train", ("--place=bogus", OUT),
+      "--place entry 'bogus' is not category:layout"),
+  Row("report_no_run_dir", "report", (), "Flag --run_dir must have a value"),
+  Row("report_not_a_run", "report", ("--run_dir={T}/nowhere",),
+      "is not a run directory (no flags.txt)"),
+  Row("report_positional", "report", ("--run_dir={T}", "extra"),
+      "unexpected argument 'extra'"),
+  Row("tokenizer_not_a_dir", "tokenize", (
+    "--tokenizer={T}/nowhere", "--input={T}/in.txt", "--output={T}/o.bin"),
+    "--tokenizer {T}/nowhere is not a directory", setup=_input_file),
+  Row("tokenize_input_missing", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/missing.txt", "--output={T}/o.bin"),
+    "--input {T}/missing.txt not found"),
+  Row("tokenize_output_suffix", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/in.txt", "--output={T}/o.txt"),
+    "must end in .bin", setup=_input_file),
+  Row("tokenize_output_parent", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/in.txt", "--output={T}/missing/o.bin"),
+    "--output directory {T}/missing does not exist", setup=_input_file),
+  Row("tokenize_fixture_without_tokenizer", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/in.txt", "--output={T}/o.bin"),
+    "it holds no tokenizer.json", setup=_input_file),
+)
+
+
+def _fill(text: str, t: pathlib.Path) -> str:
+  return text.replace("{T}", str(t)).replace("{ROOT}", str(ROOT))
+
+
+class Result(NamedTuple):
+  code: int
+  stdout: str
+  stderr: str
+  directory: pathlib.Path
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, Result]:
+  """Run every row once; return its exit code, output and directory."""
+  base = tmp_path_factory.mktemp("bad_inputs")
+  logs = base / "logs"
+  logs.mkdir()
+  holders, specs = [], []
+  try:
+    for row in ROWS:
+      t = base / row.id
+      t.mkdir()
+      made = row.setup(t) if row.setup else None
+      if isinstance(made, subprocess.Popen):
+        holders.append(made)
+      specs.append({
+        "id": row.id, "program": row.program,
+        "argv": [_fill(a, t) for a in row.argv], "cwd": str(ROOT),
+        "env": {"JAX_PLATFORMS": "cpu"}, "prelude": row.prelude,
+        "out": str(logs)})
+    runner = subprocess.run(
+      [sys.executable, "-P", str(pathlib.Path(__file__).with_name(
+        "run_binaries.py"))], input=json.dumps(specs), capture_output=True,
+      text=True, timeout=1200, cwd=ROOT)
+    assert runner.returncode == 0, runner.stderr
+    codes = json.loads(runner.stdout)
+  finally:
+    for holder in holders:
+      holder.kill()
+      holder.wait()
+  return {row.id: Result(codes[row.id],
+                         (logs / f"{row.id}.stdout").read_text(),
+                         (logs / f"{row.id}.stderr").read_text(),
+                         base / row.id) for row in ROWS}
+
+
+def test_the_table_covers_every_case_once():
+  ids = [row.id for row in ROWS]
+  assert len(ids) == len(set(ids))
+  assert len(ids) >= 60
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_a_bad_input_is_one_line_naming_the_fix(results, row):
+  result = results[row.id]
+  lines = [line for line in result.stderr.splitlines()
+           if line.startswith(f"{row.program}: error: ")]
+  assert result.code == row.code, result.stderr
+  assert len(lines) == 1, result.stderr
+  assert _fill(row.fragment, result.directory) in lines[0]
+
+
+def test_no_traceback_reaches_stderr(results):
+  leaked = [row_id for row_id, result in results.items()
+            if "Traceback" in result.stderr]
+  assert leaked == []
+
+
+def test_refusals_write_no_run(results):
+  # Every refusal of bin/train that comes before its setup writes leaves
+  # no run files: only what the row itself prepared.
+  for row in ROWS:
+    if row.program != "train" or row.code != 2:
+      continue
+    output = results[row.id].directory / "o"
+    entries = set(os.listdir(output)) if output.is_dir() else set()
+    assert entries <= {".lock"}, (row.id, entries)
+
