@@ -22,7 +22,7 @@ from decompax.bin import tokens_text
 from decompax.core import ci_fns, health, probe, sites as sites_lib
 from decompax.core import train_step
 from decompax.core import warmup as warmup_lib
-from decompax.io import checkpoint, figures, run_dir
+from decompax.io import checkpoint, decomposition, figures, run_dir
 from decompax.placement import transfer
 from decompax.losses import faithfulness
 from decompax.targets import registry
@@ -414,7 +414,8 @@ def train(config, toy, target, weights, output_dir, placement=None):
   checkpointing.check_finite(session, state, full=True)
   state = transfer.fetch(state)  # collective: every process
   if writer:
-    finish(config, target, ci_fn, weights, state, output_dir, metrics_path)
+    finish(config, target, ci_fn, session.ci_config, weights, state,
+           output_dir, metrics_path)
     evaluation.write_final_report(output_dir)
 
 
@@ -432,16 +433,18 @@ def check_nonfinite(session, state, metrics: dict, skipped: int) -> int:
   return count
 
 
-def finish(config, target, ci_fn, weights, state, output_dir, metrics_path):
-  """Write the decomposition and figures, and print the recovery summary."""
+def finish(config, target, ci_fn, ci_config, weights, state, output_dir,
+           metrics_path):
+  """Write the decomposition and figures, and print the recovery summary.
+
+  `decomposition.npz` carries the site specs and the whole CI config, so
+  `decomposition.load_npz` rebuilds and applies it from the file alone.
+  """
   arrays = run_dir.flatten_tree(
     {"components": state.components, "ci_params": state.ci_params})
-  meta = {
-    "sites": [vars(s) for s in target.sites],
-    "ci_fn": {"kind": config.ci_fn, "hidden": list(config.ci_hidden)},
-    "target": config.target,
-    "step": int(jax.device_get(state.step)),
-  }
+  meta = decomposition.decomposition_metadata(
+    target.sites, ci_config, target=config.target,
+    step=int(jax.device_get(state.step)))
   path = os.path.join(output_dir, "decomposition.npz")
   run_dir.save_arrays(path, arrays, meta)
   ci = write_figures(output_dir, target, ci_fn, weights, state, metrics_path)

@@ -3,7 +3,8 @@
 `load_decomposition(path)` is the one call a downstream tool needs: it reads
 only the `decomposition` item of a step (I37) and rebuilds its pytree from
 the site specs and CI config stored beside it, so it needs no knowledge of
-how the run was trained. Configs travel as JSON through `to_json` and
+how the run was trained. `load_npz` does the same for a finished run's
+`decomposition.npz`. Configs travel as JSON through `to_json` and
 `from_json`.
 """
 
@@ -20,7 +21,7 @@ import jax
 from jaxtyping import PyTree
 
 from decompax.core import ci_fns, sites as sites_lib
-from decompax.io import checkpoint
+from decompax.io import checkpoint, run_dir
 from decompax.io.checkpoint import DECOMPOSITION, CheckpointError
 from decompax.io.run_dir import Path
 
@@ -132,3 +133,31 @@ def load_decomposition(path: Path, sharding: Any = None) -> Decomposition:
     if found is not None:
       return found[1]
   raise CheckpointError(f"no checkpoint at {path}")
+
+
+def load_npz(path: Path) -> Decomposition:
+  """Return the decomposition a finished run wrote to `decomposition.npz`.
+
+  The file's metadata holds the site specs and the whole CI config, so the
+  CI function is `ci_fns.make_ci_fn(d.ci_config, d.sites)`. Raises
+  CheckpointError for a file written before it carried its CI config.
+  """
+  path = os.fspath(path)
+  arrays, metadata = run_dir.load_arrays(path)
+  if "ci_config" not in metadata:
+    raise CheckpointError(
+      f"{path} predates decomposition files that carry their CI config; "
+      "load the run's checkpoints with load_decomposition instead")
+  try:
+    sites = tuple(from_json(sites_lib.SiteSpec, s) for s in metadata["sites"])
+    ci_config = from_json(ci_fns.CIConfig, metadata["ci_config"])
+    tree = run_dir.unflatten_into(
+      decomposition_template(sites, ci_config), arrays)
+  except (KeyError, TypeError, ValueError) as e:
+    raise CheckpointError(
+      f"{path}: cannot rebuild the decomposition ({type(e).__name__}: {e})"
+    ) from None
+  tree = jax.device_put(tree)
+  rest = {k: v for k, v in metadata.items() if k not in ("sites", "ci_config")}
+  return Decomposition(tree["components"], tree["ci_params"], sites,
+                       ci_config, int(metadata.get("step", -1)), rest)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from decompax.bin import recipe, train
-from decompax.io import run_dir
+from decompax.io import decomposition, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAGFILES = sorted((ROOT / "flags").glob("*.flags"))
@@ -127,7 +127,7 @@ def test_malformed_flagfile_line_is_refused(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def test_short_run_writes_every_record(tmp_path):
+def test_short_run_writes_every_record(tmp_path, assert_bitwise_equal):
   out = tmp_path / "run"
   result = _bin_train(
     "--num_steps=20", "--batch_size=64", "--log_every=10",
@@ -146,6 +146,12 @@ def test_short_run_writes_every_record(tmp_path):
   arrays, meta = run_dir.load_arrays(out / "decomposition.npz")
   assert arrays["components/linear1/v"].shape == (1, 5, 20)
   assert [s["name"] for s in meta["sites"]] == ["linear1", "linear2"]
+  # The file alone rebuilds the decomposition, equal to the final checkpoint.
+  npz, final = decomposition.load_npz(out / "decomposition.npz"), (
+    decomposition.load_decomposition(out))
+  assert npz.ci_config == final.ci_config and npz.step == final.step == 20
+  assert_bitwise_equal((npz.components, npz.ci_params),
+                       (final.components, final.ci_params))
   for name in ("ci_on_features", "components", "losses"):
     png = (out / "figures" / f"{name}.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
