@@ -216,6 +216,11 @@ def _scale_bwd(scale, g):
 scale_cotangent.defvjp(_scale_fwd, _scale_bwd)
 
 
+# The run key's fold-ins below 2**31 are step keys; term states take the top
+# of the uint32 range, which a step counter (int32) never reaches.
+TERM_STATE_STREAM = 2**32 - 1
+
+
 def _term_keys(step_key, n):
   return [jax.random.fold_in(step_key, 1 + j) for j in range(n)]
 
@@ -315,8 +320,10 @@ def make_train_step(
 ) -> TrainStep:
   """Return the initial-state builder and the ONE jitted training step.
 
-  `init(components, ci_params, run_key, lead_shape)` builds the state; term
-  states draw from `fold_in(run_key, -1 - j)`-style keys of their own. With
+  `init(components, ci_params, run_key, lead_shape)` builds the state. Step
+  `s` draws from `fold_in(run_key, s)`; term states draw from
+  `fold_in(fold_in(run_key, TERM_STATE_STREAM), j)`, a number no int32 step
+  counter reaches, so no step ever replays the initial draws. With
   `sample_inputs`, the step draws its own batch from `fold_in(data_key,
   step)` (a pure function of seed and step) and takes `(state, weights,
   data_key)`; otherwise it takes `(state, weights, inputs)`. `shardings`
@@ -335,7 +342,7 @@ def make_train_step(
   ci_tx = optim.adamw(config.ci_opt, config.total_steps)
 
   def init(components, ci_params, run_key, lead_shape=()):
-    state_key = jax.random.fold_in(run_key, 0x5EED)
+    state_key = jax.random.fold_in(run_key, TERM_STATE_STREAM)
     term_states = tuple(
       None if t.init_state is None
       else t.init_state(jax.random.fold_in(state_key, j), tuple(lead_shape))

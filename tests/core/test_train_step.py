@@ -64,8 +64,18 @@ def test_step_traces_once_and_takes_weights_as_arguments(chain):
   assert built.step._cache_size() == 1
   # Frozen weights are runtime arguments: they appear as parameters of the
   # lowered module, not as baked constants.
-  text = built.step.lower(state, weights, x).as_text()
-  assert text.count("tensor<2x4x4xf32>") >= 1
+  assert _main_arguments(built.step.lower(state, weights, x)).count(
+    "tensor<2x4x4xf32>") == 1
+  # The check sees the difference: closed over, they are not parameters.
+  baked = jax.jit(lambda s, inputs: built.step(s, weights, inputs))
+  assert "tensor<2x4x4xf32>" not in _main_arguments(baked.lower(state, x))
+
+
+def _main_arguments(lowered) -> str:
+  """Return the argument list of the lowered module's entry function."""
+  (line,) = [l for l in lowered.as_text().splitlines()
+             if "func.func public @main(" in l]
+  return line.split("@main(", 1)[1].split(") -> ", 1)[0]
 
 
 def test_duplicate_term_names_are_refused(chain):
@@ -125,3 +135,38 @@ def test_model_side_coefficient_scales_params_not_inputs(chain):
                                 before0.ci_params["l0"].w_in)
   assert not np.allclose(after1.ci_params["l0"].w_in,
                          before0.ci_params["l0"].w_in)
+
+
+
+def _key_reporting_terms():
+  """Term `a` reports the key its step hands it; term `b` keeps, as its
+  state, the key its initial state was drawn from."""
+
+  def report_key(ctx, key, inputs):
+    del ctx, inputs
+    return jnp.zeros(()), jax.random.key_data(key).astype(jnp.float32)
+
+  def keep_key(ctx, key, inputs):
+    del ctx, key, inputs
+    return jnp.zeros(()), None
+
+  a = train_step.LossTerm("a", 1.0, report_key, report=lambda aux: {
+    "key0": aux[0], "key1": aux[1]})
+  b = train_step.LossTerm("b", 1.0, keep_key, init_state=lambda key, lead: (
+    jax.random.key_data(key).astype(jnp.float32)))
+  return a, b
+
+
+def test_no_step_replays_the_term_states_initial_draws(chain):
+  # Term states were once drawn from fold_in(run_key, 0x5EED), which is
+  # also the key of step 0x5EED = 24301: term b's initial draw was term a's
+  # draw at that step.
+  target, weights = chain
+  ci, built = _build(chain, _key_reporting_terms())
+  state = _state(chain, ci, built)
+  initial = np.asarray(state.term_states[1])
+  for step in (0, 1, 0x5EED):
+    _, metrics = built.step(jax.tree.map(jnp.copy, state._replace(
+      step=jnp.asarray(step, jnp.int32))), weights, jnp.ones((8, 4)))
+    drawn = np.array([float(metrics["loss/key0"]), float(metrics["loss/key1"])])
+    assert not np.array_equal(drawn, initial), step
