@@ -36,7 +36,7 @@ class InductionConfig:
   max_repeat: int = 12
   batch_size: int = 32
   # Seed 0 reaches 95% accuracy in these 1000 steps (~15 s on one CPU core).
-  training: train_lib.TrainConfig = train_lib.TrainConfig(
+  training: train_lib.TargetTraining = train_lib.TargetTraining(
     steps=1000, lr=1e-2, schedule="cosine", chunk_steps=250)
   # Accuracy on the predictable positions a trained target must reach.
   min_accuracy: float = 0.9

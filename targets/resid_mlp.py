@@ -52,7 +52,7 @@ class ResidMlpConfig:
   kappa_low: float = 1.0
   kappa_high: float = 2.0
   batch_size: int = 2048
-  training: train_lib.TrainConfig = train_lib.TrainConfig(
+  training: train_lib.TargetTraining = train_lib.TargetTraining(
     steps=10_000, lr=3e-3, schedule="cosine"
   )
 

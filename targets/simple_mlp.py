@@ -32,7 +32,7 @@ class SimpleMlpConfig:
   value_low: float = 0.0
   value_high: float = 1.0
   batch_size: int = 1024
-  training: train_lib.TrainConfig = train_lib.TrainConfig(
+  training: train_lib.TargetTraining = train_lib.TargetTraining(
     steps=5_000, lr=5e-3, schedule="cosine"
   )
 

@@ -31,7 +31,7 @@ class TmsConfig:
   value_low: float = 0.0
   value_high: float = 1.0
   batch_size: int = 1024
-  training: train_lib.TrainConfig = train_lib.TrainConfig(steps=10_000, lr=5e-3)
+  training: train_lib.TargetTraining = train_lib.TargetTraining(steps=10_000, lr=5e-3)
 
 
 class TmsWeights(NamedTuple):

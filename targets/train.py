@@ -28,7 +28,7 @@ Progress = Callable[[int, float], None]
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TargetTraining:
   """AdamW settings of a target-training run.
 
   `schedule` is `constant` or `cosine` (from `lr` at step 0 to 0 at the last
@@ -48,7 +48,7 @@ class TrainConfig:
       raise ValueError("steps and chunk_steps must be positive")
 
 
-def optimizer(config: TrainConfig) -> optax.GradientTransformation:
+def optimizer(config: TargetTraining) -> optax.GradientTransformation:
   """Return the AdamW transformation of `config`."""
   if config.schedule == "cosine":
     lr = optax.cosine_decay_schedule(config.lr, max(config.steps - 1, 1))
@@ -85,7 +85,7 @@ def train(
   params: Params,
   fixed: Fixed,
   loss_fn: LossFn,
-  config: TrainConfig,
+  config: TargetTraining,
   progress: Optional[Progress] = None,
 ) -> Params:
   """Return `params` after `config.steps` AdamW steps on `loss_fn`."""

@@ -28,7 +28,7 @@ def test_missing_features_detects_zeroed_tms_feature(trained_tms_5_2):
 
 
 def test_train_raises_naming_missing_features():
-  config = tms.TmsConfig(5, 2, training=train_lib.TrainConfig(steps=2, lr=1e-3))
+  config = tms.TmsConfig(5, 2, training=train_lib.TargetTraining(steps=2, lr=1e-3))
   toy = registry.build("tms_tiny", tms, config)
   with pytest.raises(
     ValueError,
@@ -43,7 +43,7 @@ def test_train_is_deterministic_and_reports_progress():
     5,
     2,
     batch_size=64,
-    training=train_lib.TrainConfig(steps=20, lr=1e-2, chunk_steps=8),
+    training=train_lib.TargetTraining(steps=20, lr=1e-2, chunk_steps=8),
   )
   seen = []
   a = tms.train(
@@ -65,7 +65,7 @@ def test_resid_training_keeps_embedding_and_kappa_fixed():
     d_embed=8,
     feature_probability=0.2,
     batch_size=32,
-    training=train_lib.TrainConfig(steps=10, lr=1e-2, schedule="cosine"),
+    training=train_lib.TargetTraining(steps=10, lr=1e-2, schedule="cosine"),
   )
   key = jax.random.key(2)
   before = resid_mlp.init(jax.random.split(key)[0], config)
@@ -79,7 +79,7 @@ def test_resid_training_keeps_embedding_and_kappa_fixed():
 
 
 def test_cosine_schedule_ends_at_zero():
-  config = train_lib.TrainConfig(steps=5, lr=0.1, schedule="cosine")
+  config = train_lib.TargetTraining(steps=5, lr=0.1, schedule="cosine")
   opt = train_lib.optimizer(config)
   params = {"p": jnp.ones(3)}
   state = opt.init(params)
@@ -88,7 +88,7 @@ def test_cosine_schedule_ends_at_zero():
   # The last step's learning rate is 0, so its update is exactly zero.
   assert jnp.array_equal(updates["p"], jnp.zeros(3))
   with pytest.raises(ValueError, match="schedule"):
-    train_lib.TrainConfig(steps=5, lr=0.1, schedule="linear")
+    train_lib.TargetTraining(steps=5, lr=0.1, schedule="linear")
 
 
 def _perfect_resid(n):
