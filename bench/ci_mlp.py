@@ -3,8 +3,8 @@
 Run: `.venv/bin/python -P bench/ci_mlp.py` (or `./dev bench ci_mlp`).
 For each `(B, C, d_gate)` it times, in this one process, the forward alone
 and `value_and_grad` with respect to the parameters and the input `h` (the
-training step's use: `h = x @ V`), for `ci_fns._component_mlp_pre_reference`
-and `ci_fns.component_mlp_pre`, and reports `[B, C, d_gate]` elements per
+training step's use: `h = x @ V`), for `component_mlp.reference_pre`
+and `component_mlp.component_mlp_pre`, and reports `[B, C, d_gate]` elements per
 second. The loss is `Σ clip(pre, 0, 1)²`, the shape of the importance losses.
 Timings interleave the two implementations so machine load hits both alike.
 """
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from decompax.core import ci_fns
+from decompax.core import ci_fns, component_mlp
 
 _REPEATS = flags.DEFINE_integer("repeats", 30, "Timed calls per function.")
 _SHAPES = flags.DEFINE_list(
@@ -58,8 +58,8 @@ def median_times(fns: dict, args: tuple, repeats: int) -> dict:
 
 def main(argv):
   del argv
-  impls = {"reference": ci_fns._component_mlp_pre_reference,
-           "fast": ci_fns.component_mlp_pre}
+  impls = {"reference": component_mlp.reference_pre,
+           "fast": component_mlp.component_mlp_pre}
   print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<9} {'fwd ms':>8} "
         f"{'Gelem/s':>8} {'fwd+bwd ms':>11} {'Gelem/s':>8}")
   for shape in _SHAPES.value:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import ci_fns, fast_gelu
+from decompax.core import component_mlp, fast_gelu
 
 _erf = np.vectorize(math.erf)
 
@@ -17,7 +17,7 @@ def _params(seed, c, d_gate, scale=1.0):
   # these tests' time.
   rng = np.random.default_rng(seed)
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-  return ci_fns.PerComponentMLP(
+  return component_mlp.PerComponentMLP(
     w_in=scale * 1.4 * normal(c, d_gate),
     b_in=scale * normal(c, d_gate),
     w_out=0.5 * normal(c, d_gate),
@@ -68,9 +68,9 @@ def test_gelu_saturates_far_from_zero():
 def test_values_and_all_grads_match_reference(lead, c, d_gate):
   params = _params(0, c, d_gate)
   inner, cotangent = _normal(1, (*lead, c)), _normal(2, (*lead, c))
-  fast = _value_and_grads(ci_fns.component_mlp_pre, params, inner, cotangent)
+  fast = _value_and_grads(component_mlp.component_mlp_pre, params, inner, cotangent)
   ref = _value_and_grads(
-    ci_fns._component_mlp_pre_reference, params, inner, cotangent)
+    component_mlp.reference_pre, params, inner, cotangent)
   _assert_close(fast, ref, rtol=2e-6)
 
 
@@ -80,16 +80,16 @@ def test_saturated_hidden_units_match_reference():
   inner, cotangent = _normal(4, (9, 6), scale=3.0), _normal(5, (9, 6))
   z = inner[..., None] * params.w_in + params.b_in
   assert float(jnp.max(jnp.abs(z))) > 10.0
-  fast = _value_and_grads(ci_fns.component_mlp_pre, params, inner, cotangent)
+  fast = _value_and_grads(component_mlp.component_mlp_pre, params, inner, cotangent)
   ref = _value_and_grads(
-    ci_fns._component_mlp_pre_reference, params, inner, cotangent)
+    component_mlp.reference_pre, params, inner, cotangent)
   _assert_close(fast, ref, rtol=2e-6)
 
 
 def test_non_float32_inputs_use_the_reference():
   params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _params(6, 3, 2))
   inner = jnp.ones((4, 3), jnp.bfloat16)
-  pre = ci_fns.component_mlp_pre(params, inner)
+  pre = component_mlp.component_mlp_pre(params, inner)
   assert pre.dtype == jnp.bfloat16
   np.testing.assert_array_equal(
-    pre, ci_fns._component_mlp_pre_reference(params, inner))
+    pre, component_mlp.reference_pre(params, inner))
