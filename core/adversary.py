@@ -8,6 +8,7 @@ size-1 axes. Every ascent ends with the parametrization's projection (I18).
 """
 
 import dataclasses
+import hashlib
 from typing import NamedTuple
 
 import jax
@@ -64,6 +65,20 @@ def scope_shape(
   keep_b = scope in ("bc", "bsc")
   keep_s = scope in ("sc", "bsc")
   return (batch if keep_b else 1, seq if keep_s else 1, channels)
+
+
+def site_key(key: Key[Array, ""], name: str) -> Key[Array, ""]:
+  """Return `key` folded with two 32-bit words of the SHA-256 of `name`.
+
+  A site's key then depends on its name alone, not on which other sites are
+  selected nor where it stands among them (positionless toys have no draw
+  path that would survive `--sites`).
+  """
+  digest = hashlib.sha256(name.encode()).digest()
+  for start in (0, 4):
+    word = int.from_bytes(digest[start:start + 4], "little")
+    key = jax.random.fold_in(key, word)
+  return key
 
 
 def init_source(

@@ -87,24 +87,26 @@ def plan_loss(
   sources: dict[str, Array],
   plan: recon.Plan,
   route_key: Key[Array, ""],
-  fixed_routes: tuple | None = None,
   forward_loss: hidden.ForwardLoss | None = None,
 ) -> Float[Array, ""]:
   """Return the mean forward loss (default: output divergence) over the
-  plan's forwards with masks from `sources`."""
+  plan's forwards with masks from `sources`.
+
+  The draws of an entry share the sources, so route-all draws are one
+  forward: it runs once, weighted by `n_draws`.
+  """
   forward_loss = forward_loss or hidden.forward_loss(ctx, None)
   lead = ctx.lead_shape()
   total, count = jnp.zeros((), jnp.float32), 0
   for e, entry in enumerate(plan):
-    for d in range(entry.n_draws):
-      if fixed_routes is not None:
-        routes = fixed_routes[e]
-      else:
-        key = jax.random.fold_in(jax.random.fold_in(route_key, e), d)
-        routes = recon.entry_routes(key, entry, lead)
-      total = total + forward_loss(
+    weight = 1 if entry.routing != "all" else entry.n_draws
+    for d in range(entry.n_draws // weight):
+      key = jax.random.fold_in(jax.random.fold_in(route_key, e), d)
+      routes = recon.entry_routes(key, entry, lead)
+      loss = forward_loss(
         source_masks(ctx.ci.lower, sources, entry.live_sites, routes))
-      count += 1
+      total = total + (loss if weight == 1 else weight * loss)
+    count += entry.n_draws
   return total / count
 
 
@@ -197,12 +199,13 @@ def persistent_pgd_term(
   ascent_rider = rider if config.objective == "term" else None
 
   def init_state(key, lead_shape):
-    keys = jax.random.split(key, len(sites))
+    # Keyed by site name: `--sites` subsets leave the other sites' starts.
     states = {}
-    for site, site_key in zip(sites, keys):
+    for site in sites:
       shape = adversary.scope_shape(
         config.source.scope, lead_shape, site.c + int(with_delta))
-      states[site.name] = adversary.init_source(site_key, shape, parametrization)
+      states[site.name] = adversary.init_source(
+        adversary.site_key(key, site.name), shape, parametrization)
     return {"sources": states, "count": jnp.zeros((), jnp.int32)}
 
   def effective(raw):
@@ -267,6 +270,37 @@ def persistent_pgd_term(
                   clean_taps=() if rider is None else rider.points)
 
 
+def fresh_draws(plan: recon.Plan, config: FreshConfig) -> int:
+  """Return how many source sets the fresh term ascends per step.
+
+  Draws of one entry differ only through a random init or random routing;
+  otherwise every draw is the same forward, so the term makes one.
+  """
+  random = config.init == "random" or any(e.routing != "all" for e in plan)
+  return max(e.n_draws for e in plan) if random else 1
+
+
+def fresh_plan_loss(
+  ctx: StepContext,
+  sources: tuple[dict[str, Array], ...],
+  plan: recon.Plan,
+  routes: tuple[tuple, ...],
+) -> Float[Array, ""]:
+  """Return the mean output divergence over the plan's forwards: draw `d` of
+  entry `e` uses `sources[d]` and `routes[e][d]`, and an entry with fewer
+  route draws than `n_draws` weights each by the ratio (they are equal)."""
+  forward_loss = hidden.forward_loss(ctx, None)
+  total, count = jnp.zeros((), jnp.float32), 0
+  for entry, entry_routes in zip(plan, routes):
+    weight = entry.n_draws // len(entry_routes)
+    for d, draw_routes in enumerate(entry_routes):
+      loss = forward_loss(source_masks(ctx.ci.lower, sources[d],
+                                       entry.live_sites, draw_routes))
+      total = total + (loss if weight == 1 else weight * loss)
+    count += entry.n_draws
+  return total / count
+
+
 def fresh_pgd_term(
   name: str,
   coeff: schedules.Coefficient,
@@ -276,18 +310,24 @@ def fresh_pgd_term(
 ) -> LossTerm:
   """Return a recon term whose masks come from per-step sign-PGD sources.
 
-  Routing is drawn once per step and shared by every ascent and the loss
-  forward; the sources enter the loss as stop-gradient values (I24).
+  Each of the `fresh_draws` draws has its own sources (site `s` of draw `d`
+  starts from `fold_path(fold_in(source_key, d), draw_paths[s])`), ascended
+  jointly; a draw's routes (`fold_in(fold_in(route_key, e), d)`) are drawn
+  once per step and shared by every ascent and the loss forward. The sources
+  enter the loss as stop-gradient values (I24).
   """
+  n_sets = fresh_draws(plan, config)
 
   def init_sources(ctx, key):
     lead = ctx.lead_shape()
+    paths = sites_lib.draw_paths(ctx.target.sites)
     out = {}
-    for i, site in enumerate(ctx.target.sites):
+    for site in ctx.target.sites:
       shape = adversary.scope_shape(config.scope, lead,
                                     site.c + int(with_delta))
       if config.init == "random":
-        out[site.name] = jax.random.uniform(jax.random.fold_in(key, i), shape)
+        out[site.name] = jax.random.uniform(
+          sites_lib.fold_path(key, paths[site.name]), shape)
       else:
         out[site.name] = jnp.full(shape, float(config.init == "ones"))
     return out
@@ -296,25 +336,28 @@ def fresh_pgd_term(
     source_key, route_key = split_pair(key)
     lead = ctx.lead_shape()
     routes = tuple(
-      recon.entry_routes(jax.random.fold_in(route_key, e), entry, lead)
+      tuple(recon.entry_routes(
+        jax.random.fold_in(jax.random.fold_in(route_key, e), d), entry, lead)
+        for d in range(min(entry.n_draws, n_sets)))
       for e, entry in enumerate(plan))
-    sources = init_sources(ctx, source_key)
+    sources = tuple(init_sources(ctx, jax.random.fold_in(source_key, d))
+                    for d in range(n_sets))
 
     def loss(s):
-      return plan_loss(ctx, s, plan, route_key, routes)
+      return fresh_plan_loss(ctx, s, plan, routes)
 
     for _ in range(config.n_steps):
       grads = jax.grad(loss)(sources)
-      sources = {k: adversary.sign_pgd_step(sources[k], grads[k],
-                                            config.step_size)
-                 for k in sources}
+      sources = jax.tree.map(
+        lambda s, g: adversary.sign_pgd_step(s, g, config.step_size),
+        sources, grads)
     return state, (jax.lax.stop_gradient(sources), routes)
 
   def fn(ctx, key, inputs):
     del key
     sources, routes = inputs
     sources = jax.lax.stop_gradient(sources)
-    return plan_loss(ctx, sources, plan, jax.random.key(0), routes), None
+    return fresh_plan_loss(ctx, sources, plan, routes), None
 
   return LossTerm(name, coeff, fn, prepare=prepare)
 

@@ -1,6 +1,8 @@
 """Persistent, merged and fresh PGD terms in the step (SPEC §5.6-§5.8,
 I17-I24)."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,10 +17,10 @@ from decompax.losses import adversarial, hidden, recon, terms
 B = 8
 
 
-def _persistent(target, coeff, n_warmup, step_rule="adam"):
+def _persistent(target, coeff, n_warmup, step_rule="adam", lr=0.05):
   config = adversarial.PersistentConfig(
     adversary.SourceConfig(scope="c", step_rule=step_rule),
-    Schedule(0.05), n_warmup=n_warmup)
+    Schedule(lr), n_warmup=n_warmup)
   plan = recon.all_sites_plan(target.sites, "uniform_k", 1)
   return adversarial.persistent_pgd_term(
     "persistent", coeff, plan, config, target.sites, with_delta=True)
@@ -46,6 +48,53 @@ def test_i17_source_updates_per_step(chain, n_warmup):
   assert int(after.term_states[1]["count"]) == n_warmup + 1
 
 
+SRC_LR_PEAK, SRC_WARMUP = 0.05, 4  # lr(s) = 0.05·s/4 for s < 4 (10 steps)
+
+
+def test_i17_every_ascent_of_a_step_uses_that_steps_source_lr(chain):
+  """A source LR that changes from step to step (a warmup: decays are
+  refused) with the sign rule and unprojected sigmoid sources: each of the
+  n_warmup + 1 ascents of step s moves a source by exactly ±lr(s), so the
+  step's displacement is an integer multiple of lr(s) of size at most
+  n_warmup + 1, reached where the ascents agree. An LR read per ascent (at
+  the ascent count) or at another step breaks the integers."""
+  n_warmup = 2
+  target, weights = chain
+  config = adversarial.PersistentConfig(
+    adversary.SourceConfig(scope="c", parametrization="sigmoid",
+                           step_rule="sign"),
+    Schedule(SRC_LR_PEAK, warmup_pct=SRC_WARMUP / 10), n_warmup=n_warmup)
+  term = adversarial.persistent_pgd_term(
+    "persistent", 1.0, recon.all_sites_plan(target.sites, "uniform_k", 1),
+    config, target.sites, with_delta=True)
+  ci = ci_fns.make_ci_fn(ci_fns.CIConfig("site_mlp", (4,)), target.sites)
+  adam = optim.AdamWConfig(Schedule(1e-2))
+  built = train_step.make_train_step(
+    target, ci, (terms.faithfulness_term(1.0), term),
+    train_step.StepConfig(10, adam, adam))
+  state = built.init(sites_lib.init_components(jax.random.key(0), target.sites),
+                     ci.init(jax.random.key(1)), jax.random.key(2), (B,))
+  x = jax.random.normal(jax.random.key(3), (B, 4))
+  def sources_f64(state):
+    return {k: np.array(v, np.float64) for k, v in _sources(state).items()}
+
+  previous = sources_f64(state)
+  for s in range(SRC_WARMUP):
+    state, _ = built.step(state, weights, x)
+    assert int(state.term_states[1]["count"]) == (s + 1) * (n_warmup + 1)
+    now = sources_f64(state)
+    lr = SRC_LR_PEAK * s / SRC_WARMUP
+    for site, source in now.items():
+      delta = source - previous[site]
+      if s == 0:
+        np.testing.assert_array_equal(delta, 0.0)  # lr(0) = 0
+        continue
+      steps = delta / lr
+      np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+      assert np.abs(np.round(steps)).max() == n_warmup + 1, steps
+    previous = now
+
+
 def test_i20_final_ascent_independent_of_coefficient(chain):
   _, after0, _, _, _, _ = _run(chain, (_persistent(chain[0], 0.0, 1),))
   _, after1, _, _, _, _ = _run(chain, (_persistent(chain[0], 3.0, 1),))
@@ -66,9 +115,24 @@ def test_i21_warmup_ascents_touch_no_parameter(chain):
 
 
 def test_i18_clamp_sources_stay_in_range_after_steps(chain):
-  _, after, _, _, _, _ = _run(chain, (_persistent(chain[0], 1.0, 2, "sign"),))
-  for s in after.term_states[1]["sources"].values():
-    assert float(s.source.min()) >= 0.0 and float(s.source.max()) <= 1.0
+  """Three sign ascents of 0.4 from U[0, 1]: without the projection after
+  each, most sources would leave [0, 1]; with it they sit in range, many
+  exactly on an edge, and the others a whole number of ±0.4 steps away from
+  their start or from an edge they were cut at."""
+  before, after, _, _, _, _ = _run(
+    chain, (_persistent(chain[0], 1.0, 2, "sign", lr=0.4),))
+  on_edge = 0
+  for site, s in after.term_states[1]["sources"].items():
+    source = np.asarray(s.source)
+    assert source.min() >= 0.0 and source.max() <= 1.0
+    on_edge += np.sum((source == 0.0) | (source == 1.0))
+    start = np.asarray(before.term_states[1]["sources"][site].source)
+    inside = (source > 0.0) & (source < 1.0)
+    for origin in (start, 0.0, 1.0):
+      moves = (source - origin) / 0.4
+      inside &= np.abs(moves - np.round(moves)) > 1e-4
+    assert not inside.any(), source
+  assert on_edge >= 9  # of 18 values
 
 
 def test_persistent_config_refusals():
@@ -80,10 +144,11 @@ def test_persistent_config_refusals():
                                  objective="both")
 
 
-def test_fresh_pgd_term_runs_and_is_finite(chain):
+@pytest.mark.parametrize("n_draws", [1, 2])
+def test_fresh_pgd_term_runs_and_is_finite(chain, n_draws):
   target = chain[0]
   term = adversarial.fresh_pgd_term(
-    "fresh", 1.0, recon.all_sites_plan(target.sites, "uniform_k", 1),
+    "fresh", 1.0, recon.all_sites_plan(target.sites, "uniform_k", n_draws),
     adversarial.FreshConfig("random", "bc", n_steps=2, step_size=0.1), True)
   _, after, metrics, _, _, _ = _run(chain, (term,))
   assert np.isfinite(float(metrics["loss/fresh"]))
@@ -225,3 +290,115 @@ def _context(chain, ci, x):
   return train_step.StepContext(
     jnp.zeros((), jnp.int32), 10, target, weights, x, out, comps, ci_out,
     clean_taps=taps)
+
+
+def _recording(ctx):
+  """Return `ctx` whose target records the masks of every masked forward it
+  traces, and the list they land in."""
+  seen = []
+  target = ctx.target
+
+  def plain(weights, comps, x, site_masks):
+    seen.append(site_masks)
+    return target.masked_forward(weights, comps, x, site_masks)
+
+  def with_taps(weights, comps, x, site_masks, clean_taps, wanted):
+    seen.append(site_masks)
+    return target.masked_forward_taps(weights, comps, x, site_masks,
+                                      clean_taps, wanted)
+
+  return ctx._replace(target=target._replace(
+    masked_forward=plain, masked_forward_taps=with_taps)), seen
+
+
+def _fresh_forwards(chain, init, routing, n_draws):
+  """Return the fresh term's loss and the masks of each forward of `fn`."""
+  target = chain[0]
+  term = adversarial.fresh_pgd_term(
+    "fresh", 1.0, recon.all_sites_plan(target.sites, routing, n_draws),
+    adversarial.FreshConfig(init, "bc", n_steps=1, step_size=0.1), True)
+  _, _, _, _, ci, x = _run(chain, ())
+  ctx, seen = _recording(_context(chain, ci, x))
+  _, inputs = term.prepare(ctx, jax.random.key(7), None)
+  del seen[:]
+  value, _ = term.fn(ctx, jax.random.key(7), inputs)
+  return float(value), list(seen)
+
+
+def test_fresh_pgd_identical_draws_run_one_forward(chain):
+  """`ones` sources routed everywhere are deterministic: n_mask_samples=2
+  asks for the same forward twice, so the term runs it once, same value."""
+  value_1, forwards_1 = _fresh_forwards(chain, "ones", "all", 1)
+  value_2, forwards_2 = _fresh_forwards(chain, "ones", "all", 2)
+  assert len(forwards_1) == len(forwards_2) == 1
+  assert value_2 == value_1
+
+
+@pytest.mark.parametrize("init, routing", [("random", "all"),
+                                           ("ones", "uniform_k")])
+def test_fresh_pgd_random_draws_differ(chain, init, routing):
+  """A random init or random routing makes every draw its own adversary:
+  the two forwards see different masks or routes."""
+  _, forwards = _fresh_forwards(chain, init, routing, 2)
+  assert len(forwards) == 2
+  first, second = forwards
+  assert any(
+    not np.array_equal(first[s].mask, second[s].mask)
+    or (first[s].route is not None
+        and not np.array_equal(first[s].route, second[s].route))
+    for s in first)
+
+
+@pytest.mark.parametrize("routing, n_forwards", [("all", 1),
+                                                 ("uniform_k", 2)])
+def test_persistent_draws_share_sources_so_route_all_runs_once(
+    chain, routing, n_forwards):
+  target = chain[0]
+  _, _, _, _, ci, x = _run(chain, ())
+  ctx, seen = _recording(_context(chain, ci, x))
+  sources = {s.name: jnp.full((1, s.c + 1), 0.5) for s in target.sites}
+  values = {}
+  for n_draws in (1, 2):
+    del seen[:]
+    plan = recon.all_sites_plan(target.sites, routing, n_draws)
+    values[n_draws] = float(adversarial.plan_loss(
+      ctx, sources, plan, jax.random.key(3)))
+  assert len(seen) == n_forwards
+  if routing == "all":
+    assert values[2] == values[1]
+
+
+def test_persistent_initial_sources_do_not_depend_on_other_sites(chain):
+  """`--sites` picks a subset: the head's initial source is the same whether
+  the term covers every site or the head alone, and sites still differ."""
+  target = chain[0]
+  config = adversarial.PersistentConfig(
+    adversary.SourceConfig(scope="bc"), Schedule(0.05))
+  states = {}
+  for sites in (target.sites, target.sites[2:]):
+    term = adversarial.persistent_pgd_term(
+      "persistent", 1.0, recon.all_sites_plan(sites), config, sites, True)
+    states[len(sites)] = term.init_state(jax.random.key(5), (B,))["sources"]
+  np.testing.assert_array_equal(states[3]["head"].source,
+                                states[1]["head"].source)
+  assert not np.array_equal(states[3]["l0"].source, states[3]["l1"].source)
+
+
+def test_fresh_pgd_random_init_follows_draw_paths(chain):
+  """A site's fresh random start is keyed by its draw path, so it does not
+  change when other sites are left out."""
+  target, _ = chain
+  paths = {"l0": (0, 0), "l1": (0, 1), "head": (1, 0)}
+  sites = tuple(dataclasses.replace(s, draw_path=paths[s.name])
+                for s in target.sites)
+  _, _, _, _, ci, x = _run(chain, ())
+  ctx = _context(chain, ci, x)
+  term = adversarial.fresh_pgd_term(
+    "fresh", 1.0, recon.all_sites_plan(sites[2:]),
+    adversarial.FreshConfig("random", "bc", n_steps=0), True)
+  starts = []
+  for subset in (sites, sites[2:]):
+    sub_ctx = ctx._replace(target=ctx.target._replace(sites=subset))
+    _, (sources, _) = term.prepare(sub_ctx, jax.random.key(9), None)
+    starts.append(np.asarray(sources[0]["head"]))
+  np.testing.assert_array_equal(starts[0], starts[1])
