@@ -5,8 +5,21 @@ flagfiles run in `test_eval_smoke_models.py` (two files, so the suite's
 workers share them; `conftest.py` splits the flagfiles).
 """
 
+import math
+
+from decompax.io import run_dir
+
 SMOKE_GROUP = "tms"
 
 
-def test_flagfile_runs_both_eval_tiers_and_saves(smoke_run, smoke_flagfile):
+def test_flagfile_runs_both_eval_tiers_and_saves(smoke_run, smoke_flagfile,
+                                                  tmp_path):
   smoke_run(smoke_flagfile)
+  # Every logged value is a finite plain number (a JSON round trip alone
+  # would pass NaN, lists and strings).
+  records = run_dir.read_metrics(tmp_path / "run" / run_dir.METRICS_FILE)
+  assert len(records) == 2
+  for record in records:
+    for key, value in record.items():
+      assert type(value) in (int, float), (key, value)
+      assert math.isfinite(value), (key, value)

@@ -18,6 +18,14 @@ def test_i30_clip_coefficient_uses_eps_after_norm():
   small_g = {"a": jnp.array([0.1, 0.0], jnp.float32)}
   small, _ = tx.update(small_g, tx.init(g))
   np.testing.assert_array_equal(small["a"], small_g["a"])
+  # At a norm of 5e-4 the 1e-6 moves the factor by 2e-3, far above fp32.
+  tiny = {"a": jnp.array([3e-4, 4e-4])}
+  tx = optim.clip_by_global_norm(1e-4)
+  out, _ = tx.update(tiny, tx.init(tiny))
+  np.testing.assert_allclose(
+    out["a"], np.array([3e-4, 4e-4]) * 1e-4 / (5e-4 + 1e-6), rtol=1e-5)
+  assert not np.allclose(out["a"], np.array([3e-4, 4e-4]) * 1e-4 / 5e-4,
+                         rtol=1e-4, atol=0)
 
 
 def test_i31_adamw_first_step_matches_formula_and_schedule():

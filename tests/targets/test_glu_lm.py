@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -133,6 +134,80 @@ def test_segment_bounds_equal_stored_stack_bounds(model):  # I41
     fns.clean_forward(other, tokens, ())
 
 
+SLICING = ("slice", "dynamic_slice", "gather")
+# Ops whose output is the same stored stack, recast or reshaped.
+SAME_STACK = ("convert_element_type", "reshape", "transpose", "squeeze",
+              "expand_dims", "copy", "copy_p", "sharding_constraint",
+              "reshard", "mesh_cast", "pvary", "optimization_barrier",
+              "stop_gradient")
+# Calls whose jaxpr takes the call's operands and returns its results 1:1.
+ONE_TO_ONE = ("jit", "pjit", "remat", "remat2", "checkpoint",
+              "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call",
+              "closed_call", "core_call", "custom_lin")
+
+
+def _sub_jaxprs(eqn):
+  """Yield `(param name, jaxpr)` for every jaxpr among `eqn`'s params."""
+  for key, value in eqn.params.items():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(sub, jax.extend.core.ClosedJaxpr):
+        sub = sub.jaxpr
+      if isinstance(sub, jax.extend.core.Jaxpr):
+        yield key, sub
+
+
+def _inner_operands(eqn, key):
+  """Return the operands (outer vars) of the sub-jaxpr `key` of `eqn`, in the
+  order of its invars."""
+  outer = list(eqn.invars)
+  prim, params = eqn.primitive.name, eqn.params
+  if prim == "while":
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    consts = outer[:nc] if key == "cond_jaxpr" else outer[nc:nc + nb]
+    return consts + outer[nc + nb:]
+  if prim == "cond":
+    return outer[1:]
+  return outer
+
+
+def stack_reads(jaxpr, names):
+  """Return `(primitive, stacks read)` of every slice, dynamic slice and
+  gather of a named stack in `jaxpr` and, recursively, in every jaxpr nested
+  in it (jit, scan, remat, custom_vjp, cond, while bodies), following each
+  named input through the call boundaries and through recasts and reshapes."""
+  names = dict(names)
+  found = []
+  for eqn in jaxpr.eqns:
+    prim = eqn.primitive.name
+    named = {names[v] for v in eqn.invars
+             if isinstance(v, jax.extend.core.Var) and v in names}
+    if prim in SLICING and named:
+      found.append((prim, named))
+    if prim in SAME_STACK and len(named) == 1 and len(eqn.outvars) == 1:
+      names[eqn.outvars[0]] = named.pop()
+    for key, sub in _sub_jaxprs(eqn):
+      operands = _inner_operands(eqn, key)
+      assert len(operands) == len(sub.invars), f"unhandled {prim}"
+      # A scan's `xs` arrive in its body as one row per iteration: rows of
+      # a stack scanned in place are no cut, so only whole values keep
+      # their name.
+      inner = {v: names[o] for v, o in zip(sub.invars, operands)
+               if isinstance(o, jax.extend.core.Var) and o in names
+               and o.aval.shape == v.aval.shape}
+      found.extend(stack_reads(sub, inner))
+      if prim in ONE_TO_ONE:
+        for outer_v, inner_v in zip(eqn.outvars, sub.outvars):
+          if isinstance(inner_v, jax.extend.core.Var) and inner_v in inner:
+            names[outer_v] = inner[inner_v]
+  return found
+
+
+def _weight_names(closed, weights):
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(weights)[0]]
+  return dict(zip(closed.jaxpr.invars, paths))
+
+
 def test_no_forward_slices_a_stored_stack(model):  # I41
   fns, weights, components, tokens = model
 
@@ -144,17 +219,51 @@ def test_no_forward_slices_a_stored_stack(model):  # I41
             stacks)
 
   closed = jax.make_jaxpr(step)(weights)
-  paths = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(weights)[0]]
-  name_of = dict(zip(closed.jaxpr.invars, paths))
-  for eqn in closed.jaxpr.eqns:
-    if eqn.primitive.name in ("slice", "dynamic_slice", "gather"):
-      read = {name_of[v] for v in eqn.invars if v in name_of}
-      # Only the k kind, whose rows are not the span's layers, gathers (its
-      # one row); every other stack is read as a whole-leaf scan input.
-      assert read <= {".span.k", ".embed"}, (eqn.primitive, read)
+  reads = stack_reads(closed.jaxpr, _weight_names(closed, weights))
+  # Only the k kind, whose rows are not the span's layers, gathers (its one
+  # row), and the embedding looks up tokens; every other stack is read as a
+  # whole-leaf scan input, at every depth.
+  assert {n for _, named in reads for n in named} == {".span.k", ".embed"}
   # Kinds covering the span are the stored leaf itself, not a copy.
   assert fns.frozen_stacks(weights)["gate_proj"] is weights.span.gate
+
+
+def _custom_vjp_rows(stack):
+  @jax.custom_vjp
+  def rows(w):
+    return w[1:3]
+
+  rows.defvjp(lambda w: (w[1:3], None), lambda _, g: (jnp.zeros((4, 2)),))
+  return rows(stack)
+
+
+@pytest.mark.parametrize("cut", [
+  lambda w: w.astype(jnp.bfloat16)[1:3],
+  lambda w: jax.jit(lambda v: v[1:3])(w),
+  lambda w: jax.checkpoint(lambda v: jnp.sin(v[1:3]))(w),
+  lambda w: jax.jit(lambda v: jax.checkpoint(lambda u: u[1:3])(v))(w),
+  lambda w: jax.lax.scan(
+    lambda c, i: (c + jax.lax.dynamic_slice_in_dim(w, i, 2)[0], None),
+    jnp.zeros(2), jnp.arange(2))[0],
+  lambda w: jax.lax.cond(True, lambda v: v[1:3], lambda v: v[:2], w),
+  lambda w: jax.lax.while_loop(
+    lambda c: c[0] < 2,
+    lambda c: (c[0] + 1, c[1] + jax.lax.dynamic_slice_in_dim(w, c[0], 2)[0]),
+    (0, jnp.zeros(2)))[1],
+  _custom_vjp_rows,
+  lambda w: jax.jit(lambda v: v)(w)[1:3],
+], ids=["recast", "jit", "remat", "jit_remat", "scan_const", "cond", "while",
+        "custom_vjp", "returned_by_jit"])
+def test_stack_reads_sees_slices_nested_in_sub_jaxprs(cut):
+  weights = {"span": {"gate": jnp.ones((4, 2))}}
+  closed = jax.make_jaxpr(lambda w: cut(w["span"]["gate"]))(weights)
+  reads = stack_reads(closed.jaxpr, _weight_names(closed, weights))
+  assert any(named == {"['span']['gate']"} for _, named in reads), reads
+  # A stack scanned as `xs` is consumed row by row, which is no cut.
+  closed = jax.make_jaxpr(lambda w: jax.lax.scan(
+    lambda c, row: (c + row[:1], None), jnp.zeros(1),
+    w["span"]["gate"])[0])(weights)
+  assert stack_reads(closed.jaxpr, _weight_names(closed, weights)) == []
 
 
 @pytest.fixture(scope="module")
