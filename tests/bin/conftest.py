@@ -2,7 +2,7 @@
 
 import functools
 import importlib.util
-import json
+import math
 import os
 import pathlib
 import re
@@ -125,7 +125,9 @@ def check_smoke_run(out: pathlib.Path, target, stderr: str) -> None:
   for record in records:
     for variant in ("ci_masked", "stochastic", "zero", "random", "pgd"):
       assert record[f"eval/recon/{variant}"] >= 0.0
-  json.dumps(records)  # every value is a plain number
+    # A plain, finite number each: a NaN or a list would pass json.dumps.
+    for key, value in record.items():
+      assert type(value) in (int, float) and math.isfinite(value), key
   probed = ("ci_on_features", "components") if target.feature_probe else ()
   for name in ("ci_histograms", "ci_density", "ci_log_density", *probed):
     assert (out / "figures" / f"{name}.png").read_bytes()[:8] == PNG
