@@ -10,6 +10,7 @@ table's shardings and moves its state and weights onto the mesh. Only
 process 0 writes files (`is_writer`).
 """
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
@@ -65,7 +66,8 @@ class PlacementConfig:
   @property
   def table(self) -> table_lib.PlacementTable:
     """Return the placement table of the preset and overrides."""
-    return table_lib.make_table(self.placement, self.place)
+    with flag_named():
+      return table_lib.make_table(self.placement, self.place)
 
   @property
   def distributed(self) -> bool:
@@ -180,14 +182,17 @@ def make_placement(
   """Return the run's mesh, table and compiler options, checked against the
   devices present and the batch's lead shape (it must split evenly)."""
   local = jax.local_devices()
-  mesh_lib.check_local_devices(config.local_device_count, len(local),
-                               local[0].platform)
-  shape = mesh_lib.mesh_shape(jax.device_count(), config.replicate,
-                              config.fsdp, config.tp)
+  with flag_named("--local_device_count"):
+    mesh_lib.check_local_devices(config.local_device_count, len(local),
+                                 local[0].platform)
+  with flag_named("--replicate/--fsdp/--tp"):
+    shape = mesh_lib.mesh_shape(jax.device_count(), config.replicate,
+                                config.fsdp, config.tp)
   table = config.table
-  table_lib.partition_spec(table.layout("inputs"),
-                           ("batch", "seq")[:len(lead_shape)], lead_shape,
-                           shape.sizes)
+  with flag_named("--batch_size"):
+    table_lib.partition_spec(table.layout("inputs"),
+                             ("batch", "seq")[:len(lead_shape)], lead_shape,
+                             shape.sizes)
   return Placement(build_mesh(shape), table,
                    compiler_options(config.compiler))
 
@@ -224,9 +229,24 @@ def check_layouts(
   placed or compiled.
   """
   sizes = dict(placement.mesh.shape)
-  return fallback_lines(
-    shardings.fallbacks(placement.table, sizes, state, weights, lead_shape,
-                        frozen_stacks), sizes)
+  with flag_named():
+    found = shardings.fallbacks(placement.table, sizes, state, weights,
+                                lead_shape, frozen_stacks)
+  return fallback_lines(found, sizes)
+
+
+@contextlib.contextmanager
+def flag_named(flag: str = ""):
+  """Re-raise the placement library's ValueErrors naming their flag: an
+  override's error names `--place`, others `flag` (none when empty)."""
+  try:
+    yield
+  except table_lib.LayoutError as e:
+    if e.entry:
+      raise ValueError(f"--place: {e}") from None
+    raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
+  except ValueError as e:
+    raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
 
 
 def state_shardings(

@@ -49,20 +49,20 @@ def mesh_shape(
   """
   for name, value in (("replicate", replicate), ("fsdp", fsdp), ("tp", tp)):
     if value is not None and value < 1:
-      raise ValueError(f"--{name} must be a positive mesh axis size, got "
+      raise ValueError(f"mesh axis {name} must have a positive size, got "
                        f"{value}")
   replicate, tp = replicate or 1, tp or 1
   if fsdp is None:
     if n_devices % (replicate * tp):
       raise ValueError(
-        f"--replicate={replicate} x --tp={tp} does not divide the "
+        f"replicate={replicate} x tp={tp} does not divide the "
         f"{n_devices} devices; choose sizes whose product divides it")
     fsdp = n_devices // (replicate * tp)
   shape = MeshShape(replicate, fsdp, tp)
   if shape.n_devices != n_devices:
     raise ValueError(
       f"mesh {shape} spans {shape.n_devices} devices but {n_devices} are "
-      f"present; choose --replicate x --fsdp x --tp = {n_devices}")
+      f"present; choose replicate x fsdp x tp = {n_devices}")
   return shape
 
 
@@ -73,5 +73,6 @@ def check_local_devices(
   `expected` count (None: whatever is present)."""
   if expected is not None and expected != present:
     raise ValueError(
-      f"--local_device_count={expected} but this process sees {present} "
-      f"{platform} device(s); fix the launch (visible devices) or the flag")
+      f"{expected} local devices were expected but this process sees "
+      f"{present} {platform} device(s); fix the launch (visible devices) or "
+      "the expected count")

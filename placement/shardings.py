@@ -7,8 +7,8 @@ for the jitted step's `in_shardings`/`out_shardings`, and builds the
 in its tree:
 
 - V/U (`Factors` leaves `v`, `u`, and every optimizer leaf under those names):
-  `v (stack, d_in, c)`, `u (stack, c, d_out)`; other 3-D leaves of those
-  trees are frozen stacks `(stack, d_in, d_out)`.
+  `v (layer, d_in, c)`, `u (layer, c, d_out)`; other 3-D leaves of those
+  trees are frozen stacks `(layer, d_in, d_out)`.
 - Batch-led leaves (inputs, taps, outputs, CI): the batch's lead shape
   `(batch[, seq])` then `feature` (or `c` for CI activations). Leaves whose
   leading dims are not the batch's are left to the compiler.
@@ -19,7 +19,7 @@ in its tree:
 
 `fallbacks` lists, before anything is placed, every dimension a preset's
 layout leaves (partly) replicated because it does not tile its mesh axes;
-an authored (`--place`) layout raises ValueError there instead.
+an authored (override) layout raises `LayoutError` there instead.
 """
 
 from collections.abc import Callable
@@ -47,11 +47,11 @@ def component_axes(path, leaf) -> tuple[str | None, ...]:
   """Return the semantic axes of a leaf of a V/U-shaped tree."""
   name = _last_name(path)
   if leaf.ndim == 3 and name == "v":
-    return ("stack", "d_in", "c")
+    return ("layer", "d_in", "c")
   if leaf.ndim == 3 and name == "u":
-    return ("stack", "c", "d_out")
+    return ("layer", "c", "d_out")
   if leaf.ndim == 3:
-    return ("stack", "d_in", "d_out")
+    return ("layer", "d_in", "d_out")
   return (None,) * leaf.ndim
 
 

@@ -7,7 +7,7 @@ described by one semantic axis per dimension (`None`: never sharded);
 `largest` stands for every dimension of a leaf without named axes (CI
 weights, frozen weights) and shards its largest dimension that tiles.
 
-Presets (`owner`, `zero1`, `ddp`) expand to a full table; `--place` entries
+Presets (`owner`, `zero1`, `ddp`) expand to a full table; override entries
 replace single categories, each by a named layout (`LAYOUTS`) or by explicit
 rules `axis=mesh+mesh;axis=mesh`.
 
@@ -16,7 +16,7 @@ one dimension of a leaf (the first that asks for it) and axes of size 1 are
 dropped. When a dimension does not tile its mesh axes, a preset's layout
 drops trailing mesh axes until it does (the dimension stays partly
 replicated; `resolve` returns these `Shortfall`s so that callers can report
-them), while a layout the user authored (`--place`) and the batch axis never
+them), while a layout the user authored (an override) and the batch axis never
 fall back: there a dimension that does not tile is a configuration error.
 """
 
@@ -44,7 +44,7 @@ CATEGORIES = {
                "batch-scoped ones follow the inputs' batch axes",
 }
 
-SEMANTIC_AXES = ("stack", "d_in", "d_out", "c", "batch", "seq", "feature",
+SEMANTIC_AXES = ("layer", "d_in", "d_out", "c", "batch", "seq", "feature",
                  "largest")
 # Axes that must split as asked: replicating a batch defeats data parallelism.
 STRICT_AXES = ("batch",)
@@ -56,7 +56,7 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 class Layout:
   """Semantic axis -> mesh axes, in the order they split the dimension.
 
-  `authored` is the `--place` entry that wrote the layout (empty for a
+  `authored` is the override entry that wrote the layout (empty for a
   preset's): an authored layout is strict, it never falls back.
   """
 
@@ -88,10 +88,10 @@ LAYOUTS: dict[str, Layout] = {
   # Intra-matrix over the full mesh (SPEC §8 zero1).
   "zero1": _layout(d_in=(_F,), d_out=(_F,), c=(_T, _R), largest=(_F, _T, _R)),
   # Whole matrices per replica group, matrix dims over fsdp, C over tp.
-  "owner": _layout(stack=(_R,), d_in=(_F,), d_out=(_F,), c=(_T,),
+  "owner": _layout(layer=(_R,), d_in=(_F,), d_out=(_F,), c=(_T,),
                    largest=(_F,)),
-  # Whole matrices per device where the stack tiles (Newton-Schulz work).
-  "stacked": _layout(stack=(_R, _F, _T)),
+  # Whole matrices per device where the layer axis tiles (Newton-Schulz work).
+  "stacked": _layout(layer=(_R, _F, _T)),
 }
 
 _SHARDED_PRESET = {
@@ -160,6 +160,18 @@ def parse_layout(text: str) -> Layout:
   return Layout(tuple(rules.items()))
 
 
+class LayoutError(ValueError):
+  """A placement override that is malformed or does not tile the arrays.
+
+  `entry` is the `category:layout` override concerned, so that a caller can
+  name where it came from (the library never names command-line flags).
+  """
+
+  def __init__(self, message: str, entry: str = "") -> None:
+    super().__init__(message)
+    self.entry = entry
+
+
 def make_table(preset: str, overrides: tuple[str, ...] = ()) -> PlacementTable:
   """Return the preset's table with `category:layout` overrides applied."""
   if preset not in PRESETS:
@@ -170,12 +182,17 @@ def make_table(preset: str, overrides: tuple[str, ...] = ()) -> PlacementTable:
     category, sep, text = item.partition(":")
     category = category.strip()
     if not sep:
-      raise ValueError(f"--place entry {item!r} is not category:layout")
+      raise LayoutError(f"override {item!r} is not category:layout", item)
     if category not in CATEGORIES:
-      raise ValueError(f"--place names unknown category {category!r}; use "
-                       f"one of {', '.join(CATEGORIES)}")
+      raise LayoutError(f"override {item!r} names unknown category "
+                        f"{category!r}; use one of {', '.join(CATEGORIES)}",
+                        item)
+    try:
+      layout = parse_layout(text)
+    except ValueError as e:
+      raise LayoutError(f"override {item!r}: {e}", item) from None
     layouts[category] = dataclasses.replace(
-      parse_layout(text), authored=f"{category}:{text.strip()}")
+      layout, authored=f"{category}:{text.strip()}")
   return PlacementTable(preset, tuple(layouts.items()))
 
 
@@ -291,7 +308,7 @@ def _refusal(layout: Layout, leaf: str, shape: tuple[int, ...],
   else:
     what = f"{short.axis} of size {short.size}, which does not tile {mesh}"
     fix = f"{product} divides {short.size}"
-  return (f"--place={layout.authored}: {leaf or 'a leaf'} "
+  return (f"layout {layout.authored}: {leaf or 'a leaf'} "
           f"[{','.join(map(str, shape))}] has {what}; choose mesh sizes so "
           f"that {fix}, or another layout for {category}")
 
@@ -311,5 +328,6 @@ def partition_spec(
   resolved = resolve(layout, axes, tuple(shape), sizes)
   for short in resolved.shortfalls:
     if layout.authored or short.axis in STRICT_AXES:
-      raise ValueError(_refusal(layout, leaf, tuple(shape), short, sizes))
+      raise LayoutError(_refusal(layout, leaf, tuple(shape), short, sizes),
+                        layout.authored)
   return resolved.spec

@@ -359,7 +359,8 @@ ROWS = (
   Row("output_parent_missing", "train", ("--output_dir={T}/missing/run",),
       "does not exist"),
   Row("mesh_axis_zero", "train", ("--fsdp=0", OUT),
-      "--fsdp must be a positive mesh axis size, got 0"),
+      "--replicate/--fsdp/--tp: mesh axis fsdp must have a positive size, "
+      "got 0"),
   Row("process_id_range", "train", (
     "--process_id=3", "--num_processes=2", OUT),
     "--process_id=3 must lie in [0, --num_processes=2)"),
@@ -368,7 +369,7 @@ ROWS = (
   Row("compiler_unknown", "train", ("--compiler=bogus", OUT),
       "--compiler='bogus': use bare or tuned-v1"),
   Row("place_form", "train", ("--place=bogus", OUT),
-      "--place entry 'bogus' is not category:layout"),
+      "--place: override 'bogus' is not category:layout"),
   Row("report_no_run_dir", "report", (), "Flag --run_dir must have a value"),
   Row("report_not_a_run", "report", ("--run_dir={T}/nowhere",),
       "is not a run directory (no flags.txt)"),

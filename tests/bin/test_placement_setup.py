@@ -44,7 +44,7 @@ def test_mesh_and_overrides_reach_the_placement(parse):
   placement = placement_setup.make_placement(config, (64,))
   assert dict(placement.mesh.shape) == {"replicate": 2, "fsdp": 2, "tp": 2}
   assert placement.table.layout("frozen").rules == ()
-  assert dict(placement.table.layout("optimizer").rules)["stack"] == (
+  assert dict(placement.table.layout("optimizer").rules)["layer"] == (
     "replicate",)
 
 
@@ -62,9 +62,13 @@ def test_bad_flags_fail_before_any_compile(parse, args, message):
 
 
 @pytest.mark.parametrize("args,lead,message", [
-  (("--fsdp=3",), (64,), "spans 3 devices but 8 are present"),
-  (("--local_device_count=4",), (64,), "sees 8 cpu device"),
-  (("--replicate=2",), (12,), "batch axis of size 12 does not split"),
+  (("--fsdp=3",), (64,),
+   "^--replicate/--fsdp/--tp: mesh .* spans 3 devices but 8 are present"),
+  (("--local_device_count=4",), (64,),
+   "^--local_device_count: 4 local devices were expected but this process "
+   "sees 8 cpu device"),
+  (("--replicate=2",), (12,),
+   "^--batch_size: the batch axis of size 12 does not split"),
 ])
 def test_placements_that_do_not_fit_are_refused(parse, args, lead, message):
   with pytest.raises(ValueError, match=message):
@@ -144,7 +148,7 @@ def test_an_authored_layout_that_does_not_tile_fails_before_any_write(
   with pytest.raises(ValueError) as info:
     train.setup(config, placement)
   assert str(info.value).startswith(
-    "--place=optimizer:d_in=fsdp: components/linear1/v [1,5,")
+    "--place: layout optimizer:d_in=fsdp: components/linear1/v [1,5,")
   assert "d_in of size 5, which does not tile fsdp=8" in str(info.value)
   assert "\n" not in str(info.value)
   assert not out.exists()

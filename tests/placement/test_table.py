@@ -17,8 +17,8 @@ from decompax.placement import table as table_lib
 MESH_2X2X2 = {"replicate": 2, "fsdp": 2, "tp": 2}
 FSDP_8 = {"replicate": 1, "fsdp": 8, "tp": 1}
 ONE = {"replicate": 1, "fsdp": 1, "tp": 1}
-V_AXES = ("stack", "d_in", "c")
-U_AXES = ("stack", "c", "d_out")
+V_AXES = ("layer", "d_in", "c")
+U_AXES = ("layer", "c", "d_out")
 
 
 def _spec(table, category, axes, shape, sizes):
@@ -35,11 +35,11 @@ def test_overrides_replace_only_their_categories():
   base = table_lib.make_table("zero1")
   table = table_lib.make_table(
     "zero1", ("optimizer:fsdp", "frozen:replicated",
-              "adversary:c=tp+replicate;stack=fsdp"))
+              "adversary:c=tp+replicate;layer=fsdp"))
   assert table.layout("optimizer").rules == table_lib.LAYOUTS["fsdp"].rules
   assert table.layout("frozen").rules == ()
   assert table.layout("adversary").rules == (
-    ("c", ("tp", "replicate")), ("stack", ("fsdp",)))
+    ("c", ("tp", "replicate")), ("layer", ("fsdp",)))
   # Authored entries remember their text: they never fall back.
   assert table.layout("optimizer").authored == "optimizer:fsdp"
   assert table.layout("compute").authored == ""
@@ -97,15 +97,15 @@ def test_non_tiling_dimensions_drop_trailing_mesh_axes():
 
 @pytest.mark.parametrize("place,axes,shape,sizes,message", [
   ("optimizer:d_in=fsdp", V_AXES, (1, 5, 16), FSDP_8,
-   "--place=optimizer:d_in=fsdp: components/l/v [1,5,16] has d_in of size "
+   "layout optimizer:d_in=fsdp: components/l/v [1,5,16] has d_in of size "
    "5, which does not tile fsdp=8; choose mesh sizes so that fsdp divides 5,"
    " or another layout for optimizer"),
   ("optimizer:zero1", V_AXES, (1, 16, 6), MESH_2X2X2,
-   "--place=optimizer:zero1: components/l/v [1,16,6] has c of size 6, "
+   "layout optimizer:zero1: components/l/v [1,16,6] has c of size 6, "
    "which does not tile tp+replicate=4; choose mesh sizes so that "
    "tp*replicate divides 6, or another layout for optimizer"),
   ("frozen:fsdp", ("largest",) * 2, (5, 3), FSDP_8,
-   "--place=frozen:fsdp: components/l/v [5,3] has no dimension that tiles "
+   "layout frozen:fsdp: components/l/v [5,3] has no dimension that tiles "
    "fsdp=8; choose mesh sizes so that fsdp divides one of its dimensions, "
    "or another layout for frozen"),
 ])
@@ -123,7 +123,7 @@ def test_authored_layouts_never_fall_back(place, axes, shape, sizes,
 
 def test_a_mesh_axis_shards_one_dimension_of_a_leaf():
   table = table_lib.make_table("zero1")
-  w = _spec(table, "faithfulness", ("stack", "d_in", "d_out"), (2, 8, 8),
+  w = _spec(table, "faithfulness", ("layer", "d_in", "d_out"), (2, 8, 8),
             FSDP_8)
   assert w == P(None, "fsdp", None)
 
@@ -191,9 +191,9 @@ def test_sources_follow_the_batch_and_shared_ones_replicate():
 
 @pytest.mark.parametrize("args,message", [
   ((8, 3, 1, 1), "spans 3 devices but 8 are present"),
-  ((8, 3, None, None), "--replicate=3 x --tp=1 does not divide"),
+  ((8, 3, None, None), "replicate=3 x tp=1 does not divide"),
   ((8, None, None, 3), "does not divide the 8 devices"),
-  ((8, 0, None, None), "--replicate must be a positive"),
+  ((8, 0, None, None), "mesh axis replicate must have a positive size"),
   ((4, 2, 1, 1), "spans 2 devices"),
 ])
 def test_bad_mesh_shapes_fail_with_one_line(args, message):
@@ -246,7 +246,7 @@ def test_fallbacks_list_what_a_preset_replicates():
     ("faithfulness", "components/mlp/v", short),
   }
   assert all(f.shape == (2, 5, 8) for f in found)
-  with pytest.raises(ValueError, match="--place=compute:fsdp_tp: "
+  with pytest.raises(ValueError, match="layout compute:fsdp_tp: "
                      "components/mlp/v"):
     shardings.fallbacks(table_lib.make_table("zero1", ("compute:fsdp_tp",)),
                         MESH_2X2X2, state, weights, (16,), stacks)
