@@ -9,6 +9,9 @@ without saving (I40). Rerunning the same command restores the newest
 readable checkpoint, skips the warmup and continues on the same trajectory:
 the step draws its batch and keys from `(seed, step)` (I36).
 
+A checkpoint written while term states were stored by position
+(`term_states/<j>/...`) resumes, its arrays read under the terms' names.
+
 `--checkpointing=none` writes nothing under `checkpoints/` and leaves a
 marker that refuses re-entry (I39). `--init_from` restores only a parent's
 decomposition onto a fresh run after checking that it matches (I38).
@@ -20,6 +23,7 @@ item is written), `kill_after_save=K` (committed, nothing pruned yet) and
 `kill_mid_prune=K` (an old step hidden for deletion, not yet deleted).
 """
 
+import functools
 import os
 import signal
 import sys
@@ -276,10 +280,70 @@ def close(session: Session) -> None:
     signal.signal(signum, handler)
 
 
-def _restore_own(session: Session, template, shardings):
+def positional_term_states(stored: tuple[str, ...]) -> list[int]:
+  """Return the term positions a checkpoint stores term states under, in
+  ascending order: `term_states/<j>/...`, the layout written while
+  `TrainState.term_states` was a tuple over every loss term (empty for a
+  checkpoint keyed by term name)."""
+  return sorted({int(parts[1]) for parts in (k.split("/") for k in stored)
+                 if len(parts) > 1 and parts[0] == "term_states"
+                 and parts[1].isdigit()})
+
+
+def term_state_renames(
+  positions: list[int], stateful: tuple[str, ...], where: str,
+) -> dict[str, str]:
+  """Return `{term_states/<j>: term_states/<name>}` reading a positional
+  checkpoint by name.
+
+  `positions` ascend in term order, as `stateful`, the names of this run's
+  stateful terms in term order, do; the state records kept the old dicts'
+  keys as field names, so the rename is the whole migration. Raises
+  CheckpointError when the counts differ.
+  """
+  if len(positions) != len(stateful):
+    raise checkpoint.CheckpointError(
+      f"{where} stores {len(positions)} term states by position, this run "
+      f"has {len(stateful)} stateful terms ({', '.join(stateful) or 'none'})"
+      "; it was written for another structure")
+  return {f"term_states/{j}": f"term_states/{name}"
+          for j, name in zip(positions, stateful)}
+
+
+def _stateful_terms(template, reinit) -> tuple[str, ...]:
+  """Return the run's stateful term names in term order.
+
+  `init` lists `term_states` in term order, which a jitted or restored state
+  no longer shows (a dict pytree comes back sorted by key); an abstract
+  trace of `reinit` reads the order before that.
+  """
+  names: list[str] = []
+
+  def probe(components, ci_params):
+    names.extend(reinit(components, ci_params).term_states)
+
+  jax.eval_shape(probe, template.components, template.ci_params)
+  return tuple(names)
+
+
+def _restore_own(session: Session, template, reinit, shardings):
   items = checkpoint.split_state(template)
   placed = (dict.fromkeys(items) if shardings is None
             else checkpoint.split_state(shardings))
+  # Traced at most once, and only for a checkpoint in the positional layout.
+  stateful = functools.cache(lambda: _stateful_terms(template, reinit))
+
+  def renames(path):
+    positions = positional_term_states(
+      checkpoint.item_paths(path, checkpoint.TRAINING))
+    if not positions:
+      return {}
+    renamed = term_state_renames(positions, stateful(), f"checkpoint {path}")
+    _say(f"{os.path.basename(path)}: term states stored by position, read "
+         "by name (" + ", ".join(
+           f"{k.split('/')[1]}: {v.split('/')[1]}"
+           for k, v in renamed.items()) + ")")
+    return renamed
 
   def restore(path):
     metadata = checkpoint.item_metadata(path, checkpoint.DECOMPOSITION)
@@ -287,9 +351,12 @@ def _restore_own(session: Session, template, shardings):
     if mismatch:
       raise checkpoint.CheckpointError(
         f"checkpoint {path} belongs to another run: {mismatch}")
-    restored = {name: checkpoint.restore_item(path, name, tree, placed[name],
-                                              added=ADDED_STATE_FIELDS)
-                for name, tree in items.items()}
+    renamed = renames(path)
+    restored = {
+      name: checkpoint.restore_item(
+        path, name, tree, placed[name], added=ADDED_STATE_FIELDS,
+        renamed=renamed if name == checkpoint.TRAINING else None)
+      for name, tree in items.items()}
     # A diverged state must never be trained on again: fall back past it.
     for name, tree in restored.items():
       checkpoint.check_finite(path, name, tree)
@@ -331,7 +398,7 @@ def restorer(session: Session) -> Callable | None:
 
   def restore(template, reinit, shardings=None):
     if session.mode == "resume":
-      step, state = _restore_own(session, template, shardings)
+      step, state = _restore_own(session, template, reinit, shardings)
     else:
       step, state = _restore_parent(session, template, reinit, shardings)
     _truncate_metrics(session, step)

@@ -32,16 +32,17 @@ from decompax.core.target import Batch, TargetFns, Weights
 class TrainState(NamedTuple):
   """Everything a training step reads and writes.
 
-  `term_states` holds one entry per loss term (None for stateless terms):
-  persistent adversary sources and moments, frequency EMAs. `health`
-  counts the non-finite steps and names the first (`core.health`).
+  `term_states` maps the name of each stateful loss term (one with
+  `init_state`) to its state record: persistent adversary sources and
+  moments, frequency EMAs; stateless terms have no entry. `health` counts
+  the non-finite steps and names the first (`core.health`).
   """
 
   components: Components
   ci_params: Any
   components_opt: optax.OptState
   ci_opt: optax.OptState
-  term_states: tuple
+  term_states: dict[str, Any]
   step: Int[Array, ""]
   rng: Key[Array, ""]
   health: health_lib.Health
@@ -116,12 +117,15 @@ class LossTerm(NamedTuple):
 
   `fn(ctx, key, inputs) -> (value, aux)` runs inside the differentiated
   objective; `inputs` come from `prepare` and are differentiated too.
-  `init_state(key, lead_shape)` builds the term's persistent state;
-  `prepare(ctx, key, state) -> (state, inputs)` runs before the backward on a
-  stop-gradient context; `finish(state, inputs, input_grads, aux, ctx) ->
-  state` runs after it. With `coeff_on_model_side`, the coefficient scales
-  only the cotangents reaching components and CI, so the inputs' gradient is
-  that of the unscaled term (SPEC §5.6: valid at coefficient 0).
+  `init_state(key, lead_shape)` builds the term's persistent state (kept in
+  `TrainState.term_states[name]`); `prepare(ctx, key, state) -> (state,
+  inputs)` runs before the backward on a stop-gradient context (`state` is
+  None for a stateless term); `finish(ctx, key, state, inputs, input_grads,
+  aux) -> state` runs after it, and only a stateful term has one. The three
+  hooks of a step receive the same `key`. With `coeff_on_model_side`, the
+  coefficient scales only the cotangents reaching components and CI, so the
+  inputs' gradient is that of the unscaled term (SPEC §5.6: valid at
+  coefficient 0).
   `report(aux)` adds scalars to the step's metrics under `loss/`.
   `clean_taps` names activations the term reads from the step's clean
   forward (`ctx.clean_taps`).
@@ -320,10 +324,12 @@ def make_train_step(
 ) -> TrainStep:
   """Return the initial-state builder and the ONE jitted training step.
 
-  `init(components, ci_params, run_key, lead_shape)` builds the state. Step
-  `s` draws from `fold_in(run_key, s)`; term states draw from
-  `fold_in(fold_in(run_key, TERM_STATE_STREAM), j)`, a number no int32 step
-  counter reaches, so no step ever replays the initial draws. With
+  `init(components, ci_params, run_key, lead_shape)` builds the state, its
+  `term_states` in the terms' order (a jitted or restored state has them
+  sorted by name, as every dict pytree). Step `s` draws from
+  `fold_in(run_key, s)`; the state of term `j` (its position in `terms`)
+  draws from `fold_in(fold_in(run_key, TERM_STATE_STREAM), j)`, a number no
+  int32 step counter reaches, so no step ever replays the initial draws. With
   `sample_inputs`, the step draws its own batch from `fold_in(data_key,
   step)` (a pure function of seed and step) and takes `(state, weights,
   data_key)`; otherwise it takes `(state, weights, inputs)`. `shardings`
@@ -336,6 +342,10 @@ def make_train_step(
                      f"{config.on_nonfinite!r}")
   if len(set(names)) != len(names):
     raise ValueError(f"loss term names must be unique, got {names}")
+  for term in terms:
+    if term.finish is not None and term.init_state is None:
+      raise ValueError(f"loss term {term.name} has a finish but no "
+                       "init_state; finish returns the term's state")
   wanted_taps = clean_tap_keys(ci_fn, target, terms)
   components_tx = optim.make_optimizer(config.components_opt,
                                        config.total_steps, constrain)
@@ -343,11 +353,10 @@ def make_train_step(
 
   def init(components, ci_params, run_key, lead_shape=()):
     state_key = jax.random.fold_in(run_key, TERM_STATE_STREAM)
-    term_states = tuple(
-      None if t.init_state is None
-      else t.init_state(jax.random.fold_in(state_key, j), tuple(lead_shape))
-      for j, t in enumerate(terms)
-    )
+    term_states = {
+      t.name: t.init_state(jax.random.fold_in(state_key, j), tuple(lead_shape))
+      for j, t in enumerate(terms) if t.init_state is not None
+    }
     return TrainState(
       components=components,
       ci_params=ci_params,
@@ -378,26 +387,26 @@ def make_train_step(
                   clean_output, *frozen[:2], clean_taps=taps,
                   constrain=constrain), frozen)
     keys = _term_keys(step_key, len(terms))
-    term_states, term_inputs = [], []
-    for term, key, term_state in zip(terms, keys, state.term_states):
+    term_states, term_inputs = dict(state.term_states), []
+    for term, key in zip(terms, keys):
       if term.prepare is None:
-        term_states.append(term_state)
         term_inputs.append(None)
-      else:
-        new_state, inputs_j = term.prepare(ctx, key, term_state)
-        term_states.append(new_state)
-        term_inputs.append(inputs_j)
+        continue
+      new_state, inputs_j = term.prepare(ctx, key, term_states.get(term.name))
+      if term.name in term_states:
+        term_states[term.name] = new_state
+      term_inputs.append(inputs_j)
     grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True,
                                  allow_int=True)
     (_, (values, total, auxes)), (g_prepared, g_inputs) = grad_fn(
       prepared, tuple(term_inputs), ctx, terms, keys)
     ((g_components, g_ci),) = prep_vjp(g_prepared)
-    finished = tuple(
-      term_state if term.finish is None
-      else term.finish(term_state, inputs_j, g_j, aux, ctx)
-      for term, term_state, inputs_j, g_j, aux in zip(
-        terms, term_states, term_inputs, g_inputs, auxes)
-    )
+    finished = dict(term_states)
+    for term, key, inputs_j, g_j, aux in zip(
+        terms, keys, term_inputs, g_inputs, auxes):
+      if term.finish is not None:
+        finished[term.name] = term.finish(
+          ctx, key, term_states[term.name], inputs_j, g_j, aux)
     updates, components_opt = components_tx.update(
       g_components, state.components_opt, state.components)
     components = optax.apply_updates(state.components, updates)

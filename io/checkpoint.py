@@ -268,6 +268,27 @@ def item_metadata(path: Path, item: str) -> dict:
   return dict(_manifest(path, item).get("metadata", {}))
 
 
+def item_paths(path: Path, item: str) -> tuple[str, ...]:
+  """Return the tree paths of the arrays `item` of `path` stores."""
+  return tuple(_manifest(path, item)["arrays"])
+
+
+def _renamed(stored: dict, renamed: Mapping[str, str]
+             ) -> tuple[dict, dict[str, str]]:
+  """Return the manifest entries under this run's paths, and each renamed
+  path's directory under `arrays/`."""
+  entries, on_disk = {}, {}
+  for key, entry in stored.items():
+    new = key
+    for old, prefix in renamed.items():
+      if key == old or key.startswith(old + "/"):
+        new = prefix + key[len(old):]
+        on_disk[new] = key
+        break
+    entries[new] = entry
+  return entries, on_disk
+
+
 def _describe(entry: dict) -> str:
   return f"{entry.get('dtype')}{list(entry.get('shape', []))}"
 
@@ -313,11 +334,14 @@ def _placement(leaf: Any, given: Any) -> jax.sharding.Sharding:
   return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _open_all(path: Path, item: str, keys: list[str], stored: dict
-              ) -> list:
-  """Return the opened arrays of `keys`, opened concurrently."""
+def _open_all(path: Path, item: str, keys: list[str], stored: dict,
+              on_disk: Mapping[str, str] | None = None) -> list:
+  """Return the opened arrays of `keys` (stored under `on_disk[key]` where
+  given), opened concurrently."""
   ctx = tensor_store.context()
-  paths = [os.path.join(path, item, ARRAYS_DIR, *k.split("/")) for k in keys]
+  on_disk = on_disk or {}
+  paths = [os.path.join(path, item, ARRAYS_DIR,
+                        *on_disk.get(k, k).split("/")) for k in keys]
   pending = [tensor_store.start_open(p, ctx, stored[k]["shape"],
                                      stored[k]["dtype"])
              for p, k in zip(paths, keys)]
@@ -346,7 +370,7 @@ def _finish_leaf(pending, entry: dict, leaf: Any):
 
 def restore_item(
   path: Path, item: str, template: PyTree, shardings: Any = None,
-  added: tuple[str, ...] = (),
+  added: tuple[str, ...] = (), renamed: Mapping[str, str] | None = None,
 ) -> PyTree:
   """Return `item` of the step directory `path`, shaped like `template`.
 
@@ -356,20 +380,22 @@ def restore_item(
   first device. Only the regions each local device needs are read, all
   arrays at once. Leaves whose tree path starts with one of `added` (state
   fields newer than the checkpoint) keep the template's value when the
-  checkpoint lacks them; the template must then hold arrays. Raises
-  DamagedCheckpoint for unreadable files and CheckpointError when the
-  stored structure differs from `template`.
+  checkpoint lacks them; the template must then hold arrays. `renamed`
+  reads an older layout: each stored path that is a key of it, or lies
+  under one, is read as the path that key maps to (`{"a/0": "a/x"}` reads
+  `a/0/v` as `a/x/v`). Raises DamagedCheckpoint for unreadable files and
+  CheckpointError when the stored structure differs from `template`.
   """
   manifest = _manifest(path, item)
   where = f"checkpoint {path} item {item}"
   all_keys, all_leaves = run_dir.leaf_keys(template)
-  stored = manifest["arrays"]
+  stored, on_disk = _renamed(manifest["arrays"], renamed or {})
   _check_structure(where, stored, all_keys, all_leaves, added)
   placements = [_placement(leaf, given) for leaf, given in zip(
     all_leaves, _shardings(template, shardings, len(all_leaves)))]
   present = [i for i, k in enumerate(all_keys) if k in stored]
   keys = [all_keys[i] for i in present]
-  stores = _open_all(path, item, keys, stored)
+  stores = _open_all(path, item, keys, stored, on_disk)
   reads = [tensor_store.start_read(stores[j], placements[i])
            for j, i in enumerate(present)]
   # Leaves the checkpoint lacks keep the template's value, placed alike.

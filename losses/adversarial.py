@@ -7,10 +7,11 @@ always see stop-gradient components and CI (I21, I24).
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Key
+from jaxtyping import Array, Float, Int, Key
 
 from decompax.core import adversary, rng, schedules
 from decompax.core import masks as masks_lib
@@ -44,6 +45,17 @@ class PersistentConfig:
                        "e2e|term")
     if not 0.0 <= self.start_frac < 1.0:
       raise ValueError(f"start_frac must lie in [0, 1), got {self.start_frac}")
+
+
+class PersistentSources(NamedTuple):
+  """A persistent adversary's state (`TrainState.term_states[term]`).
+
+  Field names are checkpoint paths: `sources/<site>/{source,m,v}`, `count`.
+  """
+
+  sources: dict[str, adversary.SourceState]
+  # Ascents taken so far (warmup and final); the Adam step count.
+  count: Int[Array, ""]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +136,7 @@ def merged_plan_loss(
   probability `adv_fraction` (persistent sources, routed everywhere) and
   stochastic otherwise (fresh sources, the entry's routing) (SPEC §5.8)."""
   lead = ctx.lead_shape()
-  site_index = sites_lib.draw_paths(ctx.target.sites)
+  draw_paths = sites_lib.draw_paths(ctx.target.sites)
   total, count = jnp.zeros((), jnp.float32), 0
   for e, entry in enumerate(plan):
     for d in range(entry.n_draws):
@@ -137,7 +149,7 @@ def merged_plan_loss(
       for name in entry.live_sites:
         ci = ctx.ci.lower[name]
         fresh = masks_lib.stochastic_source(
-          sites_lib.fold_path(draw_key, site_index[name]), lead, ci.shape[-1],
+          sites_lib.fold_path(draw_key, draw_paths[name]), lead, ci.shape[-1],
           with_delta, sampling)
         persistent = jnp.broadcast_to(sources[name], fresh.shape)
         mask, delta = make_masks(
@@ -206,7 +218,7 @@ def persistent_pgd_term(
         config.source.scope, lead_shape, site.c + int(with_delta))
       states[site.name] = adversary.init_source(
         adversary.site_key(key, site.name), shape, parametrization)
-    return {"sources": states, "count": jnp.zeros((), jnp.int32)}
+    return PersistentSources(states, jnp.zeros((), jnp.int32))
 
   def effective(raw):
     return {k: adversary.effective(v, parametrization) for k, v in raw.items()}
@@ -230,7 +242,7 @@ def persistent_pgd_term(
   def prepare(ctx, key, state):
     del key
     lr = schedules.schedule_value(config.lr, ctx.step, ctx.total_steps)
-    states, count = state["sources"], state["count"]
+    states, count = state.sources, state.count
     warm_plan = _all_sites_plan(ctx)
     warm_loss = hidden.forward_loss(ctx, ascent_rider)
 
@@ -246,24 +258,26 @@ def persistent_pgd_term(
         lambda new, old: jnp.where(active(ctx), new, old), stepped, states)
       count = count + active(ctx).astype(jnp.int32)
     raw = jax.lax.stop_gradient({k: s.source for k, s in states.items()})
-    return {"sources": states, "count": count}, raw
+    return PersistentSources(states, count), raw
 
   def fn(ctx, key, raw):
     _, loss_key = split_pair(key)
     value = term_loss(ctx, raw, loss_key, rider)
-    return jnp.where(active(ctx), value, 0.0), loss_key
+    return jnp.where(active(ctx), value, 0.0), None
 
-  def finish(state, raw, grads, loss_key, ctx):
+  def finish(ctx, key, state, raw, grads, aux):
+    del aux
     if rider is not None and ascent_rider is None:
-      # `ctx` holds the pre-update parameters and stop-gradient CI.
+      # The main loss's own draws; `ctx` holds the pre-update parameters and
+      # stop-gradient CI.
+      _, loss_key = split_pair(key)
       grads = jax.grad(lambda r: term_loss(ctx, r, loss_key, None))(raw)
     lr = schedules.schedule_value(config.lr, ctx.step, ctx.total_steps)
-    states, count = state["sources"], state["count"]
-    stepped = ascend_all(states, grads, count, lr)
+    stepped = ascend_all(state.sources, grads, state.count, lr)
     on = active(ctx)
     states = jax.tree.map(lambda new, old: jnp.where(on, new, old),
-                          stepped, states)
-    return {"sources": states, "count": count + on.astype(jnp.int32)}
+                          stepped, state.sources)
+    return PersistentSources(states, state.count + on.astype(jnp.int32))
 
   return LossTerm(name, coeff, fn, init_state, prepare, finish,
                   coeff_on_model_side=True,

@@ -23,7 +23,7 @@ add each component's top-CI positions and the batch's tokens.
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,11 +78,13 @@ def _site_out_keys(target: TargetFns) -> tuple[str, ...]:
 
 
 def _term_values(ctx: StepContext, terms: tuple[LossTerm, ...],
-                 term_states: tuple, key: Key[Array, ""]) -> dict[str, Array]:
+                 term_states: dict[str, Any], key: Key[Array, ""]
+                 ) -> dict[str, Array]:
   keys = [jax.random.fold_in(key, 1 + j) for j in range(len(terms))]
   inputs = tuple(
-    None if t.prepare is None else t.prepare(ctx, k, s)[1]
-    for t, k, s in zip(terms, keys, term_states))
+    None if t.prepare is None
+    else t.prepare(ctx, k, term_states.get(t.name))[1]
+    for t, k in zip(terms, keys))
   _, (values, total, _) = objective(prepared_of(ctx), inputs, ctx, terms,
                                     keys)
   out = {f"loss/{name}": v for name, v in values.items()}

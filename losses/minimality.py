@@ -6,12 +6,25 @@ that sharded sums agree with one-device sums (I11).
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 IMPORTANCE_EPS = 1e-12
+
+
+class FrequencyEma(NamedTuple):
+  """The EMA form's state (`TrainState.term_states["frequency_minimality"]`).
+
+  Field names are checkpoint paths: `ema/<site>`, `count`.
+  """
+
+  # Per site, the running firing frequency `[C]`.
+  ema: dict[str, Float[Array, " c"]]
+  # Observations folded in so far (`n` of SPEC §5.3).
+  count: Int[Array, ""]
 
 
 def component_frequencies(

@@ -104,7 +104,7 @@ def stochastic_site_masks(
   key: Key[Array, ""],
   entry: PlanEntry,
   ci_lower: dict[str, Float[Array, "*l c"]],
-  site_index: dict[str, tuple[int, ...]],
+  draw_paths: dict[str, tuple[int, ...]],
   with_delta: bool,
   sampling: masks_lib.Sampling,
   routes: dict[str, Array] | None,
@@ -113,7 +113,7 @@ def stochastic_site_masks(
   out = {}
   for name in entry.live_sites:
     ci = ci_lower[name]
-    site_key = sites_lib.fold_path(key, site_index[name])
+    site_key = sites_lib.fold_path(key, draw_paths[name])
     source = masks_lib.stochastic_source(
       site_key, ci.shape[:-1], ci.shape[-1], with_delta, sampling
     )
@@ -134,7 +134,7 @@ def stochastic_plan_mean(
   sampling: masks_lib.Sampling = "continuous",
 ) -> Float[Array, ""]:
   """Return the mean of `forward_loss` over the plan's stochastic forwards."""
-  site_index = sites_lib.draw_paths(sites)
+  draw_paths = sites_lib.draw_paths(sites)
   lead_shape = next(iter(ci_lower.values())).shape[:-1]
   total = jnp.zeros((), jnp.float32)
   n_forwards = 0
@@ -144,7 +144,7 @@ def stochastic_plan_mean(
       rte_key = jax.random.fold_in(jax.random.fold_in(route_key, e), d)
       routes = entry_routes(rte_key, entry, lead_shape)
       site_masks = stochastic_site_masks(
-        fwd_key, entry, ci_lower, site_index, with_delta, sampling, routes
+        fwd_key, entry, ci_lower, draw_paths, with_delta, sampling, routes
       )
       total = total + forward_loss(site_masks)
       n_forwards += 1

@@ -112,8 +112,9 @@ def ema_frequency_minimality_term(
 
   def init_state(key, lead_shape):
     del key, lead_shape
-    return {"ema": {s.name: jnp.zeros((s.c,), jnp.float32) for s in sites},
-            "count": jnp.zeros((), jnp.int32)}
+    return minimality.FrequencyEma(
+      {s.name: jnp.zeros((s.c,), jnp.float32) for s in sites},
+      jnp.zeros((), jnp.int32))
 
   def prepare(ctx, key, state):
     # The objective reads the EMA through the term's inputs; its gradient
@@ -128,17 +129,18 @@ def ema_frequency_minimality_term(
     new_ema = {}
     for site, f in freqs.items():
       value, new_ema[site] = minimality.ema_frequency_minimality(
-        f, state["ema"][site], state["count"], halflife_steps,
+        f, state.ema[site], state.count, halflife_steps,
         reference_token_count)
       total = total + value
     batch = minimality.frequency_minimality(
       jax.lax.stop_gradient(freqs), reference_token_count)
-    aux = {"ema": new_ema, "count": state["count"] + 1, "batch": batch}
+    aux = {"state": minimality.FrequencyEma(new_ema, state.count + 1),
+           "batch": batch}
     return total, aux
 
-  def finish(state, inputs, grads, aux, ctx):
-    del state, inputs, grads, ctx
-    return {"ema": aux["ema"], "count": aux["count"]}
+  def finish(ctx, key, state, inputs, grads, aux):
+    del ctx, key, state, inputs, grads
+    return aux["state"]
 
   def report(aux):
     return {"frequency_minimality_batch": aux["batch"]}

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from decompax.core.adversary import SourceState
 from decompax.core.optim import MuonState
 from decompax.core.train_step import StepShardings, TrainState
 from decompax.placement.table import Layout, PlacementTable, Shortfall
@@ -117,7 +118,11 @@ def _state_trees(table: PlacementTable, lead_shape: tuple[int, ...]):
   # (field, category, layout, axes_fn) of every TrainState field that the
   # table places; `step`, `rng` and `health` are replicated.
   optimizer, ci = table.layout("optimizer"), table.layout("ci_weights")
-  sources = lambda p, x: source_axes(x, lead_shape)  # noqa: E731
+  # Persistent sources and their moments follow the batch; the rest of the
+  # term states (counts, frequency EMAs) is replicated.
+  sources = lambda p, x: (  # noqa: E731
+    source_axes(x, lead_shape) if _last_name(p) in SourceState._fields
+    else None)
   return (
     ("components", "optimizer", optimizer, component_axes),
     ("components_opt", "optimizer", optimizer, component_axes),

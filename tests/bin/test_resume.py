@@ -51,6 +51,7 @@ class Straight(NamedTuple):
   metrics: list
   output_dir: str
   target_path: str
+  term_names: tuple[str, ...]
 
 
 def _session(config, target):
@@ -92,15 +93,17 @@ def straight(tmp_path_factory):
   finally:
     checkpointing.close(session)
   return Straight(config, toy, target, weights, compiled, run.data_key, state,
-                  metrics, output_dir, target_path)
+                  metrics, output_dir, target_path,
+                  tuple(t.name for t in run.terms))
 
 
 def test_the_vpd_state_holds_adversary_and_ema_state(straight):
   arrays, _ = checkpoint.read_item(
     checkpoint.step_path(checkpointing.checkpoint_dir(straight.output_dir),
                          STEPS), checkpoint.TRAINING)
-  assert any(k.endswith("sources/linear1/m") for k in arrays)
-  assert any(k.endswith("ema/linear1") for k in arrays)
+  assert "term_states/persistent_pgd_recon/sources/linear1/m" in arrays
+  assert "term_states/persistent_pgd_recon/count" in arrays
+  assert "term_states/frequency_minimality/ema/linear1" in arrays
   assert "rng" in arrays and "step" in arrays
   assert int(arrays["step"]) == STEPS
 
@@ -588,3 +591,75 @@ def test_a_resume_from_label_0_keeps_no_stale_baseline(straight, tmp_path):
     straight.config, output_dir=str(out)), straight)
   assert int(jax.device_get(run.state.step)) == 0
   assert run_dir.read_metrics(metrics) == []
+
+
+# The VPD recipe's stateful terms and their positions among all its terms.
+POSITIONS = {"frequency_minimality": 2, "persistent_pgd_recon": 4}
+
+
+def _positional_layout(training):
+  """Rewrite a training item into the layout written while term states were
+  a tuple over every loss term: `term_states/<j>/...`, `j` the position."""
+  arrays = training / checkpoint.ARRAYS_DIR / "term_states"
+  for name, j in POSITIONS.items():
+    (arrays / name).rename(arrays / str(j))
+
+  def old(key):
+    parts = key.split("/")
+    if parts[0] == "term_states":
+      parts[1] = str(POSITIONS[parts[1]])
+    return "/".join(parts)
+
+  manifest = json.loads((training / checkpoint.MANIFEST_FILE).read_text())
+  manifest["arrays"] = {old(k): v for k, v in manifest["arrays"].items()}
+  (training / checkpoint.MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_with_term_states_by_position_resumes_bitwise(
+    straight, tmp_path, capsys, assert_bitwise_equal):
+  assert {n: straight.term_names.index(n) for n in POSITIONS} == POSITIONS
+  out, ckpts = _resumable_copy(straight, tmp_path)
+  for step in (0, SAVE_EVERY):
+    _positional_layout(ckpts / checkpoint.step_name(step) / checkpoint.TRAINING)
+  half = ckpts / checkpoint.step_name(SAVE_EVERY)
+  assert "term_states/4/sources/linear1/m" in checkpoint.item_paths(
+    half, checkpoint.TRAINING)
+  config = dataclasses.replace(straight.config, output_dir=str(out))
+  session = _session(config, straight.target)
+  try:
+    run = train.build_run(config, straight.toy, straight.target,
+                          straight.weights, checkpointing.restorer(session))
+    assert int(jax.device_get(run.state.step)) == SAVE_EVERY
+    state = run.state
+    for done in range(SAVE_EVERY + 1, STEPS + 1):
+      state, m = straight.compiled(state, straight.weights, run.data_key)
+      assert_bitwise_equal(jax.device_get(m), straight.metrics[done - 1])
+      checkpointing.after_step(session, state, done)
+  finally:
+    checkpointing.close(session)
+  assert_bitwise_equal(state, straight.state)
+  assert ("term states stored by position, read by name (2: "
+          "frequency_minimality, 4: persistent_pgd_recon)"
+          ) in capsys.readouterr().out
+  # Its next save is keyed by name.
+  assert "term_states/persistent_pgd_recon/count" in checkpoint.item_paths(
+    ckpts / checkpoint.step_name(STEPS), checkpoint.TRAINING)
+
+
+def test_term_states_by_position_of_another_structure_are_refused(
+    straight, tmp_path):
+  out, ckpts = _resumable_copy(straight, tmp_path)
+  for step in (0, SAVE_EVERY):
+    _positional_layout(ckpts / checkpoint.step_name(step) / checkpoint.TRAINING)
+  config = dataclasses.replace(straight.config, output_dir=str(out),
+                               pgd_coeff=0.0)
+  session = _session(config, straight.target)
+  try:
+    with pytest.raises(checkpoint.CheckpointError) as info:
+      train.build_run(config, straight.toy, straight.target,
+                      straight.weights, checkpointing.restorer(session))
+  finally:
+    checkpointing.close(session)
+  message = str(info.value)
+  assert ("stores 2 term states by position, this run has 1 stateful terms "
+          "(frequency_minimality)") in message and "\n" not in message

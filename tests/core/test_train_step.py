@@ -104,8 +104,8 @@ def test_model_side_coefficient_scales_params_not_inputs(chain):
     del key
     return state, {s.name: jnp.full((8, 5), 0.5) for s in ctx.target.sites}
 
-  def finish(state, inputs, grads, aux, ctx):
-    del state, inputs, aux, ctx
+  def finish(ctx, key, state, inputs, grads, aux):
+    del ctx, key, state, inputs, aux
     return grads  # the test reads the inputs' gradient back from the state
 
   def init_state(key, lead_shape):
@@ -123,7 +123,7 @@ def test_model_side_coefficient_scales_params_not_inputs(chain):
     before = jax.tree.map(np.asarray, state._replace(rng=None))
     x = jax.random.normal(jax.random.key(3), (8, 4))
     new_state, _ = built.step(state, weights, x)
-    return new_state.term_states[0], new_state, before
+    return new_state.term_states["adv"], new_state, before
 
   g0, after0, before0 = build(0.0)
   g1, after1, _ = build(1.0)
@@ -164,9 +164,57 @@ def test_no_step_replays_the_term_states_initial_draws(chain):
   target, weights = chain
   ci, built = _build(chain, _key_reporting_terms())
   state = _state(chain, ci, built)
-  initial = np.asarray(state.term_states[1])
+  initial = np.asarray(state.term_states["b"])
   for step in (0, 1, 0x5EED):
     _, metrics = built.step(jax.tree.map(jnp.copy, state._replace(
       step=jnp.asarray(step, jnp.int32))), weights, jnp.ones((8, 4)))
     drawn = np.array([float(metrics["loss/key0"]), float(metrics["loss/key1"])])
     assert not np.array_equal(drawn, initial), step
+
+
+def test_term_states_are_keyed_by_name_and_hold_stateful_terms_only(chain):
+  ci, built = _build(chain, _key_reporting_terms())
+  state = _state(chain, ci, built)
+  assert list(state.term_states) == ["b"]
+  # Term b is second: its state draws from position 1 of the state stream.
+  stream = jax.random.fold_in(jax.random.key(2), train_step.TERM_STATE_STREAM)
+  np.testing.assert_array_equal(
+    state.term_states["b"],
+    jax.random.key_data(jax.random.fold_in(stream, 1)).astype(jnp.float32))
+
+
+def test_finish_is_handed_the_key_its_term_saw(chain):
+  """`finish` gets the step's key for its term as an argument: the one
+  `prepare` and `fn` were handed."""
+  _, weights = chain
+
+  def fn(ctx, key, inputs):
+    del ctx
+    return jnp.zeros(()), {"fn": jax.random.key_data(key), "prepare": inputs}
+
+  def prepare(ctx, key, state):
+    del ctx
+    return state, jax.random.key_data(key)
+
+  def finish(ctx, key, state, inputs, grads, aux):
+    del ctx, state, inputs, grads
+    return jnp.stack([jax.random.key_data(key), aux["fn"], aux["prepare"]])
+
+  term = train_step.LossTerm(
+    "k", 1.0, fn, init_state=lambda key, lead: jnp.zeros((3, 2), jnp.uint32),
+    prepare=prepare, finish=finish)
+  ci, built = _build(chain, (_recon_like_term(), term))
+  state = _state(chain, ci, built)
+  after, _ = built.step(state, weights, jnp.ones((8, 4)))
+  step_key = jax.random.fold_in(jax.random.key(2), 0)
+  want = jax.random.key_data(jax.random.fold_in(step_key, 1 + 1))
+  np.testing.assert_array_equal(after.term_states["k"],
+                                np.stack([want] * 3))
+
+
+def test_a_finish_without_a_state_is_refused(chain):
+  term = train_step.LossTerm(
+    "f", 1.0, lambda ctx, key, inputs: (jnp.zeros(()), None),
+    finish=lambda ctx, key, state, inputs, grads, aux: state)
+  with pytest.raises(ValueError, match="finish but no init_state"):
+    _build(chain, (term,))

@@ -45,7 +45,10 @@ def _run(chain, extra_terms):
 @pytest.mark.parametrize("n_warmup", [0, 2])
 def test_i17_source_updates_per_step(chain, n_warmup):
   _, after, _, _, _, _ = _run(chain, (_persistent(chain[0], 1.0, n_warmup),))
-  assert int(after.term_states[1]["count"]) == n_warmup + 1
+  assert list(after.term_states) == ["persistent"]  # faithfulness: none
+  assert isinstance(after.term_states["persistent"],
+                    adversarial.PersistentSources)
+  assert int(after.term_states["persistent"].count) == n_warmup + 1
 
 
 SRC_LR_PEAK, SRC_WARMUP = 0.05, 4  # lr(s) = 0.05·s/4 for s < 4 (10 steps)
@@ -81,7 +84,8 @@ def test_i17_every_ascent_of_a_step_uses_that_steps_source_lr(chain):
   previous = sources_f64(state)
   for s in range(SRC_WARMUP):
     state, _ = built.step(state, weights, x)
-    assert int(state.term_states[1]["count"]) == (s + 1) * (n_warmup + 1)
+    count = state.term_states["persistent"].count
+    assert int(count) == (s + 1) * (n_warmup + 1)
     now = sources_f64(state)
     lr = SRC_LR_PEAK * s / SRC_WARMUP
     for site, source in now.items():
@@ -98,10 +102,11 @@ def test_i17_every_ascent_of_a_step_uses_that_steps_source_lr(chain):
 def test_i20_final_ascent_independent_of_coefficient(chain):
   _, after0, _, _, _, _ = _run(chain, (_persistent(chain[0], 0.0, 1),))
   _, after1, _, _, _, _ = _run(chain, (_persistent(chain[0], 3.0, 1),))
-  for site in after0.term_states[1]["sources"]:
+  for site in after0.term_states["persistent"].sources:
     np.testing.assert_allclose(
-      after0.term_states[1]["sources"][site].source,
-      after1.term_states[1]["sources"][site].source, rtol=1e-6, atol=1e-7)
+      after0.term_states["persistent"].sources[site].source,
+      after1.term_states["persistent"].sources[site].source,
+      rtol=1e-6, atol=1e-7)
 
 
 def test_i21_warmup_ascents_touch_no_parameter(chain):
@@ -122,11 +127,11 @@ def test_i18_clamp_sources_stay_in_range_after_steps(chain):
   before, after, _, _, _, _ = _run(
     chain, (_persistent(chain[0], 1.0, 2, "sign", lr=0.4),))
   on_edge = 0
-  for site, s in after.term_states[1]["sources"].items():
+  for site, s in after.term_states["persistent"].sources.items():
     source = np.asarray(s.source)
     assert source.min() >= 0.0 and source.max() <= 1.0
     on_edge += np.sum((source == 0.0) | (source == 1.0))
-    start = np.asarray(before.term_states[1]["sources"][site].source)
+    start = np.asarray(before.term_states["persistent"].sources[site].source)
     inside = (source > 0.0) & (source < 1.0)
     for origin in (start, 0.0, 1.0):
       moves = (source - origin) / 0.4
@@ -182,7 +187,7 @@ def _persistent_with(target, objective="e2e", rider=None, merged=None,
 
 def _sources(after):
   return {k: np.asarray(s.source)
-          for k, s in after.term_states[1]["sources"].items()}
+          for k, s in after.term_states["persistent"].sources.items()}
 
 
 RIDER = hidden.HiddenRider(2.0, ("l0.out", "l1.out"))
@@ -243,7 +248,7 @@ def test_merged_term_without_adversarial_rows_leaves_sources_still(chain):
   assert float(metrics["loss/persistent"]) > 0
   for site, source in _sources(after).items():
     np.testing.assert_array_equal(
-      source, before.term_states[1]["sources"][site].source)
+      source, before.term_states["persistent"].sources[site].source)
 
 
 def test_i22_a_bundle_feeds_one_term():
@@ -378,7 +383,7 @@ def test_persistent_initial_sources_do_not_depend_on_other_sites(chain):
   for sites in (target.sites, target.sites[2:]):
     term = adversarial.persistent_pgd_term(
       "persistent", 1.0, recon.all_sites_plan(sites), config, sites, True)
-    states[len(sites)] = term.init_state(jax.random.key(5), (B,))["sources"]
+    states[len(sites)] = term.init_state(jax.random.key(5), (B,)).sources
   np.testing.assert_array_equal(states[3]["head"].source,
                                 states[1]["head"].source)
   assert not np.array_equal(states[3]["l0"].source, states[3]["l1"].source)

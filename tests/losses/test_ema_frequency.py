@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.losses import minimality
+from decompax.losses import minimality, terms
 
 
 def test_i13_first_observation_equals_batch_estimate_and_gradient():
@@ -89,3 +89,14 @@ def test_penalty_gradient_formula():
 def test_halflife_bounds():
   with pytest.raises(ValueError, match="halflife"):
     minimality.ema_rates(0.0)
+
+
+def test_the_ema_term_keeps_a_frequency_ema_per_site(chain):
+  target, _ = chain
+  term = terms.ema_frequency_minimality_term(1.0, 1.0, 64.0, 10.0,
+                                             target.sites)
+  state = term.init_state(jax.random.key(0), (8,))
+  assert isinstance(state, minimality.FrequencyEma)
+  assert {k: v.shape for k, v in state.ema.items()} == {
+    s.name: (s.c,) for s in target.sites}
+  assert int(state.count) == 0

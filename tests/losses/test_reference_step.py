@@ -265,12 +265,12 @@ def _ref_state_of(state) -> RefState:
   """Return the reference's view of a factory state (host arrays)."""
   comps_adam = _adam_state(state.components_opt)
   ci_adam = _adam_state(state.ci_opt)
-  srcs = state.term_states[3]["sources"]
+  pgd = state.term_states["pgd"]
   return RefState(
     state.components, state.ci_params, comps_adam.mu, comps_adam.nu,
     ci_adam.mu, ci_adam.nu,
-    {k: (v.source, v.m, v.v) for k, v in srcs.items()},
-    int(state.term_states[3]["count"]), int(state.step))
+    {k: (v.source, v.m, v.v) for k, v in pgd.sources.items()},
+    int(pgd.count), int(state.step))
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,5 @@ def test_trajectory_is_invariant(helpers, references, name, preset, mesh):
                                    helpers.full_batch_elements(p),
                                    batch_shapes)
   assert not found, f"replicated batch-sized buffers: {found}"
-  index = [t.name for t in placed.run.terms].index("persistent_pgd_recon")
   helpers.assert_replicas_identical(
-    placed.state.term_states[index]["sources"])
+    placed.state.term_states["persistent_pgd_recon"].sources)

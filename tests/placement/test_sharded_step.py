@@ -76,9 +76,7 @@ def test_trajectory_equals_the_one_device_trajectory(helpers, case):
 
 def test_shared_scope_sources_are_identical_on_every_device(helpers, case):
   """I25 / D3: batch-1 persistent sources bit-identical across replicas."""
-  run = case.sharded.run
-  index = [t.name for t in run.terms].index("persistent_pgd_recon")
-  sources = case.sharded.state.term_states[index]["sources"]
+  sources = case.sharded.state.term_states["persistent_pgd_recon"].sources
   for state in sources.values():
     assert isinstance(state, adversary.SourceState)
     assert state.source.shape[0] == 1 and len(state.source.devices()) == 8

@@ -221,7 +221,7 @@ def _abstract_run(d_in: int, d_out: int, c: int):
                               shape((2, c, d_out), f32))
   state = train_step.TrainState(
     components={"mlp": factors}, ci_params={"w": shape((d_in, c), f32)},
-    components_opt=(), ci_opt=(), term_states=(None,),
+    components_opt=(), ci_opt=(), term_states={},
     step=shape((), jnp.int32),
     rng=jax.eval_shape(lambda: jax.random.key(0)),
     health=jax.eval_shape(health.healthy))
