@@ -99,11 +99,29 @@ def _shown(value: str | None) -> str:
   return value or "unset"
 
 
-def flag_changes(old_text: str, new_text: str, shown: int = 4) -> str:
+def _differing(old: dict[str, str], new: dict[str, str],
+               defaults: Mapping[str, str] | None) -> list[str]:
+  # With the program's flag defaults, runs of an older version still
+  # match: a flag it did not have counts at its default (the default keeps
+  # the old behaviour), and a flag since removed no longer counts.
+  names = []
+  for name in sorted(old.keys() | new.keys()):
+    if old.get(name) == new.get(name):
+      continue
+    if defaults is not None:
+      if name not in new and name not in defaults:
+        continue
+      if name not in old and new[name] == defaults.get(name):
+        continue
+    names.append(name)
+  return names
+
+
+def flag_changes(old_text: str, new_text: str, shown: int = 4,
+                 defaults: Mapping[str, str] | None = None) -> str:
   """Return the flags that differ, `--lr was 0.001, now 0.002; ...`."""
   old, new = _flag_values(old_text), _flag_values(new_text)
-  names = sorted(n for n in old.keys() | new.keys()
-                 if old.get(n) != new.get(n))
+  names = _differing(old, new, defaults)
   if not names:
     return f"its {FLAGS_FILE} lists the same values in another form"
   changes = [f"--{n} was {_shown(old.get(n))}, now {_shown(new.get(n))}"
@@ -113,7 +131,8 @@ def flag_changes(old_text: str, new_text: str, shown: int = 4) -> str:
   return "; ".join(changes)
 
 
-def _conflict(path: str, flags_text: str) -> str | None:
+def _conflict(path: str, flags_text: str,
+              defaults: Mapping[str, str] | None = None) -> str | None:
   """Return why `path` cannot host a run with `flags_text` and the fix,
   or None."""
   if not os.path.isdir(path):
@@ -122,9 +141,10 @@ def _conflict(path: str, flags_text: str) -> str | None:
   if os.path.isfile(flags_path):
     with open(flags_path, encoding="utf-8", errors="replace") as f:
       old_text = f.read()
-    if old_text == flags_text:
+    if old_text == flags_text or not _differing(
+        _flag_values(old_text), _flag_values(flags_text), defaults):
       return None
-    changes = flag_changes(old_text, flags_text)
+    changes = flag_changes(old_text, flags_text, defaults=defaults)
     return (f"holds a run with other flags ({changes}); resume it with the "
             "same flags, replace it with --overwrite, or choose another "
             "--output_dir")
@@ -198,35 +218,40 @@ def _check_parent(path: str) -> None:
     f"{ancestor} {_not_a_directory(ancestor)}; choose another --output_dir")
 
 
-def check_run_dir(path: Path, flags_text: str, overwrite: bool) -> None:
+def check_run_dir(path: Path, flags_text: str, overwrite: bool,
+                  defaults: Mapping[str, str] | None = None) -> None:
   """Raise ValueError, leaving nothing behind, unless `path` can host this run.
 
   The parent must be a directory; an existing directory must hold the same
-  flags (a resume) unless `overwrite`; and the directory that will receive
-  the run's first file must take one of `flags_text`'s size (a probe file,
-  removed again).
+  flags (a resume; with `defaults`, the program's `{flag: default}`, a flag
+  added or removed since the run was made does not count) unless
+  `overwrite`; and the directory that will receive the run's first file
+  must take one of `flags_text`'s size (a probe file, removed again).
   """
   path = os.path.abspath(os.fspath(path))
   _check_parent(path)
   if os.path.lexists(path) and not os.path.isdir(path):
     raise ValueError(f"output dir {path} {_not_a_directory(path)}; choose "
                      "another --output_dir")
-  reason = _conflict(path, flags_text)
+  reason = _conflict(path, flags_text, defaults)
   if reason is not None and not overwrite:
     raise ValueError(f"output dir {path} {reason}")
   _check_writable(path if os.path.isdir(path) else os.path.dirname(path),
                   len(flags_text.encode("utf-8")))
 
 
-def prepare_run_dir(path: Path, flags_text: str, overwrite: bool) -> None:
+def prepare_run_dir(path: Path, flags_text: str, overwrite: bool,
+                    defaults: Mapping[str, str] | None = None) -> None:
   """Create or reuse the run directory `path` and write its `flags.txt`.
 
-  A directory whose `flags.txt` equals `flags_text` is reused as is (resume).
+  A directory whose `flags.txt` matches `flags_text` is reused (resume; see
+  `check_run_dir` for `defaults`), its `flags.txt` rewritten as this
+  version records it.
   With `overwrite`, the entries in `RUN_ENTRIES` are removed first; other
   files are kept. Raises ValueError, having created nothing, when
   `check_run_dir` does.
   """
-  check_run_dir(path, flags_text, overwrite)
+  check_run_dir(path, flags_text, overwrite, defaults)
   path = os.path.abspath(os.fspath(path))
   if overwrite and os.path.isdir(path):
     _remove_run_entries(path)

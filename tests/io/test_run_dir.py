@@ -457,3 +457,22 @@ def test_write_refusal_names_the_path_and_the_fix(code, fix):
   error = OSError(code, os.strerror(code))
   assert run_dir.write_refusal("/r/flags.txt", error) == (
     f"cannot write to /r/flags.txt: {os.strerror(code)}; {fix}")
+
+
+def test_a_run_of_an_older_version_resumes_across_added_and_removed_flags(
+    tmp_path):
+  out = tmp_path / "run"
+  out.mkdir()
+  # Made by a version that had --old_flag and not yet --new_flag.
+  (out / "flags.txt").write_text("--lr=0.001\n--old_flag=x\n")
+  now = "--lr=0.001\n--new_flag=3\n"
+  defaults = {"lr": "0.001", "new_flag": "3"}
+  run_dir.prepare_run_dir(out, now, overwrite=False, defaults=defaults)
+  assert (out / "flags.txt").read_text() == now
+  # A flag added since, but set off its default, is a real change; so is
+  # any difference without the program's defaults to judge by.
+  (out / "flags.txt").write_text("--lr=0.001\n")
+  with pytest.raises(ValueError, match="--new_flag was not recorded, now 4"):
+    run_dir.check_run_dir(out, "--lr=0.001\n--new_flag=4\n", False, defaults)
+  with pytest.raises(ValueError, match="--new_flag was not recorded, now 3"):
+    run_dir.check_run_dir(out, now, False)
