@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -79,62 +80,70 @@ def start_figure_worker(enabled: bool, cpu_share: float = 1.0,
   if not 0.0 < cpu_share <= 1.0:
     raise ValueError(f"the figures' CPU share must lie in (0, 1], got "
                      f"{cpu_share}")
-  changed = threading.Condition()
-  waiting: Optional[Callable[[], Any]] = None
-  busy, flushing, closing = False, 0, False
-
-  def next_job(rest_until: float) -> Optional[Callable[[], Any]]:
-    nonlocal waiting, busy
-    with changed:
-      while waiting is None or not (flushing or closing
-                                    or clock() >= rest_until):
-        if waiting is None and closing:
-          return None
-        changed.wait(None if waiting is None else rest_until - clock())
-      job, waiting, busy = waiting, None, True
-      return job
-
-  def work():
-    nonlocal busy
-    rest_until = -math.inf
-    while (job := next_job(rest_until)) is not None:
-      began = clock()
-      try:
-        job()
-      except Exception:  # a failed figure must not end the run
-        print("[eval] figure rendering failed:\n" + traceback.format_exc(),
-              file=sys.stderr, flush=True)
-      rest_until = began + (clock() - began) / cpu_share
-      with changed:
-        busy = False
-        changed.notify_all()
-
-  thread = threading.Thread(target=work, name="decompax-figures", daemon=True)
+  # Shared by the thread and its callers, guarded by `changed`: the job
+  # waiting (at most one), whether one is being drawn, how many callers
+  # are draining, and whether the worker is closing.
+  queue = types.SimpleNamespace(changed=threading.Condition(), waiting=None,
+                                busy=False, flushing=0, closing=False)
+  thread = threading.Thread(target=_work, args=(queue, cpu_share, clock),
+                            name="decompax-figures", daemon=True)
   thread.start()
+  return FigureWorker(functools.partial(_submit, queue),
+                      functools.partial(_close, queue, thread),
+                      functools.partial(_drain, queue))
 
-  def submit(job):
-    nonlocal waiting
-    with changed:
-      waiting = job  # the one it replaces is stale
-      changed.notify_all()
 
-  def drain():
-    nonlocal flushing
-    with changed:
-      flushing += 1
-      changed.notify_all()
-      while waiting is not None or busy:
-        changed.wait()
-      flushing -= 1
+def _next_job(queue: types.SimpleNamespace, rest_until: float,
+              clock: Callable[[], float]) -> Optional[Callable[[], Any]]:
+  """Wait for a job and the end of the rest (skipped when draining or
+  closing); return it, marked busy, or None once closed with none left."""
+  with queue.changed:
+    while queue.waiting is None or not (queue.flushing or queue.closing
+                                        or clock() >= rest_until):
+      if queue.waiting is None and queue.closing:
+        return None
+      queue.changed.wait(
+        None if queue.waiting is None else rest_until - clock())
+    job, queue.waiting, queue.busy = queue.waiting, None, True
+    return job
 
-  def close():
-    nonlocal closing
-    with changed:
-      closing = True
-      changed.notify_all()
-    thread.join()
 
-  return FigureWorker(submit, close, drain)
+def _work(queue: types.SimpleNamespace, cpu_share: float,
+          clock: Callable[[], float]) -> None:
+  rest_until = -math.inf
+  while (job := _next_job(queue, rest_until, clock)) is not None:
+    began = clock()
+    try:
+      job()
+    except Exception:  # a failed figure must not end the run
+      print("[eval] figure rendering failed:\n" + traceback.format_exc(),
+            file=sys.stderr, flush=True)
+    rest_until = began + (clock() - began) / cpu_share
+    with queue.changed:
+      queue.busy = False
+      queue.changed.notify_all()
+
+
+def _submit(queue: types.SimpleNamespace, job: Callable[[], Any]) -> None:
+  with queue.changed:
+    queue.waiting = job  # the one it replaces is stale
+    queue.changed.notify_all()
+
+
+def _drain(queue: types.SimpleNamespace) -> None:
+  with queue.changed:
+    queue.flushing += 1
+    queue.changed.notify_all()
+    while queue.waiting is not None or queue.busy:
+      queue.changed.wait()
+    queue.flushing -= 1
+
+
+def _close(queue: types.SimpleNamespace, thread: threading.Thread) -> None:
+  with queue.changed:
+    queue.closing = True
+    queue.changed.notify_all()
+  thread.join()
 
 
 def lazy_render_process() -> render_process.RenderProcess:
@@ -316,12 +325,32 @@ def make_evaluator(
   fns = eval_step.make_eval_step(
     target, ci_fn, terms, eval_config,
     sample_inputs if eval_batches is None else None, constrain)
-  key = eval_step.eval_data_key(config.seed)
   writer = jax.process_index() == 0
   worker = start_figure_worker(writer and render, config.figure_cpu_share)
   off_loop = lazy_render_process()
-  decode = decode or str
-  threshold = config.ci_alive_threshold
+
+  def submit_render(state, output, summary):
+    worker.submit(functools.partial(off_loop.run, render_job(
+      output_dir, state, output, summary, target.sites, decode or str,
+      config.ci_alive_threshold, eval_config.top_contexts)))
+
+  def close():
+    worker.close()
+    off_loop.close()
+
+  evaluate = _evaluate_fn(config, fns, weights, eval_batches, target.sites,
+                          submit_render, writer)
+  return Evaluator(evaluate, close, worker.drain)
+
+
+def _evaluate_fn(
+  config, fns: eval_step.EvalFns, weights, eval_batches: Any, sites,
+  submit_render: Callable[..., None], writer: bool,
+) -> Callable[..., dict[str, float]]:
+  """Return `evaluate(state, done, abandon)` of `Evaluator`: run the tiers
+  due, hand a slow pass's render to `submit_render(state, output,
+  summary)`, print the eval line (when `writer`) and return the scalars."""
+  key = eval_step.eval_data_key(config.seed)
 
   def evaluate(state: TrainState, done: int,
                abandon: Callable[[], bool] = lambda: False
@@ -340,22 +369,16 @@ def make_evaluator(
     output = transfer.fetch(output)  # collective: every process
     summary = eval_step.summarize(output)
     if slow:
-      worker.submit(functools.partial(off_loop.run, render_job(
-        output_dir, state, output, summary, target.sites, decode, threshold,
-        eval_config.top_contexts)))
+      submit_render(state, output, summary)
     seconds = time.time() - start
     if writer:
-      print(_eval_line(done, summary.scalars, target.sites, seconds, slow),
+      print(_eval_line(done, summary.scalars, sites, seconds, slow),
             flush=True)
     record = {f"eval/{k}": v for k, v in summary.scalars.items()}
     record["eval/time_s"] = seconds
     return record
 
-  def close():
-    worker.close()
-    off_loop.close()
-
-  return Evaluator(evaluate, close, worker.drain)
+  return evaluate
 
 
 def log_baseline(evaluator: Evaluator, state: TrainState,

@@ -17,8 +17,8 @@ import numpy as np
 from absl import flags, logging
 
 from decompax.bin import checkpointing, cli, evaluation, recipe, run_records
-from decompax.bin import lm_setup, placement_setup, token_data, train_flags
-from decompax.bin import tokens_text
+from decompax.bin import lm_setup, placement_setup, term_table, token_data
+from decompax.bin import tokens_text, train_flags
 from decompax.core import ci_fns, health, probe, sites as sites_lib
 from decompax.core import train_step
 from decompax.core import warmup as warmup_lib
@@ -26,21 +26,6 @@ from decompax.io import checkpoint, decomposition, figures, run_dir
 from decompax.placement import transfer
 from decompax.losses import faithfulness
 from decompax.targets import registry
-
-SHORT_NAMES = {
-  "faithfulness": "faith",
-  "importance_minimality": "imp",
-  "frequency_minimality": "freq",
-  "stochastic_recon": "recon",
-  "stochastic_recon_per_site": "recon_site",
-  "stochastic_recon_subset": "recon_subset",
-  "stochastic_recon_groups": "recon_groups",
-  "persistent_pgd_recon": "pgd",
-  "merged_recon": "merged",
-  "fresh_pgd_recon": "fresh_pgd",
-  "nonlinearity_locality": "nl",
-}
-
 
 # Flags a launch may change without changing the run (flags.txt omits them).
 RELAUNCH_FLAGS = ("overwrite", "on_nonfinite", "max_skipped_in_a_row")
@@ -51,18 +36,30 @@ def fail(message: str) -> None:
   cli.fail("train", message)
 
 
+def _run_flags() -> list:
+  """Return the train flags that define a run (flags.txt), sorted."""
+  module_flags = flags.FLAGS.get_flags_for_module(train_flags)
+  return [flag for flag in sorted(module_flags, key=lambda f: f.name)
+          if flag.name not in RELAUNCH_FLAGS
+          and flag.name not in placement_setup.LAUNCH_FLAGS]
+
+
+def _recorded(value) -> str:
+  if isinstance(value, list):
+    value = ",".join(str(v) for v in value)
+  return "" if value is None else str(value)
+
+
 def resolved_flags_text() -> str:
   """Return every train flag as `--name=value`, one per line, sorted."""
-  module_flags = flags.FLAGS.get_flags_for_module(train_flags)
-  lines = []
-  for flag in sorted(module_flags, key=lambda f: f.name):
-    if flag.name in RELAUNCH_FLAGS or flag.name in placement_setup.LAUNCH_FLAGS:
-      continue
-    value = flag.value
-    if isinstance(value, list):
-      value = ",".join(str(v) for v in value)
-    lines.append(f"--{flag.name}={'' if value is None else value}")
+  lines = [f"--{flag.name}={_recorded(flag.value)}" for flag in _run_flags()]
   return "\n".join(lines) + "\n"
+
+
+def flag_defaults() -> dict[str, str]:
+  """Return each run flag's default as flags.txt records values, so that a
+  run made before a flag existed resumes (`run_dir.check_run_dir`)."""
+  return {flag.name: _recorded(flag.default) for flag in _run_flags()}
 
 
 def load_or_train_target(toy, config, target_path: str, use_cache: bool):
@@ -107,13 +104,14 @@ def format_duration(seconds: float) -> str:
 def progress_line(step, total, metrics, sites, steps_per_s) -> str:
   """Return one terminal line: step, losses, CI-L0, speed and ETA."""
   parts = [f"step {step}/{total}"]
-  for name, short in SHORT_NAMES.items():
-    if f"loss/{name}" in metrics:
-      parts.append(f"{short} {metrics[f'loss/{name}']:.3e}")
+  for term in term_table.TERMS:
+    if f"loss/{term.name}" in metrics:
+      parts.append(f"{term.short} {metrics[f'loss/{term.name}']:.3e}")
   l0 = "/".join(f"{metrics[f'ci_l0/{s.name}']:.2f}" for s in sites)
   parts.append(f"L0 {l0}")
   parts.append(f"{steps_per_s:.0f} it/s")
-  parts.append(f"ETA {format_duration((total - step) / max(steps_per_s, 1e-9))}")
+  eta = (total - step) / max(steps_per_s, 1e-9)
+  parts.append(f"ETA {format_duration(eta)}")
   return "  ".join(parts)
 
 
@@ -196,7 +194,8 @@ def setup(config: train_flags.TrainConfig, placement=None):
     os.makedirs("runs", exist_ok=True)
     output_dir = os.path.join("runs", toy.name)
   flags_text = resolved_flags_text()
-  run_dir.check_run_dir(output_dir, flags_text, config.overwrite)
+  run_dir.check_run_dir(output_dir, flags_text, config.overwrite,
+                        flag_defaults())
   # The lock lasts as long as its descriptor, which nothing closes. An
   # existing run is locked before anything reads it; a new one only once
   # every check has passed, since locking creates the directory.
@@ -222,7 +221,8 @@ def setup(config: train_flags.TrainConfig, placement=None):
   if writer:
     if lock is None:
       run_dir.lock_run_dir(output_dir)
-    run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite)
+    run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite,
+                            flag_defaults())
     if cache is not None and not os.path.exists(target_path):
       run_dir.save_arrays(target_path, *cache)
   return toy, target, weights, output_dir
@@ -297,17 +297,8 @@ def build_run(config, toy, target, weights, restore=None,
   vu_key, ci_key = jax.random.split(init_key)
   ci_fn = ci_fns.make_ci_fn(ci_config_of(config, toy, target.sites),
                             target.sites)
-  w_stacks = target.frozen_stacks(weights)
-  if config.components_init == "projected":
-    components = sites_lib.init_components_projected(
-      vu_key, target.sites, w_stacks)
-  else:
-    components = sites_lib.init_components(vu_key, target.sites)
-  components, warmup_losses = warmup_lib.faithfulness_warmup(
-    lambda comps, ws: faithfulness.faithfulness_per_kind(ws, comps),
-    components, w_stacks,
-    0 if restore else config.faithfulness_warmup_steps,
-    config.faithfulness_warmup_lr, config.faithfulness_warmup_weight_decay)
+  components, warmup_losses = warm_components(
+    config, target, weights, vu_key, warm=restore is None)
   lead = lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size)
   terms = recipe.loss_terms(config, target.sites,
                             lm_setup.tokens_per_batch(lead),
@@ -321,7 +312,37 @@ def build_run(config, toy, target, weights, restore=None,
     train_step.make_train_step, target, ci_fn, terms,
     recipe.step_config(config), sample_inputs=None if data else sample)
   built = make_step()
-  ci_params = ci_fn.init(ci_key)
+  state = init_state(built, placement, components, ci_fn.init(ci_key),
+                     run_key, lead, restore)
+  constrain, inputs_sharding = train_step.no_constraint, None
+  if placement is not None:
+    built, state, weights, sample, constrain, inputs_sharding = (
+      placement_setup.place_run(
+        placement, make_step, state, weights, lead, sample,
+        None if data is None else token_data.example_batch(data)))
+  return Run(built, state, ci_fn, terms, data_key, warmup_losses, weights,
+             sample, constrain, data, inputs_sharding)
+
+
+def warm_components(config, target, weights, vu_key, warm: bool):
+  """Return the initial components, after the faithfulness warmup when
+  `warm`, and the warmup's losses (none without it)."""
+  w_stacks = target.frozen_stacks(weights)
+  if config.components_init == "projected":
+    components = sites_lib.init_components_projected(
+      vu_key, target.sites, w_stacks)
+  else:
+    components = sites_lib.init_components(vu_key, target.sites)
+  return warmup_lib.faithfulness_warmup(
+    lambda comps, ws: faithfulness.faithfulness_per_kind(ws, comps),
+    components, w_stacks, config.faithfulness_warmup_steps if warm else 0,
+    config.faithfulness_warmup_lr, config.faithfulness_warmup_weight_decay)
+
+
+def init_state(built, placement, components, ci_params, run_key, lead,
+               restore=None) -> train_step.TrainState:
+  """Return the step's initial state, on the placement's shardings when
+  placed, replaced by the restored one with `restore` (see `build_run`)."""
   shardings = placement_setup.state_shardings(placement, jax.eval_shape(
     lambda c, p, k: built.init(c, p, k, lead), components, ci_params,
     run_key), lead)
@@ -335,14 +356,7 @@ def build_run(config, toy, target, weights, restore=None,
     # Placed runs read each leaf straight into its shards on the mesh.
     state = restore(state, lambda comps, ci_params: built.init(
       comps, ci_params, run_key, lead), shardings)
-  constrain, inputs_sharding = train_step.no_constraint, None
-  if placement is not None:
-    built, state, weights, sample, constrain, inputs_sharding = (
-      placement_setup.place_run(
-        placement, make_step, state, weights, lead, sample,
-        None if data is None else token_data.example_batch(data)))
-  return Run(built, state, ci_fn, terms, data_key, warmup_losses, weights,
-             sample, constrain, data, inputs_sharding)
+  return state
 
 
 def train(config, toy, target, weights, output_dir, placement=None):
@@ -358,65 +372,116 @@ def train(config, toy, target, weights, output_dir, placement=None):
                   checkpointing.restorer(session), placement)
   session = checkpointing.with_terms(session, tuple(t.name for t in run.terms))
   checkpointing.after_warmup(session, run.state)
-  state, ci_fn = run.state, run.ci_fn
-  if run.warmup_losses.shape[0]:
-    warm_first, warm_last = jax.device_get(run.warmup_losses)[[0, -1]]
+  print_warmup(config, run.warmup_losses)
+  print(f"[train] {toy.name}: sites {', '.join(s.name for s in target.sites)}"
+        f"; C={config.c}; terms {', '.join(t.name for t in run.terms)}")
+  first = int(jax.device_get(run.state.step))
+  loop = Loop(config, target, weights, run, compile_step(run, first, placement),
+              evaluator_of(config, target, run, output_dir), session,
+              output_dir, writer)
+  if first == 0:  # fresh runs only (SPEC I44)
+    evaluation.log_baseline(loop.evaluator, run.state, loop.metrics_path)
+  state = run_steps(loop, run.state, first)
+  checkpointing.close(session)
+  loop.evaluator.close()
+  checkpointing.check_finite(session, state, full=True)
+  state = transfer.fetch(state)  # collective: every process
+  if writer:
+    finish(config, target, run.ci_fn, session.ci_config, weights, state,
+           output_dir, loop.metrics_path)
+    evaluation.write_final_report(output_dir)
+
+
+def print_warmup(config, warmup_losses: jax.Array) -> None:
+  """Print the faithfulness warmup's first and last loss, if it ran."""
+  if warmup_losses.shape[0]:
+    warm_first, warm_last = jax.device_get(warmup_losses)[[0, -1]]
     print(f"[warmup] {config.faithfulness_warmup_steps} faithfulness steps: "
           f"{warm_first:.3e} -> {warm_last:.3e}")
-  terms, built = run.terms, run.built
-  metrics_path = os.path.join(output_dir, "metrics.jsonl")
-  print(f"[train] {toy.name}: sites {', '.join(s.name for s in target.sites)}"
-        f"; C={config.c}; terms {', '.join(t.name for t in terms)}")
+
+
+def compile_step(run: Run, first: int, placement=None):
+  """Return the run's step compiled for its state at step `first`."""
   compile_start = time.time()
-  first = int(jax.device_get(state.step))
-  compiled = built.step.lower(
-    state, run.weights, run.step_inputs(first)).compile(
+  compiled = run.built.step.lower(
+    run.state, run.weights, run.step_inputs(first)).compile(
       placement.compiler_options if placement else None)
   print(f"[train] step compiled in {time.time() - compile_start:.1f}s")
-  evaluator = evaluation.make_evaluator(
-    config, target, ci_fn, terms, run.sample_inputs, run.weights, output_dir,
-    constrain=run.constrain,
+  return compiled
+
+
+def evaluator_of(config, target, run: Run,
+                 output_dir: str) -> evaluation.Evaluator:
+  """Return the run's in-loop evaluator (`evaluation.make_evaluator`)."""
+  return evaluation.make_evaluator(
+    config, target, run.ci_fn, run.terms, run.sample_inputs, run.weights,
+    output_dir, constrain=run.constrain,
     eval_batches=run.eval_batches(config.eval_batches),
     compute_dtype=recipe.compute_dtype(config),
     decode=(tokens_text.token_decoder(config.model_dir)
             if lm_setup.is_lm(config) else None))
-  if first == 0:  # fresh runs only (SPEC I44)
-    evaluation.log_baseline(evaluator, state, metrics_path)
+
+
+class Loop(NamedTuple):
+  """What the training loop holds beside the state: the run, its compiled
+  step and evaluator, the checkpoint session and where results go. `weights`
+  are the host's frozen weights (figures); `writer`: this process writes."""
+
+  config: train_flags.TrainConfig
+  target: object
+  weights: object
+  run: Run
+  compiled: object
+  evaluator: evaluation.Evaluator
+  session: object
+  output_dir: str
+  writer: bool
+
+  @property
+  def metrics_path(self) -> str:
+    return os.path.join(self.output_dir, "metrics.jsonl")
+
+
+def run_steps(loop: Loop, state, first: int):
+  """Step from `first` to the end, logging every --log_every steps and
+  saving as the session says; return the last state."""
+  config, session = loop.config, loop.session
   window_start, window_steps = time.time(), 0
   skipped = int(jax.device_get(state.health.nonfinite_steps))
   for s in range(first, config.num_steps):
-    run_records.profile_before_step(config, output_dir, s)
-    state, metrics = compiled(state, run.weights, run.step_inputs(s))
+    run_records.profile_before_step(config, loop.output_dir, s)
+    state, metrics = loop.compiled(state, loop.run.weights,
+                                   loop.run.step_inputs(s))
     window_steps += 1
     done = s + 1
     if done % config.log_every == 0 or done == config.num_steps:
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
       skipped = check_nonfinite(session, state, metrics, skipped)
-      elapsed = time.time() - window_start
-      step_time = elapsed / window_steps
-      record = {"step": done, **metrics, "step_time_s": step_time}
-      record.update(evaluator.evaluate(
-        state, done, lambda: checkpointing.stop_requested(session)))
-      if writer:
-        run_dir.append_metrics(metrics_path, record)
-        print(progress_line(done, config.num_steps, metrics, target.sites,
-                            1.0 / step_time), flush=True)
-      if config.figures_every and done % config.figures_every == 0:
-        host_state = transfer.fetch(state)  # collective: every process
-        if writer:
-          write_figures(output_dir, target, ci_fn, weights, host_state,
-                        metrics_path)
+      step_time = (time.time() - window_start) / window_steps
+      log_step(loop, state, metrics, done, step_time)
       window_start, window_steps = time.time(), 0
-    run_records.profile_after_step(config, output_dir, state, done)
+    run_records.profile_after_step(config, loop.output_dir, state, done)
     checkpointing.after_step(session, state, done)
-  checkpointing.close(session)
-  evaluator.close()
-  checkpointing.check_finite(session, state, full=True)
-  state = transfer.fetch(state)  # collective: every process
-  if writer:
-    finish(config, target, ci_fn, session.ci_config, weights, state,
-           output_dir, metrics_path)
-    evaluation.write_final_report(output_dir)
+  return state
+
+
+def log_step(loop: Loop, state, metrics: dict, done: int,
+             step_time: float) -> None:
+  """Evaluate when due, append the step's record to metrics.jsonl, print
+  its progress line and refresh the figures when due."""
+  config = loop.config
+  record = {"step": done, **metrics, "step_time_s": step_time}
+  record.update(loop.evaluator.evaluate(
+    state, done, lambda: checkpointing.stop_requested(loop.session)))
+  if loop.writer:
+    run_dir.append_metrics(loop.metrics_path, record)
+    print(progress_line(done, config.num_steps, metrics, loop.target.sites,
+                        1.0 / step_time), flush=True)
+  if config.figures_every and done % config.figures_every == 0:
+    host_state = transfer.fetch(state)  # collective: every process
+    if loop.writer:
+      write_figures(loop.output_dir, loop.target, loop.run.ci_fn,
+                    loop.weights, host_state, loop.metrics_path)
 
 
 def check_nonfinite(session, state, metrics: dict, skipped: int) -> int:

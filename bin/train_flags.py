@@ -10,7 +10,7 @@ import math
 
 from absl import flags
 
-from decompax.bin import checkpointing, cli, run_records
+from decompax.bin import checkpointing, cli, run_records, term_table
 
 
 # Every float flag of bin/train refuses NaN and infinity.
@@ -135,7 +135,8 @@ _PER_SITE_COEFF = _define_float(
   "per_site_coeff", 1.0, "Stochastic recon with one site live at a time "
   "(the SPD layerwise loss; 0: off).")
 _SUBSET_COEFF = _define_float(
-  "subset_coeff", 0.0, "Stochastic recon over consecutive site chunks (0: off).")
+  "subset_coeff", 0.0, "Stochastic recon over consecutive site chunks "
+  "(0: off).")
 _SUBSET_SIZE = flags.DEFINE_integer(
   "subset_size", 2, "Sites per chunk of the subset term.")
 _SUBSET_ROUTING = flags.DEFINE_enum(
@@ -210,8 +211,6 @@ _EVAL_PGD_LR = _define_float(
   "eval_pgd_lr", 0.1, "Step size of the eval's fresh-PGD probe.")
 
 
-_P_WARMUP_PCT = _define_float(
-  "p_warmup_pct", 0.0, "Warmup of the p-anneal: refused, p takes none.")
 _GROUPS_COEFF = _define_float(
   "groups_coeff", 0.0, "Stochastic recon over --recon_groups (0: off).")
 _RECON_GROUPS = flags.DEFINE_string(
@@ -253,9 +252,6 @@ _PGD_OBJECTIVE = flags.DEFINE_enum(
   "pgd_objective", "e2e", ["e2e", "term"], "What the adversary ascends.")
 _PGD_START_FRAC = _define_float(
   "pgd_start_frac", 0.0, "Fraction of steps before the PGD term starts.")
-_PGD_BUNDLE = flags.DEFINE_string(
-  "pgd_bundle", "pgd", "Name of the persistent PGD term's source bundle "
-  "(a bundle feeds exactly one term).")
 _MERGED_COEFF = _define_float(
   "merged_coeff", 0.0, "Merged stochastic/persistent recon term (SPEC "
   "§5.8; 0: off). Its sources step with the --pgd_* settings.")
@@ -271,8 +267,6 @@ _MERGED_ADV_FRACTION = _define_float(
 _MERGED_ADV_FRACTION_FINAL = _define_float(
   "merged_adv_fraction_final_frac", 1.0, "Final adversarial fraction as a "
   "fraction of the first (linear anneal when ≠ 1).")
-_MERGED_BUNDLE = flags.DEFINE_string(
-  "merged_bundle", "merged", "Name of the merged term's source bundle.")
 _HIDDEN_COEFF = _define_float(
   "hidden_coeff", 0.0, "Hidden-activation reconstruction rider (SPEC §5.9) "
   "on the --hidden_terms (0: off).")
@@ -280,9 +274,8 @@ _HIDDEN_POINTS = flags.DEFINE_list(
   "hidden_points", [], "Activations the rider matches (tap keys; default: "
   "every decomposed site's output, <site>.out).")
 _HIDDEN_TERMS = flags.DEFINE_list(
-  "hidden_terms", [], "Recon terms the rider rides on: stochastic_recon, "
-  "stochastic_recon_per_site, stochastic_recon_subset, "
-  "stochastic_recon_groups, persistent_pgd_recon, merged_recon.")
+  "hidden_terms", [], "Recon terms the rider rides on: "
+  f"{', '.join(term_table.RIDER_TERMS)}.")
 _FRESH_COEFF = _define_float(
   "fresh_pgd_coeff", 0.0, "Fresh (per-step) PGD recon term (0: off).")
 _FRESH_INIT = flags.DEFINE_enum(
@@ -451,7 +444,6 @@ class TrainConfig:
   slow_on_first_step: bool
   eval_pgd_steps: int
   eval_pgd_lr: float
-  p_warmup_pct: float
   groups_coeff: float
   recon_groups: str
   groups_routing: str
@@ -470,13 +462,11 @@ class TrainConfig:
   pgd_n_warmup: int
   pgd_objective: str
   pgd_start_frac: float
-  pgd_bundle: str
   merged_coeff: float
   merged_plan: str
   merged_routing: str
   merged_adv_fraction: float
   merged_adv_fraction_final_frac: float
-  merged_bundle: str
   hidden_coeff: float
   hidden_points: tuple[str, ...]
   hidden_terms: tuple[str, ...]
@@ -543,43 +533,113 @@ def _validate_eval_cadence(config: TrainConfig) -> None:
                      f"--eval_every={every}")
 
 
-RIDER_TERMS = {
-  "stochastic_recon": "stochastic_coeff",
-  "stochastic_recon_per_site": "per_site_coeff",
-  "stochastic_recon_subset": "subset_coeff",
-  "stochastic_recon_groups": "groups_coeff",
-  "persistent_pgd_recon": "pgd_coeff",
-  "merged_recon": "merged_coeff",
-}
+def _validate_sizes(config: TrainConfig) -> None:
+  """Raise ValueError for a bad size, count or cadence."""
+  if config.c <= 0:
+    raise ValueError("--c must be a positive number of components, got "
+                     f"{config.c}")
+  for name in ("num_steps", "batch_size", "log_every", "n_mask_samples",
+               "subset_size", "lr"):
+    _positive(name, getattr(config, name))
+  _validate_eval_cadence(config)
+  for name in ("weight_decay", "clip_max_norm", "faithfulness_warmup_steps",
+               "figures_every", "importance_eps"):
+    _non_negative(name, getattr(config, name))
+  if config.ci_lr is not None:
+    _positive("ci_lr", config.ci_lr)
+  if config.reference_token_count is not None:
+    _positive("reference_token_count", config.reference_token_count)
 
 
-def _validate_merged_and_rider(config: TrainConfig) -> None:
-  """Raise ValueError for a bad merged term or hidden-activation rider."""
-  _non_negative("merged_coeff", config.merged_coeff)
-  _non_negative("hidden_coeff", config.hidden_coeff)
+def _validate_schedules(config: TrainConfig) -> None:
+  """Raise ValueError for a schedule setting that does nothing or cannot
+  run."""
+  if not 0.0 <= config.lr_warmup_pct < 1.0:
+    raise ValueError("--lr_warmup_pct must lie in [0, 1), got "
+                     f"{config.lr_warmup_pct}")
+  constant = config.lr_schedule == "constant"
+  if constant and config.lr_final_frac not in (0.0, 1.0):
+    raise ValueError("--lr_final_frac has no effect with "
+                     "--lr_schedule=constant; drop it or choose linear|cosine")
+  if config.p_schedule == "constant" and config.p_final_frac != 1.0:
+    raise ValueError("--p_final_frac needs --p_schedule=linear|cosine")
+  if config.pgd_lr_schedule != "constant":
+    raise ValueError("a persistent source LR may warm up but not decay; use "
+                     "--pgd_lr_schedule=constant")
+
+
+def _validate_coefficients(config: TrainConfig) -> None:
+  """Raise ValueError for a negative coefficient or no reconstruction term
+  (the terms from `term_table`)."""
+  for term in term_table.TERMS:
+    _non_negative(term.coeff_flag, term_table.coeff_of(config, term))
+  recon = [t for t in term_table.TERMS if t.recon]
+  if not any(term_table.coeff_of(config, t) for t in recon):
+    names = [f"--{t.coeff_flag}" for t in recon]
+    raise ValueError(f"no reconstruction term: set {', '.join(names[:-1])} "
+                     f"or {names[-1]} above 0")
+
+
+def _validate_term_settings(config: TrainConfig) -> None:
+  """Raise ValueError for a bad setting of an enabled term."""
+  for name in ("pgd_n_warmup", "fresh_pgd_steps", "ema_halflife_steps"):
+    _non_negative(name, getattr(config, name))
+  if config.ema_halflife_steps > 1e6:
+    raise ValueError("--ema_halflife_steps must be at most 1e6")
+  if config.ema_halflife_steps and not config.frequency_coeff:
+    raise ValueError("--ema_halflife_steps needs --frequency_coeff above 0")
+  if len(config.pgd_betas) != 2:
+    raise ValueError("--pgd_betas takes two values, b1,b2")
   final = config.merged_adv_fraction * config.merged_adv_fraction_final_frac
   for value in (config.merged_adv_fraction, final):
     if not 0.0 <= value <= 1.0:
       raise ValueError("the merged term's adversarial fraction must stay in "
                        f"[0, 1], got {value}")
-  if (config.pgd_coeff and config.merged_coeff
-      and config.pgd_bundle == config.merged_bundle):
-    raise ValueError(
-      f"source bundle {config.pgd_bundle!r} feeds two terms "
-      "(persistent_pgd_recon and merged_recon); a bundle feeds exactly one "
-      "term: give --merged_bundle another name")
+  uses_groups = config.groups_coeff or (
+    config.pgd_coeff and config.pgd_plan == "groups") or (
+    config.merged_coeff and config.merged_plan == "groups")
+  if uses_groups and not config.recon_groups:
+    raise ValueError("a groups plan needs --recon_groups, e.g. 'a+b;c'")
+
+
+def _validate_rider(config: TrainConfig) -> None:
+  """Raise ValueError for a hidden-activation rider on no term, or on a term
+  that is off or takes none."""
+  _non_negative("hidden_coeff", config.hidden_coeff)
   if config.hidden_coeff and not config.hidden_terms:
     raise ValueError("the hidden-activation rider never stands alone: name "
                      "the recon terms it rides on with --hidden_terms")
   if config.hidden_terms and not config.hidden_coeff:
     raise ValueError("--hidden_terms needs --hidden_coeff above 0")
-  for term in config.hidden_terms:
-    if term not in RIDER_TERMS:
-      raise ValueError(f"--hidden_terms names {term!r}, not a recon term "
-                       f"that takes a rider; use {', '.join(RIDER_TERMS)}")
-    if not getattr(config, RIDER_TERMS[term]):
-      raise ValueError(f"--hidden_terms names {term}, which is off; set "
-                       f"--{RIDER_TERMS[term]} above 0")
+  riders = term_table.RIDER_TERMS
+  for name in config.hidden_terms:
+    if name not in riders:
+      raise ValueError(f"--hidden_terms names {name!r}, not a recon term "
+                       f"that takes a rider; use {', '.join(riders)}")
+    if not term_table.coeff_of(config, riders[name]):
+      raise ValueError(f"--hidden_terms names {name}, which is off; set "
+                       f"--{riders[name].coeff_flag} above 0")
+
+
+def _validate_data(config: TrainConfig) -> None:
+  """Raise ValueError for bad sequence, token-file or site settings."""
+  _positive("seq_len", config.seq_len)
+  if (config.data_path or config.eval_data_path) and config.target != "hf":
+    raise ValueError("--data_path and --eval_data_path read token files for "
+                     "--target=hf; toys draw their own data")
+  if config.eval_data_path and not config.data_path:
+    raise ValueError("--eval_data_path needs --data_path (the training "
+                     "tokens)")
+  if len(set(config.sites)) != len(config.sites):
+    raise ValueError(f"--sites lists a site twice: {','.join(config.sites)}")
+
+
+def _validate_run(config: TrainConfig) -> None:
+  """Raise ValueError for bad checkpoint, init or profile settings."""
+  for name in ("save_every", "keep_last", "max_skipped_in_a_row"):
+    _positive(name, getattr(config, name))
+  checkpointing.parse_init_from(config.init_from)
+  run_records.parse_profile_steps(config.profile_steps, config.num_steps)
 
 
 def config_from_flags() -> TrainConfig:
@@ -610,66 +670,10 @@ def parse_config(*args: str) -> TrainConfig:
 
 def validate(config: TrainConfig) -> None:
   """Raise ValueError naming the first invalid setting and its fix."""
-  if config.c <= 0:
-    raise ValueError(f"--c must be a positive number of components, got {config.c}")
-  for name in ("num_steps", "batch_size", "log_every", "n_mask_samples",
-               "subset_size", "lr"):
-    _positive(name, getattr(config, name))
-  _validate_eval_cadence(config)
-  for name in ("faithfulness_coeff", "importance_coeff", "frequency_coeff",
-               "stochastic_coeff", "per_site_coeff", "subset_coeff",
-               "weight_decay", "clip_max_norm", "faithfulness_warmup_steps",
-               "figures_every", "importance_eps"):
-    _non_negative(name, getattr(config, name))
-  if config.ci_lr is not None:
-    _positive("ci_lr", config.ci_lr)
-  if config.reference_token_count is not None:
-    _positive("reference_token_count", config.reference_token_count)
-  if not 0.0 <= config.lr_warmup_pct < 1.0:
-    raise ValueError(f"--lr_warmup_pct must lie in [0, 1), got {config.lr_warmup_pct}")
-  if config.lr_schedule == "constant" and config.lr_final_frac not in (0.0, 1.0):
-    raise ValueError("--lr_final_frac has no effect with --lr_schedule=constant;"
-                     " drop it or choose linear|cosine")
-  if config.p_schedule == "constant" and config.p_final_frac != 1.0:
-    raise ValueError("--p_final_frac needs --p_schedule=linear|cosine")
-  if not (config.stochastic_coeff or config.per_site_coeff
-          or config.subset_coeff or config.groups_coeff or config.pgd_coeff
-          or config.fresh_pgd_coeff or config.merged_coeff):
-    raise ValueError("no reconstruction term: set --stochastic_coeff, "
-                     "--per_site_coeff, --subset_coeff, --groups_coeff, "
-                     "--pgd_coeff, --merged_coeff or --fresh_pgd_coeff "
-                     "above 0")
-  if config.p_warmup_pct:
-    raise ValueError("the p-anneal takes no warmup; drop --p_warmup_pct")
-  if config.pgd_lr_schedule != "constant":
-    raise ValueError("a persistent source LR may warm up but not decay; use "
-                     "--pgd_lr_schedule=constant")
-  for name in ("groups_coeff", "pgd_coeff", "fresh_pgd_coeff",
-               "nonlinearity_coeff", "pgd_n_warmup", "fresh_pgd_steps",
-               "ema_halflife_steps"):
-    _non_negative(name, getattr(config, name))
-  if config.ema_halflife_steps > 1e6:
-    raise ValueError("--ema_halflife_steps must be at most 1e6")
-  if config.ema_halflife_steps and not config.frequency_coeff:
-    raise ValueError("--ema_halflife_steps needs --frequency_coeff above 0")
-  if len(config.pgd_betas) != 2:
-    raise ValueError("--pgd_betas takes two values, b1,b2")
-  _validate_merged_and_rider(config)
-  uses_groups = config.groups_coeff or (
-    config.pgd_coeff and config.pgd_plan == "groups") or (
-    config.merged_coeff and config.merged_plan == "groups")
-  if uses_groups and not config.recon_groups:
-    raise ValueError("a groups plan needs --recon_groups, e.g. 'a+b;c'")
-  _positive("seq_len", config.seq_len)
-  if (config.data_path or config.eval_data_path) and config.target != "hf":
-    raise ValueError("--data_path and --eval_data_path read token files for "
-                     "--target=hf; toys draw their own data")
-  if config.eval_data_path and not config.data_path:
-    raise ValueError("--eval_data_path needs --data_path (the training "
-                     "tokens)")
-  if len(set(config.sites)) != len(config.sites):
-    raise ValueError(f"--sites lists a site twice: {','.join(config.sites)}")
-  for name in ("save_every", "keep_last", "max_skipped_in_a_row"):
-    _positive(name, getattr(config, name))
-  checkpointing.parse_init_from(config.init_from)
-  run_records.parse_profile_steps(config.profile_steps, config.num_steps)
+  _validate_sizes(config)
+  _validate_schedules(config)
+  _validate_coefficients(config)
+  _validate_term_settings(config)
+  _validate_rider(config)
+  _validate_data(config)
+  _validate_run(config)

@@ -287,8 +287,6 @@ ROWS = (
   Row("no_recon_term", "train", (
     "--stochastic_coeff=0", "--per_site_coeff=0", OUT),
     "no reconstruction term"),
-  Row("p_warmup", "train", ("--p_warmup_pct=0.1", OUT),
-      "the p-anneal takes no warmup"),
   Row("pgd_lr_decay", "train", ("--pgd_lr_schedule=cosine", OUT),
       "may warm up but not decay"),
   Row("ema_without_frequency", "train", ("--ema_halflife_steps=10", OUT),
@@ -332,9 +330,6 @@ ROWS = (
   Row("merged_fraction", "train", (
     "--merged_coeff=1", "--merged_adv_fraction=1.5", OUT),
     "must stay in [0, 1], got 1.5"),
-  Row("bundle_twice", "train", (
-    "--pgd_coeff=1", "--merged_coeff=1", "--merged_bundle=pgd", OUT),
-    "source bundle 'pgd' feeds two terms"),
   Row("save_every_zero", "train", ("--save_every=0", OUT),
       "--save_every must be positive, got 0"),
   Row("keep_last_zero", "train", ("--keep_last=0", OUT),

@@ -56,7 +56,6 @@ def test_defaults_are_the_tms_5_2_flagfile(parse):
   (("--lr_schedule=constant", "--lr_final_frac=0.5"), "lr_final_frac"),
   (("--stochastic_coeff=0", "--per_site_coeff=0"), "no reconstruction term"),
   (("--ci_hidden=8,x",), "comma-separated integers"),
-  (("--p_warmup_pct=0.1",), "p-anneal takes no warmup"),
   (("--pgd_coeff=1", "--pgd_lr_schedule=cosine"), "not decay"),
   (("--groups_coeff=1", "--recon_groups=linear1+nope"), "unknown site 'nope'"),
   (("--groups_coeff=1",), "needs --recon_groups"),
@@ -71,8 +70,6 @@ def test_defaults_are_the_tms_5_2_flagfile(parse):
   (("--eval_pgd_lr=0",), "--eval_pgd_lr must be positive"),
   (("--figure_cpu_share=0",), "--figure_cpu_share must lie in"),
   (("--figure_cpu_share=2",), "--figure_cpu_share must lie in"),
-  (("--pgd_coeff=1", "--merged_coeff=1", "--merged_bundle=pgd"),
-   "bundle 'pgd' feeds two terms"),
   (("--hidden_coeff=1",), "never stands alone"),
   (("--hidden_coeff=1", "--hidden_terms=fresh_pgd_recon"),
    "not a recon term that takes a rider"),
@@ -231,3 +228,24 @@ def test_unwritable_output_dirs_are_refused_in_setup(parse, tmp_path):
   if os.path.isdir("/sys"):  # read-only even for root
     with pytest.raises(ValueError, match="^cannot write to /sys: "):
       train.setup(parse("--output_dir=/sys/decompax_run"))
+
+
+def test_a_run_of_an_older_version_is_resumed_not_refused(parse, tmp_path):
+  # Its flags.txt still names a flag removed since (--pgd_bundle) and lacks
+  # one added since at its default (--components_init): same run.
+  out = tmp_path / "run"
+  args = (f"--output_dir={out}", "--c=8")
+  parse(*args)
+  lines = [line for line in train.resolved_flags_text().splitlines()
+           if not line.startswith("--components_init=")]
+  out.mkdir()
+  (out / "flags.txt").write_text("\n".join([*lines, "--pgd_bundle=pgd"]) + "\n")
+  config = parse(*args)
+  train.setup(config)
+  assert (out / "flags.txt").read_text() == train.resolved_flags_text()
+  # Off its default, the added flag is a change like any other.
+  config = parse(*args, "--components_init=projected")
+  (out / "flags.txt").write_text("\n".join(lines) + "\n")
+  with pytest.raises(ValueError, match="--components_init was not recorded, "
+                     "now projected"):
+    train.setup(config)

@@ -1,0 +1,273 @@
+"""The loss terms of `bin/train`: one table, and the builders it names.
+
+A `Term` says all the binary knows of one term: its name (the `LossTerm`'s,
+and the `loss/<name>` metric's), its short form on the console line, the
+flag of its coefficient (the term is on when that is above 0), whether it
+takes the hidden-activation rider (SPEC §5.9), whether it counts as a
+reconstruction term, and its builder. `TERMS` is in step order: the step
+folds each term's index into its keys, so reordering it changes every run.
+
+`config` below is a `train_flags.TrainConfig`. It goes unannotated because
+`train_flags` reads this table (flag help, rider checks), so this module
+cannot import it.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from decompax.core import adversary
+from decompax.core import sites as sites_lib
+from decompax.core import train_step
+from decompax.core.schedules import Schedule
+from decompax.losses import adversarial, hidden, locality, recon
+from decompax.losses import terms as loss_terms
+
+
+class TermInputs(NamedTuple):
+  """What the builders take beside the config: the run's sites and shapes.
+
+  `units` are the target's nonlinear units (None or empty: it declares
+  none); `lead_shape` is the batch's activation lead shape.
+  """
+
+  sites: tuple[sites_lib.SiteSpec, ...]
+  tokens_per_batch: int
+  units: Any
+  lead_shape: tuple[int, ...]
+
+
+# build(config, inputs, name, coeff) -> the term named `name`.
+Builder = Callable[[Any, TermInputs, str, float], train_step.LossTerm]
+
+
+class Term(NamedTuple):
+  """One loss term of the table (see the module docstring)."""
+
+  name: str
+  short: str
+  coeff_flag: str
+  build: Builder
+  rider: bool = False
+  recon: bool = False
+
+
+def parse_groups(text: str) -> tuple[tuple[str, ...], ...]:
+  """Return site groups from `a+b;c` (sites by '+', groups by ';')."""
+  groups = tuple(tuple(n.strip() for n in g.split("+") if n.strip())
+                 for g in text.split(";") if g.strip())
+  if not groups or any(not g for g in groups):
+    raise ValueError(f"--recon_groups {text!r} is not 'a+b;c' form")
+  return groups
+
+
+def make_plan(config, sites, kind: str, routing: str,
+              subset_size: int) -> recon.Plan:
+  """Return the plan of one recon term by kind."""
+  n = config.n_mask_samples
+  if kind == "all_sites":
+    return recon.all_sites_plan(sites, routing, n)
+  if kind == "per_site":
+    return recon.per_site_plan(sites, n)
+  if kind == "subset":
+    return recon.subset_chunks_plan(sites, subset_size, routing, n)
+  return recon.custom_groups_plan(
+    sites, parse_groups(config.recon_groups), routing, n)
+
+
+def _floats(name: str, values: tuple[str, ...]) -> tuple[float, ...]:
+  try:
+    return tuple(float(v) for v in values)
+  except ValueError:
+    raise ValueError(
+      f"--{name} must be numbers, got {','.join(values)}") from None
+
+
+def rider(config, sites, term: str) -> hidden.HiddenRider | None:
+  """Return the hidden-activation rider of recon term `term`, if it has one."""
+  if term not in config.hidden_terms:
+    return None
+  points = config.hidden_points or tuple(f"{s.name}.out" for s in sites)
+  return hidden.HiddenRider(config.hidden_coeff, tuple(points))
+
+
+def _p(config) -> Schedule:
+  return Schedule(config.p_start, config.p_schedule, config.p_final_frac)
+
+
+def _faithfulness(config, inputs: TermInputs, name: str,
+                  coeff: float) -> train_step.LossTerm:
+  del config, inputs, name
+  return loss_terms.faithfulness_term(coeff)
+
+
+def _importance(config, inputs: TermInputs, name: str,
+                coeff: float) -> train_step.LossTerm:
+  del inputs, name
+  return loss_terms.importance_minimality_term(coeff, _p(config),
+                                               config.importance_eps)
+
+
+def _frequency(config, inputs: TermInputs, name: str,
+               coeff: float) -> train_step.LossTerm:
+  """Return frequency minimality: on a firing EMA with a half-life, else on
+  the batch's firing."""
+  del name
+  a_prime = float(config.reference_token_count or inputs.tokens_per_batch)
+  if config.ema_halflife_steps:
+    return loss_terms.ema_frequency_minimality_term(
+      coeff, _p(config), a_prime, config.ema_halflife_steps, inputs.sites,
+      config.importance_eps)
+  return loss_terms.frequency_minimality_term(coeff, _p(config), a_prime,
+                                              config.importance_eps)
+
+
+def _stochastic(plan: Callable[[Any, tuple], recon.Plan]) -> Builder:
+  """Return the builder of a stochastic recon term over `plan(config,
+  sites)`."""
+
+  def build(config, inputs: TermInputs, name: str,
+            coeff: float) -> train_step.LossTerm:
+    return loss_terms.stochastic_recon_term(
+      name, coeff, plan(config, inputs.sites), config.use_delta_component,
+      config.sampling, rider=rider(config, inputs.sites, name))
+
+  return build
+
+
+def _all_sites_plan(config, sites) -> recon.Plan:
+  return recon.all_sites_plan(sites, config.stochastic_routing,
+                              config.n_mask_samples)
+
+
+def _per_site_plan(config, sites) -> recon.Plan:
+  return recon.per_site_plan(sites, config.n_mask_samples)
+
+
+def _subset_plan(config, sites) -> recon.Plan:
+  return recon.subset_chunks_plan(sites, config.subset_size,
+                                  config.subset_routing, config.n_mask_samples)
+
+
+def _groups_plan(config, sites) -> recon.Plan:
+  # One draw per group, whatever --n_mask_samples says.
+  return make_plan(config, sites, "groups", config.groups_routing, 1)
+
+
+def persistent_config(config) -> adversarial.PersistentConfig:
+  """Return the source settings shared by the persistent and merged terms."""
+  b1, b2 = _floats("pgd_betas", config.pgd_betas)
+  source = adversary.SourceConfig(
+    config.pgd_scope, config.pgd_parametrization, config.pgd_step_rule,
+    b1, b2, config.pgd_eps)
+  lr = Schedule(config.pgd_lr, "constant", 1.0, config.pgd_lr_warmup_pct)
+  return adversarial.PersistentConfig(
+    source, lr, config.pgd_n_warmup, config.pgd_objective,
+    config.pgd_start_frac)
+
+
+def _persistent(config, inputs: TermInputs, name: str,
+                coeff: float) -> train_step.LossTerm:
+  """Return the persistent PGD term the flags describe."""
+  # A scope naming positions fails here for positionless (toy) targets.
+  adversary.scope_shape(config.pgd_scope, inputs.lead_shape, 1)
+  sites = inputs.sites
+  plan = make_plan(config, sites, config.pgd_plan, config.pgd_routing,
+                   config.subset_size)
+  return adversarial.persistent_pgd_term(
+    name, coeff, plan, persistent_config(config), sites,
+    config.use_delta_component, rider=rider(config, sites, name))
+
+
+def _merged(config, inputs: TermInputs, name: str,
+            coeff: float) -> train_step.LossTerm:
+  """Return the merged stochastic/persistent term the flags describe."""
+  adversary.scope_shape(config.pgd_scope, inputs.lead_shape, 1)
+  sites = inputs.sites
+  plan = make_plan(config, sites, config.merged_plan, config.merged_routing,
+                   config.subset_size)
+  final = config.merged_adv_fraction_final_frac
+  fraction = (config.merged_adv_fraction if final == 1.0 else Schedule(
+    config.merged_adv_fraction, "linear", final))
+  return adversarial.persistent_pgd_term(
+    name, coeff, plan, persistent_config(config), sites,
+    config.use_delta_component, rider=rider(config, sites, name),
+    merged=adversarial.Merged(fraction, config.sampling))
+
+
+def _fresh(config, inputs: TermInputs, name: str,
+           coeff: float) -> train_step.LossTerm:
+  """Return the fresh PGD term the flags describe."""
+  fresh = adversarial.FreshConfig(
+    config.fresh_pgd_init, config.fresh_pgd_scope, config.fresh_pgd_steps,
+    config.fresh_pgd_step_size)
+  plan = recon.all_sites_plan(inputs.sites, config.fresh_pgd_routing,
+                              config.n_mask_samples)
+  return adversarial.fresh_pgd_term(
+    name, coeff, plan, fresh, config.use_delta_component)
+
+
+def _unit_weights(config, units) -> dict[str, float | None]:
+  """Return the weight of each unit kind (None: that kind is left out)."""
+  if not config.nonlinearity_weights:
+    return {u.kind: 1.0 for u in units.values()}
+  weights: dict[str, float | None] = {}
+  for item in config.nonlinearity_weights:
+    kind, _, value = item.partition(":")
+    if not value:
+      raise ValueError(f"--nonlinearity_weights entry {item!r} is not "
+                       "kind:weight")
+    weights[kind] = None if value == "none" else _floats(
+      "nonlinearity_weights", (value,))[0]
+  return weights
+
+
+def _locality(config, inputs: TermInputs, name: str,
+              coeff: float) -> train_step.LossTerm:
+  """Return the nonlinearity locality term the flags describe."""
+  del name
+  if not inputs.units:
+    raise ValueError("this target declares no nonlinear units; drop "
+                     "--nonlinearity_coeff")
+  final = config.nonlinearity_threshold_final_frac
+  threshold = (config.nonlinearity_threshold if final == 1.0 else Schedule(
+    config.nonlinearity_threshold, "linear", final))
+  return locality.nonlinearity_locality_term(
+    coeff, threshold, inputs.units,
+    _unit_weights(config, inputs.units))
+
+
+TERMS: tuple[Term, ...] = (
+  Term("faithfulness", "faith", "faithfulness_coeff", _faithfulness),
+  Term("importance_minimality", "imp", "importance_coeff", _importance),
+  Term("frequency_minimality", "freq", "frequency_coeff", _frequency),
+  Term("stochastic_recon", "recon", "stochastic_coeff",
+       _stochastic(_all_sites_plan), rider=True, recon=True),
+  Term("stochastic_recon_per_site", "recon_site", "per_site_coeff",
+       _stochastic(_per_site_plan), rider=True, recon=True),
+  Term("stochastic_recon_subset", "recon_subset", "subset_coeff",
+       _stochastic(_subset_plan), rider=True, recon=True),
+  Term("stochastic_recon_groups", "recon_groups", "groups_coeff",
+       _stochastic(_groups_plan), rider=True, recon=True),
+  Term("persistent_pgd_recon", "pgd", "pgd_coeff", _persistent, rider=True,
+       recon=True),
+  Term("merged_recon", "merged", "merged_coeff", _merged, rider=True,
+       recon=True),
+  Term("fresh_pgd_recon", "fresh_pgd", "fresh_pgd_coeff", _fresh,
+       recon=True),
+  Term("nonlinearity_locality", "nl", "nonlinearity_coeff", _locality),
+)
+
+# The terms that take the hidden-activation rider, by name.
+RIDER_TERMS: dict[str, Term] = {t.name: t for t in TERMS if t.rider}
+
+
+def coeff_of(config, term: Term) -> float:
+  """Return the coefficient `config` gives `term` (0: off)."""
+  return getattr(config, term.coeff_flag)
+
+
+def build_terms(config, inputs: TermInputs) -> tuple[train_step.LossTerm, ...]:
+  """Return the terms `config` turns on (coefficient above 0), in table
+  order."""
+  return tuple(t.build(config, inputs, t.name, coeff_of(config, t))
+               for t in TERMS if coeff_of(config, t) > 0)

@@ -1,0 +1,92 @@
+"""bin/term_table: the one table of loss terms drives the recipe, the
+console line, the rider checks and the rider flag's help."""
+
+import pytest
+from absl import flags
+
+from decompax.bin import recipe, term_table, train
+from decompax.core import sites as sites_lib
+
+# resid_mlp1 declares nonlinear units, so every term of the table can be on.
+EVERY_TERM = (
+  "--target=resid_mlp1", "--c=8", "--batch_size=4", "--frequency_coeff=1",
+  "--subset_coeff=1", "--groups_coeff=1", "--pgd_coeff=1", "--merged_coeff=1",
+  "--fresh_pgd_coeff=1", "--nonlinearity_coeff=1",
+  "--recon_groups=layers.0.mlp_in+layers.0.mlp_out")
+
+
+def _terms(config):
+  _, sites, target, _ = train.resolve_target(config)
+  return recipe.loss_terms(config, sites, config.batch_size,
+                           target.nonlinear_units)
+
+
+def test_names_short_forms_and_flags_are_unique():
+  for field in ("name", "short", "coeff_flag"):
+    values = [getattr(t, field) for t in term_table.TERMS]
+    assert len(values) == len(set(values)), field
+
+
+def test_every_coefficient_flag_is_a_train_flag():
+  for term in term_table.TERMS:
+    assert flags.FLAGS[term.coeff_flag].default is not None
+
+
+def test_every_term_builds_under_its_name_in_table_order(parse):
+  terms = _terms(parse(*EVERY_TERM))
+  assert [t.name for t in terms] == [t.name for t in term_table.TERMS]
+
+
+@pytest.mark.parametrize("term", term_table.TERMS, ids=lambda t: t.name)
+def test_a_zero_coefficient_leaves_its_term_out(parse, term):
+  names = [t.name for t in _terms(parse(*EVERY_TERM, f"--{term.coeff_flag}=0"))]
+  assert names == [t.name for t in term_table.TERMS if t != term]
+
+
+def test_the_rider_rides_only_on_the_terms_it_names(parse):
+  config = parse(*EVERY_TERM, "--hidden_coeff=1",
+                 "--hidden_terms=stochastic_recon,merged_recon")
+  with_taps = {t.name for t in _terms(config) if t.clean_taps}
+  assert with_taps == {"stochastic_recon", "merged_recon"}
+
+
+def test_rider_terms_are_the_table_rows_that_take_one():
+  assert list(term_table.RIDER_TERMS) == [
+    "stochastic_recon", "stochastic_recon_per_site",
+    "stochastic_recon_subset", "stochastic_recon_groups",
+    "persistent_pgd_recon", "merged_recon"]
+
+
+def test_the_rider_flag_help_lists_the_rider_terms():
+  help_text = flags.FLAGS["hidden_terms"].help
+  for name in term_table.RIDER_TERMS:
+    assert name in help_text
+
+
+def test_a_rider_on_a_term_without_one_names_the_rider_terms(parse):
+  with pytest.raises(ValueError) as info:
+    parse("--hidden_coeff=1", "--hidden_terms=fresh_pgd_recon")
+  assert ", ".join(term_table.RIDER_TERMS) in str(info.value)
+
+
+def test_no_recon_term_names_every_recon_coefficient(parse):
+  off = [f"--{t.coeff_flag}=0" for t in term_table.TERMS if t.recon]
+  with pytest.raises(ValueError) as info:
+    parse(*off)
+  for term in term_table.TERMS:
+    assert (f"--{term.coeff_flag}" in str(info.value)) == term.recon
+
+
+def test_the_progress_line_shows_short_forms_in_table_order():
+  site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 3)
+  metrics = {f"loss/{t.name}": 1.0 for t in reversed(term_table.TERMS)}
+  metrics["ci_l0/linear1"] = 0.5
+  line = train.progress_line(1, 10, metrics, (site,), 100.0)
+  shorts = [part.split()[0] for part in line.split("  ")[1:-3]]
+  assert shorts == [t.short for t in term_table.TERMS]
+
+
+@pytest.mark.parametrize("name", ["p_warmup_pct", "pgd_bundle",
+                                  "merged_bundle"])
+def test_flags_that_could_only_be_refused_are_gone(name):
+  assert name not in flags.FLAGS
