@@ -4,10 +4,11 @@ Two processes with two simulated CPU devices each join through
 `jax.distributed` (CPU collectives) on a free port and train on one
 4-device mesh; process 0's metrics must match the one-process reference
 trajectory, both processes write their shards of each checkpoint, and only
-process 0 prints or writes run files. The slow check adds both eval tiers
-and a resume: stopped by a signal to process 0 alone, both save and exit;
-relaunched, both resume, and the run logs what one uninterrupted process
-logs.
+process 0 prints or writes run files. The run is stopped by a signal to
+process 0 alone after step 2 (both save and exit) and relaunched (both
+resume), so the trajectory spans a two-process resume. The slow check adds
+both eval tiers across such a resume and compares the whole log with one
+uninterrupted process's.
 """
 
 import json
@@ -16,6 +17,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 
@@ -80,33 +82,80 @@ def _cached_target(tmp_path, p) -> pathlib.Path:
   return target_path
 
 
-def test_two_processes_match_the_one_process_trajectory(
-    tmp_path, helpers, tms_vpd, tms_reference):
+class StoppedRun(NamedTuple):
+  """A two-process run stopped after step 2, then resumed to its end."""
+
+  out: pathlib.Path
+  stopped: tuple[list[int], list[str]]  # exit codes, outputs per process
+  labels_when_stopped: list[int]
+  resumed: tuple[list[int], list[str]]
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, helpers, tms_vpd) -> StoppedRun:
+  """Five steps of `tms_vpd` under zero1 on two processes with two devices
+  each, evals off. A SIGTERM to process 0 alone after step 2 stops both;
+  the same command, relaunched, resumes and ends the run. The relaunch
+  loads the first launch's compiled step from a shared cache."""
   p = tms_vpd
-  out = tmp_path / "run"
+  root = tmp_path_factory.mktemp("two_process")
+  out = root / "run"
   args = [
     f"--flagfile={helpers.FLAGS_DIR / 'tms_5-2_vpd.flags'}",
     f"--batch_size={p.config.batch_size}", "--num_steps=5", "--log_every=1",
     "--faithfulness_warmup_steps=0", "--eval_every=0", "--slow_eval_every=0",
-    "--save_every=5", f"--target_path={_cached_target(tmp_path, p)}",
+    "--save_every=5", f"--target_path={_cached_target(root, p)}",
     f"--output_dir={out}", "--placement=zero1",
+    f"--compilation_cache_dir={root / 'cache'}",
   ]
-  codes, texts = _finish(_start(tmp_path, "process", args))
+  stopped = _finish(_start(root, "stopped", args,
+                           env0={"DECOMPAX_FAULT": "sigterm_after_step=2"}))
+  labels = checkpoint.committed_steps(out / checkpoint.CHECKPOINT_DIR)
+  resumed = _finish(_start(root, "resumed", args))
+  return StoppedRun(out, stopped, labels, resumed)
+
+
+def test_two_processes_match_the_one_process_trajectory(
+    helpers, stopped_run, tms_reference):
+  """I34 (and I36 across the resume): the run's five records equal the
+  one-process reference trajectory."""
+  codes, texts = stopped_run.resumed
   assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+  out = stopped_run.out
   records = _records(out)
   assert [r.pop("step") for r in records] == [1, 2, 3, 4, 5]
   helpers.assert_same_trajectory(tms_reference.metrics, records)
   # Checkpoints hold both processes' shards: under zero1 on fsdp = 4 a CI
   # weight [20, 16] splits 4 ways (a file each), half of them on process 1.
   ckpts = out / checkpoint.CHECKPOINT_DIR
-  assert checkpoint.committed_steps(ckpts) == [0, 5]
-  w_in = (ckpts / checkpoint.step_name(5) / checkpoint.DECOMPOSITION /
-          "arrays" / "ci_params" / "linear1" / "w_in" / "c")
-  assert sorted(os.listdir(w_in)) == ["0", "1", "2", "3"]
+  assert checkpoint.committed_steps(ckpts) == [0, 2, 5]
+  for label in (2, 5):
+    w_in = (ckpts / checkpoint.step_name(label) / checkpoint.DECOMPOSITION /
+            "arrays" / "ci_params" / "linear1" / "w_in" / "c")
+    assert sorted(os.listdir(w_in)) == ["0", "1", "2", "3"]
   # Only process 0 wrote: one record per step, and its progress lines.
   assert "step 5/5" in texts[0] and "step 5/5" not in texts[1]
   assert "[checkpoint] saved step 5" in texts[0]
   assert "[checkpoint]" not in texts[1]
+
+
+def test_a_signal_to_process_0_stops_both_and_both_resume(stopped_run):
+  """Fast variant of the slow check below (SPEC §12): a stop signal to
+  process 0 alone is agreed across processes, both save label 2 and exit
+  75; relaunched, both restore it (process 1 its own shards) and finish.
+  Evals stay off here; the slow check adds both tiers across the resume and
+  a one-process run beside it."""
+  codes, texts = stopped_run.stopped
+  assert codes == [75, 75], "\n".join(t[-3000:] for t in texts)
+  assert stopped_run.labels_when_stopped == [0, 2]
+  assert "stop signal: step 2 saved" in texts[0]
+  assert "step 3/5" not in texts[0]
+  codes, resumed = stopped_run.resumed
+  assert codes == [0, 0], "\n".join(t[-3000:] for t in resumed)
+  assert "resumed from step 2" in resumed[0]
+  assert "step 3/5" in resumed[0] and "step 2/5" not in resumed[0]
+  for text in (texts[1], resumed[1]):
+    assert "[checkpoint]" not in text and "step 1/5" not in text
 
 
 @pytest.mark.slow
