@@ -119,14 +119,26 @@ def test_resume_from_half_way_is_bitwise_the_straight_run(
   for step in (2, 4, 6):  # the killed attempt had logged past its save
     run_dir.append_metrics(metrics, {"step": step})
   config = dataclasses.replace(straight.config, output_dir=str(out))
+
+  def at_resume(session, run):
+    assert session.mode == "resume"
+    assert run.warmup_losses.shape == (0,)  # no warmup on resume
+    assert [r["step"] for r in run_dir.read_metrics(metrics)] == [2, 4]
+
+  _resume_to_the_end(config, straight, assert_bitwise_equal, at_resume)
+  assert checkpoint.committed_steps(ckpts) == [0, SAVE_EVERY, STEPS]
+
+
+def _resume_to_the_end(config, straight, assert_bitwise_equal,
+                       at_resume=lambda session, run: None) -> None:
+  """Resume `config` from its step-4 checkpoint and run it to the end,
+  checking every step's metrics and the final state against `straight`."""
   session = _session(config, straight.target)
   try:
-    assert session.mode == "resume"
     run = train.build_run(config, straight.toy, straight.target,
                           straight.weights, checkpointing.restorer(session))
-    assert run.warmup_losses.shape == (0,)  # no warmup on resume
     assert int(jax.device_get(run.state.step)) == SAVE_EVERY
-    assert [r["step"] for r in run_dir.read_metrics(metrics)] == [2, 4]
+    at_resume(session, run)
     state = run.state
     for done in range(SAVE_EVERY + 1, STEPS + 1):
       state, m = straight.compiled(state, straight.weights, run.data_key)
@@ -135,7 +147,6 @@ def test_resume_from_half_way_is_bitwise_the_straight_run(
   finally:
     checkpointing.close(session)
   assert_bitwise_equal(state, straight.state)
-  assert checkpoint.committed_steps(ckpts) == [0, SAVE_EVERY, STEPS]
 
 
 def test_sigterm_saves_the_completed_step_and_exits_75(straight, tmp_path):
@@ -625,19 +636,7 @@ def test_a_checkpoint_with_term_states_by_position_resumes_bitwise(
   assert "term_states/4/sources/linear1/m" in checkpoint.item_paths(
     half, checkpoint.TRAINING)
   config = dataclasses.replace(straight.config, output_dir=str(out))
-  session = _session(config, straight.target)
-  try:
-    run = train.build_run(config, straight.toy, straight.target,
-                          straight.weights, checkpointing.restorer(session))
-    assert int(jax.device_get(run.state.step)) == SAVE_EVERY
-    state = run.state
-    for done in range(SAVE_EVERY + 1, STEPS + 1):
-      state, m = straight.compiled(state, straight.weights, run.data_key)
-      assert_bitwise_equal(jax.device_get(m), straight.metrics[done - 1])
-      checkpointing.after_step(session, state, done)
-  finally:
-    checkpointing.close(session)
-  assert_bitwise_equal(state, straight.state)
+  _resume_to_the_end(config, straight, assert_bitwise_equal)
   assert ("term states stored by position, read by name (2: "
           "frequency_minimality, 4: persistent_pgd_recon)"
           ) in capsys.readouterr().out
