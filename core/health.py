@@ -51,7 +51,11 @@ def all_finite(tree: Any) -> Bool[Array, ""]:
 
   Integer leaves and PRNG keys cannot hold a NaN and are not looked at.
   """
-  flags = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+  # `x·0` is 0 where x is finite and NaN where it is not, so one plain sum
+  # tells. `all(isfinite(x))` would say the same, but XLA's CPU backend
+  # runs that reduction as scalar code inside the update's fusion: +7% on
+  # an elementwise-bound step (`bench/nonfinite_guard.py`).
+  flags = [jnp.isfinite(jnp.sum(leaf * 0)) for leaf in jax.tree.leaves(tree)
            if jnp.issubdtype(leaf.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 

@@ -21,6 +21,11 @@ def test_all_finite_looks_at_float_leaves_only():
   assert not bool(health.all_finite((jnp.ones(2), jnp.array(jnp.nan))))
   assert bool(health.all_finite((jax.random.key(0), None)))
   assert bool(health.all_finite(()))
+  # Compiled as in the step: XLA must not fold the x·0 it relies on.
+  compiled = jax.jit(health.all_finite)
+  for bad in (jnp.inf, -jnp.inf, jnp.nan):
+    assert not bool(compiled({"a": jnp.array([1.0, bad, 2.0])}))
+  assert bool(compiled({"a": jnp.array([3e38, -3e38, 1.0])}))
 
 
 def test_record_keeps_the_first_bad_step_and_part():
