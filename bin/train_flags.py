@@ -238,9 +238,6 @@ _PGD_PARAMETRIZATION = flags.DEFINE_enum(
 _PGD_STEP_RULE = flags.DEFINE_enum(
   "pgd_step_rule", "adam", ["adam", "sign"], "Persistent source ascent rule.")
 _PGD_LR = _define_float("pgd_lr", 0.01, "Persistent source step size.")
-_PGD_LR_SCHEDULE = flags.DEFINE_enum(
-  "pgd_lr_schedule", "constant", ["constant", "linear", "cosine"],
-  "Source LR schedule: constant after warmup (decays are refused).")
 _PGD_LR_WARMUP_PCT = _define_float(
   "pgd_lr_warmup_pct", 0.0, "Fraction of steps of source LR warmup.")
 _PGD_BETAS = _define_numbers(
@@ -455,7 +452,6 @@ class TrainConfig:
   pgd_parametrization: str
   pgd_step_rule: str
   pgd_lr: float
-  pgd_lr_schedule: str
   pgd_lr_warmup_pct: float
   pgd_betas: tuple[str, ...]
   pgd_eps: float
@@ -563,9 +559,6 @@ def _validate_schedules(config: TrainConfig) -> None:
                      "--lr_schedule=constant; drop it or choose linear|cosine")
   if config.p_schedule == "constant" and config.p_final_frac != 1.0:
     raise ValueError("--p_final_frac needs --p_schedule=linear|cosine")
-  if config.pgd_lr_schedule != "constant":
-    raise ValueError("a persistent source LR may warm up but not decay; use "
-                     "--pgd_lr_schedule=constant")
 
 
 def _validate_coefficients(config: TrainConfig) -> None:

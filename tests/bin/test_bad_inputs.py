@@ -287,8 +287,6 @@ ROWS = (
   Row("no_recon_term", "train", (
     "--stochastic_coeff=0", "--per_site_coeff=0", OUT),
     "no reconstruction term"),
-  Row("pgd_lr_decay", "train", ("--pgd_lr_schedule=cosine", OUT),
-      "may warm up but not decay"),
   Row("ema_without_frequency", "train", ("--ema_halflife_steps=10", OUT),
       "--ema_halflife_steps needs --frequency_coeff above 0"),
   Row("pgd_betas_one", "train", ("--pgd_betas=0.9", OUT),

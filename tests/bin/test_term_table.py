@@ -87,6 +87,6 @@ def test_the_progress_line_shows_short_forms_in_table_order():
 
 
 @pytest.mark.parametrize("name", ["p_warmup_pct", "pgd_bundle",
-                                  "merged_bundle"])
+                                  "merged_bundle", "pgd_lr_schedule"])
 def test_flags_that_could_only_be_refused_are_gone(name):
   assert name not in flags.FLAGS

@@ -56,7 +56,6 @@ def test_defaults_are_the_tms_5_2_flagfile(parse):
   (("--lr_schedule=constant", "--lr_final_frac=0.5"), "lr_final_frac"),
   (("--stochastic_coeff=0", "--per_site_coeff=0"), "no reconstruction term"),
   (("--ci_hidden=8,x",), "comma-separated integers"),
-  (("--pgd_coeff=1", "--pgd_lr_schedule=cosine"), "not decay"),
   (("--groups_coeff=1", "--recon_groups=linear1+nope"), "unknown site 'nope'"),
   (("--groups_coeff=1",), "needs --recon_groups"),
   (("--pgd_coeff=1", "--pgd_scope=sc"), "needs positions"),
