@@ -23,7 +23,6 @@ item is written), `kill_after_save=K` (committed, nothing pruned yet) and
 `kill_mid_prune=K` (an old step hidden for deletion, not yet deleted).
 """
 
-import functools
 import os
 import signal
 import sys
@@ -99,19 +98,22 @@ def divergence(session: Session, state, full: bool = False) -> str | None:
   config = session.config
   record = jax.device_get(state.health)
   first = health.describe(record, session.part_names)
-  newest = f"newest good checkpoint: {_newest_good(session)}"
+
+  def newest():  # only once a reason is found: it lists the checkpoints
+    return f"newest good checkpoint: {_newest_good(session)}"
+
   if config.on_nonfinite == "stop" and record.nonfinite_steps > 0:
     return (f"diverged at {first}; nothing saved from it; "
-            f"{newest}; lower --lr, or rerun with --on_nonfinite=skip to "
+            f"{newest()}; lower --lr, or rerun with --on_nonfinite=skip to "
             "drop such updates")
   if (config.on_nonfinite == "skip"
       and record.streak >= config.max_skipped_in_a_row):
     return (f"diverged: {int(record.streak)} updates in a row were not "
-            f"finite (the run's first: {first}); {newest}; lower --lr or "
+            f"finite (the run's first: {first}); {newest()}; lower --lr or "
             "raise --max_skipped_in_a_row")
   if full and not bool(jax.device_get(_state_finite(state))):
     return (f"diverged: the state of step {int(jax.device_get(state.step))}"
-            f" is not finite; nothing saved from it; {newest}; lower --lr "
+            f" is not finite; nothing saved from it; {newest()}; lower --lr "
             "and --faithfulness_warmup_lr")
   return None
 
@@ -310,35 +312,20 @@ def term_state_renames(
           for j, name in zip(positions, stateful)}
 
 
-def _stateful_terms(template, reinit) -> tuple[str, ...]:
-  """Return the run's stateful term names in term order.
-
-  `init` lists `term_states` in term order, which a jitted or restored state
-  no longer shows (a dict pytree comes back sorted by key); an abstract
-  trace of `reinit` reads the order before that.
-  """
-  names: list[str] = []
-
-  def probe(components, ci_params):
-    names.extend(reinit(components, ci_params).term_states)
-
-  jax.eval_shape(probe, template.components, template.ci_params)
-  return tuple(names)
-
-
-def _restore_own(session: Session, template, reinit, shardings):
+def _restore_own(session: Session, template, term_names: tuple[str, ...],
+                 shardings):
   items = checkpoint.split_state(template)
   placed = (dict.fromkeys(items) if shardings is None
             else checkpoint.split_state(shardings))
-  # Traced at most once, and only for a checkpoint in the positional layout.
-  stateful = functools.cache(lambda: _stateful_terms(template, reinit))
+  # In term order: a state's dict of term states is sorted by name.
+  stateful = tuple(n for n in term_names if n in template.term_states)
 
   def renames(path):
     positions = positional_term_states(
       checkpoint.item_paths(path, checkpoint.TRAINING))
     if not positions:
       return {}
-    renamed = term_state_renames(positions, stateful(), f"checkpoint {path}")
+    renamed = term_state_renames(positions, stateful, f"checkpoint {path}")
     _say(f"{os.path.basename(path)}: term states stored by position, read "
          "by name (" + ", ".join(
            f"{k.split('/')[1]}: {v.split('/')[1]}"
@@ -383,11 +370,13 @@ def _restore_parent(session: Session, template, reinit, shardings):
 
 
 def restorer(session: Session) -> Callable | None:
-  """Return `restore(template, reinit, shardings) -> state` for build_run,
-  or None.
+  """Return `restore(template, reinit, shardings, term_names) -> state` for
+  build_run, or None.
 
   None means a fresh run (warmup, then label 0). `reinit(components,
-  ci_params)` builds a fresh state around a restored decomposition.
+  ci_params)` builds a fresh state around a restored decomposition;
+  `term_names` are the run's loss terms in order (they read a checkpoint
+  that stored term states by position).
   `shardings` (a state of `NamedSharding`s, or None: the template's own
   devices) is where each leaf is read to, shard by shard, so a placed run
   never holds a whole copy of its state on one device.
@@ -396,9 +385,9 @@ def restorer(session: Session) -> Callable | None:
     _truncate_metrics(session, 0)
     return None
 
-  def restore(template, reinit, shardings=None):
+  def restore(template, reinit, shardings=None, term_names=()):
     if session.mode == "resume":
-      step, state = _restore_own(session, template, reinit, shardings)
+      step, state = _restore_own(session, template, term_names, shardings)
     else:
       step, state = _restore_parent(session, template, reinit, shardings)
     _truncate_metrics(session, step)

@@ -287,9 +287,9 @@ def build_run(config, toy, target, weights, restore=None,
               placement=None) -> Run:
   """Initialise, warm up faithfulness and build the step of one run.
 
-  With `restore(state, reinit, shardings)` (a resume or fine-tune init) the
-  warmup is skipped and the initial state is replaced by the restored one,
-  read onto the placement's shardings when placed. With a
+  With `restore(state, reinit, shardings, term_names)` (a resume or
+  fine-tune init) the warmup is skipped and the initial state is replaced by
+  the restored one, read onto the placement's shardings when placed. With a
   `placement_setup.Placement` the step, state and weights go on its mesh.
   """
   root = jax.random.key(config.seed)
@@ -313,7 +313,7 @@ def build_run(config, toy, target, weights, restore=None,
     recipe.step_config(config), sample_inputs=None if data else sample)
   built = make_step()
   state = init_state(built, placement, components, ci_fn.init(ci_key),
-                     run_key, lead, restore)
+                     run_key, lead, restore, tuple(t.name for t in terms))
   constrain, inputs_sharding = train_step.no_constraint, None
   if placement is not None:
     built, state, weights, sample, constrain, inputs_sharding = (
@@ -340,7 +340,7 @@ def warm_components(config, target, weights, vu_key, warm: bool):
 
 
 def init_state(built, placement, components, ci_params, run_key, lead,
-               restore=None) -> train_step.TrainState:
+               restore=None, term_names=()) -> train_step.TrainState:
   """Return the step's initial state, on the placement's shardings when
   placed, replaced by the restored one with `restore` (see `build_run`)."""
   shardings = placement_setup.state_shardings(placement, jax.eval_shape(
@@ -355,7 +355,7 @@ def init_state(built, placement, components, ci_params, run_key, lead,
   if restore is not None:
     # Placed runs read each leaf straight into its shards on the mesh.
     state = restore(state, lambda comps, ci_params: built.init(
-      comps, ci_params, run_key, lead), shardings)
+      comps, ci_params, run_key, lead), shardings, term_names)
   return state
 
 
