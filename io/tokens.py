@@ -22,6 +22,7 @@ own rows `[p·B/P, (p+1)·B/P)`.
 """
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterable
@@ -203,13 +204,24 @@ def max_id(path: run_dir.Path, dtype: np.dtype) -> int:
   """Return the largest id in the flat `dtype` file `path` (0 when empty).
 
   Reads into one reused buffer rather than through a memory map, so memory
-  stays at one chunk however large the file.
+  stays at one chunk however large the file. A file opened again unchanged
+  (same inode, size and modification time) is not read again: a launch
+  opens its token files more than once.
   """
-  buffer = np.empty(_SCAN_IDS, dtype)
+  stat = os.stat(path)
+  return _scanned_max_id(os.path.realpath(path), np.dtype(dtype).str,
+                         stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _scanned_max_id(path: str, dtype: str, inode: int, size: int,
+                    mtime_ns: int) -> int:
+  del inode, size, mtime_ns  # the cache key: the file as it is now
+  buffer = np.empty(_SCAN_IDS, np.dtype(dtype))
   top = 0
   with open(path, "rb") as f:
     while n_bytes := f.readinto(buffer):
-      top = max(top, int(buffer[:n_bytes // dtype.itemsize].max()))
+      top = max(top, int(buffer[:n_bytes // buffer.itemsize].max()))
   return top
 
 

@@ -159,6 +159,17 @@ def test_max_id_reads_every_chunk(tmp_path, monkeypatch, n):
   assert tokens.max_id(path, np.dtype("<u4")) == 70_000
 
 
+def test_max_id_reads_a_file_again_only_once_it_changed(tmp_path):
+  path = tmp_path / "ids.bin"
+  np.arange(10, dtype="<u2").tofile(path)
+  reads = tokens._scanned_max_id.cache_info().misses
+  assert tokens.max_id(path, np.dtype("<u2")) == 9
+  assert tokens.max_id(path, np.dtype("<u2")) == 9
+  assert tokens._scanned_max_id.cache_info().misses == reads + 1
+  np.arange(12, dtype="<u2").tofile(path)  # rewritten in place, larger
+  assert tokens.max_id(path, np.dtype("<u2")) == 11
+
+
 def test_bad_batch_requests_are_one_line_errors(token_file):
   opened = tokens.open_tokens(token_file)
   n = len(_stream())
