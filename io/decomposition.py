@@ -90,17 +90,31 @@ def decomposition_template(
   return jax.eval_shape(build, jax.random.key(0))
 
 
-def _load_step(step_dir: str, sharding: Any, strict: bool = False
-               ) -> Decomposition:
-  metadata = checkpoint.item_metadata(step_dir, DECOMPOSITION)
+def _structure(metadata: Mapping, where: str) -> tuple[
+    tuple[sites_lib.SiteSpec, ...], ci_fns.CIConfig, dict[str, PyTree]]:
+  """Return the sites, CI config and item template `metadata` describes;
+  CheckpointError naming `where` when it cannot."""
   try:
     sites = tuple(from_json(sites_lib.SiteSpec, s) for s in metadata["sites"])
     ci_config = from_json(ci_fns.CIConfig, metadata["ci_config"])
-    template = decomposition_template(sites, ci_config)
+    return sites, ci_config, decomposition_template(sites, ci_config)
   except (KeyError, TypeError, ValueError) as e:
     raise CheckpointError(
-      f"checkpoint {step_dir}: cannot rebuild the decomposition from its "
-      f"metadata ({type(e).__name__}: {e})") from None
+      f"{where}: cannot rebuild the decomposition from its metadata "
+      f"({type(e).__name__}: {e})") from None
+
+
+def _decomposition(item: Mapping, sites, ci_config, step: int,
+                   metadata: Mapping) -> Decomposition:
+  rest = {k: v for k, v in metadata.items() if k not in ("sites", "ci_config")}
+  return Decomposition(item["components"], item["ci_params"], sites,
+                       ci_config, step, rest)
+
+
+def _load_step(step_dir: str, sharding: Any, strict: bool = False
+               ) -> Decomposition:
+  metadata = checkpoint.item_metadata(step_dir, DECOMPOSITION)
+  sites, ci_config, template = _structure(metadata, f"checkpoint {step_dir}")
   item = checkpoint.restore_item(step_dir, DECOMPOSITION, template, sharding)
   try:
     checkpoint.check_finite(step_dir, DECOMPOSITION, item)
@@ -108,10 +122,8 @@ def _load_step(step_dir: str, sharding: Any, strict: bool = False
     if strict:
       raise
     warnings.warn(f"{e}; its components are not a usable decomposition")
-  rest = {k: v for k, v in metadata.items() if k not in ("sites", "ci_config")}
   step = int(checkpoint.read_index(step_dir)["step"])
-  return Decomposition(item["components"], item["ci_params"], sites,
-                       ci_config, step, rest)
+  return _decomposition(item, sites, ci_config, step, metadata)
 
 
 def load_decomposition(path: Path, sharding: Any = None) -> Decomposition:
@@ -120,8 +132,9 @@ def load_decomposition(path: Path, sharding: Any = None) -> Decomposition:
   `path` is a step directory, a checkpoint directory or a run directory
   (then its newest readable, finite step; damaged or non-finite newer ones
   are skipped with a warning). A step directory named directly is loaded
-  even when it holds NaN or infinity, with a warning. Arrays are placed with `sharding` (one Sharding or a tree like
-  the item), else on the first device. Raises CheckpointError.
+  even when it holds NaN or infinity, with a warning. Arrays are placed
+  with `sharding` (one Sharding or a tree like the item), else on the first
+  device. Raises CheckpointError.
   """
   path = os.fspath(path)
   if os.path.isfile(os.path.join(path, checkpoint.INDEX_FILE)):
@@ -148,16 +161,11 @@ def load_npz(path: Path) -> Decomposition:
     raise CheckpointError(
       f"{path} predates decomposition files that carry their CI config; "
       "load the run's checkpoints with load_decomposition instead")
+  sites, ci_config, template = _structure(metadata, path)
   try:
-    sites = tuple(from_json(sites_lib.SiteSpec, s) for s in metadata["sites"])
-    ci_config = from_json(ci_fns.CIConfig, metadata["ci_config"])
-    tree = run_dir.unflatten_into(
-      decomposition_template(sites, ci_config), arrays)
-  except (KeyError, TypeError, ValueError) as e:
+    tree = run_dir.unflatten_into(template, arrays)
+  except ValueError as e:
     raise CheckpointError(
-      f"{path}: cannot rebuild the decomposition ({type(e).__name__}: {e})"
-    ) from None
-  tree = jax.device_put(tree)
-  rest = {k: v for k, v in metadata.items() if k not in ("sites", "ci_config")}
-  return Decomposition(tree["components"], tree["ci_params"], sites,
-                       ci_config, int(metadata.get("step", -1)), rest)
+      f"{path}: cannot rebuild the decomposition (ValueError: {e})") from None
+  return _decomposition(jax.device_put(tree), sites, ci_config,
+                        int(metadata.get("step", -1)), metadata)
