@@ -117,6 +117,15 @@ def _differing(old: dict[str, str], new: dict[str, str],
   return names
 
 
+def _listed(old: dict[str, str], new: dict[str, str], names: list[str],
+            shown: int = 4) -> str:
+  changes = [f"--{n} was {_shown(old.get(n))}, now {_shown(new.get(n))}"
+             for n in names[:shown]]
+  if len(names) > shown:
+    changes.append(f"and {len(names) - shown} more")
+  return "; ".join(changes)
+
+
 def flag_changes(old_text: str, new_text: str, shown: int = 4,
                  defaults: Mapping[str, str] | None = None) -> str:
   """Return the flags that differ, `--lr was 0.001, now 0.002; ...`."""
@@ -124,11 +133,7 @@ def flag_changes(old_text: str, new_text: str, shown: int = 4,
   names = _differing(old, new, defaults)
   if not names:
     return f"its {FLAGS_FILE} lists the same values in another form"
-  changes = [f"--{n} was {_shown(old.get(n))}, now {_shown(new.get(n))}"
-             for n in names[:shown]]
-  if len(names) > shown:
-    changes.append(f"and {len(names) - shown} more")
-  return "; ".join(changes)
+  return _listed(old, new, names, shown)
 
 
 def _conflict(path: str, flags_text: str,
@@ -140,14 +145,14 @@ def _conflict(path: str, flags_text: str,
   flags_path = os.path.join(path, FLAGS_FILE)
   if os.path.isfile(flags_path):
     with open(flags_path, encoding="utf-8", errors="replace") as f:
-      old_text = f.read()
-    if old_text == flags_text or not _differing(
-        _flag_values(old_text), _flag_values(flags_text), defaults):
+      old = _flag_values(f.read())
+    new = _flag_values(flags_text)
+    names = _differing(old, new, defaults)
+    if not names:
       return None
-    changes = flag_changes(old_text, flags_text, defaults=defaults)
-    return (f"holds a run with other flags ({changes}); resume it with the "
-            "same flags, replace it with --overwrite, or choose another "
-            "--output_dir")
+    return (f"holds a run with other flags ({_listed(old, new, names)}); "
+            "resume it with the same flags, replace it with --overwrite, or "
+            "choose another --output_dir")
   if any(os.path.lexists(os.path.join(path, e)) for e in RUN_ENTRIES):
     return (f"holds run files but no {FLAGS_FILE}; pass --overwrite or choose "
             "another --output_dir")
@@ -266,6 +271,11 @@ def _holder(fd: int) -> str:
   return " ".join(text.split()) or "another process"
 
 
+def _lock_refusal(path: str, error: OSError) -> ValueError:
+  return ValueError(f"cannot lock output dir {path}: {error.strerror}; "
+                    "choose another --output_dir")
+
+
 def _open_lock(path: str) -> int:
   try:
     with contextlib.suppress(FileExistsError):
@@ -273,8 +283,7 @@ def _open_lock(path: str) -> int:
     return os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT,
                    0o644)
   except OSError as e:
-    raise ValueError(f"cannot lock output dir {path}: {e.strerror}; choose "
-                     "another --output_dir") from e
+    raise _lock_refusal(path, e) from e
 
 
 def lock_run_dir(path: Path) -> int:
@@ -301,8 +310,7 @@ def lock_run_dir(path: Path) -> int:
   except OSError as e:
     if e.errno not in _NO_LOCKING:
       os.close(fd)
-      raise ValueError(f"cannot lock output dir {path}: {e.strerror}; "
-                       "choose another --output_dir") from e
+      raise _lock_refusal(path, e) from e
     warnings.warn(f"{path} cannot be locked ({e.strerror}); a second "
                   "trainer on it would not be refused")
     return fd
