@@ -8,7 +8,6 @@ says so once.
 """
 
 import functools
-import os
 from collections.abc import Callable
 
 import jax
@@ -29,8 +28,7 @@ def token_decoder(model_dir: str) -> Callable[[int], str]:
   An id the tokenizer decodes to nothing (past its vocabulary, or an empty
   token) shows as `<id>`, so that no context position is invisible.
   """
-  if not any(os.path.isfile(os.path.join(model_dir, name))
-             for name in hf_checkpoint.TOKENIZER_FILES):
+  if not hf_checkpoint.has_tokenizer(model_dir):
     return _ids_only(f"no tokenizer in {model_dir}")
   try:
     tokenizer = hf_checkpoint.read_tokenizer(model_dir)

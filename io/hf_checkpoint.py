@@ -70,6 +70,12 @@ _TOKENIZER_FIX = ("; point it at a local Hugging Face tokenizer or model"
                   " and its vocabulary files)")
 
 
+def has_tokenizer(model_dir: str) -> bool:
+  """Return whether `model_dir` holds any tokenizer file."""
+  return any(os.path.isfile(os.path.join(model_dir, name))
+             for name in TOKENIZER_FILES)
+
+
 def read_tokenizer(model_dir: str):
   """Return the checkpoint's tokenizer (transformers, local files only).
 
@@ -79,8 +85,7 @@ def read_tokenizer(model_dir: str):
       config loads as: it turns any text into nothing).
   """
   where = f"cannot read a tokenizer from {model_dir}"
-  if not any(os.path.isfile(os.path.join(model_dir, name))
-             for name in TOKENIZER_FILES):
+  if not has_tokenizer(model_dir):
     raise ValueError(f"{where}: it holds no tokenizer.json,"
                      " tokenizer_config.json or other tokenizer file"
                      f"{_TOKENIZER_FIX}")
