@@ -165,33 +165,38 @@ def persistent_config(config) -> adversarial.PersistentConfig:
     config.pgd_start_frac)
 
 
-def _persistent(config, inputs: TermInputs, name: str,
-                coeff: float) -> train_step.LossTerm:
-  """Return the persistent PGD term the flags describe."""
+def _persistent_term(config, inputs: TermInputs, name: str, coeff: float,
+                     plan_kind: str, routing: str,
+                     merged: adversarial.Merged | None = None
+                     ) -> train_step.LossTerm:
+  """Return a persistent-adversary term over the plan `plan_kind` routed by
+  `routing` (the persistent PGD term, or with `merged` the merged one)."""
   # A scope naming positions fails here for positionless (toy) targets.
   adversary.scope_shape(config.pgd_scope, inputs.lead_shape, 1)
   sites = inputs.sites
-  plan = make_plan(config, sites, config.pgd_plan, config.pgd_routing,
-                   config.subset_size)
+  plan = make_plan(config, sites, plan_kind, routing, config.subset_size)
   return adversarial.persistent_pgd_term(
     name, coeff, plan, persistent_config(config), sites,
-    config.use_delta_component, rider=rider(config, sites, name))
+    config.use_delta_component, rider=rider(config, sites, name),
+    merged=merged)
+
+
+def _persistent(config, inputs: TermInputs, name: str,
+                coeff: float) -> train_step.LossTerm:
+  """Return the persistent PGD term the flags describe."""
+  return _persistent_term(config, inputs, name, coeff, config.pgd_plan,
+                          config.pgd_routing)
 
 
 def _merged(config, inputs: TermInputs, name: str,
             coeff: float) -> train_step.LossTerm:
   """Return the merged stochastic/persistent term the flags describe."""
-  adversary.scope_shape(config.pgd_scope, inputs.lead_shape, 1)
-  sites = inputs.sites
-  plan = make_plan(config, sites, config.merged_plan, config.merged_routing,
-                   config.subset_size)
   final = config.merged_adv_fraction_final_frac
   fraction = (config.merged_adv_fraction if final == 1.0 else Schedule(
     config.merged_adv_fraction, "linear", final))
-  return adversarial.persistent_pgd_term(
-    name, coeff, plan, persistent_config(config), sites,
-    config.use_delta_component, rider=rider(config, sites, name),
-    merged=adversarial.Merged(fraction, config.sampling))
+  return _persistent_term(config, inputs, name, coeff, config.merged_plan,
+                          config.merged_routing,
+                          adversarial.Merged(fraction, config.sampling))
 
 
 def _fresh(config, inputs: TermInputs, name: str,
