@@ -5,7 +5,9 @@ import importlib.util
 import math
 import os
 import pathlib
+import queue
 import re
+import threading
 
 import jax
 import pytest
@@ -31,6 +33,27 @@ def _bench_module(name: str):
 def load_bench():
   """Return a loader of `bench/<name>.py` as a module."""
   return _bench_module
+
+
+def _output_lines(process):
+  """Yield a process's output lines as they come, failing after 300 s of
+  silence (a reader thread, so a hung child fails the test, not the run)."""
+  lines: queue.Queue = queue.Queue()
+
+  def pump():
+    for line in process.stdout:
+      lines.put(line)
+    lines.put(None)
+
+  threading.Thread(target=pump, daemon=True).start()
+  while (line := lines.get(timeout=300)) is not None:
+    yield line
+
+
+@pytest.fixture(scope="session")
+def output_lines():
+  """Return `output_lines(process)`: its stdout lines as they come."""
+  return _output_lines
 
 
 @pytest.fixture

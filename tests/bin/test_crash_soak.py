@@ -5,18 +5,16 @@ Kills land mid-save (one item written), right after a save is committed
 random moments of the loop. Each relaunch is the same command. The final
 checkpoint must be bitwise the uninterrupted run's, and `metrics.jsonl`
 must hold each logged step once, with the same losses. The slow soak kills
-a 400-step run 10 times, in step order; the fast variant kills a short run at the two
-points the resume tests do not reach.
+a 400-step run 10 times, in step order; the fast variant kills a short run
+at the two points the resume tests do not reach.
 """
 
 import os
 import pathlib
-import queue
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -37,18 +35,11 @@ def _launch(args, fault: str = "") -> subprocess.Popen:
     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def _kill_past(process: subprocess.Popen, step: int, delay: float) -> str:
+def _kill_past(process: subprocess.Popen, step: int, delay: float,
+               output_lines) -> str:
   """SIGKILL `process` `delay` seconds after it logs a step >= `step`."""
-  lines: queue.Queue = queue.Queue()
-
-  def pump():
-    for line in process.stdout:
-      lines.put(line)
-    lines.put(None)
-
-  threading.Thread(target=pump, daemon=True).start()
   seen = []
-  while (line := lines.get(timeout=300)) is not None:
+  for line in output_lines(process):
     seen.append(line)
     words = line.split()
     if words[:1] == ["step"] and int(words[1].split("/")[0]) >= step:
@@ -59,7 +50,7 @@ def _kill_past(process: subprocess.Popen, step: int, delay: float) -> str:
   return "".join(seen)
 
 
-def _run(args, kill) -> int:
+def _run(args, kill, output_lines) -> int:
   """Run one attempt; `kill` is a DECOMPAX_FAULT or `(step, delay)`: a
   SIGKILL `delay` seconds after the run logs step `step`."""
   if isinstance(kill, str):
@@ -67,7 +58,7 @@ def _run(args, kill) -> int:
     output = process.communicate(timeout=600)[0]
   else:
     process = _launch(args)
-    output = _kill_past(process, *kill)
+    output = _kill_past(process, *kill, output_lines)
   assert "Traceback" not in output, output
   return process.returncode
 
@@ -84,17 +75,18 @@ def _losses(out: pathlib.Path) -> list[tuple]:
           for r in run_dir.read_metrics(out / run_dir.METRICS_FILE)]
 
 
-def _soak(tmp_path, steps: int, save_every: int, kills: list) -> None:
+def _soak(tmp_path, output_lines, steps: int, save_every: int,
+          kills: list) -> None:
   target = str(tmp_path / "target.npz")
   shared = (*COMMON, f"--num_steps={steps}", f"--save_every={save_every}",
             f"--target_path={target}")
   straight = tmp_path / "straight"
-  assert _run((*shared, f"--output_dir={straight}"), "") == 0
+  assert _run((*shared, f"--output_dir={straight}"), "", output_lines) == 0
   soaked = tmp_path / "soaked"
   args = (*shared, f"--output_dir={soaked}")
   for kill in kills:
-    assert _run(args, kill) == -signal.SIGKILL, kill
-  assert _run(args, "") == 0
+    assert _run(args, kill, output_lines) == -signal.SIGKILL, kill
+  assert _run(args, "", output_lines) == 0
   want, got = _final_arrays(straight, steps), _final_arrays(soaked, steps)
   for item in want:
     assert sorted(want[item]) == sorted(got[item])
@@ -106,13 +98,14 @@ def _soak(tmp_path, steps: int, save_every: int, kills: list) -> None:
   assert soaked_losses == _losses(straight)
 
 
-def test_kills_after_a_save_and_mid_prune_resume_bitwise(tmp_path):
-  _soak(tmp_path, steps=12, save_every=4,
+def test_kills_after_a_save_and_mid_prune_resume_bitwise(tmp_path,
+                                                        output_lines):
+  _soak(tmp_path, output_lines, steps=12, save_every=4,
         kills=["kill_after_save=8", "kill_mid_prune=12"])
 
 
 @pytest.mark.slow
-def test_ten_kills_of_a_400_step_run_resume_bitwise(tmp_path):
+def test_ten_kills_of_a_400_step_run_resume_bitwise(tmp_path, output_lines):
   rng = random.Random(0)
   labels = range(80, 400, 40)  # saves that also prune (keep_last=2)
   faults = ["kill_mid_save", "kill_after_save", "kill_mid_prune"] * 2
@@ -125,5 +118,5 @@ def test_ten_kills_of_a_400_step_run_resume_bitwise(tmp_path):
   at += [(step, (step, rng.uniform(0.0, 0.02)))
          for step in rng.sample(between, 4)]
   # In step order, so that every kill is reached by the attempt before it.
-  _soak(tmp_path, steps=400, save_every=40,
+  _soak(tmp_path, output_lines, steps=400, save_every=40,
         kills=[kill for _, kill in sorted(at, key=lambda a: a[0])])

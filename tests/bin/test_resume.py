@@ -11,12 +11,10 @@ import dataclasses
 import json
 import os
 import pathlib
-import queue
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -294,25 +292,8 @@ def _bin_train(args, env_extra=None, **kwargs):
     **kwargs)
 
 
-def _lines(process):
-  """Yield the process's output lines, failing after 300 s of silence."""
-  lines: queue.Queue = queue.Queue()
-
-  def pump():
-    for line in process.stdout:
-      lines.put(line)
-    lines.put(None)
-
-  threading.Thread(target=pump, daemon=True).start()
-  while True:
-    line = lines.get(timeout=300)
-    if line is None:
-      return
-    yield line
-
-
 def test_killed_mid_write_then_sigterm_resumes_without_losing_steps(
-    straight, tmp_path):
+    straight, tmp_path, output_lines):
   out = tmp_path / "run"
   args = ["--num_steps=100000", "--batch_size=16", "--log_every=5",
           "--per_site_coeff=0", "--save_every=5", "--keep_last=2",
@@ -322,7 +303,7 @@ def test_killed_mid_write_then_sigterm_resumes_without_losing_steps(
   ckpts = out / checkpoint.CHECKPOINT_DIR
   # A SIGKILL after the first item of step 10's checkpoint was written.
   killed = _bin_train(args, {checkpointing.FAULT_ENV: "kill_mid_save=10"})
-  output = "".join(_lines(killed))
+  output = "".join(output_lines(killed))
   assert killed.wait(timeout=60) == -signal.SIGKILL, output[-2000:]
   assert checkpoint.committed_steps(ckpts) == [0, 5]
   assert os.path.exists(ckpts / ".tmp-000000010" / "decomposition")
@@ -332,7 +313,7 @@ def test_killed_mid_write_then_sigterm_resumes_without_losing_steps(
   # The same command resumes from step 5; a real SIGTERM then stops it.
   resumed = _bin_train(args)
   seen, stopped_at = [], None
-  for line in _lines(resumed):
+  for line in output_lines(resumed):
     seen.append(line)
     if stopped_at is None and line.startswith("step 20/"):
       resumed.send_signal(signal.SIGTERM)
