@@ -7,7 +7,7 @@ step, every save) without a sync per step, and can still name the first bad
 step and the first bad part however many steps ago it happened.
 
 Parts are named by the step: its loss terms in order, then the state fields
-(`state_part_names`). `Health.first_part` indexes that list.
+(`part_names`). `Health.first_part` indexes that list.
 """
 
 from typing import Any, NamedTuple
