@@ -4,6 +4,8 @@ A probe is a batch of single-feature inputs; its CI is a `[n_features, C]`
 matrix per site. Metrics here run on host numpy arrays after the probe.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 import scipy.optimize
 from jaxtyping import Array, Float
@@ -11,7 +13,7 @@ from jaxtyping import Array, Float
 from decompax.core import squash
 from decompax.core.ci_fns import CIFn
 from decompax.core.sites import Components
-from decompax.core.target import TargetFns, Weights
+from decompax.core.target import Expected, TargetFns, Weights
 
 IDENTITY_TOL = 0.1
 
@@ -80,3 +82,48 @@ def active_features(ci: np.ndarray, threshold: float = IDENTITY_TOL) -> dict[int
   ci = np.asarray(ci)
   return {c: [int(f) for f in np.flatnonzero(ci[:, c] > threshold)]
           for c in alive_components(ci, threshold)}
+
+
+def pattern_error(ci: np.ndarray, expected: Expected) -> int:
+  """Return the CI error against `expected`'s pattern (identity or dense)."""
+  if expected.pattern == "dense":
+    return dense_ci_error(ci, expected.k)
+  return identity_ci_error(ci)
+
+
+class FeatureMatch(NamedTuple):
+  """The SPD paper's Table 1 match of one site's subcomponents to its
+  target weight (SPEC §10): MMCS and ML2R averaged over features, and per
+  feature the best-matching component."""
+
+  mmcs: float
+  ml2r: float
+  best: np.ndarray
+
+
+def feature_match(
+  weight: Float[np.ndarray, "d_in d_out"], v: Float[np.ndarray, "d_in c"],
+  u: Float[np.ndarray, "c d_out"], feature_axis: int,
+) -> FeatureMatch:
+  """Match each feature's weight vector to the subcomponents' parts for it.
+
+  With `feature_axis` 0, feature `f` writes `W[f]` and component `c`
+  contributes `V[f, c]·U[c]` to it; with 1, `W[:, f]` and `V[:, c]·U[c, f]`.
+  MMCS is the mean over features of the largest cosine similarity between
+  the two; ML2R the mean norm ratio of that best component's contribution
+  to the feature's vector (1 for an exact rank-1 split).
+  """
+  weight, v, u = (np.asarray(a, np.float64) for a in (weight, v, u))
+  if feature_axis == 1:
+    weight, v, u = weight.T, u.T, v.T
+  contribution = v[:, :, None] * u[None, :, :]        # [n, C, d]
+  target_norm = np.linalg.norm(weight, axis=-1)        # [n]
+  norms = np.linalg.norm(contribution, axis=-1)        # [n, C]
+  dots = np.einsum("ncd,nd->nc", contribution, weight)
+  cosine = dots / np.maximum(norms * target_norm[:, None], 1e-30)
+  best = np.argmax(cosine, axis=1)
+  rows = np.arange(len(best))
+  return FeatureMatch(
+    mmcs=float(np.mean(cosine[rows, best])),
+    ml2r=float(np.mean(norms[rows, best] / np.maximum(target_norm, 1e-30))),
+    best=best)

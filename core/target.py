@@ -56,6 +56,32 @@ class UnitSpec:
   multiplicity: float = 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Expected:
+  """The CI pattern a toy site reaches when decomposed well (SPEC §10, §11).
+
+  `identity`: one component per feature, uniquely active on it. `dense`:
+  `k` components active on every probe input, all others silent.
+  `feature_axis` is the axis of the site's `W: [d_in, d_out]` that features
+  index (0: each feature writes row `W[f]`; 1: column `W[:, f]`), for the
+  MMCS/ML2R match; None where neither axis is the feature axis.
+  """
+
+  pattern: str
+  k: int = 0
+  feature_axis: Optional[int] = None
+
+  def __post_init__(self):
+    if self.pattern not in ("identity", "dense"):
+      raise ValueError(f"expected pattern must be identity or dense, got "
+                       f"{self.pattern!r}")
+    if (self.pattern == "dense") != (self.k > 0):
+      raise ValueError("a dense pattern needs its k > 0; identity takes none")
+    if self.feature_axis not in (None, 0, 1):
+      raise ValueError(f"feature_axis must be 0, 1 or None, got "
+                       f"{self.feature_axis}")
+
+
 class TargetFns(NamedTuple):
   """Everything the engine needs to know about a target model."""
 
@@ -81,3 +107,5 @@ class TargetFns(NamedTuple):
   # shape, negative where a position has none (a sequence's last). Enables
   # the CE evals (SPEC §5.11); None for targets without token labels.
   token_labels: Optional[Callable[[Batch], Any]] = None
+  # Toys: the pattern each site's probe CI should reach, by site name.
+  expected: Optional[dict[str, Expected]] = None

@@ -367,7 +367,16 @@ def target_fns(
     nonlinear_units={
       s.name: target.UnitSpec("neuron", s.d_out)
       for s in specs if s.kind == "mlp_in"},
+    expected=expected(config, specs),
   )
+
+
+def expected(config: ResidMlpConfig, specs: tuple[sites.SiteSpec, ...]
+             ) -> dict[str, target.Expected]:
+  """Return each site's expected CI pattern (SPEC §10): `mlp_in` one
+  component per feature, `mlp_out` dense over the layer's `d_mlp` neurons."""
+  return {s.name: target.Expected("identity") if s.kind == "mlp_in"
+          else target.Expected("dense", config.d_mlp) for s in specs}
 
 
 def sample_inputs(

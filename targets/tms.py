@@ -115,7 +115,18 @@ def target_fns(config: TmsConfig, c: toy_sites.CPerSite) -> target.TargetFns:
   # linear2's outputs are the ReLU's inputs: one neuron per feature.
   units = {"linear2": target.UnitSpec("neuron", config.n_features)}
   return toy_sites.sequential_target_fns(
-    site_specs(config, c), _forward, frozen_stacks, config.n_features, units)
+    site_specs(config, c), _forward, frozen_stacks, config.n_features, units,
+    expected(config))
+
+
+def expected(config: TmsConfig) -> dict[str, target.Expected]:
+  """Return each site's expected CI pattern (SPEC §10): one component per
+  feature in both embeddings, the hidden identity dense over `n_hidden`."""
+  patterns = {"linear1": target.Expected("identity", feature_axis=0),
+              "linear2": target.Expected("identity", feature_axis=1)}
+  if config.hidden_identity:
+    patterns["hidden_layers.0"] = target.Expected("dense", config.n_hidden)
+  return patterns
 
 
 def sample_inputs(

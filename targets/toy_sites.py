@@ -137,6 +137,7 @@ def sequential_target_fns(
   frozen_stacks: Callable,
   n_features: int,
   nonlinear_units: dict | None = None,
+  expected: dict[str, target.Expected] | None = None,
 ) -> target.TargetFns:
   """Return the function table of a toy whose `forward(weights, x, matmul)`
   runs every site through `matmul(name, x, w)` and returns `(y, taps)`.
@@ -169,6 +170,7 @@ def sequential_target_fns(
     feature_probe=lambda: sparse_data.feature_probe(n_features),
     nonlinear_units=nonlinear_units,
     masked_forward_taps=masked_forward_taps,
+    expected=expected,
   )
 
 

@@ -1,8 +1,10 @@
 """Toy recovery metrics (SPEC §10, §11)."""
 
 import numpy as np
+import pytest
 
 from decompax.core import probe
+from decompax.core.target import Expected
 
 
 def _permuted_identity():
@@ -63,3 +65,60 @@ def test_permutation_puts_leftovers_by_descending_max():
 def test_permutation_more_rows_than_columns():
   ci = np.eye(5, 3, dtype=np.float32)
   assert probe.identity_permutation(ci) == [0, 1, 2]
+
+
+def _tms_split(seed: int = 0, c: int = 9):
+  """A TMS-5-2-like embedding `W: [5, 2]` split exactly into one rank-1
+  component per feature (`V = e_f`, `U = W[f]`), at shuffled columns among
+  `c`, the rest zero."""
+  rng = np.random.default_rng(seed)
+  weight = rng.normal(size=(5, 2))
+  columns = rng.permutation(c)[:5]
+  v, u = np.zeros((5, c)), np.zeros((c, 2))
+  v[np.arange(5), columns] = 1.0
+  u[columns] = weight
+  return weight, v, u, columns
+
+
+def test_feature_match_of_an_exact_split_is_one_and_finds_the_columns():
+  weight, v, u, columns = _tms_split()
+  match = probe.feature_match(weight, v, u, feature_axis=0)
+  np.testing.assert_allclose([match.mmcs, match.ml2r], [1.0, 1.0])
+  assert list(match.best) == list(columns)
+  # The tied second matrix `W.T` with the factors swapped: the same match
+  # read along its output axis.
+  transposed = probe.feature_match(weight.T, u.T, v.T, feature_axis=1)
+  np.testing.assert_allclose([transposed.mmcs, transposed.ml2r], [1.0, 1.0])
+
+
+def test_feature_match_sees_a_shared_component_and_a_wrong_scale():
+  weight, v, u, columns = _tms_split()
+  # Features 0 and 1 served by one component: its vector is feature 0's, so
+  # feature 1's best cosine is that of W[0] with W[1], below 1.
+  shared = v.copy()
+  shared[1, columns[1]] = 0.0
+  shared[1, columns[0]] = 1.0
+  match = probe.feature_match(weight, shared, u, feature_axis=0)
+  w0, w1 = weight[0], weight[1]
+  cosine = abs(w0 @ w1) / np.linalg.norm(w0) / np.linalg.norm(w1)
+  assert match.mmcs < 1.0
+  np.testing.assert_allclose(match.mmcs, (4 + cosine) / 5, rtol=1e-12)
+  # Halving every U leaves the directions and halves the norm ratio.
+  halved = probe.feature_match(weight, v, u / 2, feature_axis=0)
+  np.testing.assert_allclose([halved.mmcs, halved.ml2r], [1.0, 0.5])
+
+
+def test_pattern_error_reads_the_expected_pattern():
+  ci = np.zeros((3, 5))
+  ci[:, :2] = 1.0
+  assert probe.pattern_error(ci, Expected("dense", 2)) == 0
+  assert probe.pattern_error(ci, Expected("identity")) == \
+    probe.identity_ci_error(ci) > 0
+
+
+def test_expected_refuses_inconsistent_patterns():
+  for bad in (dict(pattern="dense"), dict(pattern="identity", k=3),
+              dict(pattern="diagonal"), dict(pattern="identity",
+                                                feature_axis=2)):
+    with pytest.raises(ValueError):
+      Expected(**bad)

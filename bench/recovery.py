@@ -1,0 +1,244 @@
+"""Recovery of the toys' known mechanisms over a grid of flagfiles and seeds.
+
+Run: `./dev bench recovery --grid=tms_5-2:0-4,resid_mlp1:0-2 --jobs=2`.
+Each (flagfile, seed) cell is a whole training run of `bin/train` in its own
+process, written to `<out_dir>/<variant>/<flagfile>_s<seed>/`; at most
+`--jobs` run at once. A cell whose run has written `decomposition.npz` is
+read, not rerun; an unfinished one resumes where its checkpoints stop
+(rerunning the bench continues the grid). `--variant` names a change to the
+recipe and `--extra` holds its flags, appended after the flagfile and seed.
+
+Per cell and site it records, from the final decomposition on the toy's
+one-feature probes (SPEC §10, §11): the alive components (CI > 0.1 on some
+probe), the CI error against the site's expected pattern (identity, or dense
+over `k` columns), and for TMS embeddings MMCS and ML2R; per cell the final
+faithfulness loss and the summed wall time of its launches. A cell
+*recovers* when every site's pattern error is 0. Results go to
+`<out_dir>/<variant>/recovery.md` and `recovery.json`.
+"""
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from decompax.core import ci_fns, probe
+from decompax.io import decomposition as decomposition_lib
+from decompax.io import run_dir
+from decompax.targets import registry
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+_GRID = flags.DEFINE_list(
+  "grid", ["tms_5-2:0-4"], "Cells as `<flagfile>:<seeds>`, seeds a range "
+  "`0-4` or a `+`-joined list `0+3`; the flagfile is named without "
+  "directory or suffix (flags/<name>.flags).")
+_VARIANT = flags.DEFINE_string(
+  "variant", "baseline", "Name of the recipe variant; its runs and tables "
+  "live under <out_dir>/<variant>/.")
+_EXTRA = flags.DEFINE_list(
+  "extra", [], "Flags appended to every cell's command, e.g. "
+  "`--extra=--faithfulness_warmup_steps=200`.")
+_JOBS = flags.DEFINE_integer(
+  "jobs", max(1, (os.cpu_count() or 1)), "Runs at once (at most the cores).")
+_OUT_DIR = flags.DEFINE_string(
+  "out_dir", str(ROOT / "runs" / "recovery"), "Where runs and tables go.")
+
+
+def parse_seeds(text: str) -> list[int]:
+  """Return the seeds of `0-4` or `0+3+7`."""
+  if "-" in text:
+    low, high = (int(x) for x in text.split("-"))
+    return list(range(low, high + 1))
+  return [int(x) for x in text.split("+")]
+
+
+def parse_grid(entries: list[str]) -> list[tuple[str, int]]:
+  """Return the (flagfile, seed) cells named by `--grid`."""
+  cells = []
+  for entry in entries:
+    name, _, seeds = entry.partition(":")
+    if not (ROOT / "flags" / f"{name}.flags").is_file():
+      raise app.UsageError(f"--grid: no flagfile flags/{name}.flags")
+    if not seeds:
+      raise app.UsageError(f"--grid: {entry!r} names no seeds; write "
+                           f"{name}:0-2")
+    cells += [(name, s) for s in parse_seeds(seeds)]
+  return cells
+
+
+def cell_dir(variant_dir: pathlib.Path, name: str, seed: int) -> pathlib.Path:
+  return variant_dir / f"{name}_s{seed}"
+
+
+def _add_wall(directory: pathlib.Path, seconds: float) -> float:
+  path = directory.with_suffix(".wall")
+  total = seconds + (float(path.read_text()) if path.exists() else 0.0)
+  path.write_text(f"{total:.1f}\n")
+  return total
+
+
+def run_cell(variant_dir: pathlib.Path, name: str, seed: int,
+             extra: list[str], say) -> None:
+  """Run (or resume) one cell to completion; raise on a failed run."""
+  directory = cell_dir(variant_dir, name, seed)
+  if (directory / "decomposition.npz").exists():
+    return
+  command = [sys.executable, "-P", str(ROOT / "bin" / "train"),
+             f"--flagfile={ROOT / 'flags' / f'{name}.flags'}",
+             f"--seed={seed}", f"--output_dir={directory}", *extra]
+  log = directory.with_suffix(".log")
+  say(f"[recovery] start {directory.name} (log {log})")
+  start = time.time()
+  with open(log, "a") as out:
+    code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT,
+                           cwd=ROOT)
+  total = _add_wall(directory, time.time() - start)
+  if code != 0:
+    raise RuntimeError(f"{directory.name} exited {code}; see {log}")
+  say(f"[recovery] done  {directory.name} in {total / 60:.1f} min")
+
+
+def _final_faithfulness(directory: pathlib.Path) -> float:
+  value = float("nan")
+  with open(directory / "metrics.jsonl") as f:
+    for line in f:
+      record = json.loads(line)
+      value = record.get("loss/faithfulness", value)
+  return value
+
+
+def measure_cell(directory: pathlib.Path, name: str) -> dict:
+  """Return the cell's per-site recovery metrics from its finished run."""
+  decomposition = decomposition_lib.load_npz(directory / "decomposition.npz")
+  arrays, meta = run_dir.load_arrays(directory / "target.npz")
+  toy = registry.get(meta["target"])
+  sites = decomposition.sites
+  c = {s.name: s.c for s in sites}
+  target = registry.fns_for(toy, c, sites)
+  weights = registry.weights_for(toy, toy.weights_from_arrays(arrays), sites)
+  ci_fn = ci_fns.make_ci_fn(decomposition.ci_config, sites)
+  ci = jax.device_get(probe.probe_ci(
+    target, ci_fn, weights, decomposition.components, decomposition.ci_params))
+  stacks = jax.device_get(target.frozen_stacks(weights))
+  components = jax.device_get(decomposition.components)
+  per_site = {}
+  for site in sites:
+    expected = target.expected[site.name]
+    matrix = np.asarray(ci[site.name])
+    row = {"pattern": expected.pattern if expected.pattern == "identity"
+           else f"dense k={expected.k}",
+           "alive": len(probe.alive_components(matrix)),
+           "error": probe.pattern_error(matrix, expected)}
+    if expected.feature_axis is not None:
+      factors = components[site.kind]
+      match = probe.feature_match(
+        stacks[site.kind][site.row], factors.v[site.row], factors.u[site.row],
+        expected.feature_axis)
+      row.update(mmcs=match.mmcs, ml2r=match.ml2r)
+    per_site[site.name] = row
+  wall = directory.with_suffix(".wall")
+  return {"flagfile": name, "sites": per_site,
+          "recovered": all(r["error"] == 0 for r in per_site.values()),
+          "faithfulness": _final_faithfulness(directory),
+          "wall_s": float(wall.read_text()) if wall.exists() else None}
+
+
+def _site_cell(row: dict) -> str:
+  text = f"{row['alive']} / {row['error']}"
+  if "mmcs" in row:
+    text += f" ({row['mmcs']:.3f}, {row['ml2r']:.3f})"
+  return text
+
+
+def markdown(results: dict[tuple[str, int], dict], variant: str,
+             extra: list[str]) -> str:
+  """Return the grid's tables: one per flagfile, then the tally."""
+  lines = [f"# Recovery: variant `{variant}`", "",
+           f"Extra flags: `{' '.join(extra) or 'none'}`. Per site: alive "
+           "components / pattern error (MMCS, ML2R where the site has a "
+           "feature axis). A seed recovers when every error is 0.", ""]
+  names = sorted({name for name, _ in results})
+  for name in names:
+    cells = sorted((s, r) for (n, s), r in results.items() if n == name)
+    sites = list(cells[0][1]["sites"])
+    patterns = [cells[0][1]["sites"][s]["pattern"] for s in sites]
+    lines += [f"## {name}", "",
+              "| seed | " + " | ".join(f"{s} ({p})" for s, p in
+                                      zip(sites, patterns))
+              + " | faithfulness | wall min | recovered |",
+              "|---" * (len(sites) + 4) + "|"]
+    for seed, r in cells:
+      wall = "" if r["wall_s"] is None else f"{r['wall_s'] / 60:.1f}"
+      lines.append(
+        f"| {seed} | " + " | ".join(_site_cell(r["sites"][s]) for s in sites)
+        + f" | {r['faithfulness']:.2e} | {wall} | "
+        + ("yes" if r["recovered"] else "no") + " |")
+    lines.append("")
+  lines += ["## Tally", "", "| flagfile | recovered |", "|---|---|"]
+  for name in names:
+    outcomes = [r["recovered"] for (n, _), r in results.items() if n == name]
+    lines.append(f"| {name} | {sum(outcomes)} of {len(outcomes)} |")
+  return "\n".join(lines) + "\n"
+
+
+def write_tables(variant_dir: pathlib.Path, results: dict, variant: str,
+                 extra: list[str]) -> None:
+  rows = [{"seed": seed, **r} for (name, seed), r in sorted(results.items())]
+  texts = {"recovery.json": json.dumps(
+    {"variant": variant, "extra": extra, "cells": rows}, indent=1) + "\n",
+    "recovery.md": markdown(results, variant, extra)}
+  for file_name, text in texts.items():
+    run_dir.atomic_write(variant_dir / file_name,
+                         lambda f, text=text: f.write(text.encode()))
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if _JOBS.value < 1:
+    raise app.UsageError("--jobs must be at least 1")
+  cells = parse_grid(_GRID.value)
+  variant_dir = pathlib.Path(_OUT_DIR.value) / _VARIANT.value
+  variant_dir.mkdir(parents=True, exist_ok=True)
+  lock = threading.Lock()
+
+  def say(text):
+    with lock:
+      print(text, flush=True)
+
+  results, failures = {}, []
+
+  def one(cell):
+    name, seed = cell
+    run_cell(variant_dir, name, seed, _EXTRA.value, say)
+    result = measure_cell(cell_dir(variant_dir, name, seed), name)
+    with lock:
+      results[cell] = result
+      write_tables(variant_dir, results, _VARIANT.value, _EXTRA.value)
+    say(f"[recovery] {name} seed {seed}: "
+        f"{'recovered' if result['recovered'] else 'not recovered'}; "
+        + ", ".join(f"{s} {_site_cell(r)}" for s, r in result["sites"].items()))
+
+  with concurrent.futures.ThreadPoolExecutor(_JOBS.value) as pool:
+    for cell, future in [(c, pool.submit(one, c)) for c in cells]:
+      try:
+        future.result()
+      except Exception as e:  # a failed cell must not stop the grid
+        failures.append(f"{cell[0]} seed {cell[1]}: {e}")
+        say(f"[recovery] FAILED {failures[-1]}")
+  print(markdown(results, _VARIANT.value, _EXTRA.value) if results else "")
+  if failures:
+    sys.exit(f"{len(failures)} cell(s) failed: " + "; ".join(failures))
+
+
+if __name__ == "__main__":
+  app.run(main)

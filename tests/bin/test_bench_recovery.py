@@ -1,0 +1,56 @@
+"""bench/recovery.py runs a cell through bin/train, measures its sites from
+the finished run and reads a finished cell instead of rerunning it."""
+
+import json
+
+import pytest
+
+SHORT = ["--num_steps=40", "--log_every=20", "--eval_every=20",
+         "--batch_size=64", "--eval_batches=1", "--c=8"]
+
+
+@pytest.fixture(scope="module")
+def bench(load_bench):
+  return load_bench("recovery")
+
+
+def test_grid_parsing(bench):
+  assert bench.parse_seeds("0-3") == [0, 1, 2, 3]
+  assert bench.parse_seeds("1+4") == [1, 4]
+  assert bench.parse_grid(["tms_5-2:1+4", "resid_mlp1:0"]) == [
+    ("tms_5-2", 1), ("tms_5-2", 4), ("resid_mlp1", 0)]
+  with pytest.raises(Exception, match="no flagfile"):
+    bench.parse_grid(["tms_9-9:0"])
+  with pytest.raises(Exception, match="names no seeds"):
+    bench.parse_grid(["tms_5-2"])
+
+
+def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
+  said = []
+  bench.run_cell(tmp_path, "tms_5-2", 3, SHORT, said.append)
+  directory = bench.cell_dir(tmp_path, "tms_5-2", 3)
+  assert (directory / "decomposition.npz").exists()
+  flags_text = (directory / "flags.txt").read_text()
+  assert "--seed=3" in flags_text and "--num_steps=40" in flags_text
+  wall = float(directory.with_suffix(".wall").read_text())
+  assert wall > 0
+  result = bench.measure_cell(directory, "tms_5-2")
+  assert set(result["sites"]) == {"linear1", "linear2"}
+  for row in result["sites"].values():
+    assert 0 <= row["alive"] <= 8 and row["error"] >= 0
+    assert -1 <= row["mmcs"] <= 1 and row["ml2r"] >= 0
+  # 40 steps do not recover TMS; the verdict follows the errors.
+  assert result["recovered"] == all(
+    r["error"] == 0 for r in result["sites"].values())
+  # A finished cell is read, not rerun: nothing is launched, no wall added.
+  said.clear()
+  bench.run_cell(tmp_path, "tms_5-2", 3, SHORT, said.append)
+  assert said == []
+  assert float(directory.with_suffix(".wall").read_text()) == wall
+  bench.write_tables(tmp_path, {("tms_5-2", 3): result}, "short", SHORT)
+  table = (tmp_path / "recovery.md").read_text()
+  assert "| tms_5-2 | " + ("1" if result["recovered"] else "0") + " of 1 |" \
+    in table
+  cells = json.loads((tmp_path / "recovery.json").read_text())["cells"]
+  assert cells[0]["seed"] == 3 and cells[0]["sites"] == json.loads(
+    json.dumps(result["sites"]))
