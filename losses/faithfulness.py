@@ -4,6 +4,10 @@
 per-kind form stacks same-shaped sites on a `layer` axis and forms each
 kind's deltas with one batched matmul; its value equals the per-site form up
 to summation order and its deltas and gradients are identical (I9).
+
+The relative form (SPEC §14.1) is `mean_s ‖Δ_s‖²_F / ‖W_s‖²_F`: each site
+counts equally whatever its size and scale, where the global mean lets the
+largest matrices dominate.
 """
 
 import jax
@@ -53,3 +57,19 @@ def faithfulness_per_kind(
   )
   count = sum(w_stacks[k].size for k in components)
   return total / count
+
+
+def relative_faithfulness_per_kind(
+  w_stacks: dict[str, Float[Array, "layer d_in d_out"]], components: Components
+) -> Float[Array, ""]:
+  """Return `mean_s ‖W_s − V_s·U_s‖² / ‖W_s‖²` over every site of the kinds
+  in `components`, one batched matmul per kind (rematerialised as above)."""
+
+  @jax.checkpoint
+  def ratios(w, v, u):
+    delta_sq = jnp.sum(jnp.square(weight_delta(w, v, u)), axis=(-2, -1))
+    return delta_sq / jnp.sum(jnp.square(w.astype(jnp.float32)), axis=(-2, -1))
+
+  per_kind = [ratios(w_stacks[k], components[k].v, components[k].u)
+              for k in components]
+  return sum(jnp.sum(r) for r in per_kind) / sum(r.size for r in per_kind)

@@ -5,6 +5,7 @@ Both read per-component frequencies `f_{s,c} = mean_ℓ ψ(c_{s,ℓ,c})` of the
 that sharded sums agree with one-device sums (I11).
 """
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -12,7 +13,33 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from decompax.core import schedules
+
 IMPORTANCE_EPS = 1e-12
+
+
+@dataclasses.dataclass(frozen=True)
+class SmoothL0:
+  """The smooth-L0 penalty `ψ_γ(c) = c²/(c² + γ²)` (SPEC §5.2), in place of
+  `(c + ε)^p`: near 1 for any CI well above `γ`, so it counts components
+  rather than weighing their CI; annealing `γ` down sharpens the count.
+  `normalized` scales by `1 + γ²`, making `ψ_γ(1) = 1` at every `γ`."""
+
+  gamma: schedules.Coefficient
+  normalized: bool = False
+
+  def __post_init__(self):
+    for value in _schedule_ends(self.gamma):
+      if not value > 0:
+        raise ValueError(f"smooth-L0 gamma must stay > 0, got {value}")
+
+
+def _schedule_ends(value: schedules.Coefficient) -> tuple[float, ...]:
+  if isinstance(value, schedules.Schedule):
+    return (value.start, value.start * value.final_frac)
+  if isinstance(value, schedules.KnotSchedule):
+    return tuple(value.max_val * k.frac for k in value.knots)
+  return (value,)
 
 
 class FrequencyEma(NamedTuple):
@@ -35,6 +62,22 @@ def component_frequencies(
   c = ci_upper.astype(jnp.float32)
   lead = c.shape[:-1]
   psi = jnp.power(c + eps, p)
+  return jnp.sum(psi.reshape(-1, c.shape[-1]), axis=0) / math.prod(lead)
+
+
+def smooth_l0_frequencies(
+  ci_upper: Float[Array, "*l c"], gamma: Float[Array, ""] | float,
+  normalized: bool = False,
+) -> Float[Array, " c"]:
+  """Return `mean_ℓ ψ_γ(c)` per component, in fp32 (no `ε`: ψ_γ(0) = 0
+  has a finite gradient)."""
+  c = ci_upper.astype(jnp.float32)
+  square = jnp.square(c)
+  g2 = jnp.square(jnp.asarray(gamma, jnp.float32))
+  psi = square / (square + g2)
+  if normalized:
+    psi = psi * (1.0 + g2)
+  lead = c.shape[:-1]
   return jnp.sum(psi.reshape(-1, c.shape[-1]), axis=0) / math.prod(lead)
 
 

@@ -12,21 +12,34 @@ from decompax.core import schedules
 from decompax.core.train_step import LossTerm, StepContext, simple_term
 from decompax.losses import faithfulness, hidden, minimality, recon
 
+# What the minimality terms raise CI to: the L_p exponent `p` (a number or a
+# schedule) or the smooth-L0 penalty (§5.2).
+Sparsity = schedules.Coefficient | minimality.SmoothL0
 
-def faithfulness_term(coeff: schedules.Coefficient) -> LossTerm:
-  """Return the per-kind faithfulness term (§5.1)."""
+
+def faithfulness_term(coeff: schedules.Coefficient,
+                      relative: bool = False) -> LossTerm:
+  """Return the per-kind faithfulness term (§5.1): the global mean squared
+  delta, or with `relative` the mean over sites of `‖Δ‖²/‖W‖²` (§14.1)."""
+  measure = (faithfulness.relative_faithfulness_per_kind if relative
+             else faithfulness.faithfulness_per_kind)
 
   def fn(ctx: StepContext, key):
     del key
     w_stacks = ctx.constrain("faithfulness",
                              ctx.target.frozen_stacks(ctx.weights))
-    return faithfulness.faithfulness_per_kind(
-      w_stacks, ctx.constrain("faithfulness", ctx.components))
+    return measure(w_stacks, ctx.constrain("faithfulness", ctx.components))
 
   return simple_term("faithfulness", coeff, fn)
 
 
-def _frequencies(ctx: StepContext, p: schedules.Coefficient, eps: float):
+def _frequencies(ctx: StepContext, p: Sparsity, eps: float):
+  """Per site, `mean_ℓ ψ(upper)` with `ψ` the L_p power at `p`'s current
+  value, or the smooth-L0 penalty at its current `γ`."""
+  if isinstance(p, minimality.SmoothL0):
+    gamma = schedules.schedule_value(p.gamma, ctx.step, ctx.total_steps)
+    return {site: minimality.smooth_l0_frequencies(c, gamma, p.normalized)
+            for site, c in ctx.ci.upper.items()}
   p_now = schedules.schedule_value(p, ctx.step, ctx.total_steps)
   return {
     site: minimality.component_frequencies(c, p_now, eps)
@@ -34,16 +47,21 @@ def _frequencies(ctx: StepContext, p: schedules.Coefficient, eps: float):
   }
 
 
-def _check_p(p: schedules.Coefficient) -> None:
+def _check_p(p: Sparsity) -> None:
+  name = "p"
+  if isinstance(p, minimality.SmoothL0):
+    name, p = "smooth-L0 gamma", p.gamma
   if isinstance(p, schedules.Schedule) and p.warmup_pct:
-    raise ValueError("the p-anneal takes no warmup; set its warmup_pct to 0")
+    raise ValueError(f"the {name} anneal takes no warmup; set its "
+                     "warmup_pct to 0")
 
 
 def importance_minimality_term(
-  coeff: schedules.Coefficient, p: schedules.Coefficient,
+  coeff: schedules.Coefficient, p: Sparsity,
   eps: float = minimality.IMPORTANCE_EPS,
 ) -> LossTerm:
-  """Return `Σ_s Σ_c mean_ℓ (upper + ε)^p` with `p` on its schedule (§5.2)."""
+  """Return `Σ_s Σ_c mean_ℓ (upper + ε)^p` with `p` on its schedule, or
+  `Σ_s Σ_c mean_ℓ ψ_γ(upper)` when `p` is a `SmoothL0` (§5.2)."""
   _check_p(p)
 
   def fn(ctx: StepContext, key):
@@ -54,7 +72,7 @@ def importance_minimality_term(
 
 
 def frequency_minimality_term(
-  coeff: schedules.Coefficient, p: schedules.Coefficient,
+  coeff: schedules.Coefficient, p: Sparsity,
   reference_token_count: float, eps: float = minimality.IMPORTANCE_EPS,
 ) -> LossTerm:
   """Return `Σ_s Σ_c f·log2(1 + a'·f)` on the same `f` as imp-min (§5.3)."""
@@ -95,7 +113,7 @@ def stochastic_recon_term(
 
 
 def ema_frequency_minimality_term(
-  coeff: schedules.Coefficient, p: schedules.Coefficient,
+  coeff: schedules.Coefficient, p: Sparsity,
   reference_token_count: float, halflife_steps: float, sites: tuple,
   eps: float = minimality.IMPORTANCE_EPS,
 ) -> LossTerm:

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from decompax.core import schedules
 from decompax.core.schedules import Schedule, schedule_value
 
 
@@ -39,3 +40,52 @@ def test_invalid_schedules_are_refused():
     Schedule(1.0, "constant", final_frac=0.5)
   with pytest.raises(ValueError, match="unknown schedule"):
     Schedule(1.0, "exponential")
+
+
+@pytest.mark.parametrize("fn_type", ["linear", "cosine"])
+def test_one_segment_knots_equal_the_decay_pointwise(fn_type):
+  total, final = 37, 0.2
+  decay = schedules.Schedule(3.0, fn_type, final)
+  knots = schedules.KnotSchedule(3.0, (
+    schedules.Knot(0.0, 1.0, fn_type), schedules.Knot(1.0, final, "hold")))
+  for step in range(total + 3):
+    np.testing.assert_allclose(
+      schedules.schedule_value(knots, step, total),
+      schedules.schedule_value(decay, step, total), rtol=1e-6)
+
+
+def test_knots_hold_ramp_and_end_at_their_final_fraction():
+  # Hold the peak for the first half, then fall linearly to 0.1 at t = 0.75
+  # and stay there.
+  schedule = schedules.KnotSchedule(2.0, schedules.parse_knots(
+    "0:1:hold,0.5:1,0.75:0.1:hold,1:0.1"))
+  total = 101  # t = step / 100
+  value = lambda s: float(schedules.schedule_value(schedule, s, total))
+  assert value(0) == value(49) == 2.0
+  np.testing.assert_allclose(value(50), 2.0, rtol=1e-6)
+  np.testing.assert_allclose(value(60), 2.0 * (1 - 0.9 * 0.4), rtol=1e-5)
+  np.testing.assert_allclose([value(75), value(100), value(500)],
+                             [0.2, 0.2, 0.2], rtol=1e-5)
+
+
+def test_knots_trace_inside_jit():
+  schedule = schedules.KnotSchedule(1.0, schedules.parse_knots(
+    "0:0:cosine,0.5:1:cosine,1:0"))
+  f = jax.jit(lambda s: schedules.schedule_value(schedule, s, 11))
+  np.testing.assert_allclose([f(0), f(5), f(10)], [0.0, 1.0, 0.0], atol=1e-6)
+  np.testing.assert_allclose(f(2), 0.5 * (1 - np.cos(np.pi * 0.4)),
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize("text, message", [
+  ("0.1:1,1:0", "from at=0 to at=1"),
+  ("0:1,0.5:0.5,0.5:0.2,1:0", "increase strictly"),
+  ("0:0.5,1:0.2", "frac = 1"),
+  ("0:1:spline,1:0", "unknown knot shape"),
+  ("0:1,1", "at:frac"),
+  ("0:one,1:0", "non-number"),
+  ("0:1,1:nan", "not finite"),
+])
+def test_bad_knots_are_refused(text, message):
+  with pytest.raises(ValueError, match=message):
+    schedules.KnotSchedule(1.0, schedules.parse_knots(text))

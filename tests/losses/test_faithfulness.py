@@ -87,3 +87,35 @@ def test_only_decomposed_kinds_count():
   alone = faithfulness.faithfulness_per_kind({"k": w}, {"k": f})
   with_extra = faithfulness.faithfulness_per_kind({"k": w, "x": other}, {"k": f})
   assert float(with_extra) == float(alone)
+
+
+def test_relative_form_weighs_every_site_equally():
+  # Two kinds of very different scale and size: the relative form is the
+  # plain mean of each site's ‖Δ‖²/‖W‖², computed here site by site.
+  w_a, comps_a = _stacks(jax.random.key(3), n=2, d_in=6, d_out=5, c=4)
+  w_b, comps_b = _stacks(jax.random.key(4), n=1, d_in=2, d_out=3, c=4)
+  w_stacks = {"a": 100.0 * w_a, "b": w_b}
+  comps = {"a": comps_a, "b": comps_b}
+  w, v, u = _per_site_args(w_stacks, comps)
+  expected = np.mean([
+    np.sum(np.square(np.asarray(w[s] - v[s] @ u[s])))
+    / np.sum(np.square(np.asarray(w[s]))) for s in w])
+  got = faithfulness.relative_faithfulness_per_kind(w_stacks, comps)
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+  # The global form is dominated by the large kind; the relative one is not.
+  global_form = faithfulness.faithfulness_per_kind(w_stacks, comps)
+  assert float(global_form) > 100 * float(got)
+
+
+def test_relative_form_is_zero_when_exact_and_scale_free():
+  w = jax.random.normal(jax.random.key(0), (2, 4, 3))
+  exact = {"k": Factors(w, jnp.broadcast_to(jnp.eye(3), (2, 3, 3)))}
+  assert float(faithfulness.relative_faithfulness_per_kind(
+    {"k": w}, exact)) == 0.0
+  w_stacks, comps = _stacks(jax.random.key(5))
+  scaled = {"k": Factors(3.0 * comps.v, comps.u)}
+  np.testing.assert_allclose(
+    faithfulness.relative_faithfulness_per_kind({"k": 3.0 * w_stacks},
+                                                scaled),
+    faithfulness.relative_faithfulness_per_kind({"k": w_stacks},
+                                                {"k": comps}), rtol=1e-5)

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.losses import minimality
+from decompax.core import schedules, squash
+from decompax.core.train_step import StepContext
+from decompax.losses import minimality, terms
 
 
 def test_frequencies_are_batch_means_of_powered_ci():
@@ -43,3 +45,61 @@ def test_i12_frequency_term_equals_legacy_beta_form():
 def test_importance_sums_over_sites_and_components():
   f = {"a": jnp.array([0.1, 0.2]), "b": jnp.array([0.3])}
   assert float(minimality.importance_minimality(f)) == pytest.approx(0.6)
+
+
+def test_smooth_l0_counts_components_and_has_its_gradient():
+  ci = jnp.array([[0.0, 1.0, 0.02], [0.5, 1.0, 0.0]])
+  gamma = 0.1
+  f = minimality.smooth_l0_frequencies(ci, gamma)
+  psi = lambda c: c**2 / (c**2 + gamma**2)
+  np.testing.assert_allclose(
+    f, [psi(0.5) / 2, psi(1.0), psi(0.02) / 2], rtol=1e-6)
+  # Normalised, a fully active component counts exactly 1 at any γ.
+  np.testing.assert_allclose(
+    minimality.smooth_l0_frequencies(jnp.ones((3, 1)), 0.7, True), [1.0],
+    rtol=1e-6)
+  # d/dc c²/(c²+γ²) = 2cγ²/(c²+γ²)²: zero at 0 (no ε needed), finite.
+  grad = jax.grad(lambda c: minimality.smooth_l0_frequencies(c, gamma).sum())(
+    ci)
+  c = np.asarray(ci)
+  np.testing.assert_allclose(
+    grad, 2 * c * gamma**2 / (c**2 + gamma**2) ** 2 / 2, rtol=1e-5)
+
+
+def _ctx(upper, step, total_steps=11):
+  # Only the CI and the step matter to the minimality terms.
+  ci = squash.CIOutput(pre=upper, lower=upper, upper=upper)
+  return StepContext(jnp.asarray(step), total_steps, None, None, None,
+                     jnp.zeros(()), {}, ci)
+
+
+def test_importance_term_takes_the_smooth_l0_penalty_on_its_gamma_schedule():
+  upper = {"a": jnp.array([[0.3, 0.0], [1.0, 0.05]]),
+           "b": jnp.array([[0.2], [0.0]])}
+  gamma = schedules.Schedule(1.0, "linear", 0.01)
+  term = terms.importance_minimality_term(1.0, minimality.SmoothL0(gamma))
+  for step in (0, 10):
+    g = float(schedules.schedule_value(gamma, step, 11))
+    expected = sum(float(minimality.smooth_l0_frequencies(c, g).sum())
+                   for c in upper.values())
+    np.testing.assert_allclose(term.fn(_ctx(upper, step), None, None)[0], expected,
+                               rtol=1e-6)
+  # The L_p default on the same CI differs: the penalty choice is honoured.
+  lp = terms.importance_minimality_term(1.0, 1.0)
+  assert abs(float(lp.fn(_ctx(upper, 10), None, None)[0]) - expected) > 1e-3
+
+
+@pytest.mark.parametrize("bad, message", [
+  (minimality.SmoothL0(schedules.Schedule(1.0, "linear", 0.1, 0.2)),
+   "smooth-L0 gamma anneal takes no warmup"),
+])
+def test_smooth_l0_term_refusals(bad, message):
+  with pytest.raises(ValueError, match=message):
+    terms.importance_minimality_term(1.0, bad)
+
+
+@pytest.mark.parametrize("gamma", [0.0, -1.0,
+                                   schedules.Schedule(1.0, "linear", 0.0)])
+def test_smooth_l0_gamma_must_stay_positive(gamma):
+  with pytest.raises(ValueError, match="gamma must stay > 0"):
+    minimality.SmoothL0(gamma)
