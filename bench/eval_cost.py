@@ -43,9 +43,12 @@ import time
 import jax
 from absl import app, flags
 
-from decompax.bin import evaluation, train, train_flags
+# The bench times bin/train's own evaluator, which lives with the loop.
+from decompax.bin import evaluation
 from decompax.io import run_dir
 from decompax.losses import eval_step
+from decompax.recipe import assembly
+from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import registry
 
 _WINDOW = flags.DEFINE_integer("window", 200, "Steps per timed window.")
@@ -62,9 +65,9 @@ DEFAULT_EVERY, DEFAULT_SLOW_EVERY = 1000, 10000
 WAYS = ("off", "fast", "fast+slow")
 
 
-def load_recipe(name: str) -> train_flags.TrainConfig:
-  """Return the validated config of `flags/<name>.flags`."""
-  return train_flags.parse_config(f"--flagfile=flags/{name}.flags")
+def load_recipe(name: str) -> TrainConfig:
+  """Return the config of `flags/<name>.flags`."""
+  return read_args([f"--flagfile=flags/{name}.flags"])
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -160,7 +163,7 @@ def bench_recipe(name: str, steps: int, every: int, slow_every: int,
   toy = registry.get(config.target)
   target = toy.fns(config.c)
   weights = toy.init(jax.random.key(0))
-  run = train.build_run(config, toy, target, weights)
+  run = assembly.build_run(config, toy, target, weights)
   compiled = run.built.step.lower(run.state, run.weights,
                                   run.data_key).compile()
   state = run.state
@@ -256,7 +259,6 @@ def _cell(spread: tuple[float, float, float], digits: int = 2) -> str:
 
 def main(argv):
   del argv
-  # Read before the first recipe parse resets every flag.
   steps, every, slow_every = _WINDOW.value, _EVERY.value, _SLOW_EVERY.value
   rounds, repeats, recipes = _ROUNDS.value, _REPEATS.value, _BENCH_RECIPES.value
   print(f"machine: {jax.devices()[0].device_kind}; {rounds} rounds of "

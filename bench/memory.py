@@ -11,8 +11,9 @@ device (argument, output, temporary bytes, and the donated bytes aliased
 between arguments and outputs) and, from the placement alone, each device's
 share of the state: V/U masters plus their AdamW moments, and CI weights
 plus theirs. It then checks that `zero1` and `owner` divide the optimizer
-state by the fsdp size. `--place` (bin/train's flag) overrides categories of
-every preset.
+state by the fsdp size. `--place` (as bin/train's) overrides categories of
+every preset. The run is assembled as `bin/train` assembles it
+(`recipe.assembly.parts` and `plan`).
 
 The CPU compile overstates an accelerator's temp: `--attention=auto`
 resolves to XLA's attention, which materialises fp32 `[b, heads, t, t]`
@@ -29,8 +30,6 @@ import time
 
 from absl import app, flags
 
-from decompax.bin import train_flags
-
 _MESH = flags.DEFINE_string("mesh", "1,8,1", "replicate,fsdp,tp sizes.")
 _PRESETS = flags.DEFINE_list("presets", ["ddp", "zero1", "owner"],
                              "Placement presets to compare.")
@@ -39,6 +38,9 @@ _BATCH = flags.DEFINE_integer("global_batch", 8, "Global batch (sequences).")
 _SEQ_LEN = flags.DEFINE_integer("seq_length", 2048, "Tokens per sequence.")
 _C = flags.DEFINE_integer("components", 24576, "Components per matrix.")
 _LAYER = flags.DEFINE_integer("layer", 18, "Decomposed MLP's layer.")
+_PLACE = flags.DEFINE_list(
+  "place", [], "Per-category overrides of every preset, as bin/train's "
+  "--place (category:layout,...).")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_JSON = ROOT / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b" / \
@@ -47,21 +49,18 @@ GIB = 2.0**30
 
 
 def _recipe(batch: int, seq_len: int, c: int):
-  argv = flags.FLAGS.read_flags_from_files(
-    [f"--flagfile={ROOT / 'flags' / 'l18.flags'}"], force_gnu=False)
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(["memory", *argv, f"--batch_size={batch}",
-               f"--seq_len={seq_len}", f"--c={c}"])
-  return train_flags.config_from_flags()
+  from decompax.recipe.config import read_args
+  return read_args([f"--flagfile={ROOT / 'flags' / 'l18.flags'}",
+                    f"--batch_size={batch}", f"--seq_len={seq_len}",
+                    f"--c={c}"])
 
 
 def build(config, layer: int):
-  """Return the target, CI function, terms and abstract state and weights."""
+  """Return the run's parts (`recipe.assembly.parts`: target, CI function,
+  terms), built once, and its abstract frozen weights."""
   import jax
   import jax.numpy as jnp
-  from decompax.bin import recipe
-  from decompax.core import ci_fns, train_step
-  from decompax.core import sites as sites_lib
+  from decompax.recipe import assembly, lm
   from decompax.targets import glu_config, glu_lm, glu_target
 
   glu = glu_config.config_from_hf(json.loads(CONFIG_JSON.read_text()))
@@ -77,26 +76,13 @@ def build(config, layer: int):
             for k, s in shapes.items()}
   weights = jax.eval_shape(lambda a: glu_target.weights_from_arrays(
     a, glu, seg, jnp.bfloat16), arrays)
-  ci_config = recipe.ci_config(config, sites, glu.d_model)
-  ci_fn = ci_fns.make_ci_fn(ci_config, sites)
-  lead = (config.batch_size, config.seq_len)
-  terms = recipe.loss_terms(config, sites, math.prod(lead),
-                            target.nonlinear_units, lead)
 
-  def sample(key):
-    return jax.random.randint(key, lead, 0, glu.vocab_size, jnp.int32)
+  def sample_inputs(key, batch_size):
+    return jax.random.randint(key, (batch_size, config.seq_len), 0,
+                              glu.vocab_size, jnp.int32)
 
-  def make(**placed):
-    return train_step.make_train_step(
-      target, ci_fn, terms, recipe.step_config(config), sample_inputs=sample,
-      **placed)
-
-  key = jax.random.key(0)
-  components = jax.eval_shape(lambda: sites_lib.init_components(key, sites))
-  ci_params = jax.eval_shape(ci_fn.init, key)
-  state = jax.eval_shape(lambda c, p: make().init(c, p, key, lead),
-                         components, ci_params)
-  return make, state, weights, lead
+  toy = lm.LmTarget("llama-3.1-8b", glu, sample_inputs)
+  return assembly.parts(config, toy, target), weights
 
 
 def per_device_bytes(tree, shardings) -> int:
@@ -109,24 +95,25 @@ def per_device_bytes(tree, shardings) -> int:
   return total
 
 
-def measure(preset: str, mesh_sizes, make, state, weights, lead,
+def measure(preset: str, mesh_sizes, parts, weights,
             overrides: tuple[str, ...] = ()) -> dict:
   """Return the memory analysis and state shares of one preset."""
   import jax
-  from decompax.bin import placement_setup
-  from decompax.placement import mesh as mesh_lib
+  from jax.sharding import AxisType
   from decompax.placement import shardings
   from decompax.placement import table as table_lib
+  from decompax.recipe import assembly
 
-  mesh = placement_setup.build_mesh(mesh_lib.MeshShape(*mesh_sizes),
-                                    jax.devices()[:math.prod(mesh_sizes)])
-  table = table_lib.make_table(preset, overrides)
-  placed = shardings.step_shardings(table, mesh, state, weights, lead)
-  built = make(shardings=placed,
-               constrain=shardings.make_constrain(table, mesh, lead))
+  # Meshes are the binaries' to build (STYLE §6), as bin/train does.
+  mesh = jax.make_mesh(mesh_sizes, table_lib.MESH_AXES,
+                       axis_types=(AxisType.Auto,) * len(mesh_sizes),
+                       devices=jax.devices()[:math.prod(mesh_sizes)])
+  planned = assembly.plan(parts, weights, shardings.Placement(
+    mesh, table_lib.make_table(preset, overrides)))
+  state, placed = planned.state, planned.shardings
   start = time.time()
   key = jax.eval_shape(lambda: jax.random.key(0))
-  compiled = built.step.lower(state, weights, key).compile()
+  compiled = planned.step.step.lower(state, weights, key).compile()
   stats = compiled.memory_analysis()
   s = placed.state
   return {
@@ -147,16 +134,16 @@ def measure(preset: str, mesh_sizes, make, state, weights, lead,
 
 def main(argv):
   del argv
-  # Read before the recipe's flagfile re-parses every flag.
   mesh_sizes = tuple(int(n) for n in _MESH.value.split(","))
   presets = list(_PRESETS.value)
   layer = _LAYER.value
-  overrides = tuple(flags.FLAGS.place)  # bin/train's --place, if given
+  overrides = tuple(_PLACE.value)
   import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", math.prod(mesh_sizes))
   config = _recipe(_BATCH.value, _SEQ_LEN.value, _C.value)
-  make, state, weights, lead = build(config, layer)
+  parts, weights = build(config, layer)
+  lead = parts.lead_shape
   print(f"Llama-3.1-8B layer {layer} MLP, C={config.c}, batch "
         f"{lead[0]}x{lead[1]}, mesh replicate,fsdp,tp = "
         f"{','.join(map(str, mesh_sizes))}"
@@ -167,7 +154,7 @@ def main(argv):
   print(" | ".join(header))
   rows = []
   for preset in presets:
-    row = measure(preset, mesh_sizes, make, state, weights, lead, overrides)
+    row = measure(preset, mesh_sizes, parts, weights, overrides)
     rows.append(row)
     print(" | ".join([preset] + [f"{row[k] / GIB:.2f}" for k in (
       "argument", "output", "alias", "temp", "vu_state", "vu_opt",

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from decompax.bin import train
 from decompax.core import train_step
+from decompax.recipe import assembly
 from decompax.targets import registry
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -57,7 +57,7 @@ def _compiled(name: str, variant: str):
   weights = toy.init(jax.random.key(0))
   guard = _unguarded() if variant == "off" else contextlib.nullcontext()
   with guard:
-    run = train.build_run(config, toy, toy.fns(config.c), weights)
+    run = assembly.build_run(config, toy, toy.fns(config.c), weights)
     step = run.built.step.lower(run.state, weights, run.data_key).compile()
   return step, run.state, weights, run.data_key
 

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from decompax.bin import lm_setup, train, train_flags
+from decompax.recipe import assembly, lm
+from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import glu_config, glu_lm, glu_target
 
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per variant.")
@@ -77,14 +78,11 @@ RECIPE_OVERRIDES = (
 RECON_TERMS = ("loss/stochastic_recon", "loss/persistent_pgd_recon")
 
 
-def recipe(batch: int, seq_len: int, c: int) -> train_flags.TrainConfig:
-  """Return the validated `flags/l18.flags` config at bench sizes."""
-  argv = flags.FLAGS.read_flags_from_files(
-    [f"--flagfile={ROOT / 'flags' / 'l18.flags'}"], force_gnu=False)
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(["prefix", *argv, *RECIPE_OVERRIDES, f"--batch_size={batch}",
-               f"--seq_len={seq_len}", f"--c={c}"])
-  return train_flags.config_from_flags()
+def recipe(batch: int, seq_len: int, c: int) -> TrainConfig:
+  """Return the `flags/l18.flags` config at bench sizes."""
+  return read_args([f"--flagfile={ROOT / 'flags' / 'l18.flags'}",
+                    *RECIPE_OVERRIDES, f"--batch_size={batch}",
+                    f"--seq_len={seq_len}", f"--c={c}"])
 
 
 def random_arrays(config: glu_config.GluConfig, seed: int = 0
@@ -106,11 +104,12 @@ def random_arrays(config: glu_config.GluConfig, seed: int = 0
   return out
 
 
-def build_variant(config: train_flags.TrainConfig,
+def build_variant(config: TrainConfig,
                   model: glu_config.GluConfig, arrays: dict[str, np.ndarray],
-                  layer: int, prefix_sharing: bool) -> train.Run:
+                  layer: int, prefix_sharing: bool) -> assembly.Run:
   """Return the run decomposing block `layer` whole, as `bin/train` builds
-  it for `--target=hf` (`lm_setup.hf_target`), sharing the prefix or not."""
+  it for `--target=hf` (`recipe.lm.hf_target`), sharing the prefix or
+  not."""
   names = tuple(glu_lm.site_name(layer, r) for r in glu_lm.ROLES)
   sites = glu_target.site_specs(model, names, config.c)
   target = glu_target.target_fns(model, sites, config.attention, remat=True,
@@ -122,8 +121,8 @@ def build_variant(config: train_flags.TrainConfig,
     return jax.random.randint(key, (batch_size, config.seq_len), 0,
                               model.vocab_size, jnp.int32)
 
-  record = lm_setup.LmTarget("narrow_llama", model, sample_inputs)
-  return train.build_run(config, record, target, weights)
+  record = lm.LmTarget("narrow_llama", model, sample_inputs)
+  return assembly.build_run(config, record, target, weights)
 
 
 def prefix_loops(compiled_text: str, split: int) -> int:
@@ -134,7 +133,7 @@ def prefix_loops(compiled_text: str, split: int) -> int:
              if " while(" in line and trip in line and "threefry" not in line)
 
 
-def compile_variant(run: train.Run, layer: int) -> dict:
+def compile_variant(run: assembly.Run, layer: int) -> dict:
   """Return the compiled step with its compile wall time and prefix loops."""
   start = time.perf_counter()
   step = run.built.step.lower(run.state, run.weights, run.data_key).compile()
@@ -156,7 +155,7 @@ def advance(variant: dict) -> None:
     variant["first"] = {k: float(metrics[k]) for k in RECON_TERMS}
 
 
-def measure(config: train_flags.TrainConfig, layers: list[int], steps: int,
+def measure(config: TrainConfig, layers: list[int], steps: int,
             warmup: int) -> dict[tuple[int, bool], dict]:
   """Return every variant `(layer, sharing)` compiled and timed, its
   timed steps interleaved with the others'."""
@@ -218,7 +217,6 @@ def without_cse_argv() -> list[str]:
 
 def main(argv):
   del argv
-  # Read before the recipe's flagfile re-parses every flag.
   steps, warmup = _STEPS.value, max(1, _WARMUP.value)
   layers = [int(n) for n in _LAYERS.value]
   cse, compare = _XLA_CSE.value, _COMPARE.value

@@ -1,14 +1,24 @@
-"""Median jitted step time of the toy recipes, beside this machine's matmul rate.
+"""Jitted step time of the toy recipes, beside this machine's matmul rate.
 
 Run: `./dev bench step_time` (or `.venv/bin/python -P bench/step_time.py`).
-For each flagfile it builds the run exactly as `bin/train` does (untrained
-target weights: step cost does not depend on them), compiles once, times
-`--steps` steps after `--warmup` untimed ones, and reports, all measured in
-this one process:
-  * median step time (ms) and the reference's per-step time ratio,
-  * achieved FLOP/s from XLA's cost analysis of the compiled step,
-  * CI-MLP elementwise throughput: `[B, C, d_gate]` elements per second,
-  * the machine's measured fp32 matmul FLOP/s, and the step's share of it.
+For each flagfile it builds the run exactly as `bin/train` does
+(`recipe.assembly`; untrained target weights: step cost does not depend on
+them) and compiles once. Each of `--timing_rounds` rounds first calibrates
+the machine's fp32 matmul rate, then times `--timed_steps` steps of every
+recipe after `--untimed_steps` untimed ones. It reports, all measured in this one process:
+  * the step time (ms): median over rounds of each round's median, with the
+    [min, max] of the round medians;
+  * the speed-up over the reference implementation's per-step time;
+  * achieved FLOP/s from XLA's cost analysis of the compiled step, and its
+    share of the matmul rate measured in the same round;
+  * CI-MLP elementwise throughput: `[B, C, d_gate]` elements per second.
+
+The speed-up compares like with like only under `--matched` (default): the
+reference's toy configs train with the delta component and no faithfulness
+term, so matched rows add `--use_delta_component --faithfulness_coeff=0` to
+the flagfile, and the speed-up is taken against the faster of the
+reference's fp32 and bf16 times (`REFERENCE_MS`). Unmatched rows time the
+flagfiles as shipped and show no speed-up.
 """
 
 import statistics
@@ -19,11 +29,21 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from decompax.bin import train, train_flags
+from decompax.recipe import assembly
+from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import registry
 
-_STEPS = flags.DEFINE_integer("steps", 50, "Timed steps per recipe.")
-_WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed steps after compiling.")
+# Flag names distinct from the other benches' (nonfinite_guard imports this
+# module, and tests load several benches into one process).
+_STEPS = flags.DEFINE_integer("timed_steps", 100, "Timed steps per recipe "
+                              "and round.")
+_ROUNDS = flags.DEFINE_integer("timing_rounds", 3, "Rounds (each "
+                               "recalibrates the matmul rate).")
+_MATCHED = flags.DEFINE_bool(
+  "matched", True, "Time the reference's work (delta on, no faithfulness) "
+  "and show the speed-up; --nomatched times the flagfiles as shipped.")
+_WARMUP = flags.DEFINE_integer("untimed_steps", 5, "Untimed steps after "
+                               "compiling, per round.")
 _RECIPES = flags.DEFINE_list(
   "recipes",
   ["tms_5-2", "tms_40-10", "resid_mlp1", "tms_5-2_vpd",
@@ -31,8 +51,17 @@ _RECIPES = flags.DEFINE_list(
   "Flagfiles in flags/, each optionally followed by '+'-joined flag overrides "
   "(the VPD rows without their PGD term give the adversary's cost).")
 
-# Per-step time of the PyTorch reference implementation on a 2-core CPU (ms).
-REFERENCE_MS = {"tms_5-2": 25.0, "tms_40-10": 240.0, "resid_mlp1": 125.0}
+# Per-step time (ms) of the PyTorch reference implementation on a 2-core CPU
+# like this one, in its best clean configuration (allocator fixed), timed
+# side by side with decompax; per dtype where it was measured (fp32, or
+# bf16 autocast). The speed-up is taken against the faster entry.
+REFERENCE_MS = {
+  "tms_5-2": {"fp32": 26.3},
+  "tms_40-10": {"bf16": 286.0},
+  "resid_mlp1": {"bf16": 124.0},
+}
+# What the reference's toy configs train: delta on, faithfulness off.
+MATCHED_FLAGS = ("--use_delta_component", "--faithfulness_coeff=0")
 
 
 def matmul_flops_per_s(n: int = 1024, repeats: int = 20) -> float:
@@ -49,65 +78,97 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 20) -> float:
   return 2 * n**3 / statistics.median(times)
 
 
-def load_recipe(name: str) -> train_flags.TrainConfig:
-  """Return the validated config of `flags/<file>.flags` plus overrides,
-  for `name = file[+--flag=value...]`."""
+def load_recipe(name: str) -> TrainConfig:
+  """Return the config of `flags/<file>.flags` plus overrides, for
+  `name = file[+--flag=value...]`."""
   file, *overrides = name.split("+")
-  argv = flags.FLAGS.read_flags_from_files([f"--flagfile=flags/{file}.flags"],
-                                           force_gnu=False)
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(["bench", *argv, *overrides])
-  return train_flags.config_from_flags()
+  return read_args([f"--flagfile=flags/{file}.flags", *overrides])
 
 
-def time_recipe(name: str, steps: int, warmup: int) -> dict:
-  """Return the timing record of one recipe."""
-  config = load_recipe(name)
+def best_reference(name: str) -> tuple[float, str] | None:
+  """Return the reference's faster per-step time (ms) and its dtype."""
+  times = REFERENCE_MS.get(name)
+  if not times:
+    return None
+  dtype = min(times, key=times.get)
+  return times[dtype], dtype
+
+
+def compile_recipe(name: str, matched: bool) -> dict:
+  """Return one recipe's compiled step, its state and static figures."""
+  config = load_recipe(name + ("+" + "+".join(MATCHED_FLAGS) if matched
+                               else ""))
   toy = registry.get(config.target)
   target = toy.fns(config.c)
   weights = toy.init(jax.random.key(0))
-  run = train.build_run(config, toy, target, weights)
+  run = assembly.build_run(config, toy, target, weights)
   compiled = run.built.step.lower(run.state, weights, run.data_key).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  state = run.state
+  d_gate = config.ci_hidden[0]
+  return {"compiled": compiled, "state": run.state, "weights": weights,
+          "key": run.data_key, "flops": cost.get("flops", float("nan")),
+          "ci_elements": config.batch_size * sum(s.c for s in target.sites)
+          * d_gate}
+
+
+def time_steps(recipe: dict, steps: int, warmup: int) -> float:
+  """Return the median time (s) of `steps` steps after `warmup` untimed."""
+  step, state = recipe["compiled"], recipe["state"]
+  args = (recipe["weights"], recipe["key"])
   for _ in range(warmup):
-    state, metrics = compiled(state, weights, run.data_key)
+    state, _ = step(state, *args)
   jax.block_until_ready(state)
   times = []
   for _ in range(steps):
     start = time.perf_counter()
-    state, metrics = compiled(state, weights, run.data_key)
+    state, _ = step(state, *args)
     jax.block_until_ready(state)
     times.append(time.perf_counter() - start)
-  median = statistics.median(times)
-  d_gate = config.ci_hidden[0]
-  elements = config.batch_size * sum(s.c for s in target.sites) * d_gate
-  return {
-    "recipe": name,
-    "ms": 1e3 * median,
-    "flops": cost.get("flops", float("nan")) / median,
-    "ci_elements": elements / median,
-  }
+  recipe["state"] = state  # the step donates its state
+  return statistics.median(times)
+
+
+def row(name: str, recipe: dict, medians: list[float], peaks: list[float],
+        matched: bool) -> str:
+  """Return one table row from the per-round medians and matmul rates."""
+  ms = 1e3 * statistics.median(medians)
+  spread = f"[{1e3 * min(medians):.2f}, {1e3 * max(medians):.2f}]"
+  reference = best_reference(name) if matched else None
+  if reference:
+    ref_ms, dtype = reference
+    ref_text = f"{ref_ms:.1f} ({dtype}) | {ref_ms / ms:.2f}×"
+  else:
+    ref_text = "– | –"
+  flops = recipe["flops"] / statistics.median(medians)
+  share = statistics.median(recipe["flops"] / m / p
+                            for m, p in zip(medians, peaks))
+  return (f"| {name} | {ms:.2f} {spread} | {ref_text} | {flops / 1e9:.1f} "
+          f"({100 * share:.0f}%) | "
+          f"{recipe['ci_elements'] / statistics.median(medians) / 1e9:.3f} |")
 
 
 def main(argv):
   del argv
-  # Loading a recipe re-parses the flags, so read the bench's own first.
-  steps, warmup, recipes = _STEPS.value, _WARMUP.value, _RECIPES.value
-  peak = matmul_flops_per_s()
+  matched = _MATCHED.value
+  recipes = {name: compile_recipe(name, matched) for name in _RECIPES.value}
+  medians = {name: [] for name in recipes}
+  peaks = []
+  for round_index in range(_ROUNDS.value):
+    peaks.append(matmul_flops_per_s())
+    for name, recipe in recipes.items():
+      medians[name].append(time_steps(recipe, _STEPS.value, _WARMUP.value))
+    print(f"[step_time] round {round_index + 1}/{_ROUNDS.value}: matmul "
+          f"{peaks[-1] / 1e9:.0f} GFLOP/s", flush=True)
   print(f"machine: {jax.devices()[0].device_kind}, fp32 matmul "
-        f"{peak / 1e9:.1f} GFLOP/s (1024^3, median of 20)")
-  header = (f"{'recipe':<30} {'step ms':>8} {'ref ms':>7} {'speedup':>8} "
-            f"{'GFLOP/s':>8} {'% matmul':>8} {'CI-MLP Gelem/s':>15}")
-  print(header)
-  for name in recipes:
-    r = time_recipe(name, steps, warmup)
-    ref = REFERENCE_MS.get(name)
-    ref_text = f"{ref:7.0f} {ref / r['ms']:7.2f}x" if ref else f"{'-':>7} {'-':>8}"
-    print(f"{name:<30} {r['ms']:8.2f} {ref_text} "
-          f"{r['flops'] / 1e9:8.2f} {100 * r['flops'] / peak:7.1f}% "
-          f"{r['ci_elements'] / 1e9:15.3f}", flush=True)
+        f"{statistics.median(peaks) / 1e9:.0f} GFLOP/s (1024³, median of 20, "
+        f"per round: {', '.join(f'{p / 1e9:.0f}' for p in peaks)}); "
+        f"{'matched work (delta on, no faithfulness)' if matched else 'flagfiles as shipped'}")
+  print("| recipe | step ms, median [min, max] of rounds | reference ms | "
+        "speed-up | GFLOP/s (of matmul) | CI-MLP Gelem/s |")
+  print("|---|---|---|---|---|---|")
+  for name, recipe in recipes.items():
+    print(row(name, recipe, medians[name], peaks, matched), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,16 +34,13 @@ import jax
 import numpy as np
 
 from decompax.core import ci_fns, health, sites as sites_lib
-from decompax.io import checkpoint, decomposition, run_dir
+from decompax.io import checkpoint, decomposition, resume, run_dir
 from decompax.bin import run_records
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", what schedulers requeue
 # A diverged run: rerunning the same command would diverge again, so this
 # is not a requeue.
 DIVERGED_EXIT_CODE = 3
-# State fields newer than the checkpoint format's first version: a
-# checkpoint without them resumes with their initial values.
-ADDED_STATE_FIELDS = ("health/",)
 NONE_MARKER = "NO_CHECKPOINTS"
 FAULT_ENV = "DECOMPAX_FAULT"
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -60,18 +57,12 @@ class Session(NamedTuple):
   ci_config: ci_fns.CIConfig
   stop: threading.Event
   handlers: dict
-  # What `Health.first_part` indexes (`health.part_names`); set once the
-  # run's terms are built (`with_terms`).
+  # What `Health.first_part` indexes (`health.part_names` of the terms).
   part_names: tuple[str, ...] = ()
 
 
 class Diverged(Exception):
   """The run took a non-finite step; the message is one line."""
-
-
-def with_terms(session: Session, term_names: tuple[str, ...]) -> Session:
-  """Return `session` able to name the parts of the run's steps."""
-  return session._replace(part_names=health.part_names(term_names))
 
 
 _state_finite = jax.jit(health.all_finite)
@@ -179,36 +170,6 @@ def parent_step_dir(text: str) -> str:
   return path
 
 
-def _difference(path: str, parent: Any, here: Any) -> str | None:
-  if isinstance(parent, dict) and isinstance(here, dict):
-    for key in sorted(set(parent) | set(here)):
-      found = _difference(f"{path}.{key}", parent.get(key), here.get(key))
-      if found:
-        return found
-    return None
-  if parent != here:
-    return f"{path} is {parent} in the parent, {here} here"
-  return None
-
-
-def structure_mismatch(
-  metadata: dict, sites: tuple[sites_lib.SiteSpec, ...],
-  ci_config: ci_fns.CIConfig,
-) -> str | None:
-  """Return the first difference in sites, C or CI function, or None."""
-  stored = metadata.get("sites", [])
-  names = [s.get("name") for s in stored]
-  if names != [s.name for s in sites]:
-    return (f"sites are {','.join(map(str, names))} in the parent, "
-            f"{','.join(s.name for s in sites)} here")
-  for entry, site in zip(stored, sites):
-    found = _difference(f"site {site.name}", entry, decomposition.to_json(site))
-    if found:
-      return found
-  return _difference("ci_config", metadata.get("ci_config"),
-                     decomposition.to_json(ci_config))
-
-
 def check_entry(config, output_dir: str, sites, ci_config) -> None:
   """Raise ValueError, writing nothing, unless this launch may proceed.
 
@@ -235,7 +196,7 @@ def check_entry(config, output_dir: str, sites, ci_config) -> None:
       "choose another --output_dir")
   if config.init_from and latest is None:
     path = parent_step_dir(config.init_from)
-    mismatch = structure_mismatch(
+    mismatch = resume.structure_mismatch(
       checkpoint.item_metadata(path, checkpoint.DECOMPOSITION), sites,
       ci_config)
     if mismatch:
@@ -253,8 +214,11 @@ def _install_handlers(stop: threading.Event) -> dict:
   return {s: signal.signal(s, handle) for s in _SIGNALS}
 
 
-def open_session(config, output_dir: str, sites, ci_config) -> Session:
-  """Start checkpointing for this launch and record it in the run dir."""
+def open_session(config, output_dir: str, sites, ci_config,
+                 term_names: tuple[str, ...] = ()) -> Session:
+  """Start checkpointing for this launch and record it in the run dir;
+  `term_names` (the run's loss terms in order) name a non-finite step's
+  first bad part."""
   directory = checkpoint_dir(output_dir)
   if config.checkpointing == "none":
     if _writer():
@@ -270,7 +234,8 @@ def open_session(config, output_dir: str, sites, ci_config) -> Session:
     run_records.record_launch(output_dir, mode)
   stop = threading.Event()
   session = Session(config, output_dir, directory, mode, sites, ci_config,
-                    stop, _install_handlers(stop))
+                    stop, _install_handlers(stop),
+                    health.part_names(term_names))
   if _fault("sigterm_before_warmup") is not None:
     os.kill(os.getpid(), signal.SIGTERM)
   return session
@@ -282,96 +247,26 @@ def close(session: Session) -> None:
     signal.signal(signum, handler)
 
 
-def positional_term_states(stored: tuple[str, ...]) -> list[int]:
-  """Return the term positions a checkpoint stores term states under, in
-  ascending order: `term_states/<j>/...`, the layout written while
-  `TrainState.term_states` was a tuple over every loss term (empty for a
-  checkpoint keyed by term name)."""
-  return sorted({int(parts[1]) for parts in (k.split("/") for k in stored)
-                 if len(parts) > 1 and parts[0] == "term_states"
-                 and parts[1].isdigit()})
-
-
-def term_state_renames(
-  positions: list[int], stateful: tuple[str, ...], where: str,
-) -> dict[str, str]:
-  """Return `{term_states/<j>: term_states/<name>}` reading a positional
-  checkpoint by name.
-
-  `positions` ascend in term order, as `stateful`, the names of this run's
-  stateful terms in term order, do; the state records kept the old dicts'
-  keys as field names, so the rename is the whole migration. Raises
-  CheckpointError when the counts differ.
-  """
-  if len(positions) != len(stateful):
-    raise checkpoint.CheckpointError(
-      f"{where} stores {len(positions)} term states by position, this run "
-      f"has {len(stateful)} stateful terms ({', '.join(stateful) or 'none'})"
-      "; it was written for another structure")
-  return {f"term_states/{j}": f"term_states/{name}"
-          for j, name in zip(positions, stateful)}
-
-
 def _restore_own(session: Session, template, term_names: tuple[str, ...],
                  shardings):
-  items = checkpoint.split_state(template)
-  placed = (dict.fromkeys(items) if shardings is None
-            else checkpoint.split_state(shardings))
-  # In term order: a state's dict of term states is sorted by name.
-  stateful = tuple(n for n in term_names if n in template.term_states)
-
-  def renames(path):
-    positions = positional_term_states(
-      checkpoint.item_paths(path, checkpoint.TRAINING))
-    if not positions:
-      return {}
-    renamed = term_state_renames(positions, stateful, f"checkpoint {path}")
-    _say(f"{os.path.basename(path)}: term states stored by position, read "
-         "by name (" + ", ".join(
-           f"{k.split('/')[1]}: {v.split('/')[1]}"
-           for k, v in renamed.items()) + ")")
-    return renamed
-
-  def restore(path):
-    metadata = checkpoint.item_metadata(path, checkpoint.DECOMPOSITION)
-    mismatch = structure_mismatch(metadata, session.sites, session.ci_config)
-    if mismatch:
-      raise checkpoint.CheckpointError(
-        f"checkpoint {path} belongs to another run: {mismatch}")
-    renamed = renames(path)
-    restored = {
-      name: checkpoint.restore_item(
-        path, name, tree, placed[name], added=ADDED_STATE_FIELDS,
-        renamed=renamed if name == checkpoint.TRAINING else None)
-      for name, tree in items.items()}
-    # A diverged state must never be trained on again: fall back past it.
-    for name, tree in restored.items():
-      checkpoint.check_finite(path, name, tree)
-    return restored
-
-  found = checkpoint.restore_latest(session.directory, restore, _say)
-  if found is None:
-    raise checkpoint.CheckpointError(
-      f"{session.directory}: its checkpoints vanished during the launch")
-  step, restored = found
-  path = checkpoint.step_path(session.directory, step)
-  _say(f"resumed from step {step} ({path})")
-  return step, checkpoint.join_state(template, restored)
+  step, state = resume.restore_state(
+    session.directory, template, session.sites, session.ci_config,
+    term_names, shardings, _say)
+  _say(f"resumed from step {step} "
+       f"({checkpoint.step_path(session.directory, step)})")
+  return step, state
 
 
 def _restore_parent(session: Session, template, reinit, shardings):
   path = parent_step_dir(session.config.init_from)
-  name = checkpoint.DECOMPOSITION
-  item = checkpoint.restore_item(
-    path, name, checkpoint.split_state(template)[name],
-    None if shardings is None else checkpoint.split_state(shardings)[name])
+  item = resume.restore_decomposition(path, template, shardings)
   _say(f"fine-tuning from the decomposition of {path}")
   return 0, reinit(item["components"], item["ci_params"])
 
 
 def restorer(session: Session) -> Callable | None:
   """Return `restore(template, reinit, shardings, term_names) -> state` for
-  build_run, or None.
+  `assembly.start`, or None.
 
   None means a fresh run (warmup, then label 0). `reinit(components,
   ci_params)` builds a fresh state around a restored decomposition;

@@ -24,7 +24,7 @@ import numpy as np
 
 from decompax.bin import render_process
 from decompax.core import probe, sites as sites_lib
-from decompax.core.target import TargetFns
+from decompax.core.target import Expected, TargetFns
 from decompax.core.train_step import LossTerm, TrainState, no_constraint
 from decompax.io import figures, report, run_dir
 from decompax.losses import eval_step, evals
@@ -189,15 +189,25 @@ def uv_columns(
           for name, (v, u) in picked.items()}
 
 
+def probe_column_order(ci: np.ndarray, expected: Optional[Expected],
+                       threshold: float = probe.IDENTITY_TOL) -> list[int]:
+  """Return the alive components of a probe CI in the order of the site's
+  expected pattern (identity when None, SPEC §11); at least one."""
+  permutation = probe.pattern_permutation(ci, expected)
+  alive = set(probe.alive_components(ci, threshold))
+  return [c for c in permutation if c in alive] or permutation[:1]
+
+
 def column_order(summary: eval_step.EvalSummary, site: str,
-                 threshold: float) -> list[int]:
-  """Return the components to draw for `site`: identity-permuted alive ones
-  on toys (probe CI), else by descending firing density; at least one."""
+                 threshold: float,
+                 expected: Optional[dict[str, Expected]] = None
+                 ) -> list[int]:
+  """Return the components to draw for `site`: on toys the alive ones in
+  the order of the site's expected pattern (`probe_column_order`), else by
+  descending firing density; at least one."""
   if site in summary.probe:
-    ci = summary.probe[site]
-    alive = set(probe.alive_components(ci, threshold))
-    order = [c for c in probe.identity_permutation(ci) if c in alive]
-    order = order or probe.identity_permutation(ci)[:1]
+    order = probe_column_order(summary.probe[site],
+                               (expected or {}).get(site), threshold)
   else:
     density = summary.arrays["density"][site]
     ranked = np.argsort(-density, kind="stable")
@@ -209,8 +219,10 @@ def render_slow(
   output_dir: str, summary: eval_step.EvalSummary,
   uv: dict[str, tuple[np.ndarray, np.ndarray]], order: dict[str, list[int]],
   table: Optional[report.ComponentTable], threshold: float,
+  expected: Optional[dict[str, Expected]] = None,
 ) -> None:
-  """Write the slow tier's figures, the LM component table and the report."""
+  """Write the slow tier's figures, the LM component table and the report;
+  probe CI is permuted by each site's `expected` pattern."""
   fig_dir = os.path.join(output_dir, "figures")
   arrays = summary.arrays
   figures.plot_ci_histograms(
@@ -224,7 +236,7 @@ def render_slow(
   if summary.probe:
     figures.plot_ci_on_features(
       summary.probe, os.path.join(fig_dir, "ci_on_features.png"),
-      "CI on one-hot features")
+      "CI on one-hot features", expected=expected)
   if "position_ci" in arrays:
     figures.plot_ci_on_features(
       arrays["position_ci"], os.path.join(fig_dir, "position_ci.png"),
@@ -252,19 +264,33 @@ def render_job(
   output_dir: str, state: TrainState, output: eval_step.EvalOutput,
   summary: eval_step.EvalSummary, sites: tuple[sites_lib.SiteSpec, ...],
   decode: Callable[[int], str], threshold: float, top_contexts: int,
+  expected: Optional[dict[str, Expected]] = None,
 ) -> Callable[[], None]:
   """Return the render of one slow eval: a picklable call of `render_slow`.
 
   The drawn U/V columns are fetched now, while `state` is live (collective:
-  every process).
+  every process). `expected` is the target's (`TargetFns.expected`).
   """
-  order = {s.name: column_order(summary, s.name, threshold) for s in sites}
+  order = {s.name: column_order(summary, s.name, threshold, expected)
+           for s in sites}
   uv = uv_columns(state.components, sites, order)
   table = None
   if "tokens" in output.stats:
     table = lm_table(output.stats, summary, sites, decode, top_contexts)
   return functools.partial(render_slow, output_dir, summary, uv, order,
-                           table, threshold)
+                           table, threshold, expected)
+
+
+def _site_values(scalars: dict[str, float], names: tuple[str, ...],
+                 sites) -> Optional[str]:
+  """Return `a/b/…`, per site the first of `names/<site>` it has (`-` for
+  none), or None when no site has any."""
+  values = []
+  for site in sites:
+    found = [scalars[f"{n}/{site.name}"] for n in names
+             if f"{n}/{site.name}" in scalars]
+    values.append(f"{found[0]:.3g}" if found else "-")
+  return None if set(values) == {"-"} else "/".join(values)
 
 
 def _eval_line(done: int, scalars: dict[str, float], sites, seconds: float,
@@ -273,12 +299,57 @@ def _eval_line(done: int, scalars: dict[str, float], sites, seconds: float,
   for variant in ("ci_masked", "stochastic", "pgd", "zero"):
     if f"recon/{variant}" in scalars:
       parts.append(f"{variant} {scalars[f'recon/{variant}']:.3e}")
-  for key in ("ci_l0", "alive", "identity_ci_error"):
-    if f"{key}/{sites[0].name}" in scalars:
-      values = "/".join(f"{scalars[f'{key}/{s.name}']:.3g}" for s in sites)
-      parts.append(f"{key} {values}")
+  # A site's CI error is against its expected pattern, identity or dense.
+  for label, names in (("ci_l0", ("ci_l0",)), ("alive", ("alive",)),
+                       ("ci_error", ("identity_ci_error", "dense_ci_error")),
+                       ("mmcs", ("mmcs",)), ("ml2r", ("ml2r",))):
+    values = _site_values(scalars, names, sites)
+    if values is not None:
+      parts.append(f"{label} {values}")
   parts.append(f"{seconds:.2f}s")
   return "  ".join(parts)
+
+
+def _match_text(expected: Optional[Expected], scalars: dict[str, float],
+                site: str) -> str:
+  """Return a site's pattern error and, where measured, MMCS and ML2R."""
+  pattern = expected.pattern if expected is not None else "identity"
+  text = f"{pattern} CI error {scalars[f'{pattern}_ci_error/{site}']:.0f}"
+  if expected is not None and expected.pattern == "dense":
+    text += f" (k={expected.k})"
+  if f"mmcs/{site}" in scalars:
+    text += (f", MMCS {scalars[f'mmcs/{site}']:.3f}, "
+             f"ML2R {scalars[f'ml2r/{site}']:.3f}")
+  return text
+
+
+def recovery_lines(
+  ci: dict[str, np.ndarray], target: TargetFns, weights, components,
+) -> list[str]:
+  """Return the end-of-run recovery summary, one `[result]` line per probed
+  site: its alive components, the features each is active on, the CI error
+  against the site's expected pattern (identity or dense, SPEC §11) and,
+  where the site declares a feature axis, MMCS and ML2R (SPEC §10).
+
+  `ci` is the probe CI per site on the host (`probe.probe_ci`); `weights`
+  the frozen target's as the run holds them and `components` the
+  decomposition's, on the host or on device (only the matched sites'
+  slices are fetched).
+  """
+  # Host components become arrays again: the factor reads are JAX functions.
+  features = jax.device_get(eval_step.feature_factors(
+    target, weights, jax.device_put(components)))
+  expected = target.expected or {}
+  scalars = eval_step.probe_scalars(ci, features, expected)
+  lines = []
+  for site, matrix in ci.items():
+    active = probe.active_features(matrix)
+    described = ", ".join(f"c{c}->f{fs}" for c, fs in active.items())
+    lines.append(
+      f"[result] {site}: {len(active)} alive, "
+      f"{_match_text(expected.get(site), scalars, site)}; "
+      f"{described}")
+  return lines
 
 
 class Evaluator(NamedTuple):
@@ -332,20 +403,20 @@ def make_evaluator(
   def submit_render(state, output, summary):
     worker.submit(functools.partial(off_loop.run, render_job(
       output_dir, state, output, summary, target.sites, decode or str,
-      config.ci_alive_threshold, eval_config.top_contexts)))
+      config.ci_alive_threshold, eval_config.top_contexts, target.expected)))
 
   def close():
     worker.close()
     off_loop.close()
 
-  evaluate = _evaluate_fn(config, fns, weights, eval_batches, target.sites,
+  evaluate = _evaluate_fn(config, fns, weights, eval_batches, target,
                           submit_render, writer)
   return Evaluator(evaluate, close, worker.drain)
 
 
 def _evaluate_fn(
-  config, fns: eval_step.EvalFns, weights, eval_batches: Any, sites,
-  submit_render: Callable[..., None], writer: bool,
+  config, fns: eval_step.EvalFns, weights, eval_batches: Any,
+  target: TargetFns, submit_render: Callable[..., None], writer: bool,
 ) -> Callable[..., dict[str, float]]:
   """Return `evaluate(state, done, abandon)` of `Evaluator`: run the tiers
   due, hand a slow pass's render to `submit_render(state, output,
@@ -367,12 +438,12 @@ def _evaluate_fn(
       output = eval_step.merge_slow(
         output, fns.slow(state, weights, key, batches))
     output = transfer.fetch(output)  # collective: every process
-    summary = eval_step.summarize(output)
+    summary = eval_step.summarize(output, target.expected)
     if slow:
       submit_render(state, output, summary)
     seconds = time.time() - start
     if writer:
-      print(_eval_line(done, summary.scalars, sites, seconds, slow),
+      print(_eval_line(done, summary.scalars, target.sites, seconds, slow),
             flush=True)
     record = {f"eval/{k}": v for k, v in summary.scalars.items()}
     record["eval/time_s"] = seconds

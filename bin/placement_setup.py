@@ -3,27 +3,24 @@
 `config_from_flags` validates the placement flags up front; `start` runs
 before JAX touches a device (simulated CPU devices, compilation cache,
 `jax.distributed`); `make_placement` builds the mesh over every device of
-every process and checks it; `check_layouts` refuses `--place` layouts
-that do not tile the run's arrays and reports where the preset's do not
-(before anything is written); `place_run` rebuilds a run's step with the
-table's shardings and moves its state and weights onto the mesh. Only
-process 0 writes files (`is_writer`).
+every process and checks it; `fallback_lines` reports where the preset's
+layouts keep what does not tile replicated, and `flag_named` names the
+flag of a placement error (`recipe.assembly.plan` places the run itself).
+Only process 0 writes files (`is_writer`).
 """
 
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from absl import flags
 from jax.sharding import AxisType, Mesh
 
 from decompax.bin import train_flags  # noqa: F401  (defines the flags)
-from decompax.core import train_step
 from decompax.placement import mesh as mesh_lib
-from decompax.placement import shardings, transfer
+from decompax.placement import shardings
 from decompax.placement import table as table_lib
 
 # Flags that describe one process's launch, not the run: left out of the
@@ -160,14 +157,6 @@ def is_writer() -> bool:
   return jax.process_index() == 0
 
 
-class Placement(NamedTuple):
-  """The mesh of a run, its placement table and the step's XLA options."""
-
-  mesh: Mesh
-  table: table_lib.PlacementTable
-  compiler_options: dict[str, Any] = {}
-
-
 def build_mesh(shape: mesh_lib.MeshShape, devices=None) -> Mesh:
   """Return the `(replicate, fsdp, tp)` mesh over `devices` (default: all)."""
   devices = jax.devices() if devices is None else list(devices)
@@ -178,7 +167,7 @@ def build_mesh(shape: mesh_lib.MeshShape, devices=None) -> Mesh:
 
 def make_placement(
   config: PlacementConfig, lead_shape: tuple[int, ...]
-) -> Placement:
+) -> shardings.Placement:
   """Return the run's mesh, table and compiler options, checked against the
   devices present and the batch's lead shape (it must split evenly)."""
   local = jax.local_devices()
@@ -193,8 +182,8 @@ def make_placement(
     table_lib.partition_spec(table.layout("inputs"),
                              ("batch", "seq")[:len(lead_shape)], lead_shape,
                              shape.sizes)
-  return Placement(build_mesh(shape), table,
-                   compiler_options(config.compiler))
+  return shardings.Placement(build_mesh(shape), table,
+                            compiler_options(config.compiler))
 
 
 def fallback_lines(
@@ -218,23 +207,6 @@ def fallback_lines(
   return lines
 
 
-def check_layouts(
-  placement: Placement, state: train_step.TrainState, weights: Any,
-  lead_shape: tuple[int, ...], frozen_stacks: Any = None,
-) -> list[str]:
-  """Return the startup report of the preset's fallbacks (`fallback_lines`).
-
-  `state`, `weights` and `frozen_stacks` may be abstract. Raises ValueError
-  (one line) when a `--place` layout does not tile, before anything is
-  placed or compiled.
-  """
-  sizes = dict(placement.mesh.shape)
-  with flag_named():
-    found = shardings.fallbacks(placement.table, sizes, state, weights,
-                                lead_shape, frozen_stacks)
-  return fallback_lines(found, sizes)
-
-
 @contextlib.contextmanager
 def flag_named(flag: str = ""):
   """Re-raise the placement library's ValueErrors naming their flag: an
@@ -247,59 +219,3 @@ def flag_named(flag: str = ""):
     raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
   except ValueError as e:
     raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
-
-
-def state_shardings(
-  placement: Placement | None, state: train_step.TrainState,
-  lead_shape: tuple[int, ...],
-) -> train_step.TrainState | None:
-  """Return the `NamedSharding` of every state leaf (None: unplaced), so a
-  checkpoint restores each leaf straight into its place."""
-  if placement is None:
-    return None
-  mesh, table, _ = placement
-  return shardings.named(mesh, shardings.state_specs(
-    table, state, lead_shape, dict(mesh.shape)))
-
-
-class PlacedRun(NamedTuple):
-  """A run's step rebuilt for the mesh, its state and weights on it, the
-  batch sampler pinned to the batch layout and the step's `constrain` hook
-  (both for other jitted passes over the run, such as evals)."""
-
-  built: train_step.TrainStep
-  state: train_step.TrainState
-  weights: Any
-  sample_inputs: Callable[[jax.Array], Any]
-  constrain: train_step.Constrain
-  # Where a host-read batch goes (None for steps that sample inside).
-  inputs_sharding: Any = None
-
-
-def place_run(
-  placement: Placement,
-  make_step: Callable[..., train_step.TrainStep],
-  state: train_step.TrainState,
-  weights: Any,
-  lead_shape: tuple[int, ...],
-  sample_inputs: Callable[[jax.Array], Any],
-  inputs: Any = None,
-) -> PlacedRun:
-  """Return the run placed on the mesh (see `PlacedRun`).
-
-  `make_step(shardings=, constrain=)` builds the run's step: a data-key
-  step (its batch is sampled inside, each device drawing its own slice),
-  or, given `inputs` (a batch or its shapes), a step taking host batches.
-  Raises ValueError when the batch does not split over its mesh axes.
-  State leaves already placed (restored from a checkpoint) stay put.
-  """
-  mesh, table, _ = placement
-  step_shardings = shardings.step_shardings(table, mesh, state, weights,
-                                            lead_shape, inputs)
-  constrain = shardings.make_constrain(table, mesh, lead_shape)
-  return PlacedRun(
-    make_step(shardings=step_shardings, constrain=constrain),
-    transfer.put(state, step_shardings.state),
-    transfer.put(weights, step_shardings.weights),
-    shardings.constrained_sampler(sample_inputs, constrain), constrain,
-    None if inputs is None else step_shardings.inputs)

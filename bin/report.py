@@ -26,7 +26,8 @@ def main(argv: list[str]) -> None:
   try:
     path = report.write_report(_RUN_DIR.value)
   except ValueError as e:
-    fail(str(e))
+    fail(f"--run_dir: {e}; pass a directory bin/train wrote (its "
+         "--output_dir)")
   print(f"[report] wrote {path}")
 
 

@@ -88,7 +88,8 @@ def record_launch(output_dir: str, mode: str) -> None:
   try:
     run_dir.atomic_write(path, lambda f: f.write(text.encode("utf-8")))
   except OSError as e:
-    raise checkpoint.CheckpointError(run_dir.write_refusal(path, e)) from None
+    raise checkpoint.CheckpointError(
+      f"--output_dir: {run_dir.write_refusal(path, e)}") from None
 
 
 def parse_profile_steps(text: str, num_steps: int) -> tuple[int, int] | None:

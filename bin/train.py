@@ -7,28 +7,27 @@ command resumes an interrupted run; SIGTERM/SIGINT save the completed step
 and exit with 75 for a requeue (`checkpointing`).
 """
 
-import functools
+import contextlib
 import os
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from absl import flags, logging
 
-from decompax.bin import checkpointing, cli, evaluation, recipe, run_records
-from decompax.bin import lm_setup, placement_setup, term_table, token_data
-from decompax.bin import tokens_text, train_flags
-from decompax.core import ci_fns, health, probe, sites as sites_lib
-from decompax.core import train_step
-from decompax.core import warmup as warmup_lib
+from decompax.bin import checkpointing, cli, evaluation, placement_setup
+from decompax.bin import run_records, tokens_text, train_flags
+from decompax.core import health, probe, sites as sites_lib
 from decompax.io import checkpoint, decomposition, figures, run_dir
-from decompax.placement import transfer
-from decompax.losses import faithfulness
+from decompax.placement import shardings, transfer
+from decompax.recipe import assembly, engine, lm, terms, token_data
+from decompax.recipe.config import TrainConfig, setting
 from decompax.targets import registry
 
 # Flags a launch may change without changing the run (flags.txt omits them).
-RELAUNCH_FLAGS = ("overwrite", "on_nonfinite", "max_skipped_in_a_row")
+RELAUNCH_FLAGS = ("overwrite", "on_nonfinite", "max_skipped_in_a_row",
+                  "stop_after_step")
 
 
 def fail(message: str) -> None:
@@ -85,7 +84,8 @@ def load_or_train_target(toy, config, target_path: str, use_cache: bool):
   def progress(step, loss):
     print(f"[target]   step {step}  loss {loss:.3e}", flush=True)
 
-  weights = toy.train(seed, progress=progress)
+  with setting("target_seed"):
+    weights = toy.train(seed, progress=progress)
   print(f"[target] trained in {time.time() - start:.1f}s; every feature "
         "represented")
   return weights, (toy.weights_to_arrays(weights), meta)
@@ -104,7 +104,7 @@ def format_duration(seconds: float) -> str:
 def progress_line(step, total, metrics, sites, steps_per_s) -> str:
   """Return one terminal line: step, losses, CI-L0, speed and ETA."""
   parts = [f"step {step}/{total}"]
-  for term in term_table.TERMS:
+  for term in terms.TERMS:
     if f"loss/{term.name}" in metrics:
       parts.append(f"{term.short} {metrics[f'loss/{term.name}']:.3e}")
   l0 = "/".join(f"{metrics[f'ci_l0/{s.name}']:.2f}" for s in sites)
@@ -131,15 +131,16 @@ def write_figures(output_dir, target, ci_fn, weights, state, metrics_path):
   ci = jax.device_get(probe.probe_ci(
     target, ci_fn, weights, state.components, state.ci_params))
   ci = {site: np.asarray(v) for site, v in ci.items()}
+  expected = target.expected or {}
   figures.plot_ci_on_features(
-    ci, os.path.join(fig_dir, "ci_on_features.png"), "CI on one-hot features")
+    ci, os.path.join(fig_dir, "ci_on_features.png"), "CI on one-hot features",
+    expected=target.expected)
   uv, order = {}, {}
   for site in target.sites:
     v, u = jax.device_get(sites_lib.site_factors(state.components, site))
     uv[site.name] = (np.asarray(v), np.asarray(u))
-    perm = probe.identity_permutation(ci[site.name])
-    alive = set(probe.alive_components(ci[site.name]))
-    order[site.name] = [c for c in perm if c in alive] or perm[:1]
+    order[site.name] = evaluation.probe_column_order(
+      ci[site.name], expected.get(site.name))
   figures.plot_components(uv, os.path.join(fig_dir, "components.png"), order)
   records = run_dir.read_metrics(metrics_path)
   if records:
@@ -147,248 +148,158 @@ def write_figures(output_dir, target, ci_fn, weights, state, metrics_path):
   return ci
 
 
-def summarize(ci: dict[str, np.ndarray]) -> list[str]:
-  """Return the recovery summary: alive components and identity CI error."""
-  lines = []
-  for site, matrix in ci.items():
-    active = probe.active_features(matrix)
-    described = ", ".join(f"c{c}->f{fs}" for c, fs in active.items())
-    lines.append(
-      f"[result] {site}: {len(active)} alive, identity CI error "
-      f"{probe.identity_ci_error(matrix)}; {described}")
-  return lines
+class Prepared(NamedTuple):
+  """A run checked and planned, its directory claimed (see `setup`):
+  the plan, the host's frozen weights and where results go."""
+
+  plan: assembly.Plan
+  weights: Any
+  output_dir: str
+  placement: shardings.Placement | None = None
+
+  @property
+  def config(self) -> TrainConfig:
+    return self.plan.parts.config
+
+  @property
+  def target(self):
+    return self.plan.parts.target
 
 
-def resolve_target(config: train_flags.TrainConfig):
-  """Return the target record, the selected sites, their function table and,
-  for checkpoint LMs, the weight loader (None: toys train their weights)."""
-  if lm_setup.is_lm(config):
-    toy, target, load = lm_setup.hf_target(config)
-    return toy, target.sites, target, load
-  toy = registry.get(config.target)
-  sites = recipe.select_sites(toy.sites(config.c), config.sites, toy.name)
-  return toy, sites, registry.fns_for(toy, config.c, sites), None
-
-
-def ci_config_of(config, toy, sites):
-  """Return the run's CI config; LM transformer CIs chunk by block."""
-  width = toy.config.d_model if lm_setup.is_lm(config) else 0
-  return recipe.ci_config(config, sites, width)
-
-
-def setup(config: train_flags.TrainConfig, placement=None):
-  """Return the toy, its function table, trained weights and run dir.
-
-  Every check of user input happens here, before anything is written
-  (with a placement: its `--place` layouts, see `report_placement`).
+def setup(config: TrainConfig, placement=None) -> Prepared:
+  """Return the run planned (`assembly.parts`, `assembly.plan`) with its
+  weights, after every check of user input and before its directory is
+  written (with a placement: its `--place` layouts, `report_placement`).
   """
-  toy, sites, target, load_lm = resolve_target(config)
-  lead = lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size)
-  # Builds every loss term once so that term-level refusals (unknown group
-  # sites, missing unit layouts) happen before anything is written.
-  recipe.loss_terms(config, sites, lm_setup.tokens_per_batch(lead),
-                    target.nonlinear_units, lead)
+  toy, target, load = assembly.resolve_target(config)
+  parts = assembly.parts(config, toy, target)
   output_dir = config.output_dir
   if output_dir is None:
     # The default location's parent is ours to create; a user's is not.
     os.makedirs("runs", exist_ok=True)
     output_dir = os.path.join("runs", toy.name)
   flags_text = resolved_flags_text()
-  run_dir.check_run_dir(output_dir, flags_text, config.overwrite,
-                        flag_defaults())
+  with output_dir_named():
+    run_dir.check_run_dir(output_dir, flags_text, config.overwrite,
+                          flag_defaults())
   # The lock lasts as long as its descriptor, which nothing closes. An
   # existing run is locked before anything reads it; a new one only once
   # every check has passed, since locking creates the directory.
   writer, lock = placement_setup.is_writer(), None
   if writer and os.path.isdir(output_dir):
-    lock = run_dir.lock_run_dir(output_dir)
-  checkpointing.check_entry(config, output_dir, sites,
-                            ci_config_of(config, toy, sites))
+    with output_dir_named():
+      lock = run_dir.lock_run_dir(output_dir)
+  checkpointing.check_entry(config, output_dir, target.sites,
+                            parts.ci_config)
+  weights, save_cache = frozen_weights(config, toy, target, load, output_dir)
+  data = open_token_data(config, toy)
+  if lm.is_lm(config):
+    print(token_data.describe(data))
+  with placement_setup.flag_named():
+    planned = assembly.plan(parts, weights, placement, data)
+  if placement is not None:
+    report_placement(planned, placement)
+  if writer:
+    with output_dir_named():
+      if lock is None:
+        run_dir.lock_run_dir(output_dir)
+      run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite,
+                              flag_defaults())
+    save_cache()
+  return Prepared(planned, weights, output_dir, placement)
+
+
+@contextlib.contextmanager
+def output_dir_named():
+  """Re-raise a run directory's refusal naming `--output_dir`, and
+  `--overwrite` where it would replace the run there."""
+  try:
+    yield
+  except run_dir.RunConflict as e:
+    raise ValueError(f"--output_dir: {e} (--overwrite replaces it)") from None
+  except ValueError as e:
+    raise ValueError(f"--output_dir: {e}") from None
+
+
+def write_refusal(path: str, error: OSError) -> str:
+  """Return why `path` in the run directory could not be written, on one
+  line naming `--output_dir`."""
+  return f"--output_dir: {run_dir.write_refusal(path, error)}"
+
+
+def frozen_weights(config: TrainConfig, toy, target, load, output_dir: str):
+  """Return the target's frozen weights and `save_cache()`, which writes a
+  toy target trained here to its cache (process 0, once the run directory
+  is prepared)."""
+  if load is not None:
+    return load(), lambda: None
   target_path = config.target_path or os.path.join(output_dir, "target.npz")
   # --overwrite replaces the run, including a target cached inside it.
   use_cache = config.target_path is not None or not config.overwrite
-  if lm_setup.is_lm(config):
-    weights, cache = load_lm(), None
-  else:
-    weights, cache = load_or_train_target(toy, config, target_path, use_cache)
-    weights = registry.weights_for(toy, weights, sites)
-  recipe.check_rider_points(config, target, weights,
-                            toy.sample_inputs(jax.random.key(0), 2))
-  if lm_setup.is_lm(config):
-    print(token_data.describe(open_token_data(config, toy)))
-  if placement is not None:
-    report_placement(config, toy, target, weights, placement, lead)
-  if writer:
-    if lock is None:
-      run_dir.lock_run_dir(output_dir)
-    run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite,
-                            flag_defaults())
-    if cache is not None and not os.path.exists(target_path):
+  weights, cache = load_or_train_target(toy, config, target_path, use_cache)
+
+  def save_cache():
+    if not os.path.exists(target_path):
       run_dir.save_arrays(target_path, *cache)
-  return toy, target, weights, output_dir
+
+  return registry.weights_for(toy, weights, target.sites), save_cache
 
 
-def report_placement(config, toy, target, weights, placement,
-                     lead: tuple[int, ...]) -> None:
-  """Refuse `--place` layouts that do not tile the run's arrays (ValueError)
-  and print where the preset's layouts replicate what does not tile
-  (process 0), from the run's shapes alone; `lead` is the batch's lead
-  shape."""
-  state = jax.eval_shape(lambda: build_run(
-    config, toy, target, weights, restore=lambda state, *_: state).state)
-  lines = placement_setup.check_layouts(
-    placement, state, weights, lead,
-    jax.eval_shape(target.frozen_stacks, weights))
+def report_placement(planned: assembly.Plan,
+                     placement: shardings.Placement) -> None:
+  """Print where the preset's layouts keep what does not tile replicated
+  (process 0; `--place` layouts that do not tile were refused by
+  `assembly.plan`)."""
   if placement_setup.is_writer():
-    for line in lines:
+    for line in placement_setup.fallback_lines(
+        planned.fallbacks, dict(placement.mesh.shape)):
       print(line)
 
 
 def open_token_data(config, toy) -> token_data.TokenData | None:
   """Return an LM run's token files (None: batches sampled in the step)."""
-  if not lm_setup.is_lm(config):
+  if not lm.is_lm(config):
     return None
   return token_data.open_data(config, toy.config.vocab_size)
 
 
-class Run(NamedTuple):
-  """A ready-to-step run: its jitted step, state and keys."""
-
-  built: train_step.TrainStep
-  state: train_step.TrainState
-  ci_fn: ci_fns.CIFn
-  terms: tuple[train_step.LossTerm, ...]
-  data_key: jax.Array
-  warmup_losses: jax.Array
-  # The frozen weights as the step takes them (on the mesh when placed), the
-  # batch sampler and the placement hook for other passes (evals).
-  weights: object = None
-  sample_inputs: object = None
-  constrain: object = train_step.no_constraint
-  # Token files (None: the step samples its own batch from `data_key`) and
-  # where a host batch goes on the mesh (None: unplaced).
-  data: token_data.TokenData | None = None
-  inputs_sharding: object = None
-
-  def step_inputs(self, step: int):
-    """Return what the step takes beside state and weights at `step`."""
-    if self.data is None:
-      return self.data_key
-    return token_data.train_batch(self.data, step, self.inputs_sharding)
-
-  def eval_batches(self, n_batches: int):
-    """Return the held-out batches read from token files, or None."""
-    if self.data is None:
-      return None
-    return token_data.eval_batches(self.data, n_batches, self.inputs_sharding)
-
-
-def build_run(config, toy, target, weights, restore=None,
-              placement=None) -> Run:
-  """Initialise, warm up faithfulness and build the step of one run.
-
-  With `restore(state, reinit, shardings, term_names)` (a resume or
-  fine-tune init) the warmup is skipped and the initial state is replaced by
-  the restored one, read onto the placement's shardings when placed. With a
-  `placement_setup.Placement` the step, state and weights go on its mesh.
-  """
-  root = jax.random.key(config.seed)
-  init_key, _, run_key, data_key = jax.random.split(root, 4)
-  vu_key, ci_key = jax.random.split(init_key)
-  ci_fn = ci_fns.make_ci_fn(ci_config_of(config, toy, target.sites),
-                            target.sites)
-  components, warmup_losses = warm_components(
-    config, target, weights, vu_key, warm=restore is None)
-  lead = lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size)
-  terms = recipe.loss_terms(config, target.sites,
-                            lm_setup.tokens_per_batch(lead),
-                            target.nonlinear_units, lead)
-
-  def sample(key):
-    return toy.sample_inputs(key, config.batch_size)
-
-  data = open_token_data(config, toy)
-  make_step = functools.partial(
-    train_step.make_train_step, target, ci_fn, terms,
-    recipe.step_config(config), sample_inputs=None if data else sample)
-  built = make_step()
-  state = init_state(built, placement, components, ci_fn.init(ci_key),
-                     run_key, lead, restore, tuple(t.name for t in terms))
-  constrain, inputs_sharding = train_step.no_constraint, None
-  if placement is not None:
-    built, state, weights, sample, constrain, inputs_sharding = (
-      placement_setup.place_run(
-        placement, make_step, state, weights, lead, sample,
-        None if data is None else token_data.example_batch(data)))
-  return Run(built, state, ci_fn, terms, data_key, warmup_losses, weights,
-             sample, constrain, data, inputs_sharding)
-
-
-def warm_components(config, target, weights, vu_key, warm: bool):
-  """Return the initial components, after the faithfulness warmup when
-  `warm`, and the warmup's losses (none without it)."""
-  w_stacks = target.frozen_stacks(weights)
-  if config.components_init == "projected":
-    components = sites_lib.init_components_projected(
-      vu_key, target.sites, w_stacks)
-  else:
-    components = sites_lib.init_components(vu_key, target.sites)
-  return warmup_lib.faithfulness_warmup(
-    lambda comps, ws: faithfulness.faithfulness_per_kind(ws, comps),
-    components, w_stacks, config.faithfulness_warmup_steps if warm else 0,
-    config.faithfulness_warmup_lr, config.faithfulness_warmup_weight_decay)
-
-
-def init_state(built, placement, components, ci_params, run_key, lead,
-               restore=None, term_names=()) -> train_step.TrainState:
-  """Return the step's initial state, on the placement's shardings when
-  placed, replaced by the restored one with `restore` (see `build_run`)."""
-  shardings = placement_setup.state_shardings(placement, jax.eval_shape(
-    lambda c, p, k: built.init(c, p, k, lead), components, ci_params,
-    run_key), lead)
-  init = built.init
-  if shardings is not None:
-    # The optimizer moments are born in their shards: a whole copy of the
-    # state need never fit one device.
-    init = jax.jit(built.init, static_argnums=3, out_shardings=shardings)
-  state = init(components, ci_params, run_key, lead)
-  if restore is not None:
-    # Placed runs read each leaf straight into its shards on the mesh.
-    state = restore(state, lambda comps, ci_params: built.init(
-      comps, ci_params, run_key, lead), shardings, term_names)
-  return state
-
-
-def train(config, toy, target, weights, output_dir, placement=None):
-  """Warm up, train with progress output, then write results.
+def train(prepared: Prepared):
+  """Start the run (restored or warmed up), train with progress output,
+  then write results.
 
   Every process runs this; only process 0 writes (`placement_setup`).
   """
-  writer = placement_setup.is_writer()
-  session = checkpointing.open_session(
-    config, output_dir, target.sites,
-    ci_config_of(config, toy, target.sites))
-  run = build_run(config, toy, target, weights,
-                  checkpointing.restorer(session), placement)
-  session = checkpointing.with_terms(session, tuple(t.name for t in run.terms))
+  config, output_dir = prepared.config, prepared.output_dir
+  parts, writer = prepared.plan.parts, placement_setup.is_writer()
+  session = checkpointing.open_session(config, output_dir, parts.target.sites,
+                                       parts.ci_config, parts.term_names)
+  run = assembly.start(prepared.plan, prepared.weights,
+                       checkpointing.restorer(session))
   checkpointing.after_warmup(session, run.state)
   print_warmup(config, run.warmup_losses)
-  print(f"[train] {toy.name}: sites {', '.join(s.name for s in target.sites)}"
-        f"; C={config.c}; terms {', '.join(t.name for t in run.terms)}")
+  print(f"[train] {parts.toy.name}: sites "
+        f"{', '.join(s.name for s in parts.target.sites)}; C={config.c}; "
+        f"terms {', '.join(parts.term_names)}")
   first = int(jax.device_get(run.state.step))
-  loop = Loop(config, target, weights, run, compile_step(run, first, placement),
-              evaluator_of(config, target, run, output_dir), session,
+  loop = Loop(config, parts.target, prepared.weights, run,
+              compile_step(run, first, prepared.placement),
+              evaluator_of(config, parts.target, run, output_dir), session,
               output_dir, writer)
   if first == 0:  # fresh runs only (SPEC I44)
     evaluation.log_baseline(loop.evaluator, run.state, loop.metrics_path)
   state = run_steps(loop, run.state, first)
   checkpointing.close(session)
   loop.evaluator.close()
+  if last_step(config) < config.num_steps:
+    print(f"[train] stopped after step {max(first, last_step(config))} of "
+          f"{config.num_steps} (--stop_after_step); rerun without it to "
+          "continue")
+    return
   checkpointing.check_finite(session, state, full=True)
   state = transfer.fetch(state)  # collective: every process
   if writer:
-    finish(config, target, run.ci_fn, session.ci_config, weights, state,
-           output_dir, loop.metrics_path)
+    finish(config, parts.target, run.ci_fn, session.ci_config,
+           prepared.weights, state, output_dir, loop.metrics_path)
     evaluation.write_final_report(output_dir)
 
 
@@ -400,7 +311,8 @@ def print_warmup(config, warmup_losses: jax.Array) -> None:
           f"{warm_first:.3e} -> {warm_last:.3e}")
 
 
-def compile_step(run: Run, first: int, placement=None):
+def compile_step(run: assembly.Run, first: int,
+                 placement: shardings.Placement | None = None):
   """Return the run's step compiled for its state at step `first`."""
   compile_start = time.time()
   compiled = run.built.step.lower(
@@ -410,16 +322,16 @@ def compile_step(run: Run, first: int, placement=None):
   return compiled
 
 
-def evaluator_of(config, target, run: Run,
+def evaluator_of(config: TrainConfig, target, run: assembly.Run,
                  output_dir: str) -> evaluation.Evaluator:
   """Return the run's in-loop evaluator (`evaluation.make_evaluator`)."""
   return evaluation.make_evaluator(
     config, target, run.ci_fn, run.terms, run.sample_inputs, run.weights,
     output_dir, constrain=run.constrain,
     eval_batches=run.eval_batches(config.eval_batches),
-    compute_dtype=recipe.compute_dtype(config),
+    compute_dtype=engine.compute_dtype(config),
     decode=(tokens_text.token_decoder(config.model_dir)
-            if lm_setup.is_lm(config) else None))
+            if lm.is_lm(config) else None))
 
 
 class Loop(NamedTuple):
@@ -427,10 +339,10 @@ class Loop(NamedTuple):
   step and evaluator, the checkpoint session and where results go. `weights`
   are the host's frozen weights (figures); `writer`: this process writes."""
 
-  config: train_flags.TrainConfig
+  config: TrainConfig
   target: object
   weights: object
-  run: Run
+  run: assembly.Run
   compiled: object
   evaluator: evaluation.Evaluator
   session: object
@@ -448,7 +360,7 @@ def run_steps(loop: Loop, state, first: int):
   config, session = loop.config, loop.session
   window_start, window_steps = time.time(), 0
   skipped = int(jax.device_get(state.health.nonfinite_steps))
-  for s in range(first, config.num_steps):
+  for s in range(first, last_step(config)):
     run_records.profile_before_step(config, loop.output_dir, s)
     state, metrics = loop.compiled(state, loop.run.weights,
                                    loop.run.step_inputs(s))
@@ -463,6 +375,11 @@ def run_steps(loop: Loop, state, first: int):
     run_records.profile_after_step(config, loop.output_dir, state, done)
     checkpointing.after_step(session, state, done)
   return state
+
+
+def last_step(config: TrainConfig) -> int:
+  """Return the step this launch trains up to."""
+  return config.stop_after_step or config.num_steps
 
 
 def log_step(loop: Loop, state, metrics: dict, done: int,
@@ -513,8 +430,10 @@ def finish(config, target, ci_fn, ci_config, weights, state, output_dir,
   path = os.path.join(output_dir, "decomposition.npz")
   run_dir.save_arrays(path, arrays, meta)
   ci = write_figures(output_dir, target, ci_fn, weights, state, metrics_path)
-  for line in summarize(ci):
-    print(line)
+  if ci:
+    for line in evaluation.recovery_lines(ci, target, weights,
+                                          state.components):
+      print(line)
   print(f"[train] wrote {path} and {os.path.join(output_dir, 'figures')}/")
 
 
@@ -531,19 +450,19 @@ def main(argv: list[str]) -> None:
     placement_setup.start(placement_config)
     placement = placement_setup.make_placement(placement_config,
                                                (config.batch_size,))
-    toy, target, weights, output_dir = setup(config, placement)
+    prepared = setup(config, placement)
   except ValueError as e:
     fail(str(e))
   except OSError as e:  # the disk filled or vanished under the setup
-    fail(run_dir.write_refusal(e.filename or config.output_dir, e))
+    fail(write_refusal(e.filename or config.output_dir, e))
   try:
-    train(config, toy, target, weights, output_dir, placement)
+    train(prepared)
   except checkpoint.CheckpointError as e:
     fail(str(e))
   except checkpointing.Diverged as e:
     cli.fail("train", str(e), checkpointing.DIVERGED_EXIT_CODE)
   except OSError as e:  # metrics, figures or results; checkpoints are safe
-    fail(run_dir.write_refusal(e.filename or output_dir, e))
+    fail(write_refusal(e.filename or prepared.output_dir, e))
 
 
 def entry() -> None:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from decompax.core.schedules import Schedule, schedule_value
+from decompax.core.schedules import KnotSchedule, Schedule, schedule_value
 
 CLIP_EPS = 1e-6
 
@@ -22,7 +22,7 @@ CLIP_EPS = 1e-6
 class AdamWConfig:
   """AdamW settings; weight decay is 0 unless set (libraries differ)."""
 
-  lr: Schedule
+  lr: Schedule | KnotSchedule
   b1: float = 0.9
   b2: float = 0.999
   eps: float = 1e-8
@@ -74,7 +74,7 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 class MuonConfig:
   """Muon for matrix leaves (SPEC §6.5); other leaves take Adam."""
 
-  lr: Schedule
+  lr: Schedule | KnotSchedule
   beta: float = 0.95
   nesterov: bool = True
   ns_steps: int = 5

@@ -4,7 +4,7 @@ A probe is a batch of single-feature inputs; its CI is a `[n_features, C]`
 matrix per site. Metrics here run on host numpy arrays after the probe.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import scipy.optimize
@@ -43,6 +43,20 @@ def identity_permutation(ci: np.ndarray) -> list[int]:
   return matched + [int(c) for c in rest]
 
 
+def dense_permutation(ci: np.ndarray) -> list[int]:
+  """Return the column order of a dense CI pattern: descending column mass
+  (SPEC §11), ties in index order."""
+  return [int(c) for c in np.argsort(-np.asarray(ci).sum(0), kind="stable")]
+
+
+def pattern_permutation(ci: np.ndarray, expected: Optional[Expected]
+                        ) -> list[int]:
+  """Return the column order of `expected`'s pattern (identity when None)."""
+  if expected is not None and expected.pattern == "dense":
+    return dense_permutation(ci)
+  return identity_permutation(ci)
+
+
 def identity_ci_error(ci: np.ndarray, tol: float = IDENTITY_TOL) -> int:
   """Return the count of entries breaking an identity CI pattern.
 
@@ -66,7 +80,7 @@ def dense_ci_error(ci: np.ndarray, k: int, tol: float = IDENTITY_TOL) -> int:
   every entry `> tol` in the remaining columns.
   """
   ci = np.asarray(ci)
-  order = np.argsort(-ci.sum(0), kind="stable")
+  order = dense_permutation(ci)
   dense, rest = ci[:, order[:k]], ci[:, order[k:]]
   missing = int(np.sum(~np.any(dense >= 1.0 - tol, axis=0)))
   return missing + int(np.sum(rest > tol))

@@ -1,24 +1,16 @@
-"""One site's decomposed matmul and the masks it consumes (SPEC §3.2).
+"""One site's decomposed matmul (SPEC §3.2).
 
-`x: [*L, d_in]`; masks, delta masks and routes share the leading shape `*L`
-(or broadcast over size-1 axes of it).
+`x: [*L, d_in]`; the `SiteMask` it consumes (`core.masks`) holds masks,
+delta masks and routes that share the leading shape `*L` (or broadcast over
+size-1 axes of it).
 """
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
-
-class SiteMask(NamedTuple):
-  """What one live site consumes in a masked forward.
-
-  `delta = None` means no delta path; `route = None` routes every position.
-  """
-
-  mask: Float[Array, "..."]
-  delta: Optional[Float[Array, "..."]] = None
-  route: Optional[Bool[Array, "..."]] = None
+from decompax.core.masks import SiteMask
 
 
 def decomposed_matmul(

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Optional
 
 from jaxtyping import Array, Float
 
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import SiteMask
 from decompax.core.sites import Components, SiteSpec
 
 Weights = Any

@@ -313,6 +313,41 @@ def clean_tap_keys(
   return tuple(dict.fromkeys(keys))
 
 
+def make_init(
+  terms: tuple[LossTerm, ...], config: StepConfig
+) -> Callable[..., TrainState]:
+  """Return `init(components, ci_params, run_key, lead_shape=())`, the
+  builder of the step's initial state (see `make_train_step`).
+
+  Apart from the step, so that a run can take the state's shapes
+  (`jax.eval_shape`), and from them its shardings, before it builds the
+  step those shardings place.
+  """
+  # Optimizer states depend on no placement: `constrain` acts in updates.
+  components_tx = optim.make_optimizer(config.components_opt,
+                                       config.total_steps)
+  ci_tx = optim.adamw(config.ci_opt, config.total_steps)
+
+  def init(components, ci_params, run_key, lead_shape=()):
+    state_key = jax.random.fold_in(run_key, TERM_STATE_STREAM)
+    term_states = {
+      t.name: t.init_state(jax.random.fold_in(state_key, j), tuple(lead_shape))
+      for j, t in enumerate(terms) if t.init_state is not None
+    }
+    return TrainState(
+      components=components,
+      ci_params=ci_params,
+      components_opt=components_tx.init(components),
+      ci_opt=ci_tx.init(ci_params),
+      term_states=term_states,
+      step=jnp.zeros((), jnp.int32),
+      rng=run_key,
+      health=health_lib.healthy(),
+    )
+
+  return init
+
+
 def make_train_step(
   target: TargetFns,
   ci_fn: CIFn,
@@ -351,22 +386,7 @@ def make_train_step(
                                        config.total_steps, constrain)
   ci_tx = optim.adamw(config.ci_opt, config.total_steps)
 
-  def init(components, ci_params, run_key, lead_shape=()):
-    state_key = jax.random.fold_in(run_key, TERM_STATE_STREAM)
-    term_states = {
-      t.name: t.init_state(jax.random.fold_in(state_key, j), tuple(lead_shape))
-      for j, t in enumerate(terms) if t.init_state is not None
-    }
-    return TrainState(
-      components=components,
-      ci_params=ci_params,
-      components_opt=components_tx.init(components),
-      ci_opt=ci_tx.init(ci_params),
-      term_states=term_states,
-      step=jnp.zeros((), jnp.int32),
-      rng=run_key,
-      health=health_lib.healthy(),
-    )
+  init = make_init(terms, config)
 
   def train_step(state: TrainState, weights: Weights, inputs: Batch):
     step_key = jax.random.fold_in(state.rng, state.step)

@@ -448,28 +448,81 @@ def read_item(path: Path, item: str) -> tuple[dict[str, np.ndarray], dict]:
   return arrays, dict(manifest.get("metadata", {}))
 
 
+def processes_agree(step: int, ok: bool) -> bool:
+  """Return whether every process could read `step` (`ok` is this one's
+  answer); in a one-process run, `ok`. Raises CheckpointError when the
+  processes are looking at different steps."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  # A deliberate copy to the host, wherever implicit ones are disallowed.
+  with jax.transfer_guard("allow"):
+    seen = np.asarray(multihost_utils.process_allgather(
+      np.array([step, int(ok)], np.int64)))
+  steps = sorted(set(seen[:, 0].tolist()))
+  if len(steps) > 1:
+    raise CheckpointError(
+      f"the processes look at different checkpoints ({steps}); every "
+      "process must see the same checkpoint directory")
+  return bool(seen[:, 1].all())
+
+
+def this_process_only(step: int, ok: bool) -> bool:
+  """Return `ok`: the agreement of a reader no other process joins."""
+  del step
+  return ok
+
+
+def _attempt(directory: Path, step: int, restore: Callable[[str], Any],
+             check, agree) -> tuple[Any, DamagedCheckpoint | None]:
+  """Return what `restore` read of `step` and why it is unusable (None:
+  usable), as every process agrees."""
+  path = step_path(directory, step)
+  restored, failure = None, None
+  try:
+    read_index(path)
+    restored = restore(path)
+  except DamagedCheckpoint as e:
+    failure = e
+  if not agree(step, failure is None) and failure is None:
+    failure = DamagedCheckpoint(
+      f"checkpoint {path}: another process found its shards damaged")
+  if failure is None and check is not None:
+    try:
+      check(path, restored)
+    except DamagedCheckpoint as e:
+      failure = e
+  return restored, failure
+
+
 def restore_latest(
   directory: Path,
   restore: Callable[[str], Any],
   report: Callable[[str], None],
+  check: Callable[[str, Any], None] | None = None,
+  agree: Callable[[int, bool], bool] = processes_agree,
 ) -> tuple[int, Any] | None:
-  """Return `(label, restore(step_path))` for the newest readable step.
+  """Return `(label, restore(step_path))` for the newest usable step.
 
-  A damaged step (DamagedCheckpoint, NonfiniteCheckpoint included) is
-  reported through `report` and the previous one tried.
-  Returns None when there is no committed step; raises CheckpointError
-  when every committed step is damaged.
+  `restore(path)` reads a step, each process its own shards; `check(path,
+  restored)`, if given, then inspects what was read (it may be a
+  collective, such as a finiteness check over global arrays). A damaged
+  step (DamagedCheckpoint, NonfiniteCheckpoint included, from either) is
+  reported through `report` and the previous one tried. One process may
+  find damage in shards the others never read: before `check`, the
+  processes agree (`agree(step, ok)`, all-or-none) so that all of them
+  fall back together rather than restore different steps and hang in the
+  next collective. Returns None when there is no committed step; raises
+  CheckpointError when every committed step is damaged.
   """
   steps = committed_steps(directory)
   for step in reversed(steps):
-    path = step_path(directory, step)
-    try:
-      read_index(path)
-      return step, restore(path)
-    except DamagedCheckpoint as e:
-      what = ("holds non-finite values" if isinstance(e, NonfiniteCheckpoint)
-              else "is damaged")
-      report(f"checkpoint {step_name(step)} {what} and is skipped: {e}")
+    restored, failure = _attempt(directory, step, restore, check, agree)
+    if failure is None:
+      return step, restored
+    what = ("holds non-finite values"
+            if isinstance(failure, NonfiniteCheckpoint) else "is damaged")
+    report(f"checkpoint {step_name(step)} {what} and is skipped: {failure}")
   if steps:
     raise CheckpointError(
       f"{directory}: all {len(steps)} checkpoints are damaged or hold "

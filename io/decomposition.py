@@ -140,9 +140,10 @@ def load_decomposition(path: Path, sharding: Any = None) -> Decomposition:
   if os.path.isfile(os.path.join(path, checkpoint.INDEX_FILE)):
     return _load_step(path, sharding)
   for directory in (os.path.join(path, checkpoint.CHECKPOINT_DIR), path):
+    # A consumer may read alone, so no other process is asked to agree.
     found = checkpoint.restore_latest(
       directory, lambda p: _load_step(p, sharding, strict=True),
-      warnings.warn)
+      warnings.warn, agree=checkpoint.this_process_only)
     if found is not None:
       return found[1]
   raise CheckpointError(f"no checkpoint at {path}")

@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from decompax.core import probe
+from decompax.core.target import Expected
 from decompax.io import run_dir
 
 _DPI = 100
@@ -68,9 +69,15 @@ def _heatmap(
 def plot_ci_on_features(
   ci_by_site: Mapping[str, np.ndarray], path: run_dir.Path, title: str,
   ylabel: str = "feature",
+  expected: Mapping[str, Expected] | None = None,
 ) -> str:
   """Return `path` after plotting one permuted CI heatmap per site (rows:
-  probe features, or token positions for a batch-mean LM CI)."""
+  probe features, or token positions for a batch-mean LM CI).
+
+  Columns follow each site's `expected` pattern (SPEC §11): the identity
+  permutation, or descending column mass for dense sites; identity for
+  sites it does not name.
+  """
   if not ci_by_site:
     raise ValueError("plot_ci_on_features: no sites given")
   widths = [_panel_width(np.shape(ci)[1]) for ci in ci_by_site.values()]
@@ -79,10 +86,13 @@ def plot_ci_on_features(
   for ax, (site, ci) in zip(axes, ci_by_site.items()):
     ci = np.asarray(ci)
     vmax = max(1.0, float(np.max(ci, initial=0.0)))
-    order = probe.identity_permutation(ci)
+    pattern = (expected or {}).get(site)
+    order = probe.pattern_permutation(ci, pattern)
     _heatmap(fig, ax, ci[:, order], order,
              cmap="viridis", vmin=0.0, vmax=vmax)
-    ax.set(title=site, xlabel="component (permuted)", ylabel=ylabel)
+    xlabel = ("component (by CI mass)" if pattern is not None
+              and pattern.pattern == "dense" else "component (permuted)")
+    ax.set(title=site, xlabel=xlabel, ylabel=ylabel)
   fig.suptitle(title)
   return _save_png(fig, path)
 
@@ -265,12 +275,21 @@ def plot_log_density(
   return _save_png(fig, path)
 
 
+def _curve_label(key: str, prefixes: tuple[str, ...]) -> str:
+  for prefix in prefixes:
+    if key.startswith(prefix):
+      return key[len(prefix):] or key
+  return key
+
+
 def plot_metric_curves(
-  metrics: Sequence[Mapping[str, Any]], prefix: str, path: run_dir.Path,
-  ylabel: str, log: bool = True,
+  metrics: Sequence[Mapping[str, Any]], prefix: str | tuple[str, ...],
+  path: run_dir.Path, ylabel: str, log: bool = True,
 ) -> str:
-  """Return `path` after plotting every metric named `prefix*` against step."""
-  keys = sorted({k for r in metrics for k in r if k.startswith(prefix)})
+  """Return `path` after plotting every metric named `prefix*` (one of the
+  prefixes, when a tuple) against step, labelled without its prefix."""
+  prefixes = (prefix,) if isinstance(prefix, str) else tuple(prefix)
+  keys = sorted({k for r in metrics for k in r if k.startswith(prefixes)})
   fig = Figure(figsize=(4.3, 3.0))
   fig.subplots_adjust(left=0.2, right=0.97, bottom=0.15, top=0.95)
   ax = fig.subplots()
@@ -280,12 +299,12 @@ def plot_metric_curves(
               and math.isfinite(r[key]) and (r[key] > 0 or not log)]
     if points:
       steps, values = zip(*points)
-      ax.plot(steps, values, label=key[len(prefix):] or key, linewidth=1.0,
+      ax.plot(steps, values, label=_curve_label(key, prefixes), linewidth=1.0,
               marker="." if len(points) < 30 else None)
   ax.set(xlabel="step", ylabel=ylabel, yscale="log" if log else "linear")
   if ax.lines:
     ax.legend(fontsize="small")
   else:
-    ax.text(0.5, 0.5, f"no {prefix} metrics yet", ha="center",
+    ax.text(0.5, 0.5, f"no {' or '.join(prefixes)} metrics yet", ha="center",
             transform=ax.transAxes)
   return _save_png(fig, path)

@@ -39,8 +39,8 @@ def read_config(model_dir: str) -> dict[str, Any]:
       cannot read.
   """
   if not os.path.isfile(os.path.join(model_dir, "config.json")):
-    raise ValueError(f"--model_dir {model_dir!r} holds no config.json; point "
-                     "it at a local Hugging Face checkpoint directory")
+    raise ValueError(f"{model_dir!r} holds no config.json; name a local "
+                     "Hugging Face checkpoint directory")
   transformers = _import_transformers()
   try:
     config = transformers.AutoConfig.from_pretrained(

@@ -28,7 +28,8 @@ INDEX = "index.html"
 TABLE_FILE = "components.json"
 # Captions of the figures the run writes, in page order; others follow.
 FIGURE_CAPTIONS = {
-  "ci_on_features.png": "CI on one-hot feature inputs (identity-permuted)",
+  "ci_on_features.png": "CI on one-hot feature inputs (permuted by each "
+                        "site's expected pattern: identity or dense)",
   "components.png": "V and U of the alive components",
   "position_ci.png": "Batch-mean CI per token position",
   "ci_histograms.png": "CI and pre-activation histograms over the eval set",
@@ -44,15 +45,24 @@ RECON_ORDER = tuple(f"recon/{v}" for v in (
 SITE_COLUMNS = (
   ("ci_l0", "CI-L0"), ("alive", "alive"),
   ("identity_ci_error", "identity CI error"),
+  ("dense_ci_error", "dense CI error"),
+  ("mmcs", "MMCS"), ("ml2r", "ML2R"),
   ("hidden_acts/ci_masked", "hidden MSE (CI-masked)"),
   ("hidden_acts/stochastic", "hidden MSE (stochastic)"),
 )
-# The report's own curves: (file, metric prefix, y label, log scale).
+# The report's own curves: (file, metric prefix or prefixes, y label, log
+# scale).
 CURVES = (
   ("loss_curves.png", "loss/", "training loss", True),
   ("eval_recon.png", "eval/recon/", "eval divergence from clean", True),
   ("eval_ce.png", "eval/ce_diff/", "eval CE − clean CE", False),
   ("ci_l0.png", "eval/ci_l0/", "eval CI-L0", False),
+  ("ci_error.png", ("eval/identity_ci_error/", "eval/dense_ci_error/"),
+   "eval CI error (identity or dense)", False),
+  ("eval_mmcs.png", "eval/mmcs/", "eval MMCS", False),
+  ("eval_ml2r.png", "eval/ml2r/", "eval ML2R", False),
+  ("eval_nonlinearity.png", "eval/nonlinearity/",
+   "eval units per component", False),
 )
 
 
@@ -326,7 +336,7 @@ def write_report(run: run_dir.Path) -> str:
   flags_path = os.path.join(run, run_dir.FLAGS_FILE)
   if not os.path.isfile(flags_path):
     raise ValueError(f"{run} is not a run directory (no "
-                     f"{run_dir.FLAGS_FILE}); pass the --output_dir of a run")
+                     f"{run_dir.FLAGS_FILE})")
   with open(flags_path, encoding="utf-8") as f:
     flags_text = f.read()
   records = run_dir.read_metrics(os.path.join(run, run_dir.METRICS_FILE))

@@ -33,12 +33,12 @@ Path = str | os.PathLike
 
 FLAGS_FILE = "flags.txt"
 METRICS_FILE = "metrics.jsonl"
-# Entries a run writes; `--overwrite` removes these and nothing else, so a
-# mistyped --output_dir never deletes files the run did not create.
+# Entries a run writes; overwriting a run removes these and nothing else,
+# so a mistyped run directory never loses files the run did not create.
 RUN_ENTRIES = (FLAGS_FILE, METRICS_FILE, "figures", "decomposition.npz",
                "target.npz", "checkpoints", "run_info.json", "profile",
                "NO_CHECKPOINTS", "report")
-# Held by the live run's writer; never in RUN_ENTRIES, so `--overwrite`
+# Held by the live run's writer; never in RUN_ENTRIES, so an overwrite
 # keeps it and cannot take a live run's directory.
 LOCK_FILE = ".lock"
 # flock errors of file systems that do not lock (Lustre mounted noflock).
@@ -136,6 +136,11 @@ def flag_changes(old_text: str, new_text: str, shown: int = 4,
   return _listed(old, new, names, shown)
 
 
+class RunConflict(ValueError):
+  """A directory holds another run (or unknown run files), which an
+  overwrite would replace; the message is one line."""
+
+
 def _conflict(path: str, flags_text: str,
               defaults: Mapping[str, str] | None = None) -> str | None:
   """Return why `path` cannot host a run with `flags_text` and the fix,
@@ -151,11 +156,11 @@ def _conflict(path: str, flags_text: str,
     if not names:
       return None
     return (f"holds a run with other flags ({_listed(old, new, names)}); "
-            "resume it with the same flags, replace it with --overwrite, or "
-            "choose another --output_dir")
+            "resume it with the same flags, replace it, or choose another "
+            "directory")
   if any(os.path.lexists(os.path.join(path, e)) for e in RUN_ENTRIES):
-    return (f"holds run files but no {FLAGS_FILE}; pass --overwrite or choose "
-            "another --output_dir")
+    return (f"holds run files but no {FLAGS_FILE}; replace it or choose "
+            "another directory")
   return None
 
 
@@ -172,11 +177,11 @@ def write_refusal(path: str, error: OSError) -> str:
   """Return, on one line, why `path` could not be written and the fix."""
   reason = error.strerror or str(error)
   if error.errno in (errno.ENOSPC, errno.EDQUOT):
-    fix = "free space there and rerun, or choose another --output_dir"
+    fix = "free space there and rerun, or choose another directory"
   elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-    fix = "choose a writable --output_dir"
+    fix = "choose a writable directory"
   else:
-    fix = "choose another --output_dir"
+    fix = "choose another directory"
   return f"cannot write to {path}: {reason}; {fix}"
 
 
@@ -218,9 +223,9 @@ def _check_parent(path: str) -> None:
   if os.path.isdir(ancestor):
     raise ValueError(
       f"output parent {parent} does not exist; create it or choose another"
-      " --output_dir")
+      " directory")
   raise ValueError(
-    f"{ancestor} {_not_a_directory(ancestor)}; choose another --output_dir")
+    f"{ancestor} {_not_a_directory(ancestor)}; choose another directory")
 
 
 def check_run_dir(path: Path, flags_text: str, overwrite: bool,
@@ -230,17 +235,18 @@ def check_run_dir(path: Path, flags_text: str, overwrite: bool,
   The parent must be a directory; an existing directory must hold the same
   flags (a resume; with `defaults`, the program's `{flag: default}`, a flag
   added or removed since the run was made does not count) unless
-  `overwrite`; and the directory that will receive the run's first file
-  must take one of `flags_text`'s size (a probe file, removed again).
+  `overwrite` (else RunConflict); and the directory that will receive the
+  run's first file must take one of `flags_text`'s size (a probe file,
+  removed again).
   """
   path = os.path.abspath(os.fspath(path))
   _check_parent(path)
   if os.path.lexists(path) and not os.path.isdir(path):
     raise ValueError(f"output dir {path} {_not_a_directory(path)}; choose "
-                     "another --output_dir")
+                     "another directory")
   reason = _conflict(path, flags_text, defaults)
   if reason is not None and not overwrite:
-    raise ValueError(f"output dir {path} {reason}")
+    raise RunConflict(f"output dir {path} {reason}")
   _check_writable(path if os.path.isdir(path) else os.path.dirname(path),
                   len(flags_text.encode("utf-8")))
 
@@ -273,7 +279,7 @@ def _holder(fd: int) -> str:
 
 def _lock_refusal(path: str, error: OSError) -> ValueError:
   return ValueError(f"cannot lock output dir {path}: {error.strerror}; "
-                    "choose another --output_dir")
+                    "choose another directory")
 
 
 def _open_lock(path: str) -> int:
@@ -306,7 +312,7 @@ def lock_run_dir(path: Path) -> int:
     os.close(fd)
     raise ValueError(
       f"output dir {path} is in use by {holder}; wait for that run to end "
-      "or choose another --output_dir") from None
+      "or choose another directory") from None
   except OSError as e:
     if e.errno not in _NO_LOCKING:
       os.close(fd)

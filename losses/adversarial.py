@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key
 
-from decompax.core import adversary, rng, schedules
+from decompax.core import adversary, schedules
 from decompax.core import masks as masks_lib
 from decompax.core import sites as sites_lib
-from decompax.core.masks import make_masks, split_pair
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import split_pair
 from decompax.core.train_step import LossTerm, StepContext
 from decompax.losses import hidden, recon
 
@@ -77,23 +76,6 @@ class FreshConfig:
       raise ValueError(f"fresh PGD n_steps must be >= 0, got {self.n_steps}")
 
 
-def source_masks(
-  ci_lower: dict[str, Float[Array, "*l c"]],
-  sources: dict[str, Float[Array, "..."]],
-  live_sites: tuple[str, ...],
-  routes: dict[str, Array] | None,
-) -> dict[str, SiteMask]:
-  """Return masks of the live sites from (already effective) sources."""
-  out = {}
-  for name in live_sites:
-    ci = ci_lower[name]
-    source = jnp.broadcast_to(
-      sources[name], (*ci.shape[:-1], sources[name].shape[-1]))
-    mask, delta = make_masks(ci, source)
-    out[name] = SiteMask(mask, delta, None if routes is None else routes[name])
-  return out
-
-
 def plan_loss(
   ctx: StepContext,
   sources: dict[str, Array],
@@ -105,21 +87,18 @@ def plan_loss(
   plan's forwards with masks from `sources`.
 
   The draws of an entry share the sources, so route-all draws are one
-  forward: it runs once, weighted by `n_draws`.
+  forward: it runs once, weighted by `n_draws` (`recon.plan_mean`).
   """
   forward_loss = forward_loss or hidden.forward_loss(ctx, None)
   lead = ctx.lead_shape()
-  total, count = jnp.zeros((), jnp.float32), 0
-  for e, entry in enumerate(plan):
-    weight = 1 if entry.routing != "all" else entry.n_draws
-    for d in range(entry.n_draws // weight):
-      key = jax.random.fold_in(jax.random.fold_in(route_key, e), d)
-      routes = recon.entry_routes(key, entry, lead)
-      loss = forward_loss(
-        source_masks(ctx.ci.lower, sources, entry.live_sites, routes))
-      total = total + (loss if weight == 1 else weight * loss)
-    count += entry.n_draws
-  return total / count
+
+  def draw_loss(entry, draw, keys):
+    del draw
+    routes = recon.entry_routes(keys[0], entry, lead)
+    return forward_loss(masks_lib.source_site_masks(
+      ctx.ci.lower, sources, entry.live_sites, routes))
+
+  return recon.plan_mean(draw_loss, plan, (route_key,), draws_differ=False)
 
 
 def merged_plan_loss(
@@ -134,31 +113,23 @@ def merged_plan_loss(
 ) -> Float[Array, ""]:
   """Return the mean forward loss where each batch row is adversarial with
   probability `adv_fraction` (persistent sources, routed everywhere) and
-  stochastic otherwise (fresh sources, the entry's routing) (SPEC §5.8)."""
+  stochastic otherwise (fresh sources, the entry's routing) (SPEC §5.8).
+
+  Each forward splits its key into `(assign, draw, route)` keys.
+  """
   lead = ctx.lead_shape()
   draw_paths = sites_lib.draw_paths(ctx.target.sites)
-  total, count = jnp.zeros((), jnp.float32), 0
-  for e, entry in enumerate(plan):
-    for d in range(entry.n_draws):
-      fwd_key = jax.random.fold_in(jax.random.fold_in(key, e), d)
-      assign_key, draw_key, route_key = jax.random.split(fwd_key, 3)
-      assign = rng.bernoulli(assign_key, adv_fraction, lead[:1])
-      assign = assign.reshape(lead[:1] + (1,) * (len(lead) - 1))
-      routes = recon.entry_routes(route_key, entry, lead)
-      site_masks = {}
-      for name in entry.live_sites:
-        ci = ctx.ci.lower[name]
-        fresh = masks_lib.stochastic_source(
-          sites_lib.fold_path(draw_key, draw_paths[name]), lead, ci.shape[-1],
-          with_delta, sampling)
-        persistent = jnp.broadcast_to(sources[name], fresh.shape)
-        mask, delta = make_masks(
-          ci, jnp.where(assign[..., None], persistent, fresh))
-        route = None if routes is None else routes[name] | assign
-        site_masks[name] = SiteMask(mask, delta, route)
-      total = total + forward_loss(site_masks)
-      count += 1
-  return total / count
+
+  def draw_loss(entry, draw, keys):
+    del draw
+    assign_key, draw_key, route_key = jax.random.split(keys[0], 3)
+    assign = masks_lib.row_assignment(assign_key, adv_fraction, lead)
+    routes = recon.entry_routes(route_key, entry, lead)
+    return forward_loss(masks_lib.merged_site_masks(
+      draw_key, entry.live_sites, ctx.ci.lower, draw_paths, sources, assign,
+      with_delta, sampling, routes))
+
+  return recon.plan_mean(draw_loss, plan, (key,))
 
 
 def check_bundles(bundles: dict[str, str]) -> None:
@@ -298,21 +269,21 @@ def fresh_plan_loss(
   ctx: StepContext,
   sources: tuple[dict[str, Array], ...],
   plan: recon.Plan,
-  routes: tuple[tuple, ...],
+  route_key: Key[Array, ""],
 ) -> Float[Array, ""]:
-  """Return the mean output divergence over the plan's forwards: draw `d` of
-  entry `e` uses `sources[d]` and `routes[e][d]`, and an entry with fewer
-  route draws than `n_draws` weights each by the ratio (they are equal)."""
+  """Return the mean output divergence over the plan's forwards: draw `d`
+  of entry `e` uses `sources[d]` and routes from `route_key`. With one
+  source set, route-all draws are one forward (`recon.plan_mean`)."""
   forward_loss = hidden.forward_loss(ctx, None)
-  total, count = jnp.zeros((), jnp.float32), 0
-  for entry, entry_routes in zip(plan, routes):
-    weight = entry.n_draws // len(entry_routes)
-    for d, draw_routes in enumerate(entry_routes):
-      loss = forward_loss(source_masks(ctx.ci.lower, sources[d],
-                                       entry.live_sites, draw_routes))
-      total = total + (loss if weight == 1 else weight * loss)
-    count += entry.n_draws
-  return total / count
+  lead = ctx.lead_shape()
+
+  def draw_loss(entry, draw, keys):
+    routes = recon.entry_routes(keys[0], entry, lead)
+    return forward_loss(masks_lib.source_site_masks(
+      ctx.ci.lower, sources[draw], entry.live_sites, routes))
+
+  return recon.plan_mean(draw_loss, plan, (route_key,),
+                         draws_differ=len(sources) > 1)
 
 
 def fresh_pgd_term(
@@ -326,9 +297,9 @@ def fresh_pgd_term(
 
   Each of the `fresh_draws` draws has its own sources (site `s` of draw `d`
   starts from `fold_path(fold_in(source_key, d), draw_paths[s])`), ascended
-  jointly; a draw's routes (`fold_in(fold_in(route_key, e), d)`) are drawn
-  once per step and shared by every ascent and the loss forward. The sources
-  enter the loss as stop-gradient values (I24).
+  jointly. Routes are a pure function of the step's `route_key`, so every
+  ascent and the loss forward see the one routing draw of the step (I24).
+  The sources enter the loss as stop-gradient values (I24).
   """
   n_sets = fresh_draws(plan, config)
 
@@ -348,30 +319,23 @@ def fresh_pgd_term(
 
   def prepare(ctx, key, state):
     source_key, route_key = split_pair(key)
-    lead = ctx.lead_shape()
-    routes = tuple(
-      tuple(recon.entry_routes(
-        jax.random.fold_in(jax.random.fold_in(route_key, e), d), entry, lead)
-        for d in range(min(entry.n_draws, n_sets)))
-      for e, entry in enumerate(plan))
     sources = tuple(init_sources(ctx, jax.random.fold_in(source_key, d))
                     for d in range(n_sets))
 
     def loss(s):
-      return fresh_plan_loss(ctx, s, plan, routes)
+      return fresh_plan_loss(ctx, s, plan, route_key)
 
     for _ in range(config.n_steps):
       grads = jax.grad(loss)(sources)
       sources = jax.tree.map(
         lambda s, g: adversary.sign_pgd_step(s, g, config.step_size),
         sources, grads)
-    return state, (jax.lax.stop_gradient(sources), routes)
+    return state, jax.lax.stop_gradient(sources)
 
-  def fn(ctx, key, inputs):
-    del key
-    sources, routes = inputs
+  def fn(ctx, key, sources):
+    _, route_key = split_pair(key)
     sources = jax.lax.stop_gradient(sources)
-    return fresh_plan_loss(ctx, sources, plan, routes), None
+    return fresh_plan_loss(ctx, sources, plan, route_key), None
 
   return LossTerm(name, coeff, fn, prepare=prepare)
 

@@ -11,14 +11,18 @@ on a leading `batch` axis and reduced on the host by `summarize`, which
 keeps counts exact (int64) over any number of batches.
 
 Fast tier, per batch: CI-L0 and firing counts per site, the output divergence
-of every mask variant (`evals.VARIANTS`) and at the fresh-PGD probe's
+of every mask variant (`core.masks.VARIANTS`) and at the fresh-PGD probe's
 sources (`recon/pgd`, SPEC §5.7), CE differences for targets with
 token labels, and every training term (plus their coefficiented total) on
-the eval batch with the state's term states. Toys add their probe CI.
+the eval batch with the state's term states. Toys add their probe CI and,
+for sites whose expected pattern names a feature axis, the site's target
+weight and factors, matched on the host (MMCS/ML2R, SPEC §10).
 Slow tier adds: histograms of `lower` and `pre` CI, per-component CI sums and
 log-band density counts, hidden-activation errors at `<site>.out` (SPEC
 §5.9) and, for positioned targets, the batch-mean `[T, C]` CI; token targets
-add each component's top-CI positions and the batch's tokens.
+add each component's top-CI positions and the batch's tokens. Sites feeding
+nonlinear units add each component's soft unit count and participation
+ratio (SPEC §5.10): weight space, so computed once per eval, not per batch.
 """
 
 import dataclasses
@@ -28,16 +32,18 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Key
+from jaxtyping import Array, Float, Key
 
+from decompax.core import masks as masks_lib
 from decompax.core import probe
 from decompax.core import sites as sites_lib
 from decompax.core.ci_fns import CIFn
-from decompax.core.target import Batch, TargetFns, Weights
+from decompax.core.sites import Components
+from decompax.core.target import Batch, Expected, TargetFns, Weights
 from decompax.core.train_step import (
   Constrain, LossTerm, StepContext, TrainState, ci_l0, clean_tap_keys,
   no_constraint, objective, prepare, prepared_of, with_prepared)
-from decompax.losses import adversarial, evals, hidden, recon
+from decompax.losses import adversarial, evals, hidden, locality, recon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +70,40 @@ class EvalConfig:
                        f"{self.pgd_lr}")
 
 
+class FeatureFactors(NamedTuple):
+  """One site's target weight and its factors, for the MMCS/ML2R match."""
+
+  weight: Float[Array, "d_in d_out"]
+  v: Float[Array, "d_in c"]
+  u: Float[Array, "c d_out"]
+
+
 class EvalOutput(NamedTuple):
   """Device results of one eval pass; every leaf has a leading batch axis
-  except `probe` (one `[n_features, C]` CI per site, toys only)."""
+  except `probe` (one `[n_features, C]` CI per site, toys only),
+  `features` (toys) and the slow tier's weight-space `unit_count/` and
+  `unit_ratio/` stats (one `[C]` per site)."""
 
   scalars: dict[str, Array]
   stats: dict[str, Array]
   probe: dict[str, Array]
+  features: dict[str, FeatureFactors] = {}
+
+
+def feature_factors(target: TargetFns, weights: Weights,
+                    components: Components) -> dict[str, FeatureFactors]:
+  """Return `W`, `V`, `U` of every site whose expected pattern names a
+  feature axis ({} for targets without one). Indexing only: the fast pass
+  runs it under jit, the end-of-run summary eagerly."""
+  expected = target.expected or {}
+  matched = [s for s in target.sites if s.name in expected
+             and expected[s.name].feature_axis is not None]
+  if not matched:
+    return {}
+  stacks = target.frozen_stacks(weights)
+  return {s.name: FeatureFactors(stacks[s.kind][s.row],
+                                 *sites_lib.site_factors(components, s))
+          for s in matched}
 
 
 def _site_out_keys(target: TargetFns) -> tuple[str, ...]:
@@ -97,14 +130,14 @@ def _hidden_act_stats(ctx: StepContext, key: Key[Array, ""],
   """Return per site `Σ(masked − clean)²` and its element count at the
   site's output: CI-masked forward, and summed over stochastic draws."""
   wanted = _site_out_keys(ctx.target)
-  ci_masks = evals.variant_site_masks(
+  ci_masks = masks_lib.variant_site_masks(
     "ci_masked", key, ctx.ci.lower, ctx.target.sites, False, 0.0)
   draws = {"ci_masked": [ci_masks]}
   entry = recon.all_sites_plan(ctx.target.sites)[0]
   index = sites_lib.draw_paths(ctx.target.sites)
   draws["stochastic"] = [
-    recon.stochastic_site_masks(
-      jax.random.fold_in(key, 1 + d), entry, ctx.ci.lower, index,
+    masks_lib.stochastic_site_masks(
+      jax.random.fold_in(key, 1 + d), entry.live_sites, ctx.ci.lower, index,
       config.with_delta, "continuous", None)
     for d in range(config.n_mask_samples)]
   stats = {}
@@ -143,6 +176,24 @@ def _slow_stats(ctx: StepContext, key: Key[Array, ""],
     stats["tokens"] = ctx.inputs
   if ctx.target.masked_forward_taps is not None:
     stats.update(_hidden_act_stats(ctx, key, config))
+  return stats
+
+
+def _unit_stats(target: TargetFns, components: Components
+                ) -> dict[str, Array]:
+  """Return per site feeding nonlinear units each component's soft unit
+  count at the eval threshold and its participation ratio (SPEC §5.10),
+  keyed `unit_count/<unit kind>/<site>` and `unit_ratio/<kind>/<site>`."""
+  stats = {}
+  for site in target.sites:
+    spec = (target.nonlinear_units or {}).get(site.name)
+    if spec is None:
+      continue
+    _, u = sites_lib.site_factors(components, site)
+    stats[f"unit_count/{spec.kind}/{site.name}"] = locality.site_soft_counts(
+      u, spec, locality.EVAL_THRESHOLD)
+    stats[f"unit_ratio/{spec.kind}/{site.name}"] = (
+      locality.site_participation_ratios(u, spec))
   return stats
 
 
@@ -237,7 +288,8 @@ def make_eval_step(
     if target.feature_probe is not None:
       ci_probe = probe.probe_ci(target, ci_fn, weights, state.components,
                                 state.ci_params)
-    return EvalOutput(scalars, stats, ci_probe), batches
+    features = feature_factors(target, weights, state.components)
+    return EvalOutput(scalars, stats, ci_probe, features), batches
 
   def slow(state: TrainState, weights: Weights, key: Key[Array, ""],
            batches: Batch) -> dict[str, Array]:
@@ -247,7 +299,8 @@ def make_eval_step(
       hidden_key = jax.random.fold_in(jax.random.fold_in(key, i), 3)
       return _slow_stats(ctx, hidden_key, config)
 
-    return jax.lax.map(one, (jnp.arange(config.n_batches), batches))
+    per_batch = jax.lax.map(one, (jnp.arange(config.n_batches), batches))
+    return {**per_batch, **_unit_stats(target, state.components)}
 
   return EvalFns(jax.jit(fast), jax.jit(slow))
 
@@ -269,8 +322,13 @@ class EvalSummary(NamedTuple):
 
   `scalars` are the `eval/`-less metric names with float values: means over
   batches, `alive/<site>` (components firing anywhere in the eval set),
-  `identity_ci_error/<site>` (toys) and the slow tier's
-  `hidden_acts/{ci_masked,stochastic}/<site|all>` (`Σe/Σn`). `arrays` holds
+  toys' probe CI error against each site's expected pattern
+  (`identity_ci_error/<site>` or `dense_ci_error/<site>`, SPEC §11) and
+  `mmcs/<site>`, `ml2r/<site>` where a feature axis is declared (SPEC §10);
+  the slow tier's `hidden_acts/{ci_masked,stochastic}/<site|all>`
+  (`Σe/Σn`) and, per unit kind, `nonlinearity/{soft_count,participation}
+  /<kind>` with their `_active` means over the components whose mean CI is
+  positive (SPEC §5.10). `arrays` holds
   the slow tier's per-site arrays summed over batches: `density` and
   `mean_ci` `[C]`, `hist_lower`/`hist_pre` counts, `log_density` `[C, n+1]`
   and `position_ci` `[T, C]`; `probe` the toys' probe CI.
@@ -301,8 +359,64 @@ def _hidden_scalars(stats: dict[str, np.ndarray]) -> dict[str, float]:
   return out
 
 
-def summarize(output: EvalOutput) -> EvalSummary:
-  """Return the host reduction of a fetched (numpy) `EvalOutput`."""
+def _unit_scalars(stats: dict[str, np.ndarray]) -> dict[str, float]:
+  """Return per unit kind the mean soft count and participation ratio over
+  every component of its sites and over those with positive mean CI on the
+  eval set (SPEC §5.10), the latter only where there are any."""
+  ci_sum = _sum_batches(stats, "ci_sum/")
+  out = {}
+  for stat, name in (("unit_count", "soft_count"),
+                     ("unit_ratio", "participation")):
+    values, active = {}, {}
+    for key, per_component in stats.items():
+      if not key.startswith(f"{stat}/"):
+        continue
+      _, kind, site = key.split("/", 2)
+      values.setdefault(kind, []).append(
+        np.asarray(per_component, np.float64))
+      active.setdefault(kind, []).append(ci_sum[site] > 0)
+    for kind in values:
+      kind_values = np.concatenate(values[kind])
+      kind_active = np.concatenate(active[kind])
+      out[f"nonlinearity/{name}/{kind}"] = float(np.mean(kind_values))
+      if kind_active.any():
+        out[f"nonlinearity/{name}_active/{kind}"] = float(
+          np.mean(kind_values[kind_active]))
+  return out
+
+
+def probe_scalars(
+  ci_probe: dict[str, np.ndarray], features: dict[str, FeatureFactors],
+  expected: dict[str, Expected] | None = None,
+) -> dict[str, float]:
+  """Return the toys' recovery scalars from host arrays.
+
+  Per probed site its CI error against its expected pattern, named by the
+  pattern (`identity_ci_error/<site>`, `dense_ci_error/<site>`; identity
+  where `expected` names none, SPEC §11), and per site in `features` whose
+  expected pattern names a feature axis its `mmcs/<site>` and
+  `ml2r/<site>` (SPEC §10).
+  """
+  expected = expected or {}
+  out = {}
+  for site, ci in ci_probe.items():
+    pattern = expected.get(site, Expected("identity"))
+    out[f"{pattern.pattern}_ci_error/{site}"] = float(
+      probe.pattern_error(np.asarray(ci), pattern))
+  for site, factors in features.items():
+    if site not in expected or expected[site].feature_axis is None:
+      continue
+    match = probe.feature_match(*(np.asarray(a) for a in factors),
+                                expected[site].feature_axis)
+    out[f"mmcs/{site}"] = match.mmcs
+    out[f"ml2r/{site}"] = match.ml2r
+  return out
+
+
+def summarize(output: EvalOutput,
+              expected: dict[str, Expected] | None = None) -> EvalSummary:
+  """Return the host reduction of a fetched (numpy) `EvalOutput`;
+  `expected` is the target's (`TargetFns.expected`)."""
   scalars = {k: float(np.mean(v)) for k, v in output.scalars.items()}
   stats = {k: np.asarray(v) for k, v in output.stats.items()}
   positions = float(np.sum(stats["positions"]))
@@ -310,9 +424,9 @@ def summarize(output: EvalOutput) -> EvalSummary:
   for site, counts in fired.items():
     scalars[f"alive/{site}"] = float(np.sum(counts > 0))
   ci_probe = {k: np.asarray(v) for k, v in output.probe.items()}
-  for site, ci in ci_probe.items():
-    scalars[f"identity_ci_error/{site}"] = float(probe.identity_ci_error(ci))
+  scalars.update(probe_scalars(ci_probe, output.features, expected))
   scalars.update(_hidden_scalars(stats))
+  scalars.update(_unit_scalars(stats))
   arrays: dict[str, dict[str, np.ndarray]] = {}
   if any(k.startswith("hist_lower/") for k in stats):
     arrays["density"] = {s: c / positions for s, c in fired.items()}

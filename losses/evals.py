@@ -5,14 +5,10 @@ over the held-out batches. `*l` is the batch's leading shape (`(B,)` toys,
 `(B, T)` LMs). Counts are int32 per batch: one batch may hold at most 2^31
 (position, component) entries per site; callers sum batches in int64.
 
-Mask variants, each with every site live and routed, compared with the clean
-output through the target's divergence (KL for LMs, MSE for toys):
-  ci_masked   m = ci                         (SPEC §5.4 Constant(0))
-  unmasked    m = 1                          (Constant(1))
-  stochastic  m = ci + (1 − ci)·U[0,1]       (the training draw; δ if on)
-  rounded     m = [ci > threshold]
-  zero        m = 0                          (zero ablation of every site)
-  random      m = U[0,1]                     (CI ignored)
+The mask variants (`core.masks.VARIANTS`, built by
+`core.masks.variant_site_masks`: CI-masked, unmasked, stochastic, rounded,
+zero and random), each with every site live and routed, are compared with
+the clean output through the target's divergence (KL for LMs, MSE for toys).
 """
 
 from collections.abc import Callable
@@ -23,55 +19,15 @@ import numpy as np
 from jaxtyping import Array, Float, Int, Key
 
 from decompax.core import masks as masks_lib
-from decompax.core import sites as sites_lib
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import SiteMask
 from decompax.core.sites import SiteSpec
-from decompax.losses import recon
 
-VARIANTS = ("ci_masked", "unmasked", "stochastic", "rounded", "zero", "random")
 # Fixed histogram edges, so counts add exactly over any number of batches.
 LOWER_EDGES = np.linspace(0.0, 1.0, 51)
 PRE_EDGES = np.linspace(-4.0, 4.0, 81)
 # Log-spaced CI bands over [1e-9, 1] (SPEC §11), plus an underflow column.
 LOG_DENSITY_MIN = 1e-9
 LOG_DENSITY_BINS = 18
-
-
-def variant_site_masks(
-  variant: str,
-  key: Key[Array, ""],
-  ci_lower: dict[str, Float[Array, "*l c"]],
-  sites: tuple[SiteSpec, ...],
-  with_delta: bool,
-  rounding_threshold: float,
-) -> dict[str, SiteMask]:
-  """Return every site's mask under one named variant (module docstring)."""
-  if variant == "stochastic":
-    entry = recon.all_sites_plan(sites)[0]
-    index = sites_lib.draw_paths(sites)
-    return recon.stochastic_site_masks(
-      key, entry, ci_lower, index, with_delta, "continuous", None)
-  out = {}
-  paths = sites_lib.draw_paths(sites)
-  for site in sites:
-    ci = ci_lower[site.name]
-    if variant == "ci_masked":
-      mask = ci
-    elif variant == "unmasked":
-      mask = jnp.ones_like(ci)
-    elif variant == "rounded":
-      mask = (ci > rounding_threshold).astype(ci.dtype)
-    elif variant == "zero":
-      mask = jnp.zeros_like(ci)
-    elif variant == "random":
-      site_key = sites_lib.fold_path(key, paths[site.name])
-      mask = masks_lib.stochastic_source(
-        site_key, ci.shape[:-1], ci.shape[-1], False).astype(ci.dtype)
-    else:
-      raise ValueError(f"unknown mask variant {variant!r}; use one of "
-                       f"{VARIANTS}")
-    out[site.name] = SiteMask(mask)
-  return out
 
 
 def variant_outputs(
@@ -84,10 +40,10 @@ def variant_outputs(
 ) -> dict[str, Float[Array, "..."]]:
   """Return the target's output under every mask variant."""
   return {
-    variant: masked_forward(variant_site_masks(
+    variant: masked_forward(masks_lib.variant_site_masks(
       variant, jax.random.fold_in(key, v), ci_lower, sites, with_delta,
       rounding_threshold))
-    for v, variant in enumerate(VARIANTS)
+    for v, variant in enumerate(masks_lib.VARIANTS)
   }
 
 

@@ -5,7 +5,7 @@ per-kind form stacks same-shaped sites on a `layer` axis and forms each
 kind's deltas with one batched matmul; its value equals the per-site form up
 to summation order and its deltas and gradients are identical (I9).
 
-The relative form (SPEC §14.1) is `mean_s ‖Δ_s‖²_F / ‖W_s‖²_F`: each site
+The relative form (SPEC §5.1) is `mean_s ‖Δ_s‖²_F / ‖W_s‖²_F`: each site
 counts equally whatever its size and scale, where the global mean lets the
 largest matrices dominate.
 """

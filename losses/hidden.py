@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import SiteMask
 from decompax.core.train_step import StepContext
 
 # {live site: SiteMask} -> the scalar loss of one masked forward.

@@ -4,7 +4,8 @@ A participating site partitions its output axis into `N` contiguous units
 (MLP neurons, attention heads) of one unit kind, each counted with
 multiplicity `μ`. For component `c` with write vector `U[c, :]`, the soft
 count of units it spreads over is `μ·Σ_u f_u/(f_u + t/N)` with
-`f_u = ‖w_u‖²/‖w‖²`. Weight space only: no CI enters (I43).
+`f_u = ‖w_u‖²/‖w‖²`. Weight space only: no CI enters (I43). Evals report
+the soft count at `EVAL_THRESHOLD` and the participation ratio.
 """
 
 import jax
@@ -17,6 +18,9 @@ from decompax.core.target import UnitSpec
 from decompax.core.train_step import LossTerm, StepContext, simple_term
 
 UNIT_KINDS = ("neuron", "attention_head")
+# The soft count's threshold in evals, whatever the training schedule
+# (SPEC §5.10): comparable across runs and steps.
+EVAL_THRESHOLD = 4.0
 
 
 def unit_fractions(u_row: Float[Array, " d_out"], n_units: int) -> Float[Array, " n"]:
@@ -41,6 +45,39 @@ def soft_unit_count(
   return multiplicity * jnp.sum(fractions / (fractions + threshold / n))
 
 
+def participation_ratio(
+  fractions: Float[Array, " n"], multiplicity: float
+) -> Float[Array, ""]:
+  """Return `μ·(Σ_u ‖w_u‖)²/Σ_u ‖w_u‖²`, the effective number of units a
+  write vector spreads over (SPEC §5.10 eval), from its unit shares: with
+  `f_u = ‖w_u‖²/‖w‖²` it is `μ·(Σ_u √f_u)²`; 0 for an all-zero row."""
+  return multiplicity * jnp.square(jnp.sum(jnp.sqrt(fractions)))
+
+
+def site_unit_fractions(
+  u: Float[Array, "c d_out"], spec: UnitSpec
+) -> Float[Array, "c n"]:
+  """Return every component's unit shares of one site's write matrix."""
+  return jax.vmap(lambda row: unit_fractions(row, spec.n_units))(u)
+
+
+def site_soft_counts(
+  u: Float[Array, "c d_out"], spec: UnitSpec,
+  threshold: Float[Array, ""] | float,
+) -> Float[Array, " c"]:
+  """Return every component's soft unit count at `threshold`."""
+  return jax.vmap(lambda f: soft_unit_count(f, threshold, spec.multiplicity))(
+    site_unit_fractions(u, spec))
+
+
+def site_participation_ratios(
+  u: Float[Array, "c d_out"], spec: UnitSpec
+) -> Float[Array, " c"]:
+  """Return every component's participation ratio (`participation_ratio`)."""
+  return jax.vmap(lambda f: participation_ratio(f, spec.multiplicity))(
+    site_unit_fractions(u, spec))
+
+
 def locality_loss(
   components: Components, sites: tuple, units: dict[str, UnitSpec],
   weights: dict[str, float], threshold: Float[Array, ""] | float,
@@ -52,9 +89,7 @@ def locality_loss(
     if spec is None or weights.get(spec.kind) is None:
       continue
     _, u = site_factors(components, site)
-    fractions = jax.vmap(lambda row: unit_fractions(row, spec.n_units))(u)
-    site_counts = jax.vmap(
-      lambda f: soft_unit_count(f, threshold, spec.multiplicity))(fractions)
+    site_counts = site_soft_counts(u, spec, threshold)
     sums[spec.kind] = sums.get(spec.kind, 0.0) + jnp.sum(site_counts)
     counts[spec.kind] = counts.get(spec.kind, 0) + site.c
   return sum(weights[k] * sums[k] / counts[k] for k in sums)

@@ -2,41 +2,44 @@
 
 A plan is a tuple of entries `(live_sites, routing, n_draws)`; each draw is
 one masked forward whose output is compared with the clean output, and the
-term's loss is the mean over all forwards of the plan (I15). Keys derive as
-`fold_in(fold_in(key, entry), draw)` then folded along the site's draw path
-(`core.sites.draw_paths`: its canonical index, or `(kind, absolute layer)`
-for layered targets), so a site's draw does not depend on which other sites
-are live.
+term's loss is the mean over all forwards of the plan (I15). `plan_mean` is
+the one loop over a plan's forwards that every recon term (stochastic,
+persistent, merged, fresh PGD) and the PGD eval probe share: draw `d` of
+entry `e` sees each of its keys as `fold_in(fold_in(key, e), d)` (R2), and
+masks fold that along the site's draw path (`core.sites.draw_paths`: its
+canonical index, or `(kind, absolute layer)` for layered targets), so a
+site's draw does not depend on which other sites are live.
 """
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Key
+from jaxtyping import Array, Bool, Float, Key
 
 from decompax.core import masks as masks_lib
 from decompax.core import sites as sites_lib
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import Routing, SiteMask
 from decompax.core.sites import SiteSpec
-
-Routing = Literal["all", "uniform_k"]
-ROUTINGS = ("all", "uniform_k")
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanEntry:
-  """Sites live in each of `n_draws` masked forwards, and how they route."""
+  """Sites live in each of `n_draws` masked forwards, and how they route.
+
+  `route_probability` is the `p` of `static_probability` routing (each
+  position and live site routed independently with probability `p`); the
+  other routings take none.
+  """
 
   live_sites: tuple[str, ...]
-  routing: str = "all"  # one of ROUTINGS
+  routing: str = "all"  # one of core.masks.ROUTINGS
   n_draws: int = 1
+  route_probability: float | None = None
 
   def __post_init__(self):
-    if self.routing not in ROUTINGS:
-      raise ValueError(f"unknown routing {self.routing!r}; use one of {ROUTINGS}")
+    masks_lib.check_routing(self.routing, self.route_probability)
     if self.n_draws < 1:
       raise ValueError(f"n_draws must be >= 1, got {self.n_draws}")
     if not self.live_sites:
@@ -47,10 +50,12 @@ Plan = tuple[PlanEntry, ...]
 
 
 def all_sites_plan(
-  sites: tuple[SiteSpec, ...], routing: Routing = "all", n_draws: int = 1
+  sites: tuple[SiteSpec, ...], routing: Routing = "all", n_draws: int = 1,
+  route_probability: float | None = None,
 ) -> Plan:
   """Return one entry with every site live."""
-  return (PlanEntry(tuple(s.name for s in sites), routing, n_draws),)
+  return (PlanEntry(tuple(s.name for s in sites), routing, n_draws,
+                    route_probability),)
 
 
 def per_site_plan(sites: tuple[SiteSpec, ...], n_draws: int = 1) -> Plan:
@@ -60,16 +65,36 @@ def per_site_plan(sites: tuple[SiteSpec, ...], n_draws: int = 1) -> Plan:
 
 def subset_chunks_plan(
   sites: tuple[SiteSpec, ...], k: int, routing: Routing = "all",
-  n_draws: int = 1,
+  n_draws: int = 1, route_probability: float | None = None,
 ) -> Plan:
   """Return entries of `k` consecutive sites in canonical order."""
   if k < 1:
     raise ValueError(f"subset chunk size must be >= 1, got {k}")
   names = [s.name for s in sites]
   return tuple(
-    PlanEntry(tuple(names[i:i + k]), routing, n_draws)
+    PlanEntry(tuple(names[i:i + k]), routing, n_draws, route_probability)
     for i in range(0, len(names), k)
   )
+
+
+def custom_groups_plan(
+  sites: tuple[SiteSpec, ...], groups: tuple[tuple[str, ...], ...],
+  routing: Routing = "all", n_draws: int = 1,
+  route_probability: float | None = None,
+) -> Plan:
+  """Return one entry per named site group, sites in canonical order."""
+  order = {s.name: i for i, s in enumerate(sites)}
+  entries = []
+  for group in groups:
+    unknown = [name for name in group if name not in order]
+    if unknown:
+      raise ValueError(f"plan group names unknown site {unknown[0]!r}; sites "
+                       f"are {', '.join(order)}")
+    if len(set(group)) != len(group):
+      raise ValueError(f"plan group {','.join(group)} lists a site twice")
+    live = tuple(sorted(group, key=order.__getitem__))
+    entries.append(PlanEntry(live, routing, n_draws, route_probability))
+  return tuple(entries)
 
 
 def mse(
@@ -92,35 +117,49 @@ def kl_clean_to_masked(
 
 def entry_routes(
   key: Key[Array, ""], entry: PlanEntry, lead_shape: tuple[int, ...]
-) -> dict[str, Array] | None:
+) -> dict[str, Bool[Array, "*l"]] | None:
   """Return each live site's route for one forward, or None for route-all."""
-  if entry.routing == "all":
-    return None
-  routes = masks_lib.uniform_k_routes(key, lead_shape, len(entry.live_sites))
-  return {name: routes[..., i] for i, name in enumerate(entry.live_sites)}
+  return masks_lib.site_routes(key, entry.routing, entry.live_sites,
+                               lead_shape, entry.route_probability)
 
 
-def stochastic_site_masks(
-  key: Key[Array, ""],
-  entry: PlanEntry,
-  ci_lower: dict[str, Float[Array, "*l c"]],
-  draw_paths: dict[str, tuple[int, ...]],
-  with_delta: bool,
-  sampling: masks_lib.Sampling,
-  routes: dict[str, Array] | None,
-) -> dict[str, SiteMask]:
-  """Return fresh stochastic masks for one forward of `entry`."""
-  out = {}
-  for name in entry.live_sites:
-    ci = ci_lower[name]
-    site_key = sites_lib.fold_path(key, draw_paths[name])
-    source = masks_lib.stochastic_source(
-      site_key, ci.shape[:-1], ci.shape[-1], with_delta, sampling
-    )
-    mask, delta = masks_lib.make_masks(ci, source)
-    route = None if routes is None else routes[name]
-    out[name] = SiteMask(mask, delta, route)
-  return out
+def forward_key(
+  key: Key[Array, ""], entry_index: int, draw: int
+) -> Key[Array, ""]:
+  """Return the key of draw `draw` of entry `entry_index` (R2)."""
+  return jax.random.fold_in(jax.random.fold_in(key, entry_index), draw)
+
+
+# (entry, draw index, the plan keys folded for this forward) -> the scalar
+# loss of that masked forward.
+DrawLoss = Callable[[PlanEntry, int, tuple[Key[Array, ""], ...]],
+                    Float[Array, ""]]
+
+
+def plan_mean(
+  draw_loss: DrawLoss,
+  plan: Plan,
+  keys: tuple[Key[Array, ""], ...],
+  draws_differ: bool = True,
+) -> Float[Array, ""]:
+  """Return the mean of `draw_loss` over the plan's forwards (I15).
+
+  Draw `d` of entry `e` gets `forward_key(k, e, d)` for each `k` of `keys`.
+  With `draws_differ=False` (masks from sources shared by every draw) the
+  draws of a route-all entry are one forward: it runs once as draw 0,
+  weighted by `n_draws`.
+  """
+  total = jnp.zeros((), jnp.float32)
+  count = 0
+  for e, entry in enumerate(plan):
+    distinct = draws_differ or entry.routing != "all"
+    n_forwards = entry.n_draws if distinct else 1
+    weight = entry.n_draws // n_forwards
+    for d in range(n_forwards):
+      loss = draw_loss(entry, d, tuple(forward_key(k, e, d) for k in keys))
+      total = total + (loss if weight == 1 else weight * loss)
+    count += entry.n_draws
+  return total / count
 
 
 def stochastic_plan_mean(
@@ -133,22 +172,20 @@ def stochastic_plan_mean(
   with_delta: bool,
   sampling: masks_lib.Sampling = "continuous",
 ) -> Float[Array, ""]:
-  """Return the mean of `forward_loss` over the plan's stochastic forwards."""
+  """Return the mean of `forward_loss` over the plan's stochastic forwards:
+  fresh sources from `draw_key`, routes from `route_key`."""
   draw_paths = sites_lib.draw_paths(sites)
   lead_shape = next(iter(ci_lower.values())).shape[:-1]
-  total = jnp.zeros((), jnp.float32)
-  n_forwards = 0
-  for e, entry in enumerate(plan):
-    for d in range(entry.n_draws):
-      fwd_key = jax.random.fold_in(jax.random.fold_in(draw_key, e), d)
-      rte_key = jax.random.fold_in(jax.random.fold_in(route_key, e), d)
-      routes = entry_routes(rte_key, entry, lead_shape)
-      site_masks = stochastic_site_masks(
-        fwd_key, entry, ci_lower, draw_paths, with_delta, sampling, routes
-      )
-      total = total + forward_loss(site_masks)
-      n_forwards += 1
-  return total / n_forwards
+
+  def draw_loss(entry, draw, keys):
+    del draw
+    fwd_key, rte_key = keys
+    routes = entry_routes(rte_key, entry, lead_shape)
+    return forward_loss(masks_lib.stochastic_site_masks(
+      fwd_key, entry.live_sites, ci_lower, draw_paths, with_delta, sampling,
+      routes))
+
+  return plan_mean(draw_loss, plan, (draw_key, route_key))
 
 
 def stochastic_recon_loss(
@@ -167,22 +204,3 @@ def stochastic_recon_loss(
   return stochastic_plan_mean(
     lambda site_masks: divergence(masked_forward(site_masks), clean_output),
     ci_lower, sites, plan, draw_key, route_key, with_delta, sampling)
-
-
-def custom_groups_plan(
-  sites: tuple[SiteSpec, ...], groups: tuple[tuple[str, ...], ...],
-  routing: Routing = "all", n_draws: int = 1,
-) -> Plan:
-  """Return one entry per named site group, sites in canonical order."""
-  order = {s.name: i for i, s in enumerate(sites)}
-  entries = []
-  for group in groups:
-    unknown = [name for name in group if name not in order]
-    if unknown:
-      raise ValueError(f"plan group names unknown site {unknown[0]!r}; sites "
-                       f"are {', '.join(order)}")
-    if len(set(group)) != len(group):
-      raise ValueError(f"plan group {','.join(group)} lists a site twice")
-    live = tuple(sorted(group, key=order.__getitem__))
-    entries.append(PlanEntry(live, routing, n_draws))
-  return tuple(entries)

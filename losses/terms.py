@@ -20,7 +20,7 @@ Sparsity = schedules.Coefficient | minimality.SmoothL0
 def faithfulness_term(coeff: schedules.Coefficient,
                       relative: bool = False) -> LossTerm:
   """Return the per-kind faithfulness term (§5.1): the global mean squared
-  delta, or with `relative` the mean over sites of `‖Δ‖²/‖W‖²` (§14.1)."""
+  delta, or with `relative` the mean over sites of `‖Δ‖²/‖W‖²` (§5.1)."""
   measure = (faithfulness.relative_faithfulness_per_kind if relative
              else faithfulness.faithfulness_per_kind)
 

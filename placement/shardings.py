@@ -20,6 +20,8 @@ in its tree:
 `fallbacks` lists, before anything is placed, every dimension a preset's
 layout leaves (partly) replicated because it does not tile its mesh axes;
 an authored (override) layout raises `LayoutError` there instead.
+`sharded_init` jits a state's init with these shardings as its outputs', so
+the state is born in its shards (a `Placement` is a run's mesh and table).
 """
 
 from collections.abc import Callable
@@ -306,3 +308,22 @@ def constrained_sampler(
   """Return `sample_inputs` whose batch is pinned to the `inputs` layout, so
   an in-step sampler draws only each device's slice (counter-based RNG)."""
   return lambda key: constrain("inputs", sample_inputs(key))
+
+
+class Placement(NamedTuple):
+  """A run's mesh, its placement table and the step's XLA options."""
+
+  mesh: Mesh
+  table: PlacementTable
+  compiler_options: dict[str, Any] = {}
+
+
+def sharded_init(
+  init: Callable[..., Any], shardings: Any = None
+) -> Callable[..., Any]:
+  """Return `init` jitted to build its result straight into `shardings` (a
+  tree matching its output), so no device ever holds a whole copy of what
+  it builds (STYLE §6); without shardings, `init` itself."""
+  if shardings is None:
+    return init
+  return jax.jit(init, out_shardings=shardings)

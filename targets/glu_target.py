@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from decompax.core import site_forward, target
+from decompax.core import ci_transformer, site_forward, target
+from decompax.core.masks import SiteMask
 from decompax.core.sites import Components, SiteSpec, validate_sites
 from decompax.targets import glu_config, glu_lm
 
@@ -94,6 +95,24 @@ def span_segments(
   return glu_lm.Segments(config.n_layers, min(layers), max(layers) + 1)
 
 
+def _block_tap(site: SiteSpec) -> str:
+  parsed = glu_lm.parse_site(site.name)
+  if parsed is None or parsed[2]:
+    raise ValueError(f"site {site.name!r} is not layers.<i>.<module>; the "
+                     "transformer CI chunks language-model sites by block")
+  return f"resid.{parsed[0]}"
+
+
+def ci_chunks(
+  config: glu_config.GluConfig, sites: tuple[SiteSpec, ...]
+) -> tuple[tuple[ci_transformer.Chunk, ...], tuple[tuple[str, int], ...]]:
+  """Return the transformer CI's chunks over LM sites, one per decomposed
+  block reading that block's residual `resid.<i>` (SPEC §4.3), and the
+  width of each chunk's tap."""
+  chunks = ci_transformer.chunks_by_tap(tuple(sites), _block_tap)
+  return chunks, tuple((c.input_taps[0], config.d_model) for c in chunks)
+
+
 @dataclasses.dataclass(frozen=True)
 class KindLayout:
   """A kind's role and the absolute layer of each of its rows."""
@@ -134,7 +153,7 @@ def _span_rows(layout: KindLayout, seg: glu_lm.Segments) -> list[int | None]:
 
 def live_kinds(
   components: Components,
-  site_masks: dict[str, site_forward.SiteMask],
+  site_masks: dict[str, SiteMask],
   layouts: dict[str, KindLayout],
   seg: glu_lm.Segments,
   dtype: Any,
@@ -188,7 +207,7 @@ def live_site_fn(layouts: dict[str, KindLayout]) -> glu_lm.SiteFn:
       if live is None:
         continue
       y_dec = site_forward.decomposed_matmul(
-        x, w, live.v, live.u, site_forward.SiteMask(live.mask, live.delta))
+        x, w, live.v, live.u, SiteMask(live.mask, live.delta))
       y = y_dec if live.active is None else jnp.where(
         live.active[..., None], y_dec, y)
     return y

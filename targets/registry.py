@@ -112,7 +112,7 @@ def _train_checked(
   if missing:
     raise ValueError(
       f"target {name} ({origin}) does not represent features"
-      f" {list(missing)}; choose another --target_seed"
+      f" {list(missing)}; train it from another seed"
     )
   return weights
 

@@ -27,7 +27,7 @@ import numpy as np
 from jaxtyping import Array, Float, Key
 
 from decompax.core import sites, target
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import SiteMask
 from decompax.targets import sparse_data, toy_sites
 from decompax.targets import train as train_lib
 

@@ -15,6 +15,7 @@ import numpy as np
 from jaxtyping import Array, Float, Key
 
 from decompax.core import site_forward, sites, target
+from decompax.core.masks import SiteMask
 from decompax.targets import sparse_data
 
 SiteMatmul = Callable[[str, Array, Array], Array]
@@ -31,7 +32,7 @@ def frozen_matmul(
 
 def site_specs_by_name(
   site_specs: tuple[sites.SiteSpec, ...],
-  site_masks: dict[str, site_forward.SiteMask],
+  site_masks: dict[str, SiteMask],
 ) -> dict[str, sites.SiteSpec]:
   """Return the specs by name; raise ValueError if a live site is unknown."""
   by_name = sites.site_by_name(site_specs)
@@ -44,7 +45,7 @@ def site_specs_by_name(
 def masked_matmul(
   site_specs: tuple[sites.SiteSpec, ...],
   components: sites.Components,
-  site_masks: dict[str, site_forward.SiteMask],
+  site_masks: dict[str, SiteMask],
 ) -> SiteMatmul:
   """Return a matmul running the sites in `site_masks` decomposed (§3.2-3.3).
 

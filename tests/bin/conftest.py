@@ -130,9 +130,9 @@ def smoke_run(parse, tmp_path, capsys):
         {"target": toy.name, "target_seed": seed})
       args.append(f"--target_path={cache}")
     config = parse(*args)
-    toy, target, weights, output_dir = train.setup(config)
-    train.train(config, toy, target, weights, output_dir)
-    check_smoke_run(out, target, capsys.readouterr().err)
+    prepared = train.setup(config)
+    train.train(prepared)
+    check_smoke_run(out, prepared.target, capsys.readouterr().err)
 
   return run
 

@@ -236,7 +236,7 @@ ROWS = (
       setup=_lock_not_a_file),
   # One clear line instead of a traceback.
   Row("read_only_output", "train", ("--output_dir=/sys/decompax_run",),
-      "cannot write to /sys: "),
+      "--output_dir: cannot write to /sys: "),
   Row("output_under_a_file", "train", ("--output_dir=/etc/passwd/x",),
       "/etc/passwd is a file, not a directory"),
   Row("output_is_a_file", "train", ("--output_dir={T}/afile",),
@@ -254,7 +254,9 @@ ROWS = (
   Row("full_disk", "train", (OUT,), "No space left on device; free space "
       "there", prelude=FULL_DISK),
   Row("other_flags", "train", ("--output_dir={T}/r", "--lr=0.002"),
-      "--lr was 0.001, now 0.002", setup=_flags_txt("--lr=0.001")),
+      "--lr was 0.001, now 0.002); resume it with the same flags, replace "
+      "it, or choose another directory (--overwrite replaces it)",
+      setup=_flags_txt("--lr=0.001")),
   # Refusals that already worked.
   Row("unknown_flag", "train", ("--bogus=1", OUT),
       "Unknown command line flag 'bogus'"),
@@ -278,12 +280,15 @@ ROWS = (
       "--weight_decay must be >= 0"),
   Row("ci_lr_zero", "train", ("--ci_lr=0", OUT), "--ci_lr must be positive"),
   Row("warmup_pct_one", "train", ("--lr_warmup_pct=1", OUT),
-      "--lr_warmup_pct must lie in [0, 1)"),
+      "--lr_warmup_pct: warmup_pct must lie in [0, 1), got 1.0"),
   Row("final_frac_constant", "train", (
     "--lr_schedule=constant", "--lr_final_frac=0.5", OUT),
     "has no effect with --lr_schedule=constant"),
   Row("p_final_frac_alone", "train", ("--p_final_frac=0.5", OUT),
-      "--p_final_frac needs --p_schedule=linear|cosine"),
+      "--p_final_frac: a constant schedule needs final_frac = 1"),
+  Row("ema_halflife_too_long", "train", (
+    "--frequency_coeff=1e-3", "--ema_halflife_steps=2e6", OUT),
+    "ema_halflife_steps must lie in (0, 1e6], got 2000000.0"),
   Row("no_recon_term", "train", (
     "--stochastic_coeff=0", "--per_site_coeff=0", OUT),
     "no reconstruction term"),
@@ -339,7 +344,8 @@ ROWS = (
   Row("hf_without_model", "train", ("--target=hf", OUT),
       "--target=hf needs --model_dir"),
   Row("hf_no_config", "train", ("--target=hf", "--model_dir=/nonexistent",
-                                OUT), "holds no config.json"),
+                                OUT),
+      "--model_dir: '/nonexistent' holds no config.json"),
   Row("seq_len_too_long", "train", (*LLAMA, "--seq_len=100000", OUT),
       "exceeds the model's max_position_embeddings 256"),
   Row("lm_sites_match_nothing", "train", (*LLAMA, "--sites=layers.9.*", OUT),

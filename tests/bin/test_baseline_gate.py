@@ -98,10 +98,10 @@ def launch(monkeypatch, tmp_path, compile_cache):
   def run(config, kill=None):
     if config.output_dir not in prepared:  # setup locks the dir for good
       prepared[config.output_dir] = train.setup(config)
-    toy, target, weights, output_dir = prepared[config.output_dir]
+    output_dir = prepared[config.output_dir].output_dir
     launcher.kill = kill
     try:
-      train.train(config, toy, target, weights, output_dir)
+      train.train(prepared[config.output_dir])
     except Killed:
       for s, handler in handlers.items():  # the dead session's stay set
         signal.signal(s, handler)

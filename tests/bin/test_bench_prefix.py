@@ -2,7 +2,6 @@
 
 import jax
 import pytest
-from absl import flags
 
 from decompax.targets import glu_config
 
@@ -24,14 +23,6 @@ TINY_LAYER = 3
 @pytest.fixture(scope="module")
 def bench(load_bench):
   return load_bench("prefix")
-
-
-def _recipe(bench, batch, seq_len, c):
-  try:
-    return bench.recipe(batch, seq_len, c)
-  finally:
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS.mark_as_parsed()
 
 
 def _scans(jaxpr, length: int, in_loop: bool = False) -> list[bool]:
@@ -59,7 +50,7 @@ def test_sharing_runs_the_frozen_prefix_once_per_step(bench):  # SPEC §3.5
   the compiled one because XLA's CSE merges OFF's identical reruns into
   one (see bench/prefix.py); ON/OFF loss agreement (D5) is checked on the
   forwards in tests/targets/test_glu_lm.py and, on the step, below."""
-  config = _recipe(bench, 2, 4, 4)
+  config = bench.recipe(2, 4, 4)
   arrays = bench.random_arrays(TINY)
   found = {}
   for sharing in (True, False):
@@ -73,7 +64,7 @@ def test_sharing_runs_the_frozen_prefix_once_per_step(bench):  # SPEC §3.5
 
 @pytest.mark.slow
 def test_sharing_on_and_off_take_the_same_first_step(bench):  # I27
-  config = _recipe(bench, 2, 8, 8)
+  config = bench.recipe(2, 8, 8)
   arrays = bench.random_arrays(SMALL)
   variants = {}
   for sharing in (True, False):

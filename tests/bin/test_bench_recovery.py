@@ -54,3 +54,28 @@ def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
   cells = json.loads((tmp_path / "recovery.json").read_text())["cells"]
   assert cells[0]["seed"] == 3 and cells[0]["sites"] == json.loads(
     json.dumps(result["sites"]))
+
+
+def test_restarts_continue_the_candidate_with_the_lowest_held_out_loss(
+    bench, tmp_path):
+  said = []
+  extra = SHORT + ["--save_every=20"]
+  directory, choice = bench.run_restarts(tmp_path, "tms_5-2", 5, extra,
+                                         said.append, restarts=2,
+                                         select_at=20)
+  losses = {int(k): v for k, v in choice["losses"].items()}
+  assert set(losses) == {0, 1} and choice["select_at"] == 20
+  assert choice["chosen"] == min(losses, key=losses.get)
+  assert choice["seed"] == 5 + 1000 * choice["chosen"]
+  assert directory.name == f"tms_5-2_s5_r{choice['chosen']}"
+  assert (directory / "decomposition.npz").exists()
+  other = tmp_path / f"tms_5-2_s5_r{1 - choice['chosen']}"
+  assert not (other / "decomposition.npz").exists()  # stopped at 20
+  for j in (0, 1):
+    run = tmp_path / f"tms_5-2_s5_r{j}"
+    assert bench.held_out_loss(run, 20) == pytest.approx(losses[j])
+  # A rerun reads the recorded choice and launches nothing.
+  said.clear()
+  assert bench.run_restarts(tmp_path, "tms_5-2", 5, extra, said.append,
+                            restarts=2, select_at=20)[0] == directory
+  assert said == []

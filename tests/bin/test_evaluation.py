@@ -7,14 +7,17 @@ import time
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from decompax.bin import evaluation
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core.schedules import Schedule
+from decompax.core.target import Expected
 from decompax.io import run_dir
 from decompax.losses import recon, terms
+from decompax.targets import tms
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -206,3 +209,64 @@ def test_lm_eval_writes_component_table_figures_and_report(
     path = os.path.normpath(os.path.join(tmp_path, "report", ref))
     with open(path, "rb") as f:
       assert f.read(8) == PNG, ref
+
+
+def _tms_id_split():
+  """Return TMS 5-2+ID's function table and weights (SPEC §10), and its
+  exact split: one rank-1 component per feature in both embeddings (the
+  last of 6 components zero), two adding up to the hidden identity."""
+  config = tms.TmsConfig(5, 2, hidden_identity=True)
+  target = tms.target_fns(config, 6)
+  w = np.random.default_rng(0).normal(size=(5, 2)).astype(np.float32)
+  weights = tms.TmsWeights(w=jnp.asarray(w), b=jnp.zeros(5),
+                           hidden=jnp.eye(2))
+  eye = np.eye(6, dtype=np.float32)
+  split = {
+    "linear1": (eye[:5], np.concatenate([w, np.zeros((1, 2))])),
+    "hidden_layers.0": (eye[:2], eye[:, :2]),
+    "linear2": (np.concatenate([w.T, np.zeros((2, 1))], 1), eye[:, :5]),
+  }
+  components = {k: sites_lib.Factors(v[None].astype(np.float32),
+                                     u[None].astype(np.float32))
+                for k, (v, u) in split.items()}
+  return target, weights, components
+
+
+def test_recovery_lines_name_each_pattern_and_match_the_features():
+  target, weights, components = _tms_id_split()
+  identity = np.eye(5, 6)
+  dense = np.zeros((5, 6))
+  dense[:, [3, 0]] = 1.0
+  ci = {"linear1": identity, "hidden_layers.0": dense, "linear2": identity}
+  lines = evaluation.recovery_lines(ci, target, weights, components)
+  assert lines[0] == (
+    "[result] linear1: 5 alive, identity CI error 0, MMCS 1.000, "
+    "ML2R 1.000; c0->f[0], c1->f[1], c2->f[2], c3->f[3], c4->f[4]")
+  assert lines[1].startswith(
+    "[result] hidden_layers.0: 2 alive, dense CI error 0 (k=2); c0->f[0, 1")
+  assert "identity CI error 0, MMCS 1.000, ML2R 1.000" in lines[2]
+  # Halving linear1's U halves its norm ratio.
+  halved = {**components, "linear1": components["linear1"]._replace(
+    u=components["linear1"].u / 2)}
+  assert "MMCS 1.000, ML2R 0.500" in evaluation.recovery_lines(
+    ci, target, weights, halved)[0]
+
+
+def test_probe_column_order_follows_the_expected_pattern():
+  ci = np.array([[1.0, 0.0, 0.0, 0.95],
+                 [0.0, 0.0, 1.0, 0.95],
+                 [0.0, 0.0, 0.0, 0.95]])
+  # Dense: descending column mass, the silent column dropped.
+  assert evaluation.probe_column_order(ci, Expected("dense", 1)) == [3, 0, 2]
+  # Identity (also without a pattern): the Hungarian match of rows.
+  assert evaluation.probe_column_order(ci, None) == \
+    evaluation.probe_column_order(ci, Expected("identity")) == [0, 2, 3]
+
+
+def test_eval_line_shows_each_sites_pattern_error_and_match():
+  sites = tuple(sites_lib.SiteSpec(n, n, 0, 2, 2, 3) for n in ("a", "b"))
+  scalars = {"ci_l0/a": 1.0, "ci_l0/b": 2.0, "identity_ci_error/a": 0.0,
+             "dense_ci_error/b": 3.0, "mmcs/a": 0.99, "ml2r/a": 1.01}
+  line = evaluation._eval_line(7, scalars, sites, 0.5, False)
+  assert "ci_error 0/3" in line and "mmcs 0.99/-" in line
+  assert "ml2r 1.01/-" in line and "alive" not in line

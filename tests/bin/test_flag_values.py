@@ -4,6 +4,7 @@ A non-finite value passes every comparison in `train_flags.validate` (each
 comparison with NaN is false) and would reach the optimizer.
 """
 
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from absl import flags
 
 from decompax.bin import train_flags
+from decompax.recipe import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLOAT_FLAGS = sorted(
@@ -96,3 +98,24 @@ def test_bin_train_refuses_nan_on_one_line_before_writing(tmp_path):
   assert result.stderr.strip().splitlines() == [
     "train: error: flag --lr=nan: must be a finite number; see --helpfull"]
   assert not out.exists()
+
+
+def test_every_config_field_is_a_flag_with_the_field_default():
+  """bin/train's flags set the fields of `TrainConfig` and take their
+  defaults from it: parsing nothing gives the library's defaults."""
+  module_flags = {f.name for f in
+                  flags.FLAGS.get_flags_for_module(train_flags)}
+  fields = {f.name for f in dataclasses.fields(config_lib.TrainConfig)}
+  assert fields <= module_flags
+  assert train_flags.parse_config() == config_lib.DEFAULTS
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "flags").glob("*.flags")),
+                         ids=lambda p: p.stem)
+def test_the_library_reads_every_flagfile_as_the_flags_do(path):
+  """`recipe.config.read_args` (the benchmarks' reader) and bin/train's
+  flags turn each recipe, and overrides of every kind, into one config."""
+  args = (f"--flagfile={path}", "--model_dir=unused", "--c=7",
+          "--ci_hidden=5,3", "--noslow_on_first_step", "--pgd_betas=0.4,0.9",
+          "--lr=2e-3", "--sites=")
+  assert config_lib.read_args(args) == train_flags.parse_config(*args)

@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from decompax.bin import lm_setup, recipe, train
+from decompax.bin import train
+from decompax.recipe import assembly
+from decompax.recipe import lm as lm_lib
 from decompax.io import run_dir, tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -22,12 +24,12 @@ LLAMA_8B_CONFIG = ROOT / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b"
 def test_tiny_llama_flagfile_resolves(parse, monkeypatch):
   monkeypatch.chdir(ROOT)  # the flagfile's --model_dir is repo-relative
   config = parse(f"--flagfile={TINY}")
-  toy, sites, target, load = train.resolve_target(config)
+  toy, target, load = assembly.resolve_target(config)
   assert toy.name == "tiny_llama" and load is not None
-  assert [s.name for s in sites] == [f"layers.1.mlp.{r}_proj"
+  assert [s.name for s in target.sites] == [f"layers.1.mlp.{r}_proj"
                                      for r in ("gate", "up", "down")]
   assert target.start_taps == ("resid.1",)
-  lead = lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size)
+  lead = lm_lib.lead_shape(target, toy.sample_inputs, config.batch_size)
   assert lead == (config.batch_size, config.seq_len)
 
 
@@ -35,30 +37,29 @@ def test_l18_flagfile_validates_against_the_8b_config(parse):
   # The 8B weights are not here; its config.json is, and that is all the
   # site table, the function table and the loss terms need.
   config = parse(f"--flagfile={L18}", f"--model_dir={LLAMA_8B_CONFIG}")
-  toy, sites, target, _ = train.resolve_target(config)
+  toy, target, _ = assembly.resolve_target(config)
+  sites = target.sites
   assert [(s.name, s.kind, s.row, s.d_in, s.d_out, s.c) for s in sites] == [
     ("layers.18.mlp.gate_proj", "gate_proj", 0, 4096, 14336, 24576),
     ("layers.18.mlp.up_proj", "up_proj", 0, 4096, 14336, 24576),
     ("layers.18.mlp.down_proj", "down_proj", 0, 14336, 4096, 24576)]
   assert target.start_taps == ("resid.18",)
-  lead = lm_setup.lead_shape(target, toy.sample_inputs, config.batch_size)
-  assert lead == (512, 2048)
-  terms = recipe.loss_terms(config, sites, lm_setup.tokens_per_batch(lead),
-                            target.nonlinear_units, lead)
-  assert [t.name for t in terms] == [
+  parts = assembly.parts(config, toy, target)
+  assert parts.lead_shape == (512, 2048)
+  assert parts.term_names == (
     "faithfulness", "importance_minimality", "frequency_minimality",
-    "stochastic_recon", "persistent_pgd_recon"]
+    "stochastic_recon", "persistent_pgd_recon")
   assert config.compute_dtype == "bfloat16"
-  assert recipe.step_config(config).compute_dtype == "bfloat16"  # N4
+  assert parts.step_config.compute_dtype == "bfloat16"  # N4
   # The reference CI (SPEC §4.3): one chunk reading resid.18, three outputs.
-  ci = train.ci_config_of(config, toy, sites)
+  ci = parts.ci_config
   assert ci.kind == "transformer"
   assert [(c.input_taps, c.output_sites) for c in ci.transformer.chunks] == [
     (("resid.18",), tuple(s.name for s in sites))]
   assert ci.transformer.tap_widths == (("resid.18", 4096),)
   assert (ci.transformer.d_model, ci.transformer.n_blocks,
           ci.transformer.n_heads, ci.transformer.d_mlp) == (4096, 4, 64, 16384)
-  assert train.ci_fns.make_ci_fn(ci, sites).input_taps == ("resid.18",)
+  assert parts.ci_fn.input_taps == ("resid.18",)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -79,7 +80,7 @@ def test_bad_lm_settings_fail_before_writing(parse, tmp_path, args, message):
 def test_site_patterns_expand_in_model_order():
   names = ("layers.0.mlp.up_proj", "layers.1.self_attn.q_proj",
            "layers.1.mlp.up_proj")
-  assert lm_setup.expand_sites(names, ("layers.1.*", "layers.0.mlp.up_proj")
+  assert lm_lib.expand_sites(names, ("layers.1.*", "layers.0.mlp.up_proj")
                                ) == names
 
 
@@ -121,22 +122,22 @@ def test_tiny_llama_vpd_run_resumes_bitwise(parse, monkeypatch, tmp_path,
     "--faithfulness_warmup_steps=0", "--pgd_coeff=0.5", "--pgd_scope=sc",
     "--pgd_n_warmup=1", "--frequency_coeff=1e-3", "--ema_halflife_steps=4",
     "--components_optimizer=muon")
-  toy, _, target, load = train.resolve_target(config)
+  toy, target, load = assembly.resolve_target(config)
   weights = load()
 
-  run = train.build_run(config, toy, target, weights)
+  run = assembly.build_run(config, toy, target, weights)
   state, metrics = run.state, []
   for _ in range(4):
     state, m = run.built.step(state, run.weights, run.data_key)
     metrics.append(jax.device_get(m))
   straight = state
 
-  run = train.build_run(config, toy, target, weights)
+  run = assembly.build_run(config, toy, target, weights)
   state = run.state
   for _ in range(2):
     state, _ = run.built.step(state, run.weights, run.data_key)
   path = checkpoint.save(tmp_path, 2, checkpoint.split_state(state))
-  template = train.build_run(config, toy, target, weights).state
+  template = assembly.build_run(config, toy, target, weights).state
   items = checkpoint.split_state(template)
   state = checkpoint.join_state(template, {
     name: checkpoint.restore_item(path, name, tree)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from decompax.bin import train
+from decompax.recipe import assembly
 from decompax.core import probe
 from decompax.targets import registry
 
@@ -28,7 +28,7 @@ def _trained(name: str):
 def _run(config):
   toy, weights = _trained(config.target)
   target = toy.fns(config.c)
-  run = train.build_run(config, toy, target, weights)
+  run = assembly.build_run(config, toy, target, weights)
   state = run.state
   for _ in range(config.num_steps):
     state, metrics = run.built.step(state, weights, run.data_key)
@@ -85,7 +85,7 @@ def test_tms_5_2_vpd_terms_learn_and_the_adversary_outgrows_fresh_sources(
                  "--num_steps=200", "--batch_size=256")
   toy, weights = _trained(config.target)
   target = toy.fns(config.c)
-  run = train.build_run(config, toy, target, weights)
+  run = assembly.build_run(config, toy, target, weights)
   state, history = run.state, []
   for _ in range(config.num_steps):
     state, metrics = run.built.step(state, weights, run.data_key)

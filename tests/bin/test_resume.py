@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 import jax
 import pytest
 
-from decompax.bin import checkpointing, placement_setup, recipe, run_records
-from decompax.bin import train, train_flags
+from decompax.bin import checkpointing, placement_setup, run_records, train
+from decompax.bin import train_flags
+from decompax.recipe import assembly, engine
 from decompax.core import health
 from decompax.io import checkpoint, load_decomposition, run_dir
 from decompax.placement import mesh as mesh_lib
@@ -52,18 +53,19 @@ class Straight(NamedTuple):
   term_names: tuple[str, ...]
 
 
-def _session(config, target):
+def _session(config, target, term_names=()):
   os.makedirs(config.output_dir, exist_ok=True)
   return checkpointing.open_session(config, config.output_dir, target.sites,
-                                    recipe.ci_config(config))
+                                    engine.ci_config(config), term_names)
 
 
 def _restored_run(config, straight):
   """Return the run `bin/train` would build to resume `config`."""
   session = _session(config, straight.target)
   try:
-    return train.build_run(config, straight.toy, straight.target,
-                           straight.weights, checkpointing.restorer(session))
+    return assembly.build_run(config, straight.toy, straight.target,
+                              straight.weights,
+                              checkpointing.restorer(session))
   finally:
     checkpointing.close(session)
 
@@ -75,11 +77,13 @@ def straight(tmp_path_factory):
   target_path = str(root / "target.npz")
   config = train_flags.parse_config(*VPD_ARGS, f"--output_dir={root / 'straight'}",
                    f"--target_path={target_path}")
-  toy, target, weights, output_dir = train.setup(config)
+  prepared = train.setup(config)
+  toy, target = prepared.plan.parts.toy, prepared.target
+  weights, output_dir = prepared.weights, prepared.output_dir
   session = _session(config, target)
   try:
-    run = train.build_run(config, toy, target, weights,
-                          checkpointing.restorer(session))
+    run = assembly.start(prepared.plan, weights,
+                         checkpointing.restorer(session))
     assert run.warmup_losses.shape == (3,)
     checkpointing.after_warmup(session, run.state)
     compiled = run.built.step.lower(run.state, weights, run.data_key).compile()
@@ -133,8 +137,8 @@ def _resume_to_the_end(config, straight, assert_bitwise_equal,
   checking every step's metrics and the final state against `straight`."""
   session = _session(config, straight.target)
   try:
-    run = train.build_run(config, straight.toy, straight.target,
-                          straight.weights, checkpointing.restorer(session))
+    run = assembly.build_run(config, straight.toy, straight.target,
+                             straight.weights, checkpointing.restorer(session))
     assert int(jax.device_get(run.state.step)) == SAVE_EVERY
     at_resume(session, run)
     state = run.state
@@ -151,8 +155,8 @@ def test_sigterm_saves_the_completed_step_and_exits_75(straight, tmp_path):
   config = dataclasses.replace(straight.config, output_dir=str(tmp_path / "r"))
   before = signal.getsignal(signal.SIGTERM)
   session = _session(config, straight.target)
-  run = train.build_run(config, straight.toy, straight.target,
-                        straight.weights, checkpointing.restorer(session))
+  run = assembly.build_run(config, straight.toy, straight.target,
+                           straight.weights, checkpointing.restorer(session))
   checkpointing.after_warmup(session, run.state)
   state, _ = straight.compiled(run.state, straight.weights, run.data_key)
   os.kill(os.getpid(), signal.SIGTERM)  # through bin/train's real handler
@@ -170,8 +174,8 @@ def test_signal_during_warmup_exits_without_saving(straight, tmp_path,
   monkeypatch.setenv(checkpointing.FAULT_ENV, "sigterm_before_warmup")
   config = dataclasses.replace(straight.config, output_dir=str(tmp_path / "r"))
   session = _session(config, straight.target)
-  run = train.build_run(config, straight.toy, straight.target,
-                        straight.weights, checkpointing.restorer(session))
+  run = assembly.build_run(config, straight.toy, straight.target,
+                           straight.weights, checkpointing.restorer(session))
   assert run.warmup_losses.shape == (3,)
   with pytest.raises(SystemExit) as exit_info:
     checkpointing.after_warmup(session, run.state)
@@ -183,11 +187,11 @@ def test_checkpointing_none_writes_nothing_and_refuses_reentry(
     straight, tmp_path, monkeypatch):  # I39
   config = dataclasses.replace(straight.config, checkpointing="none",
                                output_dir=str(tmp_path / "r"))
-  sites, ci_config = straight.target.sites, recipe.ci_config(config)
+  sites, ci_config = straight.target.sites, engine.ci_config(config)
   checkpointing.check_entry(config, config.output_dir, sites, ci_config)
   session = _session(config, straight.target)
-  run = train.build_run(config, straight.toy, straight.target,
-                        straight.weights, checkpointing.restorer(session))
+  run = assembly.build_run(config, straight.toy, straight.target,
+                           straight.weights, checkpointing.restorer(session))
   checkpointing.after_warmup(session, run.state)
   state = run.state
   monkeypatch.setenv(checkpointing.FAULT_ENV,
@@ -206,7 +210,7 @@ def test_checkpointing_none_writes_nothing_and_refuses_reentry(
 
 def test_a_finished_run_refuses_to_resume(straight):
   args = (straight.config, straight.output_dir, straight.target.sites,
-          recipe.ci_config(straight.config))
+          engine.ci_config(straight.config))
   records = os.path.join(straight.output_dir, "decomposition.npz")
   # Killed after the final save but before the final records: resumable.
   assert not os.path.exists(records)
@@ -225,18 +229,18 @@ def test_init_from_restores_only_the_decomposition(
   config = dataclasses.replace(
     straight.config, output_dir=str(tmp_path / "ft"), init_from=parent,
     lr=3e-3, pgd_coeff=0.25)
-  sites, ci_config = straight.target.sites, recipe.ci_config(config)
+  sites, ci_config = straight.target.sites, engine.ci_config(config)
   checkpointing.check_entry(config, config.output_dir, sites, ci_config)
   session = _session(config, straight.target)
   assert session.mode == "init_from"
-  run = train.build_run(config, straight.toy, straight.target,
-                        straight.weights, checkpointing.restorer(session))
+  run = assembly.build_run(config, straight.toy, straight.target,
+                           straight.weights, checkpointing.restorer(session))
   fresh_session = _session(dataclasses.replace(
     config, init_from=None, output_dir=str(tmp_path / "fresh")),
     straight.target)
-  fresh = train.build_run(config, straight.toy, straight.target,
-                          straight.weights,
-                          checkpointing.restorer(fresh_session))
+  fresh = assembly.build_run(config, straight.toy, straight.target,
+                             straight.weights,
+                             checkpointing.restorer(fresh_session))
   assert run.warmup_losses.shape == (0,)  # no warmup
   loaded = load_decomposition(checkpoint.step_path(
     checkpointing.checkpoint_dir(straight.output_dir), SAVE_EVERY))
@@ -263,11 +267,11 @@ def test_init_from_refuses_a_structural_mismatch(straight, tmp_path, change,
   config = dataclasses.replace(
     straight.config, output_dir=str(tmp_path / "ft"),
     init_from=os.path.join(straight.output_dir, "latest"), **change)
-  sites = recipe.select_sites(straight.toy.sites(config.c), config.sites,
+  sites = engine.select_sites(straight.toy.sites(config.c), config.sites,
                               config.target)
   with pytest.raises(ValueError) as info:
     checkpointing.check_entry(config, config.output_dir, sites,
-                              recipe.ci_config(config))
+                              engine.ci_config(config))
   assert message in str(info.value)
   assert not os.path.exists(config.output_dir)
 
@@ -279,7 +283,7 @@ def test_init_from_names_a_missing_step(straight, tmp_path):
   with pytest.raises(ValueError, match="no checkpoint of step 3"):
     checkpointing.check_entry(config, config.output_dir,
                               straight.target.sites,
-                              recipe.ci_config(config))
+                              engine.ci_config(config))
 
 
 def _bin_train(args, env_extra=None, **kwargs):
@@ -353,8 +357,8 @@ def test_profile_window_writes_a_trace(straight, tmp_path):
                                profile_steps="1:2")
   session = _session(dataclasses.replace(config, checkpointing="none"),
                      straight.target)
-  run = train.build_run(config, straight.toy, straight.target,
-                        straight.weights, None)
+  run = assembly.build_run(config, straight.toy, straight.target,
+                           straight.weights, None)
   state = run.state
   for index in range(3):
     run_records.profile_before_step(config, config.output_dir, index)
@@ -413,8 +417,8 @@ def test_unusable_checkpoints_are_one_line_errors(straight, tmp_path, damage,
   session = _session(config, target)
   try:
     with pytest.raises(checkpoint.CheckpointError) as info:
-      train.build_run(config, straight.toy, target, straight.weights,
-                      checkpointing.restorer(session))
+      assembly.build_run(config, straight.toy, target, straight.weights,
+                         checkpointing.restorer(session))
   finally:
     checkpointing.close(session)
   assert message in str(info.value) and "\n" not in str(info.value)
@@ -445,10 +449,10 @@ def test_a_placed_resume_reads_each_leaf_into_its_shards(
   monkeypatch.setattr(checkpoint, "restore_item", spy)
   session = _session(config, straight.target)
   try:
-    placed = train.build_run(config, straight.toy, straight.target,
-                             straight.weights,
-                             checkpointing.restorer(session),
-                             placement_setup.Placement(mesh, table))
+    placed = assembly.build_run(config, straight.toy, straight.target,
+                                straight.weights,
+                                checkpointing.restorer(session),
+                                shardings.Placement(mesh, table))
   finally:
     checkpointing.close(session)
   monkeypatch.undo()
@@ -460,7 +464,7 @@ def test_a_placed_resume_reads_each_leaf_into_its_shards(
   for leaf, sharding in zip(jax.tree.leaves(placed.state),
                             jax.tree.leaves(want)):
     assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-  # place_run kept the restored arrays rather than copying them again.
+  # The start kept the restored arrays rather than copying them again.
   assert {id(x) for x in jax.tree.leaves(placed.state)} <= {
     id(x) for x in jax.tree.leaves(restored)}
   assert not placed.state.components["linear1"].v.sharding.is_fully_replicated
@@ -478,9 +482,9 @@ def test_a_placed_init_from_reads_the_parent_into_its_shards(
   table = table_lib.make_table("zero1")
   session = _session(config, straight.target)
   try:
-    run = train.build_run(config, straight.toy, straight.target,
-                          straight.weights, checkpointing.restorer(session),
-                          placement_setup.Placement(mesh, table))
+    run = assembly.build_run(config, straight.toy, straight.target,
+                             straight.weights, checkpointing.restorer(session),
+                             shardings.Placement(mesh, table))
   finally:
     checkpointing.close(session)
   want = shardings.named(mesh, shardings.state_specs(
@@ -554,8 +558,7 @@ def test_a_nonfinite_state_is_never_saved_and_nothing_is_pruned(
   out, ckpts = _resumable_copy(straight, tmp_path)
   config = dataclasses.replace(straight.config, output_dir=str(out),
                                keep_all=False, keep_last=1)
-  session = checkpointing.with_terms(_session(config, straight.target),
-                                     ("recon",))
+  session = _session(config, straight.target, ("recon",))
   try:
     state = _restored_run(config, straight).state
     bad = state._replace(ci_params=_poison(state.ci_params),
@@ -636,8 +639,8 @@ def test_term_states_by_position_of_another_structure_are_refused(
   session = _session(config, straight.target)
   try:
     with pytest.raises(checkpoint.CheckpointError) as info:
-      train.build_run(config, straight.toy, straight.target,
-                      straight.weights, checkpointing.restorer(session))
+      assembly.build_run(config, straight.toy, straight.target,
+                         straight.weights, checkpointing.restorer(session))
   finally:
     checkpointing.close(session)
   message = str(info.value)

@@ -61,8 +61,8 @@ def test_a_second_trainer_is_refused_while_the_first_runs(parse, tmp_path):
     # Stopped, it keeps its lock and leaves the CPUs to the second trainer.
     first.send_signal(signal.SIGSTOP)
     flags_text = (out / run_dir.FLAGS_FILE).read_text()
-    refusal = (f"output dir {out} is in use by {holder}; wait for that run to"
-               " end or choose another --output_dir")
+    refusal = (f"--output_dir: output dir {out} is in use by {holder}; wait "
+               "for that run to end or choose another directory")
     # --overwrite must not take a live run's directory either.
     second = _bin_train(*args, "--overwrite", stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE)

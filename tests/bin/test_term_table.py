@@ -1,10 +1,12 @@
-"""bin/term_table: the one table of loss terms drives the recipe, the
+"""recipe/terms: the one table of loss terms drives the assembly, the
 console line, the rider checks and the rider flag's help."""
 
 import pytest
 from absl import flags
 
-from decompax.bin import recipe, term_table, train
+from decompax.bin import train
+from decompax.recipe import assembly
+from decompax.recipe import terms as term_table
 from decompax.core import sites as sites_lib
 
 # resid_mlp1 declares nonlinear units, so every term of the table can be on.
@@ -16,9 +18,8 @@ EVERY_TERM = (
 
 
 def _terms(config):
-  _, sites, target, _ = train.resolve_target(config)
-  return recipe.loss_terms(config, sites, config.batch_size,
-                           target.nonlinear_units)
+  toy, target, _ = assembly.resolve_target(config)
+  return assembly.parts(config, toy, target).terms
 
 
 def test_names_short_forms_and_flags_are_unique():

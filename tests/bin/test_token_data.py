@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.bin import placement_setup, token_data, train, train_flags
+from decompax.bin import placement_setup, train, train_flags
+from decompax.recipe import assembly, token_data
 from decompax.io import tokens as tokens_lib
 from decompax.losses import eval_step
 
@@ -41,10 +42,11 @@ def built(files):
   config = train_flags.parse_config(
     f"--flagfile={TINY}", f"--model_dir={MODEL_DIR}", *SMALL,
     f"--data_path={files[0]}", f"--eval_data_path={files[1]}")
-  toy, _, target, load = train.resolve_target(config)
+  toy, target, load = assembly.resolve_target(config)
   weights = load()
-  return config, toy, target, weights, train.build_run(
-    config, toy, target, weights)
+  data = token_data.open_data(config, toy.config.vocab_size)
+  return config, toy, target, weights, assembly.build_run(
+    config, toy, target, weights, data=data)
 
 
 @pytest.fixture
@@ -97,7 +99,8 @@ def test_placed_run_reads_batches_onto_the_batch_sharding(built):
   config, toy, target, weights, plain = built
   placement = placement_setup.make_placement(
     placement_setup.PlacementConfig(placement="zero1"), (8, 8))
-  placed = train.build_run(config, toy, target, weights, placement=placement)
+  placed = assembly.build_run(config, toy, target, weights,
+                              placement=placement, data=plain.data)
   batch = placed.step_inputs(0)
   assert batch.sharding == placed.inputs_sharding
   assert len(batch.sharding.device_set) == 8

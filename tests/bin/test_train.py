@@ -7,10 +7,13 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
-from decompax.bin import recipe, train
+from decompax.bin import placement_setup, train
 from decompax.io import decomposition, run_dir
+from decompax.recipe import assembly, terms
+from decompax.targets import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAGFILES = sorted((ROOT / "flags").glob("*.flags"))
@@ -35,13 +38,11 @@ def test_there_are_flagfiles_for_every_paper_toy():
 @pytest.mark.parametrize("path", TOY_FLAGFILES, ids=lambda p: p.stem)
 def test_every_flagfile_parses_and_builds_its_terms(parse, path):
   config = parse(f"--flagfile={path}")
-  _, sites, target, _ = train.resolve_target(config)
-  terms = recipe.loss_terms(config, sites, config.batch_size,
-                            target.nonlinear_units)
-  assert {t.name for t in terms} >= {"faithfulness", "importance_minimality"}
+  toy, target, _ = assembly.resolve_target(config)
+  parts = assembly.parts(config, toy, target)
+  assert set(parts.term_names) >= {"faithfulness", "importance_minimality"}
   # Toys stay fp32 whatever --compute_dtype says (N4).
-  assert recipe.step_config(config).compute_dtype is None
-  recipe.ci_config(config)
+  assert parts.step_config.compute_dtype is None
 
 
 def test_defaults_are_the_tms_5_2_flagfile(parse):
@@ -176,9 +177,9 @@ def test_rerun_with_other_flags_names_them(parse, tmp_path):
   with pytest.raises(ValueError) as info:
     train.setup(parse(f"--output_dir={out}", "--lr=0.002", "--c=8"))
   assert str(info.value) == (
-    f"output dir {out} holds a run with other flags (--lr was 0.001, now "
-    "0.002); resume it with the same flags, replace it with --overwrite, or "
-    "choose another --output_dir")
+    f"--output_dir: output dir {out} holds a run with other flags (--lr was "
+    "0.001, now 0.002); resume it with the same flags, replace it, or choose "
+    "another directory (--overwrite replaces it)")
 
 
 def _disk_full(monkeypatch):
@@ -201,8 +202,8 @@ def test_rerun_on_a_full_disk_is_refused_before_writing(parse, tmp_path,
   with pytest.raises(ValueError) as info:
     train.setup(config)
   assert str(info.value) == (
-    f"cannot write to {out}: No space left on device; free space there and "
-    "rerun, or choose another --output_dir")
+    f"--output_dir: cannot write to {out}: No space left on device; free "
+    "space there and rerun, or choose another directory")
   assert {p: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
 
@@ -214,18 +215,20 @@ def test_a_full_disk_at_the_launch_record_is_one_line(tmp_path, monkeypatch):
   with pytest.raises(checkpoint.CheckpointError) as info:
     run_records.record_launch(str(tmp_path), "resume")
   assert str(info.value) == (
-    f"cannot write to {tmp_path / 'run_info.json'}: No space left on "
-    "device; free space there and rerun, or choose another --output_dir")
+    f"--output_dir: cannot write to {tmp_path / 'run_info.json'}: No space "
+    "left on device; free space there and rerun, or choose another "
+    "directory")
   assert os.listdir(tmp_path) == []
 
 
 def test_unwritable_output_dirs_are_refused_in_setup(parse, tmp_path):
   afile = tmp_path / "afile"
   afile.write_text("x")
-  with pytest.raises(ValueError, match=f"^{afile} is a file, not a dir"):
+  with pytest.raises(ValueError,
+                     match=f"^--output_dir: {afile} is a file, not a dir"):
     train.setup(parse(f"--output_dir={afile / 'x'}"))
   if os.path.isdir("/sys"):  # read-only even for root
-    with pytest.raises(ValueError, match="^cannot write to /sys: "):
+    with pytest.raises(ValueError, match="^--output_dir: cannot write to /sys: "):
       train.setup(parse("--output_dir=/sys/decompax_run"))
 
 
@@ -248,3 +251,31 @@ def test_a_run_of_an_older_version_is_resumed_not_refused(parse, tmp_path):
   with pytest.raises(ValueError, match="--components_init was not recorded, "
                      "now projected"):
     train.setup(config)
+
+
+def test_a_launch_builds_each_term_once(parse, tmp_path, monkeypatch):
+  """`setup` checks and plans the run and `assembly.start` starts it from
+  that plan: no term is built a second time (to validate, or to place)."""
+  calls = []
+
+  def counted(build):
+    def build_once(*args):
+      calls.append(args[2])  # the term's name
+      return build(*args)
+    return build_once
+
+  monkeypatch.setattr(terms, "TERMS", tuple(
+    t._replace(build=counted(t.build)) for t in terms.TERMS))
+  toy = registry.get("tms_5-2")
+  cache = tmp_path / "target.npz"
+  run_dir.save_arrays(cache, toy.weights_to_arrays(toy.init(jax.random.key(0))),
+                      {"target": toy.name, "target_seed": toy.default_seed})
+  config = parse(f"--flagfile={ROOT / 'flags' / 'tms_5-2_vpd.flags'}",
+                 "--c=8", "--batch_size=8", f"--target_path={cache}",
+                 f"--output_dir={tmp_path / 'run'}")
+  placement = placement_setup.make_placement(
+    placement_setup.PlacementConfig(placement="zero1"), (8,))
+  prepared = train.setup(config, placement)
+  run = assembly.start(prepared.plan, prepared.weights)
+  assert sorted(calls) == sorted(run.plan.parts.term_names)
+  assert len(calls) == 5

@@ -11,7 +11,7 @@ import pytest
 from decompax.core import ci_fns, ci_transformer as ct, optim, train_step
 from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import SiteMask
 
 D = 8  # width of the residual taps
 B, T = 2, 5

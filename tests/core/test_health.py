@@ -10,7 +10,7 @@ import pytest
 from decompax.core import ci_fns, health, optim, sites as sites_lib
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import SiteMask
 
 NAN_AT = 2  # the 1-based step whose loss the poisoned term makes NaN
 

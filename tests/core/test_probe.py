@@ -122,3 +122,13 @@ def test_expected_refuses_inconsistent_patterns():
                                                 feature_axis=2)):
     with pytest.raises(ValueError):
       Expected(**bad)
+
+
+def test_pattern_permutation_orders_dense_sites_by_column_mass():
+  ci = np.array([[0.0, 0.5, 1.0, 0.0],
+                 [0.0, 0.5, 1.0, 0.2]])
+  assert probe.dense_permutation(ci) == [2, 1, 3, 0]
+  assert probe.pattern_permutation(ci, Expected("dense", 1)) == [2, 1, 3, 0]
+  for identity in (None, Expected("identity")):
+    assert probe.pattern_permutation(ci, identity) == \
+      probe.identity_permutation(ci)

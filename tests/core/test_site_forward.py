@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from decompax.core import sites as sites_lib
-from decompax.core.site_forward import SiteMask, decomposed_matmul, site_matmul
+from decompax.core.masks import SiteMask
+from decompax.core.site_forward import decomposed_matmul, site_matmul
 
 
 def _exact_factors(w):

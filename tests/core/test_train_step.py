@@ -7,7 +7,7 @@ import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core.schedules import Schedule
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import SiteMask
 
 
 def _recon_like_term():

@@ -246,6 +246,56 @@ def test_latest_falls_back_past_a_damaged_step(
   assert len(reports) == 1 and "000000002 is damaged" in reports[0]
 
 
+def test_processes_fall_back_together_past_a_step_one_cannot_read(
+    tmp_path, assert_bitwise_equal):
+  """Step 2 reads here, but another process found its own shards of it
+  damaged (`agree` says not every process read it): this process falls
+  back to step 1 with it, and never runs the collective check on step 2."""
+  checkpoint.save(tmp_path, 1, _items(seed=1), _metadata())
+  checkpoint.save(tmp_path, 2, _items(seed=2), _metadata())
+  template = _shapes(_decomposition())
+  asked, checked, reports = [], [], []
+
+  def agree(step, ok):
+    asked.append((step, ok))
+    return ok and step != 2
+
+  step, restored = checkpoint.restore_latest(
+    tmp_path, lambda p: checkpoint.restore_item(p, "decomposition", template),
+    reports.append, check=lambda path, tree: checked.append(path),
+    agree=agree)
+  assert step == 1
+  assert_bitwise_equal(restored, _decomposition(seed=1))
+  assert asked == [(2, True), (1, True)]
+  assert checked == [checkpoint.step_path(tmp_path, 1)]
+  assert len(reports) == 1 and "000000002 is damaged" in reports[0]
+  assert "another process found its shards damaged" in reports[0]
+
+
+def test_a_step_that_fails_its_check_is_skipped(tmp_path,
+                                                assert_bitwise_equal):
+  checkpoint.save(tmp_path, 1, _items(seed=1), _metadata())
+  checkpoint.save(tmp_path, 2, _items(seed=2), _metadata())
+  template = _shapes(_decomposition())
+  reports = []
+
+  def check(path, tree):
+    if path.endswith(checkpoint.step_name(2)):
+      raise checkpoint.NonfiniteCheckpoint(f"checkpoint {path}: NaN")
+
+  step, restored = checkpoint.restore_latest(
+    tmp_path, lambda p: checkpoint.restore_item(p, "decomposition", template),
+    reports.append, check=check)
+  assert step == 1
+  assert_bitwise_equal(restored, _decomposition(seed=1))
+  assert "000000002 holds non-finite values" in reports[0]
+
+
+def test_one_process_agrees_with_itself():
+  assert checkpoint.processes_agree(3, True)
+  assert not checkpoint.processes_agree(3, False)
+
+
 def test_every_step_damaged_is_an_error(tmp_path):
   path = checkpoint.save(tmp_path, 1, _items(), _metadata())
   _truncate_shard(path)

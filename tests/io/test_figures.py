@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from decompax.core.target import Expected
 from decompax.io import figures
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -91,3 +92,12 @@ def test_a_deleted_run_directory_is_not_recreated(tmp_path):
   run.mkdir()  # a live run: its figures directory is made on first use
   figures.plot_loss_curves([], run / "figures" / "losses.png")
   assert _is_png(run / "figures" / "losses.png")
+
+
+def test_plot_ci_on_features_takes_each_sites_expected_pattern(tmp_path):
+  ci = {"linear1": np.eye(3, 5, dtype=np.float32),
+        "hidden": np.tile(np.array([0.0, 1.0, 0.0, 1.0], np.float32), (3, 1))}
+  path = tmp_path / "ci.png"
+  assert figures.plot_ci_on_features(
+    ci, path, "CI", expected={"hidden": Expected("dense", 2)}) == str(path)
+  assert _is_png(path)

@@ -121,3 +121,27 @@ def test_report_of_a_run_without_records_still_renders(tmp_path):
   assert referenced_files(page) == []
   assert "--target=x" in open(page, encoding="utf-8").read()
   json.dumps(os.listdir(tmp_path / "report"))
+
+
+def test_report_shows_pattern_errors_and_the_feature_match(tmp_path):
+  """Per-site CI errors under the site's pattern, MMCS and ML2R in the
+  headline table, each with its curve; locality stats as a curve."""
+  (tmp_path / run_dir.FLAGS_FILE).write_text("--target=tms_5-2-id\n")
+  metrics = tmp_path / run_dir.METRICS_FILE
+  for step in (0, 10):
+    run_dir.append_metrics(metrics, {
+      "step": step, "eval/recon/ci_masked": 0.1, "eval/ci_l0/linear1": 1.0,
+      "eval/ci_l0/hidden_layers.0": 2.0,
+      "eval/identity_ci_error/linear1": 1.0,
+      "eval/dense_ci_error/hidden_layers.0": 0.0,
+      "eval/mmcs/linear1": 0.99, "eval/ml2r/linear1": 0.98,
+      "eval/nonlinearity/soft_count/neuron": 0.6})
+  page = report.write_report(tmp_path)
+  text = open(page, encoding="utf-8").read()
+  headline = text.split("<details>")[0]
+  for header in ("identity CI error", "dense CI error", "MMCS", "ML2R"):
+    assert f"<th>{header}</th>" in headline
+  assert "<td>0.99</td><td>0.98</td>" in headline
+  shown = {os.path.basename(r) for r in referenced_files(page)}
+  assert {"ci_error.png", "eval_mmcs.png", "eval_ml2r.png",
+          "eval_nonlinearity.png"} <= shown

@@ -71,7 +71,7 @@ def test_prepare_writes_flags(tmp_path):
 
 def test_prepare_missing_parent_raises_and_creates_nothing(tmp_path):
   out = tmp_path / "missing" / "run"
-  with pytest.raises(ValueError, match="does not exist.*--output_dir"):
+  with pytest.raises(ValueError, match="does not exist; create it or choose"):
     run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
   assert os.listdir(tmp_path) == []
 
@@ -81,11 +81,11 @@ def test_prepare_different_flags_raises_and_touches_nothing(tmp_path):
   run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
   (out / "metrics.jsonl").write_text('{"step": 0}\n')
   before = {n: (out / n).read_bytes() for n in os.listdir(out)}
-  with pytest.raises(ValueError) as info:
+  with pytest.raises(run_dir.RunConflict) as info:
     run_dir.prepare_run_dir(out, "--c=6\n", overwrite=False)
   message = str(info.value)
   assert "\n" not in message
-  assert str(out) in message and "--overwrite" in message
+  assert str(out) in message and "replace it" in message
   assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
 
 
@@ -140,7 +140,7 @@ def test_lock_creates_the_dir_and_names_its_holder(tmp_path):
       run_dir.lock_run_dir(out)
     assert str(info.value) == (
       f"output dir {out} is in use by {_me()}; wait for that run to end or"
-      " choose another --output_dir")
+      " choose another directory")
   finally:
     os.close(fd)
   os.close(run_dir.lock_run_dir(out))  # closing released it
@@ -375,7 +375,7 @@ def test_check_refuses_a_file_among_the_ancestors(tmp_path):
     with pytest.raises(ValueError) as info:
       run_dir.check_run_dir(out, "--c=5\n", overwrite=False)
     assert str(info.value) == (
-      f"{afile} is a file, not a directory; choose another --output_dir")
+      f"{afile} is a file, not a directory; choose another directory")
   with pytest.raises(ValueError, match=f"output dir {afile} is a file, not"):
     run_dir.check_run_dir(afile, "--c=5\n", overwrite=True)
   assert sorted(os.listdir(tmp_path)) == ["afile"]
@@ -388,7 +388,7 @@ def test_check_refuses_a_read_only_parent_even_for_root():
     run_dir.check_run_dir("/sys/decompax_run", "--c=5\n", overwrite=False)
   message = str(info.value)
   assert message.startswith("cannot write to /sys: ")
-  assert message.endswith("; choose a writable --output_dir")
+  assert message.endswith("; choose a writable directory")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through 0o555")
@@ -396,7 +396,7 @@ def test_check_refuses_a_directory_without_write_permission(tmp_path):
   parent = tmp_path / "locked"
   parent.mkdir(mode=0o555)
   with pytest.raises(ValueError, match=f"cannot write to {parent}: "
-                     "Permission denied; choose a writable --output_dir"):
+                     "Permission denied; choose a writable directory"):
     run_dir.check_run_dir(parent / "run", "--c=5\n", overwrite=False)
 
 
@@ -421,7 +421,7 @@ def test_check_refuses_a_full_disk_and_leaves_no_probe(tmp_path, monkeypatch,
     run_dir.check_run_dir(out, "--c=5\n", overwrite=False)
   assert str(info.value) == (
     f"cannot write to {where}: No space left on device; free space there "
-    "and rerun, or choose another --output_dir")
+    "and rerun, or choose another directory")
   assert sorted(os.listdir(where)) == before
 
 
@@ -429,14 +429,14 @@ def test_check_names_the_flags_that_differ(tmp_path):
   out = tmp_path / "run"
   run_dir.prepare_run_dir(
     out, "--c=5\n--ci_lr=\n--lr=0.001\n--seed=1\n", overwrite=False)
-  with pytest.raises(ValueError) as info:
+  with pytest.raises(run_dir.RunConflict) as info:
     run_dir.check_run_dir(
       out, "--c=5\n--ci_lr=0.01\n--lr=0.002\n--new=1\n--seed=1\n", False)
   assert str(info.value) == (
     f"output dir {out} holds a run with other flags (--ci_lr was unset, now "
     "0.01; --lr was 0.001, now 0.002; --new was not recorded, now 1); "
-    "resume it with the same flags, replace it with --overwrite, or choose "
-    "another --output_dir")
+    "resume it with the same flags, replace it, or choose another "
+    "directory")
   run_dir.check_run_dir(out, "--c=6\n", overwrite=True)
 
 
@@ -449,9 +449,9 @@ def test_flag_changes_are_capped():
 
 
 @pytest.mark.parametrize("code,fix", [
-  (errno.ENOSPC, "free space there and rerun, or choose another --output_dir"),
-  (errno.EROFS, "choose a writable --output_dir"),
-  (errno.EIO, "choose another --output_dir"),
+  (errno.ENOSPC, "free space there and rerun, or choose another directory"),
+  (errno.EROFS, "choose a writable directory"),
+  (errno.EIO, "choose another directory"),
 ])
 def test_write_refusal_names_the_path_and_the_fix(code, fix):
   error = OSError(code, os.strerror(code))

@@ -257,31 +257,32 @@ def test_i22_a_bundle_feeds_one_term():
     adversarial.check_bundles({"pgd": "a", "merged": "a"})
 
 
-def test_i24_fresh_pgd_one_routing_draw_and_no_main_loss_gradient(chain):
-  """The routes of every ascent and of the loss forward are one draw, and the
-  sources enter the objective as constants."""
+def test_i24_fresh_pgd_one_routing_draw_and_no_main_loss_gradient(
+    chain, monkeypatch):
+  """Every ascent and the loss forward route from one key per forward (the
+  step's one routing draw), and the sources enter the objective as
+  constants."""
   target = chain[0]
   plan = recon.all_sites_plan(target.sites, "uniform_k", 1)
   term = adversarial.fresh_pgd_term(
     "fresh", 1.0, plan, adversarial.FreshConfig("random", "bc", 2, 0.1), True)
   _, _, _, built, ci, x = _run(chain, (term,))
   del built
-  route_draws = []
+  route_keys = []
   real_routes = recon.entry_routes
 
-  def counting(key, entry, lead):
-    route_draws.append(key)
+  def recording(key, entry, lead):
+    route_keys.append(tuple(np.asarray(jax.random.key_data(key)).ravel()))
     return real_routes(key, entry, lead)
 
-  recon.entry_routes = counting
-  try:
-    ctx = _context(chain, ci, x)
-    _, (sources, routes) = term.prepare(ctx, jax.random.key(7), None)
-    value_grad = jax.grad(lambda s: term.fn(ctx, jax.random.key(7),
-                                            (s, routes))[0])(sources)
-  finally:
-    recon.entry_routes = real_routes
-  assert len(route_draws) == len(plan)
+  monkeypatch.setattr(recon, "entry_routes", recording)
+  ctx = _context(chain, ci, x)
+  _, sources = term.prepare(ctx, jax.random.key(7), None)
+  assert len(route_keys) == 2  # one forward per ascent
+  value_grad = jax.grad(
+    lambda s: term.fn(ctx, jax.random.key(7), s)[0])(sources)
+  assert len(route_keys) == 3
+  assert len(set(route_keys)) == len(plan)
   for g in jax.tree.leaves(value_grad):
     assert not np.any(np.asarray(g))
 
@@ -404,6 +405,69 @@ def test_fresh_pgd_random_init_follows_draw_paths(chain):
   starts = []
   for subset in (sites, sites[2:]):
     sub_ctx = ctx._replace(target=ctx.target._replace(sites=subset))
-    _, (sources, _) = term.prepare(sub_ctx, jax.random.key(9), None)
+    _, sources = term.prepare(sub_ctx, jax.random.key(9), None)
     starts.append(np.asarray(sources[0]["head"]))
   np.testing.assert_array_equal(starts[0], starts[1])
+
+
+def _terms_by_kind(sites):
+  plan = recon.all_sites_plan(sites, "uniform_k", 2)
+  persistent = adversarial.PersistentConfig(
+    adversary.SourceConfig(scope="c"), Schedule(0.05))
+  return {
+    "stochastic": (terms.stochastic_recon_term("t", 1.0, plan, True), True),
+    "persistent": (adversarial.persistent_pgd_term(
+      "t", 1.0, plan, persistent, sites, True), False),
+    "merged": (adversarial.persistent_pgd_term(
+      "t", 1.0, plan, persistent, sites, True,
+      merged=adversarial.Merged(0.5)), True),
+    "fresh": (adversarial.fresh_pgd_term(
+      "t", 1.0, plan, adversarial.FreshConfig("ones", "c", 0), True),
+      True),  # random routing: each draw its own source set
+  }
+
+
+@pytest.mark.parametrize("kind", ["stochastic", "persistent", "merged",
+                                  "fresh"])
+def test_every_recon_term_averages_through_plan_mean(chain, kind,
+                                                     monkeypatch):
+  """Each term's value is `recon.plan_mean` over its plan: the one place
+  that folds the entry and draw into the keys and averages."""
+  target = chain[0]
+  term, draws_differ = _terms_by_kind(target.sites)[kind]
+  _, _, _, _, ci, x = _run(chain, ())
+  ctx = _context(chain, ci, x)
+  key = jax.random.key(11)
+  state = (None if term.init_state is None
+           else term.init_state(jax.random.key(1), (B,)))
+  _, inputs = (None, None) if term.prepare is None else term.prepare(
+    ctx, key, state)
+  calls = []
+  real_plan_mean = recon.plan_mean
+
+  def recording(draw_loss, plan, keys, draws_differ=True):
+    value = real_plan_mean(draw_loss, plan, keys, draws_differ)
+    calls.append((plan, draws_differ, value))
+    return value
+
+  monkeypatch.setattr(recon, "plan_mean", recording)
+  value, _ = term.fn(ctx, key, inputs)
+  assert [(p, d) for p, d, _ in calls] == [
+    (recon.all_sites_plan(target.sites, "uniform_k", 2), draws_differ)]
+  assert float(value) == float(calls[0][2])
+
+
+def test_pgd_probe_averages_through_plan_mean(chain, monkeypatch):
+  _, _, _, _, ci, x = _run(chain, ())
+  ctx = _context(chain, ci, x)
+  calls = []
+  real_plan_mean = recon.plan_mean
+
+  def recording(draw_loss, plan, keys, draws_differ=True):
+    calls.append(draws_differ)
+    return real_plan_mean(draw_loss, plan, keys, draws_differ)
+
+  monkeypatch.setattr(recon, "plan_mean", recording)
+  value = adversarial.pgd_probe(ctx, jax.random.key(2), 0, 0.1)
+  # The ascent loop traces once even at 0 steps, then the final divergence.
+  assert calls == [False, False] and np.isfinite(float(value))

@@ -15,8 +15,9 @@ import pytest
 from decompax.core import ci_fns, optim, sites as sites_lib, squash
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
+from decompax.core.target import Expected
 from decompax.losses import adversarial, eval_step, recon, terms
-from decompax.targets import sparse_data, toy_sites
+from decompax.targets import sparse_data, tms, toy_sites
 
 N = 5
 BATCH = 16
@@ -347,3 +348,182 @@ def test_eval_probe_reaches_the_zero_ablation_and_zero_steps_disable_it():
 def test_eval_config_refuses_a_bad_pgd_probe(field, value, message):
   with pytest.raises(ValueError, match=message):
     eval_step.EvalConfig(n_batches=1, total_steps=1, **{field: value})
+
+
+# TMS 5-2 with the hidden identity (SPEC §10), split exactly into one
+# rank-1 component per feature in both embeddings and two components that
+# add up to the identity, at `TMS_C = 6` components per site (the last one
+# zero). The oracle CI reads the features themselves: component `f` of
+# either embedding is on where feature `f` is, the hidden pair wherever any
+# feature is, so the probe CI is the identity and a dense `k = 2` block.
+
+TMS_C = 6
+TMS_ANGLES = 2 * np.pi * np.arange(5) / 5
+TMS_NORMS = np.array([1.0, 0.8, 1.2, 0.9, 1.1])
+TMS_W = TMS_NORMS[:, None] * np.stack(
+  [np.cos(TMS_ANGLES), np.sin(TMS_ANGLES)], 1)
+
+
+def _tms_split(w):
+  """Return the exact split: linear1 `V = e_f`, `U[f] = W[f]`; linear2
+  `V[:, f] = W[f]`, `U = e_f` (W.T's columns); hidden `V = U = e_j`."""
+  n, m = w.shape
+  v1, u1 = np.zeros((n, TMS_C)), np.zeros((TMS_C, m))
+  v1[np.arange(n), np.arange(n)], u1[:n] = 1.0, w
+  vh, uh = np.zeros((m, TMS_C)), np.zeros((TMS_C, m))
+  vh[np.arange(m), np.arange(m)] = uh[np.arange(m), np.arange(m)] = 1.0
+  v2, u2 = np.zeros((m, TMS_C)), np.zeros((TMS_C, n))
+  v2[:, :n], u2[np.arange(n), np.arange(n)] = w.T, 1.0
+  return {name: sites_lib.Factors(jnp.asarray(v[None], jnp.float32),
+                                  jnp.asarray(u[None], jnp.float32))
+          for name, v, u in (("linear1", v1, u1), ("hidden_layers.0", vh, uh),
+                             ("linear2", v2, u2))}
+
+
+def _feature_ci_fn(sites):
+  def apply(params, taps, components):
+    del params, components
+    x = taps["linear1"]
+    lead = x.shape[:-1]
+    on = jnp.concatenate(
+      [jnp.where(x > 0, 2.0, -1.0), jnp.full(lead + (TMS_C - 5,), -1.0)], -1)
+    any_on = jnp.any(x > 0, axis=-1, keepdims=True)
+    dense = jnp.where(any_on & (jnp.arange(TMS_C) < 2), 2.0, -1.0)
+    return {"linear1": on, "hidden_layers.0": dense, "linear2": on}
+
+  return ci_fns.CIFn(("linear1",), lambda key: {}, apply)
+
+
+@pytest.fixture(scope="module")
+def tms_eval():
+  """Return `evaluate(components) -> summary` on TMS 5-2+ID (both tiers,
+  each compiled once) and the held-out batches."""
+  config = tms.TmsConfig(5, 2, hidden_identity=True)
+  target = tms.target_fns(config, TMS_C)
+  weights = tms.TmsWeights(w=jnp.asarray(TMS_W, jnp.float32),
+                           b=jnp.zeros(5), hidden=jnp.eye(2))
+  ci_fn = _feature_ci_fn(target.sites)
+  loss_terms = _terms(target.sites)
+  state = _state(target, ci_fn, loss_terms, _tms_split(TMS_W), {}, (BATCH,))
+
+  def sample(key):
+    return sparse_data.sample_sparse_features(key, BATCH, 5, 0.3, 0.0, 1.0)
+
+  eval_config = eval_step.EvalConfig(n_batches=2, total_steps=10,
+                                     pgd_steps=1)
+  fns = eval_step.make_eval_step(target, ci_fn, loss_terms, eval_config,
+                                 sample)
+  key = jax.random.key(5)
+
+  def evaluate(components):
+    s = state._replace(components=components)
+    output, batches = fns.fast(s, weights, key)
+    output = jax.device_get(eval_step.merge_slow(
+      output, fns.slow(s, weights, key, batches)))
+    return eval_step.summarize(output, target.expected), np.asarray(batches)
+
+  return evaluate, fns
+
+
+def _merged(components):
+  """Return the split with linear2's component 0 also writing feature 1
+  (whose own component is emptied)."""
+  u = np.array(components["linear2"].u)
+  u[0, 0, 1], u[0, 1, 1] = 1.0, 0.0
+  return {**components, "linear2": components["linear2"]._replace(
+    u=jnp.asarray(u))}
+
+
+def test_exact_tms_split_matches_every_feature(tms_eval):
+  summary, _ = tms_eval[0](_tms_split(TMS_W))
+  s = summary.scalars
+  for site in ("linear1", "linear2"):
+    np.testing.assert_allclose([s[f"mmcs/{site}"], s[f"ml2r/{site}"]],
+                               [1.0, 1.0], rtol=1e-6)
+    assert s[f"identity_ci_error/{site}"] == 0
+  # The hidden identity is dense (SPEC §10): no feature axis, no match, and
+  # its error is the dense one alone.
+  assert s["dense_ci_error/hidden_layers.0"] == 0
+  assert "identity_ci_error/hidden_layers.0" not in s
+  assert "mmcs/hidden_layers.0" not in s
+  # Every component unmasked, the split is the target itself.
+  assert s["recon/unmasked"] < 1e-12
+
+
+def test_halved_u_halves_ml2r_and_keeps_mmcs(tms_eval):
+  split = _tms_split(TMS_W)
+  halved = {**split, "linear1": split["linear1"]._replace(
+    u=split["linear1"].u / 2)}
+  s = tms_eval[0](halved)[0].scalars
+  np.testing.assert_allclose([s["mmcs/linear1"], s["ml2r/linear1"]],
+                             [1.0, 0.5], rtol=1e-6)
+  np.testing.assert_allclose([s["mmcs/linear2"], s["ml2r/linear2"]],
+                             [1.0, 1.0], rtol=1e-6)
+
+
+def test_merged_features_lower_mmcs_by_hand(tms_eval):
+  s = tms_eval[0](_merged(_tms_split(TMS_W)))[0].scalars
+  # Feature 1's column is now best served by component 0, whose vector is
+  # W[0]: cosine cos 72°, norm ratio |W[0]| / |W[1]|; the others stay exact.
+  np.testing.assert_allclose(s["mmcs/linear2"],
+                             (4 + np.cos(2 * np.pi / 5)) / 5, rtol=1e-6)
+  np.testing.assert_allclose(s["ml2r/linear2"],
+                             (4 + TMS_NORMS[0] / TMS_NORMS[1]) / 5,
+                             rtol=1e-6)
+  np.testing.assert_allclose([s["mmcs/linear1"], s["ml2r/linear1"]],
+                             [1.0, 1.0], rtol=1e-6)
+
+
+def _unit_expectations(soft, ratio, batches):
+  """Return the four `nonlinearity/*/neuron` scalars of per-component soft
+  counts and ratios, active = components whose feature fires somewhere."""
+  active = np.zeros(TMS_C, bool)
+  active[:5] = np.any(batches > 0, axis=(0, 1))
+  soft, ratio = np.asarray(soft), np.asarray(ratio)
+  return {"nonlinearity/soft_count/neuron": soft.mean(),
+          "nonlinearity/participation/neuron": ratio.mean(),
+          "nonlinearity/soft_count_active/neuron": soft[active].mean(),
+          "nonlinearity/participation_active/neuron": ratio[active].mean()}
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_slow_tier_reports_linear2_unit_locality(tms_eval, merged):
+  """SPEC §5.10 eval at t = 4 over linear2's 5 neurons: a one-neuron write
+  counts 1/(1 + 4/5) with ratio 1; the merged component's even split over
+  two neurons 2·0.5/(0.5 + 4/5) with ratio 2; zero rows count 0."""
+  split = _tms_split(TMS_W)
+  summary, batches = tms_eval[0](_merged(split) if merged else split)
+  one, two = 1 / (1 + 4 / 5), 1 / 1.3
+  if merged:
+    soft, ratio = [two, 0, one, one, one, 0], [2, 0, 1, 1, 1, 0]
+  else:
+    soft, ratio = [one] * 5 + [0], [1] * 5 + [0]
+  for key, value in _unit_expectations(soft, ratio, batches).items():
+    np.testing.assert_allclose(summary.scalars[key], value, rtol=1e-6,
+                               err_msg=key)
+
+
+def test_tms_eval_passes_compile_once(tms_eval):
+  fns = tms_eval[1]
+  assert fns.fast._cache_size() == 1 and fns.slow._cache_size() == 1
+
+
+def test_probe_scalars_name_each_site_by_its_expected_pattern():
+  """A ResidMLP-like pair (SPEC §10): `mlp_in` identity, `mlp_out` dense
+  over k = 3 with one weak dense column and one stray entry."""
+  ci_in = np.eye(4, 6)
+  ci_out = np.zeros((4, 6))
+  ci_out[:, [4, 1, 2]] = 1.0
+  ci_out[:, 2] = 0.85          # the third dense column never reaches 0.9
+  ci_out[3, 0] = 0.5           # a stray entry outside the dense block
+  ci = {"layers.0.mlp_in": ci_in, "layers.0.mlp_out": ci_out}
+  expected = {"layers.0.mlp_in": Expected("identity"),
+              "layers.0.mlp_out": Expected("dense", 3)}
+  assert eval_step.probe_scalars(ci, {}, expected) == {
+    "identity_ci_error/layers.0.mlp_in": 0.0,
+    "dense_ci_error/layers.0.mlp_out": 2.0}
+  # Without expected patterns every site keeps the identity error.
+  plain = eval_step.probe_scalars(ci, {})
+  assert set(plain) == {"identity_ci_error/layers.0.mlp_in",
+                        "identity_ci_error/layers.0.mlp_out"}
+  assert plain["identity_ci_error/layers.0.mlp_out"] > 0

@@ -3,8 +3,8 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
+from decompax.core import masks
 from decompax.core.sites import SiteSpec
 from decompax.losses import evals
 
@@ -17,31 +17,20 @@ def _ci(shape_a=(5, 4), shape_b=(5, 2)):
           "b": jax.random.uniform(keys[1], shape_b)}
 
 
-@pytest.mark.parametrize("with_delta", [False, True])
-def test_variant_masks_follow_their_definitions(with_delta):
+def test_variant_outputs_run_every_variant_on_its_own_key():
   ci = _ci()
   key = jax.random.key(1)
-  masks = {v: evals.variant_site_masks(v, key, ci, SITES, with_delta, 0.5)
-           for v in evals.VARIANTS}
-  for site, c in ci.items():
-    np.testing.assert_array_equal(masks["ci_masked"][site].mask, c)
-    np.testing.assert_array_equal(masks["unmasked"][site].mask, 1.0)
-    np.testing.assert_array_equal(masks["zero"][site].mask, 0.0)
-    np.testing.assert_array_equal(masks["rounded"][site].mask,
-                                  (np.asarray(c) > 0.5).astype(np.float32))
-    random = np.asarray(masks["random"][site].mask)
-    assert random.min() >= 0 and random.max() <= 1 and random.std() > 0.1
-    stochastic = np.asarray(masks["stochastic"][site].mask)
-    assert np.all(stochastic >= np.asarray(c) - 1e-7)  # ci + (1−ci)·s ≥ ci
-    for variant in ("ci_masked", "unmasked", "rounded", "zero", "random"):
-      assert masks[variant][site].delta is None  # SPEC §5.4 Constant(v)
-    assert (masks["stochastic"][site].delta is not None) == with_delta
 
+  def masked_forward(site_masks):
+    return jnp.stack([jnp.sum(m.mask) for m in site_masks.values()])
 
-def test_unknown_variant_is_refused():
-  with pytest.raises(ValueError, match="unknown mask variant"):
-    evals.variant_site_masks("half", jax.random.key(0), _ci(), SITES, False,
-                             0.1)
+  out = evals.variant_outputs(masked_forward, key, ci, SITES, True, 0.5)
+  assert list(out) == list(masks.VARIANTS)
+  for v, variant in enumerate(masks.VARIANTS):
+    want = masks.variant_site_masks(variant, jax.random.fold_in(key, v), ci,
+                                    SITES, True, 0.5)
+    np.testing.assert_array_equal(out[variant], masked_forward(want))
+  assert not np.array_equal(out["stochastic"], out["random"])
 
 
 def test_cross_entropy_known_answers():

@@ -30,7 +30,7 @@ from decompax.core import adversary, ci_fns, masks, optim, rng
 from decompax.core import sites as sites_lib
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import SiteMask
 from decompax.losses import adversarial, recon, terms
 
 B, C, TOTAL, N_STEPS = 8, 5, 10, 3

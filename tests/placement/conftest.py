@@ -1,7 +1,7 @@
 """Helpers of the placement tests: configs, placed runs, trajectories, HLO.
 
-A run is built exactly as `bin/train` builds it (`train.build_run` with a
-`placement_setup.Placement`), on the first `n` of the eight simulated CPU
+A run is built exactly as `bin/train` builds it (`assembly.build_run` with
+a `shardings.Placement`), on the first `n` of the eight simulated CPU
 devices, from untrained toy weights (training the target is irrelevant to
 placement).
 """
@@ -18,7 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.bin import lm_setup, placement_setup, train, train_flags
+from decompax.bin import placement_setup, train_flags
+from decompax.placement import shardings
+from decompax.recipe import assembly
+from decompax.recipe import lm as lm_lib
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import table as table_lib
 from decompax.targets import glu_config, glu_lm, glu_target, registry
@@ -96,7 +99,7 @@ def lm_problem(*args: str) -> Problem:
     return jax.random.randint(key, (batch_size, config.seq_len), 0,
                               LM_CONFIG.vocab_size, jnp.int32)
 
-  lm = lm_setup.LmTarget("glu_2block", LM_CONFIG, sample_inputs)
+  lm = lm_lib.LmTarget("glu_2block", LM_CONFIG, sample_inputs)
   return Problem(config, lm, fns, weights)
 
 
@@ -110,19 +113,19 @@ class Trajectory(NamedTuple):
 
 
 def placement(shape: tuple[int, int, int], preset: str,
-              overrides: tuple[str, ...] = ()) -> placement_setup.Placement:
+              overrides: tuple[str, ...] = ()) -> shardings.Placement:
   """Return a placement on the first `prod(shape)` simulated devices."""
   devices = jax.devices()[:math.prod(shape)]
   mesh = placement_setup.build_mesh(mesh_lib.MeshShape(*shape), devices)
-  return placement_setup.Placement(mesh,
+  return shardings.Placement(mesh,
                                    table_lib.make_table(preset, overrides))
 
 
 def trajectory(p: Problem, shape: tuple[int, int, int], preset: str,
                n_steps: int = 5) -> Trajectory:
   """Return `n_steps` of the run placed on a `(replicate, fsdp, tp)` mesh."""
-  run = train.build_run(p.config, p.toy, p.target, p.weights,
-                        placement=placement(shape, preset))
+  run = assembly.build_run(p.config, p.toy, p.target, p.weights,
+                           placement=placement(shape, preset))
   compiled = run.built.step.lower(run.state, run.weights,
                                   run.data_key).compile()
   state, records = run.state, []
@@ -158,7 +161,7 @@ def assert_replicas_identical(tree) -> int:
 
 def lead_shape(p: Problem) -> tuple[int, ...]:
   """Return the leading shape of the problem's activations."""
-  return lm_setup.lead_shape(p.target, p.toy.sample_inputs,
+  return lm_lib.lead_shape(p.target, p.toy.sample_inputs,
                              p.config.batch_size)
 
 
@@ -202,8 +205,8 @@ def batch_shapes(p: Problem, reference: "Trajectory") -> set[str]:
   """
   doubled = p._replace(config=dataclasses.replace(
     p.config, batch_size=2 * p.config.batch_size))
-  run = train.build_run(doubled.config, p.toy, p.target, p.weights,
-                        placement=placement((1, 1, 1), "ddp"))
+  run = assembly.build_run(doubled.config, p.toy, p.target, p.weights,
+                           placement=placement((1, 1, 1), "ddp"))
   text = run.built.step.lower(run.state, run.weights,
                               run.data_key).compile().as_text()
   return hlo_shapes(reference.compiled.as_text()) - hlo_shapes(text)

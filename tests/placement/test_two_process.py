@@ -14,6 +14,7 @@ uninterrupted process's.
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -89,6 +90,7 @@ class StoppedRun(NamedTuple):
   stopped: tuple[list[int], list[str]]  # exit codes, outputs per process
   labels_when_stopped: list[int]
   resumed: tuple[list[int], list[str]]
+  args: list[str]  # the command, bar the launch flags
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +114,7 @@ def stopped_run(tmp_path_factory, helpers, tms_vpd) -> StoppedRun:
                            env0={"DECOMPAX_FAULT": "sigterm_after_step=2"}))
   labels = checkpoint.committed_steps(out / checkpoint.CHECKPOINT_DIR)
   resumed = _finish(_start(root, "resumed", args))
-  return StoppedRun(out, stopped, labels, resumed)
+  return StoppedRun(out, stopped, labels, resumed, args)
 
 
 def test_two_processes_match_the_one_process_trajectory(
@@ -156,6 +158,43 @@ def test_a_signal_to_process_0_stops_both_and_both_resume(stopped_run):
   assert "step 3/5" in resumed[0] and "step 2/5" not in resumed[0]
   for text in (texts[1], resumed[1]):
     assert "[checkpoint]" not in text and "step 1/5" not in text
+
+
+def _truncate_files(folder: pathlib.Path) -> None:
+  for path in [p for p in folder.rglob("*") if p.is_file()]:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def test_both_processes_skip_a_checkpoint_one_of_them_finds_damaged(
+    helpers, stopped_run, tms_reference, tmp_path):
+  """SPEC §12: a shard of the newest checkpoint (label 5) that process 1
+  alone reads is damaged. Relaunched, process 0 reads its own shards of
+  label 5 without fault, yet both skip it together and resume from label
+  2 (alone, process 0 would restore label 5 and wait for process 1 in the
+  next collective forever) and end on the same trajectory."""
+  out = tmp_path / "run"
+  shutil.copytree(stopped_run.out, out)
+  # Killed before its final records, the run resumes into the finish.
+  (out / "decomposition.npz").unlink()
+  flags_txt = out / run_dir.FLAGS_FILE
+  flags_txt.write_text(flags_txt.read_text().replace(
+    f"--output_dir={stopped_run.out}", f"--output_dir={out}"))
+  step_dir = out / checkpoint.CHECKPOINT_DIR / checkpoint.step_name(5)
+  # zero1 on fsdp = 4: chunk 3 of a CI weight is device 3's, process 1's.
+  _truncate_files(step_dir / checkpoint.DECOMPOSITION / "arrays" /
+                  "ci_params" / "linear1" / "w_in" / "c" / "3")
+  args = [a for a in stopped_run.args if not a.startswith("--output_dir=")]
+  codes, texts = _finish(_start(tmp_path, "damaged",
+                                [*args, f"--output_dir={out}"]))
+  assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+  assert ("checkpoint 000000005 is damaged and is skipped: checkpoint "
+          f"{step_dir}: another process found its shards damaged") in texts[0]
+  assert "resumed from step 2" in texts[0]
+  assert "step 3/5" in texts[0] and "step 5/5" in texts[0]
+  records = _records(out)
+  assert [r.pop("step") for r in records] == [1, 2, 3, 4, 5]
+  helpers.assert_same_trajectory(tms_reference.metrics, records)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from decompax.core import sites
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import SiteMask
 from decompax.targets import resid_mlp, simple_mlp, tms
 
 TOYS = {

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import ci_fns, optim, site_forward, train_step
+from decompax.core import ci_fns, optim, train_step
+from decompax.core import masks as masks_lib
 from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
 from decompax.losses import faithfulness, recon, terms
@@ -62,8 +63,8 @@ def _stochastic_masks(fns, key, routing="uniform_k"):
   entry = recon.all_sites_plan(fns.sites, routing)[0]
   index = sites_lib.draw_paths(fns.sites)
   routes = recon.entry_routes(jax.random.fold_in(key, 99), entry, (B, T))
-  return recon.stochastic_site_masks(key, entry, ci, index, True,
-                                     "continuous", routes)
+  return masks_lib.stochastic_site_masks(key, entry.live_sites, ci, index,
+                                         True, "continuous", routes)
 
 
 def test_site_table_and_kinds(model):
@@ -103,15 +104,15 @@ def test_draws_are_keyed_by_kind_and_absolute_layer():  # SPEC §3.6
 
   def mask_of(specs):
     entry = recon.all_sites_plan(specs)[0]
-    masks = recon.stochastic_site_masks(
-      jax.random.key(5), entry, {s.name: ci for s in specs},
+    masks = masks_lib.stochastic_site_masks(
+      jax.random.key(5), entry.live_sites, {s.name: ci for s in specs},
       sites_lib.draw_paths(specs), True, "continuous", None)
     return masks[down].mask
 
   np.testing.assert_array_equal(mask_of(alone), mask_of(wider))
   first = glu_target.site_specs(CONFIG, (glu_lm.site_name(0, "q"),), C)
-  assert not np.array_equal(mask_of(alone), recon.stochastic_site_masks(
-    jax.random.key(5), recon.all_sites_plan(first)[0],
+  assert not np.array_equal(mask_of(alone), masks_lib.stochastic_site_masks(
+    jax.random.key(5), recon.all_sites_plan(first)[0].live_sites,
     {first[0].name: ci}, sites_lib.draw_paths(first), True, "continuous",
     None)[first[0].name].mask)
 
@@ -336,7 +337,7 @@ def starts(model):
   def run(key):
     _, taps = fns.clean_forward(weights, tokens, fns.start_taps)
     stochastic = _stochastic_masks(fns, key)
-    constant = {s.name: site_forward.SiteMask(jnp.full((B, T, s.c), 0.5))
+    constant = {s.name: masks_lib.SiteMask(jnp.full((B, T, s.c), 0.5))
                 for s in fns.sites}
     out = {}
     for name, masks in (("stochastic", stochastic), ("constant", constant)):
@@ -429,7 +430,7 @@ def test_exact_components_with_unit_masks_reproduce_the_model(model):  # I3
   eye = jnp.eye(16)[None]
   exact = {"k_proj": sites_lib.Factors(weights.span.k[:1], eye),
            "down_proj": sites_lib.Factors(weights.span.down[1:], eye)}
-  masks = {s.name: site_forward.SiteMask(jnp.ones((B, T, s.c))) for s in specs}
+  masks = {s.name: masks_lib.SiteMask(jnp.ones((B, T, s.c))) for s in specs}
 
   @jax.jit
   def run():
@@ -449,7 +450,7 @@ def test_a_site_live_on_one_span_layer_matches_its_own_span(model):
   fns, weights, components, tokens = model
   name = glu_lm.site_name(2, "gate")
   rng = np.random.default_rng(7)
-  mask = {name: site_forward.SiteMask(
+  mask = {name: masks_lib.SiteMask(
     jnp.asarray(rng.uniform(size=(B, T, C)), jnp.float32),
     jnp.asarray(rng.uniform(size=(B, T)), jnp.float32))}
   (spec,) = glu_target.site_specs(CONFIG, (name,), C)
@@ -587,7 +588,7 @@ def test_one_role_in_two_kinds_runs_each_on_its_layer(model):
     "up_proj.c25": sites_lib.Factors(
       jnp.pad(up[1:], ((0, 0), (0, 0), (0, 1))),
       jnp.eye(25, 24)[None])}
-  masks = {s.name: site_forward.SiteMask(jnp.ones((B, T, s.c)))
+  masks = {s.name: masks_lib.SiteMask(jnp.ones((B, T, s.c)))
            for s in specs}
 
   @jax.jit
@@ -600,3 +601,17 @@ def test_one_role_in_two_kinds_runs_each_on_its_layer(model):
   clean, masked, ablated = run()
   np.testing.assert_allclose(masked, clean, atol=1e-5)
   assert float(jnp.max(jnp.abs(ablated - clean))) > 1e-2
+
+
+def test_the_transformer_ci_reads_each_decomposed_block_once():  # SPEC §4.3
+  names = (glu_lm.site_name(1, "down"), glu_lm.site_name(0, "q"),
+           glu_lm.site_name(1, "gate"))
+  sites = glu_target.site_specs(CONFIG, names, 4)
+  chunks, widths = glu_target.ci_chunks(CONFIG, sites)
+  assert [(c.input_taps, c.output_sites) for c in chunks] == [
+    (("resid.0",), (glu_lm.site_name(0, "q"),)),
+    (("resid.1",), (glu_lm.site_name(1, "gate"), glu_lm.site_name(1, "down")))]
+  assert widths == (("resid.0", CONFIG.d_model), ("resid.1", CONFIG.d_model))
+  toy_site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 4)
+  with pytest.raises(ValueError, match="'linear1' is not layers.<i>"):
+    glu_target.ci_chunks(CONFIG, (toy_site,))

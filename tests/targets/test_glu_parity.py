@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import site_forward
+from decompax.core.masks import SiteMask
 from decompax.core import sites as sites_lib
 from decompax.io import hf_checkpoint
 from decompax.targets import glu_config, glu_lm, glu_target
@@ -162,7 +162,7 @@ def test_bfloat16_compute_stays_near_the_fp32_reference():
     fns.frozen_stacks(weights)["up_proj"].astype(jnp.float32),
     jnp.eye(config.d_ff, dtype=jnp.float32)[None])}
   tokens = jnp.asarray(ref["tokens"])
-  masks = {names[0]: site_forward.SiteMask(
+  masks = {names[0]: SiteMask(
     jnp.ones((*tokens.shape, config.d_ff)))}
 
   @jax.jit

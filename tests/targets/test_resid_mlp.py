@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from decompax.core import site_forward, sites
-from decompax.core.site_forward import SiteMask
+from decompax.core.masks import SiteMask
 from decompax.targets import resid_mlp
 
 # Distinct sizes, so a [batch, d_embed] array is recognisable by its shape.

@@ -33,7 +33,7 @@ def test_train_raises_naming_missing_features():
   with pytest.raises(
     ValueError,
     match=r"tms_tiny \(seed 3\).*features \[.*"
-    r"choose another --target_seed",
+    r"train it from another seed",
   ):
     toy.train(3)
 

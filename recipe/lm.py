@@ -1,4 +1,4 @@
-"""Language-model targets of `bin/train`: `--target=hf --model_dir=DIR`.
+"""Language-model targets of a run: `--target=hf --model_dir=DIR`.
 
 The model is a local Hugging Face checkpoint (Llama-3.x or dense Qwen3,
 `targets/glu_config.py` says what is refused); `--sites` names its matrices
@@ -19,6 +19,7 @@ import numpy as np
 
 from decompax.core import target as target_lib
 from decompax.io import hf_checkpoint
+from decompax.recipe.config import setting
 from decompax.targets import glu_config, glu_target
 
 HF = "hf"
@@ -27,7 +28,7 @@ _DTYPES = {"bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
 
 
 class LmTarget(NamedTuple):
-  """What `bin/train` reads of a language-model target (as of a toy's)."""
+  """What a run reads of a language-model target (as of a toy's)."""
 
   name: str
   config: glu_config.GluConfig
@@ -65,7 +66,8 @@ def hf_target(config) -> tuple[LmTarget, target_lib.TargetFns,
     raise ValueError("--target=hf needs --model_dir=<local Hugging Face "
                      "checkpoint directory>")
   model_dir = config.model_dir
-  glu = glu_config.config_from_hf(hf_checkpoint.read_config(model_dir))
+  with setting("model_dir"):
+    glu = glu_config.config_from_hf(hf_checkpoint.read_config(model_dir))
   if config.seq_len > glu.max_position:
     raise ValueError(f"--seq_len {config.seq_len} exceeds the model's "
                      f"max_position_embeddings {glu.max_position}")

@@ -1,17 +1,19 @@
-"""Turn a validated `TrainConfig` into the engine's objects.
+"""Turn a `TrainConfig` into the engine's objects.
 
-Sites, CI function, loss terms (built from `term_table`) and optimizer
-settings; no I/O here.
+Sites, CI function config, loss terms (built from `terms`) and optimizer
+settings; no I/O here. A library config that refuses a value raises a
+ValueError naming the setting at fault (`config.setting`).
 """
 
 import jax
 
-from decompax.bin import lm_setup, term_table
-from decompax.bin.train_flags import TrainConfig
-from decompax.core import ci_fns, ci_transformer, optim
+from decompax.core import ci_fns, ci_transformer, optim, schedules
 from decompax.core import sites as sites_lib
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
+from decompax.recipe import lm, terms
+from decompax.recipe.config import TrainConfig, setting
+from decompax.targets import glu_config, glu_target
 
 
 def select_sites(
@@ -31,10 +33,17 @@ def select_sites(
   return tuple(s for s in all_sites if s.name in wanted)
 
 
-def lr_schedule(config: TrainConfig, peak: float) -> Schedule:
-  """Return the learning-rate schedule of one optimizer."""
+def lr_schedule(config: TrainConfig, peak: float
+                ) -> Schedule | schedules.KnotSchedule:
+  """Return the learning-rate schedule of one optimizer: the knot form
+  scaled to `peak` when `--lr_knots` is set, else warmup-then-decay."""
+  if config.lr_knots:
+    with setting("lr_knots"):
+      return schedules.KnotSchedule(peak,
+                                    schedules.parse_knots(config.lr_knots))
   final = 1.0 if config.lr_schedule == "constant" else config.lr_final_frac
-  return Schedule(peak, config.lr_schedule, final, config.lr_warmup_pct)
+  with setting("lr_warmup_pct"):
+    return Schedule(peak, config.lr_schedule, final, config.lr_warmup_pct)
 
 
 def step_config(config: TrainConfig) -> train_step.StepConfig:
@@ -59,41 +68,33 @@ def step_config(config: TrainConfig) -> train_step.StepConfig:
 def compute_dtype(config: TrainConfig) -> str | None:
   """Return the step's compute dtype (N4): a language model's
   --compute_dtype below fp32, else None (toys and fp32 LMs use the masters)."""
-  if lm_setup.is_lm(config) and config.compute_dtype != "float32":
+  if lm.is_lm(config) and config.compute_dtype != "float32":
     return config.compute_dtype
   return None
 
 
-def ci_config(config: TrainConfig, sites=(), resid_width: int = 0
-              ) -> ci_fns.CIConfig:
+def ci_config(
+  config: TrainConfig, sites: tuple[sites_lib.SiteSpec, ...] = (),
+  model: glu_config.GluConfig | None = None,
+) -> ci_fns.CIConfig:
   """Return the CI function's config.
 
-  With `resid_width` (a language model's d_model), the transformer CI has
-  one chunk per decomposed block reading `resid.<block>` (SPEC §4.3);
-  without it, one chunk per site reading that site's input.
+  For a language model (`model`), the transformer CI has one chunk per
+  decomposed block reading `resid.<block>` (SPEC §4.3,
+  `glu_target.ci_chunks`); without one, one chunk per site reading that
+  site's input.
   """
   if config.ci_fn != "transformer":
     return ci_fns.CIConfig(config.ci_fn, config.ci_hidden)
   chunks, widths = (), ()
-  if resid_width:
-    chunks = ci_transformer.chunks_by_tap(
-      tuple(sites), lambda s: f"resid.{block_of(s.name)}")
-    widths = tuple((c.input_taps[0], resid_width) for c in chunks)
+  if model is not None:
+    chunks, widths = glu_target.ci_chunks(model, tuple(sites))
   return ci_fns.CIConfig("transformer", config.ci_hidden,
                          ci_transformer.TransformerCIConfig(
     chunks=chunks, tap_widths=widths, d_model=config.ci_d_model,
     n_blocks=config.ci_n_blocks, n_heads=config.ci_n_heads,
     n_kv_heads=config.ci_n_kv_heads, d_mlp=config.ci_d_mlp,
     attention=config.ci_attention, remat=config.ci_remat))
-
-
-def block_of(site_name: str) -> int:
-  """Return the block index of an LM site name `layers.<i>.<...>`."""
-  parts = site_name.split(".")
-  if len(parts) < 2 or parts[0] != "layers" or not parts[1].isdigit():
-    raise ValueError(f"site {site_name!r} is not layers.<i>.<module>; the "
-                     "transformer CI chunks language-model sites by block")
-  return int(parts[1])
 
 
 def check_rider_points(config: TrainConfig, target, weights, inputs) -> None:
@@ -103,13 +104,10 @@ def check_rider_points(config: TrainConfig, target, weights, inputs) -> None:
   if target.masked_forward_taps is None:
     raise ValueError(f"target {config.target} returns no masked activations; "
                      "drop --hidden_coeff")
-  points = term_table.rider(config, target.sites,
-                            config.hidden_terms[0]).points
-  try:
+  points = terms.rider(config, target.sites, config.hidden_terms[0]).points
+  with setting("hidden_points"):
     jax.eval_shape(lambda w, x: target.clean_forward(w, x, points), weights,
                    inputs)
-  except ValueError as e:
-    raise ValueError(f"--hidden_points: {e}") from None
 
 
 def loss_terms(
@@ -120,5 +118,5 @@ def loss_terms(
 
   `lead_shape` is the batch's activation lead shape, `(B,)` by default.
   """
-  return term_table.build_terms(config, term_table.TermInputs(
+  return terms.build_terms(config, terms.TermInputs(
     sites, tokens_per_batch, units, lead_shape or (config.batch_size,)))

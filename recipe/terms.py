@@ -1,26 +1,24 @@
-"""The loss terms of `bin/train`: one table, and the builders it names.
+"""The loss terms of a run: one table, and the builders it names.
 
-A `Term` says all the binary knows of one term: its name (the `LossTerm`'s,
-and the `loss/<name>` metric's), its short form on the console line, the
-flag of its coefficient (the term is on when that is above 0), whether it
-takes the hidden-activation rider (SPEC §5.9), whether it counts as a
-reconstruction term, and its builder. `TERMS` is in step order: the step
-folds each term's index into its keys, so reordering it changes every run.
-
-`config` below is a `train_flags.TrainConfig`. It goes unannotated because
-`train_flags` reads this table (flag help, rider checks), so this module
-cannot import it.
+A `Term` says all a run knows of one term: its name (the `LossTerm`'s, and
+the `loss/<name>` metric's), its short form on the console line, the
+`TrainConfig` field (and `bin/train` flag) of its coefficient (the term is
+on when that is above 0), whether it takes the hidden-activation rider
+(SPEC §5.9), whether it counts as a reconstruction term, and its builder.
+`TERMS` is in step order: the step folds each term's index into its keys,
+so reordering it changes every run.
 """
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from decompax.core import adversary
+from decompax.core import adversary, schedules
 from decompax.core import sites as sites_lib
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
-from decompax.losses import adversarial, hidden, locality, recon
+from decompax.losses import adversarial, hidden, locality, minimality, recon
 from decompax.losses import terms as loss_terms
+from decompax.recipe.config import TrainConfig, setting
 
 
 class TermInputs(NamedTuple):
@@ -37,7 +35,8 @@ class TermInputs(NamedTuple):
 
 
 # build(config, inputs, name, coeff) -> the term named `name`.
-Builder = Callable[[Any, TermInputs, str, float], train_step.LossTerm]
+Builder = Callable[[TrainConfig, TermInputs, str, float],
+                   train_step.LossTerm]
 
 
 class Term(NamedTuple):
@@ -60,18 +59,25 @@ def parse_groups(text: str) -> tuple[tuple[str, ...], ...]:
   return groups
 
 
-def make_plan(config, sites, kind: str, routing: str,
+def make_plan(config: TrainConfig, sites, kind: str, routing: str,
               subset_size: int) -> recon.Plan:
   """Return the plan of one recon term by kind."""
-  n = config.n_mask_samples
+  n, p = config.n_mask_samples, route_probability(config, routing)
   if kind == "all_sites":
-    return recon.all_sites_plan(sites, routing, n)
+    return recon.all_sites_plan(sites, routing, n, p)
   if kind == "per_site":
     return recon.per_site_plan(sites, n)
   if kind == "subset":
-    return recon.subset_chunks_plan(sites, subset_size, routing, n)
+    return recon.subset_chunks_plan(sites, subset_size, routing, n, p)
   return recon.custom_groups_plan(
-    sites, parse_groups(config.recon_groups), routing, n)
+    sites, parse_groups(config.recon_groups), routing, n, p)
+
+
+def route_probability(config: TrainConfig, routing: str) -> float | None:
+  """Return `--route_probability` for `static_probability` routing (other
+  routings take none)."""
+  return (config.route_probability if routing == "static_probability"
+          else None)
 
 
 def _floats(name: str, values: tuple[str, ...]) -> tuple[float, ...]:
@@ -82,7 +88,8 @@ def _floats(name: str, values: tuple[str, ...]) -> tuple[float, ...]:
       f"--{name} must be numbers, got {','.join(values)}") from None
 
 
-def rider(config, sites, term: str) -> hidden.HiddenRider | None:
+def rider(config: TrainConfig, sites,
+          term: str) -> hidden.HiddenRider | None:
   """Return the hidden-activation rider of recon term `term`, if it has one."""
   if term not in config.hidden_terms:
     return None
@@ -90,24 +97,39 @@ def rider(config, sites, term: str) -> hidden.HiddenRider | None:
   return hidden.HiddenRider(config.hidden_coeff, tuple(points))
 
 
-def _p(config) -> Schedule:
-  return Schedule(config.p_start, config.p_schedule, config.p_final_frac)
+def _p(config: TrainConfig) -> loss_terms.Sparsity:
+  """Return what the minimality terms raise CI to: smooth-L0 on its γ
+  schedule, or `p` on its knots or warmup-free decay (SPEC §5.2)."""
+  if config.importance_penalty == "smooth_l0":
+    with setting("smooth_l0_gamma_final_frac"):
+      final = (1.0 if config.smooth_l0_gamma_schedule == "constant"
+               else config.smooth_l0_gamma_final_frac)
+      gamma = Schedule(config.smooth_l0_gamma,
+                       config.smooth_l0_gamma_schedule, final)
+      return minimality.SmoothL0(gamma, config.smooth_l0_normalized)
+  if config.p_knots:
+    with setting("p_knots"):
+      return schedules.KnotSchedule(config.p_start,
+                                    schedules.parse_knots(config.p_knots))
+  with setting("p_final_frac"):
+    return Schedule(config.p_start, config.p_schedule, config.p_final_frac)
 
 
-def _faithfulness(config, inputs: TermInputs, name: str,
+def _faithfulness(config: TrainConfig, inputs: TermInputs, name: str,
                   coeff: float) -> train_step.LossTerm:
-  del config, inputs, name
-  return loss_terms.faithfulness_term(coeff)
+  del inputs, name
+  return loss_terms.faithfulness_term(
+    coeff, relative=config.faithfulness_form == "relative")
 
 
-def _importance(config, inputs: TermInputs, name: str,
+def _importance(config: TrainConfig, inputs: TermInputs, name: str,
                 coeff: float) -> train_step.LossTerm:
   del inputs, name
   return loss_terms.importance_minimality_term(coeff, _p(config),
                                                config.importance_eps)
 
 
-def _frequency(config, inputs: TermInputs, name: str,
+def _frequency(config: TrainConfig, inputs: TermInputs, name: str,
                coeff: float) -> train_step.LossTerm:
   """Return frequency minimality: on a firing EMA with a half-life, else on
   the batch's firing."""
@@ -125,7 +147,7 @@ def _stochastic(plan: Callable[[Any, tuple], recon.Plan]) -> Builder:
   """Return the builder of a stochastic recon term over `plan(config,
   sites)`."""
 
-  def build(config, inputs: TermInputs, name: str,
+  def build(config: TrainConfig, inputs: TermInputs, name: str,
             coeff: float) -> train_step.LossTerm:
     return loss_terms.stochastic_recon_term(
       name, coeff, plan(config, inputs.sites), config.use_delta_component,
@@ -134,39 +156,45 @@ def _stochastic(plan: Callable[[Any, tuple], recon.Plan]) -> Builder:
   return build
 
 
-def _all_sites_plan(config, sites) -> recon.Plan:
-  return recon.all_sites_plan(sites, config.stochastic_routing,
-                              config.n_mask_samples)
+def _all_sites_plan(config: TrainConfig, sites) -> recon.Plan:
+  routing = config.stochastic_routing
+  with setting("route_probability"):
+    return recon.all_sites_plan(sites, routing, config.n_mask_samples,
+                                route_probability(config, routing))
 
 
-def _per_site_plan(config, sites) -> recon.Plan:
+def _per_site_plan(config: TrainConfig, sites) -> recon.Plan:
   return recon.per_site_plan(sites, config.n_mask_samples)
 
 
-def _subset_plan(config, sites) -> recon.Plan:
-  return recon.subset_chunks_plan(sites, config.subset_size,
-                                  config.subset_routing, config.n_mask_samples)
+def _subset_plan(config: TrainConfig, sites) -> recon.Plan:
+  routing = config.subset_routing
+  with setting("route_probability"):
+    return recon.subset_chunks_plan(sites, config.subset_size, routing,
+                                    config.n_mask_samples,
+                                    route_probability(config, routing))
 
 
-def _groups_plan(config, sites) -> recon.Plan:
+def _groups_plan(config: TrainConfig, sites) -> recon.Plan:
   # One draw per group, whatever --n_mask_samples says.
   return make_plan(config, sites, "groups", config.groups_routing, 1)
 
 
-def persistent_config(config) -> adversarial.PersistentConfig:
+def persistent_config(config: TrainConfig) -> adversarial.PersistentConfig:
   """Return the source settings shared by the persistent and merged terms."""
   b1, b2 = _floats("pgd_betas", config.pgd_betas)
   source = adversary.SourceConfig(
     config.pgd_scope, config.pgd_parametrization, config.pgd_step_rule,
     b1, b2, config.pgd_eps)
-  lr = Schedule(config.pgd_lr, "constant", 1.0, config.pgd_lr_warmup_pct)
+  with setting("pgd_lr_warmup_pct"):
+    lr = Schedule(config.pgd_lr, "constant", 1.0, config.pgd_lr_warmup_pct)
   return adversarial.PersistentConfig(
     source, lr, config.pgd_n_warmup, config.pgd_objective,
     config.pgd_start_frac)
 
 
-def _persistent_term(config, inputs: TermInputs, name: str, coeff: float,
-                     plan_kind: str, routing: str,
+def _persistent_term(config: TrainConfig, inputs: TermInputs, name: str,
+                     coeff: float, plan_kind: str, routing: str,
                      merged: adversarial.Merged | None = None
                      ) -> train_step.LossTerm:
   """Return a persistent-adversary term over the plan `plan_kind` routed by
@@ -181,14 +209,14 @@ def _persistent_term(config, inputs: TermInputs, name: str, coeff: float,
     merged=merged)
 
 
-def _persistent(config, inputs: TermInputs, name: str,
+def _persistent(config: TrainConfig, inputs: TermInputs, name: str,
                 coeff: float) -> train_step.LossTerm:
   """Return the persistent PGD term the flags describe."""
   return _persistent_term(config, inputs, name, coeff, config.pgd_plan,
                           config.pgd_routing)
 
 
-def _merged(config, inputs: TermInputs, name: str,
+def _merged(config: TrainConfig, inputs: TermInputs, name: str,
             coeff: float) -> train_step.LossTerm:
   """Return the merged stochastic/persistent term the flags describe."""
   final = config.merged_adv_fraction_final_frac
@@ -199,19 +227,21 @@ def _merged(config, inputs: TermInputs, name: str,
                           adversarial.Merged(fraction, config.sampling))
 
 
-def _fresh(config, inputs: TermInputs, name: str,
+def _fresh(config: TrainConfig, inputs: TermInputs, name: str,
            coeff: float) -> train_step.LossTerm:
   """Return the fresh PGD term the flags describe."""
   fresh = adversarial.FreshConfig(
     config.fresh_pgd_init, config.fresh_pgd_scope, config.fresh_pgd_steps,
     config.fresh_pgd_step_size)
-  plan = recon.all_sites_plan(inputs.sites, config.fresh_pgd_routing,
-                              config.n_mask_samples)
+  routing = config.fresh_pgd_routing
+  with setting("route_probability"):
+    plan = recon.all_sites_plan(inputs.sites, routing, config.n_mask_samples,
+                                route_probability(config, routing))
   return adversarial.fresh_pgd_term(
     name, coeff, plan, fresh, config.use_delta_component)
 
 
-def _unit_weights(config, units) -> dict[str, float | None]:
+def _unit_weights(config: TrainConfig, units) -> dict[str, float | None]:
   """Return the weight of each unit kind (None: that kind is left out)."""
   if not config.nonlinearity_weights:
     return {u.kind: 1.0 for u in units.values()}
@@ -226,7 +256,7 @@ def _unit_weights(config, units) -> dict[str, float | None]:
   return weights
 
 
-def _locality(config, inputs: TermInputs, name: str,
+def _locality(config: TrainConfig, inputs: TermInputs, name: str,
               coeff: float) -> train_step.LossTerm:
   """Return the nonlinearity locality term the flags describe."""
   del name
@@ -266,12 +296,13 @@ TERMS: tuple[Term, ...] = (
 RIDER_TERMS: dict[str, Term] = {t.name: t for t in TERMS if t.rider}
 
 
-def coeff_of(config, term: Term) -> float:
+def coeff_of(config: TrainConfig, term: Term) -> float:
   """Return the coefficient `config` gives `term` (0: off)."""
   return getattr(config, term.coeff_flag)
 
 
-def build_terms(config, inputs: TermInputs) -> tuple[train_step.LossTerm, ...]:
+def build_terms(config: TrainConfig,
+                inputs: TermInputs) -> tuple[train_step.LossTerm, ...]:
   """Return the terms `config` turns on (coefficient above 0), in table
   order."""
   return tuple(t.build(config, inputs, t.name, coeff_of(config, t))

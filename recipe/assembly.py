@@ -1,0 +1,275 @@
+"""Assemble a run from its config, once: the one way `bin/train`, the
+benchmarks and the tests build a ready-to-step run.
+
+The stages follow the best JAX trainers (STYLE §6), each building its
+objects once and handing them on:
+
+  `parts`  config → target sites, CI function, loss terms, step settings;
+  `plan`   → the initial state's shapes (`jax.eval_shape`) → their
+           shardings on the mesh → the step, jitted once with them;
+  `start`  → the initial components (a fresh run's warmed up, SPEC §6.2)
+           → `jax.jit(init, out_shardings=…)`, the state born in its
+           shards → a resumed run's state read from its checkpoint onto
+           the same shardings → the loop (`bin/train`).
+
+`parts` needs no weights and `plan` only their shapes, so a binary runs
+both, and with them every refusal of sites, terms, rider points and
+layouts, before it writes anything; `start` makes the arrays. `build_run`
+runs the three in a row.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+from decompax.core import ci_fns, sites as sites_lib, train_step
+from decompax.core import warmup as warmup_lib
+from decompax.core.target import TargetFns
+from decompax.losses import faithfulness
+from decompax.placement import shardings as shardings_lib
+from decompax.placement import transfer
+from decompax.recipe import engine, lm, token_data
+from decompax.recipe.config import TrainConfig
+from decompax.targets import registry
+
+# restore(template, reinit, shardings, term_names) -> the restored state;
+# `reinit(components, ci_params)` builds a fresh state around a restored
+# decomposition (see `bin/checkpointing.restorer`).
+Restore = Callable[..., train_step.TrainState]
+
+
+class Parts(NamedTuple):
+  """A run's engine objects, built from its config before any weight.
+
+  `toy` is the target record (`name`, `sample_inputs`; a language model's
+  also its `config`); `lead_shape` is one batch's activation lead shape.
+  """
+
+  config: TrainConfig
+  toy: Any
+  target: TargetFns
+  ci_config: ci_fns.CIConfig
+  ci_fn: ci_fns.CIFn
+  terms: tuple[train_step.LossTerm, ...]
+  step_config: train_step.StepConfig
+  lead_shape: tuple[int, ...]
+
+  @property
+  def term_names(self) -> tuple[str, ...]:
+    return tuple(t.name for t in self.terms)
+
+  def sample_inputs(self, key: jax.Array) -> Any:
+    """Return the batch the step draws from `key`."""
+    return self.toy.sample_inputs(key, self.config.batch_size)
+
+
+class Plan(NamedTuple):
+  """A run placed, before its state exists.
+
+  `step` is the one jitted step (placed when `shardings` is not None);
+  `state` the initial state's shapes; `sample_inputs` the batch sampler
+  (pinned to the batch layout when placed) and `constrain` the placement
+  hook, both for other jitted passes over the run (evals); `fallbacks`
+  where a preset's layouts keep what does not tile replicated; `data` the
+  token files batches are read from (None: the step samples its own).
+  """
+
+  parts: Parts
+  step: train_step.TrainStep
+  state: train_step.TrainState
+  shardings: train_step.StepShardings | None
+  constrain: train_step.Constrain
+  sample_inputs: Callable[[jax.Array], Any]
+  fallbacks: tuple[shardings_lib.Fallback, ...] = ()
+  data: token_data.TokenData | None = None
+
+
+class Run(NamedTuple):
+  """A ready-to-step run: its plan, initial state, frozen weights (on the
+  mesh when placed), data key and the faithfulness warmup's losses."""
+
+  plan: Plan
+  state: train_step.TrainState
+  weights: Any
+  data_key: jax.Array
+  warmup_losses: jax.Array
+
+  @property
+  def built(self) -> train_step.TrainStep:
+    return self.plan.step
+
+  @property
+  def ci_fn(self) -> ci_fns.CIFn:
+    return self.plan.parts.ci_fn
+
+  @property
+  def terms(self) -> tuple[train_step.LossTerm, ...]:
+    return self.plan.parts.terms
+
+  @property
+  def sample_inputs(self) -> Callable[[jax.Array], Any]:
+    return self.plan.sample_inputs
+
+  @property
+  def constrain(self) -> train_step.Constrain:
+    return self.plan.constrain
+
+  @property
+  def data(self) -> token_data.TokenData | None:
+    return self.plan.data
+
+  @property
+  def inputs_sharding(self) -> Any:
+    """Where a host-read batch goes (None: unplaced, or sampled inside)."""
+    if self.plan.data is None or self.plan.shardings is None:
+      return None
+    return self.plan.shardings.inputs
+
+  def step_inputs(self, step: int) -> Any:
+    """Return what the step takes beside state and weights at `step`."""
+    if self.data is None:
+      return self.data_key
+    return token_data.train_batch(self.data, step, self.inputs_sharding)
+
+  def eval_batches(self, n_batches: int) -> Any:
+    """Return the held-out batches read from token files, or None."""
+    if self.data is None:
+      return None
+    return token_data.eval_batches(self.data, n_batches,
+                                   self.inputs_sharding)
+
+
+class Keys(NamedTuple):
+  """The run's key streams, split from its seed."""
+
+  components: jax.Array
+  ci: jax.Array
+  run: jax.Array
+  data: jax.Array
+
+
+def keys_of(seed: int) -> Keys:
+  """Return the key streams of `seed` (their order fixes every run)."""
+  init_key, _, run_key, data_key = jax.random.split(jax.random.key(seed), 4)
+  vu_key, ci_key = jax.random.split(init_key)
+  return Keys(vu_key, ci_key, run_key, data_key)
+
+
+def resolve_target(config: TrainConfig) -> tuple[Any, TargetFns, Any]:
+  """Return the target record, its function table over the selected sites
+  and, for checkpoint LMs, the weight loader (None: toys train theirs)."""
+  if lm.is_lm(config):
+    return lm.hf_target(config)
+  toy = registry.get(config.target)
+  sites = engine.select_sites(toy.sites(config.c), config.sites, toy.name)
+  return toy, registry.fns_for(toy, config.c, sites), None
+
+
+def parts(config: TrainConfig, toy: Any, target: TargetFns) -> Parts:
+  """Return the run's CI function, loss terms and step settings, each built
+  once. Raises ValueError for a setting a term or config refuses."""
+  lead = lm.lead_shape(target, toy.sample_inputs, config.batch_size)
+  model = toy.config if lm.is_lm(config) else None
+  ci_config = engine.ci_config(config, target.sites, model)
+  terms = engine.loss_terms(config, target.sites, lm.tokens_per_batch(lead),
+                            target.nonlinear_units, lead)
+  return Parts(config, toy, target, ci_config,
+               ci_fns.make_ci_fn(ci_config, target.sites), terms,
+               engine.step_config(config), lead)
+
+
+def abstract_state(p: Parts) -> train_step.TrainState:
+  """Return the shapes of the run's initial state."""
+  keys = keys_of(p.config.seed)
+  init = train_step.make_init(p.terms, p.step_config)
+  return jax.eval_shape(
+    lambda: init(sites_lib.init_components(keys.components, p.target.sites),
+                 p.ci_fn.init(keys.ci), keys.run, p.lead_shape))
+
+
+def plan(p: Parts, weights: Any,
+         placement: shardings_lib.Placement | None = None,
+         data: token_data.TokenData | None = None) -> Plan:
+  """Return the run planned on `placement` (None: unplaced) for frozen
+  `weights` (arrays or their shapes), its step built once; with `data` the
+  step takes batches read from token files.
+
+  Raises ValueError for rider points the target cannot tap and for
+  `--place` layouts that do not tile (`LayoutError`), before anything is
+  placed or compiled.
+  """
+  engine.check_rider_points(p.config, p.target, weights,
+                            p.toy.sample_inputs(jax.random.key(0), 2))
+  state = abstract_state(p)
+  shardings, fallbacks = None, ()
+  constrain, sample = train_step.no_constraint, p.sample_inputs
+  if placement is not None:
+    mesh, table, _ = placement
+    fallbacks = shardings_lib.fallbacks(
+      table, dict(mesh.shape), state, weights, p.lead_shape,
+      jax.eval_shape(p.target.frozen_stacks, weights))
+    shardings = shardings_lib.step_shardings(
+      table, mesh, state, weights, p.lead_shape,
+      None if data is None else token_data.example_batch(data))
+    constrain = shardings_lib.make_constrain(table, mesh, p.lead_shape)
+    sample = shardings_lib.constrained_sampler(p.sample_inputs, constrain)
+  step = train_step.make_train_step(
+    p.target, p.ci_fn, p.terms, p.step_config,
+    sample_inputs=p.sample_inputs if data is None else None,
+    shardings=shardings, constrain=constrain)
+  return Plan(p, step, state, shardings, constrain, sample, fallbacks, data)
+
+
+def warm_components(config: TrainConfig, target: TargetFns, weights: Any,
+                    key: jax.Array, warm: bool):
+  """Return the initial components, after the faithfulness warmup when
+  `warm`, and the warmup's losses (none without it)."""
+  w_stacks = target.frozen_stacks(weights)
+  if config.components_init == "projected":
+    components = sites_lib.init_components_projected(
+      key, target.sites, w_stacks)
+  else:
+    components = sites_lib.init_components(key, target.sites)
+  return warmup_lib.faithfulness_warmup(
+    lambda comps, ws: faithfulness.faithfulness_per_kind(ws, comps),
+    components, w_stacks, config.faithfulness_warmup_steps if warm else 0,
+    config.faithfulness_warmup_lr, config.faithfulness_warmup_weight_decay)
+
+
+def start(planned: Plan, weights: Any, restore: Restore | None = None) -> Run:
+  """Return the run with its initial state built in place.
+
+  A fresh run's components are warmed up (faithfulness alone) and the
+  state built around them, each leaf straight into its shard; with
+  `restore` (a resume or fine-tune init) the warmup is skipped and the
+  state is read from the checkpoint onto the same shardings.
+  """
+  p, placed = planned.parts, planned.shardings
+  keys = keys_of(p.config.seed)
+  components, warmup_losses = warm_components(
+    p.config, p.target, weights, keys.components, warm=restore is None)
+  state_shardings = None if placed is None else placed.state
+  init = shardings_lib.sharded_init(
+    lambda comps, ci_params: planned.step.init(comps, ci_params, keys.run,
+                                               p.lead_shape),
+    state_shardings)
+  state = init(components, p.ci_fn.init(keys.ci))
+  if restore is not None:
+    state = restore(state, lambda comps, ci_params: planned.step.init(
+      comps, ci_params, keys.run, p.lead_shape), state_shardings,
+      p.term_names)
+  if placed is not None:
+    # Restored leaves are in place already; a fine-tune init's are not.
+    state = transfer.put(state, placed.state)
+    weights = transfer.put(weights, placed.weights)
+  return Run(planned, state, weights, keys.data, warmup_losses)
+
+
+def build_run(config: TrainConfig, toy: Any, target: TargetFns,
+              weights: Any, restore: Restore | None = None,
+              placement: shardings_lib.Placement | None = None,
+              data: token_data.TokenData | None = None) -> Run:
+  """Return the ready-to-step run of `config` (`parts`, `plan`, `start`)."""
+  return start(plan(parts(config, toy, target), weights, placement, data),
+               weights, restore)

@@ -1,0 +1,35 @@
+"""bench/step_time.py times the reference's work under --matched and takes
+the speed-up against the reference's faster dtype."""
+
+import pytest
+
+TINY = "tms_5-2+--batch_size=16+--c=6"
+
+
+@pytest.fixture(scope="module")
+def bench(load_bench):
+  return load_bench("step_time")
+
+
+def test_the_speed_up_is_against_the_faster_reference_dtype(bench, monkeypatch):
+  monkeypatch.setitem(bench.REFERENCE_MS, "toy", {"fp32": 30.0, "bf16": 20.0})
+  assert bench.best_reference("toy") == (20.0, "bf16")
+  assert bench.best_reference("unknown") is None
+
+
+def test_matched_rows_add_the_reference_settings(bench):
+  matched = bench.load_recipe(TINY + "+" + "+".join(bench.MATCHED_FLAGS))
+  shipped = bench.load_recipe(TINY)
+  assert (matched.use_delta_component, matched.faithfulness_coeff) == (True, 0)
+  assert (shipped.use_delta_component, shipped.faithfulness_coeff) == (False,
+                                                                       1)
+
+
+def test_a_recipe_compiles_times_and_formats(bench):
+  recipe = bench.compile_recipe(TINY, matched=True)
+  assert recipe["flops"] > 0
+  medians = [bench.time_steps(recipe, steps=2, warmup=1) for _ in range(2)]
+  assert all(m > 0 for m in medians)
+  line = bench.row("tms_5-2", recipe, medians, [1e11, 1e11], matched=True)
+  assert line.startswith("| tms_5-2 | ") and "26.3 (fp32) | " in line
+  assert line.count("|") == 7
