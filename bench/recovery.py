@@ -255,8 +255,21 @@ def markdown(results: dict[tuple[str, int], dict], variant: str,
   return "\n".join(lines) + "\n"
 
 
+def earlier_cells(variant_dir: pathlib.Path) -> dict[tuple[str, int], dict]:
+  """Return the cells an earlier invocation tabled for this variant."""
+  path = variant_dir / "recovery.json"
+  if not path.exists():
+    return {}
+  cells = json.loads(path.read_text())["cells"]
+  return {(c["flagfile"], c["seed"]): {k: v for k, v in c.items()
+                                       if k != "seed"} for c in cells}
+
+
 def write_tables(variant_dir: pathlib.Path, results: dict, variant: str,
                  extra: list[str]) -> None:
+  """Write the variant's tables: this invocation's cells over those an
+  earlier one tabled, so a grid run in parts keeps every finished cell."""
+  results = {**earlier_cells(variant_dir), **results}
   rows = [{"seed": seed, **r} for (name, seed), r in sorted(results.items())]
   texts = {"recovery.json": json.dumps(
     {"variant": variant, "extra": extra, "cells": rows}, indent=1) + "\n",

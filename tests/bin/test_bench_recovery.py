@@ -54,6 +54,11 @@ def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
   cells = json.loads((tmp_path / "recovery.json").read_text())["cells"]
   assert cells[0]["seed"] == 3 and cells[0]["sites"] == json.loads(
     json.dumps(result["sites"]))
+  # A later invocation over other seeds keeps the cells tabled before.
+  bench.write_tables(tmp_path, {("tms_5-2", 7): result}, "short", SHORT)
+  cells = json.loads((tmp_path / "recovery.json").read_text())["cells"]
+  assert [c["seed"] for c in cells] == [3, 7]
+  assert "of 2 |" in (tmp_path / "recovery.md").read_text()
 
 
 def test_restarts_continue_the_candidate_with_the_lowest_held_out_loss(
