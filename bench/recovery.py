@@ -40,6 +40,7 @@ from absl import app, flags
 from decompax.core import ci_fns, probe
 from decompax.io import decomposition as decomposition_lib
 from decompax.io import run_dir
+from decompax.losses import eval_step
 from decompax.targets import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -172,10 +173,8 @@ def run_restarts(variant_dir: pathlib.Path, name: str, seed: int,
 
 def _final_faithfulness(directory: pathlib.Path) -> float:
   value = float("nan")
-  with open(directory / "metrics.jsonl") as f:
-    for line in f:
-      record = json.loads(line)
-      value = record.get("loss/faithfulness", value)
+  for record in run_dir.read_metrics(directory / "metrics.jsonl"):
+    value = record.get("loss/faithfulness", value)
   return value
 
 
@@ -191,22 +190,20 @@ def measure_cell(directory: pathlib.Path, name: str) -> dict:
   ci_fn = ci_fns.make_ci_fn(decomposition.ci_config, sites)
   ci = jax.device_get(probe.probe_ci(
     target, ci_fn, weights, decomposition.components, decomposition.ci_params))
-  stacks = jax.device_get(target.frozen_stacks(weights))
-  components = jax.device_get(decomposition.components)
+  # The eval's own recovery scalars, so the bench and the run's log agree.
+  scalars = eval_step.probe_scalars(ci, jax.device_get(
+    eval_step.feature_factors(target, weights, decomposition.components)),
+    target.expected)
   per_site = {}
   for site in sites:
     expected = target.expected[site.name]
-    matrix = np.asarray(ci[site.name])
     row = {"pattern": expected.pattern if expected.pattern == "identity"
            else f"dense k={expected.k}",
-           "alive": len(probe.alive_components(matrix)),
-           "error": probe.pattern_error(matrix, expected)}
-    if expected.feature_axis is not None:
-      factors = components[site.kind]
-      match = probe.feature_match(
-        stacks[site.kind][site.row], factors.v[site.row], factors.u[site.row],
-        expected.feature_axis)
-      row.update(mmcs=match.mmcs, ml2r=match.ml2r)
+           "alive": len(probe.alive_components(np.asarray(ci[site.name]))),
+           "error": int(scalars[f"{expected.pattern}_ci_error/{site.name}"])}
+    if f"mmcs/{site.name}" in scalars:
+      row.update(mmcs=scalars[f"mmcs/{site.name}"],
+                 ml2r=scalars[f"ml2r/{site.name}"])
     per_site[site.name] = row
   wall = directory.with_suffix(".wall")
   return {"flagfile": name, "sites": per_site,

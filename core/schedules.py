@@ -97,6 +97,17 @@ def parse_knots(text: str) -> tuple[Knot, ...]:
 Coefficient = Union[float, Schedule, KnotSchedule]
 
 
+def extreme_values(value: Coefficient) -> tuple[float, ...]:
+  """Return values between which a coefficient's schedule moves (its start
+  and end, or every knot; piecewise linear or cosine segments stay within
+  them): a check that must hold at every step checks these."""
+  if isinstance(value, Schedule):
+    return (value.start, value.start * value.final_frac)
+  if isinstance(value, KnotSchedule):
+    return tuple(value.max_val * k.frac for k in value.knots)
+  return (value,)
+
+
 def _knot_value(schedule: KnotSchedule, step, total_steps: int):
   s = jnp.asarray(step, jnp.float32)
   t = jnp.clip(s / max(total_steps - 1, 1), 0.0, 1.0)

@@ -120,11 +120,7 @@ def nonlinearity_locality_term(
 ) -> LossTerm:
   """Return the locality term with a schedulable soft-count threshold."""
   validate_weights(units, weights)
-  if isinstance(threshold, schedules.Schedule):
-    knots = (threshold.start, threshold.start * threshold.final_frac)
-  else:
-    knots = (threshold,)
-  if any(t <= 0 for t in knots):
+  if any(t <= 0 for t in schedules.extreme_values(threshold)):
     raise ValueError("the nonlinearity threshold must stay > 0")
 
   def value(ctx: StepContext, key):

@@ -29,17 +29,9 @@ class SmoothL0:
   normalized: bool = False
 
   def __post_init__(self):
-    for value in _schedule_ends(self.gamma):
+    for value in schedules.extreme_values(self.gamma):
       if not value > 0:
         raise ValueError(f"smooth-L0 gamma must stay > 0, got {value}")
-
-
-def _schedule_ends(value: schedules.Coefficient) -> tuple[float, ...]:
-  if isinstance(value, schedules.Schedule):
-    return (value.start, value.start * value.final_frac)
-  if isinstance(value, schedules.KnotSchedule):
-    return tuple(value.max_val * k.frac for k in value.knots)
-  return (value,)
 
 
 class FrequencyEma(NamedTuple):
