@@ -26,7 +26,7 @@ Reported per recipe, as medians over the rounds with their range:
     1 means the loop pays for the calls and nothing after them (no slower
     steps, no waiting for figures).
 The slow tier's figures are drawn in a child process, held to
-`--figure_cpu_share` of one core (`bin/evaluation.start_figure_worker`), so
+`--figure_cpu_share` of one core (`recipe/evaluation.start_figure_worker`), so
 they are not in the windows; `render s` is the CPU time of one render
 (median of three, in this process) and `figures, core share` the part of
 one core the renders take at this cadence and at the default one. The last
@@ -44,7 +44,7 @@ import jax
 from absl import app, flags
 
 # The bench times bin/train's own evaluator, which lives with the loop.
-from decompax.bin import evaluation
+from decompax.recipe import evaluation
 from decompax.io import run_dir
 from decompax.losses import eval_step
 from decompax.recipe import assembly

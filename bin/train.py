@@ -16,12 +16,12 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from decompax.bin import checkpointing, cli, evaluation, placement_setup
+from decompax.bin import checkpointing, cli, placement_setup
 from decompax.bin import run_records, tokens_text, train_flags
 from decompax.core import health, probe, sites as sites_lib
 from decompax.io import checkpoint, decomposition, figures, run_dir
 from decompax.placement import shardings, transfer
-from decompax.recipe import assembly, engine, lm, terms, token_data
+from decompax.recipe import assembly, engine, evaluation, lm, terms, token_data
 from decompax.recipe.config import TrainConfig, setting
 from decompax.targets import registry
 

@@ -21,7 +21,8 @@ import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from decompax.bin import checkpointing, evaluation, run_records, train
+from decompax.bin import checkpointing, run_records, train
+from decompax.recipe import evaluation
 from decompax.bin import train_flags
 from decompax.io import checkpoint, run_dir
 from decompax.targets import registry

@@ -1,4 +1,4 @@
-"""bin/evaluation: eval cadence, the figure worker, an LM-shaped eval."""
+"""recipe/evaluation: eval cadence, the figure worker, an LM-shaped eval."""
 
 import os
 import re
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.bin import evaluation
+from decompax.recipe import evaluation
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core.schedules import Schedule
 from decompax.core.target import Expected

@@ -1,4 +1,4 @@
-"""In-loop evaluation of `bin/train` (SPEC §11, I44).
+"""In-loop evaluation of a training run (SPEC §11, I44).
 
 Which tiers run after a step, the jitted eval passes on the held-out stream,
 the `eval/` scalars for `metrics.jsonl`, and the slow tier's figures and
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decompax.bin import render_process
+from decompax.recipe import render_process
 from decompax.core import probe, sites as sites_lib
 from decompax.core.target import Expected, TargetFns
 from decompax.core.train_step import LossTerm, TrainState, no_constraint
