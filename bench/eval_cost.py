@@ -44,11 +44,10 @@ import jax
 from absl import app, flags
 
 # The bench times bin/train's own evaluator, which lives with the loop.
-from decompax.recipe import evaluation
 from decompax.io import run_dir
 from decompax.losses import eval_step
-from decompax.recipe import assembly
-from decompax.recipe.config import TrainConfig, read_args
+from decompax.recipe import assembly, evaluation
+from decompax.recipe.config import TrainConfig, held_out_seed, read_args
 from decompax.targets import registry
 
 _WINDOW = flags.DEFINE_integer("window", 200, "Steps per timed window.")
@@ -181,7 +180,7 @@ def bench_recipe(name: str, steps: int, every: int, slow_every: int,
     config.eval_pgd_steps, pgd_lr=config.eval_pgd_lr)
   fns = eval_step.make_eval_step(target, run.ci_fn, run.terms, eval_config,
                                  run.sample_inputs)
-  key = eval_step.eval_data_key(config.seed)
+  key = eval_step.eval_data_key(held_out_seed(config))
   _, batches = fns.fast(state, run.weights, key)  # compile the bare passes
   jax.block_until_ready(fns.slow(state, run.weights, key, batches))
   rows = []

@@ -20,7 +20,8 @@ With `--restarts=K --select_at=R` a cell is a selection among K candidate
 runs (seeds `seed + 1000·j`, directories `<cell>_r<j>`): each trains to
 step R of its schedule (`bin/train --stop_after_step`), the one with the
 lowest held-out training loss at R (`eval/loss/total`, never a recovery
-metric) continues to the end, and the cell is measured on it. The choice
+metric; every candidate scores on the same held-out batches, those of the
+cell's seed, through `--eval_seed`) continues to the end, and the cell is measured on it. The choice
 is recorded beside the runs, so a rerun continues the same candidate.
 """
 
@@ -145,6 +146,7 @@ def run_restarts(variant_dir: pathlib.Path, name: str, seed: int,
   lowest held-out loss there to the end; return its directory and the
   selection record (written beside the runs, and reused on a rerun)."""
   base = cell_dir(variant_dir, name, seed)
+  extra = [*extra, f"--eval_seed={seed}"]
   choice_path = base.with_suffix(".choice.json")
   if choice_path.exists():
     choice = json.loads(choice_path.read_text())

@@ -234,6 +234,10 @@ _SEED = flags.DEFINE_integer(
   "seed", _D.seed,
   "Seed of init, masks and data (default 2: with it the default TMS 5-2 run "
   "recovers the paper's result; see the README).")
+_EVAL_SEED = flags.DEFINE_integer(
+  "eval_seed", _D.eval_seed,
+  "Seed of the held-out eval batches (default: --seed). Runs compared by "
+  "their held-out losses, e.g. restarts with different --seed, share one.")
 _WARMUP_STEPS = flags.DEFINE_integer(
   "faithfulness_warmup_steps", _D.faithfulness_warmup_steps,
   "Faithfulness-only AdamW steps first (the SPD paper's recipes take none).")

@@ -81,6 +81,7 @@ class TrainConfig:
   num_steps: int = 40000
   batch_size: int = 4096
   seed: int = 2
+  eval_seed: int | None = None
   faithfulness_warmup_steps: int = 0
   faithfulness_warmup_lr: float = 0.01
   faithfulness_warmup_weight_decay: float = 0.1
@@ -237,3 +238,10 @@ def read_args(args: Sequence[str],
   argument that sets no field or whose value does not convert.
   """
   return dataclasses.replace(config, **dict(map(_setting, _expand(args))))
+
+
+def held_out_seed(config: TrainConfig) -> int:
+  """Return the seed of the run's held-out batches: `eval_seed`, else
+  `seed`. Runs that differ only in `seed` score on the same batches when
+  they share an `eval_seed`."""
+  return config.seed if config.eval_seed is None else config.eval_seed

@@ -22,13 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decompax.recipe import render_process
 from decompax.core import probe, sites as sites_lib
 from decompax.core.target import Expected, TargetFns
 from decompax.core.train_step import LossTerm, TrainState, no_constraint
 from decompax.io import figures, report, run_dir
 from decompax.losses import eval_step, evals
 from decompax.placement import transfer
+from decompax.recipe import render_process
+from decompax.recipe.config import held_out_seed
 
 # Components drawn per site in the U/V figure (alive ones first).
 MAX_UV_COLUMNS = 64
@@ -375,8 +376,9 @@ def make_evaluator(
   """Return the evaluator of one run (see `Evaluator`).
 
   `sample_inputs(key)` draws one batch; the held-out stream's key is a pure
-  function of `config.seed`, disjoint from the training draws. `decode`
-  turns token ids into strings for the LM component table (default: ids).
+  function of `held_out_seed(config)`, disjoint from the training draws.
+  `decode` turns token ids into strings for the LM component table
+  (default: ids).
   `constrain` is the run's placement hook (`bin/placement_setup`).
   `eval_batches` (stacked `[eval_batches, ...]`, e.g. read from a token
   file) replace the sampled held-out batches. `compute_dtype` is the train
@@ -421,7 +423,7 @@ def _evaluate_fn(
   """Return `evaluate(state, done, abandon)` of `Evaluator`: run the tiers
   due, hand a slow pass's render to `submit_render(state, output,
   summary)`, print the eval line (when `writer`) and return the scalars."""
-  key = eval_step.eval_data_key(config.seed)
+  key = eval_step.eval_data_key(held_out_seed(config))
 
   def evaluate(state: TrainState, done: int,
                abandon: Callable[[], bool] = lambda: False

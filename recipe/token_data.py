@@ -3,9 +3,10 @@
 The training batch of step `s` is the window batch `(seed, s)` of the
 training file (`io.tokens.read_batch`), so a resumed run reads exactly what
 the interrupted one would have. Eval batch `i` is the window batch
-`(seed + EVAL_STREAM, i)` of the eval file, the same at every eval. Each
-process reads only its own rows; the loop assembles the global batch on the
-step's input sharding.
+`(eval_seed + EVAL_STREAM, i)` of the eval file (`eval_seed` from
+`config.held_out_seed`), the same at every eval. Each process reads only
+its own rows; the loop assembles the global batch on the step's input
+sharding.
 """
 
 from typing import Any, NamedTuple
@@ -17,6 +18,7 @@ from jaxtyping import Int
 
 from decompax.io import tokens as tokens_lib
 from decompax.placement import transfer
+from decompax.recipe.config import held_out_seed
 
 # Offsets the eval stream's seed so its windows never repeat training's
 # window sequence, even when both read one file.
@@ -29,6 +31,7 @@ class TokenData(NamedTuple):
   train: tokens_lib.Tokens
   eval: tokens_lib.Tokens
   seed: int
+  eval_seed: int
   batch_size: int
   seq_len: int
 
@@ -55,8 +58,8 @@ def open_data(config, vocab_size: int) -> TokenData | None:
         "--seq_len or tokenize more text")
   tokens_lib.process_rows(config.batch_size, jax.process_index(),
                           jax.process_count())
-  return TokenData(train, held_out, config.seed, config.batch_size,
-                   config.seq_len)
+  return TokenData(train, held_out, config.seed, held_out_seed(config),
+                   config.batch_size, config.seq_len)
 
 
 def describe(data: TokenData | None) -> str:
@@ -93,7 +96,7 @@ def train_batch(data: TokenData, step: int, sharding: Any = None) -> jax.Array:
 def eval_batches(data: TokenData, n_batches: int,
                  sharding: Any = None) -> jax.Array:
   """Return the held-out batches stacked `[n_batches, B, T]`."""
-  seed = data.seed + EVAL_STREAM
+  seed = data.eval_seed + EVAL_STREAM
   return jnp.stack([_to_global(_rows(data.eval, data, seed, i), sharding)
                     for i in range(n_batches)])
 

@@ -79,6 +79,8 @@ def test_restarts_continue_the_candidate_with_the_lowest_held_out_loss(
   for j in (0, 1):
     run = tmp_path / f"tms_5-2_s5_r{j}"
     assert bench.held_out_loss(run, 20) == pytest.approx(losses[j])
+    # Scored on the cell seed's held-out batches, not the candidate's own.
+    assert "--eval_seed=5" in (run / "flags.txt").read_text().split()
   # A rerun reads the recorded choice and launches nothing.
   said.clear()
   assert bench.run_restarts(tmp_path, "tms_5-2", 5, extra, said.append,

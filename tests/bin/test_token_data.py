@@ -155,3 +155,16 @@ def test_token_files_are_refused_where_they_cannot_apply(parse, files,
   with pytest.raises(ValueError, match="larger than the model's"):
     token_data.open_data(
       parse(f"--flagfile={TINY}", f"--data_path={big}"), VOCAB)
+
+
+def test_eval_seed_picks_the_held_out_windows(lm, files):
+  """Runs differing in --seed but sharing --eval_seed hold out the same
+  windows; each still trains on its own."""
+  runs = [token_data.open_data(lm(f"--seed={seed}", "--eval_seed=7"), VOCAB)
+          for seed in (1, 2)]
+  own = token_data.open_data(lm("--seed=1"), VOCAB)
+  held = [token_data.eval_batches(data, 2) for data in (*runs, own)]
+  np.testing.assert_array_equal(held[0], held[1])
+  assert not np.array_equal(held[0], held[2])
+  assert not np.array_equal(token_data.train_batch(runs[0], 0),
+                            token_data.train_batch(runs[1], 0))
