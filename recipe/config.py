@@ -193,8 +193,11 @@ def _expand(args: Sequence[str], depth: int = 0) -> Iterator[str]:
 
 
 def _convert(kind: typing.Any, text: str) -> typing.Any:
-  """Return `text` as a value of the field type `kind`."""
+  """Return `text` as a value of the field type `kind`; an empty value of
+  an optional field is None, as a run's `flags.txt` writes unset ones."""
   if typing.get_origin(kind) in (typing.Union, types.UnionType):
+    if text == "" and type(None) in typing.get_args(kind):
+      return None
     kind = next(a for a in typing.get_args(kind) if a is not type(None))
   if typing.get_origin(kind) is tuple:
     item = typing.get_args(kind)[0]

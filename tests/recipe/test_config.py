@@ -66,3 +66,11 @@ def test_a_setting_names_the_field_a_library_refused():
     with config_lib.setting("p_start"), config_lib.setting("p_final_frac"):
       raise ValueError("why")
   assert str(info.value) == "--p_final_frac: why"
+
+
+def test_an_empty_optional_setting_reads_as_unset():
+  """A run's flags.txt writes unset optional flags as `--name=`."""
+  config = read_args(["--ci_lr=", "--target_seed="])
+  assert config.ci_lr is None and config.target_seed is None
+  with pytest.raises(ValueError, match="'--lr='"):
+    read_args(["--lr="])

@@ -1,0 +1,258 @@
+"""A finished run's decomposition, opened for questions about its components.
+
+Each function stands alone, for notebooks and research code:
+
+    run = explore.load_run("runs/tms")
+    ci = explore.component_ci(run, inputs)             # {site: [*lead, C]}
+    out = explore.ablated_forward(run, inputs, ablate={"linear1": [3]})
+    effects = explore.ablation_effects(run, tokens)    # LM targets
+
+A masked forward here is the decomposed model with every component at mask 1
+and the delta path `W − V·U` on, which equals the target exactly; ablating a
+component sets its mask to 0, keeping only some sets the others' to 0. The
+divergence is the target's own (KL for language models, MSE for toys),
+mean over positions.
+"""
+
+import dataclasses
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from decompax.core import ci_fns, squash
+from decompax.core.masks import SiteMask
+from decompax.core.target import TargetFns
+from decompax.io import decomposition as decomposition_lib
+from decompax.io import run_dir
+from decompax.recipe import assembly, lm
+from decompax.recipe.config import TrainConfig, read_args
+from decompax.targets import registry
+
+# Component choices per site: {site name: component indices}.
+Choice = Mapping[str, Sequence[int]]
+
+
+class Jitted(NamedTuple):
+  """A run's functions, jitted once per loaded run; the weights and the
+  decomposition stay runtime arguments."""
+
+  lower_ci: Any
+  masked_and_clean: Any
+  ablated_log_probs: Any
+
+
+class LoadedRun(NamedTuple):
+  """What a run directory holds, ready to apply: the target's function
+  table and frozen weights, the decomposition and its CI function."""
+
+  config: TrainConfig
+  target: TargetFns
+  weights: Any
+  decomposition: decomposition_lib.Decomposition
+  ci_fn: ci_fns.CIFn
+  jitted: Jitted
+
+
+class AblatedOutput(NamedTuple):
+  """A masked forward's output beside the clean one, and their divergence
+  (the target's own, mean over positions)."""
+
+  output: Float[Array, "..."]
+  clean: Float[Array, "..."]
+  divergence: Float[Array, ""]
+
+
+def run_config(path: str) -> TrainConfig:
+  """Return the settings a run recorded in its `flags.txt`.
+
+  The file also holds process-level flags (placement, compiler), which are
+  not settings of the decomposition and are skipped.
+  """
+  flags_path = os.path.join(path, "flags.txt")
+  if not os.path.isfile(flags_path):
+    raise FileNotFoundError(f"{path} has no flags.txt: pass the output "
+                            "directory of a bin/train run")
+  fields = {f.name for f in dataclasses.fields(TrainConfig)}
+  with open(flags_path) as f:
+    args = [line.strip() for line in f if line.startswith("--")]
+  return read_args([a for a in args
+                    if a.removeprefix("--").partition("=")[0] in fields])
+
+
+def _decomposition(path: str) -> decomposition_lib.Decomposition:
+  npz = os.path.join(path, "decomposition.npz")
+  if os.path.isfile(npz):
+    return decomposition_lib.load_npz(npz)
+  # A run stopped before its end has checkpoints but no final file.
+  return decomposition_lib.load_decomposition(path)
+
+
+def load_run(path: str) -> LoadedRun:
+  """Return the run at `path`: its target (a toy from the run's cached
+  `target.npz`, or the language model in its `--model_dir`), the frozen
+  weights and the latest decomposition (the final one, else the newest
+  checkpoint).
+
+  Raises FileNotFoundError when `path` is not a run directory, and
+  CheckpointError when it holds no readable decomposition.
+  """
+  config = run_config(path)
+  decomposition = _decomposition(path)
+  sites = decomposition.sites
+  if lm.is_lm(config):
+    _, target, load = assembly.resolve_target(config)
+    weights = load()
+  else:
+    toy = registry.get(config.target)
+    target_path = config.target_path or os.path.join(path, "target.npz")
+    arrays, _ = run_dir.load_arrays(target_path)
+    target = registry.fns_for(toy, {s.name: s.c for s in sites}, sites)
+    weights = registry.weights_for(toy, toy.weights_from_arrays(arrays), sites)
+  ci_fn = ci_fns.make_ci_fn(decomposition.ci_config, sites)
+  return LoadedRun(config, target, weights, decomposition, ci_fn,
+                   jit_functions(target, ci_fn))
+
+
+def jit_functions(target: TargetFns, ci_fn: ci_fns.CIFn) -> Jitted:
+  """Return the jitted functions of a run with this target and CI."""
+
+  def lower_ci(weights, components, ci_params, inputs):
+    _, taps = target.clean_forward(weights, inputs, ci_fn.input_taps)
+    return squash.squash(ci_fn.apply(ci_params, taps, components)).lower
+
+  def masked_and_clean(weights, components, inputs, masks):
+    clean, _ = target.clean_forward(weights, inputs, ())
+    output = target.masked_forward(weights, components, inputs, masks)
+    return AblatedOutput(output, clean, target.divergence(output, clean))
+
+  return Jitted(jax.jit(lower_ci), jax.jit(masked_and_clean),
+                jax.jit(functools.partial(_ablated_log_probs, target),
+                        static_argnums=0))
+
+
+def component_ci(run: LoadedRun, inputs: Any
+                 ) -> dict[str, Float[Array, "*lead c"]]:
+  """Return every site's (lower) CI of each component on `inputs`: token
+  ids `[B, T]` for language models, the toy's input batch otherwise."""
+  d = run.decomposition
+  return run.jitted.lower_ci(run.weights, d.components, d.ci_params, inputs)
+
+
+def _site_masks(run: LoadedRun, lead: tuple[int, ...],
+                ablate: Optional[Choice], keep: Optional[Choice]
+                ) -> dict[str, SiteMask]:
+  """Return each site's masks: 1 but for `ablate`'s 0s, or 0 but for
+  `keep`'s 1s on the sites `keep` names; the delta path stays on."""
+  masks = {}
+  names = {s.name for s in run.target.sites}
+  for choice in (ablate or {}, keep or {}):
+    unknown = set(choice) - names
+    if unknown:
+      raise ValueError(f"no decomposed site {sorted(unknown)[0]!r}; the "
+                       f"run's sites are {sorted(names)}")
+  for site in run.target.sites:
+    mask = jnp.ones((*lead, site.c), jnp.float32)
+    if keep is not None and site.name in keep:
+      mask = jnp.zeros_like(mask).at[..., jnp.asarray(keep[site.name],
+                                                      jnp.int32)].set(1.0)
+    if ablate and site.name in ablate:
+      mask = mask.at[..., jnp.asarray(ablate[site.name], jnp.int32)].set(0.0)
+    masks[site.name] = SiteMask(mask, jnp.ones(lead, jnp.float32))
+  return masks
+
+
+def ablated_forward(run: LoadedRun, inputs: Any,
+                    ablate: Optional[Choice] = None,
+                    keep: Optional[Choice] = None) -> AblatedOutput:
+  """Return the decomposed model's output on `inputs` with the components
+  in `ablate` removed (mask 0), or with only those in `keep` kept on the
+  sites it names, beside the clean output and their divergence.
+
+  With neither, the output equals the clean one (the delta path carries
+  what the components miss).
+  """
+  lead = tuple(run.target.batch_lead_shape(inputs))
+  masks = _site_masks(run, lead, ablate, keep)
+  return run.jitted.masked_and_clean(run.weights, run.decomposition.components,
+                                    inputs, masks)
+
+
+class AblationEffects(NamedTuple):
+  """Per alive component of one prompt, the drop of the next-token
+  log-probability when that component alone is ablated at every position."""
+
+  site: tuple[str, ...]
+  component: Int[Array, "n"]
+  effect: Float[Array, "n"]
+  token: int
+  log_prob: float
+
+
+def _alive(run: LoadedRun, tokens: Int[Array, "t"], threshold: float
+           ) -> list[tuple[str, int]]:
+  ci = component_ci(run, tokens[None])
+  return [(site, int(c)) for site, values in ci.items()
+          for c in jnp.flatnonzero(values.max(axis=(0, 1)) > threshold)]
+
+
+def _ablated_log_probs(target: TargetFns, chunk: int, weights, components,
+                      tokens: Int[Array, "t"], sites_index: Int[Array, "n"],
+                      comps: Int[Array, "n"], token: Int[Array, ""]
+                      ) -> Float[Array, "n"]:
+  """Return the next-token log-probability of `token` after `tokens` with
+  component `comps[i]` of site `sites_index[i]` alone ablated, per i."""
+  t = tokens.shape[0]
+
+  def log_prob(masks):
+    logits = target.masked_forward(weights, components, tokens[None], masks)
+    return jax.nn.log_softmax(logits[0, -1].astype(jnp.float32))[token]
+
+  def one(pair):
+    site_i, c = pair
+    masks = {}
+    for i, site in enumerate(target.sites):
+      off = jnp.where(site_i == i, jax.nn.one_hot(c, site.c), 0.0)
+      masks[site.name] = SiteMask(jnp.broadcast_to(1.0 - off, (1, t, site.c)),
+                                  jnp.ones((1, t), jnp.float32))
+    return log_prob(masks)
+
+  # Components in batches of `chunk`, so memory stays bounded however many
+  # are alive, with no Python loop over them.
+  return jax.lax.map(one, (sites_index, comps), batch_size=chunk)
+
+
+def ablation_effects(run: LoadedRun, tokens: Int[Array, "t"],
+                     token: Optional[int] = None, threshold: float = 0.0,
+                     chunk: int = 64) -> AblationEffects:
+  """Return the ablation effect of every component alive on a prompt.
+
+  `tokens` is one prompt `[T]` of a language-model run; `token` the next
+  token whose log-probability is attributed (default: the clean model's
+  top prediction after the prompt). A component is alive when its CI
+  exceeds `threshold` at some position. The effect of component `c` is the
+  clean log-probability minus the log-probability with `c` alone ablated
+  (positive: the component supports the token).
+  """
+  if run.target.token_labels is None:
+    raise ValueError("ablation effects attribute a next-token "
+                     "log-probability; this run's target is not a language "
+                     "model (use ablated_forward)")
+  tokens = jnp.asarray(tokens, jnp.int32)
+  clean, _ = run.target.clean_forward(run.weights, tokens[None], ())
+  clean_log_probs = jax.nn.log_softmax(clean[0, -1].astype(jnp.float32))
+  token = int(jnp.argmax(clean_log_probs)) if token is None else int(token)
+  alive = _alive(run, tokens, threshold)
+  index = {s.name: i for i, s in enumerate(run.target.sites)}
+  sites_index = jnp.asarray([index[s] for s, _ in alive], jnp.int32)
+  comps = jnp.asarray([c for _, c in alive], jnp.int32)
+  ablated = run.jitted.ablated_log_probs(
+    chunk, run.weights, run.decomposition.components, tokens, sites_index,
+    comps, jnp.asarray(token))
+  base = clean_log_probs[token]
+  return AblationEffects(tuple(s for s, _ in alive), comps, base - ablated,
+                         token, float(base))

@@ -1,0 +1,113 @@
+"""recipe/explore: a finished run opened from its directory, its components'
+CI, masked forwards with components ablated or kept, and batched ablation
+effects on a prompt."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decompax.core import probe
+from decompax.recipe import explore
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SHORT = ("--num_steps=4", "--log_every=2", "--eval_every=0",
+         "--slow_eval_every=0", "--save_every=4",
+         "--faithfulness_warmup_steps=0")
+
+
+def _train(output_dir, *args):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  done = subprocess.run(
+    [sys.executable, "-P", str(ROOT / "bin" / "train"), *args, *SHORT,
+     f"--output_dir={output_dir}"], cwd=ROOT, capture_output=True, text=True,
+    env=env)
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  return str(output_dir)
+
+
+@pytest.fixture(scope="module")
+def tms(tmp_path_factory):
+  path = _train(tmp_path_factory.mktemp("runs") / "tms", "--target=tms_5-2",
+                "--c=6", "--batch_size=16", "--use_delta_component")
+  return explore.load_run(path)
+
+
+@pytest.fixture(scope="module")
+def induction(tmp_path_factory):
+  path = _train(tmp_path_factory.mktemp("runs") / "induction",
+                f"--flagfile={ROOT / 'flags' / 'induction.flags'}",
+                "--c=8", "--batch_size=4")
+  return explore.load_run(path)
+
+
+def test_load_run_rebuilds_the_run_from_its_directory(tms):
+  assert tms.config.target == "tms_5-2" and tms.config.c == 6
+  assert [s.name for s in tms.target.sites] == ["linear1", "linear2"]
+  # The CI it computes is the probe CI the run's own eval computes (up to
+  # the fusion differences of jitted and eager evaluation).
+  probe_inputs = tms.target.feature_probe()
+  d = tms.decomposition
+  expected = probe.probe_ci(tms.target, tms.ci_fn, tms.weights, d.components,
+                            d.ci_params)
+  got = explore.component_ci(tms, probe_inputs)
+  for site in expected:
+    np.testing.assert_allclose(got[site], expected[site], rtol=1e-5,
+                               atol=1e-7)
+    assert got[site].shape == (5, 6)
+
+
+def test_not_a_run_directory_is_named(tmp_path):
+  with pytest.raises(FileNotFoundError, match="has no flags.txt"):
+    explore.load_run(str(tmp_path))
+
+
+def test_nothing_ablated_is_the_clean_model(tms):
+  inputs = tms.target.feature_probe()
+  out = explore.ablated_forward(tms, inputs)
+  np.testing.assert_allclose(out.output, out.clean, rtol=1e-5, atol=1e-6)
+  assert float(out.divergence) < 1e-10
+
+
+def test_ablating_or_keeping_components_changes_what_they_write(tms):
+  inputs = tms.target.feature_probe()
+  d = tms.decomposition
+  v, u = d.components["linear1"].v[0], d.components["linear1"].u[0]
+  # Component 2 of linear1 removed: the first layer's weight loses V₂U₂,
+  # which the one-feature probe inputs read through their own row.
+  out = explore.ablated_forward(tms, inputs, ablate={"linear1": [2]})
+  kept = explore.ablated_forward(
+    tms, inputs, keep={"linear1": [c for c in range(6) if c != 2]})
+  np.testing.assert_allclose(out.output, kept.output, rtol=1e-5, atol=1e-6)
+  assert float(jnp.linalg.norm(v[:, 2:3] @ u[2:3])) > 0
+  assert float(out.divergence) > 0
+  with pytest.raises(ValueError, match="no decomposed site 'linear3'"):
+    explore.ablated_forward(tms, inputs, ablate={"linear3": [0]})
+
+
+def test_ablation_effects_match_one_forward_per_component(induction):
+  tokens = jnp.asarray([0, 3, 5, 7, 3, 5], jnp.int32)
+  effects = explore.ablation_effects(induction, tokens, chunk=4)
+  n = len(effects.component)
+  assert n == len(effects.site) == effects.effect.shape[0] > 0
+  clean = explore.ablated_forward(induction, tokens[None])
+  base = jax.nn.log_softmax(clean.clean[0, -1])[effects.token]
+  assert effects.log_prob == pytest.approx(float(base), abs=1e-5)
+  # Each batched effect equals its own ablated forward, for a few of them.
+  for i in range(0, n, max(1, n // 3)):
+    one = explore.ablated_forward(
+      induction, tokens[None],
+      ablate={effects.site[i]: [int(effects.component[i])]})
+    log_prob = jax.nn.log_softmax(one.output[0, -1])[effects.token]
+    assert float(effects.effect[i]) == pytest.approx(
+      float(base - log_prob), abs=1e-4)
+
+
+def test_ablation_effects_need_a_language_model(tms):
+  with pytest.raises(ValueError, match="not a language model"):
+    explore.ablation_effects(tms, jnp.zeros((3,), jnp.int32))
