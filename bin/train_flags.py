@@ -9,6 +9,7 @@ run is assembled, naming its flag (`recipe.config.setting`).
 """
 
 import dataclasses
+import fnmatch
 import functools
 import math
 
@@ -288,6 +289,13 @@ _EVAL_PGD_STEPS = flags.DEFINE_integer(
   "every site routed, random sources per site; 0: off).")
 _EVAL_PGD_LR = _define_float(
   "eval_pgd_lr", _D.eval_pgd_lr, "Step size of the eval's fresh-PGD probe.")
+_EVAL_ATTENTION_KL = flags.DEFINE_bool(
+  "eval_attention_kl", _D.eval_attention_kl,
+  "Fast evals also score attention patterns: per block with a decomposed "
+  "q_proj or k_proj, eval/attn_kl/{ci_masked,stochastic}/layers.<i> is "
+  "KL(clean || masked) of its attention rows, averaged over query heads, "
+  "positions and eval batches (/all: over the blocks). LM targets only "
+  "(hf, induction).")
 
 
 _GROUPS_COEFF = _define_float(
@@ -526,6 +534,42 @@ def _validate_eval_cadence(config: TrainConfig) -> None:
                      f"--eval_every={every}")
 
 
+# Targets whose forward has attention (the GLU decoders).
+ATTENTION_TARGETS = ("hf", "induction")
+# More blocks than any decoder has: the layer indices a --sites entry is
+# tried against to see whether it can select a query or key projection.
+_MAX_BLOCKS = 1000
+
+
+def _selects_query_or_key(patterns: tuple[str, ...]) -> bool:
+  """Return whether a --sites list can select a q_proj or k_proj (empty:
+  every site), matching as `recipe.lm.expand_sites` does."""
+  if not patterns:
+    return True
+  names = [f"layers.{i}.self_attn.{r}_proj"
+           for i in range(_MAX_BLOCKS) for r in ("q", "k")]
+  return any(fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
+
+
+def _validate_eval_attention(config: TrainConfig) -> None:
+  """Raise ValueError for the attention-pattern eval on a target without
+  attention, or on sites without a query or key projection, before the
+  run compiles (the eval's own check comes after)."""
+  if not config.eval_attention_kl:
+    return
+  if config.target not in ATTENTION_TARGETS:
+    choices = " or ".join(ATTENTION_TARGETS)
+    raise ValueError(
+      f"--eval_attention_kl scores attention patterns, and --target="
+      f"{config.target} has no attention; drop --eval_attention_kl or "
+      f"decompose a language model (--target={choices})")
+  if not _selects_query_or_key(config.sites):
+    raise ValueError(
+      "--eval_attention_kl scores blocks with a decomposed q_proj or "
+      "k_proj, and --sites names none; add one (e.g. "
+      "layers.<i>.self_attn.q_proj) or drop --eval_attention_kl")
+
+
 def _validate_sizes(config: TrainConfig) -> None:
   """Raise ValueError for a bad size, count or cadence."""
   if config.c <= 0:
@@ -535,6 +579,7 @@ def _validate_sizes(config: TrainConfig) -> None:
                "subset_size", "lr"):
     _positive(name, getattr(config, name))
   _validate_eval_cadence(config)
+  _validate_eval_attention(config)
   for name in ("weight_decay", "clip_max_norm", "faithfulness_warmup_steps",
                "figures_every", "importance_eps"):
     _non_negative(name, getattr(config, name))

@@ -37,6 +37,12 @@ MaskedForwardTaps = Callable[
    dict[str, Float[Array, "..."]], tuple[str, ...]],
   tuple[Float[Array, "..."], dict[str, Float[Array, "..."]]],
 ]
+# (weights, masked forward's taps, clean forward's taps) -> {block label:
+# mean KL of the clean forward's attention rows to the masked forward's}.
+AttentionDivergence = Callable[
+  [Weights, dict[str, Float[Array, "..."]], dict[str, Float[Array, "..."]]],
+  dict[str, Float[Array, ""]],
+]
 # weights -> {kind: W stack [layer, d_in, d_out]} in the orientation y = x·W.
 FrozenStacks = Callable[[Weights], dict[str, Float[Array, "layer d_in d_out"]]]
 # (masked output, clean output) -> scalar divergence, mean over positions.
@@ -109,3 +115,9 @@ class TargetFns(NamedTuple):
   token_labels: Optional[Callable[[Batch], Any]] = None
   # Toys: the pattern each site's probe CI should reach, by site name.
   expected: Optional[dict[str, Expected]] = None
+  # Targets with attention: the taps both forwards return for
+  # `attention_divergence` (the eval's attention-pattern recon, SPEC §11);
+  # () where no decomposed site is one the readout covers. None: the
+  # target has no attention.
+  attention_taps: tuple[str, ...] = ()
+  attention_divergence: Optional[AttentionDivergence] = None

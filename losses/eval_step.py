@@ -13,8 +13,10 @@ keeps counts exact (int64) over any number of batches.
 Fast tier, per batch: CI-L0 and firing counts per site, the output divergence
 of every mask variant (`core.masks.VARIANTS`) and at the fresh-PGD probe's
 sources (`recon/pgd`, SPEC §5.7), CE differences for targets with
-token labels, and every training term (plus their coefficiented total) on
-the eval batch with the state's term states. Toys add their probe CI and,
+token labels, optionally the attention-pattern recon (`attn_kl/`, from the
+CI-masked and stochastic forwards themselves), and every training term
+(plus their coefficiented total) on the eval batch with the state's term
+states. Toys add their probe CI and,
 for sites whose expected pattern names a feature axis, the site's target
 weight and factors, matched on the host (MMCS/ML2R, SPEC §10).
 Slow tier adds: histograms of `lower` and `pre` CI, per-component CI sums and
@@ -61,6 +63,10 @@ class EvalConfig:
   pgd_lr: float = 0.1
   # The train step's `StepConfig.compute_dtype` (N4; None: the masters).
   compute_dtype: str | None = None
+  # The attention-pattern recon (SPEC §11): per block the target reports,
+  # the KL of its clean attention rows to the CI-masked and stochastic
+  # forwards' (`TargetFns.attention_divergence`).
+  attention_kl: bool = False
 
   def __post_init__(self):
     if self.pgd_steps < 0:
@@ -108,6 +114,51 @@ def feature_factors(target: TargetFns, weights: Weights,
 
 def _site_out_keys(target: TargetFns) -> tuple[str, ...]:
   return tuple(f"{s.name}.out" for s in target.sites)
+
+
+# The mask variants whose forwards also return attention taps: the ones the
+# attention-pattern recon scores (SPEC §11).
+ATTENTION_VARIANTS = ("ci_masked", "stochastic")
+
+
+def _check_attention(target: TargetFns) -> None:
+  """Raise ValueError unless the target can score attention patterns."""
+  if (target.attention_divergence is None
+      or target.masked_forward_taps is None):
+    raise ValueError("the attention-pattern eval compares attention "
+                     "patterns, and this target has no attention; turn it "
+                     "off or decompose a language model")
+  if not target.attention_taps:
+    raise ValueError("the attention-pattern eval scores blocks with a "
+                     "decomposed q_proj or k_proj, and no site is one; add "
+                     "one to the sites or turn the eval off")
+
+
+def _variant_outputs(
+  ctx: StepContext, key: Key[Array, ""], config: EvalConfig
+) -> tuple[dict[str, Array], dict[str, Array]]:
+  """Return every mask variant's output and, with the attention-pattern
+  recon on, its `attn_kl/<variant>/<block>` scalars (and `/all`, their mean:
+  every block has as many rows), from the same forwards."""
+  target = ctx.target
+  wanted = target.attention_taps if config.attention_kl else ()
+
+  def forward(variant, site_masks):
+    if variant not in ATTENTION_VARIANTS or not wanted:
+      return ctx.masked_forward(site_masks), {}
+    return ctx.masked_forward_with_taps(site_masks, wanted)
+
+  runs = evals.variant_forwards(
+    forward, key, ctx.ci.lower, target.sites, config.with_delta,
+    config.ci_alive_threshold)
+  scalars = {}
+  for variant in ATTENTION_VARIANTS if wanted else ():
+    kl = target.attention_divergence(ctx.weights, runs[variant][1],
+                                     ctx.clean_taps)
+    for block, value in kl.items():
+      scalars[f"attn_kl/{variant}/{block}"] = value
+    scalars[f"attn_kl/{variant}/all"] = jnp.mean(jnp.stack(list(kl.values())))
+  return {v: out for v, (out, _) in runs.items()}, scalars
 
 
 def _term_values(ctx: StepContext, terms: tuple[LossTerm, ...],
@@ -227,6 +278,9 @@ def make_eval_step(
   if config.n_batches < 1:
     raise ValueError(f"eval needs at least one batch, got {config.n_batches}")
   fast_taps = clean_tap_keys(ci_fn, target, terms)
+  if config.attention_kl:
+    _check_attention(target)
+    fast_taps = tuple(dict.fromkeys((*fast_taps, *target.attention_taps)))
   slow_taps = (*ci_fn.input_taps, *target.start_taps)
   if target.masked_forward_taps is not None:
     slow_taps += _site_out_keys(target)
@@ -255,9 +309,8 @@ def make_eval_step(
     lower = ctx.ci.lower
     scalars = {f"ci_l0/{k}": v
                for k, v in ci_l0(lower, config.ci_alive_threshold).items()}
-    outputs = evals.variant_outputs(
-      ctx.masked_forward, mask_key, lower, target.sites, config.with_delta,
-      config.ci_alive_threshold)
+    outputs, attention = _variant_outputs(ctx, mask_key, config)
+    scalars.update(attention)
     for variant, out in outputs.items():
       scalars[f"recon/{variant}"] = target.divergence(out, ctx.clean_output)
     if config.pgd_steps:
@@ -321,7 +374,9 @@ class EvalSummary(NamedTuple):
   """Host reduction of an `EvalOutput`.
 
   `scalars` are the `eval/`-less metric names with float values: means over
-  batches, `alive/<site>` (components firing anywhere in the eval set),
+  batches (`attn_kl/{ci_masked,stochastic}/{layers.<b>,all}` among them
+  when the attention-pattern recon is on), `alive/<site>` (components
+  firing anywhere in the eval set),
   toys' probe CI error against each site's expected pattern
   (`identity_ci_error/<site>` or `dense_ci_error/<site>`, SPEC §11) and
   `mmcs/<site>`, `ml2r/<site>` where a feature axis is declared (SPEC §10);

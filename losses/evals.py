@@ -12,6 +12,7 @@ the clean output through the target's divergence (KL for LMs, MSE for toys).
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,25 @@ LOG_DENSITY_MIN = 1e-9
 LOG_DENSITY_BINS = 18
 
 
+def variant_forwards(
+  forward: Callable[[str, dict[str, SiteMask]], Any],
+  key: Key[Array, ""],
+  ci_lower: dict[str, Float[Array, "*l c"]],
+  sites: tuple[SiteSpec, ...],
+  with_delta: bool,
+  rounding_threshold: float,
+) -> dict[str, Any]:
+  """Return `forward(variant, masks)` under every mask variant, each drawn
+  on its own key, so a caller that also wants activations of some variants
+  takes them from the very forwards whose outputs it scores."""
+  return {
+    variant: forward(variant, masks_lib.variant_site_masks(
+      variant, jax.random.fold_in(key, v), ci_lower, sites, with_delta,
+      rounding_threshold))
+    for v, variant in enumerate(masks_lib.VARIANTS)
+  }
+
+
 def variant_outputs(
   masked_forward: Callable[[dict[str, SiteMask]], Array],
   key: Key[Array, ""],
@@ -39,12 +59,8 @@ def variant_outputs(
   rounding_threshold: float,
 ) -> dict[str, Float[Array, "..."]]:
   """Return the target's output under every mask variant."""
-  return {
-    variant: masked_forward(masks_lib.variant_site_masks(
-      variant, jax.random.fold_in(key, v), ci_lower, sites, with_delta,
-      rounding_threshold))
-    for v, variant in enumerate(masks_lib.VARIANTS)
-  }
+  return variant_forwards(lambda _, masks: masked_forward(masks), key,
+                          ci_lower, sites, with_delta, rounding_threshold)
 
 
 def cross_entropy(

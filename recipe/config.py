@@ -97,6 +97,7 @@ class TrainConfig:
   slow_on_first_step: bool = True
   eval_pgd_steps: int = 20
   eval_pgd_lr: float = 0.1
+  eval_attention_kl: bool = False
   groups_coeff: float = 0.0
   recon_groups: str = ""
   groups_routing: str = "uniform_k"

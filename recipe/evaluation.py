@@ -300,6 +300,10 @@ def _eval_line(done: int, scalars: dict[str, float], sites, seconds: float,
   for variant in ("ci_masked", "stochastic", "pgd", "zero"):
     if f"recon/{variant}" in scalars:
       parts.append(f"{variant} {scalars[f'recon/{variant}']:.3e}")
+  for variant in eval_step.ATTENTION_VARIANTS:
+    if f"attn_kl/{variant}/all" in scalars:
+      parts.append(f"attn_kl/{variant} "
+                   f"{scalars[f'attn_kl/{variant}/all']:.3e}")
   # A site's CI error is against its expected pattern, identity or dense.
   for label, names in (("ci_l0", ("ci_l0",)), ("alive", ("alive",)),
                        ("ci_error", ("identity_ci_error", "dense_ci_error")),
@@ -394,7 +398,7 @@ def make_evaluator(
     with_delta=config.use_delta_component,
     n_mask_samples=config.n_mask_samples,
     pgd_steps=config.eval_pgd_steps, pgd_lr=config.eval_pgd_lr,
-    compute_dtype=compute_dtype)
+    compute_dtype=compute_dtype, attention_kl=config.eval_attention_kl)
   fns = eval_step.make_eval_step(
     target, ci_fn, terms, eval_config,
     sample_inputs if eval_batches is None else None, constrain)

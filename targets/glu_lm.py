@@ -10,9 +10,12 @@ stack (I41). Activations are `[b, t, ...]`; tokens `[b, t]` int.
 Tap keys (SPEC §1): `resid.{i}` is the residual entering block `i`
 (`resid.0` the embeddings, `resid.{n_layers}` the pre-final-norm residual);
 a site name `layers.{i}.self_attn.q_proj` is that matrix's input and
-`<site>.out` its output. Taps leave a segment's scan as stacked outputs only
-for its layers up to the deepest tapped one; boundaries between segments
-are the carries.
+`<site>.out` its output; `attn.{i}` is block `i`'s fp32 attention pattern
+`[b, n_heads, t, t]`, built only when asked (`attention_probs` of the
+block's own queries and keys: the exact softmax whatever attention
+implementation the block runs). Taps leave a segment's scan as stacked
+outputs only for its layers up to the deepest tapped one; boundaries
+between segments are the carries.
 
 Site matmuls go through `SiteFn(role, x, w, extra)`, where `extra` is the
 per-layer slice of whatever the caller scanned beside the weights (live
@@ -39,6 +42,7 @@ _SITE_RE = re.compile(
   r"^layers\.(\d+)\.(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down))_proj"
   r"(\.out)?$")
 _RESID_RE = re.compile(r"^resid\.(\d+)$")
+_ATTN_RE = re.compile(r"^attn\.(\d+)$")
 
 
 class LayerStack(NamedTuple):
@@ -173,6 +177,69 @@ def reference_attention(
   return out.reshape(b, t, nh, hd)
 
 
+def attention_scores(
+  q: Float[Array, "b t nh hd"], k: Float[Array, "b t nkv hd"],
+) -> Float[Array, "b nh t t"]:
+  """Return fp32 causal scores `q·kᵀ/√hd`, −inf above the diagonal.
+
+  Query head `h` reads kv head `h // r`, `r = nh/nkv` (as in
+  `reference_attention`). Products are taken in fp32 from the forward's
+  own q and k, so a bf16 forward's pattern carries no bf16 matmul rounding.
+  """
+  b, t, nh, hd = q.shape
+  nkv = k.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, t, nkv, nh // nkv, hd)
+  scores = jnp.einsum("btgrh,bsgh->bgrts", qg, k.astype(jnp.float32))
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  scores = jnp.where(causal, scores * (hd ** -0.5), -jnp.inf)
+  return scores.reshape(b, nh, t, t)
+
+
+def attention_probs(
+  q: Float[Array, "b t nh hd"], k: Float[Array, "b t nkv hd"],
+) -> Float[Array, "b nh t t"]:
+  """Return the causal attention pattern `softmax(q·kᵀ/√hd + causal)`."""
+  return jax.nn.softmax(attention_scores(q, k), axis=-1)
+
+
+def _group_row_kl(
+  q_clean: Float[Array, "b t r hd"], k_clean: Float[Array, "b t 1 hd"],
+  q_masked: Float[Array, "b t r hd"], k_masked: Float[Array, "b t 1 hd"],
+) -> Float[Array, ""]:
+  log_p = jax.nn.log_softmax(attention_scores(q_clean, k_clean), axis=-1)
+  log_q = jax.nn.log_softmax(attention_scores(q_masked, k_masked), axis=-1)
+  t = q_clean.shape[1]
+  # Above the diagonal both rows are −inf: 0·(−inf + inf) would be NaN.
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  return jnp.sum(jnp.where(causal, jnp.exp(log_p) * (log_p - log_q), 0.0))
+
+
+def attention_kl(
+  q_clean: Float[Array, "b t nh hd"], k_clean: Float[Array, "b t nkv hd"],
+  q_masked: Float[Array, "b t nh hd"], k_masked: Float[Array, "b t nkv hd"],
+) -> Float[Array, ""]:
+  """Return `mean KL(clean row ‖ masked row)` of two forwards' attention
+  patterns over batch, query heads and query positions (fp32).
+
+  Every query position's row counts; row 0 attends only to itself, so its
+  KL is 0. One kv head's group of query heads at a time, so the transient
+  is `[b, nh/nkv, t, t]` rather than the whole `[b, nh, t, t]`.
+  """
+  b, t, nh, _ = q_clean.shape
+  nkv = k_clean.shape[2]
+  r = nh // nkv
+
+  def group(g):
+    qs = [jax.lax.dynamic_slice_in_dim(q, g * r, r, axis=2)
+          for q in (q_clean, q_masked)]
+    ks = [jax.lax.dynamic_slice_in_dim(k, g, 1, axis=2)
+          for k in (k_clean, k_masked)]
+    return _group_row_kl(qs[0], ks[0], qs[1], ks[1])
+
+  total = jnp.sum(jax.lax.map(group, jnp.arange(nkv)))
+  return total / (b * nh * t)
+
+
 def attention_fn(impl: str) -> Callable[..., Array]:
   """Return causal attention by name: `reference` einsums, or
   `jax.nn.dot_product_attention` with implementation `xla`, `cudnn` or
@@ -201,6 +268,22 @@ def frozen_site(role: str, x: Array, w: Array, extra: Any) -> Array:
   return x @ w
 
 
+def query_key_heads(
+  q: Float[Array, "b t q"], k: Float[Array, "b t kv"],
+  q_norm: Optional[Float[Array, " hd"]], k_norm: Optional[Float[Array, " hd"]],
+  config: glu_config.GluConfig, rope: tuple[Array, Array],
+) -> tuple[Float[Array, "b t nh hd"], Float[Array, "b t nkv hd"]]:
+  """Return a block's attention queries and keys from its q_proj and k_proj
+  outputs: split into heads, QK-normed (Qwen3) and rotated (SPEC §9.1)."""
+  b, t, _ = q.shape
+  qh = q.reshape(b, t, config.n_heads, config.head_dim)
+  kh = k.reshape(b, t, config.n_kv_heads, config.head_dim)
+  if q_norm is not None:
+    qh = rms_norm(qh, q_norm, config.rms_eps)
+    kh = rms_norm(kh, k_norm, config.rms_eps)
+  return apply_rope(qh, *rope), apply_rope(kh, *rope)
+
+
 def block(
   h: Float[Array, "b t d"],
   lw: LayerStack,
@@ -208,22 +291,20 @@ def block(
   config: glu_config.GluConfig,
   rope: tuple[Array, Array],
   attend: Callable[..., Array],
+  streams: tuple[str, ...] = (),
 ) -> tuple[Float[Array, "b t d"], dict[str, Array]]:
   """Run one decoder block (SPEC §9.1) on one layer's weights.
 
-  Returns the block output and its streams: `resid` (the input), each
-  role's input under the role and its output under `<role>.out`.
+  Returns the block output and the `streams` asked for: `resid` (the
+  input), each role's input under the role and its output under
+  `<role>.out`, and the attention pattern `attn`.
   """
   b, t, _ = h.shape
   eps = config.rms_eps
   xa = rms_norm(h, lw.ln1, eps)
   q, k, v = site("q", xa, lw.q), site("k", xa, lw.k), site("v", xa, lw.v)
-  qh = q.reshape(b, t, config.n_heads, config.head_dim)
-  kh = k.reshape(b, t, config.n_kv_heads, config.head_dim)
+  qh, kh = query_key_heads(q, k, lw.q_norm, lw.k_norm, config, rope)
   vh = v.reshape(b, t, config.n_kv_heads, config.head_dim)
-  if lw.q_norm is not None:
-    qh, kh = rms_norm(qh, lw.q_norm, eps), rms_norm(kh, lw.k_norm, eps)
-  qh, kh = apply_rope(qh, *rope), apply_rope(kh, *rope)
   o_in = attend(qh, kh, vh).reshape(b, t, config.q_width)
   o = site("o", o_in, lw.o)
   h1 = h + o
@@ -231,10 +312,18 @@ def block(
   gate, up = site("gate", xm, lw.gate), site("up", xm, lw.up)
   act = jax.nn.silu(gate) * up
   down = site("down", act, lw.down)
-  streams = {"resid": h, "q": xa, "k": xa, "v": xa, "o": o_in, "gate": xm,
-             "up": xm, "down": act, "q.out": q, "k.out": k, "v.out": v,
-             "o.out": o, "gate.out": gate, "up.out": up, "down.out": down}
-  return h1 + down, streams
+  values = {"resid": h, "q": xa, "k": xa, "v": xa, "o": o_in, "gate": xm,
+            "up": xm, "down": act, "q.out": q, "k.out": k, "v.out": v,
+            "o.out": o, "gate.out": gate, "up.out": up, "down.out": down}
+  out = {s: values[s] for s in streams if s != "attn"}
+  if "attn" in streams:
+    # Built only when tapped: `[b, nh, t, t]` outweighs the whole block.
+    # From its own copy of q and k: sharing `qh` with the attention lets XLA
+    # fuse the attention differently and move the logits by rounding (I29).
+    q_own, k_own = jax.lax.optimization_barrier((q, k))
+    out["attn"] = attention_probs(*query_key_heads(
+      q_own, k_own, lw.q_norm, lw.k_norm, config, rope))
+  return h1 + down, out
 
 
 def parse_tap(key: str, n_layers: int) -> tuple[str, int]:
@@ -242,6 +331,9 @@ def parse_tap(key: str, n_layers: int) -> tuple[str, int]:
   m = _RESID_RE.match(key)
   if m is not None and int(m.group(1)) <= n_layers:
     return "resid", int(m.group(1))
+  m = _ATTN_RE.match(key)
+  if m is not None and int(m.group(1)) < n_layers:
+    return "attn", int(m.group(1))
   parsed = parse_site(key)
   if parsed is not None and parsed[0] < n_layers:
     layer, role, is_out = parsed
@@ -249,7 +341,7 @@ def parse_tap(key: str, n_layers: int) -> tuple[str, int]:
   raise ValueError(f"unknown tap key {key!r}; known: resid.0..resid."
                    f"{n_layers}, layers.<i>.self_attn.{{q,k,v,o}}_proj, "
                    "layers.<i>.mlp.{gate,up,down}_proj, each optionally "
-                   "with .out")
+                   "with .out, and attn.<i>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,9 +373,8 @@ def _run_segment(
 
   def body(carry, xs):
     lw, ex = xs
-    out, all_streams = block(
-      carry, lw, lambda r, x, w: site(r, x, w, ex), spec.config, rope, attend)
-    return out, {s: all_streams[s] for s in streams}
+    return block(carry, lw, lambda r, x, w: site(r, x, w, ex), spec.config,
+                 rope, attend, streams)
 
   if remat:
     body = jax.checkpoint(body)
@@ -383,6 +474,7 @@ def all_tap_keys(config: glu_config.GluConfig) -> tuple[str, ...]:
   for i in range(config.n_layers):
     for role in ROLES:
       keys += [site_name(i, role), f"{site_name(i, role)}.out"]
+    keys.append(f"attn.{i}")
   return tuple(keys)
 
 

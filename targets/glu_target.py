@@ -267,6 +267,48 @@ def kl_clean_to_masked(
   return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
 
 
+def attention_blocks(sites: tuple[SiteSpec, ...]) -> tuple[int, ...]:
+  """Return the layers with a decomposed q_proj or k_proj, ascending: the
+  blocks whose attention pattern the eval compares (SPEC §11)."""
+  parsed = [glu_lm.parse_site(s.name) for s in sites]
+  return tuple(sorted({p[0] for p in parsed if p[1] in ("q", "k")}))
+
+
+def attention_taps(blocks: tuple[int, ...]) -> tuple[str, ...]:
+  """Return the taps `attention_divergence` reads from each forward: the
+  scored blocks' q_proj and k_proj outputs, which every forward computes
+  anyway, so tapping them leaves its logits bit for bit (I29)."""
+  return tuple(f"{glu_lm.site_name(b, r)}.out" for b in blocks
+               for r in ("q", "k"))
+
+
+def attention_divergence(
+  config: glu_config.GluConfig, seg: glu_lm.Segments,
+  blocks: tuple[int, ...],
+) -> target.AttentionDivergence:
+  """Return `(weights, masked taps, clean taps) -> {"layers.<b>": KL}`: per
+  scored block the mean KL of its clean attention rows to the masked ones
+  (`glu_lm.attention_kl`), queries and keys rebuilt from the tapped
+  projections with the block's own QK-norm and RoPE."""
+
+  def heads(weights, taps, b):
+    q, k = (taps[f"{glu_lm.site_name(b, r)}.out"] for r in ("q", "k"))
+    # Scored blocks lie in the span: a row of its norm stack, not a copy
+    # of a weight stack (I41).
+    row = b - seg.split
+    norms = [None if n is None else n[row]
+             for n in (weights.span.q_norm, weights.span.k_norm)]
+    rope = glu_lm.rope_tables(config, q.shape[1])
+    return glu_lm.query_key_heads(q, k, *norms, config, rope)
+
+  def divergence(weights, masked_taps, clean_taps):
+    return {f"layers.{b}": glu_lm.attention_kl(
+      *heads(weights, clean_taps, b), *heads(weights, masked_taps, b))
+      for b in blocks}
+
+  return divergence
+
+
 def token_labels(tokens: Int[Array, "b t"]) -> Int[Array, "b t"]:
   """Return next-token labels, −1 at each sequence's last position."""
   pad = jnp.full((tokens.shape[0], 1), -1, tokens.dtype)
@@ -299,6 +341,7 @@ def target_fns(
   site = live_site_fn(layouts)
   names = {s.name for s in sites}
   resume = start_key(seg) if prefix_sharing else None
+  blocks = attention_blocks(sites)
 
   def extras(weights, components, site_masks):
     unknown = sorted(set(site_masks) - names)
@@ -334,6 +377,8 @@ def target_fns(
     masked_forward_taps=masked_forward_taps,
     start_taps=() if resume is None else (resume,),
     token_labels=token_labels,
+    attention_taps=attention_taps(blocks),
+    attention_divergence=attention_divergence(config, seg, blocks),
   )
 
 

@@ -313,6 +313,14 @@ ROWS = (
       "--eval_every=7 must be a multiple of --log_every=5"),
   Row("slow_eval_without_eval", "train", ("--eval_every=0", OUT),
       "--slow_eval_every needs --eval_every above 0"),
+  Row("attention_eval_on_a_toy", "train", ("--eval_attention_kl", OUT),
+      "--eval_attention_kl scores attention patterns, and --target=tms_5-2 "
+      "has no attention; drop --eval_attention_kl or decompose a language "
+      "model"),
+  Row("attention_eval_without_query_or_key", "train", (
+    *LLAMA, "--eval_attention_kl", OUT),
+    "--eval_attention_kl scores blocks with a decomposed q_proj or k_proj, "
+    "and --sites names none; add one"),
   Row("figure_share_zero", "train", ("--figure_cpu_share=0", OUT),
       "--figure_cpu_share must lie in (0, 1]"),
   Row("ci_hidden_words", "train", ("--ci_hidden=a", OUT),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from decompax.recipe import evaluation
+from decompax.recipe.config import TrainConfig
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core.schedules import Schedule
 from decompax.core.target import Expected
@@ -170,11 +171,11 @@ def test_lm_eval_writes_component_table_figures_and_report(
   state = built.init(sites_lib.init_components(jax.random.key(1),
                                                target.sites),
                      ci_fn.init(jax.random.key(2)), jax.random.key(3), (3, 5))
-  config = types.SimpleNamespace(
+  config = TrainConfig(
     eval_every=2, slow_eval_every=2, slow_on_first_step=True, num_steps=4,
     eval_batches=2, ci_alive_threshold=0.1, use_delta_component=False,
     n_mask_samples=1, seed=0, eval_pgd_steps=3, eval_pgd_lr=0.1,
-    figure_cpu_share=1.0)
+    figure_cpu_share=1.0, eval_attention_kl=False)
   (tmp_path / run_dir.FLAGS_FILE).write_text("--target=tiny_lm\n")
   metrics = str(tmp_path / run_dir.METRICS_FILE)
   vocab = ["<bos>", " the", " cat", " sat", " on", "<&>"]
