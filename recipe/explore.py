@@ -118,19 +118,24 @@ def load_run(path: str) -> LoadedRun:
                    jit_functions(target, ci_fn))
 
 
+def lower_ci(target: TargetFns, ci_fn: ci_fns.CIFn, weights, components,
+             ci_params, inputs) -> dict[str, Float[Array, "*lead c"]]:
+  """Return every site's lower CI on `inputs` (traceable: jit it, or call
+  it inside a jitted function)."""
+  _, taps = target.clean_forward(weights, inputs, ci_fn.input_taps)
+  return squash.squash(ci_fn.apply(ci_params, taps, components)).lower
+
+
 def jit_functions(target: TargetFns, ci_fn: ci_fns.CIFn) -> Jitted:
   """Return the jitted functions of a run with this target and CI."""
-
-  def lower_ci(weights, components, ci_params, inputs):
-    _, taps = target.clean_forward(weights, inputs, ci_fn.input_taps)
-    return squash.squash(ci_fn.apply(ci_params, taps, components)).lower
 
   def masked_and_clean(weights, components, inputs, masks):
     clean, _ = target.clean_forward(weights, inputs, ())
     output = target.masked_forward(weights, components, inputs, masks)
     return AblatedOutput(output, clean, target.divergence(output, clean))
 
-  return Jitted(jax.jit(lower_ci), jax.jit(masked_and_clean),
+  return Jitted(jax.jit(functools.partial(lower_ci, target, ci_fn)),
+                jax.jit(masked_and_clean),
                 jax.jit(functools.partial(_ablated_log_probs, target),
                         static_argnums=0))
 

@@ -382,6 +382,11 @@ ROWS = (
       "is not a run directory (no flags.txt)"),
   Row("report_positional", "report", ("--run_dir={T}", "extra"),
       "unexpected argument 'extra'"),
+  Row("harvest_no_run_dir", "harvest", (), "Flag --run_dir must have a value"),
+  Row("harvest_not_a_run", "harvest", ("--run_dir={T}/nowhere",),
+      "has no flags.txt: pass the output directory of a bin/train run"),
+  Row("harvest_positional", "harvest", ("--run_dir={T}", "extra"),
+      "unexpected argument 'extra'"),
   Row("tokenizer_not_a_dir", "tokenize", (
     "--tokenizer={T}/nowhere", "--input={T}/in.txt", "--output={T}/o.bin"),
     "--tokenizer {T}/nowhere is not a directory", setup=_input_file),

@@ -2,11 +2,6 @@
 CI, masked forwards with components ablated or kept, and batched ablation
 effects on a prompt."""
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,35 +10,15 @@ import pytest
 from decompax.core import probe
 from decompax.recipe import explore
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-SHORT = ("--num_steps=4", "--log_every=2", "--eval_every=0",
-         "--slow_eval_every=0", "--save_every=4",
-         "--faithfulness_warmup_steps=0")
 
-
-def _train(output_dir, *args):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  done = subprocess.run(
-    [sys.executable, "-P", str(ROOT / "bin" / "train"), *args, *SHORT,
-     f"--output_dir={output_dir}"], cwd=ROOT, capture_output=True, text=True,
-    env=env)
-  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-  return str(output_dir)
+@pytest.fixture(scope="module")
+def tms(finished_run):
+  return explore.load_run(finished_run("tms"))
 
 
 @pytest.fixture(scope="module")
-def tms(tmp_path_factory):
-  path = _train(tmp_path_factory.mktemp("runs") / "tms", "--target=tms_5-2",
-                "--c=6", "--batch_size=16", "--use_delta_component")
-  return explore.load_run(path)
-
-
-@pytest.fixture(scope="module")
-def induction(tmp_path_factory):
-  path = _train(tmp_path_factory.mktemp("runs") / "induction",
-                f"--flagfile={ROOT / 'flags' / 'induction.flags'}",
-                "--c=8", "--batch_size=4")
-  return explore.load_run(path)
+def induction(finished_run):
+  return explore.load_run(finished_run("induction"))
 
 
 def test_load_run_rebuilds_the_run_from_its_directory(tms):

@@ -1,0 +1,408 @@
+"""Harvest what a finished run's components do (`bin/harvest`).
+
+Streams batches through the decomposition (token windows of a token file
+for language models, the toy's own input distribution for toys), jitted
+one batch at a time so memory does not grow with the harvest, and writes
+`<run_dir>/harvest/`: one zarr array per site and statistic, and
+`manifest.json` last, which marks the harvest complete. Per component:
+firing density and mean CI, a log-spaced CI histogram, co-activation counts
+with every component of its site, the top-k contexts by CI (token windows
+with the component's CI on each token, or a toy's input rows), and the
+divergence from the clean model when it alone is ablated, summed over the
+positions where it fires (measured on the first `ablation_batches`).
+
+An interrupted harvest resumes from `harvest/state.npz` when rerun with the
+same settings. The record it returns compares its throughput with a plain
+clean forward over the same batches.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decompax.io import run_dir, tensor_store
+from decompax.io import tokens as tokens_lib
+from decompax.losses import evals
+from decompax.losses import harvest as stats_lib
+from decompax.recipe import explore, lm
+from decompax.targets import registry
+
+class HarvestConflict(ValueError):
+  """The output directory holds a harvest made with other settings."""
+
+
+HARVEST_DIR = "harvest"
+STATE_FILE = "state.npz"
+MANIFEST = "manifest.json"
+FIELDS = ("fired", "ci_sum", "histogram", "coactive", "top_ci", "top_context",
+          "top_context_ci", "ablation_sum", "ablation_count")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What makes two harvests the same harvest (resume checks these)."""
+
+  data_path: str
+  n_batches: int
+  batch_size: int
+  seq_len: int
+  top_k: int
+  before: int
+  after: int
+  threshold: float
+  ablation_batches: int
+  seed: int
+  decomposition_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What a harvest is asked for; `resolve` checks it against a run.
+
+  None means the run's own value (`seq_len`, `threshold` as
+  `ci_alive_threshold`, `data_path`).
+  """
+
+  positions: int = 65536
+  batch_size: int = 64
+  seq_len: Optional[int] = None
+  top_k: int = 20
+  window_before: int = 8
+  window_after: int = 4
+  threshold: Optional[float] = None
+  ablation_batches: int = 2
+  seed: int = 0
+  data_path: Optional[str] = None
+
+
+def _check(request: Request) -> None:
+  for name in ("positions", "batch_size", "top_k"):
+    if getattr(request, name) <= 0:
+      raise ValueError(f"{name}={getattr(request, name)} must be positive")
+  for name in ("window_before", "window_after", "ablation_batches"):
+    if getattr(request, name) < 0:
+      raise ValueError(f"{name}={getattr(request, name)} must be 0 or more")
+
+
+def resolve(run: explore.LoadedRun, request: Request) -> Settings:
+  """Return the settings of `request` on `run`; ValueError (one line,
+  naming the setting) for a request the run cannot serve."""
+  _check(request)
+  config = run.config
+  data_path = request.data_path or config.data_path or ""
+  if lm.is_lm(config) and not data_path:
+    raise ValueError("data_path: a language-model harvest reads a token "
+                     "file; pass one (make it with bin/tokenize)")
+  seq_len = (request.seq_len or config.seq_len) if data_path else (
+    toy_seq_len(run, request.batch_size))
+  per_batch = request.batch_size * seq_len
+  if per_batch < request.top_k:
+    raise ValueError(f"top_k={request.top_k} exceeds the {per_batch} "
+                     "positions of one batch; raise batch_size or lower top_k")
+  threshold = (config.ci_alive_threshold if request.threshold is None
+               else request.threshold)
+  return Settings(
+    os.path.abspath(data_path) if data_path else "",
+    -(-request.positions // per_batch), request.batch_size, seq_len,
+    request.top_k, request.window_before, request.window_after,
+    float(threshold), request.ablation_batches, request.seed,
+    run.decomposition.step)
+
+
+def toy_seq_len(run: explore.LoadedRun, batch_size: int) -> int:
+  """Return the positions per input of a toy's own batches (1 for inputs
+  without a sequence axis)."""
+  toy = registry.get(run.config.target)
+  inputs = jax.eval_shape(lambda k: toy.sample_inputs(k, batch_size),
+                          jax.random.key(0))
+  lead = tuple(run.target.batch_lead_shape(inputs))
+  return lead[1] if len(lead) == 2 else 1
+
+
+def vocab_size(run: explore.LoadedRun) -> int:
+  """Return the language model's vocabulary size: its logits' width."""
+  tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+  logits = jax.eval_shape(
+    lambda w, x: run.target.clean_forward(w, x, ())[0], run.weights, tokens)
+  return int(logits.shape[-1])
+
+
+def batch_source(run: explore.LoadedRun, settings: Settings):
+  """Return `batch(i)`: the i-th harvested batch, a pure function of the
+  seed and `i` (so a resumed harvest reads what it would have)."""
+  if settings.data_path:
+    try:
+      opened = tokens_lib.open_tokens(settings.data_path, vocab_size(run))
+    except OSError as e:
+      raise ValueError(f"data_path: {e}") from None
+    if opened.header.num_tokens < settings.seq_len:
+      raise ValueError(f"data_path: {settings.data_path} holds fewer tokens "
+                       f"than one seq_len={settings.seq_len} sequence")
+    return lambda i: jnp.asarray(tokens_lib.read_batch(
+      opened, settings.seed, i, settings.batch_size, settings.seq_len))
+  toy = registry.get(run.config.target)
+  key = jax.random.key(settings.seed)
+  sample = jax.jit(lambda i: toy.sample_inputs(
+    jax.random.fold_in(key, i), settings.batch_size))
+  return sample
+
+
+def empty_totals(shapes: dict[str, stats_lib.BatchStats]) -> dict[str, dict]:
+  """Return zero accumulators per site, shaped like one batch's statistics
+  (counts in int64, top contexts empty)."""
+  totals = {}
+  for site, s in shapes.items():
+    c = s.fired.shape[0]
+    totals[site] = {
+      "fired": np.zeros(c, np.int64),
+      "ci_sum": np.zeros(c, np.float64),
+      "histogram": np.zeros(s.histogram.shape, np.int64),
+      "coactive": np.zeros(s.coactive.shape, np.int64),
+      "top_ci": np.full(s.top_ci.shape, -np.inf, np.float32),
+      "top_context": np.full(s.top_context.shape, stats_lib.NO_TOKEN,
+                             s.top_context.dtype),
+      "top_context_ci": np.zeros(s.top_context_ci.shape, np.float32),
+      "ablation_sum": np.zeros(c, np.float64),
+      "ablation_count": np.zeros(c, np.int64),
+    }
+  return totals
+
+
+def add_window(totals: dict, window: dict[str, stats_lib.BatchStats]
+               ) -> None:
+  """Add the device's statistics of the batches since the last flush into
+  the host totals (counts in int64 and sums in float64, so a long harvest
+  neither overflows nor loses its small increments)."""
+  for site, s in jax.device_get(window).items():
+    t = totals[site]
+    t["fired"] += s.fired
+    t["ci_sum"] += s.ci_sum
+    t["histogram"] += s.histogram
+    t["coactive"] += s.coactive
+    top = stats_lib.merge_top(
+      tuple(map(jnp.asarray, (t["top_ci"], t["top_context"],
+                              t["top_context_ci"]))),
+      tuple(map(jnp.asarray, (s.top_ci, s.top_context, s.top_context_ci))))
+    t["top_ci"], t["top_context"], t["top_context_ci"] = map(np.asarray, top)
+
+
+def add_ablation(totals: dict, run: explore.LoadedRun,
+                 divergence: np.ndarray, ci: dict[str, np.ndarray],
+                 threshold: float) -> None:
+  """Add the divergence of each component's ablation, summed over the
+  positions where that component fires."""
+  start = 0
+  for site in run.target.sites:
+    rows = divergence[start:start + site.c].reshape(site.c, -1)
+    fired = (ci[site.name] > threshold).reshape(-1, site.c).T
+    totals[site.name]["ablation_sum"] += np.sum(rows * fired, axis=1)
+    totals[site.name]["ablation_count"] += np.sum(fired, axis=1)
+    start += site.c
+
+
+def jitted(run: explore.LoadedRun, settings: Settings, chunk: int):
+  """Return the jitted batch statistics, the accumulation of one batch
+  into the device's window of statistics, the ablation pass, and the plain
+  clean forward the throughput is compared with."""
+  target, ci_fn = run.target, run.ci_fn
+
+  def stats(weights, components, ci_params, inputs):
+    ci = explore.lower_ci(target, ci_fn, weights, components, ci_params,
+                          inputs)
+    return {site: stats_lib.batch_stats(
+      value, inputs, settings.threshold, settings.top_k, settings.before,
+      settings.after) for site, value in ci.items()}, ci
+
+  def accumulate(window, weights, components, ci_params, inputs):
+    batch, ci = stats(weights, components, ci_params, inputs)
+    return {site: stats_lib.add_stats(window[site], batch[site])
+            for site in window}, ci
+
+  def ablation(weights, components, inputs):
+    lead = tuple(target.batch_lead_shape(inputs))
+    return stats_lib.ablation_divergence(
+      target, weights, components, inputs, lead, chunk)
+
+  def clean(weights, inputs):
+    return target.clean_forward(weights, inputs, ci_fn.input_taps)[0]
+
+  return (jax.jit(stats), jax.jit(accumulate, donate_argnums=0),
+          jax.jit(ablation), jax.jit(clean))
+
+
+def _state_path(out: str) -> str:
+  return os.path.join(out, STATE_FILE)
+
+
+def _flat(totals: dict) -> dict[str, np.ndarray]:
+  return {f"{site}/{field}": value for site, fields in totals.items()
+          for field, value in fields.items()}
+
+
+def save_state(out: str, totals: dict, done: int, settings: Settings) -> None:
+  """Write the running totals and the next batch atomically."""
+  meta = {"done": done, "settings": dataclasses.asdict(settings)}
+  run_dir.save_arrays(_state_path(out), _flat(totals), meta)
+
+
+def resume(out: str, totals: dict, settings: Settings,
+           overwrite: bool) -> int:
+  """Return the batches already harvested (0 for a fresh harvest), after
+  loading their totals; refuse a harvest made with other settings."""
+  path = _state_path(out)
+  manifest = os.path.join(out, MANIFEST)
+  existing = [p for p in (path, manifest) if os.path.exists(p)]
+  if not existing:
+    return 0
+  if os.path.exists(manifest):
+    with open(manifest) as f:
+      recorded = json.load(f)["settings"]
+  else:
+    recorded = run_dir.load_arrays(path)[1]["settings"]
+  if recorded != dataclasses.asdict(settings):
+    if overwrite:
+      for p in existing:
+        os.remove(p)
+      return 0
+    changed = sorted(k for k in recorded
+                     if recorded[k] != dataclasses.asdict(settings).get(k))
+    raise HarvestConflict(
+      f"{out} holds a harvest with other settings ({', '.join(changed)}); "
+      "rerun with its settings to continue it, or overwrite it")
+  if os.path.exists(manifest):
+    return -1
+  arrays, meta = run_dir.load_arrays(path)
+  for key, value in arrays.items():
+    site, field = key.rsplit("/", 1)
+    totals[site][field] = value
+  return int(meta["done"])
+
+
+def write_store(out: str, totals: dict) -> list[str]:
+  """Write every site's statistics as zarr arrays under `out`; return their
+  relative paths."""
+  ctx = tensor_store.context()
+  written, futures = [], []
+  for site, fields in totals.items():
+    for field in FIELDS:
+      value = np.asarray(fields[field])
+      relative = os.path.join(site, field)
+      path = os.path.join(out, relative)
+      if os.path.exists(path):  # a half-written store of a killed harvest
+        shutil.rmtree(path)
+      store = tensor_store.created(tensor_store.start_create(
+        path, value.shape, value.dtype, value.shape, ctx), path)
+      futures += tensor_store.start_write(store, value)
+      written.append(relative)
+  tensor_store.wait(futures)
+  return written
+
+
+def _progress(done: int, total: int, started: float, first: int) -> str:
+  rate = (done - first) / max(time.time() - started, 1e-9)
+  eta = (total - done) / rate if rate > 0 else float("inf")
+  return (f"[harvest] batch {done}/{total}  {rate:.1f} batches/s  "
+          f"ETA {eta:.0f}s")
+
+
+def harvest(run: explore.LoadedRun, settings: Settings, out: str,
+            save_every: int = 32, ablation_chunk: int = 16,
+            overwrite: bool = False,
+            say: Callable[[str], None] = print) -> dict:
+  """Run the harvest into `out` (resuming a saved one, or replacing one
+  made with other settings when `overwrite`) and return its record: the
+  arrays written and the throughput beside a clean forward ({} when `out`
+  already holds this harvest, complete)."""
+  if save_every <= 0 or ablation_chunk <= 0:
+    raise ValueError("save_every and ablation_chunk must be positive")
+  os.makedirs(out, exist_ok=True)
+  batch = batch_source(run, settings)
+  stats_fn, accumulate, ablation_fn, clean_fn = jitted(run, settings,
+                                                       ablation_chunk)
+  d = run.decomposition
+  shapes, _ = jax.eval_shape(stats_fn, run.weights, d.components,
+                             d.ci_params, batch(0))
+  totals = empty_totals(shapes)
+  done = resume(out, totals, settings, overwrite)
+  if done < 0:
+    say(f"[harvest] {out} is complete; nothing to do")
+    return {}
+  if done:
+    say(f"[harvest] resuming after batch {done}")
+  fresh_window = lambda: {site: stats_lib.zero_stats(shape)
+                          for site, shape in shapes.items()}
+  # Batches accumulate on the device, with no host sync, until the next
+  # save or the end fetches the window into the host totals.
+  window = fresh_window()
+  started, first, timed_from = time.time(), done, None
+  for i in range(done, settings.n_batches):
+    if i == first + 1:  # the launch's first batch paid the compile
+      jax.block_until_ready(window)
+      timed_from = time.time()
+    inputs = batch(i)
+    window, ci = accumulate(window, run.weights, d.components, d.ci_params,
+                            inputs)
+    if i < settings.ablation_batches:
+      divergence = ablation_fn(run.weights, d.components, inputs)
+      add_ablation(totals, run, np.asarray(divergence),
+                   jax.device_get(ci), settings.threshold)
+    if (i + 1) % save_every == 0 and i + 1 < settings.n_batches:
+      add_window(totals, window)
+      window = fresh_window()
+      save_state(out, totals, i + 1, settings)
+    if (i + 1) % max(1, settings.n_batches // 10) == 0:
+      say(_progress(i + 1, settings.n_batches, started, first))
+  jax.block_until_ready(window)
+  harvest_seconds = time.time() - timed_from if timed_from else 0.0
+  add_window(totals, window)
+  written = write_store(out, totals)
+  return {"arrays": written, **throughput(
+    clean_fn, run, batch, harvest_seconds,
+    settings.n_batches - first - 1)}
+
+
+def throughput(clean_fn, run: explore.LoadedRun, batch, harvest_seconds: float,
+               timed_batches: int) -> dict:
+  """Return the harvest's batches/s beside a clean forward's over the same
+  batches (timed now, after one compiling call)."""
+  if timed_batches <= 0 or harvest_seconds <= 0:
+    return {}
+  jax.block_until_ready(clean_fn(run.weights, batch(0)))
+  t0 = time.time()
+  # Dispatched back to back, as the harvest's batches are.
+  outputs = [clean_fn(run.weights, batch(i))
+             for i in range(1, timed_batches + 1)]
+  jax.block_until_ready(outputs)
+  clean_seconds = time.time() - t0
+  return {"harvest_batches_per_s": timed_batches / harvest_seconds,
+          "clean_batches_per_s": timed_batches / clean_seconds,
+          "ratio_to_clean": clean_seconds / harvest_seconds}
+
+
+def write_manifest(out: str, run_path: str, run: explore.LoadedRun,
+                   settings: Settings, record: dict) -> str:
+  """Write `manifest.json` (last: its presence marks the harvest done)."""
+  manifest = {
+    "run_dir": os.path.abspath(run_path),
+    "settings": dataclasses.asdict(settings),
+    "sites": {s.name: s.c for s in run.target.sites},
+    "positions": settings.n_batches * settings.batch_size * settings.seq_len,
+    "histogram_bands": {"floor": evals.LOG_DENSITY_MIN,
+                        "bins": evals.LOG_DENSITY_BINS},
+    **record,
+  }
+  path = os.path.join(out, MANIFEST)
+  run_dir.atomic_write(path, lambda f: f.write(
+    (json.dumps(manifest, indent=1) + "\n").encode()))
+  state = _state_path(out)
+  if os.path.exists(state):
+    os.remove(state)
+  return path

@@ -1,0 +1,172 @@
+"""recipe/harvest: statistics of every component over a stream of batches,
+checked against direct computation, resumed after an interruption, and
+written as a zarr store with a manifest."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from decompax.losses import evals
+from decompax.recipe import explore
+from decompax.recipe import harvest as harvest_lib
+
+REQUEST = harvest_lib.Request(positions=4 * 8 * 32, batch_size=8, top_k=5,
+                              window_before=3, window_after=2,
+                              ablation_batches=1)
+
+
+@pytest.fixture(scope="module")
+def induction(finished_run):
+  return explore.load_run(finished_run("induction"))
+
+
+@pytest.fixture(scope="module")
+def harvested(induction, tmp_path_factory):
+  settings = harvest_lib.resolve(induction, REQUEST)
+  out = str(tmp_path_factory.mktemp("harvest"))
+  record = harvest_lib.harvest(induction, settings, out, save_every=2,
+                               ablation_chunk=5, say=lambda _: None)
+  harvest_lib.write_manifest(out, "run", induction, settings, record)
+  return settings, out, record
+
+
+def _read(out, site, field):
+  store = ts.open({"driver": "zarr3", "kvstore": {
+    "driver": "file", "path": os.path.join(out, site, field)}}).result()
+  return store.read().result()
+
+
+def _direct(run, settings):
+  """Every batch's CI and inputs, computed one by one."""
+  batch = harvest_lib.batch_source(run, settings)
+  inputs = [batch(i) for i in range(settings.n_batches)]
+  return inputs, [jax.device_get(explore.component_ci(run, x))
+                  for x in inputs]
+
+
+def test_counts_sums_and_top_contexts_match_direct_computation(
+    induction, harvested):
+  settings, out, _ = harvested
+  assert settings.n_batches == 4 and settings.seq_len == 32
+  inputs, cis = _direct(induction, settings)
+  threshold = settings.threshold
+  for site in induction.target.sites:
+    ci = np.stack([c[site.name] for c in cis])            # [n, B, T, C]
+    fired = (ci > threshold).reshape(-1, site.c)
+    np.testing.assert_array_equal(_read(out, site.name, "fired"),
+                                  fired.sum(0))
+    np.testing.assert_allclose(_read(out, site.name, "ci_sum"),
+                               ci.reshape(-1, site.c).sum(0), rtol=1e-5)
+    coactive = _read(out, site.name, "coactive")
+    np.testing.assert_array_equal(
+      coactive, fired.T.astype(np.int64) @ fired.astype(np.int64))
+    # Log-spaced bands: column 0 holds CI below 1e-9, the last band
+    # [10^-0.5, 1] of the 18 over [1e-9, 1].
+    histogram = _read(out, site.name, "histogram")
+    flat = ci.reshape(-1, site.c)
+    assert histogram.shape == (site.c, evals.LOG_DENSITY_BINS + 1)
+    np.testing.assert_array_equal(histogram.sum(1), len(flat))
+    np.testing.assert_array_equal(histogram[:, 0], (flat < 1e-9).sum(0))
+    np.testing.assert_array_equal(histogram[:, -1],
+                                  (flat >= 10 ** -0.5).sum(0))
+    # The top CI per component is the k largest over every batch, and the
+    # window's centre holds that CI and the token at that position.
+    top_ci = _read(out, site.name, "top_ci")
+    np.testing.assert_allclose(
+      top_ci, -np.sort(-ci.reshape(-1, site.c), axis=0)[:5].T, rtol=1e-6)
+    window_ci = _read(out, site.name, "top_context_ci")
+    centre = settings.before
+    np.testing.assert_allclose(window_ci[:, :, centre], top_ci, rtol=1e-6)
+    tokens = np.stack(inputs).reshape(-1, settings.seq_len)
+    flat = ci.reshape(-1, settings.seq_len, site.c)
+    context = _read(out, site.name, "top_context")
+    for c in range(site.c):
+      row, col = np.unravel_index(np.argmax(flat[:, :, c]), flat.shape[:2])
+      assert context[c, 0, centre] == tokens[row, col]
+
+
+def test_ablation_effect_sums_the_divergence_where_a_component_fires(
+    induction, harvested):
+  settings, out, _ = harvested
+  inputs, cis = _direct(induction, settings)
+  site = induction.target.sites[0]
+  counts = _read(out, site.name, "ablation_count")
+  fired = cis[0][site.name] > settings.threshold        # first batch only
+  np.testing.assert_array_equal(counts, fired.reshape(-1, site.c).sum(0))
+  # One component's sum, from its own ablated forward.
+  c = int(np.argmax(counts))
+  one = explore.ablated_forward(induction, inputs[0], ablate={site.name: [c]})
+  clean = jax.nn.log_softmax(one.clean.astype(np.float32), axis=-1)
+  masked = jax.nn.log_softmax(one.output.astype(np.float32), axis=-1)
+  kl = np.sum(np.exp(clean) * (clean - masked), axis=-1)
+  expected = float(np.sum(np.where(fired[..., c], kl, 0.0)))
+  assert _read(out, site.name, "ablation_sum")[c] == pytest.approx(
+    expected, rel=1e-3, abs=1e-6)
+  assert counts[c] > 0
+
+
+def test_manifest_records_the_settings_and_the_throughput(
+    induction, harvested):
+  settings, out, record = harvested
+  manifest = json.load(open(os.path.join(out, harvest_lib.MANIFEST)))
+  assert manifest["settings"]["n_batches"] == settings.n_batches
+  assert manifest["positions"] == 4 * 8 * 32
+  assert manifest["ratio_to_clean"] == record["ratio_to_clean"] > 0
+  assert not os.path.exists(os.path.join(out, harvest_lib.STATE_FILE))
+  # A rerun of a complete harvest does nothing.
+  said = []
+  assert harvest_lib.harvest(induction, settings, out, say=said.append) == {}
+  assert said == [f"[harvest] {out} is complete; nothing to do"]
+
+
+def test_an_interrupted_harvest_resumes_to_the_same_result(
+    induction, harvested, tmp_path, monkeypatch):
+  settings, whole, _ = harvested
+  out = str(tmp_path)
+  source = harvest_lib.batch_source
+
+  def failing(run, s):
+    batch = source(run, s)
+
+    def fetch(i):
+      if i == 3:
+        raise KeyboardInterrupt  # as a kill would, after the save at 2
+      return batch(i)
+    return fetch
+
+  monkeypatch.setattr(harvest_lib, "batch_source", failing)
+  with pytest.raises(KeyboardInterrupt):
+    harvest_lib.harvest(induction, settings, out, save_every=2,
+                        ablation_chunk=5, say=lambda _: None)
+  assert os.path.exists(os.path.join(out, harvest_lib.STATE_FILE))
+  monkeypatch.setattr(harvest_lib, "batch_source", source)
+  said = []
+  harvest_lib.harvest(induction, settings, out, save_every=2,
+                      ablation_chunk=5, say=said.append)
+  assert "[harvest] resuming after batch 2" in said
+  for site in induction.target.sites:
+    for field in harvest_lib.FIELDS:
+      np.testing.assert_array_equal(_read(out, site.name, field),
+                                    _read(whole, site.name, field), field)
+
+
+def test_other_settings_are_refused_unless_overwritten(induction, harvested):
+  settings, out, _ = harvested
+  other = harvest_lib.resolve(induction, harvest_lib.Request(
+    positions=REQUEST.positions, batch_size=8, top_k=4))
+  with pytest.raises(harvest_lib.HarvestConflict, match="top_k"):
+    harvest_lib.harvest(induction, other, out, say=lambda _: None)
+
+
+@pytest.mark.parametrize("request_, message", [
+  (harvest_lib.Request(top_k=0), "top_k=0 must be positive"),
+  (harvest_lib.Request(batch_size=1, top_k=100), "top_k=100 exceeds"),
+  (harvest_lib.Request(window_after=-1), "window_after=-1 must be 0"),
+])
+def test_bad_requests_are_named(induction, request_, message):
+  with pytest.raises(ValueError, match=message):
+    harvest_lib.resolve(induction, request_)
