@@ -45,8 +45,9 @@ _ABLATION_CHUNK = flags.DEFINE_integer(
   "forwards of one batch).")
 _SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of the "
                              "harvested batches.")
-_SAVE_EVERY = flags.DEFINE_integer("save_every", 32, "Batches "
-                                   "between resumable saves.")
+_SAVE_EVERY_S = cli.define_float(
+  "save_every_s", 60.0, "Seconds between resumable saves (0: after every "
+  "batch).", __name__)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a "
                                "harvest made with other settings.")
 
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> None:
   try:
     settings = harvest_lib.resolve(run, request())
     record = harvest_lib.harvest(
-      run, settings, out, _SAVE_EVERY.value, _ABLATION_CHUNK.value,
+      run, settings, out, _SAVE_EVERY_S.value, _ABLATION_CHUNK.value,
       _OVERWRITE.value, say=lambda line: print(line, flush=True))
   except harvest_lib.HarvestConflict as e:
     fail(f"{e} (--overwrite)")

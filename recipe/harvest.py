@@ -314,15 +314,16 @@ def _progress(done: int, total: int, started: float, first: int) -> str:
 
 
 def harvest(run: explore.LoadedRun, settings: Settings, out: str,
-            save_every: int = 32, ablation_chunk: int = 16,
+            save_every_s: float = 60.0, ablation_chunk: int = 16,
             overwrite: bool = False,
             say: Callable[[str], None] = print) -> dict:
   """Run the harvest into `out` (resuming a saved one, or replacing one
   made with other settings when `overwrite`) and return its record: the
   arrays written and the throughput beside a clean forward ({} when `out`
   already holds this harvest, complete)."""
-  if save_every <= 0 or ablation_chunk <= 0:
-    raise ValueError("save_every and ablation_chunk must be positive")
+  if save_every_s < 0 or ablation_chunk <= 0:
+    raise ValueError("save_every_s must be 0 or more and ablation_chunk "
+                     "positive")
   os.makedirs(out, exist_ok=True)
   batch = batch_source(run, settings)
   stats_fn, accumulate, ablation_fn, clean_fn = jitted(run, settings,
@@ -343,8 +344,12 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   # save or the end fetches the window into the host totals.
   window = fresh_window()
   started, first, timed_from = time.time(), done, None
+  saved = started
+  timed_start = max(first + 1, settings.ablation_batches)
   for i in range(done, settings.n_batches):
-    if i == first + 1:  # the launch's first batch paid the compile
+    # Timed from the first batch after the compile and the ablations,
+    # which a clean forward does not do.
+    if i == timed_start:
       jax.block_until_ready(window)
       timed_from = time.time()
     inputs = batch(i)
@@ -354,10 +359,14 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
       divergence = ablation_fn(run.weights, d.components, inputs)
       add_ablation(totals, run, np.asarray(divergence),
                    jax.device_get(ci), settings.threshold)
-    if (i + 1) % save_every == 0 and i + 1 < settings.n_batches:
+    # Saves go by the clock: a fixed batch count would, on a small model,
+    # spend most of the harvest writing state.
+    if (time.time() - saved >= save_every_s
+        and i + 1 < settings.n_batches):
       add_window(totals, window)
       window = fresh_window()
       save_state(out, totals, i + 1, settings)
+      saved = time.time()
     if (i + 1) % max(1, settings.n_batches // 10) == 0:
       say(_progress(i + 1, settings.n_batches, started, first))
   jax.block_until_ready(window)
@@ -366,7 +375,7 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   written = write_store(out, totals)
   return {"arrays": written, **throughput(
     clean_fn, run, batch, harvest_seconds,
-    settings.n_batches - first - 1)}
+    settings.n_batches - timed_start)}
 
 
 def throughput(clean_fn, run: explore.LoadedRun, batch, harvest_seconds: float,

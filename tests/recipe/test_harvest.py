@@ -28,7 +28,7 @@ def induction(finished_run):
 def harvested(induction, tmp_path_factory):
   settings = harvest_lib.resolve(induction, REQUEST)
   out = str(tmp_path_factory.mktemp("harvest"))
-  record = harvest_lib.harvest(induction, settings, out, save_every=2,
+  record = harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
                                ablation_chunk=5, say=lambda _: None)
   harvest_lib.write_manifest(out, "run", induction, settings, record)
   return settings, out, record
@@ -134,20 +134,20 @@ def test_an_interrupted_harvest_resumes_to_the_same_result(
 
     def fetch(i):
       if i == 3:
-        raise KeyboardInterrupt  # as a kill would, after the save at 2
+        raise KeyboardInterrupt  # as a kill would, after batch 2's save
       return batch(i)
     return fetch
 
   monkeypatch.setattr(harvest_lib, "batch_source", failing)
   with pytest.raises(KeyboardInterrupt):
-    harvest_lib.harvest(induction, settings, out, save_every=2,
+    harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
                         ablation_chunk=5, say=lambda _: None)
   assert os.path.exists(os.path.join(out, harvest_lib.STATE_FILE))
   monkeypatch.setattr(harvest_lib, "batch_source", source)
   said = []
-  harvest_lib.harvest(induction, settings, out, save_every=2,
+  harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
                       ablation_chunk=5, say=said.append)
-  assert "[harvest] resuming after batch 2" in said
+  assert "[harvest] resuming after batch 3" in said
   for site in induction.target.sites:
     for field in harvest_lib.FIELDS:
       np.testing.assert_array_equal(_read(out, site.name, field),
