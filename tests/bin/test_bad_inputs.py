@@ -387,6 +387,8 @@ ROWS = (
       "has no flags.txt: pass the output directory of a bin/train run"),
   Row("harvest_positional", "harvest", ("--run_dir={T}", "extra"),
       "unexpected argument 'extra'"),
+  Row("tensorboard_not_a_run", "tensorboard", ("--run_dir={T}/nowhere",),
+      "holds no metrics.jsonl; pass the output directory of a bin/train run"),
   Row("tokenizer_not_a_dir", "tokenize", (
     "--tokenizer={T}/nowhere", "--input={T}/in.txt", "--output={T}/o.bin"),
     "--tokenizer {T}/nowhere is not a directory", setup=_input_file),
