@@ -22,9 +22,10 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decompax.core import ci_fns, squash
+from decompax.core import ci_fns, sites as sites_lib, squash
 from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns
 from decompax.io import decomposition as decomposition_lib
@@ -124,6 +125,14 @@ def lower_ci(target: TargetFns, ci_fn: ci_fns.CIFn, weights, components,
   it inside a jitted function)."""
   _, taps = target.clean_forward(weights, inputs, ci_fn.input_taps)
   return squash.squash(ci_fn.apply(ci_params, taps, components)).lower
+
+
+def vocab_size(run: LoadedRun) -> int:
+  """Return a token model's vocabulary size: its logits' width."""
+  tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+  logits = jax.eval_shape(
+    lambda w, x: run.target.clean_forward(w, x, ())[0], run.weights, tokens)
+  return int(logits.shape[-1])
 
 
 def jit_functions(target: TargetFns, ci_fn: ci_fns.CIFn) -> Jitted:
@@ -261,3 +270,89 @@ def ablation_effects(run: LoadedRun, tokens: Int[Array, "t"],
   base = clean_log_probs[token]
   return AblationEffects(tuple(s for s, _ in alive), comps, base - ablated,
                          token, float(base))
+
+
+def component_rows(run: LoadedRun, stats: Mapping[str, Mapping[str, Any]],
+                   positions: int) -> list[dict]:
+  """Return one row per component for a component table, from a harvest's
+  per-site statistics over `positions` positions: firing density, mean CI,
+  mean ablation divergence where it fires (None where never measured), the
+  norms of its V column and U row, and the token ids at its top contexts'
+  centres (for search by token)."""
+  rows = []
+  for site in run.target.sites:
+    s = stats[site.name]
+    v, u = (np.asarray(a) for a in sites_lib.site_factors(
+      run.decomposition.components, site))
+    v_norm, u_norm = np.linalg.norm(v, axis=0), np.linalg.norm(u, axis=1)
+    centre = _centre_tokens(s)
+    for c in range(site.c):
+      count = int(s["ablation_count"][c])
+      rows.append({
+        "site": site.name, "component": c,
+        "density": float(s["fired"][c]) / positions,
+        "mean_ci": float(s["ci_sum"][c]) / positions,
+        "ablation": (float(s["ablation_sum"][c]) / count) if count else None,
+        "v_norm": float(v_norm[c]), "u_norm": float(u_norm[c]),
+        "top_tokens": centre[c],
+      })
+  return rows
+
+
+def _centre_tokens(stats: Mapping[str, Any]) -> list[list[int]]:
+  """Return per component the distinct token ids at its top contexts'
+  centres ([] for toys, whose contexts are input rows)."""
+  context = np.asarray(stats["top_context"])
+  window = np.asarray(stats["top_context_ci"])
+  if not np.issubdtype(context.dtype, np.integer):
+    return [[] for _ in range(context.shape[0])]
+  # The centre is where the window's CI is the top CI.
+  centre = np.argmax(window, axis=-1)
+  picked = np.take_along_axis(context, centre[..., None], axis=-1)[..., 0]
+  return [sorted({int(t) for t in row if t >= 0}) for row in picked]
+
+
+def correlated(stats: Mapping[str, Any], component: int, top: int = 10
+               ) -> list[dict]:
+  """Return the components of the same site that fire most often together
+  with `component`, by Jaccard index of their firing positions."""
+  together = np.asarray(stats["coactive"], np.float64)
+  fired = np.diag(together)
+  union = fired[component] + fired - together[component]
+  jaccard = np.where(union > 0, together[component] / np.maximum(union, 1),
+                     0.0)
+  jaccard[component] = -1.0
+  order = [int(j) for j in np.argsort(-jaccard, kind="stable")[:top]
+           if jaccard[j] > 0]
+  return [{"component": j, "jaccard": float(jaccard[j]),
+           "together": int(together[component, j])} for j in order]
+
+
+class Prediction(NamedTuple):
+  """Per position of a prompt, the top next tokens with their probabilities
+  of the clean and the ablated model, and the KL between the two."""
+
+  clean_tokens: Int[Array, "t k"]
+  clean_probs: Float[Array, "t k"]
+  ablated_tokens: Int[Array, "t k"]
+  ablated_probs: Float[Array, "t k"]
+  kl: Float[Array, " t"]
+
+
+def predict(run: LoadedRun, tokens: Int[Array, " t"], ablate: Optional[Choice],
+            top: int = 5) -> Prediction:
+  """Return the clean and ablated models' top-`top` next-token predictions
+  at every position of one prompt, and their KL per position.
+
+  Positions past the prompt's real length (a caller's padding to a fixed
+  length, so new prompts reuse one compiled forward) do not change the
+  earlier ones: the model is causal.
+  """
+  out = ablated_forward(run, jnp.asarray(tokens, jnp.int32)[None], ablate)
+  clean = jax.nn.log_softmax(out.clean[0].astype(jnp.float32), axis=-1)
+  ablated = jax.nn.log_softmax(out.output[0].astype(jnp.float32), axis=-1)
+  kl = jnp.sum(jnp.exp(clean) * (clean - ablated), axis=-1)
+  clean_top, clean_ids = jax.lax.top_k(clean, top)
+  ablated_top, ablated_ids = jax.lax.top_k(ablated, top)
+  return Prediction(clean_ids, jnp.exp(clean_top), ablated_ids,
+                    jnp.exp(ablated_top), kl)

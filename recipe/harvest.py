@@ -22,7 +22,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -127,20 +127,13 @@ def toy_seq_len(run: explore.LoadedRun, batch_size: int) -> int:
   return lead[1] if len(lead) == 2 else 1
 
 
-def vocab_size(run: explore.LoadedRun) -> int:
-  """Return the language model's vocabulary size: its logits' width."""
-  tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
-  logits = jax.eval_shape(
-    lambda w, x: run.target.clean_forward(w, x, ())[0], run.weights, tokens)
-  return int(logits.shape[-1])
-
-
 def batch_source(run: explore.LoadedRun, settings: Settings):
   """Return `batch(i)`: the i-th harvested batch, a pure function of the
   seed and `i` (so a resumed harvest reads what it would have)."""
   if settings.data_path:
     try:
-      opened = tokens_lib.open_tokens(settings.data_path, vocab_size(run))
+      opened = tokens_lib.open_tokens(settings.data_path,
+                                     explore.vocab_size(run))
     except OSError as e:
       raise ValueError(f"data_path: {e}") from None
     if opened.header.num_tokens < settings.seq_len:
@@ -415,3 +408,33 @@ def write_manifest(out: str, run_path: str, run: explore.LoadedRun,
   if os.path.exists(state):
     os.remove(state)
   return path
+
+
+class Harvest(NamedTuple):
+  """A completed harvest read back: its manifest and, per site, every
+  statistic as a host array."""
+
+  manifest: dict
+  sites: dict[str, dict[str, np.ndarray]]
+
+
+def load_harvest(run_path: str) -> Harvest:
+  """Return the harvest of the run at `run_path`; ValueError when it has
+  none, or an unfinished one (no manifest yet)."""
+  out = os.path.join(run_path, HARVEST_DIR)
+  manifest_path = os.path.join(out, MANIFEST)
+  if not os.path.isfile(manifest_path):
+    raise ValueError(f"{run_path} has no finished harvest; run bin/harvest "
+                     f"--run_dir={run_path} first")
+  with open(manifest_path) as f:
+    manifest = json.load(f)
+  ctx = tensor_store.context()
+  sites = {}
+  for site in manifest["sites"]:
+    sites[site] = {}
+    for field in FIELDS:
+      path = os.path.join(out, site, field)
+      store = tensor_store.opened(tensor_store.start_open(path, ctx), path)
+      sites[site][field] = np.asarray(
+        tensor_store.wait_value(store.read()))
+  return Harvest(manifest, sites)

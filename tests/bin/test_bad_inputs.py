@@ -387,6 +387,9 @@ ROWS = (
       "has no flags.txt: pass the output directory of a bin/train run"),
   Row("harvest_positional", "harvest", ("--run_dir={T}", "extra"),
       "unexpected argument 'extra'"),
+  Row("browse_no_run_dir", "browse", (), "Flag --run_dir must have a value"),
+  Row("browse_not_a_run", "browse", ("--run_dir={T}/nowhere",),
+      "has no flags.txt: pass the output directory of a bin/train run"),
   Row("tensorboard_not_a_run", "tensorboard", ("--run_dir={T}/nowhere",),
       "holds no metrics.jsonl; pass the output directory of a bin/train run"),
   Row("tokenizer_not_a_dir", "tokenize", (

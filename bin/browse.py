@@ -1,0 +1,299 @@
+"""Browse harvested decompositions: `bin/browse --run_dir=DIR[,DIR…]`.
+
+A local server (127.0.0.1 by default) with one page: the component table of
+every site (sortable, filterable, searchable by a token of the top
+contexts), a component's page (top contexts shaded by CI, CI histogram, V/U
+norms, the components it fires with), and a prompt box that shows the next
+token predictions with chosen components ablated, beside the clean model's,
+with the KL per position. Each run needs a finished harvest (`bin/harvest`).
+
+Requests name runs by their index in `--run_dir` and sites by name; no
+path from a request reaches the file system. Prompts are padded to a few
+fixed lengths, so a new prompt reuses a compiled forward.
+"""
+
+import functools
+import importlib.resources
+import json
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from absl import flags, logging
+
+from decompax.bin import cli
+from decompax.recipe import explore
+from decompax.recipe import harvest as harvest_lib
+
+_RUN_DIRS = flags.DEFINE_list(
+  "run_dir", None, "Run directories with a finished harvest.", required=True)
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to serve on.")
+_PORT = flags.DEFINE_integer("port", 8470, "Port to serve on (0: any free).")
+
+# Prompts pad to the first of these lengths that holds them.
+BUCKETS = (16, 32, 64, 128, 256)
+MAX_BODY_BYTES = 1 << 16
+MAX_ABLATED = 4096
+TOP_PREDICTIONS = 5
+CONTEXTS_SHOWN = 20
+
+
+class Served(NamedTuple):
+  """One run as the browser serves it."""
+
+  name: str
+  run: explore.LoadedRun
+  harvest: harvest_lib.Harvest
+  rows: list[dict]
+  decode: Callable[[int], str]
+
+
+class BadRequest(Exception):
+  """A request the server refuses: its status and a one-line reason."""
+
+  def __init__(self, status: int, reason: str):
+    super().__init__(reason)
+    self.status = status
+
+
+def fail(message: str) -> None:
+  """Print a one-line error and exit non-zero."""
+  cli.fail("browse", message)
+
+
+def serve_run(path: str) -> Served:
+  """Return the run at `path` with its harvest, ready to serve."""
+  run = explore.load_run(path)
+  harvest = harvest_lib.load_harvest(path)
+  rows = explore.component_rows(run, harvest.sites,
+                                harvest.manifest["positions"])
+  return Served(path, run, harvest, rows, token_decoder(run))
+
+
+def token_decoder(run: explore.LoadedRun) -> Callable[[int], str]:
+  """Return `id -> text`: the run's tokenizer where it has one, else the id."""
+  if run.config.model_dir:
+    from decompax.bin import tokens_text  # noqa: PLC0415 (LM runs only)
+    return tokens_text.token_decoder(run.config.model_dir)
+  return str
+
+
+def parse_prompt(text: Any, vocab: int) -> list[int]:
+  """Return the token ids of a prompt: whitespace-separated ids."""
+  if not isinstance(text, str) or not text.strip():
+    raise BadRequest(400, "prompt must be a non-empty string of token ids")
+  try:
+    ids = [int(part) for part in text.split()]
+  except ValueError:
+    raise BadRequest(400, "prompt must be whitespace-separated token ids, "
+                     "e.g. '3 17 5'") from None
+  if len(ids) > BUCKETS[-1]:
+    raise BadRequest(413, f"prompt has {len(ids)} tokens; at most "
+                     f"{BUCKETS[-1]}")
+  bad = [i for i in ids if not 0 <= i < vocab]
+  if bad:
+    raise BadRequest(400, f"token id {bad[0]} is outside the vocabulary "
+                     f"[0, {vocab})")
+  return ids
+
+
+def parse_ablate(value: Any, served: Served) -> dict[str, list[int]]:
+  """Return `{site: [component, …]}` checked against the run's sites."""
+  if value is None:
+    return {}
+  if not isinstance(value, dict):
+    raise BadRequest(400, "ablate must map site names to component lists")
+  sizes = {s.name: s.c for s in served.run.target.sites}
+  total, chosen = 0, {}
+  for site, components in value.items():
+    if site not in sizes:
+      raise BadRequest(400, f"no site {site!r} in this run")
+    if (not isinstance(components, list)
+        or not all(isinstance(c, int) and 0 <= c < sizes[site]
+                   for c in components)):
+      raise BadRequest(400, f"ablate[{site!r}] must list components in "
+                       f"[0, {sizes[site]})")
+    total += len(components)
+    chosen[site] = sorted(set(components))
+  if total > MAX_ABLATED:
+    raise BadRequest(413, f"at most {MAX_ABLATED} ablated components")
+  return chosen
+
+
+def bucket(length: int) -> int:
+  """Return the padded length of a prompt of `length` tokens."""
+  return next(b for b in BUCKETS if b >= length)
+
+
+def predictions(served: Served, ids: list[int],
+                ablate: dict[str, list[int]]) -> dict:
+  """Return the prompt's clean and ablated predictions per position."""
+  padded = np.zeros(bucket(len(ids)), np.int32)
+  padded[:len(ids)] = ids
+  start = time.perf_counter()
+  p = explore.predict(served.run, jnp.asarray(padded), ablate,
+                      TOP_PREDICTIONS)
+  p = [np.asarray(a)[:len(ids)] for a in p]
+  seconds = time.perf_counter() - start
+  decode = served.decode
+
+  def top(tokens, probs):
+    return [[decode(int(t)), float(q)] for t, q in zip(tokens, probs)]
+
+  return {
+    "tokens": [decode(i) for i in ids],
+    "positions": [{"clean": top(p[0][t], p[1][t]),
+                   "ablated": top(p[2][t], p[3][t]), "kl": float(p[4][t])}
+                  for t in range(len(ids))],
+    "seconds": seconds,
+  }
+
+
+def component_page(served: Served, site: str, component: int) -> dict:
+  """Return what the component page shows."""
+  stats = served.harvest.sites.get(site)
+  if stats is None:
+    raise BadRequest(404, f"no site {site!r} in this run")
+  if not 0 <= component < stats["fired"].shape[0]:
+    raise BadRequest(404, f"site {site!r} has no component {component}")
+  row = next(r for r in served.rows
+             if r["site"] == site and r["component"] == component)
+  contexts = []
+  for values, context, ci in zip(stats["top_ci"][component],
+                                 stats["top_context"][component],
+                                 stats["top_context_ci"][component]):
+    if not np.isfinite(values):
+      continue
+    if np.issubdtype(context.dtype, np.integer):
+      tokens = [served.decode(int(t)) if t >= 0 else "" for t in context]
+    else:
+      tokens = [f"{x:.2f}" for x in context]
+    contexts.append({"ci": float(values), "tokens": tokens,
+                     "token_ci": [float(x) for x in ci]})
+  return {
+    **row,
+    "contexts": contexts[:CONTEXTS_SHOWN],
+    "histogram": {"floor": served.harvest.manifest["histogram_bands"]["floor"],
+                  "counts": [int(x) for x in stats["histogram"][component]]},
+    "correlated": explore.correlated(stats, component),
+  }
+
+
+def page_html() -> bytes:
+  """Return the browser's single page."""
+  return importlib.resources.files("decompax.bin").joinpath(
+    "browse.html").read_bytes()
+
+
+def make_app(runs: list[Served]):
+  """Return the WSGI application serving `runs`."""
+  from werkzeug.exceptions import HTTPException  # noqa: PLC0415
+  from werkzeug.routing import Map, Rule  # noqa: PLC0415
+  from werkzeug.wrappers import Request, Response  # noqa: PLC0415
+
+  routes = Map([
+    Rule("/", endpoint="page", methods=["GET"]),
+    Rule("/api/runs", endpoint="runs", methods=["GET"]),
+    Rule("/api/runs/<int:run>/components", endpoint="components",
+         methods=["GET"]),
+    Rule("/api/runs/<int:run>/components/<site>/<int:component>",
+         endpoint="component", methods=["GET"]),
+    Rule("/api/runs/<int:run>/predict", endpoint="predict",
+         methods=["POST"]),
+  ])
+
+  def served(index: int) -> Served:
+    if not 0 <= index < len(runs):
+      raise BadRequest(404, f"no run {index}; runs are 0..{len(runs) - 1}")
+    return runs[index]
+
+  def body(request) -> dict:
+    if request.content_length is None or request.content_length > MAX_BODY_BYTES:
+      raise BadRequest(413, f"the body must be JSON of at most "
+                       f"{MAX_BODY_BYTES} bytes")
+    try:
+      value = json.loads(request.get_data(cache=False))
+    except (ValueError, UnicodeDecodeError):
+      raise BadRequest(400, "the body is not valid JSON") from None
+    if not isinstance(value, dict):
+      raise BadRequest(400, "the body must be a JSON object")
+    return value
+
+  def handle(request, endpoint: str, args: dict):
+    if endpoint == "page":
+      return Response(page_html(), mimetype="text/html")
+    if endpoint == "runs":
+      return [{"index": i, "name": s.name, "target": s.run.config.target,
+               "sites": {x.name: x.c for x in s.run.target.sites},
+               "positions": s.harvest.manifest["positions"],
+               "tokens": s.run.target.token_labels is not None}
+              for i, s in enumerate(runs)]
+    s = served(args["run"])
+    if endpoint == "components":
+      return s.rows
+    if endpoint == "component":
+      return component_page(s, args["site"], args["component"])
+    if s.run.target.token_labels is None:
+      raise BadRequest(400, "predictions need a language-model run")
+    request_body = body(request)
+    vocab = explore.vocab_size(s.run)
+    return predictions(s, parse_prompt(request_body.get("prompt"), vocab),
+                       parse_ablate(request_body.get("ablate"), s))
+
+  def app(environ, start_response):
+    request = Request(environ)
+    adapter = routes.bind_to_environ(environ)
+    try:
+      endpoint, args = adapter.match()
+      result = handle(request, endpoint, args)
+      response = result if isinstance(result, Response) else Response(
+        json.dumps(result), mimetype="application/json")
+    except BadRequest as e:
+      response = Response(json.dumps({"error": str(e)}), status=e.status,
+                          mimetype="application/json")
+    except HTTPException as e:
+      response = Response(json.dumps({"error": e.description}),
+                          status=e.code, mimetype="application/json")
+    return response(environ, start_response)
+
+  return app
+
+
+def make_server(runs: list[Served], host: str, port: int):
+  """Return a threaded server of `runs` (port 0: any free port)."""
+  from werkzeug.serving import make_server as werkzeug_server  # noqa: PLC0415
+  return werkzeug_server(host, port, make_app(runs), threaded=False)
+
+
+def main(argv: list[str]) -> None:
+  logging.set_verbosity(logging.WARNING)
+  if len(argv) > 1:
+    fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
+  try:
+    import werkzeug  # noqa: F401, PLC0415
+  except ImportError:
+    fail("the browser needs its extra: pip install 'decompax[browse]'")
+  runs = []
+  for path in _RUN_DIRS.value:
+    try:
+      runs.append(serve_run(path))
+    except (OSError, ValueError) as e:
+      fail(f"--run_dir: {e}")
+  try:
+    server = make_server(runs, _HOST.value, _PORT.value)
+  except OSError as e:
+    fail(f"--host/--port: cannot serve on {_HOST.value}:{_PORT.value} ({e})")
+  print(f"[browse] serving {len(runs)} run(s) on "
+        f"http://{_HOST.value}:{server.server_port}/", flush=True)
+  server.serve_forever()
+
+
+def entry() -> None:
+  """Launch the absl app (used by the `bin/browse` launcher)."""
+  cli.launch("browse", main)
+
+
+if __name__ == "__main__":
+  entry()

@@ -1,0 +1,122 @@
+"""bin/browse: the component browser's API on a real server (ephemeral
+port) over a harvested induction-toy run: the runs, the component table and
+page, predictions with ablations, and refusals of bad requests."""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from decompax.bin import browse
+from decompax.recipe import explore
+from decompax.recipe import harvest as harvest_lib
+
+
+@pytest.fixture(scope="module")
+def server(finished_run):
+  path = finished_run("induction")
+  run = explore.load_run(path)
+  settings = harvest_lib.resolve(run, harvest_lib.Request(
+    positions=2 * 8 * 32, batch_size=8, top_k=4, ablation_batches=1))
+  out = f"{path}/{harvest_lib.HARVEST_DIR}"
+  record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
+  harvest_lib.write_manifest(out, path, run, settings, record)
+  httpd = browse.make_server([browse.serve_run(path)], "127.0.0.1", 0)
+  thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+  thread.start()
+  yield f"http://127.0.0.1:{httpd.server_port}"
+  httpd.shutdown()
+
+
+def _get(url):
+  with urllib.request.urlopen(url, timeout=60) as response:
+    return response.status, response.read()
+
+
+def _post(url, body: bytes):
+  request = urllib.request.Request(
+    url, data=body, headers={"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(request, timeout=120) as response:
+      return response.status, json.loads(response.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def test_page_runs_and_component_table(server):
+  status, page = _get(server + "/")
+  assert status == 200 and b"<title>decompax browser</title>" in page
+  runs = json.loads(_get(server + "/api/runs")[1])
+  assert runs[0]["index"] == 0 and runs[0]["tokens"] is True
+  rows = json.loads(_get(server + "/api/runs/0/components")[1])
+  assert len(rows) == sum(runs[0]["sites"].values()) == 7 * 8
+  assert all(0 <= r["density"] <= 1 and r["v_norm"] > 0 for r in rows)
+
+
+def test_component_page(server):
+  rows = json.loads(_get(server + "/api/runs/0/components")[1])
+  busiest = max(rows, key=lambda r: r["density"])
+  page = json.loads(_get(
+    f"{server}/api/runs/0/components/{busiest['site']}/"
+    f"{busiest['component']}")[1])
+  assert page["density"] == busiest["density"]
+  assert 0 < len(page["contexts"]) <= 4
+  assert all(len(c["tokens"]) == len(c["token_ci"]) for c in page["contexts"])
+  assert sum(page["histogram"]["counts"]) == 2 * 8 * 32
+  assert all(x["component"] != busiest["component"]
+             for x in page["correlated"])
+
+
+def test_ablating_a_component_changes_the_predictions(server):
+  prompt = "0 3 5 7 3"
+  status, clean = _post(server + "/api/runs/0/predict",
+                        json.dumps({"prompt": prompt}).encode())
+  assert status == 200 and clean["tokens"] == prompt.split()
+  assert all(p["kl"] == pytest.approx(0.0, abs=1e-6)
+             for p in clean["positions"])
+  everything = {site: list(range(c)) for site, c in json.loads(
+    _get(server + "/api/runs")[1])[0]["sites"].items()}
+  status, ablated = _post(server + "/api/runs/0/predict", json.dumps(
+    {"prompt": prompt, "ablate": everything}).encode())
+  assert status == 200
+  assert max(p["kl"] for p in ablated["positions"]) > 0
+  assert ablated["positions"][-1]["clean"] == clean["positions"][-1]["clean"]
+  probs = [p for _, p in ablated["positions"][-1]["ablated"]]
+  assert probs == sorted(probs, reverse=True) and np.sum(probs) <= 1 + 1e-5
+
+
+@pytest.mark.parametrize("path, body, status, reason", [
+  ("/api/runs/0/predict", b"{not json", 400, "not valid JSON"),
+  ("/api/runs/0/predict", b"[1, 2]", 400, "must be a JSON object"),
+  ("/api/runs/0/predict", b'{"prompt": "a b"}', 400, "token ids"),
+  ("/api/runs/0/predict", b'{"prompt": "99999"}', 400, "outside the vocab"),
+  ("/api/runs/0/predict", json.dumps({"prompt": " ".join(["1"] * 300)}
+                                     ).encode(), 413, "at most 256"),
+  ("/api/runs/0/predict", b'{"prompt": "1", "ablate": {"nope": [0]}}', 400,
+   "no site 'nope'"),
+  ("/api/runs/0/predict",
+   b'{"prompt": "1", "ablate": {"layers.1.mlp.up_proj": [99]}}', 400,
+   "must list components"),
+  ("/api/runs/7/predict", b'{"prompt": "1"}', 404, "no run 7"),
+])
+def test_bad_requests_get_a_status_and_a_one_line_reason(
+    server, path, body, status, reason):
+  got, answer = _post(server + path, body)
+  assert got == status and reason in answer["error"]
+  assert "\n" not in answer["error"]
+
+
+@pytest.mark.parametrize("path", [
+  "/api/runs/0/components/..%2F..%2Fetc%2Fpasswd/0",
+  "/../../etc/passwd", "/api/runs/0/../../flags.txt", "/api/runs/-1/components",
+])
+def test_no_request_path_reaches_the_file_system(server, path):
+  try:
+    status, body = _get(server + path)
+  except urllib.error.HTTPError as e:
+    status, body = e.code, e.read()
+  assert status == 404
+  assert b"root:" not in body and b"--target" not in body
