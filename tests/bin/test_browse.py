@@ -120,3 +120,78 @@ def test_no_request_path_reaches_the_file_system(server, path):
     status, body = e.code, e.read()
   assert status == 404
   assert b"root:" not in body and b"--target" not in body
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+@pytest.fixture(scope="module")
+def chromium():
+  """Return a headless Chromium under its driver (the Debian packages
+  `chromium` and `chromium-driver`, which .ci/run installs)."""
+  import os  # noqa: PLC0415
+  from selenium import webdriver  # noqa: PLC0415
+  from selenium.webdriver.chrome.service import Service  # noqa: PLC0415
+  for path in (CHROMIUM, CHROMEDRIVER):
+    assert os.path.exists(path), (
+      f"{path} is missing: apt-get install chromium chromium-driver "
+      "(.ci/run installs them)")
+  options = webdriver.ChromeOptions()
+  options.binary_location = CHROMIUM
+  for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
+                   "--disable-dev-shm-usage", "--window-size=1400,900"):
+    options.add_argument(argument)
+  driver = webdriver.Chrome(options=options,
+                            service=Service(executable_path=CHROMEDRIVER))
+  yield driver
+  driver.quit()
+
+
+def test_in_a_real_browser(server, chromium, tmp_path):
+  """Open the page, sort the table, open a component, type a prompt,
+  ablate the component, and see the predictions change."""
+  from selenium.webdriver.common.by import By  # noqa: PLC0415
+  from selenium.webdriver.support import expected_conditions  # noqa: PLC0415
+  from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
+  wait = WebDriverWait(chromium, 60)
+  chromium.get(server + "/")
+  rows = "#table tbody tr"
+  wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, rows)) == 56)
+
+  def column(index):
+    return [float(r.find_elements(By.TAG_NAME, "td")[index].text)
+            for r in chromium.find_elements(By.CSS_SELECTOR, rows)]
+
+  header = chromium.find_element(By.CSS_SELECTOR, 'th[data-key="mean_ci"]')
+  header.click()
+  assert column(3) == sorted(column(3), reverse=True)
+  header.click()
+  assert column(3) == sorted(column(3))
+  chromium.find_elements(By.CSS_SELECTOR, rows)[-1].click()
+  wait.until(expected_conditions.presence_of_element_located(
+    (By.ID, "ablate-this")))
+  title = chromium.find_element(By.CSS_SELECTOR, "#component h3").text
+  assert " c" in title
+
+  def predict():
+    chromium.find_element(By.ID, "run-prompt").click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".predictions tr"))
+    table = chromium.find_element(By.CSS_SELECTOR, ".predictions")
+    text = table.text
+    chromium.execute_script(
+      "document.getElementById('predictions').innerHTML = ''")
+    return text
+
+  chromium.find_element(By.ID, "prompt").send_keys("0 3 5 7 3")
+  clean = predict()
+  chromium.find_element(By.ID, "ablate-this").click()
+  assert title.split()[0] in chromium.find_element(By.ID, "ablated").text
+  ablated = predict()
+  assert ablated != clean
+  predict_again = chromium.find_element(By.ID, "run-prompt")
+  predict_again.click()
+  wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".predictions tr"))
+  shot = tmp_path / "browse.png"
+  assert chromium.save_screenshot(str(shot))
+  assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
