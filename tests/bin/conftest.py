@@ -7,6 +7,7 @@ import os
 import pathlib
 import queue
 import re
+import sys
 import threading
 
 import jax
@@ -20,11 +21,17 @@ from decompax.targets import registry
 
 @functools.cache
 def _bench_module(name: str):
-  # Each script defines its absl flags at import: load it once per process.
+  # Each script defines its absl flags at import: load it once per process,
+  # registered under the name a bench that loads a sibling looks for
+  # (bench/profile.py loads step_time), so both share one copy.
+  module_name = f"bench_{name}"
+  if module_name in sys.modules:
+    return sys.modules[module_name]
   root = pathlib.Path(__file__).resolve().parents[2]
   spec = importlib.util.spec_from_file_location(
-    f"bench_{name}", root / "bench" / f"{name}.py")
+    module_name, root / "bench" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
+  sys.modules[module_name] = module
   spec.loader.exec_module(module)
   return module
 
