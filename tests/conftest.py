@@ -211,20 +211,37 @@ RECIPES = {
           "--use_delta_component"),
   "induction": (f"--flagfile={RUN_ROOT / 'flags' / 'induction.flags'}",
                 "--c=8", "--batch_size=4"),
+  # `{tokens}`: a token file of random documents the fixture writes.
+  "tiny_llama": (f"--flagfile={RUN_ROOT / 'flags' / 'tiny_llama.flags'}",
+                 f"--model_dir={RUN_ROOT / 'tests' / 'fixtures' / 'tiny_llama'}",
+                 "--batch_size=8", "--seq_len=16", "--c=8",
+                 "--data_path={tokens}"),
 }
+
+
+def _token_file(path) -> str:
+  """Write 200 random documents over the tiny Llama's 128-token vocabulary."""
+  from decompax.io import tokens  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  docs = [rng.integers(0, 127, rng.integers(5, 60)) for _ in range(200)]
+  tokens.write_tokens(path, docs, 128, 127, "test")
+  return str(path)
 
 
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
   """Return `path(name)`: the directory of a 4-step run of `RECIPES[name]`
-  (a TMS 5-2 toy, or the induction toy's token model)."""
+  (a TMS 5-2 toy, the induction toy's token model, or the tiny Llama on a
+  token file beside the run, `<run>/../tokens.bin`)."""
   paths = {}
 
   def path(name: str) -> str:
     if name not in paths:
       output = tmp_path_factory.mktemp("runs") / name
+      tokens = _token_file(output.parent / "tokens.bin")
+      args = [a.format(tokens=tokens) for a in RECIPES[name]]
       done = subprocess.run(
-        [sys.executable, "-P", str(RUN_ROOT / "bin" / "train"), *RECIPES[name],
+        [sys.executable, "-P", str(RUN_ROOT / "bin" / "train"), *args,
          *SHORT, f"--output_dir={output}"], cwd=RUN_ROOT, capture_output=True,
         text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
       assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

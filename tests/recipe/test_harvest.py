@@ -170,3 +170,23 @@ def test_other_settings_are_refused_unless_overwritten(induction, harvested):
 def test_bad_requests_are_named(induction, request_, message):
   with pytest.raises(ValueError, match=message):
     harvest_lib.resolve(induction, request_)
+
+
+def test_a_language_model_harvests_its_token_file(finished_run, tmp_path):
+  """The tiny Llama, on the token file it trained on: every site harvested,
+  every position counted, contexts are token windows of that file."""
+  path = finished_run("tiny_llama")
+  run = explore.load_run(path)
+  settings = harvest_lib.resolve(run, harvest_lib.Request(
+    positions=4 * 8 * 16, batch_size=8, top_k=3, ablation_batches=1))
+  assert settings.data_path.endswith("tokens.bin") and settings.seq_len == 16
+  out = str(tmp_path)
+  record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
+  harvest_lib.write_manifest(out, path, run, settings, record)
+  for site in run.target.sites:
+    histogram = _read(out, site.name, "histogram")
+    assert histogram.sum() == 4 * 8 * 16 * site.c
+    context = _read(out, site.name, "top_context")
+    assert context.shape == (site.c, 3, 1 + settings.before + settings.after)
+    assert context.max() < 128 and (context >= -1).all()
+  assert record["ratio_to_clean"] > 0
