@@ -17,7 +17,7 @@ import numpy as np
 from absl import flags, logging
 
 from decompax.bin import checkpointing, cli, placement_setup
-from decompax.bin import run_records, tokens_text, train_flags
+from decompax.bin import run_records, tokens_text, train_flags, wandb_sink
 from decompax.core import health, probe, sites as sites_lib
 from decompax.io import checkpoint, decomposition, figures, run_dir
 from decompax.placement import shardings, transfer
@@ -27,7 +27,7 @@ from decompax.targets import registry
 
 # Flags a launch may change without changing the run (flags.txt omits them).
 RELAUNCH_FLAGS = ("overwrite", "on_nonfinite", "max_skipped_in_a_row",
-                  "stop_after_step")
+                  "stop_after_step", "wandb_project")
 
 
 def fail(message: str) -> None:
@@ -281,16 +281,20 @@ def train(prepared: Prepared):
         f"{', '.join(s.name for s in parts.target.sites)}; C={config.c}; "
         f"terms {', '.join(parts.term_names)}")
   first = int(jax.device_get(run.state.step))
+  sink = wandb_sink.NO_SINK
+  if writer:
+    sink = wandb_sink.open_sink(flags.FLAGS.wandb_project, output_dir, config)
   loop = Loop(config, parts.target, prepared.weights, run,
               compile_step(run, first, prepared.placement),
               evaluator_of(config, parts.target, run, output_dir), session,
-              output_dir, writer)
+              output_dir, writer, sink)
   if first == 0:  # fresh runs only (SPEC I44)
     evaluation.log_baseline(loop.evaluator, run.state, loop.metrics_path)
   state = run_steps(loop, run.state, first)
   checkpointing.close(session)
   loop.evaluator.close()
   if last_step(config) < config.num_steps:
+    sink.close()
     print(f"[train] stopped after step {max(first, last_step(config))} of "
           f"{config.num_steps} (--stop_after_step); rerun without it to "
           "continue")
@@ -301,6 +305,7 @@ def train(prepared: Prepared):
     finish(config, parts.target, run.ci_fn, session.ci_config,
            prepared.weights, state, output_dir, loop.metrics_path)
     evaluation.write_final_report(output_dir)
+    sink.close(os.path.join(output_dir, "figures"))
 
 
 def print_warmup(config, warmup_losses: jax.Array) -> None:
@@ -348,6 +353,7 @@ class Loop(NamedTuple):
   session: object
   output_dir: str
   writer: bool
+  sink: wandb_sink.Sink = wandb_sink.NO_SINK
 
   @property
   def metrics_path(self) -> str:
@@ -392,6 +398,7 @@ def log_step(loop: Loop, state, metrics: dict, done: int,
     state, done, lambda: checkpointing.stop_requested(loop.session)))
   if loop.writer:
     run_dir.append_metrics(loop.metrics_path, record)
+    loop.sink.sync()
     print(progress_line(done, config.num_steps, metrics, loop.target.sites,
                         1.0 / step_time), flush=True)
   if config.figures_every and done % config.figures_every == 0:
@@ -446,12 +453,14 @@ def main(argv: list[str]) -> None:
   jax.config.update("jax_transfer_guard_device_to_host", "disallow")
   try:
     config = train_flags.config_from_flags()
+    if flags.FLAGS.wandb_project:
+      wandb_sink.check_installed()
     placement_config = placement_setup.config_from_flags()
     placement_setup.start(placement_config)
     placement = placement_setup.make_placement(placement_config,
                                                (config.batch_size,))
     prepared = setup(config, placement)
-  except ValueError as e:
+  except (ValueError, ImportError) as e:
     fail(str(e))
   except OSError as e:  # the disk filled or vanished under the setup
     fail(write_refusal(e.filename or config.output_dir, e))

@@ -418,6 +418,11 @@ _CHECKPOINTING = flags.DEFINE_enum(
   "nothing; the run directory then cannot be re-entered.")
 _SAVE_EVERY = flags.DEFINE_integer(
   "save_every", _D.save_every, "Steps between periodic checkpoints.")
+_WANDB_PROJECT = flags.DEFINE_string(
+  "wandb_project", "", "Also log the run to this Weights & Biases project: "
+  "the metrics.jsonl scalars, the settings and the final figures "
+  "(WANDB_MODE=offline writes them under the run directory; needs the "
+  "decompax[wandb] extra). Empty: no W&B.")
 _STOP_AFTER_STEP = flags.DEFINE_integer(
   "stop_after_step", _D.stop_after_step,
   "Train only up to this step of the --num_steps schedule, save and exit 0; "

@@ -1,0 +1,102 @@
+"""--wandb_project: a run logs what metrics.jsonl holds, its settings and
+its figures to W&B, here in offline mode (files under the run directory,
+no network); a resumed run continues the same W&B run without logging a
+step twice."""
+
+import glob
+import json
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+
+from wandb.proto import wandb_internal_pb2
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ARGS = ("--target=tms_5-2", "--c=6", "--batch_size=16", "--num_steps=8",
+        "--log_every=2", "--eval_every=4", "--slow_eval_every=8",
+        "--save_every=4", "--wandb_project=decompax-test")
+
+
+def _train(output_dir, *extra):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "offline",
+         "WANDB_SILENT": "true"}
+  done = subprocess.run(
+    [sys.executable, "-P", str(ROOT / "bin" / "train"), *ARGS,
+     f"--output_dir={output_dir}", *extra], cwd=ROOT, capture_output=True,
+    text=True, env=env)
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def _records(path):
+  """Return the protobuf records of a `.wandb` file: a 7-byte header, then
+  log records (crc, length, type) in 32 KiB blocks, split across blocks by
+  the FIRST/MIDDLE/LAST types."""
+  data, at, block = open(path, "rb").read(), 7, 1 << 15
+  records, pending = [], b""
+  while at + 7 <= len(data):
+    room = block - at % block
+    if room < 7:
+      at += room
+      continue
+    _, length, kind = struct.unpack("<IHB", data[at:at + 7])
+    if kind == 0:
+      break
+    chunk, at = data[at + 7:at + 7 + length], at + 7 + length
+    pending += chunk
+    if kind in (1, 4):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(pending)
+      records.append(record)
+      pending = b""
+  return records
+
+
+def _logged(run_dir):
+  """Return per offline W&B run (in launch order): its history rows
+  `{step: {key: value}}` and its config keys."""
+  runs = []
+  for path in sorted(glob.glob(f"{run_dir}/wandb/offline-run-*/run-*.wandb")):
+    history, config = {}, set()
+    for record in _records(path):
+      kind = record.WhichOneof("record_type")
+      if kind == "history":
+        row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json)
+               for i in record.history.item}
+        step = row.pop("_step")
+        history.setdefault(step, {}).update(row)
+      elif kind in ("config", "run"):
+        # The settings given at init travel in the run record.
+        update = (record.config if kind == "config" else record.run.config)
+        config |= {"/".join(i.nested_key) or i.key for i in update.update}
+    runs.append((history, config))
+  return runs
+
+
+def _metrics(run_dir):
+  return {r["step"]: r for r in map(json.loads, open(
+    os.path.join(run_dir, "metrics.jsonl")))}
+
+
+def test_offline_run_logs_the_metrics_settings_and_figures(tmp_path):
+  _train(tmp_path)
+  ((history, config),) = _logged(tmp_path)
+  metrics = _metrics(tmp_path)
+  assert sorted(history) == sorted(metrics) == [0, 2, 4, 6, 8]
+  for step, record in metrics.items():
+    for key, value in record.items():
+      if key != "step" and isinstance(value, float):
+        assert history[step][key] == value, (step, key)
+  assert {"lr", "c", "target", "seed"} <= config
+  assert any(k.startswith("figures/") for k in history[8])
+
+
+def test_a_resumed_run_continues_its_w_and_b_run(tmp_path):
+  _train(tmp_path, "--stop_after_step=4")
+  _train(tmp_path)
+  (first, _), (second, _) = _logged(tmp_path)
+  assert sorted(first) == [0, 2, 4] and sorted(second) == [6, 8]
+  ids = {os.path.basename(p).split("-")[-1] for p in glob.glob(
+    f"{tmp_path}/wandb/offline-run-*")}
+  assert len(ids) == 1
