@@ -79,24 +79,21 @@ def _metrics(run_dir):
     os.path.join(run_dir, "metrics.jsonl")))}
 
 
-def test_offline_run_logs_the_metrics_settings_and_figures(tmp_path):
-  _train(tmp_path)
-  ((history, config),) = _logged(tmp_path)
-  metrics = _metrics(tmp_path)
-  assert sorted(history) == sorted(metrics) == [0, 2, 4, 6, 8]
-  for step, record in metrics.items():
-    for key, value in record.items():
-      if key != "step" and isinstance(value, float):
-        assert history[step][key] == value, (step, key)
-  assert {"lr", "c", "target", "seed"} <= config
-  assert any(k.startswith("figures/") for k in history[8])
-
-
-def test_a_resumed_run_continues_its_w_and_b_run(tmp_path):
+def test_offline_runs_log_the_metrics_settings_and_figures_once(tmp_path):
+  """Two launches (a stop at step 4, then the rest): one W&B run, each
+  metrics.jsonl record logged once with its values, the settings at init
+  and the figures at the end."""
   _train(tmp_path, "--stop_after_step=4")
   _train(tmp_path)
-  (first, _), (second, _) = _logged(tmp_path)
+  (first, config), (second, _) = _logged(tmp_path)
   assert sorted(first) == [0, 2, 4] and sorted(second) == [6, 8]
   ids = {os.path.basename(p).split("-")[-1] for p in glob.glob(
     f"{tmp_path}/wandb/offline-run-*")}
   assert len(ids) == 1
+  history = {**first, **second}
+  for step, record in _metrics(tmp_path).items():
+    for key, value in record.items():
+      if key != "step" and isinstance(value, float):
+        assert history[step][key] == value, (step, key)
+  assert {"lr", "c", "target", "seed"} <= config
+  assert any(k.startswith("figures/") for k in second[8])
