@@ -2,12 +2,13 @@
 
 Run: `./dev bench prefix` (or `.venv/bin/python -P bench/prefix.py`).
 The model is Llama-shaped (32 layers, GQA, SwiGLU) but narrow, with random
-weights: step cost does not depend on them. For each `--layers` entry it
-decomposes that whole block (all 7 sites q, k, v, o, gate, up, down) with
-the reference LM recipe (`flags/l18.flags`: faithfulness, importance and
-frequency minimality, stochastic recon, persistent PGD with its warmup
-ascents, the chunkwise transformer CI) shrunk to CPU sizes, and builds the
-step exactly as `bin/train` does, twice:
+weights (`recipe.random_lm`): step cost does not depend on them. For each
+`--layers` entry it decomposes that whole block (all 7 sites q, k, v, o,
+gate, up, down) with the reference LM recipe (`flags/l18.flags`:
+faithfulness, importance and frequency minimality, stochastic recon,
+persistent PGD with its warmup ascents, the chunkwise transformer CI)
+shrunk to CPU sizes, and builds the step exactly as `bin/train` does,
+twice:
   * prefix sharing ON: masked forwards resume from the clean pass's
     `resid.{layer}`, the frozen prefix runs once per step;
   * OFF: every masked forward reruns the frozen prefix from the tokens.
@@ -28,7 +29,6 @@ reference's ratios compare to. Sharing makes the saving a property of the
 program rather than of a compiler pass.
 """
 
-import math
 import os
 import pathlib
 import statistics
@@ -38,10 +38,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
-from decompax.recipe import assembly, lm
+from decompax.core.sites import SiteSpec
+from decompax.recipe import assembly, hlo_flops, random_lm
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import glu_config, glu_lm, glu_target
 
@@ -85,52 +85,29 @@ def recipe(batch: int, seq_len: int, c: int) -> TrainConfig:
                     f"--seq_len={seq_len}", f"--c={c}"])
 
 
-def random_arrays(config: glu_config.GluConfig, seed: int = 0
-                  ) -> dict[str, np.ndarray]:
-  """Return random host weights in `weights_from_arrays` layout."""
-  rng = np.random.default_rng(seed)
-  out = {}
-  for name, shape in glu_target.layer_array_shapes(config).items():
-    if len(shape) == 2:
-      value = rng.standard_normal((config.n_layers, *shape)) / math.sqrt(
-        shape[0])
-    else:
-      value = 1 + 0.1 * rng.standard_normal((config.n_layers, *shape))
-    out[name] = value.astype(np.float32)
-  for name in ("embed", "head")[:1 if config.tied else 2]:
-    out[name] = rng.standard_normal(
-      (config.vocab_size, config.d_model)).astype(np.float32)
-  out["norm"] = np.ones(config.d_model, np.float32)
-  return out
-
-
-def build_variant(config: TrainConfig,
-                  model: glu_config.GluConfig, arrays: dict[str, np.ndarray],
-                  layer: int, prefix_sharing: bool) -> assembly.Run:
-  """Return the run decomposing block `layer` whole, as `bin/train` builds
-  it for `--target=hf` (`recipe.lm.hf_target`), sharing the prefix or
-  not."""
+def block_sites(config: TrainConfig, model: glu_config.GluConfig,
+                layer: int) -> tuple[SiteSpec, ...]:
+  """Return the sites of block `layer` whole (all 7 matrices)."""
   names = tuple(glu_lm.site_name(layer, r) for r in glu_lm.ROLES)
-  sites = glu_target.site_specs(model, names, config.c)
-  target = glu_target.target_fns(model, sites, config.attention, remat=True,
-                                 prefix_sharing=prefix_sharing)
-  seg = glu_target.span_segments(model, sites)
-  weights = glu_target.weights_from_arrays(arrays, model, seg, jnp.float32)
+  return glu_target.site_specs(model, names, config.c)
 
-  def sample_inputs(key, batch_size):
-    return jax.random.randint(key, (batch_size, config.seq_len), 0,
-                              model.vocab_size, jnp.int32)
 
-  record = lm.LmTarget("narrow_llama", model, sample_inputs)
-  return assembly.build_run(config, record, target, weights)
+def build_pair(config: TrainConfig, model: glu_config.GluConfig,
+               layer: int) -> dict[bool, assembly.Run]:
+  """Return the runs decomposing block `layer` whole, as `bin/train` builds
+  them for `--target=hf`, sharing the prefix (True) or not, on the same
+  random weights."""
+  sites = block_sites(config, model, layer)
+  weights = random_lm.random_weights(jax.random.key(0), model, sites,
+                                     jnp.float32)
+  return {sharing: random_lm.build_run(config, model, sites, weights, sharing)
+          for sharing in (True, False)}
 
 
 def prefix_loops(compiled_text: str, split: int) -> int:
   """Return how many `split`-trip loops (prefix scans) the compiled step
   holds, RNG loops aside."""
-  trip = f'"known_trip_count":{{"n":"{split}"}}'
-  return sum(1 for line in compiled_text.splitlines()
-             if " while(" in line and trip in line and "threefry" not in line)
+  return hlo_flops.loop_trips(compiled_text).count(split)
 
 
 def compile_variant(run: assembly.Run, layer: int) -> dict:
@@ -159,15 +136,14 @@ def measure(config: TrainConfig, layers: list[int], steps: int,
             warmup: int) -> dict[tuple[int, bool], dict]:
   """Return every variant `(layer, sharing)` compiled and timed, its
   timed steps interleaved with the others'."""
-  arrays = random_arrays(MODEL)
   # The process's first compile pays one-time setup; not the variants'.
   jax.jit(jnp.sin)(jnp.ones(2)).block_until_ready()
   variants = {}
   for i, layer in enumerate(layers):
+    runs = build_pair(config, MODEL, layer)
     # Alternating which variant compiles first evens out warm caches.
     for sharing in ((True, False) if i % 2 == 0 else (False, True)):
-      run = build_variant(config, MODEL, arrays, layer, sharing)
-      variants[layer, sharing] = compile_variant(run, layer)
+      variants[layer, sharing] = compile_variant(runs[sharing], layer)
       print(f"  compiled layer {layer} prefix sharing "
             f"{'on' if sharing else 'off'} in "
             f"{variants[layer, sharing]['compile_s']:.1f} s", flush=True)

@@ -51,10 +51,8 @@ def test_sharing_runs_the_frozen_prefix_once_per_step(bench):  # SPEC §3.5
   one (see bench/prefix.py); ON/OFF loss agreement (D5) is checked on the
   forwards in tests/targets/test_glu_lm.py and, on the step, below."""
   config = bench.recipe(2, 4, 4)
-  arrays = bench.random_arrays(TINY)
   found = {}
-  for sharing in (True, False):
-    run = bench.build_variant(config, TINY, arrays, TINY_LAYER, sharing)
+  for sharing, run in bench.build_pair(config, TINY, TINY_LAYER).items():
     traced = jax.make_jaxpr(run.built.step)(run.state, run.weights,
                                             run.data_key)
     found[sharing] = _scans(traced.jaxpr, TINY_LAYER)
@@ -65,10 +63,8 @@ def test_sharing_runs_the_frozen_prefix_once_per_step(bench):  # SPEC §3.5
 @pytest.mark.slow
 def test_sharing_on_and_off_take_the_same_first_step(bench):  # I27
   config = bench.recipe(2, 8, 8)
-  arrays = bench.random_arrays(SMALL)
   variants = {}
-  for sharing in (True, False):
-    run = bench.build_variant(config, SMALL, arrays, LAYER, sharing)
+  for sharing, run in bench.build_pair(config, SMALL, LAYER).items():
     variants[sharing] = bench.compile_variant(run, LAYER)
     bench.advance(variants[sharing])
   # ON runs the frozen prefix once per step: the clean pass's scan.

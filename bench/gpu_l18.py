@@ -1,0 +1,551 @@
+"""The Llama-3.1-8B layer-18 step on one accelerator: compile time, step
+time, FLOPs, MFU, memory, and what prefix sharing saves (SPEC §3.5).
+
+Run: `./dev bench gpu_l18` on a machine with a GPU. The step is
+`flags/l18.flags` (Llama-3.1-8B's layer-18 MLP gate/up/down, C = 24576, the
+transformer CI, the full VPD recipe) at `--sequences_per_step` ×
+`--tokens_per_sequence` tokens, built exactly as `bin/train` builds it
+(`recipe.assembly`) around random weights of Llama-3.1-8B's shapes
+(`recipe.random_lm`; the config is the committed
+`tests/fixtures/hf_configs/llama-3.1-8b/config.json`), so no checkpoint is
+needed. `--model_config` and `--recipe_settings` shrink it to CPU sizes,
+which is how `tests/bin/test_bench_gpu_l18.py` keeps it running. It
+reports:
+  * compile time, lower + compile wall; with `--compile_cache_dir` (as
+    bin/train's `--compilation_cache_dir`) the step is lowered and compiled
+    again after JAX's in-memory caches are cleared, from the persistent
+    cache, as a new process would;
+  * step time (median of `--measured_steps` after `--warmup_steps`) and
+    tokens/s;
+  * matmul FLOPs per step counted in the compiled program (every loop body
+    times its trip count, `recipe.hlo_flops`) and from the recipe
+    (`recipe.lm_flops`), and their ratio, which must lie within 10%
+    (the exit status says); XLA's `cost_analysis()` figure is printed
+    beside: it counts each loop body once;
+  * MFU: the recipe's model FLOPs (rematerialisation left out) per second
+    over the device's dense bf16 peak (`PEAK_BF16` by device kind; on CPU
+    the measured rate of a matmul in the compute dtype stands in; an
+    accelerator not in the table has none);
+  * peak device memory (`memory_stats()`, where the backend keeps it) and
+    XLA's static memory analysis of the step;
+  * prefix sharing's OFF/ON step-time ratio with the l18 sites moved to each
+    `--ratio_layers` block, beside the reference's (`prefix.REFERENCE_RATIO`), and
+    both variants' first-step recon losses, which must agree (D5). As in
+    bench/prefix.py, XLA's CSE merges OFF's identical prefix reruns, so
+    the ratios are measured in a child process with CSE off, where OFF
+    reruns the prefix as the reference does (`--ratio_with_cse` measures
+    them in this process instead). The child runs first: a GPU process
+    holds its memory pool until it exits.
+
+The default batch, 4 × 2048 tokens, is what XLA's memory analysis of this
+step compiled for CPU from its shapes (`./dev bench memory --mesh=1,1,1
+--presets=ddp --global_batch=B`) fits in one H200's 141 GB with room to
+spare: 44.4 GiB of arguments (state and frozen weights) plus 27.9 GiB of
+temporaries at B = 1 and 53.2 GiB at B = 4 (8.4 GiB per sequence), 97.6
+GiB in all; B = 6 would come to about 115 GiB. The CPU analysis overstates
+attention's temporaries (XLA on CPU materialises fp32 probabilities a
+fused GPU kernel does not). The device's own figures are still to be
+measured. JAX's memory pool is raised from its default 75% of the device
+to 95% (`XLA_PYTHON_CLIENT_MEM_FRACTION`, unless set).
+"""
+
+import dataclasses
+import gc
+import importlib.util
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from decompax.core.sites import SiteSpec
+from decompax.recipe import assembly, hlo_flops, lm_flops, random_lm
+from decompax.recipe.config import TrainConfig, read_args
+from decompax.targets import glu_config, glu_lm, glu_target
+
+
+def _load_sibling(name: str) -> types.ModuleType:
+  # Under the name the tests' loader registers, so that both share one copy
+  # (and one set of flags).
+  module_name = f"bench_{name}"
+  if module_name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(
+      module_name, pathlib.Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+  return sys.modules[module_name]
+
+
+# Its variants are compiled, stepped and timed as bench/prefix.py does.
+prefix = _load_sibling("prefix")
+
+_SEQUENCES = flags.DEFINE_integer(
+  "sequences_per_step", 4, "Sequences per step (the per-device batch).")
+_TOKENS = flags.DEFINE_integer(
+  "tokens_per_sequence", 2048, "Tokens per sequence.")
+_LAYER = flags.DEFINE_integer(
+  "decomposed_layer", 18, "Block whose l18 sites (MLP gate, up, down) are "
+  "decomposed.")
+_MODEL_CONFIG = flags.DEFINE_list(
+  "model_config", [], "key=value entries over Llama-3.1-8B's Hugging Face "
+  "config (hidden_size, intermediate_size, num_hidden_layers, "
+  "num_attention_heads, num_key_value_heads, head_dim, vocab_size): a "
+  "smaller model of the same kind.")
+_RECIPE = flags.DEFINE_list(
+  "recipe_settings", [], "name=value settings over flags/l18.flags (c, "
+  "ci_d_model, ci_n_blocks, compute_dtype, ...).")
+_MEASURED = flags.DEFINE_integer("measured_steps", 5, "Timed steps.")
+_WARMUP = flags.DEFINE_integer(
+  "warmup_steps", 2, "Untimed steps first (at least 1: the first step's "
+  "losses are compared).")
+_RATIO_LAYERS = flags.DEFINE_list(
+  "ratio_layers", ["18", "31"], "Blocks where prefix sharing's OFF/ON "
+  "ratio is measured (empty: none).")
+_RATIO_WITH_CSE = flags.DEFINE_bool(
+  "ratio_with_cse", False, "Measure the ratios in this process, XLA's CSE "
+  "on, rather than in a child process with it off.")
+_RATIOS_ONLY = flags.DEFINE_bool(
+  "ratios_only", False, "Measure only the ratios (the child process).")
+_CACHE_DIR = flags.DEFINE_string(
+  "compile_cache_dir", None, "JAX's persistent compilation cache; the step "
+  "then compiles a second time from it.")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_JSON = (ROOT / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b"
+               / "config.json")
+MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim",
+              "vocab_size")
+# Dense bf16 tensor-core peak (FLOP/s, no sparsity) by device kind, from
+# the vendors' datasheets; the first name the device kind contains wins.
+PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+             ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12))
+GOALS = {"mfu": 0.40, "compile_s": 120.0, "warm_compile_s": 10.0,
+         "ratio": {18: 1.25, 31: 1.8}}
+FLOP_TOLERANCE = 0.10
+NO_CSE = "--xla_disable_hlo_passes=cse"
+GIB = 2.0**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What one invocation measures, checked."""
+
+  sequences: int
+  tokens: int
+  layer: int
+  model_config: tuple[tuple[str, int], ...]
+  recipe_settings: tuple[str, ...]
+  measured: int
+  warmup: int
+  ratio_layers: tuple[int, ...]
+
+
+def key_values(entries: list[str], flag: str) -> list[tuple[str, str]]:
+  """Return `name=value` entries split; ValueError naming a bad one."""
+  out = []
+  for entry in entries:
+    name, sep, value = entry.partition("=")
+    if not sep or not name or not value:
+      raise ValueError(f"--{flag} entry {entry!r} is not name=value")
+    out.append((name.strip(), value.strip()))
+  return out
+
+
+def model_overrides(entries: list[str]) -> tuple[tuple[str, int], ...]:
+  """Return `--model_config` entries as (key, int) pairs; ValueError on an
+  unknown key or a value that is not a positive integer."""
+  out = []
+  for name, value in key_values(entries, "model_config"):
+    if name not in MODEL_KEYS:
+      raise ValueError(f"--model_config key {name!r} is not one of "
+                       f"{', '.join(MODEL_KEYS)}")
+    if not value.isdigit() or int(value) <= 0:
+      raise ValueError(f"--model_config {name}={value}: want a positive "
+                       "integer")
+    out.append((name, int(value)))
+  return tuple(out)
+
+
+def settings_from_flags() -> Settings:
+  """Return the checked flags; ValueError with a one-line reason."""
+  for name, holder in (("sequences_per_step", _SEQUENCES),
+                       ("tokens_per_sequence", _TOKENS),
+                       ("measured_steps", _MEASURED),
+                       ("warmup_steps", _WARMUP)):
+    if holder.value < 1:
+      raise ValueError(f"--{name} must be at least 1, got {holder.value}")
+  try:
+    ratio_layers = tuple(int(n) for n in _RATIO_LAYERS.value)
+  except ValueError:
+    raise ValueError(f"--ratio_layers must be block numbers, got "
+                     f"{','.join(_RATIO_LAYERS.value)}") from None
+  key_values(_RECIPE.value, "recipe_settings")
+  return Settings(_SEQUENCES.value, _TOKENS.value, _LAYER.value,
+                  model_overrides(_MODEL_CONFIG.value),
+                  tuple(_RECIPE.value), _MEASURED.value, _WARMUP.value,
+                  ratio_layers)
+
+
+def llama_config(overrides: tuple[tuple[str, int], ...] = ()
+                 ) -> glu_config.GluConfig:
+  """Return Llama-3.1-8B's `GluConfig`, with `overrides` of its HF keys."""
+  hf = json.loads(CONFIG_JSON.read_text())
+  hf.update(overrides)
+  return glu_config.config_from_hf(hf)
+
+
+def l18_recipe(settings: Settings) -> TrainConfig:
+  """Return `flags/l18.flags` at the bench's batch and settings."""
+  return read_args([f"--flagfile={ROOT / 'flags' / 'l18.flags'}",
+                    *(f"--{s}" for s in settings.recipe_settings),
+                    f"--batch_size={settings.sequences}",
+                    f"--seq_len={settings.tokens}"])
+
+
+def l18_sites(config: TrainConfig, model: glu_config.GluConfig,
+              layer: int) -> tuple[SiteSpec, ...]:
+  """Return the recipe's sites (one block's matrices) moved to `layer`."""
+  if not 0 < layer < model.n_layers:
+    raise ValueError(f"block {layer} is not a block with a prefix of the "
+                     f"{model.n_layers}-layer model (1..{model.n_layers - 1})")
+  roles = [glu_lm.parse_site(name)[1] for name in config.sites]
+  names = tuple(glu_lm.site_name(layer, role) for role in roles)
+  return glu_target.site_specs(model, names, config.c)
+
+
+def check_settings(settings: Settings) -> None:
+  """Raise ValueError, in one line, for settings the bench cannot run."""
+  config, model = l18_recipe(settings), llama_config(settings.model_config)
+  lm_flops.check_covered(config)
+  if not (config.stochastic_coeff > 0 and config.pgd_coeff > 0):
+    raise ValueError("the bench compares both recon terms' first-step "
+                     "losses; keep --stochastic_coeff and --pgd_coeff above 0")
+  for layer in (settings.layer, *settings.ratio_layers):
+    l18_sites(config, model, layer)
+
+
+def peak_flops(device: Any, dtype: Any) -> tuple[float | None, str]:
+  """Return the device's dense bf16 peak FLOP/s and where it comes from
+  (None: not known)."""
+  if device.platform == "cpu":
+    name = jnp.dtype(dtype).name
+    return (hlo_flops.measured_matmul_rate(dtype),
+            f"this CPU's measured {name} matmul rate")
+  for kind, peak in PEAK_BF16:
+    if kind in device.device_kind:
+      return peak, f"{kind} datasheet, dense bf16"
+  return None, f"no peak known for {device.device_kind}"
+
+
+def peak_memory(device: Any) -> float | None:
+  """Return the device's peak bytes in use so far (None: not kept)."""
+  return (device.memory_stats() or {}).get("peak_bytes_in_use")
+
+
+def run_steps(variant: dict, measured: int, warmup: int) -> float:
+  """Step a compiled variant (`prefix.compile_variant`'s) `warmup` and then
+  `measured` times; return the median time of the measured steps."""
+  for _ in range(warmup + measured):
+    prefix.advance(variant)
+  return statistics.median(variant["times"][warmup:])
+
+
+def static_memory(compiled: Any) -> dict[str, float]:
+  """Return XLA's memory analysis of the compiled step, in bytes."""
+  stats = compiled.memory_analysis()
+  return {name: float(getattr(stats, f"{name}_size_in_bytes"))
+          for name in ("argument", "output", "alias", "temp")}
+
+
+def measure_step(settings: Settings, recompile: bool = False) -> dict:
+  """Return the report of the l18 step: compile time (and with `recompile`
+  the time to compile it again from JAX's persistent cache, which the
+  caller has configured), step time, FLOPs counted both ways, MFU,
+  memory."""
+  config, model = l18_recipe(settings), llama_config(settings.model_config)
+  lm_flops.check_covered(config)
+  sites = l18_sites(config, model, settings.layer)
+  dtype = jnp.dtype(config.compute_dtype)
+  weights = random_lm.random_weights(jax.random.key(0), model, sites, dtype)
+  run = random_lm.build_run(config, model, sites, weights)
+  variant = prefix.compile_variant(run, settings.layer)
+  warm_s = None
+  if recompile:
+    # Cleared in-memory caches leave the persistent one: a new process's
+    # trace, lowering and compile from the cache.
+    jax.clear_caches()
+    warm_s = prefix.compile_variant(run, settings.layer)["compile_s"]
+  compiled = variant["step"]
+  counted = hlo_flops.compiled_matmul_flops(compiled.as_text())
+  predicted = lm_flops.lm_step_flops(config, model, sites)
+  step_s = run_steps(variant, settings.measured, settings.warmup)
+  device = jax.devices()[0]
+  peak, source = peak_flops(device, dtype)
+  ratio = predicted.executed / counted.flops
+  return {
+    "device": device.device_kind, "model": model, "config": config,
+    "compile_s": variant["compile_s"], "warm_compile_s": warm_s,
+    "step_s": step_s,
+    "tokens_per_s": config.batch_size * config.seq_len / step_s,
+    "flops_compiled": counted.flops, "uncounted": counted.uncounted,
+    "flops_xla_cost": hlo_flops.xla_cost_flops(compiled),
+    "flops_executed": predicted.executed, "flops_model": predicted.model,
+    "flops_parts": predicted, "flops_ratio": ratio,
+    "flops_agree": abs(ratio - 1) <= FLOP_TOLERANCE,
+    "peak_flops": peak, "peak_source": source,
+    "mfu": None if peak is None else predicted.model / step_s / peak,
+    "executed_rate": predicted.executed / step_s,
+    "peak_memory": peak_memory(device), "static_memory":
+    static_memory(compiled), "first_losses": variant["first"],
+  }
+
+
+def loss_tolerance(compute_dtype: str, loss: float) -> float:
+  """Return how far ON's and OFF's first-step losses may lie apart: D5's
+  2e-5 in fp32, plus a bf16 rounding (2⁻⁷ relative) in a bf16 step."""
+  return 2e-5 + (0.0 if compute_dtype == "float32" else 2**-7 * abs(loss))
+
+
+def measure_ratio(settings: Settings, layer: int,
+                  shared: dict | None = None) -> dict:
+  """Return prefix sharing's OFF/ON step-time ratio with the l18 sites at
+  block `layer`, each variant's compile time, prefix loops and first-step
+  recon losses. The variants run one after the other, so only one state
+  is ever on the device; `shared` is a report of the ON variant measured
+  already (`measure_step`'s at the same block), reused."""
+  config, model = l18_recipe(settings), llama_config(settings.model_config)
+  sites = l18_sites(config, model, layer)
+  weights = random_lm.random_weights(
+    jax.random.key(0), model, sites, jnp.dtype(config.compute_dtype))
+  variants = {}
+  for sharing in (True, False):
+    if sharing and shared is not None:
+      variants[sharing] = {"compile_s": shared["compile_s"],
+                           "step_s": shared["step_s"], "prefix_loops": None,
+                           "first": shared["first_losses"]}
+      continue
+    variant = prefix.compile_variant(
+      random_lm.build_run(config, model, sites, weights, sharing), layer)
+    step_s = run_steps(variant, settings.measured, settings.warmup)
+    variants[sharing] = {"step_s": step_s, **{
+      k: variant[k] for k in ("compile_s", "prefix_loops", "first")}}
+    # One state on the device at a time.
+    del variant
+    gc.collect()
+  on, off = variants[True], variants[False]
+  diff = max((abs(on["first"][k] - off["first"][k]) for k in on["first"]),
+             default=0.0)
+  bound = loss_tolerance(config.compute_dtype,
+                         max(on["first"].values(), default=0.0))
+  return {"layer": layer, "on": on, "off": off,
+          "ratio": off["step_s"] / on["step_s"], "loss_diff": diff,
+          "losses_agree": diff <= bound}
+
+
+def _bytes(value: float | None) -> str:
+  """Return a byte count in GiB, or MiB below one GiB, or n/a."""
+  if value is None:
+    return "n/a"
+  return (f"{value / GIB:.2f} GiB" if value >= GIB
+          else f"{value / 2**20:.2f} MiB")
+
+
+def _si(value: float | None, unit: str) -> str:
+  """Return `value` with an SI prefix (`1.23 T` + unit), or n/a."""
+  if value is None:
+    return "n/a"
+  for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6),
+                        ("k", 1e3)):
+    if abs(value) >= scale:
+      return f"{value / scale:.3g} {prefix}{unit}"
+  return f"{value:.3g} {unit}"
+
+
+def describe(report: dict, settings: Settings) -> str:
+  """Return the one-line description of what was measured."""
+  m, c = report["model"], report["config"]
+  return (f"machine: {report['device']}; a Llama-3.1-8B-like model "
+          f"({m.n_layers} layers, d {m.d_model}, d_ff {m.d_ff}, heads "
+          f"{m.n_heads}/{m.n_kv_heads}, vocab {m.vocab_size}), random "
+          f"weights; flags/l18.flags sites at block {settings.layer}, "
+          f"C={c.c}, CI {c.ci_n_blocks}x{c.ci_d_model} ({c.ci_n_heads} "
+          f"heads, d_mlp {c.ci_d_mlp}), {c.compute_dtype}, batch "
+          f"{c.batch_size}x{c.seq_len}; median of {settings.measured} steps "
+          f"after {settings.warmup}")
+
+
+def report_rows(report: dict, settings: Settings) -> list[tuple[str, str,
+                                                                str]]:
+  """Return the report's `(measure, value, goal)` rows."""
+  memory = report["static_memory"]
+  rows = [
+    ("compile (lower + compile)", f"{report['compile_s']:.1f} s",
+     f"<= {GOALS['compile_s']:.0f} s"),
+    ("compile again, warm persistent cache",
+     "not run (no --compile_cache_dir)" if report["warm_compile_s"] is None
+     else f"{report['warm_compile_s']:.1f} s",
+     f"<= {GOALS['warm_compile_s']:.0f} s"),
+    (f"step (median of {settings.measured} after {settings.warmup})",
+     f"{1e3 * report['step_s']:.1f} ms", ""),
+    ("tokens/s", f"{report['tokens_per_s']:.0f}", ""),
+    ("FLOPs/step in the compiled HLO (loops x trips)",
+     _si(report["flops_compiled"], "FLOP"), ""),
+    ("FLOPs/step analytic, as executed (with remat)",
+     _si(report["flops_executed"], "FLOP"),
+     f"ratio to compiled {report['flops_ratio']:.4f}: "
+     f"{'agree' if report['flops_agree'] else 'DISAGREE'} (within 10%)"),
+    ("FLOPs/step analytic, model (remat left out)",
+     _si(report["flops_model"], "FLOP"), ""),
+    ("FLOPs/step XLA cost_analysis (loop bodies once)",
+     _si(report["flops_xla_cost"], "FLOP"), ""),
+    (f"peak ({report['peak_source']})", _si(report["peak_flops"], "FLOP/s"),
+     ""),
+    ("MFU (model FLOPs / step time / peak)",
+     "n/a" if report["mfu"] is None else f"{100 * report['mfu']:.1f}%",
+     f">= {100 * GOALS['mfu']:.0f}% on an H200"),
+    ("executed FLOP rate (with remat)",
+     _si(report["executed_rate"], "FLOP/s"), ""),
+    ("peak device memory (memory_stats)", _bytes(report["peak_memory"]),
+     ""),
+    ("XLA memory analysis: arguments / outputs / alias / temp",
+     " / ".join(_bytes(memory[k]) for k in
+                ("argument", "output", "alias", "temp")), ""),
+  ]
+  if report["uncounted"]:
+    rows.append(("not sized by the HLO count", ", ".join(
+      f"{n} x{k}" for n, k in report["uncounted"].items()), ""))
+  return rows
+
+
+def flop_parts_rows(report: dict) -> list[tuple[str, str]]:
+  """Return the analytic count's parts."""
+  parts = report["flops_parts"]
+  return ([(name, _si(v, "FLOP")) for name, v in parts.work.items()]
+          + [(f"{name} (remat)", _si(v, "FLOP"))
+             for name, v in parts.recompute.items()])
+
+
+def ratio_rows(ratios: list[dict]) -> list[str]:
+  """Return the OFF/ON table, one line per block."""
+  lines = ["| block | step ON ms | step OFF ms | OFF/ON | reference | goal "
+           "| prefix loops ON/OFF | compile ON/OFF s | max first-step loss "
+           "diff |", "|---|---|---|---|---|---|---|---|---|"]
+  for r in ratios:
+    on, off, layer = r["on"], r["off"], r["layer"]
+    ref, goal = prefix.REFERENCE_RATIO.get(layer), GOALS["ratio"].get(layer)
+    loops = "/".join("-" if v["prefix_loops"] is None
+                     else str(v["prefix_loops"]) for v in (on, off))
+    lines.append(
+      f"| {layer} | {1e3 * on['step_s']:.1f} | {1e3 * off['step_s']:.1f} | "
+      f"{r['ratio']:.2f}x | {f'{ref:.2f}x' if ref else '-'} | "
+      f"{f'>= {goal:.2f}x' if goal else '-'} | {loops} | "
+      f"{on['compile_s']:.1f}/{off['compile_s']:.1f} | {r['loss_diff']:.2e}"
+      f"{'' if r['losses_agree'] else ' FAILED (D5)'} |")
+  return lines
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+  """Print `rows` as a Markdown table with a header of the first row."""
+  print("| " + " | ".join(rows[0]) + " |")
+  print("|" + "---|" * len(rows[0]))
+  for row in rows[1:]:
+    print("| " + " | ".join(row) + " |", flush=True)
+
+
+def measure_ratios(settings: Settings, shared: dict | None = None
+                   ) -> list[dict]:
+  """Return the OFF/ON measurement at every ratio block; `shared` is the
+  main report, reused for the ON variant at its block."""
+  return [measure_ratio(settings, layer, shared
+                        if shared and layer == settings.layer else None)
+          for layer in settings.ratio_layers]
+
+
+def child_argv() -> list[str]:
+  """Return the command measuring the ratios in a child process."""
+  own = ("sequences_per_step", "tokens_per_sequence", "decomposed_layer",
+         "model_config", "recipe_settings", "measured_steps", "warmup_steps",
+         "ratio_layers")
+  return [sys.executable, "-P", __file__, "--ratios_only",
+          *(flags.FLAGS[name].serialize() for name in own)]
+
+
+def run_ratio_child() -> tuple[str, bool]:
+  """Return the child's ratio table and whether its checks held, measured
+  with XLA's CSE off (read when the child's backend starts)."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + NO_CSE).strip()
+  done = subprocess.run(child_argv(), env=env, capture_output=True,
+                        text=True)
+  out = done.stdout
+  if done.returncode != 0:
+    out += f"ratio child exited {done.returncode}:\n" + "\n".join(
+      done.stderr.splitlines()[-10:]) + "\n"
+  return out, done.returncode == 0
+
+
+def print_ratios(ratios: list[dict]) -> None:
+  """Print the OFF/ON table under what XLA did with OFF's prefix."""
+  if NO_CSE in os.environ.get("XLA_FLAGS", ""):
+    print("prefix sharing OFF/ON, XLA CSE off: OFF reruns the frozen prefix "
+          "in every masked forward, as the reference does")
+  else:
+    print("prefix sharing OFF/ON, XLA CSE on: XLA merges OFF's identical "
+          "prefix reruns into the clean pass's")
+  print("\n".join(ratio_rows(ratios)), flush=True)
+
+
+def main(argv):
+  del argv
+  try:
+    settings = settings_from_flags()
+    check_settings(settings)
+    cache = _CACHE_DIR.value
+    if cache and os.path.exists(cache) and not os.path.isdir(cache):
+      raise ValueError(f"--compile_cache_dir {cache} is a file; name a "
+                       "directory")
+  except ValueError as e:
+    sys.exit(f"gpu_l18: {e}")
+  # JAX's default pool is 75% of the device: too little for this step.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  if _RATIOS_ONLY.value:
+    ratios = measure_ratios(settings)
+    print_ratios(ratios)
+    sys.exit(0 if all(r["losses_agree"] for r in ratios) else 1)
+  child = None
+  if settings.ratio_layers and not _RATIO_WITH_CSE.value:
+    print("[gpu_l18] prefix sharing's ratios, in a child process with XLA's "
+          "CSE off ...", flush=True)
+    # Before this process takes the device's memory.
+    child = run_ratio_child()
+  if _CACHE_DIR.value:
+    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR.value)
+  print("[gpu_l18] the l18 step: compile, FLOPs, steps ...", flush=True)
+  report = measure_step(settings, recompile=bool(_CACHE_DIR.value))
+  print(describe(report, settings))
+  print_table([("measure", "value", "goal"), *report_rows(report, settings)])
+  print("analytic FLOPs by part:")
+  print_table([("part", "FLOPs"), *flop_parts_rows(report)])
+  ok = report["flops_agree"]
+  if child is not None:
+    print(child[0], end="", flush=True)
+    ok &= child[1]
+  elif settings.ratio_layers:
+    ratios = measure_ratios(settings, report)
+    print_ratios(ratios)
+    ok &= all(r["losses_agree"] for r in ratios)
+  sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+  sys.argv[0] = "gpu_l18"
+  app.run(main)
