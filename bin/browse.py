@@ -24,11 +24,14 @@ import numpy as np
 from absl import flags, logging
 
 from decompax.bin import cli
+from decompax.core import sites as sites_lib
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
 
+# Not `required`: tests import this module beside other binaries' flags,
+# and a required flag would fail their parses; main checks it instead.
 _RUN_DIRS = flags.DEFINE_list(
-  "run_dir", None, "Run directories with a finished harvest.", required=True)
+  "run_dir", None, "Run directories with a finished harvest.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to serve on.")
 _PORT = flags.DEFINE_integer("port", 8470, "Port to serve on (0: any free).")
 
@@ -48,6 +51,8 @@ class Served(NamedTuple):
   harvest: harvest_lib.Harvest
   rows: list[dict]
   decode: Callable[[int], str]
+  # Toys: each site's CI on the one-feature probe inputs, [n_features, C].
+  probe: dict[str, np.ndarray]
 
 
 class BadRequest(Exception):
@@ -69,7 +74,11 @@ def serve_run(path: str) -> Served:
   harvest = harvest_lib.load_harvest(path)
   rows = explore.component_rows(run, harvest.sites,
                                 harvest.manifest["positions"])
-  return Served(path, run, harvest, rows, token_decoder(run))
+  probe = {}
+  if run.target.feature_probe is not None:
+    probe = {site: np.asarray(ci) for site, ci in explore.component_ci(
+      run, run.target.feature_probe()).items()}
+  return Served(path, run, harvest, rows, token_decoder(run), probe)
 
 
 def token_decoder(run: explore.LoadedRun) -> Callable[[int], str]:
@@ -99,12 +108,14 @@ def parse_prompt(text: Any, vocab: int) -> list[int]:
   return ids
 
 
-def parse_ablate(value: Any, served: Served) -> dict[str, list[int]]:
-  """Return `{site: [component, …]}` checked against the run's sites."""
+def parse_choice(value: Any, served: Served, field: str
+                 ) -> dict[str, list[int]]:
+  """Return the request's `field` (`ablate` or `keep`) as `{site:
+  [component, …]}`, checked against the run's sites."""
   if value is None:
     return {}
   if not isinstance(value, dict):
-    raise BadRequest(400, "ablate must map site names to component lists")
+    raise BadRequest(400, f"{field} must map site names to component lists")
   sizes = {s.name: s.c for s in served.run.target.sites}
   total, chosen = 0, {}
   for site, components in value.items():
@@ -113,12 +124,12 @@ def parse_ablate(value: Any, served: Served) -> dict[str, list[int]]:
     if (not isinstance(components, list)
         or not all(isinstance(c, int) and 0 <= c < sizes[site]
                    for c in components)):
-      raise BadRequest(400, f"ablate[{site!r}] must list components in "
+      raise BadRequest(400, f"{field}[{site!r}] must list components in "
                        f"[0, {sizes[site]})")
     total += len(components)
     chosen[site] = sorted(set(components))
   if total > MAX_ABLATED:
-    raise BadRequest(413, f"at most {MAX_ABLATED} ablated components")
+    raise BadRequest(413, f"at most {MAX_ABLATED} components in {field}")
   return chosen
 
 
@@ -127,16 +138,18 @@ def bucket(length: int) -> int:
   return next(b for b in BUCKETS if b >= length)
 
 
-def predictions(served: Served, ids: list[int],
-                ablate: dict[str, list[int]]) -> dict:
-  """Return the prompt's clean and ablated predictions per position."""
+def predictions(served: Served, ids: list[int], ablate: dict[str, list[int]],
+                keep: dict[str, list[int]] | None = None) -> dict:
+  """Return the prompt's clean and ablated predictions per position, and
+  the CI of every component alive on the prompt, per site and position."""
   padded = np.zeros(bucket(len(ids)), np.int32)
   padded[:len(ids)] = ids
   start = time.perf_counter()
   p = explore.predict(served.run, jnp.asarray(padded), ablate,
-                      TOP_PREDICTIONS)
+                      TOP_PREDICTIONS, keep or None)
   p = [np.asarray(a)[:len(ids)] for a in p]
   seconds = time.perf_counter() - start
+  ci = explore.component_ci(served.run, jnp.asarray(padded)[None])
   decode = served.decode
 
   def top(tokens, probs):
@@ -148,7 +161,20 @@ def predictions(served: Served, ids: list[int],
                    "ablated": top(p[2][t], p[3][t]), "kl": float(p[4][t])}
                   for t in range(len(ids))],
     "seconds": seconds,
+    "ci": alive_ci(ci, len(ids), served.run.config.ci_alive_threshold),
   }
+
+
+def alive_ci(ci: dict, length: int, threshold: float) -> dict:
+  """Return per site `[[component, [CI per position]], …]` of the
+  components whose CI exceeds `threshold` somewhere in the prompt."""
+  out = {}
+  for site, values in ci.items():
+    values = np.asarray(values)[0, :length]
+    alive = np.flatnonzero(values.max(axis=0) > threshold)
+    out[site] = [[int(c), [round(float(x), 4) for x in values[:, c]]]
+                 for c in alive]
+  return out
 
 
 def component_page(served: Served, site: str, component: int) -> dict:
@@ -172,8 +198,16 @@ def component_page(served: Served, site: str, component: int) -> dict:
       tokens = [f"{x:.2f}" for x in context]
     contexts.append({"ci": float(values), "tokens": tokens,
                      "token_ci": [float(x) for x in ci]})
+  toy = {}
+  if site in served.probe:
+    spec = sites_lib.site_by_name(served.run.target.sites)[site]
+    v, u = (np.asarray(a) for a in sites_lib.site_factors(
+      served.run.decomposition.components, spec))
+    toy = {"probe_ci": [float(x) for x in served.probe[site][:, component]],
+           "v": [float(x) for x in v[:, component]],
+           "u": [float(x) for x in u[component]]}
   return {
-    **row,
+    **row, **toy,
     "contexts": contexts[:CONTEXTS_SHOWN],
     "histogram": {"floor": served.harvest.manifest["histogram_bands"]["floor"],
                   "counts": [int(x) for x in stats["histogram"][component]]},
@@ -240,7 +274,8 @@ def make_app(runs: list[Served]):
     request_body = body(request)
     vocab = explore.vocab_size(s.run)
     return predictions(s, parse_prompt(request_body.get("prompt"), vocab),
-                       parse_ablate(request_body.get("ablate"), s))
+                       parse_choice(request_body.get("ablate"), s, "ablate"),
+                       parse_choice(request_body.get("keep"), s, "keep"))
 
   def app(environ, start_response):
     request = Request(environ)
@@ -271,6 +306,9 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
+  if not _RUN_DIRS.value:
+    fail("--run_dir must name at least one run directory with a finished "
+         "harvest (bin/harvest --run_dir=DIR makes one)")
   try:
     import werkzeug  # noqa: F401, PLC0415
   except ImportError:

@@ -340,15 +340,17 @@ class Prediction(NamedTuple):
 
 
 def predict(run: LoadedRun, tokens: Int[Array, " t"], ablate: Optional[Choice],
-            top: int = 5) -> Prediction:
+            top: int = 5, keep: Optional[Choice] = None) -> Prediction:
   """Return the clean and ablated models' top-`top` next-token predictions
-  at every position of one prompt, and their KL per position.
+  at every position of one prompt, and their KL per position (`ablate` and
+  `keep` as in `ablated_forward`).
 
   Positions past the prompt's real length (a caller's padding to a fixed
   length, so new prompts reuse one compiled forward) do not change the
   earlier ones: the model is causal.
   """
-  out = ablated_forward(run, jnp.asarray(tokens, jnp.int32)[None], ablate)
+  out = ablated_forward(run, jnp.asarray(tokens, jnp.int32)[None], ablate,
+                        keep)
   clean = jax.nn.log_softmax(out.clean[0].astype(jnp.float32), axis=-1)
   ablated = jax.nn.log_softmax(out.output[0].astype(jnp.float32), axis=-1)
   kl = jnp.sum(jnp.exp(clean) * (clean - ablated), axis=-1)

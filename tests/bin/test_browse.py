@@ -195,3 +195,43 @@ def test_in_a_real_browser(server, chromium, tmp_path):
   shot = tmp_path / "browse.png"
   assert chromium.save_screenshot(str(shot))
   assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_keep_mode_and_the_prompt_ci_heat_map(server):
+  sites = json.loads(_get(server + "/api/runs")[1])[0]["sites"]
+  prompt = "0 3 5 7 3"
+  everything = {site: list(range(c)) for site, c in sites.items()}
+  status, kept = _post(server + "/api/runs/0/predict", json.dumps(
+    {"prompt": prompt, "keep": everything}).encode())
+  assert status == 200
+  # Keeping every component is the clean model.
+  assert all(p["kl"] == pytest.approx(0.0, abs=1e-6)
+             for p in kept["positions"])
+  site = next(iter(sites))
+  status, none_kept = _post(server + "/api/runs/0/predict", json.dumps(
+    {"prompt": prompt, "keep": {site: []}}).encode())
+  assert max(p["kl"] for p in none_kept["positions"]) > 0
+  # The heat map: per site, each component alive somewhere on the prompt
+  # with its CI at every position.
+  assert set(kept["ci"]) == set(sites)
+  for site, rows in kept["ci"].items():
+    for c, values in rows:
+      assert 0 <= c < sites[site] and len(values) == 5
+      assert max(values) > 0.1
+
+
+def test_a_toy_component_page_shows_its_probe_ci_and_factors(finished_run):
+  path = finished_run("tms")
+  run = explore.load_run(path)
+  settings = harvest_lib.resolve(run, harvest_lib.Request(
+    positions=512, batch_size=64, top_k=3, ablation_batches=1))
+  out = f"{path}/{harvest_lib.HARVEST_DIR}"
+  record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
+  harvest_lib.write_manifest(out, path, run, settings, record)
+  page = browse.component_page(browse.serve_run(path), "linear1", 2)
+  assert len(page["probe_ci"]) == 5            # one per TMS 5-2 feature
+  assert len(page["v"]) == 5 and len(page["u"]) == 2
+  probe = explore.component_ci(run, run.target.feature_probe())["linear1"]
+  np.testing.assert_allclose(page["probe_ci"], np.asarray(probe)[:, 2],
+                             rtol=1e-6)
+  assert all(len(c["tokens"]) == 5 for c in page["contexts"])  # input rows
