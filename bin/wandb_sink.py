@@ -71,6 +71,9 @@ def open_sink(project: str, output_dir: str, config: Any,
   run = wandb.init(
     project=project, name=name or os.path.basename(os.path.normpath(
       output_dir)), dir=output_dir, id=state.get("id"), resume="allow",
+    # The console stays the process's own: W&B logs what metrics.jsonl
+    # holds, and a wrapped stdout would outlive the run in a test process.
+    settings=wandb.Settings(console="off"),
     config=dataclasses.asdict(config) if dataclasses.is_dataclass(config)
     else dict(config))
   state = {"id": run.id, "step": state.get("step", -1)}

@@ -11,7 +11,12 @@ import struct
 import subprocess
 import sys
 
+import matplotlib
+import pytest
 from wandb.proto import wandb_internal_pb2
+
+from decompax.bin import wandb_sink
+from decompax.io import run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARGS = ("--target=tms_5-2", "--c=6", "--batch_size=16", "--num_steps=8",
@@ -79,6 +84,7 @@ def _metrics(run_dir):
     os.path.join(run_dir, "metrics.jsonl")))}
 
 
+@pytest.mark.slow
 def test_offline_runs_log_the_metrics_settings_and_figures_once(tmp_path):
   """Two launches (a stop at step 4, then the rest): one W&B run, each
   metrics.jsonl record logged once with its values, the settings at init
@@ -97,3 +103,41 @@ def test_offline_runs_log_the_metrics_settings_and_figures_once(tmp_path):
         assert history[step][key] == value, (step, key)
   assert {"lr", "c", "target", "seed"} <= config
   assert any(k.startswith("figures/") for k in second[8])
+
+
+def test_the_sink_logs_each_record_once_across_a_resume(tmp_path, monkeypatch):
+  """Fast variant of the two launches above, with the sink alone: records
+  appended to metrics.jsonl are logged once, with their values, by a sink
+  and by its resumed successor; settings at init, figures at close."""
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  metrics = tmp_path / run_dir.METRICS_FILE
+  settings = {"lr": 1e-3, "c": 6}
+
+  def append(step, loss):
+    run_dir.append_metrics(str(metrics), {"step": step, "loss/total": loss,
+                                          "note": "text is left out"})
+
+  sink = wandb_sink.open_sink("decompax-test", str(tmp_path), settings)
+  append(0, 1.0)
+  append(2, 0.5)
+  sink.sync()
+  sink.sync()  # nothing new: nothing logged
+  sink.close()
+  append(4, 0.25)
+  figures = tmp_path / "figures"
+  figures.mkdir()
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  plt.figure(figsize=(1, 1))
+  plt.savefig(figures / "ci.png")
+  plt.close()
+  resumed = wandb_sink.open_sink("decompax-test", str(tmp_path), settings)
+  resumed.close(str(figures))
+  (first, config), (second, _) = _logged(tmp_path)
+  assert {s: h["loss/total"] for s, h in first.items()} == {0: 1.0, 2: 0.5}
+  assert second[4]["loss/total"] == 0.25 and sorted(second) == [4]
+  assert any(k.startswith("figures/ci/") for k in second[4])
+  assert {"lr", "c"} <= config
+  assert json.loads((tmp_path / wandb_sink.STATE_FILE).read_text())[
+    "step"] == 4

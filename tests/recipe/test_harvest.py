@@ -172,6 +172,7 @@ def test_bad_requests_are_named(induction, request_, message):
     harvest_lib.resolve(induction, request_)
 
 
+@pytest.mark.slow
 def test_a_language_model_harvests_its_token_file(finished_run, tmp_path):
   """The tiny Llama, on the token file it trained on: every site harvested,
   every position counted, contexts are token windows of that file."""
@@ -190,3 +191,27 @@ def test_a_language_model_harvests_its_token_file(finished_run, tmp_path):
     assert context.shape == (site.c, 3, 1 + settings.before + settings.after)
     assert context.max() < 128 and (context >= -1).all()
   assert record["ratio_to_clean"] > 0
+
+
+def test_a_token_file_is_harvested_in_windows_of_its_own(induction, tmp_path):
+  """Fast variant of the tiny Llama harvest: the induction run over a token
+  file of its 32-token vocabulary, in windows of the requested length."""
+  from decompax.io import tokens  # noqa: PLC0415
+  rng = np.random.default_rng(1)
+  path = tmp_path / "tokens.bin"
+  tokens.write_tokens(path, [rng.integers(0, 31, rng.integers(5, 40))
+                             for _ in range(50)], 32, 31, "test")
+  settings = harvest_lib.resolve(induction, harvest_lib.Request(
+    positions=2 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
+    ablation_batches=0, data_path=str(path)))
+  assert settings.seq_len == 12 and settings.n_batches == 2
+  out = str(tmp_path / "harvest")
+  harvest_lib.harvest(induction, settings, out, say=lambda _: None)
+  opened = tokens.open_tokens(path)
+  ids = np.concatenate([tokens.read_batch(opened, 0, i, 4, 12)
+                        for i in range(2)])
+  for site in induction.target.sites:
+    assert _read(out, site.name, "histogram").sum() == 2 * 4 * 12 * site.c
+    context = _read(out, site.name, "top_context")
+    centre = context[:, :, settings.before]
+    assert np.isin(centre, ids).all()
