@@ -10,6 +10,7 @@ import pathlib
 import struct
 import subprocess
 import sys
+import time
 
 import matplotlib
 import pytest
@@ -132,6 +133,9 @@ def test_the_sink_logs_each_record_once_across_a_resume(tmp_path, monkeypatch):
   plt.figure(figsize=(1, 1))
   plt.savefig(figures / "ci.png")
   plt.close()
+  # An offline run's directory is named by its id and start second: a
+  # resume within the same second would reuse the first one's directory.
+  time.sleep(1.1)
   resumed = wandb_sink.open_sink("decompax-test", str(tmp_path), settings)
   resumed.close(str(figures))
   (first, config), (second, _) = _logged(tmp_path)
