@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from decompax.recipe import assembly
+from decompax.recipe import assembly, hlo_flops
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import registry
 
@@ -66,16 +66,7 @@ MATCHED_FLAGS = ("--use_delta_component", "--faithfulness_coeff=0")
 
 def matmul_flops_per_s(n: int = 1024, repeats: int = 20) -> float:
   """Return the measured fp32 FLOP/s of an `n×n @ n×n` jitted matmul."""
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-  f = jax.jit(jnp.matmul)
-  f(a, b).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    f(a, b).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2 * n**3 / statistics.median(times)
+  return hlo_flops.measured_matmul_rate(jnp.float32, n, repeats)
 
 
 def load_recipe(name: str) -> TrainConfig:
