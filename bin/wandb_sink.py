@@ -13,7 +13,6 @@ it later). Needs the `decompax[wandb]` extra; process 0 logs.
 import dataclasses
 import glob
 import json
-import math
 import os
 from typing import Any, NamedTuple, Optional
 
@@ -40,12 +39,6 @@ def check_installed() -> None:
   except ImportError:
     raise ImportError("--wandb_project needs the wandb package: pip install "
                       "'decompax[wandb]'") from None
-
-
-def _scalars(record: dict) -> dict[str, float]:
-  return {k: float(v) for k, v in record.items()
-          if k != "step" and isinstance(v, (int, float))
-          and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def _read_state(path: str) -> dict:
@@ -87,7 +80,7 @@ def open_sink(project: str, output_dir: str, config: Any,
     for record in run_dir.read_metrics(metrics_path):
       step = int(record["step"])
       if step > state["step"]:
-        run.log(_scalars(record), step=step)
+        run.log(run_dir.scalar_values(record), step=step)
         last = step
     if last != state["step"]:
       state["step"] = last

@@ -201,6 +201,22 @@ def variant_site_masks(
   return {name: SiteMask(constant[variant](ci_lower[name])) for name in names}
 
 
+def one_ablated_site_masks(
+  sites: tuple[SiteSpec, ...], site_index: Array, component: Array,
+  lead: tuple[int, ...],
+) -> dict[str, SiteMask]:
+  """Return every site's masks with component `component` of site
+  `sites[site_index]` alone at 0, every other mask 1, the delta path on
+  (so the forward with nothing ablated is the target). Traceable in
+  `site_index` and `component`, for a `lax.map` over components."""
+  masks = {}
+  for i, site in enumerate(sites):
+    off = jnp.where(site_index == i, jax.nn.one_hot(component, site.c), 0.0)
+    masks[site.name] = SiteMask(jnp.broadcast_to(1.0 - off, (*lead, site.c)),
+                                jnp.ones(lead, jnp.float32))
+  return masks
+
+
 def uniform_k_routes(
   key: Key[Array, ""], lead_shape: tuple[int, ...], n_sites: int
 ) -> Bool[Array, "*l n"]:

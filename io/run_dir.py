@@ -15,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import shutil
 import socket
@@ -374,6 +375,14 @@ def truncate_metrics(path: Path, last_step: int) -> int:
   text = "".join(json.dumps(r, default=_json_default) + "\n" for r in kept)
   atomic_write(path, lambda f: f.write(text.encode("utf-8")))
   return len(kept)
+
+
+def scalar_values(record: Mapping[str, Any]) -> dict[str, float]:
+  """Return a metrics record's finite numeric values but its step (what a
+  scalar logger can plot; strings, flags and non-finite values left out)."""
+  return {k: float(v) for k, v in record.items()
+          if k != "step" and isinstance(v, (int, float))
+          and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -7,7 +7,6 @@ moved into place whole, so a rerun replaces the previous conversion and an
 interrupted one leaves the previous in place.
 """
 
-import math
 import os
 import shutil
 import tempfile
@@ -15,12 +14,6 @@ import tempfile
 from decompax.io import run_dir
 
 EVENTS_DIR = "tensorboard"
-
-
-def _scalars(record: dict) -> dict[str, float]:
-  return {k: float(v) for k, v in record.items()
-          if k != "step" and isinstance(v, (int, float))
-          and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def write_events(path: str) -> tuple[str, int]:
@@ -45,7 +38,7 @@ def write_events(path: str) -> tuple[str, int]:
   try:
     writer = SummaryWriter(logdir=staging)
     for record in run_dir.read_metrics(metrics):
-      for key, value in _scalars(record).items():
+      for key, value in run_dir.scalar_values(record).items():
         writer.add_scalar(key, value, global_step=int(record["step"]))
         count += 1
     writer.close()

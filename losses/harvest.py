@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decompax.core.masks import SiteMask
+from decompax.core import masks as masks_lib
 from decompax.core.target import TargetFns
 from decompax.losses import evals
 
@@ -168,13 +168,7 @@ def ablation_divergence(
                          jnp.int32)
 
   def one(pair):
-    site_i, c = pair
-    masks = {}
-    for i, site in enumerate(target.sites):
-      off = jnp.where(site_i == i, jax.nn.one_hot(c, site.c), 0.0)
-      masks[site.name] = SiteMask(
-        jnp.broadcast_to(1.0 - off, (*lead, site.c)),
-        jnp.ones(lead, jnp.float32))
+    masks = masks_lib.one_ablated_site_masks(target.sites, *pair, lead)
     output = target.masked_forward(weights, components, inputs, masks)
     return position_divergence(target.divergence, output, clean, lead)
 

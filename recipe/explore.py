@@ -26,10 +26,12 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from decompax.core import ci_fns, sites as sites_lib, squash
+from decompax.core import masks as masks_lib
 from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns
 from decompax.io import decomposition as decomposition_lib
 from decompax.io import run_dir
+from decompax.losses import harvest as harvest_stats
 from decompax.recipe import assembly, lm
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import registry
@@ -227,13 +229,8 @@ def _ablated_log_probs(target: TargetFns, chunk: int, weights, components,
     return jax.nn.log_softmax(logits[0, -1].astype(jnp.float32))[token]
 
   def one(pair):
-    site_i, c = pair
-    masks = {}
-    for i, site in enumerate(target.sites):
-      off = jnp.where(site_i == i, jax.nn.one_hot(c, site.c), 0.0)
-      masks[site.name] = SiteMask(jnp.broadcast_to(1.0 - off, (1, t, site.c)),
-                                  jnp.ones((1, t), jnp.float32))
-    return log_prob(masks)
+    return log_prob(masks_lib.one_ablated_site_masks(target.sites, *pair,
+                                                     (1, t)))
 
   # Components in batches of `chunk`, so memory stays bounded however many
   # are alive, with no Python loop over them.
@@ -353,7 +350,8 @@ def predict(run: LoadedRun, tokens: Int[Array, " t"], ablate: Optional[Choice],
                         keep)
   clean = jax.nn.log_softmax(out.clean[0].astype(jnp.float32), axis=-1)
   ablated = jax.nn.log_softmax(out.output[0].astype(jnp.float32), axis=-1)
-  kl = jnp.sum(jnp.exp(clean) * (clean - ablated), axis=-1)
+  kl = harvest_stats.position_divergence(
+    run.target.divergence, out.output, out.clean, out.clean.shape[:2])[0]
   clean_top, clean_ids = jax.lax.top_k(clean, top)
   ablated_top, ablated_ids = jax.lax.top_k(ablated, top)
   return Prediction(clean_ids, jnp.exp(clean_top), ablated_ids,
