@@ -53,6 +53,8 @@ class Served(NamedTuple):
   decode: Callable[[int], str]
   # Toys: each site's CI on the one-feature probe inputs, [n_features, C].
   probe: dict[str, np.ndarray]
+  # Token models: the vocabulary size prompts are checked against.
+  vocab: int | None
 
 
 class BadRequest(Exception):
@@ -78,7 +80,9 @@ def serve_run(path: str) -> Served:
   if run.target.feature_probe is not None:
     probe = {site: np.asarray(ci) for site, ci in explore.component_ci(
       run, run.target.feature_probe()).items()}
-  return Served(path, run, harvest, rows, token_decoder(run), probe)
+  vocab = (explore.vocab_size(run) if run.target.token_labels is not None
+           else None)
+  return Served(path, run, harvest, rows, token_decoder(run), probe, vocab)
 
 
 def token_decoder(run: explore.LoadedRun) -> Callable[[int], str]:
@@ -272,8 +276,7 @@ def make_app(runs: list[Served]):
     if s.run.target.token_labels is None:
       raise BadRequest(400, "predictions need a language-model run")
     request_body = body(request)
-    vocab = explore.vocab_size(s.run)
-    return predictions(s, parse_prompt(request_body.get("prompt"), vocab),
+    return predictions(s, parse_prompt(request_body.get("prompt"), s.vocab),
                        parse_choice(request_body.get("ablate"), s, "ablate"),
                        parse_choice(request_body.get("keep"), s, "keep"))
 
