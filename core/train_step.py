@@ -12,6 +12,13 @@ on stop-gradient copies (adversary warmup ascents, fresh PGD); ONE backward of
 the coefficiented objective with respect to the prepared values and the
 terms' inputs; the VJP pulls the prepared cotangents back to θ; each term's
 `finish` consumes its input gradients (the final ascent); then the updates.
+
+Targeted decomposition (SPEC §6.6) runs several named *streams* in the one
+step: each has its own batch, clean pass, CI and terms (`LossTerm.stream`),
+all summed into the one objective whose single backward updates the shared
+components and CI parameters. A stream may pin the delta path on
+(`StreamSpec.delta_pin`) and average its output divergence over chosen
+positions only (`StreamSpec.loss_positions`, a task's answer positions).
 """
 
 import dataclasses
@@ -48,6 +55,30 @@ class TrainState(NamedTuple):
   health: health_lib.Health
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+  """One data stream of a multi-stream (targeted) step.
+
+  `delta_pin`: every masked forward of the stream runs the delta path at
+  `δ ≡ 1` (the non-target stream, SPEC §6.6), whatever its masks carry; a
+  term opts out by clearing `StepContext.delta_pin`. `loss_positions`: the
+  output divergence averages over these positions of the sequence axis only
+  (None: every position).
+  """
+
+  name: str
+  delta_pin: bool = False
+  loss_positions: Optional[tuple[int, ...]] = None
+
+  def __post_init__(self):
+    if "/" in self.name:
+      raise ValueError(f"a stream's name is a metric prefix and takes no "
+                       f"'/', got {self.name!r}")
+    if self.loss_positions is not None and not self.loss_positions:
+      raise ValueError(f"stream {self.name}: loss_positions names no "
+                       "position; give None for every position")
+
+
 # (placement category, pytree) -> the pytree pinned to that category's layout
 # (`jax.lax.with_sharding_constraint`); built by `decompax.placement`.
 Constrain = Callable[[str, Any], Any]
@@ -78,6 +109,9 @@ class StepContext(NamedTuple):
   # V/U in the step's compute dtype, cast once per step (N4); masked
   # forwards read these. None: they read `components`.
   compute_components: Optional[Components] = None
+  # The stream's delta pin and loss positions (`StreamSpec`).
+  delta_pin: bool = False
+  loss_positions: Optional[tuple[int, ...]] = None
 
   def operands(self) -> Components:
     """Return V/U as a masked forward consumes them."""
@@ -85,13 +119,29 @@ class StepContext(NamedTuple):
                   else self.compute_components)
     return self.constrain("operands", components)
 
+  def pinned(self, site_masks: dict) -> dict:
+    """Return `site_masks` with the delta path at 1 when the stream pins it."""
+    if not self.delta_pin:
+      return site_masks
+    return {name: m._replace(delta=jnp.ones(m.mask.shape[:-1], m.mask.dtype))
+            for name, m in site_masks.items()}
+
   def masked_forward(self, site_masks) -> Float[Array, "..."]:
     """Run the target with `site_masks` on the step's inputs and components."""
     if self.target.masked_forward_taps is not None:
       return self.masked_forward_with_taps(site_masks, ())[0]
     return self.target.masked_forward(
-      self.weights, self.operands(), self.inputs, site_masks
+      self.weights, self.operands(), self.inputs, self.pinned(site_masks)
     )
+
+  def output_divergence(self, output: Float[Array, "..."]) -> Float[Array, ""]:
+    """Return the target's divergence of `output` from the clean output,
+    over the stream's loss positions."""
+    clean = self.clean_output
+    if self.loss_positions is not None:
+      picked = jnp.asarray(self.loss_positions)
+      output, clean = output[:, picked], clean[:, picked]
+    return self.target.divergence(output, clean)
 
   def masked_forward_with_taps(
     self, site_masks, wanted: tuple[str, ...]
@@ -102,7 +152,7 @@ class StepContext(NamedTuple):
                        "drop the hidden-activation terms")
     return self.target.masked_forward_taps(
       self.weights, self.operands(), self.inputs,
-      site_masks, self.clean_taps or {}, wanted)
+      self.pinned(site_masks), self.clean_taps or {}, wanted)
 
   def lead_shape(self) -> tuple[int, ...]:
     """Return the leading (non-feature) shape of the step's activations."""
@@ -128,7 +178,9 @@ class LossTerm(NamedTuple):
   coefficient 0).
   `report(aux)` adds scalars to the step's metrics under `loss/`.
   `clean_taps` names activations the term reads from the step's clean
-  forward (`ctx.clean_taps`).
+  forward (`ctx.clean_taps`). `stream` names the stream the term scores
+  (`StepConfig.streams`; "" in a one-stream step); its metrics then read
+  `<stream>/loss/<name without the "<stream>_" prefix>`.
   """
 
   name: str
@@ -140,6 +192,20 @@ class LossTerm(NamedTuple):
   coeff_on_model_side: bool = False
   report: Optional[Callable[[Any], dict[str, Array]]] = None
   clean_taps: tuple[str, ...] = ()
+  stream: str = ""
+
+  def metric(self, key: Optional[str] = None) -> str:
+    """Return the metric name of the term's value (or of its reported
+    `key`), as `term_metric` names it."""
+    return term_metric(key or self.name, self.stream)
+
+
+def term_metric(name: str, stream: str = "") -> str:
+  """Return the metric name of term value `name`: `loss/<name>`, or on a
+  stream `<stream>/loss/<name>` without a leading `<stream>_`."""
+  if not stream:
+    return f"loss/{name}"
+  return f"{stream}/loss/{name.removeprefix(stream + '_')}"
 
 
 def simple_term(
@@ -171,6 +237,12 @@ class StepConfig:
   # stops the run at its next look at `health`), "skip" drops the update
   # and keeps the previous state (only the step counter moves on).
   on_nonfinite: str = "stop"
+  # Targeted decomposition: the streams, in the order their batches and
+  # terms come (empty: one unnamed stream taking a plain batch).
+  streams: tuple[StreamSpec, ...] = ()
+  # CI-scaled decay after the update (SPEC §6.6): each component's V column
+  # and U row shrink by `1 − lr(s)·wd·(1 − max CI)`; 0 turns it off.
+  ci_scaled_decay: float = 0.0
 
 
 class TrainStep(NamedTuple):
@@ -278,24 +350,28 @@ def prepare(
 def objective(
   prepared: tuple,
   term_inputs: tuple,
-  ctx: StepContext,
+  ctxs: tuple[StepContext, ...],
   terms: tuple[LossTerm, ...],
   keys: list,
+  term_streams: tuple[int, ...],
 ) -> tuple[Float[Array, ""], tuple[dict[str, Array], Float[Array, ""], tuple]]:
   """Return the differentiated sum, the raw term values, the coefficiented
-  total and each term's aux; `prepared` as `with_prepared` reads it."""
+  total and each term's aux. `prepared[i]` is stream `i`'s, as
+  `with_prepared` reads it into `ctxs[i]`; term `j` scores stream
+  `term_streams[j]`."""
   differentiated = jnp.zeros((), jnp.float32)
   reported = jnp.zeros((), jnp.float32)
   values, auxes = {}, []
-  for term, key, inputs in zip(terms, keys, term_inputs):
+  for term, key, inputs, i in zip(terms, keys, term_inputs, term_streams):
+    ctx, own = ctxs[i], prepared[i]
     coeff = schedules.schedule_value(term.coeff, ctx.step, ctx.total_steps)
     if term.coeff_on_model_side:
       term_ctx = with_prepared(
-        ctx, tuple(scale_cotangent(p, coeff) for p in prepared))
+        ctx, tuple(scale_cotangent(p, coeff) for p in own))
       value, aux = term.fn(term_ctx, key, inputs)
       differentiated = differentiated + value
     else:
-      value, aux = term.fn(with_prepared(ctx, prepared), key, inputs)
+      value, aux = term.fn(with_prepared(ctx, own), key, inputs)
       differentiated = differentiated + coeff * value
     reported = reported + coeff * value
     values[term.name] = value
@@ -313,6 +389,41 @@ def clean_tap_keys(
   return tuple(dict.fromkeys(keys))
 
 
+def stream_specs(config: StepConfig) -> tuple[StreamSpec, ...]:
+  """Return the step's streams: the configured ones, or the one unnamed."""
+  return config.streams or (StreamSpec(""),)
+
+
+def check_streams(config: StepConfig) -> None:
+  """Raise ValueError unless a multi-stream step's streams have distinct,
+  non-empty names."""
+  names = [s.name for s in config.streams]
+  if any(not n for n in names) or len(set(names)) != len(names):
+    raise ValueError(f"a multi-stream step needs distinct non-empty stream "
+                     f"names, got {names}")
+
+
+def term_streams(terms: tuple[LossTerm, ...],
+                 config: StepConfig) -> tuple[int, ...]:
+  """Return the index of the stream each term scores; raise ValueError for a
+  term naming a stream the step does not have."""
+  names = [s.name for s in config.streams] or [""]
+  out = []
+  for term in terms:
+    if term.stream not in names:
+      raise ValueError(f"loss term {term.name} scores stream "
+                       f"{term.stream!r}, but the step's streams are "
+                       f"{names}")
+    out.append(names.index(term.stream))
+  return tuple(out)
+
+
+def by_stream(config: StepConfig, value: Any) -> dict[str, Any]:
+  """Return a per-stream value keyed by stream name: a multi-stream step's
+  dict as it is, a one-stream step's value under the name ""."""
+  return value if config.streams else {"": value}
+
+
 def make_init(
   terms: tuple[LossTerm, ...], config: StepConfig
 ) -> Callable[..., TrainState]:
@@ -321,17 +432,21 @@ def make_init(
 
   Apart from the step, so that a run can take the state's shapes
   (`jax.eval_shape`), and from them its shardings, before it builds the
-  step those shardings place.
+  step those shardings place. A multi-stream step's `lead_shape` is a dict
+  by stream name; each term's state takes its stream's.
   """
   # Optimizer states depend on no placement: `constrain` acts in updates.
   components_tx = optim.make_optimizer(config.components_opt,
                                        config.total_steps)
   ci_tx = optim.adamw(config.ci_opt, config.total_steps)
+  term_streams(terms, config)
 
   def init(components, ci_params, run_key, lead_shape=()):
     state_key = jax.random.fold_in(run_key, TERM_STATE_STREAM)
+    leads = by_stream(config, lead_shape)
     term_states = {
-      t.name: t.init_state(jax.random.fold_in(state_key, j), tuple(lead_shape))
+      t.name: t.init_state(jax.random.fold_in(state_key, j),
+                           tuple(leads[t.stream]))
       for j, t in enumerate(terms) if t.init_state is not None
     }
     return TrainState(
@@ -346,6 +461,37 @@ def make_init(
     )
 
   return init
+
+
+def max_ci_per_component(
+  sites: tuple, ci_lowers: list[dict[str, Array]],
+) -> dict[str, Float[Array, "layer c"]]:
+  """Return per kind the largest lower CI each component reached on any
+  position of any of the batches, stacked by the sites' rows."""
+  rows: dict[str, dict[int, Array]] = {}
+  for site in sites:
+    peak = jnp.max(jnp.stack([
+      jnp.max(ci[site.name].reshape(-1, site.c), axis=0)
+      for ci in ci_lowers]), axis=0)
+    rows.setdefault(site.kind, {})[site.row] = peak
+  return {kind: jnp.stack([r[i] for i in range(len(r))])
+          for kind, r in rows.items()}
+
+
+def ci_scaled_decay(
+  components: Components, max_ci: dict[str, Float[Array, "layer c"]],
+  lr: float | Float[Array, ""], decay: float,
+) -> Components:
+  """Return the components with each `V[:, c]` and `U[c, :]` scaled by
+  `1 − lr·decay·(1 − max_ci[c])` (SPEC §6.6): a component the batches
+  never use decays fastest, one at CI 1 somewhere not at all."""
+  out = {}
+  for kind, factors in components.items():
+    scale = 1.0 - lr * decay * (1.0 - max_ci[kind])
+    out[kind] = factors._replace(
+      v=factors.v * scale[:, None, :].astype(factors.v.dtype),
+      u=factors.u * scale[:, :, None].astype(factors.u.dtype))
+  return out
 
 
 def make_train_step(
@@ -367,7 +513,9 @@ def make_train_step(
   int32 step counter reaches, so no step ever replays the initial draws. With
   `sample_inputs`, the step draws its own batch from `fold_in(data_key,
   step)` (a pure function of seed and step) and takes `(state, weights,
-  data_key)`; otherwise it takes `(state, weights, inputs)`. `shardings`
+  data_key)`; otherwise it takes `(state, weights, inputs)`. A
+  multi-stream step (`config.streams`) takes, and samples, a dict of
+  batches by stream name. `shardings`
   and `constrain` (from `decompax.placement`) place the step on a mesh;
   without them it runs where its arguments live.
   """
@@ -381,7 +529,16 @@ def make_train_step(
     if term.finish is not None and term.init_state is None:
       raise ValueError(f"loss term {term.name} has a finish but no "
                        "init_state; finish returns the term's state")
-  wanted_taps = clean_tap_keys(ci_fn, target, terms)
+  if config.ci_scaled_decay < 0:
+    raise ValueError(f"the CI-scaled decay must be >= 0, got "
+                     f"{config.ci_scaled_decay}")
+  check_streams(config)
+  streams = stream_specs(config)
+  owners = term_streams(terms, config)
+  wanted_taps = [
+    clean_tap_keys(ci_fn, target,
+                   tuple(t for t, i in zip(terms, owners) if i == k))
+    for k in range(len(streams))]
   components_tx = optim.make_optimizer(config.components_opt,
                                        config.total_steps, constrain)
   ci_tx = optim.adamw(config.ci_opt, config.total_steps)
@@ -390,58 +547,73 @@ def make_train_step(
 
   def train_step(state: TrainState, weights: Weights, inputs: Batch):
     step_key = jax.random.fold_in(state.rng, state.step)
-    clean_output, taps = constrain("activations", jax.tree.map(
+    batches = by_stream(config, inputs)
+    cleans = [constrain("activations", jax.tree.map(
       jax.lax.stop_gradient,
-      target.clean_forward(weights, inputs, wanted_taps),
-    ))
+      target.clean_forward(weights, batches[spec.name], wanted_taps[k])))
+      for k, spec in enumerate(streams)]
 
     def prep(theta):
-      return prepare(theta[0], theta[1], taps, ci_fn, config.compute_dtype,
-                     constrain)
+      return tuple(prepare(theta[0], theta[1], taps, ci_fn,
+                           config.compute_dtype, constrain)
+                   for _, taps in cleans)
 
     prepared, prep_vjp = jax.vjp(
       prep, (state.components, state.ci_params))
     frozen = jax.lax.stop_gradient(prepared)
-    ctx = with_prepared(
-      StepContext(state.step, config.total_steps, target, weights, inputs,
-                  clean_output, *frozen[:2], clean_taps=taps,
-                  constrain=constrain), frozen)
+    ctxs = tuple(with_prepared(
+      StepContext(state.step, config.total_steps, target, weights,
+                  batches[spec.name], clean_output, *own[:2],
+                  clean_taps=taps, constrain=constrain,
+                  delta_pin=spec.delta_pin,
+                  loss_positions=spec.loss_positions), own)
+      for spec, (clean_output, taps), own in zip(streams, cleans, frozen))
     keys = _term_keys(step_key, len(terms))
     term_states, term_inputs = dict(state.term_states), []
-    for term, key in zip(terms, keys):
+    for term, key, i in zip(terms, keys, owners):
       if term.prepare is None:
         term_inputs.append(None)
         continue
-      new_state, inputs_j = term.prepare(ctx, key, term_states.get(term.name))
+      new_state, inputs_j = term.prepare(ctxs[i], key,
+                                         term_states.get(term.name))
       if term.name in term_states:
         term_states[term.name] = new_state
       term_inputs.append(inputs_j)
     grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True,
                                  allow_int=True)
     (_, (values, total, auxes)), (g_prepared, g_inputs) = grad_fn(
-      prepared, tuple(term_inputs), ctx, terms, keys)
+      prepared, tuple(term_inputs), ctxs, terms, keys, owners)
     ((g_components, g_ci),) = prep_vjp(g_prepared)
     finished = dict(term_states)
-    for term, key, inputs_j, g_j, aux in zip(
-        terms, keys, term_inputs, g_inputs, auxes):
+    for term, key, inputs_j, g_j, aux, i in zip(
+        terms, keys, term_inputs, g_inputs, auxes, owners):
       if term.finish is not None:
         finished[term.name] = term.finish(
-          ctx, key, term_states[term.name], inputs_j, g_j, aux)
+          ctxs[i], key, term_states[term.name], inputs_j, g_j, aux)
     updates, components_opt = components_tx.update(
       g_components, state.components_opt, state.components)
     components = optax.apply_updates(state.components, updates)
+    lr = schedules.schedule_value(
+      config.components_opt.lr, state.step, config.total_steps)
+    if config.ci_scaled_decay:
+      components = ci_scaled_decay(
+        components,
+        max_ci_per_component(target.sites, [own[1].lower for own in frozen]),
+        lr, config.ci_scaled_decay)
     ci_updates, ci_opt = ci_tx.update(g_ci, state.ci_opt, state.ci_params)
     ci_params = optax.apply_updates(state.ci_params, ci_updates)
     metrics = {"loss/total": total}
-    metrics.update({f"loss/{k}": v for k, v in values.items()})
+    metrics.update({t.metric(): values[t.name] for t in terms})
     for term, aux in zip(terms, auxes):
       if term.report is not None:
-        metrics.update({f"loss/{k}": v for k, v in term.report(aux).items()})
-    for site, l0 in ci_l0(prepared[1].lower, config.ci_alive_threshold).items():
-      metrics[f"ci_l0/{site}"] = l0
+        metrics.update({term.metric(k): v
+                        for k, v in term.report(aux).items()})
+    for spec, own in zip(streams, frozen):
+      prefix = f"{spec.name}/" if spec.name else ""
+      for site, l0 in ci_l0(own[1].lower, config.ci_alive_threshold).items():
+        metrics[f"{prefix}ci_l0/{site}"] = l0
     metrics["grad_norm/components"] = optax.tree.norm(g_components)
-    metrics["lr/components"] = schedules.schedule_value(
-      config.components_opt.lr, state.step, config.total_steps)
+    metrics["lr/components"] = lr
     updated = (components, ci_params, components_opt, ci_opt, finished)
     finite, health = health_lib.record(
       state.health, (*(values[n] for n in names), *updated), state.step + 1)

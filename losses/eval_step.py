@@ -43,8 +43,9 @@ from decompax.core.ci_fns import CIFn
 from decompax.core.sites import Components
 from decompax.core.target import Batch, Expected, TargetFns, Weights
 from decompax.core.train_step import (
-  Constrain, LossTerm, StepContext, TrainState, ci_l0, clean_tap_keys,
-  no_constraint, objective, prepare, prepared_of, with_prepared)
+  Constrain, LossTerm, StepContext, StreamSpec, TrainState, ci_l0,
+  clean_tap_keys, no_constraint, objective, prepare, prepared_of,
+  with_prepared)
 from decompax.losses import adversarial, evals, hidden, locality, recon
 
 
@@ -144,9 +145,11 @@ def _variant_outputs(
   wanted = target.attention_taps if config.attention_kl else ()
 
   def forward(variant, site_masks):
+    # A delta-pinned stream's `unmasked` forward is the components alone.
+    own = ctx._replace(delta_pin=False) if variant == "unmasked" else ctx
     if variant not in ATTENTION_VARIANTS or not wanted:
-      return ctx.masked_forward(site_masks), {}
-    return ctx.masked_forward_with_taps(site_masks, wanted)
+      return own.masked_forward(site_masks), {}
+    return own.masked_forward_with_taps(site_masks, wanted)
 
   runs = evals.variant_forwards(
     forward, key, ctx.ci.lower, target.sites, config.with_delta,
@@ -169,8 +172,8 @@ def _term_values(ctx: StepContext, terms: tuple[LossTerm, ...],
     None if t.prepare is None
     else t.prepare(ctx, k, term_states.get(t.name))[1]
     for t, k in zip(terms, keys))
-  _, (values, total, _) = objective(prepared_of(ctx), inputs, ctx, terms,
-                                    keys)
+  _, (values, total, _) = objective((prepared_of(ctx),), inputs, (ctx,),
+                                    terms, keys, (0,) * len(terms))
   out = {f"loss/{name}": v for name, v in values.items()}
   out["loss/total"] = total
   return out
@@ -269,11 +272,16 @@ def make_eval_step(
   config: EvalConfig,
   sample_inputs: Callable[[Key[Array, ""]], Batch] | None,
   constrain: Constrain = no_constraint,
+  stream: StreamSpec = StreamSpec(""),
 ) -> EvalFns:
   """Return the jitted fast and slow eval passes (see `EvalFns`).
 
   Without `sample_inputs`, `fast` must be given the held-out batches.
   `constrain` pins intermediates to a placement as in the train step.
+  `stream` is the stream the batches come from: on a delta-pinned one
+  every masked forward runs `δ ≡ 1` except the `unmasked` variant's, which
+  runs with the delta path off (SPEC §6.6), and divergences average over
+  its loss positions.
   """
   if config.n_batches < 1:
     raise ValueError(f"eval needs at least one batch, got {config.n_batches}")
@@ -295,7 +303,8 @@ def make_eval_step(
     return with_prepared(
       StepContext(state.step, config.total_steps, target, weights, inputs,
                   clean_out, *prepared[:2], clean_taps=taps,
-                  constrain=constrain), prepared)
+                  constrain=constrain, delta_pin=stream.delta_pin,
+                  loss_positions=stream.loss_positions), prepared)
 
   def fast_batch(state: TrainState, weights: Weights, key: Key[Array, ""],
                  inputs: Batch | None):
@@ -312,7 +321,7 @@ def make_eval_step(
     outputs, attention = _variant_outputs(ctx, mask_key, config)
     scalars.update(attention)
     for variant, out in outputs.items():
-      scalars[f"recon/{variant}"] = target.divergence(out, ctx.clean_output)
+      scalars[f"recon/{variant}"] = ctx.output_divergence(out)
     if config.pgd_steps:
       # Index 4: disjoint from the data, mask and term keys (and slow's 3).
       scalars["recon/pgd"] = adversarial.pgd_probe(

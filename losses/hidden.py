@@ -65,15 +65,14 @@ def forward_loss(ctx: StepContext, rider: HiddenRider | None) -> ForwardLoss:
   """Return one forward's loss: output divergence, plus the rider if any."""
 
   def output_only(site_masks):
-    return ctx.target.divergence(ctx.masked_forward(site_masks),
-                                 ctx.clean_output)
+    return ctx.output_divergence(ctx.masked_forward(site_masks))
 
   if rider is None:
     return output_only
 
   def with_rider(site_masks):
     out, taps = ctx.masked_forward_with_taps(site_masks, rider.points)
-    value = ctx.target.divergence(out, ctx.clean_output)
+    value = ctx.output_divergence(out)
     return value + rider.coeff * relative_error(taps, ctx.clean_taps,
                                                 rider.points)
 

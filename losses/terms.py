@@ -59,6 +59,7 @@ def _check_p(p: Sparsity) -> None:
 def importance_minimality_term(
   coeff: schedules.Coefficient, p: Sparsity,
   eps: float = minimality.IMPORTANCE_EPS,
+  name: str = "importance_minimality",
 ) -> LossTerm:
   """Return `Σ_s Σ_c mean_ℓ (upper + ε)^p` with `p` on its schedule, or
   `Σ_s Σ_c mean_ℓ ψ_γ(upper)` when `p` is a `SmoothL0` (§5.2)."""
@@ -68,7 +69,7 @@ def importance_minimality_term(
     del key
     return minimality.importance_minimality(_frequencies(ctx, p, eps))
 
-  return simple_term("importance_minimality", coeff, fn)
+  return simple_term(name, coeff, fn)
 
 
 def frequency_minimality_term(
@@ -110,6 +111,48 @@ def stochastic_recon_term(
 
   return LossTerm(name, coeff, fn,
                   clean_taps=() if rider is None else rider.points)
+
+
+def constant_recon_term(
+  name: str, coeff: schedules.Coefficient, plan: recon.Plan,
+) -> LossTerm:
+  """Return the mean output divergence over the plan's forwards with every
+  live mask at its lower CI (source 0, SPEC §5.4 `Constant(0)`): the
+  non-target stream's deterministic alternative to stochastic sources."""
+
+  def fn(ctx: StepContext, key, inputs):
+    del inputs
+    zero = {name: jnp.zeros_like(ci) for name, ci in ctx.ci.lower.items()}
+    forward = hidden.forward_loss(ctx, None)
+    lead = ctx.lead_shape()
+
+    def draw_loss(entry, draw, keys):
+      del draw
+      routes = recon.entry_routes(keys[0], entry, lead)
+      return forward(masks_lib.source_site_masks(
+        ctx.ci.lower, zero, entry.live_sites, routes))
+
+    value = recon.plan_mean(draw_loss, plan, (key,), draws_differ=False)
+    return value, None
+
+  return LossTerm(name, coeff, fn)
+
+
+def unmasked_no_delta_term(
+  name: str, coeff: schedules.Coefficient,
+) -> LossTerm:
+  """Return the output divergence of the forward with every mask 1 and the
+  delta path off (`m ≡ 1`, `δ ≡ 0`, SPEC §6.6): the components alone must
+  rebuild the model, whatever the stream pins."""
+
+  def fn(ctx: StepContext, key):
+    del key
+    ones = {name: masks_lib.SiteMask(jnp.ones_like(ci))
+            for name, ci in ctx.ci.lower.items()}
+    unpinned = ctx._replace(delta_pin=False)
+    return unpinned.output_divergence(unpinned.masked_forward(ones))
+
+  return simple_term(name, coeff, fn)
 
 
 def ema_frequency_minimality_term(
