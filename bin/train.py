@@ -21,7 +21,8 @@ from decompax.bin import run_records, tokens_text, train_flags, wandb_sink
 from decompax.core import health, probe, sites as sites_lib
 from decompax.io import checkpoint, decomposition, figures, run_dir
 from decompax.placement import shardings, transfer
-from decompax.recipe import assembly, engine, evaluation, lm, terms, token_data
+from decompax.recipe import (
+  assembly, engine, evaluation, lm, streams, terms, token_data)
 from decompax.recipe.config import TrainConfig, setting
 from decompax.targets import registry
 
@@ -104,11 +105,11 @@ def format_duration(seconds: float) -> str:
 def progress_line(step, total, metrics, sites, steps_per_s) -> str:
   """Return one terminal line: step, losses, CI-L0, speed and ETA."""
   parts = [f"step {step}/{total}"]
-  for term in terms.TERMS:
-    if f"loss/{term.name}" in metrics:
-      parts.append(f"{term.short} {metrics[f'loss/{term.name}']:.3e}")
-  l0 = "/".join(f"{metrics[f'ci_l0/{s.name}']:.2f}" for s in sites)
-  parts.append(f"L0 {l0}")
+  targeted = "ci_l0/" + sites[0].name not in metrics
+  parts.extend(terms.console_losses(metrics, targeted))
+  for prefix in ("target/", "nontarget/") if targeted else ("",):
+    l0 = "/".join(f"{metrics[f'{prefix}ci_l0/{s.name}']:.2f}" for s in sites)
+    parts.append(f"{prefix.rstrip('/')} L0 {l0}".lstrip())
   parts.append(f"{steps_per_s:.0f} it/s")
   eta = (total - step) / max(steps_per_s, 1e-9)
   parts.append(f"ETA {format_duration(eta)}")
@@ -329,7 +330,22 @@ def compile_step(run: assembly.Run, first: int,
 
 def evaluator_of(config: TrainConfig, target, run: assembly.Run,
                  output_dir: str) -> evaluation.Evaluator:
-  """Return the run's in-loop evaluator (`evaluation.make_evaluator`)."""
+  """Return the run's in-loop evaluator (`evaluation.make_evaluator`); a
+  targeted run's evaluates each stream on its own batches, figures and
+  report from the target stream's."""
+  parts = run.plan.parts
+  if parts.targeted:
+    dtype = engine.compute_dtype(config)
+    return evaluation.combined((*(
+      evaluation.make_evaluator(
+        config, target, run.ci_fn,
+        tuple(t for t in run.terms if t.stream == spec.name),
+        parts.stream_inputs(spec.name), run.weights, output_dir,
+        constrain=run.constrain, compute_dtype=dtype,
+        render=spec.name == streams.TARGET, stream=spec)
+      for spec in parts.step_config.streams),
+      evaluation.make_task_evaluator(config, target, run.ci_fn, run.weights,
+                                     output_dir, dtype)))
   return evaluation.make_evaluator(
     config, target, run.ci_fn, run.terms, run.sample_inputs, run.weights,
     output_dir, constrain=run.constrain,

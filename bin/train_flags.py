@@ -17,7 +17,7 @@ from absl import flags
 
 from decompax.bin import checkpointing, cli, run_records
 from decompax.core.masks import ROUTINGS
-from decompax.recipe import terms
+from decompax.recipe import streams, terms
 from decompax.recipe.config import DEFAULTS as _D
 from decompax.recipe.config import TrainConfig
 
@@ -59,8 +59,8 @@ def _define_numbers(name: str, default: list[str], help_text: str,
 _TARGET = flags.DEFINE_string(
   "target", _D.target,
   "Toy target: tms_5-2, tms_5-2-id, tms_40-10, tms_40-10-id, resid_mlp1, "
-  "resid_mlp2, resid_mlp3, simple_mlp or induction; or hf, a language "
-  "model read from --model_dir.")
+  "resid_mlp2, resid_mlp3, simple_mlp, induction or addsub (a ± b mod 23 "
+  "plus copying); or hf, a language model read from --model_dir.")
 _TARGET_SEED = flags.DEFINE_integer(
   "target_seed", _D.target_seed,
   "Seed of the target's own training (default: the target's known-good seed).")
@@ -406,6 +406,60 @@ _NL_WEIGHTS = _define_numbers(
   "Per unit kind weight, kind:weight or kind:none (default: weight 1 for "
   "every kind the target has).",
   keyed=True)
+# Targeted decomposition (SPEC §6.6; `recipe.streams`).
+_TARGET_TASK = flags.DEFINE_string(
+  "target_task", _D.target_task,
+  "Targeted decomposition: the built-in task of the target stream (addsub: "
+  "two-operand a±b mod P prompts), whose mechanism is wanted.")
+_TARGET_DATA = flags.DEFINE_string(
+  "target_data_path", _D.target_data_path,
+  "Targeted decomposition: a token file as the target stream (instead of "
+  "--target_task).")
+_TARGET_BATCH = flags.DEFINE_integer(
+  "target_batch_size", _D.target_batch_size,
+  "Target stream's batch size (0: --batch_size).")
+_TARGET_POSITIONS = flags.DEFINE_enum(
+  "target_loss_positions", _D.target_loss_positions, ["answer", "all"],
+  "Where the target stream's output divergence is scored: the task's answer "
+  "positions, or every position.")
+_NONTARGET_TASK = flags.DEFINE_string(
+  "nontarget_task", _D.nontarget_task,
+  "Targeted decomposition: the built-in task of the non-target stream "
+  "(copy: induction copying over the task model's vocabulary); its masked "
+  "forwards pin the delta path on (δ ≡ 1).")
+_NONTARGET_DATA = flags.DEFINE_string(
+  "nontarget_data_path", _D.nontarget_data_path,
+  "Targeted decomposition: a token file as the non-target stream.")
+_NONTARGET_BATCH = flags.DEFINE_integer(
+  "nontarget_batch_size", _D.nontarget_batch_size,
+  "Non-target stream's batch size (0: --batch_size).")
+_NONTARGET_RECON = _define_float(
+  "nontarget_recon_coeff", _D.nontarget_recon_coeff,
+  "Non-target stream's delta-pinned reconstruction (required above 0 in a "
+  "targeted run).")
+_NONTARGET_SOURCES = flags.DEFINE_enum(
+  "nontarget_sources", _D.nontarget_sources, ["stochastic", "constant"],
+  "Non-target masks: ci + (1 − ci)·U[0,1] (stochastic) or the lower CI "
+  "itself (constant source 0).")
+_NONTARGET_UNMASKED = _define_float(
+  "nontarget_unmasked_coeff", _D.nontarget_unmasked_coeff,
+  "Non-target unmasked-no-delta reconstruction: every mask 1, delta off "
+  "(0: off).")
+_NONTARGET_IMP = _define_float(
+  "nontarget_importance_coeff", _D.nontarget_importance_coeff,
+  "Importance minimality on the non-target stream's CI (0: off).")
+_NONTARGET_PGD = _define_float(
+  "nontarget_pgd_coeff", _D.nontarget_pgd_coeff,
+  "Non-target persistent PGD recon, its own sources, settings of --pgd_* "
+  "(0: off).")
+_NONTARGET_MERGED = _define_float(
+  "nontarget_merged_coeff", _D.nontarget_merged_coeff,
+  "Non-target merged stochastic/persistent recon, its own sources, "
+  "settings of --merged_* (0: off).")
+_CI_SCALED_DECAY = _define_float(
+  "ci_scaled_decay", _D.ci_scaled_decay,
+  "Targeted decomposition: after each update V[:,c], U[c,:] *= 1 − "
+  "lr·decay·(1 − max CI of c over both streams' batches) (0: off).")
 _COMPONENTS_INIT = flags.DEFINE_enum(
   "components_init", _D.components_init, ["normal", "projected"],
   "V/U init: normal (V ~ N/√d_in, U ~ N/√C; SPEC §6.1) or projected (unit "
@@ -540,7 +594,7 @@ def _validate_eval_cadence(config: TrainConfig) -> None:
 
 
 # Targets whose forward has attention (the GLU decoders).
-ATTENTION_TARGETS = ("hf", "induction")
+ATTENTION_TARGETS = ("hf", "induction", "addsub")
 # More blocks than any decoder has: the layer indices a --sites entry is
 # tried against to see whether it can select a query or key projection.
 _MAX_BLOCKS = 1000
@@ -673,6 +727,15 @@ def _validate_data(config: TrainConfig) -> None:
     raise ValueError(f"--sites lists a site twice: {','.join(config.sites)}")
 
 
+def _validate_streams(config: TrainConfig) -> None:
+  """Raise ValueError for a targeted run's bad stream settings
+  (`recipe.streams.check`)."""
+  for name in ("target_batch_size", "nontarget_batch_size",
+               "ci_scaled_decay"):
+    _non_negative(name, getattr(config, name))
+  streams.check(config)
+
+
 def _validate_run(config: TrainConfig) -> None:
   """Raise ValueError for bad checkpoint, init or profile settings."""
   for name in ("save_every", "keep_last", "max_skipped_in_a_row"):
@@ -735,3 +798,4 @@ def validate(config: TrainConfig) -> None:
   _validate_rider(config)
   _validate_data(config)
   _validate_run(config)
+  _validate_streams(config)

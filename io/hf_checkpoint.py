@@ -1,4 +1,4 @@
-"""Read a local Hugging Face decoder checkpoint without torch.
+"""Read and write local Hugging Face decoder checkpoints without torch.
 
 The config comes from `transformers.AutoConfig` (local files only) as a
 plain dict; weights from `model.safetensors` or the shards named by
@@ -11,15 +11,23 @@ Arrays come back in the stacked layout of decompax's GLU target: per-layer
 matrices `[n_layers, d_in, d_out]` (HF stores `Linear` weights `[d_out,
 d_in]`, transposed here), norms `[n_layers, d]`, and `embed`, `norm`,
 `head` (untied models only) as stored.
+
+The writers invert that read for models trained here: `write_safetensors`
+writes the same file layout, `write_llama_checkpoint` a Llama directory
+from the stacked arrays, `write_word_tokenizer` a whitespace-split
+word-level tokenizer. Each file is replaced atomically.
 """
 
 import json
 import os
 import struct
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, BinaryIO, Optional
 
 import ml_dtypes
 import numpy as np
+
+from decompax.io import run_dir
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "F64": np.float64}
@@ -245,3 +253,204 @@ def load_decoder_arrays(
     out[key] = np.stack([np.asarray(get(f"model.layers.{i}.{hf}.weight"),
                                     dtype).T for i in range(n_layers)])
   return out
+
+
+# Safetensors data offsets need no alignment, but readers that map tensors
+# in place (numpy, torch) want each one aligned; 8 bytes covers F64.
+_ALIGN = 8
+
+
+def _dtype_name(array: np.ndarray, name: str) -> str:
+  for key, dtype in _DTYPES.items():
+    if array.dtype == np.dtype(dtype):
+      return key
+  raise ValueError(f"tensor {name} has dtype {array.dtype}; writable: "
+                   f"{sorted(_DTYPES)}")
+
+
+def _little_endian_bytes(array: np.ndarray) -> bytes:
+  # Through unsigned integers of the same width: bfloat16 has no byte-order
+  # variant of its own.
+  width = array.dtype.itemsize
+  raw = np.ascontiguousarray(array).view(f"u{width}")
+  return raw.astype(f"<u{width}", copy=False).tobytes()
+
+
+def write_safetensors(path: str, arrays: Mapping[str, np.ndarray]) -> str:
+  """Return `path` after writing `arrays` to it as one safetensors file.
+
+  Tensors are laid out in name order, each starting at a multiple of 8
+  bytes; the header carries `{"format": "pt"}` metadata, which transformers
+  expects of a checkpoint.
+
+  Raises:
+    ValueError: a dtype other than F32, F16, BF16 or F64, or a tensor
+      named `__metadata__`.
+  """
+  header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+  blobs, offset = [], 0
+  for name in sorted(arrays):
+    if name == "__metadata__":
+      raise ValueError("a tensor cannot be named __metadata__")
+    array = np.asarray(arrays[name])
+    dtype = _dtype_name(array, name)
+    pad = -offset % _ALIGN
+    blob = _little_endian_bytes(array)
+    blobs.append(b"\0" * pad + blob)
+    offset += pad
+    header[name] = {"dtype": dtype, "shape": list(array.shape),
+                    "data_offsets": [offset, offset + len(blob)]}
+    offset += len(blob)
+  raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+  # Spaces pad the header so the data section starts aligned.
+  raw += b" " * (-(8 + len(raw)) % _ALIGN)
+
+  def write(f: BinaryIO) -> None:
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    for blob in blobs:
+      f.write(blob)
+
+  return run_dir.atomic_write(path, write)
+
+
+def _write_json(path: str, value: Mapping[str, Any]) -> str:
+  text = json.dumps(value, indent=2, sort_keys=True) + "\n"
+  return run_dir.atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def llama_config(glu: Any, dtype: str = "float32") -> dict[str, Any]:
+  """Return the `config.json` dict of a `targets.glu_config.GluConfig`.
+
+  `glu` is read by attribute (io does not import targets); the dict is
+  one `glu_config.config_from_hf` reads back as `glu` with family
+  `llama`.
+
+  Raises:
+    ValueError: a model with QK-norm, which Llama has no place for.
+  """
+  if glu.qk_norm:
+    raise ValueError("a Llama config has no QK-norm; this model's "
+                     "q_norm/k_norm weights would be dropped")
+  rope: dict[str, Any] = {"rope_type": "default",
+                          "rope_theta": float(glu.rope_theta)}
+  if glu.rope_scaling is not None:
+    s = glu.rope_scaling
+    rope.update(rope_type="llama3", factor=s.factor,
+                low_freq_factor=s.low_freq_factor,
+                high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_position)
+  return {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "vocab_size": glu.vocab_size, "hidden_size": glu.d_model,
+    "intermediate_size": glu.d_ff, "num_hidden_layers": glu.n_layers,
+    "num_attention_heads": glu.n_heads,
+    "num_key_value_heads": glu.n_kv_heads, "head_dim": glu.head_dim,
+    "hidden_act": "silu", "rms_norm_eps": glu.rms_eps,
+    "tie_word_embeddings": glu.tied,
+    "max_position_embeddings": glu.max_position,
+    "rope_parameters": rope, "attention_bias": False, "mlp_bias": False,
+    "dtype": dtype,
+  }
+
+
+def llama_tensors(
+  arrays: Mapping[str, np.ndarray], n_layers: int, tied: bool
+) -> dict[str, np.ndarray]:
+  """Return Llama tensors by name from stacked `x @ W` arrays, exactly the
+  inverse of `load_decoder_arrays` (matrices back to torch's `[out, in]`).
+
+  Raises:
+    ValueError: `arrays` lacks or adds a name, or a stack has another
+      layer count.
+  """
+  want = {"embed", "norm", "ln1", "ln2", *_MATRICES}
+  if not tied:
+    want.add("head")
+  if set(arrays) != want:
+    raise ValueError(f"weight arrays {sorted(arrays)} are not a Llama's "
+                     f"{sorted(want)}")
+  out = {"model.embed_tokens.weight": arrays["embed"],
+         "model.norm.weight": arrays["norm"]}
+  if not tied:
+    out["lm_head.weight"] = arrays["head"]
+  for key in (*_MATRICES, "ln1", "ln2"):
+    if arrays[key].shape[0] != n_layers:
+      raise ValueError(f"weight {key} stacks {arrays[key].shape[0]} layers, "
+                       f"not {n_layers}")
+  for i in range(n_layers):
+    for key in ("ln1", "ln2"):
+      out[f"model.layers.{i}.{_NORMS[key]}.weight"] = arrays[key][i]
+    for key, hf in _MATRICES.items():
+      out[f"model.layers.{i}.{hf}.weight"] = np.ascontiguousarray(
+        np.asarray(arrays[key][i]).T)
+  return out
+
+
+def write_llama_checkpoint(
+  model_dir: str, arrays: Mapping[str, np.ndarray], glu: Any,
+  extra_config: Optional[Mapping[str, Any]] = None,
+) -> str:
+  """Return `model_dir` after writing `config.json` and `model.safetensors`
+  of a Llama decoder there (the directory is created if missing).
+
+  `arrays` is the GLU target's stacked layout (`weights_to_arrays`), its
+  dtype kept; `glu` its `GluConfig`; `extra_config` entries (token ids)
+  are added to `config.json`.
+
+  Raises:
+    ValueError: arrays that are not this model's Llama weights.
+  """
+  tensors = llama_tensors(arrays, glu.n_layers, glu.tied)
+  config = llama_config(glu, np.asarray(arrays["embed"]).dtype.name)
+  config.update(extra_config or {})
+  os.makedirs(model_dir, exist_ok=True)
+  write_safetensors(os.path.join(model_dir, "model.safetensors"), tensors)
+  _write_json(os.path.join(model_dir, "config.json"), config)
+  return model_dir
+
+
+def write_word_tokenizer(
+  model_dir: str, tokens: Sequence[str], unk_token: Optional[str] = None,
+  eos_token: Optional[str] = None,
+) -> str:
+  """Return `model_dir` after writing a word-level tokenizer there.
+
+  Token `tokens[i]` gets id `i`; text splits on whitespace, so `"3 + 4 ="`
+  encodes word by word, and decoding joins words with spaces. Writes
+  `tokenizer.json` (the `tokenizers` library's format) and
+  `tokenizer_config.json`, which makes transformers load it as a plain
+  fast tokenizer whatever the model's type.
+
+  Raises:
+    ValueError: repeated or whitespace-holding tokens, or an unknown or
+      EOS token that is not among `tokens`.
+  """
+  import tokenizers  # noqa: PLC0415  (heavy; only exporters need it)
+
+  if len(set(tokens)) != len(tokens):
+    raise ValueError("tokenizer tokens must be distinct")
+  if any(not t or t != "".join(t.split()) for t in tokens):
+    raise ValueError("tokenizer tokens must be non-empty and hold no "
+                     "whitespace (text splits on it)")
+  for role, token in (("unknown", unk_token), ("EOS", eos_token)):
+    if token is not None and token not in tokens:
+      raise ValueError(f"{role} token {token!r} is not among the tokens")
+  vocab = {t: i for i, t in enumerate(tokens)}
+  tokenizer = tokenizers.Tokenizer(
+    tokenizers.models.WordLevel(vocab, unk_token=unk_token))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  special = [t for t in (unk_token, eos_token) if t is not None]
+  tokenizer.add_special_tokens(special)
+  os.makedirs(model_dir, exist_ok=True)
+  text = tokenizer.to_str(pretty=True)
+  run_dir.atomic_write(os.path.join(model_dir, "tokenizer.json"),
+                       lambda f: f.write(text.encode("utf-8")))
+  config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                            "model_max_length": 1 << 30}
+  if unk_token is not None:
+    config["unk_token"] = unk_token
+  if eos_token is not None:
+    config["eos_token"] = eos_token
+  _write_json(os.path.join(model_dir, "tokenizer_config.json"), config)
+  return model_dir

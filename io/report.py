@@ -209,6 +209,46 @@ def _summary_tables(record: Mapping[str, Any]) -> str:
   return "<div class=grid>" + "".join(parts) + "</div>"
 
 
+# A targeted run's eval scalars, by stream (`eval/<stream>/…`).
+STREAMS = ("target", "nontarget")
+TASK_VARIANTS = ("clean", "ci_masked", "ablated")
+
+
+def _eval_sections(record: Mapping[str, Any]) -> str:
+  """Return the latest eval's headline: one summary, or a targeted run's
+  per stream, its task metrics and the link to its A/B grid page."""
+  step = _esc(record.get("step"))
+  streams = [s for s in STREAMS if any(k.startswith(f"{s}/") for k in record)]
+  if not streams:
+    return f"<h2>Latest eval (step {step})</h2>{_summary_tables(record)}"
+  parts = []
+  for stream in streams:
+    own = {k[len(stream) + 1:]: v for k, v in record.items()
+           if k.startswith(f"{stream}/")}
+    parts.append(f"<h2>Latest eval, {stream} stream (step {step})</h2>"
+                 f"{_summary_tables(own)}")
+  if any(k.startswith("task/") for k in record):
+    parts.append(_task_table(record))
+  return "".join(parts)
+
+
+def _task_table(record: Mapping[str, Any]) -> str:
+  """Return the task metrics: answer accuracy and CE of the clean model,
+  under CI masks and with the target-alive components ablated, and the
+  non-target CE clean and ablated."""
+  rows = [("answer accuracy", "task/answer_accuracy/"),
+          ("answer CE", "task/answer_ce/"),
+          ("non-target CE", "task/nontarget_ce/")]
+  body = "".join(
+    f"<tr><th>{_esc(name)}</th>"
+    + "".join(_cell(record, prefix + v) for v in TASK_VARIANTS) + "</tr>"
+    for name, prefix in rows)
+  return ("<h2>Task</h2><p><a href=\"ab_grid.html\">A/B grid of the "
+          "target-alive components</a></p><table class=summary><tr><th></th>"
+          + "".join(f"<th>{_esc(v)}</th>" for v in TASK_VARIANTS)
+          + f"</tr>{body}</table>")
+
+
 def _figure(src: str, caption: str) -> str:
   return (f"<figure><a href=\"{_esc(src)}\"><img src=\"{_esc(src)}\" "
           f"alt=\"{_esc(caption)}\"></a><figcaption>{_esc(caption)}"
@@ -285,8 +325,7 @@ def render_html(
   if latest:
     name, record = latest[0]
     if name == "Eval":
-      sections.append(f"<h2>Latest eval (step {_esc(record.get('step'))})"
-                      f"</h2>{_summary_tables(record)}")
+      sections.append(_eval_sections(record))
     sections.append(
       "<details><summary>Every latest scalar</summary><div class=grid>"
       + "".join(_scalar_table(r, n) for n, r in latest) + "</div></details>")

@@ -29,7 +29,7 @@ from decompax.core.target import TargetFns
 from decompax.losses import faithfulness
 from decompax.placement import shardings as shardings_lib
 from decompax.placement import transfer
-from decompax.recipe import engine, lm, token_data
+from decompax.recipe import engine, lm, streams, token_data
 from decompax.recipe.config import TrainConfig
 from decompax.targets import registry
 
@@ -53,15 +53,27 @@ class Parts(NamedTuple):
   ci_fn: ci_fns.CIFn
   terms: tuple[train_step.LossTerm, ...]
   step_config: train_step.StepConfig
-  lead_shape: tuple[int, ...]
+  # A targeted run's: a dict by stream (`recipe.streams`).
+  lead_shape: tuple[int, ...] | dict[str, tuple[int, ...]]
 
   @property
   def term_names(self) -> tuple[str, ...]:
     return tuple(t.name for t in self.terms)
 
+  @property
+  def targeted(self) -> bool:
+    return bool(self.step_config.streams)
+
   def sample_inputs(self, key: jax.Array) -> Any:
-    """Return the batch the step draws from `key`."""
+    """Return the batch the step draws from `key` (a targeted run's: a
+    dict by stream)."""
+    if self.targeted:
+      return streams.sampler(self.config)(key)
     return self.toy.sample_inputs(key, self.config.batch_size)
+
+  def stream_inputs(self, stream: str) -> Callable[[jax.Array], Any]:
+    """Return `sample(key)` drawing one stream's batch alone."""
+    return lambda key: self.sample_inputs(key)[stream]
 
 
 class Plan(NamedTuple):
@@ -169,14 +181,41 @@ def resolve_target(config: TrainConfig) -> tuple[Any, TargetFns, Any]:
 def parts(config: TrainConfig, toy: Any, target: TargetFns) -> Parts:
   """Return the run's CI function, loss terms and step settings, each built
   once. Raises ValueError for a setting a term or config refuses."""
-  lead = lm.lead_shape(target, toy.sample_inputs, config.batch_size)
+  streams.check(config)
+  if streams.is_targeted(config):
+    lead = stream_leads(config, toy, target)
+    tokens = 0  # each stream's terms count their own
+  else:
+    lead = lm.lead_shape(target, toy.sample_inputs, config.batch_size)
+    tokens = lm.tokens_per_batch(lead)
   model = toy.config if lm.is_lm(config) else None
   ci_config = engine.ci_config(config, target.sites, model)
-  terms = engine.loss_terms(config, target.sites, lm.tokens_per_batch(lead),
+  terms = engine.loss_terms(config, target.sites, tokens,
                             target.nonlinear_units, lead)
   return Parts(config, toy, target, ci_config,
                ci_fns.make_ci_fn(ci_config, target.sites), terms,
                engine.step_config(config), lead)
+
+
+def stream_leads(config: TrainConfig, toy: Any,
+                 target: TargetFns) -> dict[str, tuple[int, ...]]:
+  """Return each stream's activation lead shape; ValueError for streams the
+  target cannot read (a target without token inputs, token ids past its
+  vocabulary)."""
+  model = toy.config if lm.is_lm(config) else getattr(toy.config, "model",
+                                                      None)
+  if target.token_labels is None or model is None:
+    raise ValueError(f"--target={config.target} takes no token ids; a "
+                     "targeted decomposition's streams are token tasks, so "
+                     "decompose a language model")
+  if streams.vocab_size(config) > model.vocab_size:
+    raise ValueError(
+      f"the streams' tasks use {streams.vocab_size(config)} token ids and "
+      f"--target={config.target} has a vocabulary of {model.vocab_size}; "
+      "decompose the task's own model (--target=addsub, or its exported "
+      "directory)")
+  batch = jax.eval_shape(streams.sampler(config), jax.random.key(0))
+  return {s: tuple(target.batch_lead_shape(b)) for s, b in batch.items()}
 
 
 def abstract_state(p: Parts) -> train_step.TrainState:
@@ -201,6 +240,11 @@ def plan(p: Parts, weights: Any,
   """
   engine.check_rider_points(p.config, p.target, weights,
                             p.toy.sample_inputs(jax.random.key(0), 2))
+  if p.targeted and placement is not None:
+    if placement.mesh.size > 1:
+      raise ValueError("a targeted decomposition runs on one device so far; "
+                       "run it without --replicate/--fsdp/--tp above 1")
+    placement = None
   state = abstract_state(p)
   shardings, fallbacks = None, ()
   constrain, sample = train_step.no_constraint, p.sample_inputs

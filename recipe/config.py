@@ -144,6 +144,20 @@ class TrainConfig:
   max_skipped_in_a_row: int = 100
   init_from: str | None = None
   profile_steps: str = ""
+  target_task: str = ""
+  target_data_path: str | None = None
+  target_batch_size: int = 0
+  target_loss_positions: str = "answer"
+  nontarget_task: str = ""
+  nontarget_data_path: str | None = None
+  nontarget_batch_size: int = 0
+  nontarget_recon_coeff: float = 0.0
+  nontarget_sources: str = "stochastic"
+  nontarget_unmasked_coeff: float = 0.0
+  nontarget_importance_coeff: float = 0.0
+  nontarget_pgd_coeff: float = 0.0
+  nontarget_merged_coeff: float = 0.0
+  ci_scaled_decay: float = 0.0
 
 
 DEFAULTS = TrainConfig()

@@ -11,7 +11,7 @@ from decompax.core import ci_fns, ci_transformer, optim, schedules
 from decompax.core import sites as sites_lib
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
-from decompax.recipe import lm, terms
+from decompax.recipe import lm, streams, terms
 from decompax.recipe.config import TrainConfig, setting
 from decompax.targets import glu_config, glu_target
 
@@ -62,6 +62,8 @@ def step_config(config: TrainConfig) -> train_step.StepConfig:
     ci_alive_threshold=config.ci_alive_threshold,
     compute_dtype=compute_dtype(config),
     on_nonfinite=config.on_nonfinite,
+    streams=streams.specs(config) if streams.is_targeted(config) else (),
+    ci_scaled_decay=config.ci_scaled_decay,
   )
 
 
@@ -112,11 +114,19 @@ def check_rider_points(config: TrainConfig, target, weights, inputs) -> None:
 
 def loss_terms(
   config: TrainConfig, sites: tuple[sites_lib.SiteSpec, ...],
-  tokens_per_batch: int, units=None, lead_shape: tuple[int, ...] = (),
+  tokens_per_batch: int, units=None,
+  lead_shape: tuple[int, ...] | dict[str, tuple[int, ...]] = (),
 ) -> tuple[train_step.LossTerm, ...]:
   """Return the configured loss terms, zero-coefficient terms left out.
 
-  `lead_shape` is the batch's activation lead shape, `(B,)` by default.
+  `lead_shape` is the batch's activation lead shape, `(B,)` by default; a
+  targeted run's is a dict by stream, and each stream's terms are built
+  for its own (`tokens_per_batch` is then unused: each stream counts its
+  own).
   """
+  if isinstance(lead_shape, dict):
+    return terms.build_terms(config, {
+      stream: terms.TermInputs(sites, lm.tokens_per_batch(lead), units, lead)
+      for stream, lead in lead_shape.items()})
   return terms.build_terms(config, terms.TermInputs(
     sites, tokens_per_batch, units, lead_shape or (config.batch_size,)))

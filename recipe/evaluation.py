@@ -24,11 +24,12 @@ import numpy as np
 
 from decompax.core import probe, sites as sites_lib
 from decompax.core.target import Expected, TargetFns
-from decompax.core.train_step import LossTerm, TrainState, no_constraint
-from decompax.io import figures, report, run_dir
-from decompax.losses import eval_step, evals
+from decompax.core.train_step import (
+  LossTerm, StreamSpec, TrainState, no_constraint)
+from decompax.io import ab_grid, figures, report, run_dir
+from decompax.losses import eval_step, evals, task_eval
 from decompax.placement import transfer
-from decompax.recipe import render_process
+from decompax.recipe import render_process, streams
 from decompax.recipe.config import held_out_seed
 
 # Components drawn per site in the U/V figure (alive ones first).
@@ -376,6 +377,7 @@ def make_evaluator(
   eval_batches: Any = None,
   compute_dtype: Optional[str] = None,
   render: bool = True,
+  stream: StreamSpec = StreamSpec(""),
 ) -> Evaluator:
   """Return the evaluator of one run (see `Evaluator`).
 
@@ -388,7 +390,9 @@ def make_evaluator(
   file) replace the sampled held-out batches. `compute_dtype` is the train
   step's (`recipe.compute_dtype`), so evals compute as training does.
   `render=False` skips figures and report (bench/eval_cost.py isolates the
-  loop's own cost of an eval that way).
+  loop's own cost of an eval that way). `stream` is the stream of a
+  targeted run the batches come from: its pin and loss positions hold in
+  every pass, and its scalars read `eval/<stream>/…`.
   """
   if not config.eval_every:
     return Evaluator(lambda state, done, abandon=None: {}, lambda: None)
@@ -401,7 +405,7 @@ def make_evaluator(
     compute_dtype=compute_dtype, attention_kl=config.eval_attention_kl)
   fns = eval_step.make_eval_step(
     target, ci_fn, terms, eval_config,
-    sample_inputs if eval_batches is None else None, constrain)
+    sample_inputs if eval_batches is None else None, constrain, stream)
   writer = jax.process_index() == 0
   worker = start_figure_worker(writer and render, config.figure_cpu_share)
   off_loop = lazy_render_process()
@@ -416,18 +420,96 @@ def make_evaluator(
     off_loop.close()
 
   evaluate = _evaluate_fn(config, fns, weights, eval_batches, target,
-                          submit_render, writer)
+                          submit_render, writer, stream.name)
   return Evaluator(evaluate, close, worker.drain)
+
+
+def combined(evaluators: tuple[Evaluator, ...]) -> Evaluator:
+  """Return one evaluator running each of `evaluators` in turn (a targeted
+  run's streams), their scalars merged."""
+
+  def evaluate(state, done, abandon=lambda: False):
+    record = {}
+    for one in evaluators:
+      record.update(one.evaluate(state, done, abandon))
+    return record
+
+  def close():
+    for one in evaluators:
+      one.close()
+
+  def drain():
+    for one in evaluators:
+      one.drain()
+
+  return Evaluator(evaluate, close, drain)
+
+
+def make_task_evaluator(
+  config, target: TargetFns, ci_fn, weights, output_dir: str,
+  compute_dtype: Optional[str] = None,
+) -> Evaluator:
+  """Return the task evaluator of a targeted run whose target stream is a
+  built-in two-operand task (`losses.task_eval`): at every fast eval the
+  `eval/task/…` scalars over the task's every prompt and held-out
+  non-target batches; at every slow eval the A/B grid page
+  (`report/ab_grid.html`)."""
+  task = streams.target_task(config)
+  if not config.eval_every or task.grid is None:
+    return Evaluator(lambda state, done, abandon=None: {}, lambda: None)
+  fn = task_eval.make_task_eval(target, ci_fn, task.answer_positions,
+                                config.ci_alive_threshold, compute_dtype)
+  prompts = task.grid.prompts()
+  key = eval_step.eval_data_key(held_out_seed(config))
+  sample = streams.sampler(config)
+  other = jnp.concatenate([sample(jax.random.fold_in(key, i))[
+    streams.NONTARGET] for i in range(config.eval_batches)])
+  writer = jax.process_index() == 0
+
+  def evaluate(state: TrainState, done: int,
+               abandon: Callable[[], bool] = lambda: False
+               ) -> dict[str, float]:
+    fast, slow = due(config, done)
+    if not fast or abandon():
+      return {}
+    out = jax.device_get(fn(state, weights, prompts, other))
+    scalars = {k: float(v) for k, v in out.scalars.items()}
+    if writer:
+      print(_task_line(done, scalars, target.sites), flush=True)
+      if slow:
+        ab_grid.write(os.path.join(output_dir, report.REPORT_DIR),
+                      ab_grid.snapshot(
+                        done, task.grid.operators, task.grid.shape,
+                        {"output": out.answer_ci}, out.alive,
+                        out.other_density))
+    return {f"eval/{k}": v for k, v in scalars.items()}
+
+  return Evaluator(evaluate, lambda: None)
+
+
+def _task_line(done: int, scalars: dict[str, float], sites) -> str:
+  def three(prefix):
+    return "/".join(f"{scalars[f'{prefix}/{v}']:.3g}"
+                    for v in ("clean", "ci_masked", "ablated"))
+  alive = "/".join(str(int(scalars[f"task/alive/{s.name}"])) for s in sites)
+  return (f"[eval task] step {done}  answer acc clean/ci/ablated "
+          f"{three('task/answer_accuracy')}  answer CE "
+          f"{three('task/answer_ce')}  non-target CE clean/ablated "
+          f"{scalars['task/nontarget_ce/clean']:.3g}/"
+          f"{scalars['task/nontarget_ce/ablated']:.3g}  alive {alive}")
 
 
 def _evaluate_fn(
   config, fns: eval_step.EvalFns, weights, eval_batches: Any,
   target: TargetFns, submit_render: Callable[..., None], writer: bool,
+  stream: str = "",
 ) -> Callable[..., dict[str, float]]:
   """Return `evaluate(state, done, abandon)` of `Evaluator`: run the tiers
   due, hand a slow pass's render to `submit_render(state, output,
-  summary)`, print the eval line (when `writer`) and return the scalars."""
+  summary)`, print the eval line (when `writer`) and return the scalars,
+  under `eval/<stream>/` for a targeted run's stream."""
   key = eval_step.eval_data_key(held_out_seed(config))
+  prefix = f"eval/{stream}/" if stream else "eval/"
 
   def evaluate(state: TrainState, done: int,
                abandon: Callable[[], bool] = lambda: False
@@ -449,10 +531,11 @@ def _evaluate_fn(
       submit_render(state, output, summary)
     seconds = time.time() - start
     if writer:
-      print(_eval_line(done, summary.scalars, target.sites, seconds, slow),
-            flush=True)
-    record = {f"eval/{k}": v for k, v in summary.scalars.items()}
-    record["eval/time_s"] = seconds
+      line = _eval_line(done, summary.scalars, target.sites, seconds, slow)
+      print(line.replace("[eval]", f"[eval {stream}]" if stream else "[eval]",
+                         1), flush=True)
+    record = {f"{prefix}{k}": v for k, v in summary.scalars.items()}
+    record[f"{prefix}time_s"] = seconds
     return record
 
   return evaluate

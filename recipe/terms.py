@@ -4,9 +4,11 @@ A `Term` says all a run knows of one term: its name (the `LossTerm`'s, and
 the `loss/<name>` metric's), its short form on the console line, the
 `TrainConfig` field (and `bin/train` flag) of its coefficient (the term is
 on when that is above 0), whether it takes the hidden-activation rider
-(SPEC §5.9), whether it counts as a reconstruction term, and its builder.
-`TERMS` is in step order: the step folds each term's index into its keys,
-so reordering it changes every run.
+(SPEC §5.9), whether it counts as a reconstruction term, its builder and,
+for the non-target stream of a targeted decomposition (SPEC §6.6), its
+stream. `TERMS` is in step order: the step folds each term's index into
+its keys, so reordering it changes every run; the non-target terms come
+last, so their keys follow every target term's.
 """
 
 from collections.abc import Callable
@@ -19,6 +21,9 @@ from decompax.core.schedules import Schedule
 from decompax.losses import adversarial, hidden, locality, minimality, recon
 from decompax.losses import terms as loss_terms
 from decompax.recipe.config import TrainConfig, setting
+
+# The streams of a targeted decomposition (`recipe.streams`).
+TARGET, NONTARGET = "target", "nontarget"
 
 
 class TermInputs(NamedTuple):
@@ -48,6 +53,7 @@ class Term(NamedTuple):
   build: Builder
   rider: bool = False
   recon: bool = False
+  stream: str = ""
 
 
 def parse_groups(text: str) -> tuple[tuple[str, ...], ...]:
@@ -241,6 +247,61 @@ def _fresh(config: TrainConfig, inputs: TermInputs, name: str,
     name, coeff, plan, fresh, config.use_delta_component)
 
 
+def _nontarget_recon(config: TrainConfig, inputs: TermInputs, name: str,
+                     coeff: float) -> train_step.LossTerm:
+  """Return the non-target stream's reconstruction: stochastic sources, or
+  masks at the stream's own lower CI; the stream pins the delta on."""
+  plan = _all_sites_plan(config, inputs.sites)
+  if config.nontarget_sources == "constant":
+    return loss_terms.constant_recon_term(name, coeff, plan)
+  return loss_terms.stochastic_recon_term(name, coeff, plan, False,
+                                          config.sampling)
+
+
+def _nontarget_unmasked(config: TrainConfig, inputs: TermInputs, name: str,
+                        coeff: float) -> train_step.LossTerm:
+  del config, inputs
+  return loss_terms.unmasked_no_delta_term(name, coeff)
+
+
+def _nontarget_importance(config: TrainConfig, inputs: TermInputs,
+                          name: str, coeff: float) -> train_step.LossTerm:
+  del inputs
+  return loss_terms.importance_minimality_term(coeff, _p(config),
+                                               config.importance_eps, name)
+
+
+def _nontarget_adversary(config: TrainConfig, inputs: TermInputs, name: str,
+                         coeff: float, plan_kind: str, routing: str,
+                         merged: adversarial.Merged | None = None
+                         ) -> train_step.LossTerm:
+  """Return a persistent adversary of the non-target stream: its own
+  sources over the components only (the stream pins the delta), no
+  rider."""
+  adversary.scope_shape(config.pgd_scope, inputs.lead_shape, 1)
+  plan = make_plan(config, inputs.sites, plan_kind, routing,
+                   config.subset_size)
+  return adversarial.persistent_pgd_term(
+    name, coeff, plan, persistent_config(config), inputs.sites, False,
+    merged=merged)
+
+
+def _nontarget_persistent(config: TrainConfig, inputs: TermInputs,
+                          name: str, coeff: float) -> train_step.LossTerm:
+  return _nontarget_adversary(config, inputs, name, coeff, config.pgd_plan,
+                              config.pgd_routing)
+
+
+def _nontarget_merged(config: TrainConfig, inputs: TermInputs, name: str,
+                      coeff: float) -> train_step.LossTerm:
+  final = config.merged_adv_fraction_final_frac
+  fraction = (config.merged_adv_fraction if final == 1.0 else Schedule(
+    config.merged_adv_fraction, "linear", final))
+  return _nontarget_adversary(config, inputs, name, coeff,
+                              config.merged_plan, config.merged_routing,
+                              adversarial.Merged(fraction, config.sampling))
+
+
 def _unit_weights(config: TrainConfig, units) -> dict[str, float | None]:
   """Return the weight of each unit kind (None: that kind is left out)."""
   if not config.nonlinearity_weights:
@@ -290,6 +351,17 @@ TERMS: tuple[Term, ...] = (
   Term("fresh_pgd_recon", "fresh_pgd", "fresh_pgd_coeff", _fresh,
        recon=True),
   Term("nonlinearity_locality", "nl", "nonlinearity_coeff", _locality),
+  Term("nontarget_recon", "recon", "nontarget_recon_coeff",
+       _nontarget_recon, recon=True, stream=NONTARGET),
+  Term("nontarget_unmasked_recon", "unmasked", "nontarget_unmasked_coeff",
+       _nontarget_unmasked, stream=NONTARGET),
+  Term("nontarget_importance_minimality", "imp",
+       "nontarget_importance_coeff", _nontarget_importance,
+       stream=NONTARGET),
+  Term("nontarget_persistent_pgd_recon", "pgd", "nontarget_pgd_coeff",
+       _nontarget_persistent, recon=True, stream=NONTARGET),
+  Term("nontarget_merged_recon", "merged", "nontarget_merged_coeff",
+       _nontarget_merged, recon=True, stream=NONTARGET),
 )
 
 # The terms that take the hidden-activation rider, by name.
@@ -301,9 +373,37 @@ def coeff_of(config: TrainConfig, term: Term) -> float:
   return getattr(config, term.coeff_flag)
 
 
-def build_terms(config: TrainConfig,
-                inputs: TermInputs) -> tuple[train_step.LossTerm, ...]:
+def console_losses(metrics: dict, targeted: bool) -> list[str]:
+  """Return the console line's `short value` pairs of the terms present in
+  `metrics`, each stream's behind its name in a targeted run."""
+  parts = []
+  for stream in (TARGET, NONTARGET) if targeted else ("",):
+    shown = []
+    for t in TERMS:
+      if (t.stream or (TARGET if targeted else "")) != stream:
+        continue
+      key = train_step.term_metric(t.name, stream)
+      if key in metrics:
+        shown.append(f"{t.short} {metrics[key]:.3e}")
+    if shown and stream:
+      shown[0] = f"{stream}: {shown[0]}"
+    parts.extend(shown)
+  return parts
+
+
+def build_terms(
+  config: TrainConfig, inputs: TermInputs | dict[str, TermInputs],
+) -> tuple[train_step.LossTerm, ...]:
   """Return the terms `config` turns on (coefficient above 0), in table
-  order."""
-  return tuple(t.build(config, inputs, t.name, coeff_of(config, t))
-               for t in TERMS if coeff_of(config, t) > 0)
+  order. A targeted run (`inputs` by stream) tags the plain terms with the
+  target stream and the rest with their own."""
+  if not isinstance(inputs, dict):
+    return tuple(t.build(config, inputs, t.name, coeff_of(config, t))
+                 for t in TERMS if coeff_of(config, t) > 0)
+  built = []
+  for t in TERMS:
+    if coeff_of(config, t) > 0:
+      stream = t.stream or TARGET
+      term = t.build(config, inputs[stream], t.name, coeff_of(config, t))
+      built.append(term._replace(stream=stream))
+  return tuple(built)

@@ -18,7 +18,8 @@ import numpy as np
 from jaxtyping import Array, Float, Key
 
 from decompax.core import sites, target
-from decompax.targets import induction, resid_mlp, simple_mlp, tms, toy_sites
+from decompax.targets import (
+  arithmetic, induction, resid_mlp, simple_mlp, tms, toy_sites)
 from decompax.targets import train as train_lib
 
 Weights = Any
@@ -73,7 +74,7 @@ _TOYS: dict[str, tuple[ModuleType, Any, int]] = {
 
 def toy_names() -> tuple[str, ...]:
   """Return the registered toy names."""
-  return (*_TOYS, "induction")
+  return (*_TOYS, *_LM_TOYS)
 
 
 def fns_for(
@@ -155,10 +156,39 @@ def build_induction(
   )
 
 
+def build_addsub(
+  config: arithmetic.ArithmeticConfig = arithmetic.ArithmeticConfig(),
+  default_seed: int = 0,
+) -> ToyTarget:
+  """Return the arithmetic toy (`a ± b mod P` prompts; layout as induction's).
+
+  Its inputs are the task prompts; the copying stream it also models is
+  `arithmetic.other_batch`.
+  """
+  bound = types.SimpleNamespace(
+    train=arithmetic.train,
+    missing_features=lambda w: arithmetic.missing_features(w, config))
+  record = build("addsub", arithmetic, config, default_seed)
+  return dataclasses.replace(
+    record,
+    train=functools.partial(_train_checked, "addsub", bound, config),
+    missing_features=bound.missing_features,
+    fns_for_sites=lambda s: arithmetic.fns_for_sites(config, s),
+    weights_for_sites=lambda w, s: arithmetic.weights_for_sites(w, config, s),
+  )
+
+
+# Token-input toys built on the GLU decoder, each by its own builder.
+_LM_TOYS: dict[str, Callable[[], ToyTarget]] = {
+  "induction": build_induction,
+  "addsub": build_addsub,
+}
+
+
 def get(name: str) -> ToyTarget:
   """Return the registered toy `name`; ValueError lists the known names."""
-  if name == "induction":
-    return build_induction()
+  if name in _LM_TOYS:
+    return _LM_TOYS[name]()
   if name not in _TOYS:
     raise ValueError(f"unknown toy target {name!r}; known: "
                      f"{list(toy_names())}")

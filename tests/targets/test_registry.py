@@ -31,7 +31,7 @@ def _init(name):
 def test_toy_names():
   # The induction toy takes tokens, not features; tests/targets/
   # test_induction.py covers it.
-  assert registry.toy_names() == (*NAMES, "induction")
+  assert registry.toy_names() == (*NAMES, "induction", "addsub")
 
 
 def test_unknown_name_lists_known_names():

@@ -1,0 +1,64 @@
+"""The A/B grid page of a targeted run's report (SPEC §6.6 evals).
+
+For a two-operand task every component alive on the target stream gets its
+CI at the answer position over the full grid of operand values `(a, b)`,
+one `[n_a, n_b]` grid per operator and CI role. The snapshot is
+`report/ab_grid_data.js`, a script assigning one JSON object, so the page
+`report/ab_grid.html` reads it from `file://` with no server (browsers
+refuse `fetch` of local files, not `<script src>`). Both are written
+atomically; each slow eval replaces the snapshot.
+"""
+
+import json
+import os
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from decompax.io import run_dir
+
+PAGE = "ab_grid.html"
+DATA = "ab_grid_data.js"
+
+
+def snapshot(
+  step: int, operators: tuple[str, ...], grid_shape: tuple[int, int, int],
+  answer_ci: dict[str, dict[str, np.ndarray]],
+  alive: dict[str, np.ndarray], other_density: dict[str, np.ndarray],
+) -> dict[str, Any]:
+  """Return the page's data: per site the target-alive components, each
+  with its mean target CI, its non-target firing density and per role its
+  CI grid `[n_ops][n_a][n_b]` (rounded to 1e-4), sorted by mean CI.
+
+  `answer_ci[role][site]` is `[n_prompts, c]` in the grid's order
+  (operator-major, then `a`, then `b`).
+  """
+  components = []
+  for site, mask in alive.items():
+    for c in np.flatnonzero(mask):
+      grids = {role: np.round(ci[site][:, c].reshape(grid_shape), 4)
+               for role, ci in answer_ci.items()}
+      first = next(iter(grids.values()))
+      components.append({
+        "site": site, "component": int(c),
+        "mean_ci": float(first.mean()),
+        "nontarget_density": float(other_density[site][c]),
+        "grids": {role: g.tolist() for role, g in grids.items()}})
+  components.sort(key=lambda item: -item["mean_ci"])
+  return {"step": step, "operators": list(operators),
+          "shape": list(grid_shape), "roles": list(answer_ci),
+          "sites": list(alive), "components": components}
+
+
+def write(report_dir: str, data: dict[str, Any]) -> str:
+  """Write the page and its data into `report_dir`; return the page."""
+  os.makedirs(report_dir, exist_ok=True)
+  text = "window.AB_GRID = " + json.dumps(data, separators=(",", ":")) + ";\n"
+  _write_text(os.path.join(report_dir, DATA), text)
+  page = resources.files("decompax.io").joinpath(PAGE).read_text()
+  return _write_text(os.path.join(report_dir, PAGE), page)
+
+
+def _write_text(path: str, text: str) -> str:
+  return run_dir.atomic_write(path, lambda f: f.write(text.encode()))

@@ -1,0 +1,136 @@
+"""Task metrics of a targeted decomposition (SPEC §6.6): what the target
+stream's components do for the task, and what removing them costs
+elsewhere.
+
+A task's *prompts* are the full set a task defines (for two-operand tasks,
+every operator and operand pair: its A/B grid), each scored at its answer
+positions. A component is *target-alive* when its lower CI passes the
+alive threshold at an answer position of any prompt. The pass reports the
+answer accuracy and cross entropy of the clean model, under CI masks
+(`m = ci`, no delta, as the `ci_masked` eval variant) and with the
+target-alive components ablated (mask 0, every other component and the
+delta path at 1: the model minus those rank-1 pieces); on the non-target
+batch it reports the clean and ablated next-token cross entropy. It also
+returns every component's CI at the answer position of every prompt, the
+data of the A/B grid.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from decompax.core import squash
+from decompax.core.ci_fns import CIFn
+from decompax.core.masks import SiteMask
+from decompax.core.target import TargetFns, Weights
+from decompax.core.train_step import TrainState, cast_floats
+from decompax.losses import evals
+
+
+class TaskOutput(NamedTuple):
+  """`scalars` by name (`task/…`); `alive` per site the target-alive
+  components; `answer_ci` per site the lower CI at each prompt's (first)
+  answer position, `[n_prompts, c]`; `other_density` per site each
+  component's firing density (CI above the threshold) on the non-target
+  batch."""
+
+  scalars: dict[str, Float[Array, ""]]
+  alive: dict[str, Bool[Array, " c"]]
+  answer_ci: dict[str, Float[Array, "n c"]]
+  other_density: dict[str, Float[Array, " c"]]
+
+
+def answer_labels(labels: Int[Array, "b t"],
+                  positions: tuple[int, ...]) -> Int[Array, "b t"]:
+  """Return `labels` with every position but `positions` unlabelled (-1)."""
+  keep = jnp.zeros(labels.shape[-1], bool).at[jnp.asarray(positions)].set(
+    True)
+  return jnp.where(keep, labels, -1)
+
+
+def accuracy(logits: Float[Array, "*l v"],
+             labels: Int[Array, "*l"]) -> Float[Array, ""]:
+  """Return the share of labelled positions (label `>= 0`) whose argmax is
+  the label."""
+  valid = labels >= 0
+  hit = (jnp.argmax(logits, axis=-1) == labels) & valid
+  return jnp.sum(hit) / jnp.maximum(jnp.sum(valid), 1)
+
+
+def ablated_masks(target: TargetFns, alive: dict[str, Bool[Array, " c"]],
+                  lead: tuple[int, ...]) -> dict[str, SiteMask]:
+  """Return every site's masks with its `alive` components at 0 and the
+  rest, and the delta path, at 1."""
+  return {
+    s.name: SiteMask(
+      jnp.broadcast_to(1.0 - alive[s.name].astype(jnp.float32),
+                       (*lead, s.c)),
+      jnp.ones(lead, jnp.float32))
+    for s in target.sites}
+
+
+def make_task_eval(
+  target: TargetFns, ci_fn: CIFn, positions: tuple[int, ...],
+  threshold: float, compute_dtype: str | None = None,
+) -> Callable[..., TaskOutput]:
+  """Return the jitted `task(state, weights, prompts, other) -> TaskOutput`
+  over a task's `prompts [n, t]` (scored at `positions`) and a non-target
+  token batch `other [b, t']` (see the module docstring)."""
+  if target.token_labels is None:
+    raise ValueError("task metrics score next-token answers; this target "
+                     "has no token labels")
+
+  def cast(tree):
+    # As the train step computes (N4); toys and fp32 runs keep fp32.
+    return tree if compute_dtype is None else cast_floats(tree, compute_dtype)
+
+  def lower_ci(state, comps, taps):
+    return squash.squash(cast_floats(
+      ci_fn.apply(cast(state.ci_params), cast(taps), comps),
+      jnp.float32)).lower
+
+  def task(state: TrainState, weights: Weights, prompts: Int[Array, "n t"],
+           other: Int[Array, "b s"]) -> TaskOutput:
+    clean, taps = target.clean_forward(weights, prompts, ci_fn.input_taps)
+    comps = cast(state.components)
+    lower = lower_ci(state, comps, taps)
+    picked = jnp.asarray(positions)
+    alive = {s: jnp.any(ci[:, picked] > threshold, axis=(0, 1))
+             for s, ci in lower.items()}
+    labels = answer_labels(target.token_labels(prompts), positions)
+    logits = {
+      "clean": clean,
+      "ci_masked": target.masked_forward(
+        weights, comps, prompts,
+        {s: SiteMask(ci) for s, ci in lower.items()}),
+      "ablated": target.masked_forward(
+        weights, comps, prompts,
+        ablated_masks(target, alive, prompts.shape)),
+    }
+    scalars = {}
+    for name, out in logits.items():
+      scalars[f"task/answer_accuracy/{name}"] = accuracy(out, labels)
+      scalars[f"task/answer_ce/{name}"] = evals.cross_entropy(out, labels)
+    other_labels = target.token_labels(other)
+    other_clean, other_taps = target.clean_forward(weights, other,
+                                                   ci_fn.input_taps)
+    density = {
+      s: jnp.mean((ci > threshold).reshape(-1, ci.shape[-1]), axis=0,
+                  dtype=jnp.float32)
+      for s, ci in lower_ci(state, comps, other_taps).items()}
+    other_ablated = target.masked_forward(
+      weights, comps, other,
+      ablated_masks(target, alive, other.shape))
+    scalars["task/nontarget_ce/clean"] = evals.cross_entropy(
+      other_clean, other_labels)
+    scalars["task/nontarget_ce/ablated"] = evals.cross_entropy(
+      other_ablated, other_labels)
+    for s, mask in alive.items():
+      scalars[f"task/alive/{s}"] = jnp.sum(mask, dtype=jnp.int32)
+    answer_ci = {s: ci[:, positions[0]] for s, ci in lower.items()}
+    return TaskOutput(scalars, alive, answer_ci, density)
+
+  return jax.jit(task)

@@ -1,0 +1,174 @@
+"""Targeted decomposition's two data streams (SPEC §6.6): which stream
+reads what, and the refusals of a targeted run's settings.
+
+A targeted run names a *target* stream (the task whose mechanism is
+wanted: `--target_task` or `--target_data_path`) and a *non-target* stream
+(everything else the model must keep doing: `--nontarget_task` or
+`--nontarget_data_path`). Each has its own batch size. The target stream's
+divergence averages over the task's answer positions
+(`--target_loss_positions=answer`) or over every position (`all`); the
+non-target stream pins the delta path on (`δ ≡ 1`) in every masked
+forward. A built-in task draws its batch inside the step, a pure function
+of the step's key, as a toy does.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
+
+import jax
+
+from decompax.core.train_step import StreamSpec
+from decompax.recipe import terms
+from decompax.recipe.config import TrainConfig
+from decompax.targets import arithmetic
+
+TARGET, NONTARGET = "target", "nontarget"
+
+
+class Grid(NamedTuple):
+  """A two-operand task's every prompt: `prompts()` returns them
+  `[n_ops · n_a · n_b, t]`, operator-major, then `a`, then `b`; `shape`
+  is `(n_ops, n_a, n_b)` and `operators` names each operator."""
+
+  prompts: Callable[[], Any]
+  shape: tuple[int, int, int]
+  operators: tuple[str, ...]
+
+
+class Task(NamedTuple):
+  """A built-in generator of one stream's token batches.
+
+  `sample(key, batch_size)` draws `[batch_size, seq_len]` token ids in the
+  task model's vocabulary (`vocab_size` ids at least); `answer_positions`
+  are the positions whose next-token prediction is the task's answer
+  (None: the task has none); `grid` is a two-operand task's every prompt
+  (None: the task has no operands).
+  """
+
+  sample: Callable[[jax.Array, int], Any]
+  vocab_size: int
+  answer_positions: Optional[tuple[int, ...]]
+  grid: Optional[Grid] = None
+
+
+def tasks() -> dict[str, Task]:
+  """Return the built-in tasks by name."""
+  config = arithmetic.ArithmeticConfig()
+  return {
+    "addsub": Task(
+      lambda k, b: arithmetic.task_batch(k, config, b),
+      config.model.vocab_size, (arithmetic.ANSWER_POSITION,),
+      Grid(lambda: arithmetic.grid_prompts(config),
+           (len(arithmetic.OPERATORS), config.modulus, config.modulus),
+           arithmetic.OPERATORS)),
+    "copy": Task(lambda k, b: arithmetic.other_batch(k, config, b),
+                 config.model.vocab_size, None),
+  }
+
+
+def is_targeted(config: TrainConfig) -> bool:
+  """Return whether `config` runs a targeted decomposition."""
+  return bool(config.target_task or config.target_data_path
+              or config.nontarget_task or config.nontarget_data_path)
+
+
+def _source(config: TrainConfig, stream: str) -> tuple[str, Optional[str]]:
+  return (getattr(config, f"{stream}_task"),
+          getattr(config, f"{stream}_data_path"))
+
+
+def check(config: TrainConfig) -> None:
+  """Raise ValueError naming the first setting a targeted run refuses (or
+  a non-target setting of a run that is not targeted)."""
+  if not is_targeted(config):
+    for name in ("nontarget_recon_coeff", "nontarget_unmasked_coeff",
+                 "nontarget_importance_coeff", "nontarget_pgd_coeff",
+                 "nontarget_merged_coeff", "ci_scaled_decay"):
+      if getattr(config, name):
+        raise ValueError(f"--{name} belongs to a targeted decomposition; "
+                         "name its streams (--target_task or "
+                         "--target_data_path, and --nontarget_task or "
+                         "--nontarget_data_path) or drop it")
+    return
+  known = tasks()
+  for stream in (TARGET, NONTARGET):
+    task, path = _source(config, stream)
+    if bool(task) == bool(path):
+      raise ValueError(
+        f"the {stream} stream needs exactly one source: --{stream}_task "
+        f"(one of {', '.join(known)}) or --{stream}_data_path")
+    if task and task not in known:
+      raise ValueError(f"--{stream}_task={task} is no built-in task; use "
+                       f"one of {', '.join(known)}")
+    if path:
+      raise ValueError(
+        f"--{stream}_data_path: token-file streams are not available yet; "
+        f"use --{stream}_task (one of {', '.join(known)})")
+  if config.faithfulness_coeff or config.faithfulness_warmup_steps:
+    raise ValueError(
+      "a targeted decomposition has no faithfulness term and no warmup (the "
+      "non-target stream's pinned delta carries what the target mechanism "
+      "does not); set --faithfulness_coeff=0 and "
+      "--faithfulness_warmup_steps=0")
+  if config.target_loss_positions not in ("answer", "all"):
+    raise ValueError(f"--target_loss_positions must be answer or all, got "
+                     f"{config.target_loss_positions}")
+  if config.nontarget_sources not in ("stochastic", "constant"):
+    raise ValueError(f"--nontarget_sources must be stochastic or constant, "
+                     f"got {config.nontarget_sources}")
+  if config.target_task == config.nontarget_task:
+    raise ValueError(f"both streams read --*_task={config.target_task}; the "
+                     "non-target stream must be other data than the target")
+  if config.target_loss_positions == "answer" and (
+      known[config.target_task].answer_positions is None):
+    raise ValueError(f"--target_task={config.target_task} has no answer "
+                     "positions; set --target_loss_positions=all")
+  target_recon = [t for t in terms.TERMS if t.recon and not t.stream]
+  if not any(terms.coeff_of(config, t) for t in target_recon):
+    raise ValueError("the target stream needs a reconstruction term: set "
+                     "--stochastic_coeff (or another recon coefficient) "
+                     "above 0")
+  if not config.nontarget_recon_coeff:
+    raise ValueError("the non-target stream needs its reconstruction: set "
+                     "--nontarget_recon_coeff above 0")
+
+
+def batch_size(config: TrainConfig, stream: str) -> int:
+  """Return a stream's batch size (its own, else `--batch_size`)."""
+  return getattr(config, f"{stream}_batch_size") or config.batch_size
+
+
+def specs(config: TrainConfig) -> tuple[StreamSpec, StreamSpec]:
+  """Return the step's streams: the target's with its loss positions, the
+  non-target's with the delta pinned on."""
+  task = tasks()[config.target_task]
+  positions = (task.answer_positions
+               if config.target_loss_positions == "answer" else None)
+  return (StreamSpec(TARGET, loss_positions=positions),
+          StreamSpec(NONTARGET, delta_pin=True))
+
+
+def vocab_size(config: TrainConfig) -> int:
+  """Return the vocabulary the streams' token ids need."""
+  known = tasks()
+  return max(known[_source(config, s)[0]].vocab_size
+             for s in (TARGET, NONTARGET))
+
+
+def target_task(config: TrainConfig) -> Task:
+  """Return the target stream's built-in task."""
+  return tasks()[config.target_task]
+
+
+def sampler(config: TrainConfig) -> Callable[[jax.Array], dict[str, Any]]:
+  """Return `sample(key) -> {stream: batch}`; each stream draws from its
+  own fold of the key."""
+  known = tasks()
+  draws = {s: (known[_source(config, s)[0]].sample, batch_size(config, s))
+           for s in (TARGET, NONTARGET)}
+
+  def sample(key):
+    return {s: fn(jax.random.fold_in(key, i), b)
+            for i, (s, (fn, b)) in enumerate(draws.items())}
+
+  return sample

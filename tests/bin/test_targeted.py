@@ -1,0 +1,137 @@
+"""bin/train on a targeted decomposition (SPEC §6.6): the two streams'
+flags, their refusals, and a short run end to end."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from decompax.bin import train
+from decompax.io import checkpoint
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+STREAMS = ("--target_task=addsub", "--nontarget_task=copy",
+           "--nontarget_recon_coeff=1", "--faithfulness_coeff=0")
+# The induction toy's vocabulary holds the arithmetic task's ids, so the
+# plumbing runs on a model trained in seconds.
+TPD = ("--target=induction",
+       "--sites=layers.1.mlp.gate_proj,layers.1.mlp.up_proj,"
+       "layers.1.mlp.down_proj",
+       "--c=6", "--ci_fn=vector_mlp", "--ci_hidden=4", "--num_steps=4",
+       "--log_every=2", "--eval_every=2", "--slow_eval_every=4",
+       "--eval_batches=1", "--save_every=2", "--keep_all",
+       "--stochastic_coeff=1", "--per_site_coeff=0", "--importance_coeff=1e-3",
+       "--use_delta_component=true", "--target_batch_size=8",
+       "--nontarget_batch_size=4", "--nontarget_unmasked_coeff=0.1",
+       "--nontarget_importance_coeff=1e-4", "--nontarget_merged_coeff=0.5",
+       "--ci_scaled_decay=0.1", *STREAMS)
+
+
+@pytest.mark.parametrize("args,message", [
+  (("--target=induction", *STREAMS, "--faithfulness_coeff=1"),
+   "no faithfulness term"),
+  (("--target=induction", *STREAMS, "--faithfulness_warmup_steps=5"),
+   "no faithfulness term"),
+  (("--target=induction", "--target_task=addsub",
+    "--nontarget_recon_coeff=1", "--faithfulness_coeff=0"),
+   "the nontarget stream needs exactly one source"),
+  (("--target=induction", "--nontarget_recon_coeff=1"),
+   "belongs to a targeted decomposition"),
+  (("--target=induction", "--ci_scaled_decay=0.1"),
+   "belongs to a targeted decomposition"),
+  (("--target=induction", *STREAMS[1:], "--target_task=mul"),
+   "no built-in task"),
+  (("--target=induction", *STREAMS[1:], "--target_data_path=/x.bin"),
+   "not available yet"),
+  (("--target=induction", *STREAMS[:2], "--faithfulness_coeff=0"),
+   "needs its reconstruction"),
+  (("--target=induction", *STREAMS, "--stochastic_coeff=0",
+    "--per_site_coeff=0"), "target stream needs a reconstruction"),
+  (("--target=induction", *STREAMS, "--target_task=copy",
+    "--target_loss_positions=all"), "must be other data"),
+  (("--target=induction", "--target_task=copy", "--nontarget_task=addsub",
+    *STREAMS[2:]), "has no answer positions"),
+])
+def test_bad_targeted_settings_are_refused_by_the_flags(parse, args,
+                                                        message):
+  with pytest.raises(ValueError, match=message):
+    parse(*args)
+
+
+def test_a_toy_without_token_inputs_is_refused_before_writing(parse,
+                                                              tmp_path):
+  out = tmp_path / "run"
+  config = parse("--target=tms_5-2", *STREAMS, f"--output_dir={out}")
+  with pytest.raises(ValueError, match="takes no token ids"):
+    train.setup(config)
+  assert not out.exists()
+
+
+def _train(output_dir, target_path, *extra):
+  done = subprocess.run(
+    [sys.executable, "-P", str(ROOT / "bin" / "train"), *TPD,
+     f"--output_dir={output_dir}", f"--target_path={target_path}", *extra],
+    cwd=ROOT, capture_output=True, text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return done.stdout
+
+
+def _records(output_dir):
+  with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def straight(finished_run, tmp_path_factory):
+  target_path = os.path.join(finished_run("induction"), "target.npz")
+  out = tmp_path_factory.mktemp("tpd") / "straight"
+  stdout = _train(out, target_path)
+  return out, target_path, stdout
+
+
+def test_a_targeted_run_logs_every_stream_under_its_name(straight):
+  out, _, stdout = straight
+  last = [r for r in _records(out) if "loss/total" in r][-1]
+  for key in ("target/loss/stochastic_recon",
+              "target/loss/importance_minimality", "nontarget/loss/recon",
+              "nontarget/loss/unmasked_recon",
+              "nontarget/loss/importance_minimality",
+              "nontarget/loss/merged_recon",
+              "target/ci_l0/layers.1.mlp.up_proj",
+              "nontarget/ci_l0/layers.1.mlp.up_proj"):
+    assert key in last, key
+  evals = [r for r in _records(out) if "eval/target/recon/ci_masked" in r]
+  assert evals and "eval/nontarget/recon/ci_masked" in evals[-1]
+  assert "eval/task/answer_accuracy/ablated" in evals[-1]
+  assert "target: " in stdout and "nontarget: " in stdout
+  assert "[eval nontarget]" in stdout and "[eval task]" in stdout
+  report = (out / "report" / "index.html").read_text()
+  assert "nontarget stream" in report and "ab_grid.html" in report
+  assert (out / "report" / "ab_grid_data.js").is_file()
+
+
+@pytest.mark.slow
+def test_a_targeted_run_resumes_bitwise(straight, tmp_path):
+  """I36 for a targeted run: stopped at step 2 and continued, it ends
+  with the straight run's numbers and decomposition."""
+  out, target_path, _ = straight
+  split = tmp_path / "split"
+  _train(split, target_path, "--stop_after_step=2")
+  assert checkpoint.committed_steps(str(split / "checkpoints"))[-1] == 2
+  _train(split, target_path)
+
+  def losses(path):
+    return {r["step"]: {k: v for k, v in r.items() if "loss/" in k}
+            for r in _records(path)}
+
+  assert losses(split) == losses(out)
+  a = dict(np.load(split / "decomposition.npz"))
+  b = dict(np.load(out / "decomposition.npz"))
+  assert a.keys() == b.keys()
+  for key in a:
+    assert (a[key] == b[key]).all(), key
