@@ -194,7 +194,7 @@ def setup(config: TrainConfig, placement=None) -> Prepared:
                             parts.ci_config)
   weights, save_cache = frozen_weights(config, toy, target, load, output_dir)
   data = open_token_data(config, toy)
-  if lm.is_lm(config):
+  if lm.is_lm(config) and not streams.is_targeted(config):
     print(token_data.describe(data))
   with placement_setup.flag_named():
     planned = assembly.plan(parts, weights, placement, data)
@@ -257,8 +257,12 @@ def report_placement(planned: assembly.Plan,
       print(line)
 
 
-def open_token_data(config, toy) -> token_data.TokenData | None:
-  """Return an LM run's token files (None: batches sampled in the step)."""
+def open_token_data(config, toy):
+  """Return an LM run's token files, or a targeted run's streams' (None:
+  batches sampled in the step)."""
+  if streams.is_targeted(config):
+    model = toy.config if lm.is_lm(config) else toy.config.model
+    return streams.open_data(config, model.vocab_size)
   if not lm.is_lm(config):
     return None
   return token_data.open_data(config, toy.config.vocab_size)
@@ -342,10 +346,13 @@ def evaluator_of(config: TrainConfig, target, run: assembly.Run,
         tuple(t for t in run.terms if t.stream == spec.name),
         parts.stream_inputs(spec.name), run.weights, output_dir,
         constrain=run.constrain, compute_dtype=dtype,
+        eval_batches=run.stream_eval_batches(spec.name,
+                                             config.eval_batches),
         render=spec.name == streams.TARGET, stream=spec)
       for spec in parts.step_config.streams),
-      evaluation.make_task_evaluator(config, target, run.ci_fn, run.weights,
-                                     output_dir, dtype)))
+      evaluation.make_task_evaluator(
+        config, target, run.ci_fn, run.weights, output_dir, dtype,
+        run.stream_eval_batches(streams.NONTARGET, config.eval_batches))))
   return evaluation.make_evaluator(
     config, target, run.ci_fn, run.terms, run.sample_inputs, run.weights,
     output_dir, constrain=run.constrain,

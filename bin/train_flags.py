@@ -418,6 +418,10 @@ _TARGET_DATA = flags.DEFINE_string(
 _TARGET_BATCH = flags.DEFINE_integer(
   "target_batch_size", _D.target_batch_size,
   "Target stream's batch size (0: --batch_size).")
+_TARGET_SEQ = flags.DEFINE_integer(
+  "target_seq_len", _D.target_seq_len,
+  "Sequence length of a token-file target stream (0: --seq_len); a task "
+  "fixes its own.")
 _TARGET_POSITIONS = flags.DEFINE_enum(
   "target_loss_positions", _D.target_loss_positions, ["answer", "all"],
   "Where the target stream's output divergence is scored: the task's answer "
@@ -433,6 +437,9 @@ _NONTARGET_DATA = flags.DEFINE_string(
 _NONTARGET_BATCH = flags.DEFINE_integer(
   "nontarget_batch_size", _D.nontarget_batch_size,
   "Non-target stream's batch size (0: --batch_size).")
+_NONTARGET_SEQ = flags.DEFINE_integer(
+  "nontarget_seq_len", _D.nontarget_seq_len,
+  "Sequence length of a token-file non-target stream (0: --seq_len).")
 _NONTARGET_RECON = _define_float(
   "nontarget_recon_coeff", _D.nontarget_recon_coeff,
   "Non-target stream's delta-pinned reconstruction (required above 0 in a "
@@ -731,7 +738,7 @@ def _validate_streams(config: TrainConfig) -> None:
   """Raise ValueError for a targeted run's bad stream settings
   (`recipe.streams.check`)."""
   for name in ("target_batch_size", "nontarget_batch_size",
-               "ci_scaled_decay"):
+               "target_seq_len", "nontarget_seq_len", "ci_scaled_decay"):
     _non_negative(name, getattr(config, name))
   streams.check(config)
 

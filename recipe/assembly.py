@@ -94,7 +94,7 @@ class Plan(NamedTuple):
   constrain: train_step.Constrain
   sample_inputs: Callable[[jax.Array], Any]
   fallbacks: tuple[shardings_lib.Fallback, ...] = ()
-  data: token_data.TokenData | None = None
+  data: token_data.TokenData | streams.StreamData | None = None
 
 
 class Run(NamedTuple):
@@ -128,7 +128,7 @@ class Run(NamedTuple):
     return self.plan.constrain
 
   @property
-  def data(self) -> token_data.TokenData | None:
+  def data(self) -> token_data.TokenData | streams.StreamData | None:
     return self.plan.data
 
   @property
@@ -142,14 +142,23 @@ class Run(NamedTuple):
     """Return what the step takes beside state and weights at `step`."""
     if self.data is None:
       return self.data_key
+    if isinstance(self.data, streams.StreamData):
+      return streams.train_batches(self.data, step, self.data_key)
     return token_data.train_batch(self.data, step, self.inputs_sharding)
 
   def eval_batches(self, n_batches: int) -> Any:
     """Return the held-out batches read from token files, or None."""
-    if self.data is None:
+    if self.data is None or isinstance(self.data, streams.StreamData):
       return None
     return token_data.eval_batches(self.data, n_batches,
                                    self.inputs_sharding)
+
+  def stream_eval_batches(self, stream: str, n_batches: int) -> Any:
+    """Return a targeted run's held-out batches of one file stream, or None
+    (a task stream's evals draw their own)."""
+    if not isinstance(self.data, streams.StreamData):
+      return None
+    return streams.eval_batches(self.data, stream, n_batches)
 
 
 class Keys(NamedTuple):
@@ -214,8 +223,8 @@ def stream_leads(config: TrainConfig, toy: Any,
       f"--target={config.target} has a vocabulary of {model.vocab_size}; "
       "decompose the task's own model (--target=addsub, or its exported "
       "directory)")
-  batch = jax.eval_shape(streams.sampler(config), jax.random.key(0))
-  return {s: tuple(target.batch_lead_shape(b)) for s, b in batch.items()}
+  return {s: tuple(target.batch_lead_shape(b))
+          for s, b in streams.batch_shapes(config).items()}
 
 
 def abstract_state(p: Parts) -> train_step.TrainState:
@@ -229,7 +238,8 @@ def abstract_state(p: Parts) -> train_step.TrainState:
 
 def plan(p: Parts, weights: Any,
          placement: shardings_lib.Placement | None = None,
-         data: token_data.TokenData | None = None) -> Plan:
+         data: token_data.TokenData | streams.StreamData | None = None
+         ) -> Plan:
   """Return the run planned on `placement` (None: unplaced) for frozen
   `weights` (arrays or their shapes), its step built once; with `data` the
   step takes batches read from token files.
@@ -313,7 +323,8 @@ def start(planned: Plan, weights: Any, restore: Restore | None = None) -> Run:
 def build_run(config: TrainConfig, toy: Any, target: TargetFns,
               weights: Any, restore: Restore | None = None,
               placement: shardings_lib.Placement | None = None,
-              data: token_data.TokenData | None = None) -> Run:
+              data: token_data.TokenData | streams.StreamData | None = None
+              ) -> Run:
   """Return the ready-to-step run of `config` (`parts`, `plan`, `start`)."""
   return start(plan(parts(config, toy, target), weights, placement, data),
                weights, restore)

@@ -147,10 +147,12 @@ class TrainConfig:
   target_task: str = ""
   target_data_path: str | None = None
   target_batch_size: int = 0
+  target_seq_len: int = 0
   target_loss_positions: str = "answer"
   nontarget_task: str = ""
   nontarget_data_path: str | None = None
   nontarget_batch_size: int = 0
+  nontarget_seq_len: int = 0
   nontarget_recon_coeff: float = 0.0
   nontarget_sources: str = "stochastic"
   nontarget_unmasked_coeff: float = 0.0

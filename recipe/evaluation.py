@@ -447,23 +447,28 @@ def combined(evaluators: tuple[Evaluator, ...]) -> Evaluator:
 
 def make_task_evaluator(
   config, target: TargetFns, ci_fn, weights, output_dir: str,
-  compute_dtype: Optional[str] = None,
+  compute_dtype: Optional[str] = None, nontarget_batches: Any = None,
 ) -> Evaluator:
   """Return the task evaluator of a targeted run whose target stream is a
   built-in two-operand task (`losses.task_eval`): at every fast eval the
   `eval/task/…` scalars over the task's every prompt and held-out
   non-target batches; at every slow eval the A/B grid page
-  (`report/ab_grid.html`)."""
+  (`report/ab_grid.html`). `nontarget_batches` (`[n, B, T]`) are a
+  token-file non-target stream's held-out batches; a task stream's are
+  drawn."""
   task = streams.target_task(config)
-  if not config.eval_every or task.grid is None:
+  if not config.eval_every or task is None or task.grid is None:
     return Evaluator(lambda state, done, abandon=None: {}, lambda: None)
   fn = task_eval.make_task_eval(target, ci_fn, task.answer_positions,
                                 config.ci_alive_threshold, compute_dtype)
   prompts = task.grid.prompts()
   key = eval_step.eval_data_key(held_out_seed(config))
-  sample = streams.sampler(config)
-  other = jnp.concatenate([sample(jax.random.fold_in(key, i))[
-    streams.NONTARGET] for i in range(config.eval_batches)])
+  if nontarget_batches is not None:
+    other = nontarget_batches.reshape(-1, nontarget_batches.shape[-1])
+  else:
+    sample = streams.sampler(config)
+    other = jnp.concatenate([sample(jax.random.fold_in(key, i))[
+      streams.NONTARGET] for i in range(config.eval_batches)])
   writer = jax.process_index() == 0
 
   def evaluate(state: TrainState, done: int,

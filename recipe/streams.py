@@ -16,13 +16,16 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 
 from decompax.core.train_step import StreamSpec
-from decompax.recipe import terms
-from decompax.recipe.config import TrainConfig
+from decompax.recipe import lm, terms, token_data
+from decompax.recipe.config import TrainConfig, held_out_seed, setting
 from decompax.targets import arithmetic
 
 TARGET, NONTARGET = "target", "nontarget"
+# Toys whose inputs are token ids (their vocabulary reads token files).
+TOKEN_TOYS = ("induction", "addsub")
 
 
 class Grid(NamedTuple):
@@ -100,10 +103,10 @@ def check(config: TrainConfig) -> None:
     if task and task not in known:
       raise ValueError(f"--{stream}_task={task} is no built-in task; use "
                        f"one of {', '.join(known)}")
-    if path:
-      raise ValueError(
-        f"--{stream}_data_path: token-file streams are not available yet; "
-        f"use --{stream}_task (one of {', '.join(known)})")
+    if path and config.target not in (lm.HF, *TOKEN_TOYS):
+      raise ValueError(f"--{stream}_data_path reads token ids, and "
+                       f"--target={config.target} takes none; decompose a "
+                       "language model")
   if config.faithfulness_coeff or config.faithfulness_warmup_steps:
     raise ValueError(
       "a targeted decomposition has no faithfulness term and no warmup (the "
@@ -116,13 +119,21 @@ def check(config: TrainConfig) -> None:
   if config.nontarget_sources not in ("stochastic", "constant"):
     raise ValueError(f"--nontarget_sources must be stochastic or constant, "
                      f"got {config.nontarget_sources}")
-  if config.target_task == config.nontarget_task:
+  if config.target_data_path or config.nontarget_data_path:
+    if config.data_path or config.eval_data_path:
+      raise ValueError("a targeted run reads its streams' files "
+                       "(--target_data_path, --nontarget_data_path); drop "
+                       "--data_path and --eval_data_path")
+  if config.target_task and config.target_task == config.nontarget_task:
     raise ValueError(f"both streams read --*_task={config.target_task}; the "
                      "non-target stream must be other data than the target")
   if config.target_loss_positions == "answer" and (
-      known[config.target_task].answer_positions is None):
-    raise ValueError(f"--target_task={config.target_task} has no answer "
-                     "positions; set --target_loss_positions=all")
+      not config.target_task
+      or known[config.target_task].answer_positions is None):
+    source = (f"--target_task={config.target_task}" if config.target_task
+              else "a token-file target stream")
+    raise ValueError(f"{source} has no answer positions; set "
+                     "--target_loss_positions=all")
   target_recon = [t for t in terms.TERMS if t.recon and not t.stream]
   if not any(terms.coeff_of(config, t) for t in target_recon):
     raise ValueError("the target stream needs a reconstruction term: set "
@@ -141,34 +152,100 @@ def batch_size(config: TrainConfig, stream: str) -> int:
 def specs(config: TrainConfig) -> tuple[StreamSpec, StreamSpec]:
   """Return the step's streams: the target's with its loss positions, the
   non-target's with the delta pinned on."""
-  task = tasks()[config.target_task]
-  positions = (task.answer_positions
-               if config.target_loss_positions == "answer" else None)
+  positions = None
+  if config.target_loss_positions == "answer":
+    positions = tasks()[config.target_task].answer_positions
   return (StreamSpec(TARGET, loss_positions=positions),
           StreamSpec(NONTARGET, delta_pin=True))
 
 
 def vocab_size(config: TrainConfig) -> int:
-  """Return the vocabulary the streams' token ids need."""
+  """Return the vocabulary the streams' tasks need (0: no task; token
+  files are checked against the model's vocabulary when opened)."""
   known = tasks()
-  return max(known[_source(config, s)[0]].vocab_size
-             for s in (TARGET, NONTARGET))
+  return max((known[_source(config, s)[0]].vocab_size
+              for s in (TARGET, NONTARGET) if _source(config, s)[0]),
+             default=0)
 
 
-def target_task(config: TrainConfig) -> Task:
-  """Return the target stream's built-in task."""
-  return tasks()[config.target_task]
+def seq_len(config: TrainConfig, stream: str) -> int:
+  """Return a token-file stream's sequence length (its own, else
+  `--seq_len`)."""
+  return getattr(config, f"{stream}_seq_len") or config.seq_len
+
+
+def target_task(config: TrainConfig) -> Task | None:
+  """Return the target stream's built-in task (None: a token file)."""
+  return tasks().get(config.target_task)
 
 
 def sampler(config: TrainConfig) -> Callable[[jax.Array], dict[str, Any]]:
-  """Return `sample(key) -> {stream: batch}`; each stream draws from its
-  own fold of the key."""
+  """Return `sample(key) -> {stream: batch}` of the task streams; stream
+  `i` (target 0, non-target 1) draws from `fold_in(key, i)`."""
   known = tasks()
-  draws = {s: (known[_source(config, s)[0]].sample, batch_size(config, s))
-           for s in (TARGET, NONTARGET)}
+  draws = {s: (i, known[_source(config, s)[0]].sample, batch_size(config, s))
+           for i, s in enumerate((TARGET, NONTARGET)) if _source(config, s)[0]}
 
   def sample(key):
     return {s: fn(jax.random.fold_in(key, i), b)
-            for i, (s, (fn, b)) in enumerate(draws.items())}
+            for s, (i, fn, b) in draws.items()}
 
   return sample
+
+
+class StreamData(NamedTuple):
+  """The token files of a targeted run's file streams, and the sampler of
+  its task streams (jitted: the host draws their batches beside the
+  files')."""
+
+  files: dict[str, token_data.TokenData]
+  sample_tasks: Callable[[jax.Array], dict[str, Any]]
+
+
+def open_data(config: TrainConfig, vocab: int) -> StreamData | None:
+  """Return the streams' token files (None: every stream is a task, and
+  the step samples its own batches); ValueError as `token_data.open_data`
+  for a bad file, naming the stream's flag."""
+  files = {}
+  for i, stream in enumerate((TARGET, NONTARGET)):
+    path = _source(config, stream)[1]
+    if not path:
+      continue
+    # Each stream reads its own window sequence, even from one file.
+    offset = i << 40
+    with setting(f"{stream}_data_path"):
+      files[stream] = token_data.open_files(
+        path, None, vocab, config.seed + offset,
+        held_out_seed(config) + offset, batch_size(config, stream),
+        seq_len(config, stream))
+  if not files:
+    return None
+  return StreamData(files, jax.jit(sampler(config)))
+
+
+def train_batches(data: StreamData, step: int,
+                  data_key: jax.Array) -> dict[str, Any]:
+  """Return every stream's batch of `step`: the files' windows, the tasks'
+  draws from `fold_in(data_key, step)` (as the in-step sampler draws)."""
+  batches = dict(data.sample_tasks(jax.random.fold_in(data_key, step)))
+  for stream, files in data.files.items():
+    batches[stream] = token_data.train_batch(files, step)
+  return batches
+
+
+def eval_batches(data: StreamData, stream: str, n_batches: int) -> Any:
+  """Return a file stream's held-out batches stacked `[n, B, T]` (None
+  for a task stream: its evals draw their own)."""
+  if stream not in data.files:
+    return None
+  return token_data.eval_batches(data.files[stream], n_batches)
+
+
+def batch_shapes(config: TrainConfig) -> dict[str, Any]:
+  """Return every stream's batch shape and dtype."""
+  shapes = jax.eval_shape(sampler(config), jax.random.key(0))
+  for stream in (TARGET, NONTARGET):
+    if _source(config, stream)[1]:
+      shapes[stream] = jax.ShapeDtypeStruct(
+        (batch_size(config, stream), seq_len(config, stream)), jnp.int32)
+  return shapes

@@ -46,20 +46,28 @@ def open_data(config, vocab_size: int) -> TokenData | None:
   """
   if not config.data_path:
     return None
-  train = tokens_lib.open_tokens(config.data_path, vocab_size)
+  return open_files(config.data_path, config.eval_data_path, vocab_size,
+                    config.seed, held_out_seed(config), config.batch_size,
+                    config.seq_len)
+
+
+def open_files(path: str, eval_path: str | None, vocab_size: int, seed: int,
+               eval_seed: int, batch_size: int, seq_len: int) -> TokenData:
+  """Return one stream's token files (training, held-out: the training
+  file's own windows without `eval_path`); raises as `open_data`."""
+  train = tokens_lib.open_tokens(path, vocab_size)
   held_out = train
-  if config.eval_data_path:
-    held_out = tokens_lib.open_tokens(config.eval_data_path, vocab_size)
+  if eval_path:
+    held_out = tokens_lib.open_tokens(eval_path, vocab_size)
   for opened in (train, held_out):
-    if opened.header.num_tokens < config.seq_len:
+    if opened.header.num_tokens < seq_len:
       raise ValueError(
         f"token file {opened.path} holds {opened.header.num_tokens} tokens, "
-        f"fewer than one --seq_len={config.seq_len} sequence; lower "
+        f"fewer than one --seq_len={seq_len} sequence; lower "
         "--seq_len or tokenize more text")
-  tokens_lib.process_rows(config.batch_size, jax.process_index(),
+  tokens_lib.process_rows(batch_size, jax.process_index(),
                           jax.process_count())
-  return TokenData(train, held_out, config.seed, held_out_seed(config),
-                   config.batch_size, config.seq_len)
+  return TokenData(train, held_out, seed, eval_seed, batch_size, seq_len)
 
 
 def describe(data: TokenData | None) -> str:

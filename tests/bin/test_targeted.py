@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import jax
 import pytest
 
 from decompax.bin import train
@@ -46,7 +47,12 @@ TPD = ("--target=induction",
   (("--target=induction", *STREAMS[1:], "--target_task=mul"),
    "no built-in task"),
   (("--target=induction", *STREAMS[1:], "--target_data_path=/x.bin"),
-   "not available yet"),
+   "token-file target stream has no answer positions"),
+  (("--target=tms_5-2", *STREAMS[1:], "--target_data_path=/x.bin",
+    "--target_loss_positions=all"), "takes none; decompose a language"),
+  (("--target=induction", *STREAMS[1:], "--target_data_path=/x.bin",
+    "--target_loss_positions=all", "--data_path=/y.bin", "--target=hf"),
+   "drop --data_path"),
   (("--target=induction", *STREAMS[:2], "--faithfulness_coeff=0"),
    "needs its reconstruction"),
   (("--target=induction", *STREAMS, "--stochastic_coeff=0",
@@ -135,3 +141,30 @@ def test_a_targeted_run_resumes_bitwise(straight, tmp_path):
   assert a.keys() == b.keys()
   for key in a:
     assert (a[key] == b[key]).all(), key
+
+
+def test_a_token_file_stream_feeds_the_step_beside_a_task(
+    parse, finished_run, tmp_path):
+  from decompax.io import tokens  # noqa: PLC0415
+  from decompax.recipe import assembly, streams  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  path = tmp_path / "other.bin"
+  tokens.write_tokens(str(path), [rng.integers(0, 31, 40) for _ in range(30)],
+                      32, 31, "test")
+  target_path = os.path.join(finished_run("induction"), "target.npz")
+  config = parse(*TPD, "--nontarget_task=", f"--nontarget_data_path={path}",
+                 "--nontarget_seq_len=12", f"--target_path={target_path}",
+                 f"--output_dir={tmp_path / 'run'}")
+  prepared = train.setup(config)
+  run = assembly.start(prepared.plan, prepared.weights)
+  batches = run.step_inputs(3)
+  assert batches["nontarget"].shape == (4, 12)
+  assert batches["target"].shape == (8, 5)
+  # The task stream's draw is the one the in-step sampler makes.
+  want = streams.sampler(config)(jax.random.fold_in(run.data_key, 3))
+  np.testing.assert_array_equal(batches["target"], want["target"])
+  held_out = run.stream_eval_batches("nontarget", 2)
+  assert held_out.shape == (2, 4, 12)
+  assert run.stream_eval_batches("target", 2) is None
+  state, metrics = run.built.step(run.state, run.weights, batches)
+  assert np.isfinite(float(metrics["nontarget/loss/recon"]))

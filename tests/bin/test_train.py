@@ -40,7 +40,10 @@ def test_every_flagfile_parses_and_builds_its_terms(parse, path):
   config = parse(f"--flagfile={path}")
   toy, target, _ = assembly.resolve_target(config)
   parts = assembly.parts(config, toy, target)
-  assert set(parts.term_names) >= {"faithfulness", "importance_minimality"}
+  # A targeted decomposition has no faithfulness term (SPEC §6.6).
+  wanted = {"importance_minimality"} | (
+    set() if config.target_task else {"faithfulness"})
+  assert set(parts.term_names) >= wanted
   # Toys stay fp32 whatever --compute_dtype says (N4).
   assert parts.step_config.compute_dtype is None
 
