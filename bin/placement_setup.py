@@ -166,10 +166,14 @@ def build_mesh(shape: mesh_lib.MeshShape, devices=None) -> Mesh:
 
 
 def make_placement(
-  config: PlacementConfig, lead_shape: tuple[int, ...]
+  config: PlacementConfig, lead_shape: tuple[int, ...],
+  batch_flag: str = "--batch_size",
+  more: tuple[tuple[str, tuple[int, ...]], ...] = (),
 ) -> shardings.Placement:
   """Return the run's mesh, table and compiler options, checked against the
-  devices present and the batch's lead shape (it must split evenly)."""
+  devices present and the batch's lead shape (it must split evenly), and
+  against each `(flag, lead shape)` of `more` (a targeted run's other
+  stream)."""
   local = jax.local_devices()
   with flag_named("--local_device_count"):
     mesh_lib.check_local_devices(config.local_device_count, len(local),
@@ -178,10 +182,11 @@ def make_placement(
     shape = mesh_lib.mesh_shape(jax.device_count(), config.replicate,
                                 config.fsdp, config.tp)
   table = config.table
-  with flag_named("--batch_size"):
-    table_lib.partition_spec(table.layout("inputs"),
-                             ("batch", "seq")[:len(lead_shape)], lead_shape,
-                             shape.sizes)
+  for flag, lead in ((batch_flag, lead_shape), *more):
+    with flag_named(flag):
+      table_lib.partition_spec(table.layout("inputs"),
+                               ("batch", "seq")[:len(lead)], lead,
+                               shape.sizes)
   return shardings.Placement(build_mesh(shape), table,
                             compiler_options(config.compiler))
 

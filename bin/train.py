@@ -257,6 +257,19 @@ def report_placement(planned: assembly.Plan,
       print(line)
 
 
+def placement_batches(config: TrainConfig) -> tuple:
+  """Return the batches `placement_setup.make_placement` checks against
+  the mesh: `(lead shape,)`, or a targeted run's `(target lead shape,
+  flag, ((flag, non-target lead shape),))`, each stream's batch split
+  over it."""
+  if not streams.is_targeted(config):
+    return ((config.batch_size,),)
+  target, nontarget = (
+    (f"--{s}_batch_size", (streams.batch_size(config, s),))
+    for s in (streams.TARGET, streams.NONTARGET))
+  return target[1], target[0], (nontarget,)
+
+
 def open_token_data(config, toy):
   """Return an LM run's token files, or a targeted run's streams' (None:
   batches sampled in the step)."""
@@ -480,8 +493,8 @@ def main(argv: list[str]) -> None:
       wandb_sink.check_installed()
     placement_config = placement_setup.config_from_flags()
     placement_setup.start(placement_config)
-    placement = placement_setup.make_placement(placement_config,
-                                               (config.batch_size,))
+    placement = placement_setup.make_placement(
+      placement_config, *placement_batches(config))
     prepared = setup(config, placement)
   except (ValueError, ImportError) as e:
     fail(str(e))

@@ -58,28 +58,44 @@ def component_axes(path, leaf) -> tuple[str | None, ...]:
   return (None,) * leaf.ndim
 
 
+# A run's batch lead shape: `(B,)` or `(B, T)`, or a targeted run's one per
+# stream (SPEC §6.6), by stream name.
+LeadShape = tuple[int, ...] | dict[str, tuple[int, ...]]
+
+
+def lead_shapes(lead_shape: LeadShape) -> tuple[tuple[int, ...], ...]:
+  """Return every lead shape the run's batches have."""
+  if isinstance(lead_shape, dict):
+    return tuple(tuple(v) for v in lead_shape.values())
+  return (tuple(lead_shape),)
+
+
 def batch_axes(
-  leaf, lead_shape: tuple[int, ...], last: str
+  leaf, lead_shape: LeadShape, last: str
 ) -> tuple[str | None, ...] | None:
-  """Return `(batch[, seq], last…)`, or None when `leaf` is not batch-led."""
-  lead = len(lead_shape)
-  if leaf.ndim < lead or tuple(leaf.shape[:lead]) != tuple(lead_shape):
-    return None
-  return ("batch", "seq")[:lead] + (last,) * (leaf.ndim - lead)
+  """Return `(batch[, seq], last…)`, or None when `leaf` is not batch-led
+  (by any of the run's lead shapes)."""
+  for lead in lead_shapes(lead_shape):
+    n = len(lead)
+    if leaf.ndim >= n and tuple(leaf.shape[:n]) == lead:
+      return ("batch", "seq")[:n] + (last,) * (leaf.ndim - n)
+  return None
 
 
 def source_axes(
-  leaf, lead_shape: tuple[int, ...]
+  leaf, lead_shape: LeadShape
 ) -> tuple[str | None, ...] | None:
   """Return a persistent source's axes, or None for other term-state leaves."""
-  lead = len(lead_shape)
-  if leaf.ndim != lead + 1:
-    return None
-  names = ("batch", "seq")[:lead]
-  if any(d not in (1, n) for d, n in zip(leaf.shape[:lead], lead_shape)):
-    return None
-  return tuple(name if d == n and n > 1 else None
-               for name, d, n in zip(names, leaf.shape, lead_shape)) + ("c",)
+  for lead in lead_shapes(lead_shape):
+    n = len(lead)
+    if leaf.ndim != n + 1:
+      continue
+    if any(d not in (1, m) for d, m in zip(leaf.shape[:n], lead)):
+      continue
+    names = ("batch", "seq")[:n]
+    return tuple(name if d == m and m > 1 else None
+                 for name, d, m in zip(names, leaf.shape, lead)) + ("c",)
+  return None
 
 
 def path_text(path, prefix: str = "") -> str:
@@ -116,7 +132,7 @@ def source_layout(table: PlacementTable) -> Layout:
   return Layout(tuple(rules.items()))
 
 
-def _state_trees(table: PlacementTable, lead_shape: tuple[int, ...]):
+def _state_trees(table: PlacementTable, lead_shape: LeadShape):
   # (field, category, layout, axes_fn) of every TrainState field that the
   # table places; `step`, `rng` and `health` are replicated.
   optimizer, ci = table.layout("optimizer"), table.layout("ci_weights")
@@ -135,7 +151,7 @@ def _state_trees(table: PlacementTable, lead_shape: tuple[int, ...]):
 
 
 def state_specs(
-  table: PlacementTable, state: TrainState, lead_shape: tuple[int, ...],
+  table: PlacementTable, state: TrainState, lead_shape: LeadShape,
   sizes: dict[str, int],
 ) -> TrainState:
   """Return a `TrainState` of `PartitionSpec`s (works on abstract states)."""
@@ -156,7 +172,7 @@ def weights_specs(
 
 
 def batch_specs(
-  table: PlacementTable, batch: Any, lead_shape: tuple[int, ...],
+  table: PlacementTable, batch: Any, lead_shape: LeadShape,
   sizes: dict[str, int],
 ) -> Any:
   """Return the specs of a batch whose leaves lead with `lead_shape`."""
@@ -172,7 +188,7 @@ def named(mesh: Mesh, specs: Any) -> Any:
 
 def step_shardings(
   table: PlacementTable, mesh: Mesh, state: TrainState, weights: Any,
-  lead_shape: tuple[int, ...], inputs: Any = None,
+  lead_shape: LeadShape, inputs: Any = None,
 ) -> StepShardings:
   """Return the jitted step's argument and result shardings.
 
@@ -193,7 +209,7 @@ def step_shardings(
 
 
 def make_constrain(
-  table: PlacementTable, mesh: Mesh, lead_shape: tuple[int, ...]
+  table: PlacementTable, mesh: Mesh, lead_shape: LeadShape
 ) -> Callable[[str, Any], Any]:
   """Return the step's `constrain(role, tree)` hook.
 
@@ -234,13 +250,17 @@ class Fallback(NamedTuple):
   shortfall: Shortfall
 
 
-def _ci_activation_shapes(components: Any, lead_shape: tuple[int, ...]):
-  # `[*lead, C]` per kind: the CI activations' shapes, C from each V.
+def _ci_activation_shapes(components: Any, lead_shape: LeadShape):
+  # `[*lead, C]` per kind (and stream): the CI activations' shapes, C from
+  # each V.
   found = {}
+  leads = lead_shapes(lead_shape)
   for path, leaf in jax.tree_util.tree_flatten_with_path(components)[0]:
     if _last_name(path) == "v" and leaf.ndim == 3:
-      found[path_text(path[:-1])] = jax.ShapeDtypeStruct(
-        (*lead_shape, leaf.shape[-1]), leaf.dtype)
+      for i, lead in enumerate(leads):
+        name = path_text(path[:-1]) + (f"#{i}" if len(leads) > 1 else "")
+        found[name] = jax.ShapeDtypeStruct((*lead, leaf.shape[-1]),
+                                           leaf.dtype)
   return found
 
 
@@ -251,7 +271,7 @@ def _uses_muon(components_opt: Any) -> bool:
 
 def _resolved_trees(
   table: PlacementTable, state: TrainState, weights: Any,
-  lead_shape: tuple[int, ...], frozen_stacks: Any,
+  lead_shape: LeadShape, frozen_stacks: Any,
 ) -> list:
   # (category, layout, tree, axes_fn, prefix) of every tree whose shapes
   # are known before the step is traced.
@@ -278,7 +298,7 @@ def _resolved_trees(
 
 def fallbacks(
   table: PlacementTable, sizes: dict[str, int], state: TrainState,
-  weights: Any, lead_shape: tuple[int, ...], frozen_stacks: Any = None,
+  weights: Any, lead_shape: LeadShape, frozen_stacks: Any = None,
 ) -> tuple[Fallback, ...]:
   """Return every dimension a preset's layout leaves (partly) replicated.
 

@@ -143,7 +143,8 @@ class Run(NamedTuple):
     if self.data is None:
       return self.data_key
     if isinstance(self.data, streams.StreamData):
-      return streams.train_batches(self.data, step, self.data_key)
+      return streams.train_batches(self.data, step, self.data_key,
+                                   self.inputs_sharding)
     return token_data.train_batch(self.data, step, self.inputs_sharding)
 
   def eval_batches(self, n_batches: int) -> Any:
@@ -158,7 +159,9 @@ class Run(NamedTuple):
     (a task stream's evals draw their own)."""
     if not isinstance(self.data, streams.StreamData):
       return None
-    return streams.eval_batches(self.data, stream, n_batches)
+    sharding = self.inputs_sharding
+    return streams.eval_batches(self.data, stream, n_batches,
+                                None if sharding is None else sharding[stream])
 
 
 class Keys(NamedTuple):
@@ -250,11 +253,6 @@ def plan(p: Parts, weights: Any,
   """
   engine.check_rider_points(p.config, p.target, weights,
                             p.toy.sample_inputs(jax.random.key(0), 2))
-  if p.targeted and placement is not None:
-    if placement.mesh.size > 1:
-      raise ValueError("a targeted decomposition runs on one device so far; "
-                       "run it without --replicate/--fsdp/--tp above 1")
-    placement = None
   state = abstract_state(p)
   shardings, fallbacks = None, ()
   constrain, sample = train_step.no_constraint, p.sample_inputs
@@ -264,8 +262,7 @@ def plan(p: Parts, weights: Any,
       table, dict(mesh.shape), state, weights, p.lead_shape,
       jax.eval_shape(p.target.frozen_stacks, weights))
     shardings = shardings_lib.step_shardings(
-      table, mesh, state, weights, p.lead_shape,
-      None if data is None else token_data.example_batch(data))
+      table, mesh, state, weights, p.lead_shape, example_batch(p, data))
     constrain = shardings_lib.make_constrain(table, mesh, p.lead_shape)
     sample = shardings_lib.constrained_sampler(p.sample_inputs, constrain)
   step = train_step.make_train_step(
@@ -273,6 +270,16 @@ def plan(p: Parts, weights: Any,
     sample_inputs=p.sample_inputs if data is None else None,
     shardings=shardings, constrain=constrain)
   return Plan(p, step, state, shardings, constrain, sample, fallbacks, data)
+
+
+def example_batch(p: Parts, data) -> Any:
+  """Return the shapes of the batch the step takes (None: it samples its
+  own)."""
+  if data is None:
+    return None
+  if isinstance(data, streams.StreamData):
+    return streams.batch_shapes(p.config)
+  return token_data.example_batch(data)
 
 
 def warm_components(config: TrainConfig, target: TargetFns, weights: Any,

@@ -223,22 +223,27 @@ def open_data(config: TrainConfig, vocab: int) -> StreamData | None:
   return StreamData(files, jax.jit(sampler(config)))
 
 
-def train_batches(data: StreamData, step: int,
-                  data_key: jax.Array) -> dict[str, Any]:
+def train_batches(data: StreamData, step: int, data_key: jax.Array,
+                  shardings: dict[str, Any] | None = None) -> dict[str, Any]:
   """Return every stream's batch of `step`: the files' windows, the tasks'
-  draws from `fold_in(data_key, step)` (as the in-step sampler draws)."""
+  draws from `fold_in(data_key, step)` (as the in-step sampler draws),
+  each on its stream's sharding when placed."""
   batches = dict(data.sample_tasks(jax.random.fold_in(data_key, step)))
+  if shardings is not None:
+    batches = {s: jax.device_put(b, shardings[s]) for s, b in batches.items()}
   for stream, files in data.files.items():
-    batches[stream] = token_data.train_batch(files, step)
+    batches[stream] = token_data.train_batch(
+      files, step, None if shardings is None else shardings[stream])
   return batches
 
 
-def eval_batches(data: StreamData, stream: str, n_batches: int) -> Any:
+def eval_batches(data: StreamData, stream: str, n_batches: int,
+                 sharding: Any = None) -> Any:
   """Return a file stream's held-out batches stacked `[n, B, T]` (None
   for a task stream: its evals draw their own)."""
   if stream not in data.files:
     return None
-  return token_data.eval_batches(data.files[stream], n_batches)
+  return token_data.eval_batches(data.files[stream], n_batches, sharding)
 
 
 def batch_shapes(config: TrainConfig) -> dict[str, Any]:
