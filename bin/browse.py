@@ -6,6 +6,7 @@ contexts), a component's page (top contexts shaded by CI, CI histogram, V/U
 norms, the components it fires with), and a prompt box that shows the next
 token predictions with chosen components ablated, beside the clean model's,
 with the KL per position. Each run needs a finished harvest (`bin/harvest`).
+A prompt is token ids, or text where the run's model has a tokenizer.
 
 Requests name runs by their index in `--run_dir` and sites by name; no
 path from a request reaches the file system. Prompts are padded to a few
@@ -25,6 +26,7 @@ from absl import flags, logging
 
 from decompax.bin import cli
 from decompax.core import sites as sites_lib
+from decompax.io import hf_checkpoint
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
 
@@ -41,6 +43,11 @@ MAX_BODY_BYTES = 1 << 16
 MAX_ABLATED = 4096
 TOP_PREDICTIONS = 5
 CONTEXTS_SHOWN = 20
+NO_TOKENIZER = ("this run has no tokenizer: type whitespace-separated token "
+                "ids, e.g. '3 17 5'")
+
+# `text -> token ids` of a run's tokenizer; ValueError for text it refuses.
+Encoder = Callable[[str], list[int]]
 
 
 class Served(NamedTuple):
@@ -55,6 +62,8 @@ class Served(NamedTuple):
   probe: dict[str, np.ndarray]
   # Token models: the vocabulary size prompts are checked against.
   vocab: int | None
+  # Models with a tokenizer: how typed text becomes token ids.
+  encode: Encoder | None
 
 
 class BadRequest(Exception):
@@ -82,7 +91,8 @@ def serve_run(path: str) -> Served:
       run, run.target.feature_probe()).items()}
   vocab = (explore.vocab_size(run) if run.target.token_labels is not None
            else None)
-  return Served(path, run, harvest, rows, token_decoder(run), probe, vocab)
+  return Served(path, run, harvest, rows, token_decoder(run), probe, vocab,
+                text_encoder(run.config.model_dir))
 
 
 def token_decoder(run: explore.LoadedRun) -> Callable[[int], str]:
@@ -93,15 +103,57 @@ def token_decoder(run: explore.LoadedRun) -> Callable[[int], str]:
   return str
 
 
-def parse_prompt(text: Any, vocab: int) -> list[int]:
-  """Return the token ids of a prompt: whitespace-separated ids."""
-  if not isinstance(text, str) or not text.strip():
-    raise BadRequest(400, "prompt must be a non-empty string of token ids")
+def text_encoder(model_dir: str | None) -> Encoder | None:
+  """Return the encoder of the tokenizer in `model_dir`, or None where there
+  is no loadable one (prompts are then token ids only)."""
+  if not model_dir or not hf_checkpoint.has_tokenizer(model_dir):
+    return None
   try:
-    ids = [int(part) for part in text.split()]
+    tokenizer = hf_checkpoint.read_tokenizer(model_dir)
   except ValueError:
-    raise BadRequest(400, "prompt must be whitespace-separated token ids, "
-                     "e.g. '3 17 5'") from None
+    # The decoder has already said why on the console; ids still work.
+    return None
+
+  def encode(text: str) -> list[int]:
+    # No special tokens: the decomposition was trained on raw windows cut
+    # anywhere from the token stream, not on sequences that open with BOS,
+    # so a prompt should look like such a window.
+    try:
+      return [int(i) for i in tokenizer(
+        text, add_special_tokens=False)["input_ids"]]
+    # The tokenizers library raises a bare Exception for text it cannot
+    # encode (a word missing from a vocabulary without an unknown token).
+    except Exception as e:  # noqa: BLE001
+      raise ValueError(" ".join(str(e).split())) from None
+
+  return encode
+
+
+def prompt_ids(text: str, encode: Encoder | None) -> list[int]:
+  """Return `text` as token ids: itself when it is whitespace-separated
+  integers, else its encoding by the run's tokenizer."""
+  try:
+    return [int(part) for part in text.split()]
+  except ValueError:
+    pass
+  if encode is None:
+    raise BadRequest(400, NO_TOKENIZER)
+  try:
+    return encode(text)
+  except ValueError as e:
+    raise BadRequest(400, f"the tokenizer cannot encode the prompt: {e}"
+                     ) from None
+
+
+def parse_prompt(text: Any, vocab: int, encode: Encoder | None = None
+                 ) -> list[int]:
+  """Return the token ids of a prompt: whitespace-separated ids, or text
+  that `encode` (the run's tokenizer, if it has one) turns into ids."""
+  if not isinstance(text, str) or not text.strip():
+    raise BadRequest(400, "prompt must be a non-empty string")
+  ids = prompt_ids(text, encode)
+  if not ids:
+    raise BadRequest(400, "the prompt encodes to no tokens")
   if len(ids) > BUCKETS[-1]:
     raise BadRequest(413, f"prompt has {len(ids)} tokens; at most "
                      f"{BUCKETS[-1]}")
@@ -266,7 +318,8 @@ def make_app(runs: list[Served]):
       return [{"index": i, "name": s.name, "target": s.run.config.target,
                "sites": {x.name: x.c for x in s.run.target.sites},
                "positions": s.harvest.manifest["positions"],
-               "tokens": s.run.target.token_labels is not None}
+               "tokens": s.run.target.token_labels is not None,
+               "tokenizer": s.encode is not None}
               for i, s in enumerate(runs)]
     s = served(args["run"])
     if endpoint == "components":
@@ -276,7 +329,8 @@ def make_app(runs: list[Served]):
     if s.run.target.token_labels is None:
       raise BadRequest(400, "predictions need a language-model run")
     request_body = body(request)
-    return predictions(s, parse_prompt(request_body.get("prompt"), s.vocab),
+    ids = parse_prompt(request_body.get("prompt"), s.vocab, s.encode)
+    return predictions(s, ids,
                        parse_choice(request_body.get("ablate"), s, "ablate"),
                        parse_choice(request_body.get("keep"), s, "keep"))
 

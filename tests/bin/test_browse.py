@@ -1,6 +1,7 @@
 """bin/browse: the component browser's API on a real server (ephemeral
 port) over a harvested induction-toy run: the runs, the component table and
-page, predictions with ablations, and refusals of bad requests."""
+page, predictions with ablations, and refusals of bad requests; and the
+prompt parsing of token ids and of text through a real tokenizer."""
 
 import json
 import threading
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from decompax.bin import browse
+from decompax.io import hf_checkpoint
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
 
@@ -51,6 +53,7 @@ def test_page_runs_and_component_table(server):
   assert status == 200 and b"<title>decompax browser</title>" in page
   runs = json.loads(_get(server + "/api/runs")[1])
   assert runs[0]["index"] == 0 and runs[0]["tokens"] is True
+  assert runs[0]["tokenizer"] is False          # a toy: ids only
   rows = json.loads(_get(server + "/api/runs/0/components")[1])
   assert len(rows) == sum(runs[0]["sites"].values()) == 7 * 8
   assert all(0 <= r["density"] <= 1 and r["v_norm"] > 0 for r in rows)
@@ -91,7 +94,7 @@ def test_ablating_a_component_changes_the_predictions(server):
 @pytest.mark.parametrize("path, body, status, reason", [
   ("/api/runs/0/predict", b"{not json", 400, "not valid JSON"),
   ("/api/runs/0/predict", b"[1, 2]", 400, "must be a JSON object"),
-  ("/api/runs/0/predict", b'{"prompt": "a b"}', 400, "token ids"),
+  ("/api/runs/0/predict", b'{"prompt": "a b"}', 400, "has no tokenizer"),
   ("/api/runs/0/predict", b'{"prompt": "99999"}', 400, "outside the vocab"),
   ("/api/runs/0/predict", json.dumps({"prompt": " ".join(["1"] * 300)}
                                      ).encode(), 413, "at most 256"),
@@ -183,7 +186,9 @@ def test_in_a_real_browser(server, chromium, tmp_path):
       "document.getElementById('predictions').innerHTML = ''")
     return text
 
-  chromium.find_element(By.ID, "prompt").send_keys("0 3 5 7 3")
+  box = chromium.find_element(By.ID, "prompt")
+  assert box.get_attribute("placeholder").startswith("token ids")
+  box.send_keys("0 3 5 7 3")
   clean = predict()
   chromium.find_element(By.ID, "ablate-this").click()
   assert title.split()[0] in chromium.find_element(By.ID, "ablated").text
@@ -235,3 +240,54 @@ def test_a_toy_component_page_shows_its_probe_ci_and_factors(finished_run):
   np.testing.assert_allclose(page["probe_ci"], np.asarray(probe)[:, 2],
                              rtol=1e-6)
   assert all(len(c["tokens"]) == 5 for c in page["contexts"])  # input rows
+
+
+# A word-level tokenizer with one more entry than the model's vocabulary,
+# so that text can encode to an id the model does not have.
+WORDS = ["the", "cat", "sat", "on", "mat", "<eos>"]
+VOCAB = 5
+
+
+@pytest.fixture(scope="module")
+def encode(tmp_path_factory):
+  model_dir = str(tmp_path_factory.mktemp("model"))
+  hf_checkpoint.write_word_tokenizer(model_dir, WORDS, eos_token="<eos>")
+  encoder = browse.text_encoder(model_dir)
+  assert encoder is not None
+  return encoder
+
+
+def _refusal(prompt, encode):
+  with pytest.raises(browse.BadRequest) as refused:
+    browse.parse_prompt(prompt, VOCAB, encode)
+  assert "\n" not in str(refused.value)
+  return refused.value.status, str(refused.value)
+
+
+def test_integer_prompts_stay_token_ids_even_with_a_tokenizer(encode):
+  # "3" is no word of the tokenizer: encoding it would be refused.
+  assert browse.parse_prompt(" 3 1\t4 ", VOCAB, encode) == [3, 1, 4]
+  assert _refusal("3 9", encode) == (
+    400, "token id 9 is outside the vocabulary [0, 5)")
+
+
+def test_text_is_encoded_by_the_run_tokenizer(encode):
+  assert browse.parse_prompt("the cat sat on the mat", VOCAB, encode) == [
+    0, 1, 2, 3, 0, 4]
+  # Encoded ids meet the same vocabulary check as typed ones.
+  status, reason = _refusal("the <eos>", encode)
+  assert status == 400 and "token id 5 is outside" in reason
+  status, reason = _refusal("the dog", encode)
+  assert status == 400 and "cannot encode" in reason
+
+
+def test_too_long_text_is_refused_with_413(encode):
+  assert _refusal(" ".join(["cat"] * 300), encode) == (
+    413, "prompt has 300 tokens; at most 256")
+
+
+def test_a_run_without_a_tokenizer_refuses_text(tmp_path):
+  assert browse.text_encoder(None) is None
+  assert browse.text_encoder(str(tmp_path)) is None   # no tokenizer files
+  assert browse.parse_prompt("0 4", VOCAB, None) == [0, 4]
+  assert _refusal("the cat", None) == (400, browse.NO_TOKENIZER)

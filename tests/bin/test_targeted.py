@@ -168,3 +168,42 @@ def test_a_token_file_stream_feeds_the_step_beside_a_task(
   assert run.stream_eval_batches("target", 2) is None
   state, metrics = run.built.step(run.state, run.weights, batches)
   assert np.isfinite(float(metrics["nontarget/loss/recon"]))
+
+
+def test_a_targeted_run_restored_at_step_2_steps_to_its_saved_step_4(
+    parse, straight, tmp_path):
+  """The fast variant of the resume test: the straight run's step-2
+  checkpoint, restored in-process and stepped twice, is its step-4
+  checkpoint bit for bit (every term state included)."""
+  import shutil  # noqa: PLC0415
+  from decompax.io import resume  # noqa: PLC0415
+  from decompax.recipe import assembly  # noqa: PLC0415
+  out, target_path, _ = straight
+  early = tmp_path / "early"
+  early.mkdir()
+  shutil.copytree(out / "checkpoints" / checkpoint.step_name(2),
+                  early / checkpoint.step_name(2))
+  config = parse(*TPD, f"--target_path={target_path}",
+                 f"--output_dir={tmp_path / 'run'}")
+  prepared = train.setup(config)
+  run = assembly.start(prepared.plan, prepared.weights)
+  parts = prepared.plan.parts
+  args = (parts.target.sites, parts.ci_config, parts.term_names)
+  step, state = resume.restore_state(str(early), run.state, *args,
+                                     report=lambda line: None)
+  assert step == 2
+  for done in (2, 3):
+    state, _ = run.built.step(state, run.weights, run.step_inputs(done))
+  saved_dir = tmp_path / "late"
+  saved_dir.mkdir()
+  shutil.copytree(out / "checkpoints" / checkpoint.step_name(4),
+                  saved_dir / checkpoint.step_name(4))
+  _, saved = resume.restore_state(str(saved_dir), run.state, *args,
+                                  report=lambda line: None)
+  assert set(saved.term_states) == {"nontarget_merged_recon"}
+  for got, want in zip(jax.tree.leaves(jax.device_get(state)),
+                       jax.tree.leaves(jax.device_get(saved))):
+    if hasattr(got, "dtype") and jax.dtypes.issubdtype(
+        got.dtype, jax.dtypes.prng_key):
+      got, want = jax.random.key_data(got), jax.random.key_data(want)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
