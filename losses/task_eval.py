@@ -130,6 +130,9 @@ def make_task_eval(
       other_ablated, other_labels)
     for s, mask in alive.items():
       scalars[f"task/alive/{s}"] = jnp.sum(mask, dtype=jnp.int32)
+      # Components active where the answer is computed, per prompt.
+      scalars[f"task/answer_l0/{s}"] = jnp.mean(jnp.sum(
+        lower[s][:, picked] > threshold, axis=-1, dtype=jnp.float32))
     answer_ci = {s: ci[:, positions[0]] for s, ci in lower.items()}
     return TaskOutput(scalars, alive, answer_ci, density)
 

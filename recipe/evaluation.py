@@ -497,7 +497,9 @@ def _task_line(done: int, scalars: dict[str, float], sites) -> str:
     return "/".join(f"{scalars[f'{prefix}/{v}']:.3g}"
                     for v in ("clean", "ci_masked", "ablated"))
   alive = "/".join(str(int(scalars[f"task/alive/{s.name}"])) for s in sites)
-  return (f"[eval task] step {done}  answer acc clean/ci/ablated "
+  l0 = "/".join(f"{scalars[f'task/answer_l0/{s.name}']:.2f}" for s in sites)
+  return (f"[eval task] step {done}  answer L0 {l0}  "
+          f"answer acc clean/ci/ablated "
           f"{three('task/answer_accuracy')}  answer CE "
           f"{three('task/answer_ce')}  non-target CE clean/ablated "
           f"{scalars['task/nontarget_ce/clean']:.3g}/"

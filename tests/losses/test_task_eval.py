@@ -45,6 +45,9 @@ def test_alive_components_are_those_firing_at_an_answer_position(scored):
     np.testing.assert_array_equal(out.alive[site], want)
     np.testing.assert_allclose(out.answer_ci[site], ci_site[:, 2], rtol=1e-5)
     assert int(out.scalars[f"task/alive/{site}"]) == want.sum()
+    np.testing.assert_allclose(
+      out.scalars[f"task/answer_l0/{site}"],
+      np.mean(np.sum(np.asarray(ci_site[:, 2]) > 0.5, axis=-1)))
   # The thresholds leave both alive and silent components, so the
   # ablation removes some pieces and keeps others.
   every = np.concatenate([np.asarray(a) for a in out.alive.values()])
