@@ -102,10 +102,11 @@ def format_duration(seconds: float) -> str:
   return f"{seconds}s"
 
 
-def progress_line(step, total, metrics, sites, steps_per_s) -> str:
-  """Return one terminal line: step, losses, CI-L0, speed and ETA."""
+def progress_line(step, total, metrics, sites, steps_per_s,
+                  targeted: bool = False) -> str:
+  """Return one terminal line: step, losses, CI-L0 (each stream's in a
+  targeted run), speed and ETA."""
   parts = [f"step {step}/{total}"]
-  targeted = "ci_l0/" + sites[0].name not in metrics
   parts.extend(terms.console_losses(metrics, targeted))
   for prefix in ("target/", "nontarget/") if targeted else ("",):
     l0 = "/".join(f"{metrics[f'{prefix}ci_l0/{s.name}']:.2f}" for s in sites)
@@ -436,7 +437,8 @@ def log_step(loop: Loop, state, metrics: dict, done: int,
     run_dir.append_metrics(loop.metrics_path, record)
     loop.sink.sync()
     print(progress_line(done, config.num_steps, metrics, loop.target.sites,
-                        1.0 / step_time), flush=True)
+                        1.0 / step_time, streams.is_targeted(config)),
+          flush=True)
   if config.figures_every and done % config.figures_every == 0:
     host_state = transfer.fetch(state)  # collective: every process
     if loop.writer:
