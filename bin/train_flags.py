@@ -675,7 +675,8 @@ def _validate_coefficients(config: TrainConfig) -> None:
   (the terms from `recipe.terms`)."""
   for term in terms.TERMS:
     _non_negative(term.coeff_flag, terms.coeff_of(config, term))
-  recon = [t for t in terms.TERMS if t.recon]
+  # The non-target stream's terms are checked with its stream.
+  recon = [t for t in terms.TERMS if t.recon and not t.stream]
   if not any(terms.coeff_of(config, t) for t in recon):
     names = [f"--{t.coeff_flag}" for t in recon]
     raise ValueError(f"no reconstruction term: set {', '.join(names[:-1])} "

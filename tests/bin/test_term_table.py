@@ -17,15 +17,34 @@ EVERY_TERM = (
   "--recon_groups=layers.0.mlp_in+layers.0.mlp_out")
 
 
+# Every term of a targeted run: the plain ones (faithfulness aside) on the
+# target stream, and the non-target stream's.
+EVERY_TARGETED_TERM = (
+  "--target=induction", "--c=4", "--target_task=addsub",
+  "--nontarget_task=copy", "--target_batch_size=2",
+  "--nontarget_batch_size=2", "--faithfulness_coeff=0",
+  "--frequency_coeff=1", "--subset_coeff=1", "--groups_coeff=1",
+  "--pgd_coeff=1", "--merged_coeff=1", "--fresh_pgd_coeff=1",
+  "--nonlinearity_coeff=1",
+  "--recon_groups=layers.0.mlp.up_proj+layers.0.mlp.down_proj",
+  "--nontarget_recon_coeff=1", "--nontarget_unmasked_coeff=1",
+  "--nontarget_importance_coeff=1", "--nontarget_pgd_coeff=1",
+  "--nontarget_merged_coeff=1")
+PLAIN = tuple(t for t in term_table.TERMS if not t.stream)
+
+
 def _terms(config):
   toy, target, _ = assembly.resolve_target(config)
   return assembly.parts(config, toy, target).terms
 
 
 def test_names_short_forms_and_flags_are_unique():
-  for field in ("name", "short", "coeff_flag"):
+  for field in ("name", "coeff_flag"):
     values = [getattr(t, field) for t in term_table.TERMS]
     assert len(values) == len(set(values)), field
+  # Short forms show behind their stream's name on the console.
+  shorts = [(t.stream, t.short) for t in term_table.TERMS]
+  assert len(shorts) == len(set(shorts))
 
 
 def test_every_coefficient_flag_is_a_train_flag():
@@ -35,13 +54,23 @@ def test_every_coefficient_flag_is_a_train_flag():
 
 def test_every_term_builds_under_its_name_in_table_order(parse):
   terms = _terms(parse(*EVERY_TERM))
-  assert [t.name for t in terms] == [t.name for t in term_table.TERMS]
+  assert [t.name for t in terms] == [t.name for t in PLAIN]
+  assert all(not t.stream for t in terms)
 
 
-@pytest.mark.parametrize("term", term_table.TERMS, ids=lambda t: t.name)
+def test_a_targeted_run_builds_every_term_on_its_stream(parse):
+  terms = _terms(parse(*EVERY_TARGETED_TERM))
+  assert [t.name for t in terms] == [
+    t.name for t in term_table.TERMS if t.name != "faithfulness"]
+  for built, row in zip(terms, (t for t in term_table.TERMS
+                                if t.name != "faithfulness")):
+    assert built.stream == (row.stream or "target")
+
+
+@pytest.mark.parametrize("term", PLAIN, ids=lambda t: t.name)
 def test_a_zero_coefficient_leaves_its_term_out(parse, term):
   names = [t.name for t in _terms(parse(*EVERY_TERM, f"--{term.coeff_flag}=0"))]
-  assert names == [t.name for t in term_table.TERMS if t != term]
+  assert names == [t.name for t in PLAIN if t != term]
 
 
 def test_the_rider_rides_only_on_the_terms_it_names(parse):
@@ -71,20 +100,32 @@ def test_a_rider_on_a_term_without_one_names_the_rider_terms(parse):
 
 
 def test_no_recon_term_names_every_recon_coefficient(parse):
-  off = [f"--{t.coeff_flag}=0" for t in term_table.TERMS if t.recon]
+  off = [f"--{t.coeff_flag}=0" for t in PLAIN if t.recon]
   with pytest.raises(ValueError) as info:
     parse(*off)
   for term in term_table.TERMS:
-    assert (f"--{term.coeff_flag}" in str(info.value)) == term.recon
+    named = f"--{term.coeff_flag}" in str(info.value)
+    assert named == (term.recon and not term.stream)
 
 
 def test_the_progress_line_shows_short_forms_in_table_order():
   site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 3)
-  metrics = {f"loss/{t.name}": 1.0 for t in reversed(term_table.TERMS)}
+  metrics = {f"loss/{t.name}": 1.0 for t in reversed(PLAIN)}
   metrics["ci_l0/linear1"] = 0.5
   line = train.progress_line(1, 10, metrics, (site,), 100.0)
   shorts = [part.split()[0] for part in line.split("  ")[1:-3]]
-  assert shorts == [t.short for t in term_table.TERMS]
+  assert shorts == [t.short for t in PLAIN]
+
+
+def test_a_targeted_progress_line_shows_each_stream_behind_its_name():
+  site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 3)
+  metrics = {"target/loss/stochastic_recon": 1.0,
+             "target/loss/importance_minimality": 2.0,
+             "nontarget/loss/recon": 3.0,
+             "target/ci_l0/linear1": 0.5, "nontarget/ci_l0/linear1": 0.25}
+  line = train.progress_line(1, 10, metrics, (site,), 100.0, targeted=True)
+  assert ("target: imp 2.000e+00  recon 1.000e+00  nontarget: recon "
+          "3.000e+00  target L0 0.50  nontarget L0 0.25") in line
 
 
 @pytest.mark.parametrize("name", ["p_warmup_pct", "pgd_bundle",
