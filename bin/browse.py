@@ -6,7 +6,10 @@ contexts), a component's page (top contexts shaded by CI, CI histogram, V/U
 norms, the components it fires with), and a prompt box that shows the next
 token predictions with chosen components ablated, beside the clean model's,
 with the KL per position. Each run needs a finished harvest (`bin/harvest`).
-A prompt is token ids, or text where the run's model has a tokenizer.
+A prompt is token ids, or text where the run's model has a tokenizer. A
+targeted run's component page also shows the component's A/B grid: its CI
+at the answer position over every operand pair, from the run's snapshot
+(`report/ab_grid_data.js`, read on its first request, then kept).
 
 Requests name runs by their index in `--run_dir` and sites by name; no
 path from a request reaches the file system. Prompts are padded to a few
@@ -16,6 +19,7 @@ fixed lengths, so a new prompt reuses a compiled forward.
 import functools
 import importlib.resources
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -26,7 +30,7 @@ from absl import flags, logging
 
 from decompax.bin import cli
 from decompax.core import sites as sites_lib
-from decompax.io import hf_checkpoint
+from decompax.io import ab_grid, hf_checkpoint, report
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
 
@@ -43,6 +47,9 @@ MAX_BODY_BYTES = 1 << 16
 MAX_ABLATED = 4096
 TOP_PREDICTIONS = 5
 CONTEXTS_SHOWN = 20
+# A snapshot is parsed whole into Python lists; past this the server
+# refuses it rather than hold many times its size in memory.
+MAX_AB_GRID_BYTES = 1 << 28
 NO_TOKENIZER = ("this run has no tokenizer: type whitespace-separated token "
                 "ids, e.g. '3 17 5'")
 
@@ -64,6 +71,16 @@ class Served(NamedTuple):
   vocab: int | None
   # Models with a tokenizer: how typed text becomes token ids.
   encode: Encoder | None
+
+
+class AbGrid(NamedTuple):
+  """A run's A/B grid snapshot, its components keyed by (site, component)."""
+
+  step: int
+  operators: list[str]
+  shape: list[int]
+  roles: list[str]
+  components: dict[tuple[str, int], dict]
 
 
 class BadRequest(Exception):
@@ -271,6 +288,58 @@ def component_page(served: Served, site: str, component: int) -> dict:
   }
 
 
+def ab_grid_file(path: str) -> str:
+  """Return the A/B grid snapshot's file in the run at `path`."""
+  return os.path.join(path, report.REPORT_DIR, ab_grid.DATA)
+
+
+def read_ab_grid(path: str) -> AbGrid | str:
+  """Return the A/B grid snapshot of the run at `path`, or the one-line
+  reason it has none to show."""
+  try:
+    if os.path.getsize(ab_grid_file(path)) > MAX_AB_GRID_BYTES:
+      return (f"the run's A/B grid snapshot is over {MAX_AB_GRID_BYTES} "
+              "bytes; open report/ab_grid.html instead")
+    data = ab_grid.read(os.path.dirname(ab_grid_file(path)))
+  except FileNotFoundError:
+    data = None
+  except (OSError, ValueError) as e:
+    return f"the run's A/B grid snapshot cannot be read: {_one_line(e)}"
+  if data is None:
+    return ("this run has no A/B grid (a --target_task run writes one at "
+            "each slow eval)")
+  try:
+    return AbGrid(int(data["step"]), list(data["operators"]),
+                  list(data["shape"]), list(data["roles"]),
+                  {(c["site"], int(c["component"])): c
+                   for c in data["components"]})
+  except (KeyError, TypeError, ValueError) as e:
+    return f"the run's A/B grid snapshot is malformed: {_one_line(e)}"
+
+
+def _one_line(error: Exception) -> str:
+  return " ".join(str(error).split()) or type(error).__name__
+
+
+def ab_grid_page(grid: AbGrid | str, sizes: dict[str, int], site: str,
+                 component: int) -> dict:
+  """Return a component's A/B grids with the snapshot's step, operators,
+  shape and roles; `sizes` are the run's components per site."""
+  if site not in sizes:
+    raise BadRequest(404, f"no site {site!r} in this run")
+  if not 0 <= component < sizes[site]:
+    raise BadRequest(404, f"site {site!r} has no component {component}")
+  if isinstance(grid, str):
+    raise BadRequest(404, grid)
+  item = grid.components.get((site, component))
+  if item is None:
+    raise BadRequest(404, f"{site} c{component} is not in the A/B grid of "
+                     f"step {grid.step}: it was not alive on the target "
+                     "stream")
+  return {**item, "step": grid.step, "operators": grid.operators,
+          "shape": grid.shape, "roles": grid.roles}
+
+
 def page_html() -> bytes:
   """Return the browser's single page."""
   return importlib.resources.files("decompax.bin").joinpath(
@@ -290,9 +359,19 @@ def make_app(runs: list[Served]):
          methods=["GET"]),
     Rule("/api/runs/<int:run>/components/<site>/<int:component>",
          endpoint="component", methods=["GET"]),
+    Rule("/api/runs/<int:run>/ab_grid/<site>/<int:component>",
+         endpoint="ab_grid", methods=["GET"]),
     Rule("/api/runs/<int:run>/predict", endpoint="predict",
          methods=["POST"]),
   ])
+  # Per run index, its A/B grid or why it has none: read on the first
+  # request, then kept, so a request costs a lookup and never a parse.
+  grids: dict[int, AbGrid | str] = {}
+
+  def ab_grid_of(index: int) -> AbGrid | str:
+    if index not in grids:
+      grids[index] = read_ab_grid(runs[index].name)
+    return grids[index]
 
   def served(index: int) -> Served:
     if not 0 <= index < len(runs):
@@ -319,13 +398,18 @@ def make_app(runs: list[Served]):
                "sites": {x.name: x.c for x in s.run.target.sites},
                "positions": s.harvest.manifest["positions"],
                "tokens": s.run.target.token_labels is not None,
-               "tokenizer": s.encode is not None}
+               "tokenizer": s.encode is not None,
+               "ab_grid": os.path.isfile(ab_grid_file(s.name))}
               for i, s in enumerate(runs)]
     s = served(args["run"])
     if endpoint == "components":
       return s.rows
     if endpoint == "component":
       return component_page(s, args["site"], args["component"])
+    if endpoint == "ab_grid":
+      return ab_grid_page(ab_grid_of(args["run"]),
+                          {x.name: x.c for x in s.run.target.sites},
+                          args["site"], args["component"])
     if s.run.target.token_labels is None:
       raise BadRequest(400, "predictions need a language-model run")
     request_body = body(request)

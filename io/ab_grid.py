@@ -62,3 +62,17 @@ def write(report_dir: str, data: dict[str, Any]) -> str:
 
 def _write_text(path: str, text: str) -> str:
   return run_dir.atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def read(report_dir: str) -> dict[str, Any] | None:
+  """Return the snapshot `write` left in `report_dir`, or None where there
+  is none; ValueError where the file is not one."""
+  try:
+    with open(os.path.join(report_dir, DATA), encoding="utf-8") as f:
+      text = f.read().strip()
+  except FileNotFoundError:
+    return None
+  prefix = "window.AB_GRID = "
+  if not text.startswith(prefix) or not text.endswith(";"):
+    raise ValueError(f"{DATA} is not a `{prefix}{{…}};` script")
+  return json.loads(text[len(prefix):-1])

@@ -1,7 +1,8 @@
 """bin/browse: the component browser's API on a real server (ephemeral
 port) over a harvested induction-toy run: the runs, the component table and
-page, predictions with ablations, and refusals of bad requests; and the
-prompt parsing of token ids and of text through a real tokenizer."""
+page, a component's A/B grid, predictions with ablations, and refusals of
+bad requests; and the prompt parsing of token ids and of text through a
+real tokenizer."""
 
 import json
 import threading
@@ -12,13 +13,30 @@ import numpy as np
 import pytest
 
 from decompax.bin import browse
-from decompax.io import hf_checkpoint
+from decompax.io import ab_grid, hf_checkpoint, report
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
 
 
+# A tiny A/B grid: two operators over a 3 x 4 grid of operands.
+OPS, GRID, GRID_STEP = ("+", "-"), (2, 3, 4), 5
+
+
+def _ab_snapshot(site: str, c: int) -> dict:
+  """Return a snapshot in which components 1 and 3 of `site` are alive:
+  component 1's CI ramps over the prompts in the grid's order, 3's is 0.5."""
+  n = int(np.prod(GRID))
+  ci = np.zeros((n, c))
+  ci[:, 1], ci[:, 3] = np.arange(n) / n, 0.5
+  alive = np.isin(np.arange(c), [1, 3])
+  return ab_grid.snapshot(GRID_STEP, OPS, GRID, {"output": {site: ci}},
+                          {site: alive}, {site: np.full(c, 0.125)})
+
+
 @pytest.fixture(scope="module")
-def server(finished_run):
+def served(finished_run):
+  """Return the harvested induction run, with an A/B grid snapshot of its
+  first site in its report (as a targeted run's slow eval leaves one)."""
   path = finished_run("induction")
   run = explore.load_run(path)
   settings = harvest_lib.resolve(run, harvest_lib.Request(
@@ -26,7 +44,14 @@ def server(finished_run):
   out = f"{path}/{harvest_lib.HARVEST_DIR}"
   record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
   harvest_lib.write_manifest(out, path, run, settings, record)
-  httpd = browse.make_server([browse.serve_run(path)], "127.0.0.1", 0)
+  site = run.target.sites[0]
+  ab_grid.write(f"{path}/{report.REPORT_DIR}", _ab_snapshot(site.name, site.c))
+  return browse.serve_run(path)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+  httpd = browse.make_server([served], "127.0.0.1", 0)
   thread = threading.Thread(target=httpd.serve_forever, daemon=True)
   thread.start()
   yield f"http://127.0.0.1:{httpd.server_port}"
@@ -36,6 +61,14 @@ def server(finished_run):
 def _get(url):
   with urllib.request.urlopen(url, timeout=60) as response:
     return response.status, response.read()
+
+
+def _get_json(url):
+  try:
+    status, body = _get(url)
+  except urllib.error.HTTPError as e:
+    status, body = e.code, e.read()
+  return status, json.loads(body)
 
 
 def _post(url, body: bytes):
@@ -91,6 +124,72 @@ def test_ablating_a_component_changes_the_predictions(server):
   assert probs == sorted(probs, reverse=True) and np.sum(probs) <= 1 + 1e-5
 
 
+def test_a_component_ab_grid(server):
+  runs = json.loads(_get(server + "/api/runs")[1])
+  assert runs[0]["ab_grid"] is True
+  site = next(iter(runs[0]["sites"]))
+  status, page = _get_json(f"{server}/api/runs/0/ab_grid/{site}/1")
+  assert status == 200
+  assert (page["site"], page["component"], page["step"]) == (
+    site, 1, GRID_STEP)
+  assert page["operators"] == list(OPS) and page["shape"] == list(GRID)
+  assert page["roles"] == ["output"]
+  # Row a, column b of operator o is prompt (o, a, b) in the grid's order.
+  np.testing.assert_allclose(
+    page["grids"]["output"],
+    np.arange(np.prod(GRID)).reshape(GRID) / np.prod(GRID), atol=1e-4)
+  assert page["nontarget_density"] == 0.125
+
+
+@pytest.mark.parametrize("path, reason", [
+  ("/api/runs/0/ab_grid/{site}/0", "not in the A/B grid of step 5"),
+  ("/api/runs/0/ab_grid/{other}/1", "not in the A/B grid of step 5"),
+  ("/api/runs/0/ab_grid/{site}/99", "has no component 99"),
+  ("/api/runs/0/ab_grid/nope/1", "no site 'nope'"),
+  ("/api/runs/7/ab_grid/{site}/1", "no run 7"),
+])
+def test_an_ab_grid_not_there_is_a_404_with_a_reason(server, path, reason):
+  sites = list(json.loads(_get(server + "/api/runs")[1])[0]["sites"])
+  status, answer = _get_json(
+    server + path.format(site=sites[0], other=sites[1]))
+  assert status == 404 and reason in answer["error"]
+  assert "\n" not in answer["error"]
+
+
+@pytest.mark.parametrize("content, reason", [
+  (None, "this run has no A/B grid"),
+  ("window.AB_GRID = {\"step\": 1", "cannot be read"),
+  ("window.AB_GRID = {};", "malformed"),
+  ("window.AB_GRID = " + " " * 64 + "{};", "is over 64 bytes"),
+])
+def test_a_run_without_a_readable_ab_grid(
+    served, tmp_path, monkeypatch, content, reason):
+  from werkzeug.test import Client  # noqa: PLC0415
+  monkeypatch.setattr(browse, "MAX_AB_GRID_BYTES", 64)
+  if content is not None:
+    (tmp_path / report.REPORT_DIR).mkdir()
+    (tmp_path / report.REPORT_DIR / ab_grid.DATA).write_text(content)
+  client = Client(browse.make_app([served._replace(name=str(tmp_path))]))
+  assert client.get("/api/runs").get_json()[0]["ab_grid"] is (
+    content is not None)
+  site = served.run.target.sites[0].name
+  answer = client.get(f"/api/runs/0/ab_grid/{site}/1")
+  assert answer.status_code == 404 and reason in answer.get_json()["error"]
+  assert "\n" not in answer.get_json()["error"]
+
+
+def test_the_ab_grid_is_read_once_per_run(served, tmp_path):
+  from werkzeug.test import Client  # noqa: PLC0415
+  site = served.run.target.sites[0]
+  ab_grid.write(str(tmp_path / report.REPORT_DIR),
+                _ab_snapshot(site.name, site.c))
+  client = Client(browse.make_app([served._replace(name=str(tmp_path))]))
+  url = f"/api/runs/0/ab_grid/{site.name}/3"
+  assert client.get(url).get_json()["mean_ci"] == 0.5
+  (tmp_path / report.REPORT_DIR / ab_grid.DATA).unlink()
+  assert client.get(url).status_code == 200
+
+
 @pytest.mark.parametrize("path, body, status, reason", [
   ("/api/runs/0/predict", b"{not json", 400, "not valid JSON"),
   ("/api/runs/0/predict", b"[1, 2]", 400, "must be a JSON object"),
@@ -114,6 +213,7 @@ def test_bad_requests_get_a_status_and_a_one_line_reason(
 
 @pytest.mark.parametrize("path", [
   "/api/runs/0/components/..%2F..%2Fetc%2Fpasswd/0",
+  "/api/runs/0/ab_grid/..%2F..%2Fetc%2Fpasswd/0",
   "/../../etc/passwd", "/api/runs/0/../../flags.txt", "/api/runs/-1/components",
 ])
 def test_no_request_path_reaches_the_file_system(server, path):
@@ -200,6 +300,45 @@ def test_in_a_real_browser(server, chromium, tmp_path):
   shot = tmp_path / "browse.png"
   assert chromium.save_screenshot(str(shot))
   assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_component_page_draws_its_ab_grid(server, chromium):
+  """A component in the snapshot gets one canvas per operator, white where
+  its CI is 0; one not in the snapshot gets the reason it has none."""
+  from selenium.webdriver.common.by import By  # noqa: PLC0415
+  from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
+  wait = WebDriverWait(chromium, 60)
+  site = next(iter(json.loads(_get(server + "/api/runs")[1])[0]["sites"]))
+  chromium.get(server + "/")
+
+  def open_component(c):
+    row = f'#table tbody tr[data-site="{site}"][data-c="{c}"]'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, row))
+    chromium.find_element(By.CSS_SELECTOR, row).click()
+    # The box once this component's page and its grid (or reason) are in.
+    return wait.until(lambda d: d.execute_script(
+      "const h = document.querySelector('#component h3');"
+      "const box = document.getElementById('ab-grid');"
+      "return h && h.textContent.endsWith(arguments[0]) && box &&"
+      " box.textContent.trim() ? box : null;", f" c{c}"))
+
+  def rgb(op, a, b):
+    return chromium.execute_script(
+      "const canvas = document.querySelectorAll('#ab-grid canvas')"
+      "[arguments[0]];"
+      "return Array.from(canvas.getContext('2d').getImageData("
+      "arguments[2], arguments[1], 1, 1).data).slice(0, 3);", op, a, b)
+
+  box = open_component(1)
+  assert f"step {GRID_STEP}" in box.text
+  canvases = box.find_elements(By.TAG_NAME, "canvas")
+  assert [c.get_attribute("data-op") for c in canvases] == list(OPS)
+  # Cell (a, b) of operator o is prompt (o, a, b); its CI grows with both.
+  assert rgb(0, 0, 0) == [255, 255, 255]
+  assert rgb(1, 2, 3) != [255, 255, 255]
+  box = open_component(0)
+  assert "not in the A/B grid" in box.text
+  assert not box.find_elements(By.TAG_NAME, "canvas")
 
 
 def test_keep_mode_and_the_prompt_ci_heat_map(server):
