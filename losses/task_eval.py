@@ -16,7 +16,7 @@ data of the A/B grid.
 """
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,8 @@ from decompax.core import squash
 from decompax.core.ci_fns import CIFn
 from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns, Weights
-from decompax.core.train_step import TrainState, cast_floats
+from decompax.core.sites import Components
+from decompax.core.train_step import cast_floats
 from decompax.losses import evals
 
 
@@ -76,9 +77,10 @@ def make_task_eval(
   target: TargetFns, ci_fn: CIFn, positions: tuple[int, ...],
   threshold: float, compute_dtype: str | None = None,
 ) -> Callable[..., TaskOutput]:
-  """Return the jitted `task(state, weights, prompts, other) -> TaskOutput`
-  over a task's `prompts [n, t]` (scored at `positions`) and a non-target
-  token batch `other [b, t']` (see the module docstring)."""
+  """Return the jitted `task(components, ci_params, weights, prompts, other)
+  -> TaskOutput` over a task's `prompts [n, t]` (scored at `positions`)
+  and a non-target token batch `other [b, t']` (see the module
+  docstring)."""
   if target.token_labels is None:
     raise ValueError("task metrics score next-token answers; this target "
                      "has no token labels")
@@ -87,16 +89,16 @@ def make_task_eval(
     # As the train step computes (N4); toys and fp32 runs keep fp32.
     return tree if compute_dtype is None else cast_floats(tree, compute_dtype)
 
-  def lower_ci(state, comps, taps):
+  def lower_ci(ci_params, comps, taps):
     return squash.squash(cast_floats(
-      ci_fn.apply(cast(state.ci_params), cast(taps), comps),
-      jnp.float32)).lower
+      ci_fn.apply(cast(ci_params), cast(taps), comps), jnp.float32)).lower
 
-  def task(state: TrainState, weights: Weights, prompts: Int[Array, "n t"],
-           other: Int[Array, "b s"]) -> TaskOutput:
+  def task(components: Components, ci_params: Any, weights: Weights,
+           prompts: Int[Array, "n t"], other: Int[Array, "b s"]
+           ) -> TaskOutput:
     clean, taps = target.clean_forward(weights, prompts, ci_fn.input_taps)
-    comps = cast(state.components)
-    lower = lower_ci(state, comps, taps)
+    comps = cast(components)
+    lower = lower_ci(ci_params, comps, taps)
     picked = jnp.asarray(positions)
     alive = {s: jnp.any(ci[:, picked] > threshold, axis=(0, 1))
              for s, ci in lower.items()}
@@ -120,7 +122,7 @@ def make_task_eval(
     density = {
       s: jnp.mean((ci > threshold).reshape(-1, ci.shape[-1]), axis=0,
                   dtype=jnp.float32)
-      for s, ci in lower_ci(state, comps, other_taps).items()}
+      for s, ci in lower_ci(ci_params, comps, other_taps).items()}
     other_ablated = target.masked_forward(
       weights, comps, other,
       ablated_masks(target, alive, other.shape))

@@ -477,7 +477,8 @@ def make_task_evaluator(
     fast, slow = due(config, done)
     if not fast or abandon():
       return {}
-    out = jax.device_get(fn(state, weights, prompts, other))
+    out = jax.device_get(fn(state.components, state.ci_params, weights,
+                            prompts, other))
     scalars = {k: float(v) for k, v in out.scalars.items()}
     if writer:
       print(_task_line(done, scalars, target.sites), flush=True)

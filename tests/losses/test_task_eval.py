@@ -32,7 +32,7 @@ def scored(token_target):
   other = jax.random.randint(jax.random.key(4), (3, 6), 0, 6)
   fn = task_eval.make_task_eval(target, ci, (2,), 0.5)
   return target, weights, ci, state, prompts, other, fn(
-    state, weights, prompts, other)
+    state.components, state.ci_params, weights, prompts, other)
 
 
 def test_alive_components_are_those_firing_at_an_answer_position(scored):
