@@ -3,53 +3,86 @@
 Writes `<run_dir>/harvest/` (see `recipe/harvest.py`): per component its
 firing density, mean CI, CI histogram, co-activations, top contexts and
 ablation effect. Rerun the same command to resume an interrupted harvest.
+
+Shards over the devices of one process with `bin/train`'s scale-out flags
+(`--replicate`, `--fsdp`, `--tp`, `--placement`, `--place`,
+`--local_device_count`, ...): each batch splits over the mesh's batch axes
+(`--batch_size` must divide over them) and the decomposition is placed as
+the table says (replicated under the default `ddp`).
+
+The flags live in their own `HARVEST_FLAGS`, not absl's global `FLAGS`:
+`--batch_size`, `--seed`, `--seq_len`, `--data_path` and `--overwrite` mean
+other things to `bin/train`, whose flags share a process with these
+wherever both modules are imported (the tests). `entry` adds them to
+absl's flags, which the launch parses.
 """
 
 import os
 
 from absl import flags, logging
 
-from decompax.bin import cli
+from decompax.bin import cli, placement_flags, placement_setup
+from decompax.placement import shardings
+from decompax.placement import table as table_lib
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
+
+HARVEST_FLAGS = flags.FlagValues()
+
+
+def _define_float(name: str, default: float | None,
+                  help_text: str) -> flags.FlagHolder:
+  # `cli.define_float` defines on absl's global flags; these are our own.
+  return flags.DEFINE(cli.FiniteFloatParser(), name, default, help_text,
+                      flag_values=HARVEST_FLAGS,
+                      serializer=flags.ArgumentSerializer())
+
 
 _D = harvest_lib.Request()
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "Run directory (the --output_dir of bin/train).",
-  required=True)
+  required=True, flag_values=HARVEST_FLAGS)
 _DATA_PATH = flags.DEFINE_string(
   "data_path", None, "Token file to harvest (language models; "
-  "default: the run's --data_path).")
+  "default: the run's --data_path).", flag_values=HARVEST_FLAGS)
 _POSITIONS = flags.DEFINE_integer(
   "positions", _D.positions, "Positions to harvest (tokens for language "
-  "models, inputs for toys); rounded up to whole batches.")
+  "models, inputs for toys); rounded up to whole batches.",
+  flag_values=HARVEST_FLAGS)
 _BATCH_SIZE = flags.DEFINE_integer(
-  "batch_size", _D.batch_size, "Sequences (or toy inputs) per batch.")
+  "batch_size", _D.batch_size, "Sequences (or toy inputs) per batch.",
+  flag_values=HARVEST_FLAGS)
 _SEQ_LEN = flags.DEFINE_integer(
   "seq_len", _D.seq_len, "Tokens per sequence (default: the run's "
-  "--seq_len).")
+  "--seq_len).", flag_values=HARVEST_FLAGS)
 _TOP_K = flags.DEFINE_integer("top_k", _D.top_k, "Contexts kept per "
-                              "component.")
+                              "component.", flag_values=HARVEST_FLAGS)
 _BEFORE = flags.DEFINE_integer("window_before", _D.window_before,
-                               "Tokens kept before a top position.")
+                               "Tokens kept before a top position.",
+                               flag_values=HARVEST_FLAGS)
 _AFTER = flags.DEFINE_integer("window_after", _D.window_after,
-                              "Tokens kept after a top position.")
-_THRESHOLD = cli.define_float(
+                              "Tokens kept after a top position.",
+                              flag_values=HARVEST_FLAGS)
+_THRESHOLD = _define_float(
   "threshold", _D.threshold, "CI above which a component fires "
-  "(default: the run's --ci_alive_threshold).", __name__)
+  "(default: the run's --ci_alive_threshold).")
 _ABLATION_BATCHES = flags.DEFINE_integer(
   "ablation_batches", _D.ablation_batches, "Batches on which every "
-  "component is ablated in turn (0: no ablation effects).")
+  "component is ablated in turn (0: no ablation effects).",
+  flag_values=HARVEST_FLAGS)
 _ABLATION_CHUNK = flags.DEFINE_integer(
   "ablation_chunk", 16, "Ablated forwards run at once (memory: that many "
-  "forwards of one batch).")
+  "forwards of one batch).", flag_values=HARVEST_FLAGS)
 _SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of the "
-                             "harvested batches.")
-_SAVE_EVERY_S = cli.define_float(
+                             "harvested batches.", flag_values=HARVEST_FLAGS)
+_SAVE_EVERY_S = _define_float(
   "save_every_s", 60.0, "Seconds between resumable saves (0: after every "
-  "batch).", __name__)
+  "batch).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a "
-                               "harvest made with other settings.")
+                               "harvest made with other settings.",
+                               flag_values=HARVEST_FLAGS)
+placement_flags.define(__name__, HARVEST_FLAGS)
+
 
 def fail(message: str) -> None:
   """Print a one-line error and exit non-zero."""
@@ -76,10 +109,33 @@ def request() -> harvest_lib.Request:
     seed=_SEED.value, data_path=_DATA_PATH.value)
 
 
+def make_placement() -> shardings.Placement:
+  """Return the mesh and table the flags ask for, JAX configured first;
+  ValueError (one line, naming the flag) for a mesh the devices or the
+  batch size do not fit."""
+  config = placement_setup.config_from_flags(HARVEST_FLAGS)
+  if config.distributed:
+    raise ValueError("--coordinator_address/--num_processes/--process_id: "
+                     "bin/harvest runs in one process; shard it over that "
+                     "process's devices")
+  placement_setup.start(config)
+  # The batch axis alone, before the run is read: a token run's sequence
+  # axis is checked by the harvest itself.
+  return placement_setup.make_placement(config, (_BATCH_SIZE.value,))
+
+
 def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
+  try:
+    harvest_lib.check_request(request())
+  except ValueError as e:
+    fail(_flagged(str(e)))
+  try:
+    placement = make_placement()
+  except ValueError as e:
+    fail(str(e))
   try:
     run = explore.load_run(_RUN_DIR.value)
   except (OSError, ValueError) as e:
@@ -89,9 +145,12 @@ def main(argv: list[str]) -> None:
     settings = harvest_lib.resolve(run, request())
     record = harvest_lib.harvest(
       run, settings, out, _SAVE_EVERY_S.value, _ABLATION_CHUNK.value,
-      _OVERWRITE.value, say=lambda line: print(line, flush=True))
+      _OVERWRITE.value, say=lambda line: print(line, flush=True),
+      placement=placement)
   except harvest_lib.HarvestConflict as e:
     fail(f"{e} (--overwrite)")
+  except table_lib.LayoutError as e:
+    fail(f"--place: {e}")
   except ValueError as e:
     fail(_flagged(str(e)))
   if not record:
@@ -105,9 +164,26 @@ def main(argv: list[str]) -> None:
   print(f"[harvest] wrote {path}")
 
 
+def _share_with_absl() -> None:
+  """Add the harvest's flags to absl's, under the modules defining them
+  (`--helpfull` lists flags by module)."""
+  flags.FLAGS.append_flag_values(HARVEST_FLAGS)
+  for module, module_flags in HARVEST_FLAGS.flags_by_module_dict().items():
+    for flag in module_flags:
+      flags.FLAGS.register_flag_by_module(module, flag)
+
+
+def _main_after_launch(argv: list[str]) -> None:
+  # absl parsed its own flags, which are these same flag objects; reading
+  # them through HARVEST_FLAGS needs it marked too.
+  HARVEST_FLAGS.mark_as_parsed()
+  main(argv)
+
+
 def entry() -> None:
   """Launch the absl app (used by the `bin/harvest` launcher)."""
-  cli.launch("harvest", main)
+  _share_with_absl()
+  cli.launch("harvest", _main_after_launch)
 
 
 if __name__ == "__main__":

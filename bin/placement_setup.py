@@ -1,11 +1,13 @@
-"""Scale-out wiring of `bin/train`: processes, compiler, mesh and placement.
+"""Scale-out wiring of `bin/train` and `bin/harvest`: processes, compiler,
+mesh and placement.
 
-`config_from_flags` validates the placement flags up front; `start` runs
-before JAX touches a device (simulated CPU devices, compilation cache,
-`jax.distributed`); `make_placement` builds the mesh over every device of
-every process and checks it; `fallback_lines` reports where the preset's
-layouts keep what does not tile replicated, and `flag_named` names the
-flag of a placement error (`recipe.assembly.plan` places the run itself).
+`config_from_flags` validates the placement flags (`placement_flags`, which
+each binary defines for itself) up front; `start` runs before JAX touches a
+device (simulated CPU devices, compilation cache, `jax.distributed`);
+`make_placement` builds the mesh over every device of every process and
+checks it; `fallback_lines` reports where the preset's layouts keep what
+does not tile replicated, and `flag_named` names the flag of a placement
+error (`recipe.assembly.plan` places a run, `recipe.harvest` a harvest).
 Only process 0 writes files (`is_writer`).
 """
 
@@ -18,7 +20,6 @@ import jax
 from absl import flags
 from jax.sharding import AxisType, Mesh
 
-from decompax.bin import train_flags  # noqa: F401  (defines the flags)
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -111,9 +112,12 @@ def check_compiler_options(options: dict[str, Any]) -> None:
     raise ValueError(f"--compiler: {first}") from None
 
 
-def config_from_flags() -> PlacementConfig:
-  """Return the validated placement config of the parsed flags."""
-  values = {f.name: flags.FLAGS[f.name].value
+def config_from_flags(
+  flag_values: flags.FlagValues = flags.FLAGS,
+) -> PlacementConfig:
+  """Return the validated placement config of the parsed `flag_values`
+  (which `placement_flags.define` gave the scale-out flags)."""
+  values = {f.name: flag_values[f.name].value
             for f in dataclasses.fields(PlacementConfig)}
   values["place"] = tuple(values["place"])
   config = PlacementConfig(**values)

@@ -15,7 +15,7 @@ import math
 
 from absl import flags
 
-from decompax.bin import checkpointing, cli, run_records
+from decompax.bin import checkpointing, cli, placement_flags, run_records
 from decompax.core.masks import ROUTINGS
 from decompax.recipe import streams, terms
 from decompax.recipe.config import DEFAULTS as _D
@@ -520,43 +520,10 @@ _COMPONENTS_OPTIMIZER = flags.DEFINE_enum(
   "components_optimizer", _D.components_optimizer, ["adamw", "muon"],
   "Optimizer of the components (the CI function always uses AdamW).")
 
-# Scale-out (read by bin/placement_setup.py into its own config; SPEC §8).
-_REPLICATE = flags.DEFINE_integer(
-  "replicate", None, "Size of the `replicate` mesh axis (node groups; "
-  "default 1).")
-_FSDP = flags.DEFINE_integer(
-  "fsdp", None, "Size of the `fsdp` mesh axis (data shards; default: every "
-  "device the other axes leave).")
-_TP = flags.DEFINE_integer(
-  "tp", None, "Size of the `tp` mesh axis (the C axis of V/U and CI; "
-  "default 1). replicate x fsdp x tp must equal the device count.")
-_PLACEMENT = flags.DEFINE_enum(
-  "placement", "ddp", ["ddp", "zero1", "owner"],
-  "Placement preset: ddp (state replicated, batch over every device), zero1 "
-  "(V/U masters and moments sharded over the whole mesh), owner (stacks over "
-  "replicate, matrix dims over fsdp, C over tp).")
-_PLACE = flags.DEFINE_list(
-  "place", [], "Per-category overrides of the preset, category:layout, e.g. "
-  "optimizer:fsdp,frozen:replicated; a layout is a name (replicated, data, "
-  "batch, fsdp, fsdp_tp, tp, zero1, owner, stacked) or axis=mesh[+mesh];...")
-_LOCAL_DEVICE_COUNT = flags.DEFINE_integer(
-  "local_device_count", None, "Devices this process drives, as launched "
-  "(CPU: simulated devices; default: all it sees).")
-_COORDINATOR_ADDRESS = flags.DEFINE_string(
-  "coordinator_address", None, "host:port of process 0 of a multi-process "
-  "run (jax.distributed); auto: take everything from the cluster "
-  "environment.")
-_NUM_PROCESSES = flags.DEFINE_integer(
-  "num_processes", None, "Processes of a multi-process run.")
-_PROCESS_ID = flags.DEFINE_integer(
-  "process_id", None, "This process's index, 0 .. num_processes-1 (0 writes "
-  "logs and figures).")
-_COMPILER = flags.DEFINE_string(
-  "compiler", "bare", "XLA options of the step's compile: bare, tuned-v1 "
-  "(GPU collective scheduling) or xla_option=value pairs, comma-separated.")
-_COMPILATION_CACHE_DIR = flags.DEFINE_string(
-  "compilation_cache_dir", None, "Directory of JAX's persistent "
-  "compilation cache (default: none).")
+# Scale-out (read by bin/placement_setup.py into its own config; SPEC §8):
+# defined here, as this module's flags, so that a run's flags.txt records
+# them; bin/harvest defines the same flags for itself.
+placement_flags.define(__name__)
 
 
 def _positive(name: str, value: int | float) -> None:

@@ -14,6 +14,13 @@ positions where it fires (measured on the first `ablation_batches`).
 An interrupted harvest resumes from `harvest/state.npz` when rerun with the
 same settings. The record it returns compares its throughput with a plain
 clean forward over the same batches.
+
+On a `Placement` (one process's devices; see `place`) each batch splits over
+the mesh's batch axes, data-parallel, and the decomposition, CI parameters
+and frozen weights lie where the placement table puts them as a run
+computes with them (the `ddp` preset: replicated, enough for a harvest).
+The statistics are then reductions over devices: counts equal the one-device
+harvest's exactly, sums up to the order of the additions.
 """
 
 import dataclasses
@@ -22,16 +29,20 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from decompax.core import train_step
 from decompax.io import run_dir, tensor_store
 from decompax.io import tokens as tokens_lib
 from decompax.losses import evals
 from decompax.losses import harvest as stats_lib
+from decompax.placement import shardings, transfer
+from decompax.placement import table as table_lib
 from decompax.recipe import explore, lm
 from decompax.targets import registry
 
@@ -83,7 +94,9 @@ class Request:
   data_path: Optional[str] = None
 
 
-def _check(request: Request) -> None:
+def check_request(request: Request) -> None:
+  """Raise ValueError (one line, naming the setting) for a request no run
+  can serve."""
   for name in ("positions", "batch_size", "top_k"):
     if getattr(request, name) <= 0:
       raise ValueError(f"{name}={getattr(request, name)} must be positive")
@@ -95,7 +108,7 @@ def _check(request: Request) -> None:
 def resolve(run: explore.LoadedRun, request: Request) -> Settings:
   """Return the settings of `request` on `run`; ValueError (one line,
   naming the setting) for a request the run cannot serve."""
-  _check(request)
+  check_request(request)
   config = run.config
   data_path = request.data_path or config.data_path or ""
   if lm.is_lm(config) and not data_path:
@@ -117,19 +130,33 @@ def resolve(run: explore.LoadedRun, request: Request) -> Settings:
     run.decomposition.step)
 
 
+def _toy_batch(run: explore.LoadedRun, batch_size: int):
+  toy = registry.get(run.config.target)
+  return jax.eval_shape(lambda k: toy.sample_inputs(k, batch_size),
+                        jax.random.key(0))
+
+
 def toy_seq_len(run: explore.LoadedRun, batch_size: int) -> int:
   """Return the positions per input of a toy's own batches (1 for inputs
   without a sequence axis)."""
-  toy = registry.get(run.config.target)
-  inputs = jax.eval_shape(lambda k: toy.sample_inputs(k, batch_size),
-                          jax.random.key(0))
-  lead = tuple(run.target.batch_lead_shape(inputs))
+  lead = tuple(run.target.batch_lead_shape(_toy_batch(run, batch_size)))
   return lead[1] if len(lead) == 2 else 1
 
 
-def batch_source(run: explore.LoadedRun, settings: Settings):
+def batch_shape(run: explore.LoadedRun, settings: Settings):
+  """Return the shapes of one harvested batch (token ids `[B, T]`, or the
+  toy's own inputs)."""
+  if settings.data_path:
+    return jax.ShapeDtypeStruct((settings.batch_size, settings.seq_len),
+                                jnp.int32)
+  return _toy_batch(run, settings.batch_size)
+
+
+def batch_source(run: explore.LoadedRun, settings: Settings,
+                 sharding: Any = None):
   """Return `batch(i)`: the i-th harvested batch, a pure function of the
-  seed and `i` (so a resumed harvest reads what it would have)."""
+  seed and `i` (so a resumed harvest reads what it would have), laid out
+  by `sharding` (a batch's shardings; None: on the default device)."""
   if settings.data_path:
     try:
       opened = tokens_lib.open_tokens(settings.data_path,
@@ -139,13 +166,86 @@ def batch_source(run: explore.LoadedRun, settings: Settings):
     if opened.header.num_tokens < settings.seq_len:
       raise ValueError(f"data_path: {settings.data_path} holds fewer tokens "
                        f"than one seq_len={settings.seq_len} sequence")
-    return lambda i: jnp.asarray(tokens_lib.read_batch(
-      opened, settings.seed, i, settings.batch_size, settings.seq_len))
+    read = lambda i: tokens_lib.read_batch(  # noqa: E731
+      opened, settings.seed, i, settings.batch_size, settings.seq_len)
+    if sharding is None:
+      return lambda i: jnp.asarray(read(i))
+    # Straight from the host into each device's rows.
+    return lambda i: transfer.put(read(i), sharding)
   toy = registry.get(run.config.target)
   key = jax.random.key(settings.seed)
-  sample = jax.jit(lambda i: toy.sample_inputs(
-    jax.random.fold_in(key, i), settings.batch_size))
-  return sample
+  sample = lambda i: toy.sample_inputs(  # noqa: E731
+    jax.random.fold_in(key, i), settings.batch_size)
+  if sharding is None:
+    return jax.jit(sample)
+  # Each device draws its own rows; the partitionable counter-based RNG
+  # draws the same batch however it is split.
+  return jax.jit(sample, out_shardings=sharding)
+
+
+class Placed(NamedTuple):
+  """A harvest's arrays where it computes: the frozen weights, the
+  decomposition, and the layouts of each batch and of the statistics (None
+  for the default device) with the hook that pins the CI to its layout."""
+
+  weights: Any
+  components: Any
+  ci_params: Any
+  inputs: Any
+  statistics: Optional[NamedSharding]
+  constrain: train_step.Constrain
+
+
+def _specs(layout: table_lib.Layout, tree: Any, axes_fn: Callable,
+           sizes: dict[str, int], prefix: str) -> Any:
+  return jax.tree_util.tree_map_with_path(
+    lambda path, leaf: table_lib.partition_spec(
+      layout, axes_fn(path, leaf), tuple(leaf.shape), sizes,
+      shardings.path_text(path, prefix)), tree)
+
+
+def _largest(path: Any, leaf: Any) -> tuple[str, ...]:
+  del path
+  return ("largest",) * leaf.ndim
+
+
+def place(run: explore.LoadedRun, settings: Settings,
+          placement: Optional[shardings.Placement] = None) -> Placed:
+  """Return the run's arrays laid out on `placement` (None: left where they
+  are).
+
+  Batches split over the `inputs` layout's batch axes; V/U take the
+  `compute` layout, CI parameters `ci_weights` and frozen weights `frozen`
+  (all replicated under `ddp`), and the statistics are replicated. Raises
+  ValueError naming `batch_size` when a batch does not split over the mesh,
+  and `table.LayoutError` where a `--place` layout does not tile.
+  """
+  d = run.decomposition
+  if placement is None:
+    return Placed(run.weights, d.components, d.ci_params, None, None,
+                  train_step.no_constraint)
+  mesh, table, _ = placement
+  sizes = dict(mesh.shape)
+  shape = batch_shape(run, settings)
+  lead = tuple(run.target.batch_lead_shape(shape))
+  try:
+    inputs = shardings.batch_specs(table, shape, lead, sizes)
+  except table_lib.LayoutError as e:
+    if e.entry:  # an authored layout: the caller names its override
+      raise
+    raise ValueError(f"batch_size={settings.batch_size}: {e}") from None
+  specs = (shardings.weights_specs(table, run.weights, sizes),
+           _specs(table.layout("compute"), d.components,
+                  shardings.component_axes, sizes, "components"),
+           _specs(table.layout("ci_weights"), d.ci_params, _largest, sizes,
+                  "ci_params"))
+  weights, components, ci_params = (
+    transfer.put(tree, shardings.named(mesh, spec)) for tree, spec in zip(
+      (run.weights, d.components, d.ci_params), specs))
+  return Placed(weights, components, ci_params,
+                shardings.named(mesh, inputs),
+                NamedSharding(mesh, PartitionSpec()),
+                shardings.make_constrain(table, mesh, lead))
 
 
 def empty_totals(shapes: dict[str, stats_lib.BatchStats]) -> dict[str, dict]:
@@ -174,7 +274,7 @@ def add_window(totals: dict, window: dict[str, stats_lib.BatchStats]
   """Add the device's statistics of the batches since the last flush into
   the host totals (counts in int64 and sums in float64, so a long harvest
   neither overflows nor loses its small increments)."""
-  for site, s in jax.device_get(window).items():
+  for site, s in transfer.fetch(window).items():
     t = totals[site]
     t["fired"] += s.fired
     t["ci_sum"] += s.ci_sum
@@ -201,15 +301,23 @@ def add_ablation(totals: dict, run: explore.LoadedRun,
     start += site.c
 
 
-def jitted(run: explore.LoadedRun, settings: Settings, chunk: int):
+def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
+           placed: Optional[Placed] = None):
   """Return the jitted batch statistics, the accumulation of one batch
   into the device's window of statistics, the ablation pass, and the plain
-  clean forward the throughput is compared with."""
+  clean forward the throughput is compared with. With `placed`, the CI
+  keeps its layout and the window stays replicated."""
   target, ci_fn = run.target, run.ci_fn
+  constrain, kept = train_step.no_constraint, {}
+  if placed is not None and placed.statistics is not None:
+    # A fixed layout, so the donated window is reused in place and each
+    # flush reads it from one device.
+    constrain = placed.constrain
+    kept = {"out_shardings": (placed.statistics, None)}
 
   def stats(weights, components, ci_params, inputs):
-    ci = explore.lower_ci(target, ci_fn, weights, components, ci_params,
-                          inputs)
+    ci = constrain("ci_activations", explore.lower_ci(
+      target, ci_fn, weights, components, ci_params, inputs))
     return {site: stats_lib.batch_stats(
       value, inputs, settings.threshold, settings.top_k, settings.before,
       settings.after) for site, value in ci.items()}, ci
@@ -227,7 +335,7 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int):
   def clean(weights, inputs):
     return target.clean_forward(weights, inputs, ci_fn.input_taps)[0]
 
-  return (jax.jit(stats), jax.jit(accumulate, donate_argnums=0),
+  return (jax.jit(stats), jax.jit(accumulate, donate_argnums=0, **kept),
           jax.jit(ablation), jax.jit(clean))
 
 
@@ -306,24 +414,39 @@ def _progress(done: int, total: int, started: float, first: int) -> str:
           f"ETA {eta:.0f}s")
 
 
+def _fresh_window(shapes: dict[str, stats_lib.BatchStats],
+                  placed: Placed) -> Callable[[], dict]:
+  def fresh():
+    return {site: stats_lib.zero_stats(shape)
+            for site, shape in shapes.items()}
+
+  if placed.statistics is None:
+    return fresh
+  return jax.jit(fresh, out_shardings=placed.statistics)
+
+
 def harvest(run: explore.LoadedRun, settings: Settings, out: str,
             save_every_s: float = 60.0, ablation_chunk: int = 16,
             overwrite: bool = False,
-            say: Callable[[str], None] = print) -> dict:
+            say: Callable[[str], None] = print,
+            placement: Optional[shardings.Placement] = None) -> dict:
   """Run the harvest into `out` (resuming a saved one, or replacing one
   made with other settings when `overwrite`) and return its record: the
   arrays written and the throughput beside a clean forward ({} when `out`
-  already holds this harvest, complete)."""
+  already holds this harvest, complete). With `placement`, on its mesh
+  (`place`; ValueError when the batch does not split over it)."""
   if save_every_s < 0 or ablation_chunk <= 0:
     raise ValueError("save_every_s must be 0 or more and ablation_chunk "
                      "positive")
+  placed = place(run, settings, placement)
   os.makedirs(out, exist_ok=True)
-  batch = batch_source(run, settings)
-  stats_fn, accumulate, ablation_fn, clean_fn = jitted(run, settings,
-                                                       ablation_chunk)
-  d = run.decomposition
-  shapes, _ = jax.eval_shape(stats_fn, run.weights, d.components,
-                             d.ci_params, batch(0))
+  batch = batch_source(run, settings, placed.inputs)
+  stats_fn, accumulate, ablation_fn, clean_fn = jitted(
+    run, settings, ablation_chunk, placed)
+  weights, components, ci_params = (placed.weights, placed.components,
+                                    placed.ci_params)
+  shapes, _ = jax.eval_shape(stats_fn, weights, components, ci_params,
+                             batch(0))
   totals = empty_totals(shapes)
   done = resume(out, totals, settings, overwrite)
   if done < 0:
@@ -331,8 +454,7 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
     return {}
   if done:
     say(f"[harvest] resuming after batch {done}")
-  fresh_window = lambda: {site: stats_lib.zero_stats(shape)
-                          for site, shape in shapes.items()}
+  fresh_window = _fresh_window(shapes, placed)
   # Batches accumulate on the device, with no host sync, until the next
   # save or the end fetches the window into the host totals.
   window = fresh_window()
@@ -346,12 +468,11 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
       jax.block_until_ready(window)
       timed_from = time.time()
     inputs = batch(i)
-    window, ci = accumulate(window, run.weights, d.components, d.ci_params,
-                            inputs)
+    window, ci = accumulate(window, weights, components, ci_params, inputs)
     if i < settings.ablation_batches:
-      divergence = ablation_fn(run.weights, d.components, inputs)
-      add_ablation(totals, run, np.asarray(divergence),
-                   jax.device_get(ci), settings.threshold)
+      divergence = ablation_fn(weights, components, inputs)
+      add_ablation(totals, run, transfer.fetch(divergence),
+                   transfer.fetch(ci), settings.threshold)
     # Saves go by the clock: a fixed batch count would, on a small model,
     # spend most of the harvest writing state.
     if (time.time() - saved >= save_every_s
@@ -367,20 +488,21 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   add_window(totals, window)
   written = write_store(out, totals)
   return {"arrays": written, **throughput(
-    clean_fn, run, batch, harvest_seconds,
+    clean_fn, weights, batch, harvest_seconds,
     settings.n_batches - timed_start)}
 
 
-def throughput(clean_fn, run: explore.LoadedRun, batch, harvest_seconds: float,
+def throughput(clean_fn, weights, batch, harvest_seconds: float,
                timed_batches: int) -> dict:
   """Return the harvest's batches/s beside a clean forward's over the same
-  batches (timed now, after one compiling call)."""
+  batches (timed now, after one compiling call), with the weights the
+  harvest used."""
   if timed_batches <= 0 or harvest_seconds <= 0:
     return {}
-  jax.block_until_ready(clean_fn(run.weights, batch(0)))
+  jax.block_until_ready(clean_fn(weights, batch(0)))
   t0 = time.time()
   # Dispatched back to back, as the harvest's batches are.
-  outputs = [clean_fn(run.weights, batch(i))
+  outputs = [clean_fn(weights, batch(i))
              for i in range(1, timed_batches + 1)]
   jax.block_until_ready(outputs)
   clean_seconds = time.time() - t0

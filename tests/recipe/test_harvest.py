@@ -1,16 +1,20 @@
 """recipe/harvest: statistics of every component over a stream of batches,
-checked against direct computation, resumed after an interruption, and
-written as a zarr store with a manifest."""
+checked against direct computation, resumed after an interruption, written
+as a zarr store with a manifest, and the same when sharded over devices."""
 
 import json
+import math
 import os
 
 import jax
 import numpy as np
 import pytest
 import tensorstore as ts
+from jax.sharding import AxisType
 
 from decompax.losses import evals
+from decompax.placement import shardings
+from decompax.placement import table as table_lib
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
 
@@ -129,8 +133,8 @@ def test_an_interrupted_harvest_resumes_to_the_same_result(
   out = str(tmp_path)
   source = harvest_lib.batch_source
 
-  def failing(run, s):
-    batch = source(run, s)
+  def failing(run, s, *placed):
+    batch = source(run, s, *placed)
 
     def fetch(i):
       if i == 3:
@@ -215,3 +219,100 @@ def test_a_token_file_is_harvested_in_windows_of_its_own(induction, tmp_path):
     context = _read(out, site.name, "top_context")
     centre = context[:, :, settings.before]
     assert np.isin(centre, ids).all()
+
+
+# Four batches of eight TMS inputs, the first one ablated.
+TMS_REQUEST = harvest_lib.Request(positions=4 * 8, batch_size=8, top_k=5,
+                                  ablation_batches=1)
+
+
+def _placement(preset: str, shape: tuple[int, int, int]):
+  """A `(replicate, fsdp, tp)` mesh over the first devices, and a preset."""
+  mesh = jax.make_mesh(shape, table_lib.MESH_AXES,
+                       axis_types=(AxisType.Auto,) * 3,
+                       devices=jax.devices()[:math.prod(shape)])
+  return shardings.Placement(mesh, table_lib.make_table(preset))
+
+
+@pytest.fixture(scope="module")
+def tms(finished_run):
+  return explore.load_run(finished_run("tms"))
+
+
+@pytest.fixture(scope="module")
+def tms_one_device(tms, tmp_path_factory):
+  settings = harvest_lib.resolve(tms, TMS_REQUEST)
+  out = str(tmp_path_factory.mktemp("one_device"))
+  harvest_lib.harvest(tms, settings, out, save_every_s=0.0, ablation_chunk=5,
+                      say=lambda _: None)
+  return settings, out
+
+
+def _assert_same_harvest(run, out, reference):
+  """Counts equal exactly, sums and CI up to the order of the additions."""
+  for site in run.target.sites:
+    for field in harvest_lib.FIELDS:
+      got, want = _read(out, site.name, field), _read(reference, site.name,
+                                                      field)
+      if np.issubdtype(want.dtype, np.integer):
+        np.testing.assert_array_equal(got, want, f"{site.name}/{field}")
+      else:
+        np.testing.assert_allclose(got, want, rtol=1e-5,
+                                   err_msg=f"{site.name}/{field}")
+
+
+def test_a_harvest_on_four_devices_equals_the_one_device_harvest(
+    tms, tms_one_device, tmp_path):
+  """zero1 on a (1, 2, 2) mesh: the batch split over fsdp, the components'
+  C axis over tp (ddp, the batch over all four: the resume test below)."""
+  settings, reference = tms_one_device
+  placement = _placement("zero1", (1, 2, 2))
+  placed = harvest_lib.place(tms, settings, placement)
+  assert placed.inputs.spec[0] == "fsdp"
+  for factors in placed.components.values():
+    assert factors.v.sharding.spec[2] == "tp"
+  said = []
+  harvest_lib.harvest(tms, settings, str(tmp_path), save_every_s=0.0,
+                      ablation_chunk=5, say=said.append, placement=placement)
+  assert said[-1].startswith("[harvest] batch 4/4")
+  _assert_same_harvest(tms, str(tmp_path), reference)
+
+
+def test_a_sharded_harvest_resumes_to_the_same_result(
+    tms, tms_one_device, tmp_path, monkeypatch):
+  """ddp on four devices, each with two of the eight inputs of a batch,
+  interrupted after two batches and resumed."""
+  settings, reference = tms_one_device
+  placement = _placement("ddp", (1, 4, 1))
+  assert harvest_lib.place(tms, settings, placement).inputs.spec[0] == "fsdp"
+  source = harvest_lib.batch_source
+
+  def failing(run, s, *placed):
+    batch = source(run, s, *placed)
+
+    def fetch(i):
+      if i == 2:
+        raise KeyboardInterrupt  # as a kill would, after batch 1's save
+      return batch(i)
+    return fetch
+
+  monkeypatch.setattr(harvest_lib, "batch_source", failing)
+  with pytest.raises(KeyboardInterrupt):
+    harvest_lib.harvest(tms, settings, str(tmp_path), save_every_s=0.0,
+                        ablation_chunk=5, say=lambda _: None,
+                        placement=placement)
+  monkeypatch.setattr(harvest_lib, "batch_source", source)
+  said = []
+  harvest_lib.harvest(tms, settings, str(tmp_path), save_every_s=0.0,
+                      ablation_chunk=5, say=said.append, placement=placement)
+  assert "[harvest] resuming after batch 2" in said
+  _assert_same_harvest(tms, str(tmp_path), reference)
+
+
+def test_a_batch_that_does_not_split_over_the_mesh_is_refused(tms):
+  settings = harvest_lib.resolve(tms, harvest_lib.Request(
+    positions=12, batch_size=6, top_k=5))
+  with pytest.raises(ValueError, match=(
+      r"^batch_size=6: the batch axis of size 6 does not split over the 4 "
+      r"devices of mesh axes fsdp; choose a size divisible by 4$")):
+    harvest_lib.place(tms, settings, _placement("ddp", (1, 4, 1)))

@@ -1,0 +1,106 @@
+"""bin/harvest: its flags beside bin/train's in one process, the placement
+flags it shares with bin/train, and a harvest sharded by them."""
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from absl import flags
+
+from decompax.bin import harvest, placement_flags, placement_setup
+from decompax.bin import train, train_flags
+from decompax.recipe import explore
+from decompax.recipe import harvest as harvest_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def parse():
+  """Parse bin/harvest arguments into its own flags; reset them after."""
+
+  def _parse(*args):
+    harvest.HARVEST_FLAGS.unparse_flags()
+    harvest.HARVEST_FLAGS(["harvest", *args])
+
+  yield _parse
+  harvest.HARVEST_FLAGS.unparse_flags()
+
+
+def test_train_and_harvest_flags_share_a_process(parse):
+  """Both binaries' flag modules are imported above: each placement flag is
+  defined once for each binary, as a flag of that binary's module."""
+  for name in placement_flags.NAMES:
+    assert flags.FLAGS.find_module_defining_flag(name) == train_flags.__name__
+    assert harvest.HARVEST_FLAGS.find_module_defining_flag(
+      name) == harvest.__name__
+    assert flags.FLAGS[name] is not harvest.HARVEST_FLAGS[name]
+  # bin/train still records them in a run's flags.txt.
+  assert "--placement=ddp" in train.resolved_flags_text()
+  parse("--run_dir=unused", "--replicate=2", "--tp=2", "--placement=zero1",
+        "--place=frozen:replicated")
+  config = placement_setup.config_from_flags(harvest.HARVEST_FLAGS)
+  assert config == placement_setup.PlacementConfig(
+    replicate=2, tp=2, placement="zero1", place=("frozen:replicated",))
+  assert placement_setup.config_from_flags() == (
+    placement_setup.PlacementConfig())
+
+
+def test_a_batch_that_does_not_split_over_the_mesh_is_refused(parse, capsys):
+  # Refused before the run directory is read.
+  parse("--run_dir=/nonexistent", "--fsdp=8", "--batch_size=12")
+  with pytest.raises(SystemExit) as info:
+    harvest.main(["harvest"])
+  assert info.value.code == 2
+  assert capsys.readouterr().err.splitlines() == [
+    "harvest: error: --batch_size: the batch axis of size 12 does not split "
+    "over the 8 devices of mesh axes fsdp; choose a size divisible by 8"]
+
+
+def test_a_harvest_sharded_by_the_flags_equals_the_one_device_harvest(
+    finished_run, parse, tmp_path, capsys):
+  """A (2, 2, 2) mesh under zero1: the batch of eight split four ways, the
+  components' C over tp; counts exact, sums up to their order."""
+  run_path = tmp_path / "run"  # the harvest writes inside the run
+  shutil.copytree(finished_run("tms"), run_path)
+  run = explore.load_run(str(run_path))
+  settings = harvest_lib.resolve(run, harvest_lib.Request(
+    positions=32, batch_size=8, top_k=5, ablation_batches=1))
+  reference = tmp_path / "reference"
+  out = str(reference / harvest_lib.HARVEST_DIR)
+  record = harvest_lib.harvest(run, settings, out, save_every_s=0.0,
+                               ablation_chunk=5, say=lambda _: None)
+  harvest_lib.write_manifest(out, str(run_path), run, settings, record)
+  parse(f"--run_dir={run_path}", "--replicate=2", "--fsdp=2", "--tp=2",
+        "--placement=zero1", "--positions=32", "--batch_size=8", "--top_k=5",
+        "--ablation_batches=1", "--ablation_chunk=5", "--save_every_s=0")
+  harvest.main(["harvest"])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[-1] == f"[harvest] wrote {run_path}/harvest/manifest.json"
+  assert any(line.startswith("[harvest] batch 4/4") for line in lines)
+  sharded = harvest_lib.load_harvest(str(run_path))
+  assert sharded.manifest["settings"] == dataclasses.asdict(settings)
+  for site, fields in harvest_lib.load_harvest(str(reference)).sites.items():
+    for field, want in fields.items():
+      got = sharded.sites[site][field]
+      if np.issubdtype(want.dtype, np.integer):
+        np.testing.assert_array_equal(got, want, f"{site}/{field}")
+      else:
+        np.testing.assert_allclose(got, want, rtol=1e-5,
+                                   err_msg=f"{site}/{field}")
+
+
+def test_the_binary_lists_the_placement_flags_as_its_own():
+  # absl's --helpfull exits 1 after printing.
+  result = subprocess.run(
+    [sys.executable, "-P", str(ROOT / "bin" / "harvest"), "--helpfull"],
+    cwd=ROOT, capture_output=True, text=True, timeout=120,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  own = result.stdout.split("decompax.bin.harvest:\n")[1].split("\n\n")[0]
+  for name in ("run_dir", "batch_size", *placement_flags.NAMES):
+    assert f"  --{name}:" in own, name
