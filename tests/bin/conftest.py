@@ -80,7 +80,7 @@ def parse():
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Flagfiles that need a downloaded checkpoint and an accelerator.
-NOT_CPU_SIZED = {"l18"}
+NOT_CPU_SIZED = {"l18", "l18_addsub_tpd"}
 PNG = b"\x89PNG\r\n\x1a\n"
 # Small C and CI widths: compile time grows with them, code paths do not.
 SMOKE_OVERRIDES = (
@@ -125,6 +125,8 @@ def smoke_run(parse, tmp_path, capsys):
     config = parse(*args)
     if config.faithfulness_warmup_steps:
       args.append("--faithfulness_warmup_steps=2")
+    if config.target_task:
+      args += ["--target_batch_size=8", "--nontarget_batch_size=8"]
     if config.target in registry.toy_names():
       # An untrained toy stands in for the trained one: setup loads it from
       # the target cache instead of training for thousands of steps.
@@ -139,22 +141,25 @@ def smoke_run(parse, tmp_path, capsys):
     config = parse(*args)
     prepared = train.setup(config)
     train.train(prepared)
-    check_smoke_run(out, prepared.target, capsys.readouterr().err)
+    check_smoke_run(out, prepared.target, capsys.readouterr().err,
+                    "target/" if config.target_task else "")
 
   return run
 
 
-def check_smoke_run(out: pathlib.Path, target, stderr: str) -> None:
-  """Assert a smoke run left every record, figure, page and checkpoint."""
+def check_smoke_run(out: pathlib.Path, target, stderr: str,
+                    stream: str = "") -> None:
+  """Assert a smoke run left every record, figure, page and checkpoint;
+  `stream` is the eval prefix of a targeted run's target stream."""
   sites = target.sites
   assert "figure rendering failed" not in stderr
   records = run_dir.read_metrics(out / "metrics.jsonl")
   assert [r["step"] for r in records] == [0, 1]
-  slow_key = f"eval/hidden_acts/ci_masked/{sites[0].name}"
+  slow_key = f"eval/{stream}hidden_acts/ci_masked/{sites[0].name}"
   assert [slow_key in r for r in records] == [False, True]
   for record in records:
     for variant in ("ci_masked", "stochastic", "zero", "random", "pgd"):
-      assert record[f"eval/recon/{variant}"] >= 0.0
+      assert record[f"eval/{stream}recon/{variant}"] >= 0.0
     # A plain, finite number each: a NaN or a list would pass json.dumps.
     for key, value in record.items():
       assert type(value) in (int, float) and math.isfinite(value), key
@@ -166,5 +171,6 @@ def check_smoke_run(out: pathlib.Path, target, stderr: str) -> None:
   assert len(refs) >= 8
   for ref in refs:
     with open(os.path.join(out, "report", ref), "rb") as f:
-      assert f.read(8) == PNG, ref
+      # Figures, and a targeted run's A/B grid page.
+      assert f.read(8) == PNG or ref.endswith(".html"), ref
   assert list((out / "checkpoints").iterdir())

@@ -67,7 +67,9 @@ def test_a_harvest_sharded_by_the_flags_equals_the_one_device_harvest(
   """A (2, 2, 2) mesh under zero1: the batch of eight split four ways, the
   components' C over tp; counts exact, sums up to their order."""
   run_path = tmp_path / "run"  # the harvest writes inside the run
-  shutil.copytree(finished_run("tms"), run_path)
+  # Other tests may have harvested the shared run already: not this one.
+  shutil.copytree(finished_run("tms"), run_path,
+                  ignore=shutil.ignore_patterns(harvest_lib.HARVEST_DIR))
   run = explore.load_run(str(run_path))
   settings = harvest_lib.resolve(run, harvest_lib.Request(
     positions=32, batch_size=8, top_k=5, ablation_batches=1))
