@@ -101,7 +101,12 @@ def pytest_generate_tests(metafunc):
   if "smoke_flagfile" in metafunc.fixturenames:
     tms = metafunc.module.SMOKE_GROUP == "tms"
     paths = [p for p in cpu_flagfiles() if p.stem.startswith("tms_") == tms]
-    metafunc.parametrize("smoke_flagfile", paths, ids=[p.stem for p in paths])
+    # A targeted recipe's short run is tests/bin/test_targeted.py's; its
+    # smoke run (both streams' evals compiled) is the slow variant.
+    params = [pytest.param(p, marks=pytest.mark.slow) if p.stem.endswith(
+      "_tpd") else p for p in paths]
+    metafunc.parametrize("smoke_flagfile", params,
+                         ids=[p.stem for p in paths])
 
 
 @pytest.fixture

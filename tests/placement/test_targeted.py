@@ -2,9 +2,11 @@
 streams of different lead shapes, each batch-sharded, the same trajectory
 as on one device."""
 
+import jax
 import pytest
 
 from decompax.bin import train_flags
+from decompax.placement import shardings, table
 
 pytestmark = pytest.mark.multidevice
 
@@ -25,9 +27,9 @@ def targeted(helpers):
   return p, helpers.trajectory(p, (1, 1, 1), "ddp", n_steps=3)
 
 
-@pytest.mark.parametrize("mesh,preset", [
-  ((1, 4, 1), "ddp"),
-  pytest.param((2, 2, 1), "zero1", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,preset", [((1, 4, 1), "ddp"),
+                                         ((2, 2, 1), "zero1")])
 def test_a_targeted_trajectory_is_invariant(helpers, targeted, mesh, preset):
   p, reference = targeted
   placed = helpers.trajectory(p, mesh, preset, n_steps=3)
@@ -38,3 +40,23 @@ def test_a_targeted_trajectory_is_invariant(helpers, targeted, mesh, preset):
   leaf = next(iter(sources.values())).source
   assert leaf.shape[:2] == (4, 32)
   assert not leaf.sharding.is_fully_replicated
+
+
+def test_each_stream_shards_by_its_own_lead_shape(helpers):
+  """The fast variant: the specs of a two-stream batch and of per-stream
+  persistent sources follow each stream's own lead shape."""
+  leads = {"target": (8, 5), "nontarget": (4, 32)}
+  sizes = {"replicate": 1, "fsdp": 4, "tp": 1}
+  ddp = table.make_table("ddp")
+  batch = {s: jax.ShapeDtypeStruct(lead, "int32") for s, lead in leads.items()}
+  specs = shardings.batch_specs(ddp, batch, leads, sizes)
+  for stream in leads:
+    assert specs[stream][0] is not None, stream
+  for lead in leads.values():
+    source = jax.ShapeDtypeStruct((*lead, 6), "float32")
+    assert shardings.source_axes(source, leads) == ("batch", "seq", "c")
+    shared = jax.ShapeDtypeStruct((1, 1, 6), "float32")
+    assert shardings.source_axes(shared, leads) == (None, None, "c")
+  unrelated = jax.ShapeDtypeStruct((3, 7, 6), "float32")
+  assert shardings.source_axes(unrelated, leads) is None
+  assert shardings.batch_axes(unrelated, leads, "c") is None
