@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from decompax.core import masks as masks_lib
 from decompax.core import schedules
 from decompax.core.train_step import LossTerm, StepContext, simple_term
-from decompax.losses import faithfulness, hidden, minimality, recon
+from decompax.losses import adversarial, faithfulness, hidden, minimality
+from decompax.losses import recon
 
 # What the minimality terms raise CI to: the L_p exponent `p` (a number or a
 # schedule) or the smooth-L0 penalty (§5.2).
@@ -123,17 +124,7 @@ def constant_recon_term(
   def fn(ctx: StepContext, key, inputs):
     del inputs
     zero = {name: jnp.zeros_like(ci) for name, ci in ctx.ci.lower.items()}
-    forward = hidden.forward_loss(ctx, None)
-    lead = ctx.lead_shape()
-
-    def draw_loss(entry, draw, keys):
-      del draw
-      routes = recon.entry_routes(keys[0], entry, lead)
-      return forward(masks_lib.source_site_masks(
-        ctx.ci.lower, zero, entry.live_sites, routes))
-
-    value = recon.plan_mean(draw_loss, plan, (key,), draws_differ=False)
-    return value, None
+    return adversarial.plan_loss(ctx, zero, plan, key), None
 
   return LossTerm(name, coeff, fn)
 

@@ -222,15 +222,20 @@ def _persistent(config: TrainConfig, inputs: TermInputs, name: str,
                           config.pgd_routing)
 
 
-def _merged(config: TrainConfig, inputs: TermInputs, name: str,
-            coeff: float) -> train_step.LossTerm:
-  """Return the merged stochastic/persistent term the flags describe."""
+def merged_mix(config: TrainConfig) -> adversarial.Merged:
+  """Return the merged terms' adversarial fraction (on its linear anneal
+  when it has a final fraction) and sampling."""
   final = config.merged_adv_fraction_final_frac
   fraction = (config.merged_adv_fraction if final == 1.0 else Schedule(
     config.merged_adv_fraction, "linear", final))
+  return adversarial.Merged(fraction, config.sampling)
+
+
+def _merged(config: TrainConfig, inputs: TermInputs, name: str,
+            coeff: float) -> train_step.LossTerm:
+  """Return the merged stochastic/persistent term the flags describe."""
   return _persistent_term(config, inputs, name, coeff, config.merged_plan,
-                          config.merged_routing,
-                          adversarial.Merged(fraction, config.sampling))
+                          config.merged_routing, merged_mix(config))
 
 
 def _fresh(config: TrainConfig, inputs: TermInputs, name: str,
@@ -294,12 +299,9 @@ def _nontarget_persistent(config: TrainConfig, inputs: TermInputs,
 
 def _nontarget_merged(config: TrainConfig, inputs: TermInputs, name: str,
                       coeff: float) -> train_step.LossTerm:
-  final = config.merged_adv_fraction_final_frac
-  fraction = (config.merged_adv_fraction if final == 1.0 else Schedule(
-    config.merged_adv_fraction, "linear", final))
   return _nontarget_adversary(config, inputs, name, coeff,
                               config.merged_plan, config.merged_routing,
-                              adversarial.Merged(fraction, config.sampling))
+                              merged_mix(config))
 
 
 def _unit_weights(config: TrainConfig, units) -> dict[str, float | None]:

@@ -137,23 +137,30 @@ def build(
   )
 
 
+def build_token_toy(name: str, module: ModuleType, config: Any,
+                    default_seed: int = 0) -> ToyTarget:
+  """Return a token-input toy on the GLU decoder (induction, addsub): its
+  function table and weight layout follow the decomposed sites."""
+  # `_train_checked` calls `module.missing_features(weights)`: bind config.
+  bound = types.SimpleNamespace(
+    train=module.train,
+    missing_features=lambda w: module.missing_features(w, config))
+  record = build(name, module, config, default_seed)
+  return dataclasses.replace(
+    record,
+    train=functools.partial(_train_checked, name, bound, config),
+    missing_features=bound.missing_features,
+    fns_for_sites=lambda s: module.fns_for_sites(config, s),
+    weights_for_sites=lambda w, s: module.weights_for_sites(w, config, s),
+  )
+
+
 def build_induction(
   config: induction.InductionConfig = induction.InductionConfig(),
   default_seed: int = 0,
 ) -> ToyTarget:
   """Return the induction toy (token inputs; its layout follows the sites)."""
-  # `_train_checked` calls `module.missing_features(weights)`: bind config.
-  bound = types.SimpleNamespace(
-    train=induction.train,
-    missing_features=lambda w: induction.missing_features(w, config))
-  record = build("induction", induction, config, default_seed)
-  return dataclasses.replace(
-    record,
-    train=functools.partial(_train_checked, "induction", bound, config),
-    missing_features=bound.missing_features,
-    fns_for_sites=lambda s: induction.fns_for_sites(config, s),
-    weights_for_sites=lambda w, s: induction.weights_for_sites(w, config, s),
-  )
+  return build_token_toy("induction", induction, config, default_seed)
 
 
 def build_addsub(
@@ -165,17 +172,7 @@ def build_addsub(
   Its inputs are the task prompts; the copying stream it also models is
   `arithmetic.other_batch`.
   """
-  bound = types.SimpleNamespace(
-    train=arithmetic.train,
-    missing_features=lambda w: arithmetic.missing_features(w, config))
-  record = build("addsub", arithmetic, config, default_seed)
-  return dataclasses.replace(
-    record,
-    train=functools.partial(_train_checked, "addsub", bound, config),
-    missing_features=bound.missing_features,
-    fns_for_sites=lambda s: arithmetic.fns_for_sites(config, s),
-    weights_for_sites=lambda w, s: arithmetic.weights_for_sites(w, config, s),
-  )
+  return build_token_toy("addsub", arithmetic, config, default_seed)
 
 
 # Token-input toys built on the GLU decoder, each by its own builder.
