@@ -201,6 +201,18 @@ def variant_site_masks(
   return {name: SiteMask(constant[variant](ci_lower[name])) for name in names}
 
 
+def component_site_masks(
+  sites: tuple[SiteSpec, ...], keep: dict[str, Float[Array, " c"]],
+  lead: tuple[int, ...],
+) -> dict[str, SiteMask]:
+  """Return every site's masks at `keep[site]` per component (1 kept, 0
+  ablated), the same at every position, with the delta path on: the
+  forward keeping everything is the target's."""
+  return {site.name: SiteMask(
+    jnp.broadcast_to(keep[site.name].astype(jnp.float32), (*lead, site.c)),
+    jnp.ones(lead, jnp.float32)) for site in sites}
+
+
 def one_ablated_site_masks(
   sites: tuple[SiteSpec, ...], site_index: Array, component: Array,
   lead: tuple[int, ...],
@@ -209,12 +221,10 @@ def one_ablated_site_masks(
   `sites[site_index]` alone at 0, every other mask 1, the delta path on
   (so the forward with nothing ablated is the target). Traceable in
   `site_index` and `component`, for a `lax.map` over components."""
-  masks = {}
-  for i, site in enumerate(sites):
-    off = jnp.where(site_index == i, jax.nn.one_hot(component, site.c), 0.0)
-    masks[site.name] = SiteMask(jnp.broadcast_to(1.0 - off, (*lead, site.c)),
-                                jnp.ones(lead, jnp.float32))
-  return masks
+  keep = {site.name: 1.0 - jnp.where(
+    site_index == i, jax.nn.one_hot(component, site.c), 0.0)
+    for i, site in enumerate(sites)}
+  return component_site_masks(sites, keep, lead)
 
 
 def uniform_k_routes(

@@ -164,22 +164,22 @@ def _site_masks(run: LoadedRun, lead: tuple[int, ...],
                 ) -> dict[str, SiteMask]:
   """Return each site's masks: 1 but for `ablate`'s 0s, or 0 but for
   `keep`'s 1s on the sites `keep` names; the delta path stays on."""
-  masks = {}
   names = {s.name for s in run.target.sites}
   for choice in (ablate or {}, keep or {}):
     unknown = set(choice) - names
     if unknown:
       raise ValueError(f"no decomposed site {sorted(unknown)[0]!r}; the "
                        f"run's sites are {sorted(names)}")
+  kept = {}
   for site in run.target.sites:
-    mask = jnp.ones((*lead, site.c), jnp.float32)
+    vector = jnp.ones((site.c,), jnp.float32)
     if keep is not None and site.name in keep:
-      mask = jnp.zeros_like(mask).at[..., jnp.asarray(keep[site.name],
-                                                      jnp.int32)].set(1.0)
+      vector = jnp.zeros_like(vector).at[jnp.asarray(keep[site.name],
+                                                     jnp.int32)].set(1.0)
     if ablate and site.name in ablate:
-      mask = mask.at[..., jnp.asarray(ablate[site.name], jnp.int32)].set(0.0)
-    masks[site.name] = SiteMask(mask, jnp.ones(lead, jnp.float32))
-  return masks
+      vector = vector.at[jnp.asarray(ablate[site.name], jnp.int32)].set(0.0)
+    kept[site.name] = vector
+  return masks_lib.component_site_masks(run.target.sites, kept, lead)
 
 
 def ablated_forward(run: LoadedRun, inputs: Any,
