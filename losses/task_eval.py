@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from decompax.core import squash
+from decompax.core import masks as masks_lib
 from decompax.core.ci_fns import CIFn
 from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns, Weights
 from decompax.core.sites import Components
-from decompax.core.train_step import cast_floats
+from decompax.core.train_step import prepare
 from decompax.losses import evals
 
 
@@ -61,18 +61,6 @@ def accuracy(logits: Float[Array, "*l v"],
   return jnp.sum(hit) / jnp.maximum(jnp.sum(valid), 1)
 
 
-def ablated_masks(target: TargetFns, alive: dict[str, Bool[Array, " c"]],
-                  lead: tuple[int, ...]) -> dict[str, SiteMask]:
-  """Return every site's masks with its `alive` components at 0 and the
-  rest, and the delta path, at 1."""
-  return {
-    s.name: SiteMask(
-      jnp.broadcast_to(1.0 - alive[s.name].astype(jnp.float32),
-                       (*lead, s.c)),
-      jnp.ones(lead, jnp.float32))
-    for s in target.sites}
-
-
 def make_task_eval(
   target: TargetFns, ci_fn: CIFn, positions: tuple[int, ...],
   threshold: float, compute_dtype: str | None = None,
@@ -85,20 +73,16 @@ def make_task_eval(
     raise ValueError("task metrics score next-token answers; this target "
                      "has no token labels")
 
-  def cast(tree):
-    # As the train step computes (N4); toys and fp32 runs keep fp32.
-    return tree if compute_dtype is None else cast_floats(tree, compute_dtype)
-
-  def lower_ci(ci_params, comps, taps):
-    return squash.squash(cast_floats(
-      ci_fn.apply(cast(ci_params), cast(taps), comps), jnp.float32)).lower
+  def lower_ci(components, ci_params, taps):
+    # V/U and CI as the train step computes them (N4).
+    prepared = prepare(components, ci_params, taps, ci_fn, compute_dtype)
+    return prepared[-1] if compute_dtype else prepared[0], prepared[1].lower
 
   def task(components: Components, ci_params: Any, weights: Weights,
            prompts: Int[Array, "n t"], other: Int[Array, "b s"]
            ) -> TaskOutput:
     clean, taps = target.clean_forward(weights, prompts, ci_fn.input_taps)
-    comps = cast(components)
-    lower = lower_ci(ci_params, comps, taps)
+    comps, lower = lower_ci(components, ci_params, taps)
     picked = jnp.asarray(positions)
     alive = {s: jnp.any(ci[:, picked] > threshold, axis=(0, 1))
              for s, ci in lower.items()}
@@ -110,7 +94,9 @@ def make_task_eval(
         {s: SiteMask(ci) for s, ci in lower.items()}),
       "ablated": target.masked_forward(
         weights, comps, prompts,
-        ablated_masks(target, alive, prompts.shape)),
+        masks_lib.component_site_masks(
+          target.sites, {s: 1.0 - a for s, a in alive.items()},
+          prompts.shape)),
     }
     scalars = {}
     for name, out in logits.items():
@@ -122,10 +108,11 @@ def make_task_eval(
     density = {
       s: jnp.mean((ci > threshold).reshape(-1, ci.shape[-1]), axis=0,
                   dtype=jnp.float32)
-      for s, ci in lower_ci(ci_params, comps, other_taps).items()}
+      for s, ci in lower_ci(components, ci_params, other_taps)[1].items()}
     other_ablated = target.masked_forward(
       weights, comps, other,
-      ablated_masks(target, alive, other.shape))
+      masks_lib.component_site_masks(
+        target.sites, {s: 1.0 - a for s, a in alive.items()}, other.shape))
     scalars["task/nontarget_ce/clean"] = evals.cross_entropy(
       other_clean, other_labels)
     scalars["task/nontarget_ce/ablated"] = evals.cross_entropy(
