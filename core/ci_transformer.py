@@ -309,13 +309,13 @@ def _block(
   return h + hidden @ p.w2 + p.b2
 
 
-def chunk_forward(
+def chunk_trunk(
   params: ChunkParams,
   u: Float[Array, "b t d_u"],
   config: TransformerCIConfig,
   inv_freq: Float[Array, " half"],
-) -> Float[Array, "b t c_sum"]:
-  """Return one chunk's pre-activations from its normalised taps `u`,
+) -> Float[Array, "b t d_model"]:
+  """Return one chunk's final hidden states from its normalised taps `u`,
   computed in the parameters' dtype (N4: bf16 for LMs; `rms` statistics
   stay fp32)."""
   h = u.astype(params.w_in.dtype) @ params.w_in + params.b_in
@@ -328,7 +328,17 @@ def chunk_forward(
     # time instead of stacking every block's attention and MLP activations.
     body = jax.checkpoint(body)
   h, _ = lax.scan(body, h, params.blocks)
-  return h @ params.w_out + params.b_out
+  return h
+
+
+def chunk_forward(
+  params: ChunkParams,
+  u: Float[Array, "b t d_u"],
+  config: TransformerCIConfig,
+  inv_freq: Float[Array, " half"],
+) -> Float[Array, "b t c_sum"]:
+  """Return one chunk's pre-activations: its trunk, then its readout."""
+  return chunk_trunk(params, u, config, inv_freq) @ params.w_out + params.b_out
 
 
 def chunk_inputs(
@@ -343,23 +353,53 @@ def chunk_inputs(
   return u.reshape(u.shape[0], -1, *u.shape[-2:])
 
 
-def apply(
+class Heads(NamedTuple):
+  """A second readout of every chunk, stacked on the `chunk` axis."""
+
+  w: Float[Array, "chunk d_model c_sum"]
+  b: Float[Array, "chunk c_sum"]
+
+
+def init_heads(
+  key: Key[Array, ""], config: TransformerCIConfig, plan: ChunkPlan
+) -> Heads:
+  """Return a readout per chunk drawn as `init_chunk` draws `w_out`."""
+  keys = jnp.stack(
+    [jax.random.fold_in(key, i) for i in range(len(plan.chunks))])
+  c_sum, d = sum(plan.c_slots), config.d_model
+  return Heads(jax.vmap(lambda k: _normal(k, (d, c_sum), d, 1.0))(keys),
+               jnp.zeros((len(plan.chunks), c_sum)))
+
+
+def trunk(
   params: ChunkParams,
   taps: dict[str, Float[Array, "..."]],
   config: TransformerCIConfig,
   plan: ChunkPlan,
-) -> dict[str, Float[Array, "..."]]:
-  """Return every site's CI pre-activations from its chunk's taps."""
-  lead = taps[plan.chunks[0].input_taps[0]].shape[:-1]
+) -> Float[Array, "chunk n t d_model"]:
+  """Return every chunk's final hidden states from its taps."""
   inv_freq = lax.stop_gradient(rope_inv_freq(config.head_dim))
 
   def forward(p, u):
-    return chunk_forward(p, u, config, inv_freq)
+    return chunk_trunk(p, u, config, inv_freq)
 
   if not config.remat:
     forward = jax.checkpoint(
       forward, policy=jax.checkpoint_policies.dots_saveable)
-  pre = jax.vmap(forward)(params, chunk_inputs(plan, taps))
+  return jax.vmap(forward)(params, chunk_inputs(plan, taps))
+
+
+def readout(
+  w: Float[Array, "chunk d_model c_sum"],
+  b: Float[Array, "chunk c_sum"],
+  h: Float[Array, "chunk n t d_model"],
+  taps: dict[str, Float[Array, "..."]],
+  plan: ChunkPlan,
+) -> dict[str, Float[Array, "..."]]:
+  """Return every site's pre-activations from the chunks' hidden states
+  through the readout `(w, b)`."""
+  lead = taps[plan.chunks[0].input_taps[0]].shape[:-1]
+  pre = jnp.einsum("kntd,kdc->kntc", h, w) + b[:, None, None, :]
   bounds = list(itertools.accumulate(plan.c_slots))[:-1]
   out = {}
   for chunk, chunk_pre in zip(plan.chunks, pre):
@@ -367,3 +407,14 @@ def apply(
     for name, part in zip(chunk.output_sites, parts):
       out[name] = part.reshape(*lead, part.shape[-1])
   return out
+
+
+def apply(
+  params: ChunkParams,
+  taps: dict[str, Float[Array, "..."]],
+  config: TransformerCIConfig,
+  plan: ChunkPlan,
+) -> dict[str, Float[Array, "..."]]:
+  """Return every site's CI pre-activations from its chunk's taps."""
+  return readout(params.w_out, params.b_out,
+                 trunk(params, taps, config, plan), taps, plan)

@@ -19,6 +19,16 @@ all summed into the one objective whose single backward updates the shared
 components and CI parameters. A stream may pin the delta path on
 (`StreamSpec.delta_pin`) and average its output divergence over chosen
 positions only (`StreamSpec.loss_positions`, a task's answer positions).
+
+A dual-role CI function (`CIFn.roles`: output and hidden) reads out two CIs
+per stream from one trunk. A *pass* is one (stream, role): its terms see
+that role's CI (`LossTerm.role`), and a hidden pass scores the relative
+error of `StepConfig.hidden_points` instead of the output divergence
+(`StepContext.hidden_points`). Two streams and two roles make four passes,
+each stream's clean forward still run once. The passes are scored in one
+backward, or with `StepConfig.sequential_passes` one after another behind
+an optimization barrier, their gradients added: the same objective with one
+pass's masked forwards alive at a time.
 """
 
 import dataclasses
@@ -31,7 +41,7 @@ import optax
 from jaxtyping import Array, Float, Int, Key
 
 from decompax.core import health as health_lib, optim, schedules, squash
-from decompax.core.ci_fns import CIFn
+from decompax.core.ci_fns import OUTPUT, CIFn, role_pre
 from decompax.core.sites import Components
 from decompax.core.target import Batch, TargetFns, Weights
 
@@ -112,6 +122,9 @@ class StepContext(NamedTuple):
   # The stream's delta pin and loss positions (`StreamSpec`).
   delta_pin: bool = False
   loss_positions: Optional[tuple[int, ...]] = None
+  # A hidden pass: its recon terms score the relative error of these
+  # activations, never the output (`losses.hidden.forward_loss`).
+  hidden_points: tuple[str, ...] = ()
 
   def operands(self) -> Components:
     """Return V/U as a masked forward consumes them."""
@@ -180,7 +193,9 @@ class LossTerm(NamedTuple):
   `clean_taps` names activations the term reads from the step's clean
   forward (`ctx.clean_taps`). `stream` names the stream the term scores
   (`StepConfig.streams`; "" in a one-stream step); its metrics then read
-  `<stream>/loss/<name without the "<stream>_" prefix>`.
+  `<stream>/loss/<name without the "<stream>_" prefix>`. `role` names the
+  CI role whose masks it reads (`CIFn.roles`); a `hidden` term runs in its
+  stream's hidden pass.
   """
 
   name: str
@@ -193,6 +208,7 @@ class LossTerm(NamedTuple):
   report: Optional[Callable[[Any], dict[str, Array]]] = None
   clean_taps: tuple[str, ...] = ()
   stream: str = ""
+  role: str = OUTPUT
 
   def metric(self, key: Optional[str] = None) -> str:
     """Return the metric name of the term's value (or of its reported
@@ -243,6 +259,11 @@ class StepConfig:
   # CI-scaled decay after the update (SPEC §6.6): each component's V column
   # and U row shrink by `1 − lr(s)·wd·(1 − max CI)`; 0 turns it off.
   ci_scaled_decay: float = 0.0
+  # The activations a hidden pass reconstructs (dual-role CI).
+  hidden_points: tuple[str, ...] = ()
+  # Score one pass at a time behind an optimization barrier and add the
+  # gradients: one pass's masked forwards alive at a time, same objective.
+  sequential_passes: bool = False
 
 
 class TrainStep(NamedTuple):
@@ -328,23 +349,48 @@ def prepare(
   compute_dtype: Optional[str], constrain: Constrain = no_constraint,
 ) -> tuple:
   """Return `(components, ci)`, plus the compute-dtype V/U when
-  `compute_dtype` is set, as `with_prepared` reads them.
+  `compute_dtype` is set, as `with_prepared` reads them: the output role's.
 
   With a compute dtype (N4) V/U are cast once, before the gather to the
   compute layout, and so are the CI parameters and taps before the CI call;
   the fp32 masters stay for faithfulness (N2) and the CI is squashed in
   fp32 (N3).
   """
+  components, compute, pre = _run_ci(components, ci_params, taps,
+                                     ci_fn.apply, compute_dtype, constrain)
+  return _packed(components, _squash(pre, constrain), compute)
+
+
+def prepare_roles(
+  components: Components, ci_params: Any, taps: dict, ci_fn: CIFn,
+  compute_dtype: Optional[str], constrain: Constrain = no_constraint,
+) -> tuple[tuple, ...]:
+  """Return `prepare`'s tuple for every role of `ci_fn`, in its order, the
+  CI trunk run once."""
+  components, compute, by_role = _run_ci(
+    components, ci_params, taps,
+    lambda *args: role_pre(ci_fn, *args), compute_dtype, constrain)
+  return tuple(_packed(components, _squash(by_role[r], constrain), compute)
+               for r in ci_fn.roles)
+
+
+def _run_ci(components, ci_params, taps, apply, compute_dtype, constrain):
+  """Return `(components, compute-dtype V/U or None, apply(...))`."""
   if compute_dtype is None:
     components = constrain("compute", components)
-    return components, squash.squash(constrain(
-      "ci_activations", ci_fn.apply(ci_params, taps, components)))
+    return components, None, apply(ci_params, taps, components)
   compute = constrain("compute", cast_floats(components, compute_dtype))
-  pre = ci_fn.apply(cast_floats(ci_params, compute_dtype),
-                    cast_floats(taps, compute_dtype), compute)
-  ci = squash.squash(constrain(
-    "ci_activations", cast_floats(pre, jnp.float32)))
-  return components, ci, compute
+  return components, compute, apply(cast_floats(ci_params, compute_dtype),
+                                    cast_floats(taps, compute_dtype), compute)
+
+
+def _packed(components, ci, compute) -> tuple:
+  return (components, ci) if compute is None else (components, ci, compute)
+
+
+def _squash(pre: dict, constrain: Constrain) -> squash.CIOutput:
+  return squash.squash(constrain("ci_activations",
+                                 cast_floats(pre, jnp.float32)))
 
 
 def objective(
@@ -353,16 +399,16 @@ def objective(
   ctxs: tuple[StepContext, ...],
   terms: tuple[LossTerm, ...],
   keys: list,
-  term_streams: tuple[int, ...],
+  term_passes: tuple[int, ...],
 ) -> tuple[Float[Array, ""], tuple[dict[str, Array], Float[Array, ""], tuple]]:
   """Return the differentiated sum, the raw term values, the coefficiented
-  total and each term's aux. `prepared[i]` is stream `i`'s, as
-  `with_prepared` reads it into `ctxs[i]`; term `j` scores stream
-  `term_streams[j]`."""
+  total and each term's aux. `prepared[i]` is pass `i`'s, as
+  `with_prepared` reads it into `ctxs[i]`; term `j` scores pass
+  `term_passes[j]`."""
   differentiated = jnp.zeros((), jnp.float32)
   reported = jnp.zeros((), jnp.float32)
   values, auxes = {}, []
-  for term, key, inputs, i in zip(terms, keys, term_inputs, term_streams):
+  for term, key, inputs, i in zip(terms, keys, term_inputs, term_passes):
     ctx, own = ctxs[i], prepared[i]
     coeff = schedules.schedule_value(term.coeff, ctx.step, ctx.total_steps)
     if term.coeff_on_model_side:
@@ -377,6 +423,51 @@ def objective(
     values[term.name] = value
     auxes.append(aux)
   return differentiated, (values, reported, tuple(auxes))
+
+
+def reported_total(terms: tuple[LossTerm, ...], values: dict[str, Array],
+                   step: Int[Array, ""], total_steps: int) -> Float[Array, ""]:
+  """Return `Σ coeff·value` in the terms' order (as `objective` sums it)."""
+  total = jnp.zeros((), jnp.float32)
+  for term in terms:
+    total = total + schedules.schedule_value(
+      term.coeff, step, total_steps) * values[term.name]
+  return total
+
+
+def sequential_objective_grads(
+  prepared: tuple, term_inputs: tuple, ctxs: tuple[StepContext, ...],
+  terms: tuple[LossTerm, ...], keys: list, term_passes: tuple[int, ...],
+) -> tuple[dict[str, Array], tuple, tuple, tuple]:
+  """Return `(values, auxes, g_prepared, g_inputs)` as one backward of
+  `objective` would, scoring one pass at a time.
+
+  Each pass's inputs go through an optimization barrier together with the
+  previous pass's gradients, so XLA cannot start a pass's masked forwards
+  before the previous pass's backward is done.
+  """
+  g_prepared = [jax.tree.map(jnp.zeros_like, own) for own in prepared]
+  g_inputs, auxes, values = [None] * len(terms), [None] * len(terms), {}
+  done = None
+  for p in sorted(set(term_passes)):
+    picked = [j for j, q in enumerate(term_passes) if q == p]
+    own, inputs = prepared[p], tuple(term_inputs[j] for j in picked)
+    if done is not None:
+      done, own, inputs = jax.lax.optimization_barrier((done, own, inputs))
+
+    def one_pass(own, inputs, p=p, picked=picked):
+      return objective((own,), inputs, (ctxs[p],),
+                       tuple(terms[j] for j in picked),
+                       [keys[j] for j in picked], (0,) * len(picked))
+
+    (_, (pass_values, _, pass_auxes)), (g_own, g_in) = jax.value_and_grad(
+      one_pass, argnums=(0, 1), has_aux=True, allow_int=True)(own, inputs)
+    g_prepared[p] = g_own
+    values.update(pass_values)
+    for j, aux, g in zip(picked, pass_auxes, g_in):
+      auxes[j], g_inputs[j] = aux, g
+    done = g_own
+  return values, tuple(auxes), tuple(g_prepared), tuple(g_inputs)
 
 
 def clean_tap_keys(
@@ -415,6 +506,23 @@ def term_streams(terms: tuple[LossTerm, ...],
                        f"{term.stream!r}, but the step's streams are "
                        f"{names}")
     out.append(names.index(term.stream))
+  return tuple(out)
+
+
+def term_passes(terms: tuple[LossTerm, ...], config: StepConfig,
+                roles: tuple[str, ...]) -> tuple[int, ...]:
+  """Return the pass each term scores: `stream · len(roles) + role`, its
+  stream's index and its role's; raise ValueError for a role the CI
+  function does not read out, or a hidden role without hidden points."""
+  out = []
+  for term, k in zip(terms, term_streams(terms, config)):
+    if term.role not in roles:
+      raise ValueError(f"loss term {term.name} reads the {term.role!r} CI "
+                       f"role, but the CI function's roles are {roles}")
+    if term.role != OUTPUT and not config.hidden_points:
+      raise ValueError(f"loss term {term.name} runs in a hidden pass, and "
+                       "the step names no hidden points to reconstruct")
+    out.append(k * len(roles) + roles.index(term.role))
   return tuple(out)
 
 
@@ -534,11 +642,16 @@ def make_train_step(
                      f"{config.ci_scaled_decay}")
   check_streams(config)
   streams = stream_specs(config)
+  roles = ci_fn.roles
   owners = term_streams(terms, config)
-  wanted_taps = [
-    clean_tap_keys(ci_fn, target,
-                   tuple(t for t, i in zip(terms, owners) if i == k))
-    for k in range(len(streams))]
+  passes = term_passes(terms, config, roles)
+  wanted_taps = []
+  for k in range(len(streams)):
+    own_terms = tuple(t for t, i in zip(terms, owners) if i == k)
+    hidden = any(t.role != OUTPUT for t in own_terms)
+    wanted_taps.append(tuple(dict.fromkeys((
+      *clean_tap_keys(ci_fn, target, own_terms),
+      *(config.hidden_points if hidden else ())))))
   components_tx = optim.make_optimizer(config.components_opt,
                                        config.total_steps, constrain)
   ci_tx = optim.adamw(config.ci_opt, config.total_steps)
@@ -554,23 +667,28 @@ def make_train_step(
       for k, spec in enumerate(streams)]
 
     def prep(theta):
-      return tuple(prepare(theta[0], theta[1], taps, ci_fn,
-                           config.compute_dtype, constrain)
-                   for _, taps in cleans)
+      # Pass `k · len(roles) + r` is stream k's CI role r.
+      return tuple(own for _, taps in cleans for own in prepare_roles(
+        theta[0], theta[1], taps, ci_fn, config.compute_dtype, constrain))
 
     prepared, prep_vjp = jax.vjp(
       prep, (state.components, state.ci_params))
     frozen = jax.lax.stop_gradient(prepared)
-    ctxs = tuple(with_prepared(
-      StepContext(state.step, config.total_steps, target, weights,
-                  batches[spec.name], clean_output, *own[:2],
-                  clean_taps=taps, constrain=constrain,
-                  delta_pin=spec.delta_pin,
-                  loss_positions=spec.loss_positions), own)
-      for spec, (clean_output, taps), own in zip(streams, cleans, frozen))
+    ctxs = []
+    for k, (spec, (clean_output, taps)) in enumerate(zip(streams, cleans)):
+      for r, role in enumerate(roles):
+        own = frozen[k * len(roles) + r]
+        ctxs.append(with_prepared(StepContext(
+          state.step, config.total_steps, target, weights,
+          batches[spec.name], clean_output, *own[:2], clean_taps=taps,
+          constrain=constrain, delta_pin=spec.delta_pin,
+          loss_positions=spec.loss_positions,
+          hidden_points=() if role == OUTPUT else config.hidden_points),
+          own))
+    ctxs = tuple(ctxs)
     keys = _term_keys(step_key, len(terms))
     term_states, term_inputs = dict(state.term_states), []
-    for term, key, i in zip(terms, keys, owners):
+    for term, key, i in zip(terms, keys, passes):
       if term.prepare is None:
         term_inputs.append(None)
         continue
@@ -579,14 +697,19 @@ def make_train_step(
       if term.name in term_states:
         term_states[term.name] = new_state
       term_inputs.append(inputs_j)
-    grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True,
-                                 allow_int=True)
-    (_, (values, total, auxes)), (g_prepared, g_inputs) = grad_fn(
-      prepared, tuple(term_inputs), ctxs, terms, keys, owners)
+    if config.sequential_passes:
+      values, auxes, g_prepared, g_inputs = sequential_objective_grads(
+        prepared, tuple(term_inputs), ctxs, terms, keys, passes)
+    else:
+      grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True,
+                                   allow_int=True)
+      (_, (values, _, auxes)), (g_prepared, g_inputs) = grad_fn(
+        prepared, tuple(term_inputs), ctxs, terms, keys, passes)
+    total = reported_total(terms, values, state.step, config.total_steps)
     ((g_components, g_ci),) = prep_vjp(g_prepared)
     finished = dict(term_states)
     for term, key, inputs_j, g_j, aux, i in zip(
-        terms, keys, term_inputs, g_inputs, auxes, owners):
+        terms, keys, term_inputs, g_inputs, auxes, passes):
       if term.finish is not None:
         finished[term.name] = term.finish(
           ctxs[i], key, term_states[term.name], inputs_j, g_j, aux)
@@ -608,10 +731,12 @@ def make_train_step(
       if term.report is not None:
         metrics.update({term.metric(k): v
                         for k, v in term.report(aux).items()})
-    for spec, own in zip(streams, frozen):
+    for p, own in enumerate(frozen):
+      spec, role = streams[p // len(roles)], roles[p % len(roles)]
       prefix = f"{spec.name}/" if spec.name else ""
+      l0_key = "ci_l0" if role == OUTPUT else f"ci_l0_{role}"
       for site, l0 in ci_l0(own[1].lower, config.ci_alive_threshold).items():
-        metrics[f"{prefix}ci_l0/{site}"] = l0
+        metrics[f"{prefix}{l0_key}/{site}"] = l0
     metrics["grad_norm/components"] = optax.tree.norm(g_components)
     metrics["lr/components"] = lr
     updated = (components, ci_params, components_opt, ci_opt, finished)

@@ -62,7 +62,17 @@ def site_squared_errors(
 
 
 def forward_loss(ctx: StepContext, rider: HiddenRider | None) -> ForwardLoss:
-  """Return one forward's loss: output divergence, plus the rider if any."""
+  """Return one forward's loss: output divergence, plus the rider if any;
+  in a hidden pass (`ctx.hidden_points`) the relative error of those points
+  alone, rider or not."""
+  if ctx.hidden_points:
+    points = ctx.hidden_points
+
+    def hidden_only(site_masks):
+      _, taps = ctx.masked_forward_with_taps(site_masks, points)
+      return relative_error(taps, ctx.clean_taps, points)
+
+    return hidden_only
 
   def output_only(site_masks):
     return ctx.output_divergence(ctx.masked_forward(site_masks))
