@@ -16,10 +16,11 @@ import math
 from absl import flags
 
 from decompax.bin import checkpointing, cli, placement_flags, run_records
+from decompax.core import ci_fns
 from decompax.core.masks import ROUTINGS
 from decompax.recipe import streams, terms
 from decompax.recipe.config import DEFAULTS as _D
-from decompax.recipe.config import TrainConfig
+from decompax.recipe.config import TrainConfig, setting
 
 
 # Every float flag of bin/train refuses NaN and infinity.
@@ -467,6 +468,25 @@ _CI_SCALED_DECAY = _define_float(
   "ci_scaled_decay", _D.ci_scaled_decay,
   "Targeted decomposition: after each update V[:,c], U[c,:] *= 1 − "
   "lr·decay·(1 − max CI of c over both streams' batches) (0: off).")
+_CI_ROLES = flags.DEFINE_list(
+  "ci_roles", list(_D.ci_roles),
+  "CI readouts: output, or output,hidden for dual-role CI (one shared "
+  "trunk, two heads; every recon and importance term also runs in each "
+  "stream's hidden pass on the hidden role's masks).")
+_HIDDEN_PASS_POINTS = flags.DEFINE_list(
+  "hidden_pass_points", list(_D.hidden_pass_points),
+  "Activations a hidden pass reconstructs, each as MSE relative to its own "
+  "clean scale (default: the MLP outputs from the first decomposed layer "
+  "to the last; a toy's site outputs).")
+_HIDDEN_PASS_COEFF = _define_float(
+  "hidden_pass_coeff", _D.hidden_pass_coeff,
+  "The hidden passes' recon terms run at their term's coefficient times "
+  "this.")
+_SEQUENTIAL_PASSES = flags.DEFINE_bool(
+  "sequential_passes", _D.sequential_passes,
+  "Score the step's passes (stream × CI role) one at a time behind an "
+  "optimization barrier and add their gradients: the same objective, with "
+  "one pass's masked forwards in memory at a time.")
 _COMPONENTS_INIT = flags.DEFINE_enum(
   "components_init", _D.components_init, ["normal", "projected"],
   "V/U init: normal (V ~ N/√d_in, U ~ N/√C; SPEC §6.1) or projected (unit "
@@ -711,6 +731,17 @@ def _validate_streams(config: TrainConfig) -> None:
   streams.check(config)
 
 
+def _validate_roles(config: TrainConfig) -> None:
+  """Raise ValueError for bad dual-role CI settings."""
+  with setting("ci_roles"):
+    ci_fns.parse_roles(config.ci_roles)
+  _non_negative("hidden_pass_coeff", config.hidden_pass_coeff)
+  if ci_fns.HIDDEN not in config.ci_roles and config.hidden_pass_points:
+    raise ValueError("--hidden_pass_points names what the hidden role's "
+                     "passes reconstruct; add --ci_roles=output,hidden or "
+                     "drop it")
+
+
 def _validate_run(config: TrainConfig) -> None:
   """Raise ValueError for bad checkpoint, init or profile settings."""
   for name in ("save_every", "keep_last", "max_skipped_in_a_row"):
@@ -774,3 +805,4 @@ def validate(config: TrainConfig) -> None:
   _validate_data(config)
   _validate_run(config)
   _validate_streams(config)
+  _validate_roles(config)

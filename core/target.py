@@ -121,3 +121,8 @@ class TargetFns(NamedTuple):
   # target has no attention.
   attention_taps: tuple[str, ...] = ()
   attention_divergence: Optional[AttentionDivergence] = None
+  # Dual-role CI: the activations a hidden pass reconstructs by default
+  # (() : every site's `<site>.out`), and whether masking the sites can move
+  # a given tap at all (None: only the sites' own outputs are known to).
+  hidden_pass_points: tuple[str, ...] = ()
+  masking_reaches: Optional[Callable[[str], bool]] = None

@@ -206,7 +206,8 @@ def parts(config: TrainConfig, toy: Any, target: TargetFns) -> Parts:
                             target.nonlinear_units, lead)
   return Parts(config, toy, target, ci_config,
                ci_fns.make_ci_fn(ci_config, target.sites), terms,
-               engine.step_config(config), lead)
+               engine.step_config(
+                 config, engine.hidden_pass_points(config, target)), lead)
 
 
 def stream_leads(config: TrainConfig, toy: Any,

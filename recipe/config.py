@@ -160,6 +160,10 @@ class TrainConfig:
   nontarget_pgd_coeff: float = 0.0
   nontarget_merged_coeff: float = 0.0
   ci_scaled_decay: float = 0.0
+  ci_roles: tuple[str, ...] = ("output",)
+  hidden_pass_points: tuple[str, ...] = ()
+  hidden_pass_coeff: float = 1.0
+  sequential_passes: bool = False
 
 
 DEFAULTS = TrainConfig()

@@ -46,8 +46,10 @@ def lr_schedule(config: TrainConfig, peak: float
     return Schedule(peak, config.lr_schedule, final, config.lr_warmup_pct)
 
 
-def step_config(config: TrainConfig) -> train_step.StepConfig:
-  """Return the optimizers' settings and the step's static values."""
+def step_config(config: TrainConfig, hidden_points: tuple[str, ...] = ()
+                ) -> train_step.StepConfig:
+  """Return the optimizers' settings and the step's static values;
+  `hidden_points` are the hidden passes' (`hidden_pass_points`)."""
   clip = config.clip_max_norm or None
   optimizer = (optim.MuonConfig if config.components_optimizer == "muon"
                else optim.AdamWConfig)
@@ -64,7 +66,33 @@ def step_config(config: TrainConfig) -> train_step.StepConfig:
     on_nonfinite=config.on_nonfinite,
     streams=streams.specs(config) if streams.is_targeted(config) else (),
     ci_scaled_decay=config.ci_scaled_decay,
+    hidden_points=hidden_points,
+    sequential_passes=config.sequential_passes,
   )
+
+
+def hidden_pass_points(config: TrainConfig, target) -> tuple[str, ...]:
+  """Return what the hidden passes reconstruct: `--hidden_pass_points`, or
+  the target's default (() without a hidden role). Raises ValueError for a
+  point that masking the decomposed sites cannot move: its relative error
+  would be 0 whatever the masks, a pass that trains nothing."""
+  if ci_fns.HIDDEN not in config.ci_roles:
+    return ()
+  if target.masked_forward_taps is None:
+    raise ValueError(f"--target={config.target} returns no masked "
+                     "activations for a hidden pass to reconstruct; use "
+                     "--ci_roles=output")
+  site_outs = tuple(f"{s.name}.out" for s in target.sites)
+  points = (config.hidden_pass_points or target.hidden_pass_points
+            or site_outs)
+  reaches = target.masking_reaches or (lambda point: point in site_outs)
+  for point in points:
+    if not reaches(point):
+      raise ValueError(
+        f"--hidden_pass_points: masking the decomposed sites cannot reach "
+        f"{point!r} (it is computed before, or beside, every one of them); "
+        f"name activations downstream of a site, e.g. {site_outs[-1]!r}")
+  return tuple(points)
 
 
 def compute_dtype(config: TrainConfig) -> str | None:
@@ -87,7 +115,9 @@ def ci_config(
   site's input.
   """
   if config.ci_fn != "transformer":
-    return ci_fns.CIConfig(config.ci_fn, config.ci_hidden)
+    with setting("ci_roles"):
+      return ci_fns.CIConfig(config.ci_fn, config.ci_hidden,
+                             roles=config.ci_roles)
   chunks, widths = (), ()
   if model is not None:
     chunks, widths = glu_target.ci_chunks(model, tuple(sites))
@@ -96,7 +126,8 @@ def ci_config(
     chunks=chunks, tap_widths=widths, d_model=config.ci_d_model,
     n_blocks=config.ci_n_blocks, n_heads=config.ci_n_heads,
     n_kv_heads=config.ci_n_kv_heads, d_mlp=config.ci_d_mlp,
-    attention=config.ci_attention, remat=config.ci_remat))
+    attention=config.ci_attention, remat=config.ci_remat),
+    roles=config.ci_roles)
 
 
 def check_rider_points(config: TrainConfig, target, weights, inputs) -> None:

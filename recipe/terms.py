@@ -9,12 +9,19 @@ for the non-target stream of a targeted decomposition (SPEC §6.6), its
 stream. `TERMS` is in step order: the step folds each term's index into
 its keys, so reordering it changes every run; the non-target terms come
 last, so their keys follow every target term's.
+
+With dual-role CI (`--ci_roles=output,hidden`) every recon and importance
+minimality term a run turns on gets a hidden-role copy, `<name>_hidden`,
+built after all the others (so their keys follow every output-role term's):
+it runs in its stream's hidden pass, a recon copy at the term's coefficient
+times `--hidden_pass_coeff`.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from decompax.core import adversary, schedules
+from decompax.core import adversary, ci_fns, schedules
 from decompax.core import sites as sites_lib
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
@@ -54,6 +61,12 @@ class Term(NamedTuple):
   rider: bool = False
   recon: bool = False
   stream: str = ""
+  minimality: bool = False
+
+  @property
+  def hidden_copy(self) -> bool:
+    """Whether dual-role CI runs the term again in the hidden pass."""
+    return self.recon or self.minimality
 
 
 def parse_groups(text: str) -> tuple[tuple[str, ...], ...]:
@@ -336,7 +349,8 @@ def _locality(config: TrainConfig, inputs: TermInputs, name: str,
 
 TERMS: tuple[Term, ...] = (
   Term("faithfulness", "faith", "faithfulness_coeff", _faithfulness),
-  Term("importance_minimality", "imp", "importance_coeff", _importance),
+  Term("importance_minimality", "imp", "importance_coeff", _importance,
+       minimality=True),
   Term("frequency_minimality", "freq", "frequency_coeff", _frequency),
   Term("stochastic_recon", "recon", "stochastic_coeff",
        _stochastic(_all_sites_plan), rider=True, recon=True),
@@ -359,7 +373,7 @@ TERMS: tuple[Term, ...] = (
        _nontarget_unmasked, stream=NONTARGET),
   Term("nontarget_importance_minimality", "imp",
        "nontarget_importance_coeff", _nontarget_importance,
-       stream=NONTARGET),
+       stream=NONTARGET, minimality=True),
   Term("nontarget_persistent_pgd_recon", "pgd", "nontarget_pgd_coeff",
        _nontarget_persistent, recon=True, stream=NONTARGET),
   Term("nontarget_merged_recon", "merged", "nontarget_merged_coeff",
@@ -375,18 +389,26 @@ def coeff_of(config: TrainConfig, term: Term) -> float:
   return getattr(config, term.coeff_flag)
 
 
+def hidden_name(name: str) -> str:
+  """Return the name of term `name`'s hidden-role copy."""
+  return f"{name}_hidden"
+
+
 def console_losses(metrics: dict, targeted: bool) -> list[str]:
   """Return the console line's `short value` pairs of the terms present in
-  `metrics`, each stream's behind its name in a targeted run."""
+  `metrics`, each stream's behind its name in a targeted run; a hidden-role
+  copy shows as `<short>_h` after the output-role terms."""
   parts = []
   for stream in (TARGET, NONTARGET) if targeted else ("",):
     shown = []
-    for t in TERMS:
-      if (t.stream or (TARGET if targeted else "")) != stream:
-        continue
-      key = train_step.term_metric(t.name, stream)
-      if key in metrics:
-        shown.append(f"{t.short} {metrics[key]:.3e}")
+    for suffix in ("", "_h"):
+      for t in TERMS:
+        if (t.stream or (TARGET if targeted else "")) != stream:
+          continue
+        name = hidden_name(t.name) if suffix else t.name
+        key = train_step.term_metric(name, stream)
+        if key in metrics:
+          shown.append(f"{t.short}{suffix} {metrics[key]:.3e}")
     if shown and stream:
       shown[0] = f"{stream}: {shown[0]}"
     parts.extend(shown)
@@ -397,15 +419,34 @@ def build_terms(
   config: TrainConfig, inputs: TermInputs | dict[str, TermInputs],
 ) -> tuple[train_step.LossTerm, ...]:
   """Return the terms `config` turns on (coefficient above 0), in table
-  order. A targeted run (`inputs` by stream) tags the plain terms with the
-  target stream and the rest with their own."""
-  if not isinstance(inputs, dict):
-    return tuple(t.build(config, inputs, t.name, coeff_of(config, t))
-                 for t in TERMS if coeff_of(config, t) > 0)
+  order, then their hidden-role copies. A targeted run (`inputs` by stream)
+  tags the plain terms with the target stream and the rest with their
+  own."""
+  targeted = isinstance(inputs, dict)
+  on = [t for t in TERMS if coeff_of(config, t) > 0]
   built = []
-  for t in TERMS:
-    if coeff_of(config, t) > 0:
-      stream = t.stream or TARGET
-      term = t.build(config, inputs[stream], t.name, coeff_of(config, t))
-      built.append(term._replace(stream=stream))
+  for t in on:
+    stream = (t.stream or TARGET) if targeted else ""
+    own = inputs[stream] if targeted else inputs
+    built.append(t.build(config, own, t.name, coeff_of(config, t))._replace(
+      stream=stream))
+  if ci_fns.HIDDEN in config.ci_roles:
+    for t in on:
+      if t.hidden_copy:
+        built.append(hidden_copy(config, t, inputs, targeted))
   return tuple(built)
+
+
+def hidden_copy(config: TrainConfig, t: Term,
+                inputs: TermInputs | dict[str, TermInputs],
+                targeted: bool) -> train_step.LossTerm:
+  """Return term `t` rebuilt for its stream's hidden pass: hidden role, no
+  rider (a hidden pass scores hidden activations alone), recon terms at
+  `--hidden_pass_coeff` times their coefficient."""
+  stream = (t.stream or TARGET) if targeted else ""
+  own = inputs[stream] if targeted else inputs
+  coeff = coeff_of(config, t) * (config.hidden_pass_coeff if t.recon else 1.0)
+  riderless = dataclasses.replace(config, hidden_terms=())
+  return t.build(riderless, own, hidden_name(t.name), coeff)._replace(
+    name=hidden_name(t.name), stream=stream, role=ci_fns.HIDDEN,
+    clean_taps=())

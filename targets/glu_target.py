@@ -320,6 +320,47 @@ def start_key(seg: glu_lm.Segments) -> Optional[str]:
   return f"resid.{seg.split}" if seg.split > 0 else None
 
 
+# Within one block, the roles whose masking moves each tap (`parse_tap`'s
+# stream): q, k and v read the block's normed input, the pattern reads q and
+# k, o reads the attention output, the MLP the attention-updated stream.
+_ATTENTION_ROLES = frozenset("qkvo")
+_MOVED_BY = {
+  "q": frozenset(), "k": frozenset(), "v": frozenset(),
+  "q.out": frozenset("q"), "k.out": frozenset("k"), "v.out": frozenset("v"),
+  "attn": frozenset("qk"), "o": frozenset("qkv"), "o.out": _ATTENTION_ROLES,
+  "gate": _ATTENTION_ROLES, "up": _ATTENTION_ROLES,
+  "gate.out": _ATTENTION_ROLES | {"gate"}, "up.out": _ATTENTION_ROLES | {"up"},
+  "down": _ATTENTION_ROLES | {"gate", "up"},
+  "down.out": _ATTENTION_ROLES | {"gate", "up", "down"},
+}
+
+
+def masking_reaches(config: glu_config.GluConfig,
+                    sites: tuple[SiteSpec, ...]):
+  """Return `tap -> bool`: whether masking `sites` can move that tap (a
+  later layer's anything; in the site's own layer, what reads it). Unknown
+  taps raise `parse_tap`'s ValueError."""
+  placed = [glu_lm.parse_site(s.name)[:2] for s in sites]
+
+  def reaches(tap: str) -> bool:
+    stream, layer = glu_lm.parse_tap(tap, config.n_layers)
+    if stream == "resid":
+      return any(l < layer for l, _ in placed)
+    return any(l < layer or (l == layer and role in _MOVED_BY[stream])
+               for l, role in placed)
+
+  return reaches
+
+
+def hidden_pass_points(config: glu_config.GluConfig,
+                       sites: tuple[SiteSpec, ...]) -> tuple[str, ...]:
+  """Return the MLP outputs from the first decomposed layer to the last:
+  what a hidden pass reconstructs by default."""
+  first = min(glu_lm.parse_site(s.name)[0] for s in sites)
+  return tuple(f"{glu_lm.site_name(i, 'down')}.out"
+               for i in range(first, config.n_layers))
+
+
 def target_fns(
   config: glu_config.GluConfig,
   sites: tuple[SiteSpec, ...],
@@ -379,6 +420,8 @@ def target_fns(
     token_labels=token_labels,
     attention_taps=attention_taps(blocks),
     attention_divergence=attention_divergence(config, seg, blocks),
+    hidden_pass_points=hidden_pass_points(config, sites),
+    masking_reaches=masking_reaches(config, sites),
   )
 
 

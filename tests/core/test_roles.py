@@ -1,4 +1,4 @@
-"""Dual-role CI (SPEC §6.6): one trunk, two heads, the passes of a step."""
+"""Dual-role CI (SPEC §6.6, I48): one trunk, two heads, the passes of a step."""
 
 import jax
 import jax.numpy as jnp
