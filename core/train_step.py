@@ -509,21 +509,27 @@ def term_streams(terms: tuple[LossTerm, ...],
   return tuple(out)
 
 
+def role_index(term: LossTerm, roles: tuple[str, ...],
+               hidden_points: tuple[str, ...]) -> int:
+  """Return the index in `roles` of the CI role `term` reads; raise
+  ValueError for a role the CI function does not read out, or a hidden
+  role without hidden points to reconstruct."""
+  if term.role not in roles:
+    raise ValueError(f"loss term {term.name} reads the {term.role!r} CI "
+                     f"role, but the CI function's roles are {roles}")
+  if term.role != OUTPUT and not hidden_points:
+    raise ValueError(f"loss term {term.name} runs in a hidden pass, and "
+                     "the step names no hidden points to reconstruct")
+  return roles.index(term.role)
+
+
 def term_passes(terms: tuple[LossTerm, ...], config: StepConfig,
                 roles: tuple[str, ...]) -> tuple[int, ...]:
   """Return the pass each term scores: `stream · len(roles) + role`, its
-  stream's index and its role's; raise ValueError for a role the CI
-  function does not read out, or a hidden role without hidden points."""
-  out = []
-  for term, k in zip(terms, term_streams(terms, config)):
-    if term.role not in roles:
-      raise ValueError(f"loss term {term.name} reads the {term.role!r} CI "
-                       f"role, but the CI function's roles are {roles}")
-    if term.role != OUTPUT and not config.hidden_points:
-      raise ValueError(f"loss term {term.name} runs in a hidden pass, and "
-                       "the step names no hidden points to reconstruct")
-    out.append(k * len(roles) + roles.index(term.role))
-  return tuple(out)
+  stream's index and its role's (`role_index`)."""
+  return tuple(
+    k * len(roles) + role_index(term, roles, config.hidden_points)
+    for term, k in zip(terms, term_streams(terms, config)))
 
 
 def by_stream(config: StepConfig, value: Any) -> dict[str, Any]:

@@ -2,11 +2,12 @@
 
 For a two-operand task every component alive on the target stream gets its
 CI at the answer position over the full grid of operand values `(a, b)`,
-one `[n_a, n_b]` grid per operator and CI role. The snapshot is
-`report/ab_grid_data.js`, a script assigning one JSON object, so the page
-`report/ab_grid.html` reads it from `file://` with no server (browsers
-refuse `fetch` of local files, not `<script src>`). Both are written
-atomically; each slow eval replaces the snapshot.
+one `[n_a, n_b]` grid per operator and CI role; the page draws a
+dual-role CI's two grids side by side, each labelled by its role. The
+snapshot is `report/ab_grid_data.js`, a script assigning one JSON object,
+so the page `report/ab_grid.html` reads it from `file://` with no server
+(browsers refuse `fetch` of local files, not `<script src>`). Both are
+written atomically; each slow eval replaces the snapshot.
 """
 
 import json
@@ -20,6 +21,9 @@ from decompax.io import run_dir
 
 PAGE = "ab_grid.html"
 DATA = "ab_grid_data.js"
+# The role whose CI ranks the components: the one that decides which are
+# target-alive (`losses.task_eval`).
+RANKING_ROLE = "output"
 
 
 def snapshot(
@@ -28,26 +32,30 @@ def snapshot(
   alive: dict[str, np.ndarray], other_density: dict[str, np.ndarray],
 ) -> dict[str, Any]:
   """Return the page's data: per site the target-alive components, each
-  with its mean target CI, its non-target firing density and per role its
-  CI grid `[n_ops][n_a][n_b]` (rounded to 1e-4), sorted by mean CI.
+  with its mean target CI (the output role's, and per role), its
+  non-target firing density and per role its CI grid `[n_ops][n_a][n_b]`
+  (rounded to 1e-4), sorted by mean CI.
 
   `answer_ci[role][site]` is `[n_prompts, c]` in the grid's order
-  (operator-major, then `a`, then `b`).
+  (operator-major, then `a`, then `b`). The roles come output first,
+  whatever order the dict holds (a jitted result's keys are sorted).
   """
+  roles = sorted(answer_ci, key=lambda role: role != RANKING_ROLE)
   components = []
   for site, mask in alive.items():
     for c in np.flatnonzero(mask):
-      grids = {role: np.round(ci[site][:, c].reshape(grid_shape), 4)
-               for role, ci in answer_ci.items()}
-      first = next(iter(grids.values()))
+      grids = {role: np.round(answer_ci[role][site][:, c].reshape(
+        grid_shape), 4) for role in roles}
+      first = grids[roles[0]]
       components.append({
         "site": site, "component": int(c),
         "mean_ci": float(first.mean()),
+        "role_mean_ci": {role: float(g.mean()) for role, g in grids.items()},
         "nontarget_density": float(other_density[site][c]),
         "grids": {role: g.tolist() for role, g in grids.items()}})
   components.sort(key=lambda item: -item["mean_ci"])
   return {"step": step, "operators": list(operators),
-          "shape": list(grid_shape), "roles": list(answer_ci),
+          "shape": list(grid_shape), "roles": roles,
           "sites": list(alive), "components": components}
 
 

@@ -43,7 +43,8 @@ RECON_ORDER = tuple(f"recon/{v}" for v in (
   "ci_masked", "stochastic", "pgd", "rounded", "unmasked", "random",
   "zero"))
 SITE_COLUMNS = (
-  ("ci_l0", "CI-L0"), ("alive", "alive"),
+  ("ci_l0", "CI-L0"), ("ci_l0_hidden", "CI-L0 (hidden role)"),
+  ("alive", "alive"),
   ("identity_ci_error", "identity CI error"),
   ("dense_ci_error", "dense CI error"),
   ("mmcs", "MMCS"), ("ml2r", "ML2R"),
@@ -57,6 +58,8 @@ CURVES = (
   ("eval_recon.png", "eval/recon/", "eval divergence from clean", True),
   ("eval_ce.png", "eval/ce_diff/", "eval CE − clean CE", False),
   ("ci_l0.png", "eval/ci_l0/", "eval CI-L0", False),
+  ("ci_l0_hidden.png", "eval/ci_l0_hidden/", "eval CI-L0 (hidden role)",
+   False),
   ("ci_error.png", ("eval/identity_ci_error/", "eval/dense_ci_error/"),
    "eval CI error (identity or dense)", False),
   ("eval_mmcs.png", "eval/mmcs/", "eval MMCS", False),

@@ -25,6 +25,15 @@ log-band density counts, hidden-activation errors at `<site>.out` (SPEC
 add each component's top-CI positions and the batch's tokens. Sites feeding
 nonlinear units add each component's soft unit count and participation
 ratio (SPEC §5.10): weight space, so computed once per eval, not per batch.
+
+A dual-role CI function (`CIFn.roles`: output and hidden, SPEC §6.6) has
+the fast tier read out both roles from one trunk: every scalar above is the
+output role's, and the hidden role adds its CI-L0 (`ci_l0_hidden/<site>`)
+and, given `EvalConfig.hidden_points`, the relative error of those
+activations under its CI masks (`recon/hidden_ci_masked`); each hidden-role
+term is scored on the hidden pass, as the train step scores it. The slow
+tier's histograms, densities and contexts stay the output role's: they
+describe the components a forward keeps, which the output masks decide.
 """
 
 import dataclasses
@@ -39,13 +48,14 @@ from jaxtyping import Array, Float, Key
 from decompax.core import masks as masks_lib
 from decompax.core import probe
 from decompax.core import sites as sites_lib
-from decompax.core.ci_fns import CIFn
+from decompax.core.ci_fns import HIDDEN, OUTPUT, CIFn
+from decompax.core.masks import SiteMask
 from decompax.core.sites import Components
 from decompax.core.target import Batch, Expected, TargetFns, Weights
 from decompax.core.train_step import (
   Constrain, LossTerm, StepContext, StreamSpec, TrainState, ci_l0,
-  clean_tap_keys, no_constraint, objective, prepare, prepared_of,
-  with_prepared)
+  clean_tap_keys, no_constraint, objective, prepare, prepare_roles,
+  prepared_of, role_index, with_prepared)
 from decompax.losses import adversarial, evals, hidden, locality, recon
 
 
@@ -68,6 +78,10 @@ class EvalConfig:
   # the KL of its clean attention rows to the CI-masked and stochastic
   # forwards' (`TargetFns.attention_divergence`).
   attention_kl: bool = False
+  # A dual-role CI function's hidden pass reconstructs these activations
+  # (the train step's `StepConfig.hidden_points`); a one-role one reads
+  # none, so they are ignored there.
+  hidden_points: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.pgd_steps < 0:
@@ -164,19 +178,39 @@ def _variant_outputs(
   return {v: out for v, (out, _) in runs.items()}, scalars
 
 
-def _term_values(ctx: StepContext, terms: tuple[LossTerm, ...],
-                 term_states: dict[str, Any], key: Key[Array, ""]
-                 ) -> dict[str, Array]:
+def _term_values(ctxs: tuple[StepContext, ...], terms: tuple[LossTerm, ...],
+                 passes: tuple[int, ...], term_states: dict[str, Any],
+                 key: Key[Array, ""]) -> dict[str, Array]:
+  """Return every term's value and their coefficiented total, term `j`
+  scored on `ctxs[passes[j]]` (its CI role's pass), as the train step's
+  objective scores it."""
   keys = [jax.random.fold_in(key, 1 + j) for j in range(len(terms))]
   inputs = tuple(
     None if t.prepare is None
-    else t.prepare(ctx, k, term_states.get(t.name))[1]
-    for t, k in zip(terms, keys))
-  _, (values, total, _) = objective((prepared_of(ctx),), inputs, (ctx,),
-                                    terms, keys, (0,) * len(terms))
+    else t.prepare(ctxs[i], k, term_states.get(t.name))[1]
+    for t, k, i in zip(terms, keys, passes))
+  _, (values, total, _) = objective(
+    tuple(prepared_of(c) for c in ctxs), inputs, ctxs, terms, keys, passes)
   out = {f"loss/{name}": v for name, v in values.items()}
   out["loss/total"] = total
   return out
+
+
+def _hidden_role_scalars(ctx: StepContext, threshold: float
+                         ) -> dict[str, Array]:
+  """Return the hidden role's `ci_l0_hidden/<site>` and, where `ctx` names
+  hidden points, their relative error under its CI masks
+  (`recon/hidden_ci_masked`): what a hidden pass optimizes, without the
+  stochastic draws."""
+  lower = ctx.ci.lower
+  scalars = {f"ci_l0_{HIDDEN}/{k}": v
+             for k, v in ci_l0(lower, threshold).items()}
+  if ctx.hidden_points:
+    _, taps = ctx.masked_forward_with_taps(
+      {s: SiteMask(ci) for s, ci in lower.items()}, ctx.hidden_points)
+    scalars["recon/hidden_ci_masked"] = hidden.relative_error(
+      taps, ctx.clean_taps, ctx.hidden_points)
+  return scalars
 
 
 def _hidden_act_stats(ctx: StepContext, key: Key[Array, ""],
@@ -285,7 +319,12 @@ def make_eval_step(
   """
   if config.n_batches < 1:
     raise ValueError(f"eval needs at least one batch, got {config.n_batches}")
+  roles = ci_fn.roles
+  hidden_points = config.hidden_points if HIDDEN in roles else ()
+  passes = tuple(role_index(t, roles, hidden_points) for t in terms)
   fast_taps = clean_tap_keys(ci_fn, target, terms)
+  # The hidden pass compares its masked activations with the clean ones.
+  fast_taps = tuple(dict.fromkeys((*fast_taps, *hidden_points)))
   if config.attention_kl:
     _check_attention(target)
     fast_taps = tuple(dict.fromkeys((*fast_taps, *target.attention_taps)))
@@ -294,17 +333,23 @@ def make_eval_step(
     slow_taps += _site_out_keys(target)
   slow_taps = tuple(dict.fromkeys(slow_taps))
 
-  def context(state, weights, inputs, wanted) -> StepContext:
+  def contexts(state, weights, inputs, wanted, every_role
+               ) -> tuple[StepContext, ...]:
+    """Return one context per CI role (`every_role`), or the output
+    role's alone; a hidden role's is a hidden pass."""
     clean_out, taps = constrain("activations", jax.lax.stop_gradient(
       target.clean_forward(weights, inputs, wanted)))
     # The same V/U and CI as the train step computes with (N4).
-    prepared = prepare(state.components, state.ci_params, taps, ci_fn,
-                       config.compute_dtype, constrain)
-    return with_prepared(
+    args = (state.components, state.ci_params, taps, ci_fn,
+            config.compute_dtype, constrain)
+    prepared = prepare_roles(*args) if every_role else (prepare(*args),)
+    return tuple(with_prepared(
       StepContext(state.step, config.total_steps, target, weights, inputs,
-                  clean_out, *prepared[:2], clean_taps=taps,
+                  clean_out, *own[:2], clean_taps=taps,
                   constrain=constrain, delta_pin=stream.delta_pin,
-                  loss_positions=stream.loss_positions), prepared)
+                  loss_positions=stream.loss_positions,
+                  hidden_points=() if role == OUTPUT else hidden_points),
+      own) for role, own in zip(roles, prepared))
 
   def fast_batch(state: TrainState, weights: Weights, key: Key[Array, ""],
                  inputs: Batch | None):
@@ -314,10 +359,13 @@ def make_eval_step(
       inputs = sample_inputs(data_key)
     else:
       inputs = constrain("inputs", inputs)
-    ctx = context(state, weights, inputs, fast_taps)
+    ctxs = contexts(state, weights, inputs, fast_taps, True)
+    ctx = ctxs[0]
     lower = ctx.ci.lower
     scalars = {f"ci_l0/{k}": v
                for k, v in ci_l0(lower, config.ci_alive_threshold).items()}
+    for own in ctxs[1:]:
+      scalars.update(_hidden_role_scalars(own, config.ci_alive_threshold))
     outputs, attention = _variant_outputs(ctx, mask_key, config)
     scalars.update(attention)
     for variant, out in outputs.items():
@@ -329,7 +377,8 @@ def make_eval_step(
     if target.token_labels is not None:
       scalars.update(evals.ce_metrics(
         outputs, ctx.clean_output, target.token_labels(inputs)))
-    scalars.update(_term_values(ctx, terms, state.term_states, term_key))
+    scalars.update(_term_values(ctxs, terms, passes, state.term_states,
+                                term_key))
     lead = tuple(target.batch_lead_shape(inputs))
     stats = {f"fired/{s.name}": evals.firing_counts(
       lower[s.name], config.ci_alive_threshold) for s in target.sites}
@@ -357,7 +406,7 @@ def make_eval_step(
            batches: Batch) -> dict[str, Array]:
     def one(args):
       i, inputs = args
-      ctx = context(state, weights, inputs, slow_taps)
+      ctx = contexts(state, weights, inputs, slow_taps, False)[0]
       hidden_key = jax.random.fold_in(jax.random.fold_in(key, i), 3)
       return _slow_stats(ctx, hidden_key, config)
 
@@ -383,7 +432,9 @@ class EvalSummary(NamedTuple):
   """Host reduction of an `EvalOutput`.
 
   `scalars` are the `eval/`-less metric names with float values: means over
-  batches (`attn_kl/{ci_masked,stochastic}/{layers.<b>,all}` among them
+  batches (a dual-role CI's `ci_l0_hidden/<site>` and
+  `recon/hidden_ci_masked` reduce as `ci_l0/<site>` and the `recon/`
+  variants do; `attn_kl/{ci_masked,stochastic}/{layers.<b>,all}` among them
   when the attention-pattern recon is on), `alive/<site>` (components
   firing anywhere in the eval set),
   toys' probe CI error against each site's expected pattern

@@ -12,7 +12,9 @@ target-alive components ablated (mask 0, every other component and the
 delta path at 1: the model minus those rank-1 pieces); on the non-target
 batch it reports the clean and ablated next-token cross entropy. It also
 returns every component's CI at the answer position of every prompt, the
-data of the A/B grid.
+data of the A/B grid, for every CI role: a dual-role CI function's hidden
+role adds its answer CI-L0 (`task/answer_l0_hidden/<site>`), while the
+alive set, the masks and the ablation stay the output role's.
 """
 
 from collections.abc import Callable
@@ -23,24 +25,24 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from decompax.core import masks as masks_lib
-from decompax.core.ci_fns import CIFn
+from decompax.core.ci_fns import OUTPUT, CIFn
 from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns, Weights
 from decompax.core.sites import Components
-from decompax.core.train_step import prepare
+from decompax.core.train_step import prepare, prepare_roles
 from decompax.losses import evals
 
 
 class TaskOutput(NamedTuple):
   """`scalars` by name (`task/…`); `alive` per site the target-alive
-  components; `answer_ci` per site the lower CI at each prompt's (first)
-  answer position, `[n_prompts, c]`; `other_density` per site each
-  component's firing density (CI above the threshold) on the non-target
-  batch."""
+  components; `answer_ci` per CI role (`CIFn.roles`), per site, the lower
+  CI at each prompt's (first) answer position, `[n_prompts, c]`;
+  `other_density` per site each component's firing density (CI above the
+  threshold) on the non-target batch."""
 
   scalars: dict[str, Float[Array, ""]]
   alive: dict[str, Bool[Array, " c"]]
-  answer_ci: dict[str, Float[Array, "n c"]]
+  answer_ci: dict[str, dict[str, Float[Array, "n c"]]]
   other_density: dict[str, Float[Array, " c"]]
 
 
@@ -61,6 +63,12 @@ def accuracy(logits: Float[Array, "*l v"],
   return jnp.sum(hit) / jnp.maximum(jnp.sum(valid), 1)
 
 
+def _operands(prepared: tuple) -> Components:
+  """Return the V/U a masked forward computes with: the compute-dtype copy
+  when `prepare` made one (N4), else the masters."""
+  return prepared[2] if len(prepared) == 3 else prepared[0]
+
+
 def make_task_eval(
   target: TargetFns, ci_fn: CIFn, positions: tuple[int, ...],
   threshold: float, compute_dtype: str | None = None,
@@ -73,16 +81,16 @@ def make_task_eval(
     raise ValueError("task metrics score next-token answers; this target "
                      "has no token labels")
 
-  def lower_ci(components, ci_params, taps):
-    # V/U and CI as the train step computes them (N4).
-    prepared = prepare(components, ci_params, taps, ci_fn, compute_dtype)
-    return prepared[-1] if compute_dtype else prepared[0], prepared[1].lower
-
   def task(components: Components, ci_params: Any, weights: Weights,
            prompts: Int[Array, "n t"], other: Int[Array, "b s"]
            ) -> TaskOutput:
     clean, taps = target.clean_forward(weights, prompts, ci_fn.input_taps)
-    comps, lower = lower_ci(components, ci_params, taps)
+    # Every role's CI as the train step computes it, the trunk run once.
+    by_role = dict(zip(ci_fn.roles, prepare_roles(
+      components, ci_params, taps, ci_fn, compute_dtype)))
+    comps = _operands(by_role[OUTPUT])
+    role_lower = {r: own[1].lower for r, own in by_role.items()}
+    lower = role_lower[OUTPUT]
     picked = jnp.asarray(positions)
     alive = {s: jnp.any(ci[:, picked] > threshold, axis=(0, 1))
              for s, ci in lower.items()}
@@ -105,10 +113,12 @@ def make_task_eval(
     other_labels = target.token_labels(other)
     other_clean, other_taps = target.clean_forward(weights, other,
                                                    ci_fn.input_taps)
+    other_lower = prepare(components, ci_params, other_taps, ci_fn,
+                          compute_dtype)[1].lower
     density = {
       s: jnp.mean((ci > threshold).reshape(-1, ci.shape[-1]), axis=0,
                   dtype=jnp.float32)
-      for s, ci in lower_ci(components, ci_params, other_taps)[1].items()}
+      for s, ci in other_lower.items()}
     other_ablated = target.masked_forward(
       weights, comps, other,
       masks_lib.component_site_masks(
@@ -119,10 +129,14 @@ def make_task_eval(
       other_ablated, other_labels)
     for s, mask in alive.items():
       scalars[f"task/alive/{s}"] = jnp.sum(mask, dtype=jnp.int32)
-      # Components active where the answer is computed, per prompt.
-      scalars[f"task/answer_l0/{s}"] = jnp.mean(jnp.sum(
-        lower[s][:, picked] > threshold, axis=-1, dtype=jnp.float32))
-    answer_ci = {s: ci[:, positions[0]] for s, ci in lower.items()}
+    for role, own in role_lower.items():
+      name = "answer_l0" if role == OUTPUT else f"answer_l0_{role}"
+      for s, ci in own.items():
+        # Components active where the answer is computed, per prompt.
+        scalars[f"task/{name}/{s}"] = jnp.mean(jnp.sum(
+          ci[:, picked] > threshold, axis=-1, dtype=jnp.float32))
+    answer_ci = {role: {s: ci[:, positions[0]] for s, ci in own.items()}
+                 for role, own in role_lower.items()}
     return TaskOutput(scalars, alive, answer_ci, density)
 
   return jax.jit(task)

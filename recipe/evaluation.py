@@ -29,7 +29,7 @@ from decompax.core.train_step import (
 from decompax.io import ab_grid, figures, report, run_dir
 from decompax.losses import eval_step, evals, task_eval
 from decompax.placement import transfer
-from decompax.recipe import render_process, streams
+from decompax.recipe import engine, render_process, streams
 from decompax.recipe.config import held_out_seed
 
 # Components drawn per site in the U/V figure (alive ones first).
@@ -305,8 +305,12 @@ def _eval_line(done: int, scalars: dict[str, float], sites, seconds: float,
     if f"attn_kl/{variant}/all" in scalars:
       parts.append(f"attn_kl/{variant} "
                    f"{scalars[f'attn_kl/{variant}/all']:.3e}")
+  if "recon/hidden_ci_masked" in scalars:
+    parts.append(f"hidden_ci_masked {scalars['recon/hidden_ci_masked']:.3e}")
   # A site's CI error is against its expected pattern, identity or dense.
-  for label, names in (("ci_l0", ("ci_l0",)), ("alive", ("alive",)),
+  for label, names in (("ci_l0", ("ci_l0",)),
+                       ("ci_l0_hidden", ("ci_l0_hidden",)),
+                       ("alive", ("alive",)),
                        ("ci_error", ("identity_ci_error", "dense_ci_error")),
                        ("mmcs", ("mmcs",)), ("ml2r", ("ml2r",))):
     values = _site_values(scalars, names, sites)
@@ -402,7 +406,8 @@ def make_evaluator(
     with_delta=config.use_delta_component,
     n_mask_samples=config.n_mask_samples,
     pgd_steps=config.eval_pgd_steps, pgd_lr=config.eval_pgd_lr,
-    compute_dtype=compute_dtype, attention_kl=config.eval_attention_kl)
+    compute_dtype=compute_dtype, attention_kl=config.eval_attention_kl,
+    hidden_points=engine.hidden_pass_points(config, target))
   fns = eval_step.make_eval_step(
     target, ci_fn, terms, eval_config,
     sample_inputs if eval_batches is None else None, constrain, stream)
@@ -486,7 +491,7 @@ def make_task_evaluator(
         ab_grid.write(os.path.join(output_dir, report.REPORT_DIR),
                       ab_grid.snapshot(
                         done, task.grid.operators, task.grid.shape,
-                        {"output": out.answer_ci}, out.alive,
+                        out.answer_ci, out.alive,
                         out.other_density))
     return {f"eval/{k}": v for k, v in scalars.items()}
 
@@ -499,6 +504,9 @@ def _task_line(done: int, scalars: dict[str, float], sites) -> str:
                     for v in ("clean", "ci_masked", "ablated"))
   alive = "/".join(str(int(scalars[f"task/alive/{s.name}"])) for s in sites)
   l0 = "/".join(f"{scalars[f'task/answer_l0/{s.name}']:.2f}" for s in sites)
+  hidden_l0 = [f"task/answer_l0_hidden/{s.name}" for s in sites]
+  if all(k in scalars for k in hidden_l0):
+    l0 += " (hidden " + "/".join(f"{scalars[k]:.2f}" for k in hidden_l0) + ")"
   return (f"[eval task] step {done}  answer L0 {l0}  "
           f"answer acc clean/ci/ablated "
           f"{three('task/answer_accuracy')}  answer CE "

@@ -11,14 +11,14 @@ import numpy as np
 import jax
 import pytest
 
-from decompax.bin import train
+from decompax.bin import placement_setup, train
 from decompax.io import checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STREAMS = ("--target_task=addsub", "--nontarget_task=copy",
            "--nontarget_recon_coeff=1", "--faithfulness_coeff=0")
 # The induction toy's vocabulary holds the arithmetic task's ids, so the
-# plumbing runs on a model trained in seconds.
+# plumbing runs on a model trained in seconds. Dual-role CI: four passes.
 TPD = ("--target=induction",
        "--sites=layers.1.mlp.gate_proj,layers.1.mlp.up_proj,"
        "layers.1.mlp.down_proj",
@@ -29,7 +29,7 @@ TPD = ("--target=induction",
        "--use_delta_component=true", "--target_batch_size=8",
        "--nontarget_batch_size=4", "--nontarget_unmasked_coeff=0.1",
        "--nontarget_importance_coeff=1e-4", "--nontarget_merged_coeff=0.5",
-       "--ci_scaled_decay=0.1", *STREAMS)
+       "--ci_scaled_decay=0.1", "--ci_roles=output,hidden", *STREAMS)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -61,6 +61,11 @@ TPD = ("--target=induction",
     "--target_loss_positions=all"), "must be other data"),
   (("--target=induction", "--target_task=copy", "--nontarget_task=addsub",
     *STREAMS[2:]), "has no answer positions"),
+  (("--target=induction", *STREAMS, "--ci_roles=hidden"),
+   "'output' or 'output,hidden'"),
+  (("--target=induction", *STREAMS,
+    "--hidden_pass_points=layers.1.mlp.down_proj.out"),
+   "add --ci_roles=output,hidden"),
 ])
 def test_bad_targeted_settings_are_refused_by_the_flags(parse, args,
                                                         message):
@@ -73,6 +78,17 @@ def test_a_toy_without_token_inputs_is_refused_before_writing(parse,
   out = tmp_path / "run"
   config = parse("--target=tms_5-2", *STREAMS, f"--output_dir={out}")
   with pytest.raises(ValueError, match="takes no token ids"):
+    train.setup(config)
+  assert not out.exists()
+
+
+def test_a_hidden_point_masking_cannot_reach_is_refused_before_writing(
+    parse, finished_run, tmp_path):
+  out = tmp_path / "run"
+  target_path = os.path.join(finished_run("induction"), "target.npz")
+  config = parse(*TPD, f"--target_path={target_path}", f"--output_dir={out}",
+                 "--hidden_pass_points=layers.0.mlp.down_proj.out")
+  with pytest.raises(ValueError, match="cannot reach 'layers.0.mlp.down"):
     train.setup(config)
   assert not out.exists()
 
@@ -109,11 +125,17 @@ def test_a_targeted_run_logs_every_stream_under_its_name(straight):
               "nontarget/loss/importance_minimality",
               "nontarget/loss/merged_recon",
               "target/ci_l0/layers.1.mlp.up_proj",
-              "nontarget/ci_l0/layers.1.mlp.up_proj"):
+              "nontarget/ci_l0/layers.1.mlp.up_proj",
+              # The hidden passes: each stream's terms on the hidden role.
+              "target/loss/stochastic_recon_hidden",
+              "nontarget/loss/merged_recon_hidden",
+              "nontarget/ci_l0_hidden/layers.1.mlp.up_proj"):
     assert key in last, key
   evals = [r for r in _records(out) if "eval/target/recon/ci_masked" in r]
   assert evals and "eval/nontarget/recon/ci_masked" in evals[-1]
   assert "eval/task/answer_accuracy/ablated" in evals[-1]
+  assert "eval/nontarget/ci_l0_hidden/layers.1.mlp.up_proj" in evals[-1]
+  assert "eval/target/loss/stochastic_recon_hidden" in evals[-1]
   assert "target: " in stdout and "nontarget: " in stdout
   assert "[eval nontarget]" in stdout and "[eval task]" in stdout
   report = (out / "report" / "index.html").read_text()
@@ -170,6 +192,20 @@ def test_a_token_file_stream_feeds_the_step_beside_a_task(
   assert np.isfinite(float(metrics["nontarget/loss/recon"]))
 
 
+def _one_device_placement():
+  """Return bin/train's default placement on one device, as the run's
+  subprocess had: its step compiles to the same program (a step without
+  the placement's sharding constraints may fuse, and round, differently)."""
+  from decompax.placement import mesh as mesh_lib  # noqa: PLC0415
+  from decompax.placement import shardings  # noqa: PLC0415
+  config = placement_setup.PlacementConfig()
+  mesh = placement_setup.build_mesh(
+    mesh_lib.mesh_shape(1, config.replicate, config.fsdp, config.tp),
+    jax.devices()[:1])
+  return shardings.Placement(mesh, config.table,
+                             placement_setup.compiler_options(config.compiler))
+
+
 def test_a_targeted_run_restored_at_step_2_steps_to_its_saved_step_4(
     parse, straight, tmp_path):
   """The fast variant of the resume test: the straight run's step-2
@@ -185,7 +221,7 @@ def test_a_targeted_run_restored_at_step_2_steps_to_its_saved_step_4(
                   early / checkpoint.step_name(2))
   config = parse(*TPD, f"--target_path={target_path}",
                  f"--output_dir={tmp_path / 'run'}")
-  prepared = train.setup(config)
+  prepared = train.setup(config, _one_device_placement())
   run = assembly.start(prepared.plan, prepared.weights)
   parts = prepared.plan.parts
   args = (parts.target.sites, parts.ci_config, parts.term_names)
@@ -200,7 +236,9 @@ def test_a_targeted_run_restored_at_step_2_steps_to_its_saved_step_4(
                   saved_dir / checkpoint.step_name(4))
   _, saved = resume.restore_state(str(saved_dir), run.state, *args,
                                   report=lambda line: None)
-  assert set(saved.term_states) == {"nontarget_merged_recon"}
+  # Each pass's adversary keeps its own sources.
+  assert set(saved.term_states) == {"nontarget_merged_recon",
+                                    "nontarget_merged_recon_hidden"}
   for got, want in zip(jax.tree.leaves(jax.device_get(state)),
                        jax.tree.leaves(jax.device_get(saved))):
     if hasattr(got, "dtype") and jax.dtypes.issubdtype(

@@ -145,3 +145,16 @@ def test_report_shows_pattern_errors_and_the_feature_match(tmp_path):
   shown = {os.path.basename(r) for r in referenced_files(page)}
   assert {"ci_error.png", "eval_mmcs.png", "eval_ml2r.png",
           "eval_nonlinearity.png"} <= shown
+
+
+def test_the_site_table_shows_the_hidden_roles_ci_l0_when_present():
+  def headline(record):
+    page = report.render_html("run", "", [("Eval", {"step": 3, **record})],
+                              (), (), None, "now")
+    return page.split("<details>")[0]
+
+  one_role = {"recon/ci_masked": 0.1, "ci_l0/a": 1.5, "alive/a": 4.0}
+  assert "hidden role" not in headline(one_role)
+  dual = headline({**one_role, "ci_l0_hidden/a": 2.5})
+  assert "<th>CI-L0</th><th>CI-L0 (hidden role)</th>" in dual
+  assert "<td>1.5</td><td>2.5</td><td>4</td>" in dual

@@ -43,11 +43,15 @@ def test_alive_components_are_those_firing_at_an_answer_position(scored):
   for site, ci_site in lower.items():
     want = np.asarray(ci_site[:, 2] > 0.5).any(axis=0)
     np.testing.assert_array_equal(out.alive[site], want)
-    np.testing.assert_allclose(out.answer_ci[site], ci_site[:, 2], rtol=1e-5)
+    np.testing.assert_allclose(out.answer_ci["output"][site], ci_site[:, 2],
+                               rtol=1e-5)
     assert int(out.scalars[f"task/alive/{site}"]) == want.sum()
     np.testing.assert_allclose(
       out.scalars[f"task/answer_l0/{site}"],
       np.mean(np.sum(np.asarray(ci_site[:, 2]) > 0.5, axis=-1)))
+  # One role: no other role's CI or scalars.
+  assert list(out.answer_ci) == ["output"]
+  assert not any("hidden" in k for k in out.scalars)
   # The thresholds leave both alive and silent components, so the
   # ablation removes some pieces and keeps others.
   every = np.concatenate([np.asarray(a) for a in out.alive.values()])
@@ -71,3 +75,37 @@ def test_the_ablated_model_lacks_exactly_the_target_alive_pieces(scored):
     evals.cross_entropy(other_clean, target.token_labels(other)), rtol=1e-6)
   assert (out.scalars["task/nontarget_ce/ablated"]
           != out.scalars["task/nontarget_ce/clean"])
+
+
+def test_a_dual_role_ci_reports_both_roles_answer_ci(scored):
+  """Both roles' answer CI and answer CI-L0; alive, masks and ablation stay
+  the output role's, so they match the one-role CI of the same trunk and
+  output head."""
+  target, weights, _, state, prompts, other, one_role = scored
+  dual = ci_fns.make_ci_fn(ci_fns.CIConfig(
+    "vector_mlp", (4,), roles=("output", "hidden")), target.sites)
+  params = ci_fns.RoleHeads(state.ci_params, dual.init(
+    jax.random.key(1)).hidden_head)
+  out = task_eval.make_task_eval(target, dual, (2,), 0.5)(
+    state.components, params, weights, prompts, other)
+  _, taps = target.clean_forward(weights, prompts, dual.input_taps)
+  lower = {role: squash.squash(pre).lower for role, pre in
+           dual.apply_roles(params, taps, state.components).items()}
+  assert set(out.answer_ci) == {"output", "hidden"}
+  for role, name in (("output", "answer_l0"), ("hidden", "answer_l0_hidden")):
+    for site, ci_site in lower[role].items():
+      np.testing.assert_allclose(out.answer_ci[role][site], ci_site[:, 2],
+                                 rtol=1e-5)
+      np.testing.assert_allclose(
+        out.scalars[f"task/{name}/{site}"],
+        np.mean(np.sum(np.asarray(ci_site[:, 2]) > 0.5, axis=-1)))
+  # The hidden head is its own readout, not a copy of the output one.
+  assert not np.allclose(out.answer_ci["hidden"]["mix"],
+                         out.answer_ci["output"]["mix"])
+  for site in one_role.alive:
+    np.testing.assert_array_equal(out.alive[site], one_role.alive[site])
+  for key, value in one_role.scalars.items():
+    np.testing.assert_allclose(out.scalars[key], value, rtol=1e-5,
+                               err_msg=key)
+  assert set(out.scalars) - set(one_role.scalars) == {
+    f"task/answer_l0_hidden/{s.name}" for s in target.sites}

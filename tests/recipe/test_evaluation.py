@@ -17,7 +17,7 @@ from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core.schedules import Schedule
 from decompax.core.target import Expected
 from decompax.io import run_dir
-from decompax.losses import recon, terms
+from decompax.losses import eval_step, recon, terms
 from decompax.targets import tms
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -271,3 +271,44 @@ def test_eval_line_shows_each_sites_pattern_error_and_match():
   line = evaluation._eval_line(7, scalars, sites, 0.5, False)
   assert "ci_error 0/3" in line and "mmcs 0.99/-" in line
   assert "ml2r 1.01/-" in line and "alive" not in line
+
+
+def test_eval_and_task_lines_show_the_hidden_role_only_when_present():
+  sites = tuple(sites_lib.SiteSpec(n, n, 0, 2, 2, 3) for n in ("a", "b"))
+  scalars = {"ci_l0/a": 1.0, "ci_l0/b": 2.0}
+  assert "hidden" not in evaluation._eval_line(7, scalars, sites, 0.5, False)
+  line = evaluation._eval_line(7, {
+    **scalars, "ci_l0_hidden/a": 3.0, "ci_l0_hidden/b": 4.0,
+    "recon/hidden_ci_masked": 0.25}, sites, 0.5, False)
+  assert "ci_l0_hidden 3/4" in line and "hidden_ci_masked 2.500e-01" in line
+  task = {f"task/{m}/{v}": 1.0 for m in ("answer_accuracy", "answer_ce")
+          for v in ("clean", "ci_masked", "ablated")}
+  task.update({"task/nontarget_ce/clean": 1.0,
+               "task/nontarget_ce/ablated": 2.0})
+  for s in ("a", "b"):
+    task.update({f"task/alive/{s}": 2, f"task/answer_l0/{s}": 1.0})
+  assert "hidden" not in evaluation._task_line(3, task, sites)
+  for s, v in (("a", 0.5), ("b", 1.5)):
+    task[f"task/answer_l0_hidden/{s}"] = v
+  assert ("answer L0 1.00/1.00 (hidden 0.50/1.50)"
+          in evaluation._task_line(3, task, sites))
+
+
+@pytest.mark.parametrize("roles", [("output",), ("output", "hidden")])
+def test_the_evaluator_reconstructs_the_runs_hidden_pass_points(
+    chain, monkeypatch, tmp_path, roles):
+  """The eval's hidden passes reconstruct what the train step's do (none
+  with one-role CI)."""
+  target, weights = chain
+  built = []
+
+  def make_eval_step(*args):
+    built.append(args[3])
+    return eval_step.EvalFns(None, None)
+
+  monkeypatch.setattr(eval_step, "make_eval_step", make_eval_step)
+  config = TrainConfig(ci_roles=roles, eval_every=1)
+  evaluation.make_evaluator(config, target, None, (), lambda key: None,
+                            weights, str(tmp_path), render=False)
+  want = tuple(f"{s.name}.out" for s in target.sites) if len(roles) > 1 else ()
+  assert built[0].hidden_points == want

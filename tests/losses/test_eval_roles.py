@@ -1,0 +1,149 @@
+"""The fast eval of a dual-role CI function (losses/eval_step.py, SPEC §6.6).
+
+On the tiny three-site chain: a dual-role eval adds the hidden role's CI-L0,
+its CI-masked hidden recon and its terms' values, each the number a direct
+hidden-pass computation gives; its output-role scalars are those of the
+one-role function sharing its trunk and output head, whose eval keeps its
+key set.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decompax.core import ci_fns, optim, sites as sites_lib
+from decompax.core import train_step
+from decompax.core.masks import VARIANTS, SiteMask
+from decompax.core.schedules import Schedule
+from decompax.losses import eval_step, hidden, recon, terms
+
+BATCH = 8
+POINTS = ("l1.out",)
+VECTOR = ci_fns.CIConfig("vector_mlp", (4,))
+
+
+def _output_terms(sites):
+  return (
+    terms.importance_minimality_term(1e-3, 1.0),
+    terms.stochastic_recon_term("stochastic_recon", 1.0,
+                                recon.all_sites_plan(sites), False),
+  )
+
+
+def _hidden_copies(output_terms):
+  return tuple(t._replace(name=f"{t.name}_hidden", role=ci_fns.HIDDEN)
+               for t in output_terms)
+
+
+def _fast(target, weights, ci_fn, loss_terms, ci_params, hidden_points=()):
+  """Return the fast tier's per-batch output and batches."""
+  components = sites_lib.init_components(jax.random.key(1), target.sites)
+  adam = optim.AdamWConfig(Schedule(1e-3))
+  state = train_step.make_init(loss_terms, train_step.StepConfig(
+    10, adam, adam, hidden_points=hidden_points))(
+      components, ci_params, jax.random.key(0), (BATCH,))
+
+  def sample(key):
+    return jax.random.normal(key, (BATCH, 4))
+
+  config = eval_step.EvalConfig(n_batches=2, total_steps=10, pgd_steps=0,
+                                hidden_points=hidden_points)
+  fns = eval_step.make_eval_step(target, ci_fn, loss_terms, config, sample)
+  output, batches = fns.fast(state, weights, jax.random.key(5))
+  return state, jax.device_get(output), np.asarray(batches)
+
+
+@pytest.fixture(scope="module")
+def evals(chain):
+  target, weights = chain
+  dual = ci_fns.make_ci_fn(ci_fns.CIConfig(
+    "vector_mlp", (4,), roles=ci_fns.ROLES), target.sites)
+  output_terms = _output_terms(target.sites)
+  dual_terms = output_terms + _hidden_copies(output_terms)
+  state, dual_out, batches = _fast(target, weights, dual, dual_terms,
+                                   dual.init(jax.random.key(2)), POINTS)
+  one = ci_fns.make_ci_fn(VECTOR, target.sites)
+  _, one_out, _ = _fast(target, weights, one, output_terms,
+                        state.ci_params.shared)
+  return target, weights, dual, dual_terms, state, dual_out, batches, one_out
+
+
+def test_a_one_role_eval_keeps_its_key_set(chain, evals):
+  target = chain[0]
+  one_out = evals[-1]
+  assert set(one_out.scalars) == {
+    *(f"ci_l0/{s.name}" for s in target.sites),
+    *(f"recon/{v}" for v in VARIANTS),
+    "loss/importance_minimality", "loss/stochastic_recon", "loss/total"}
+
+
+def test_the_dual_role_eval_adds_the_hidden_role_to_the_output_one(evals):
+  target, *_, dual_out, _, one_out = evals
+  added = set(dual_out.scalars) - set(one_out.scalars)
+  assert added == {
+    *(f"ci_l0_hidden/{s.name}" for s in target.sites),
+    "recon/hidden_ci_masked", "loss/importance_minimality_hidden",
+    "loss/stochastic_recon_hidden"}
+  assert set(one_out.scalars) <= set(dual_out.scalars)
+  # The output role is the one-role function: same trunk, same head, same
+  # keys, so the same numbers; only the total also counts the hidden terms.
+  for key, value in one_out.scalars.items():
+    if key != "loss/total":
+      np.testing.assert_allclose(dual_out.scalars[key], value, rtol=1e-5,
+                                 err_msg=key)
+  summary = eval_step.summarize(dual_out)
+  for site in target.sites:
+    np.testing.assert_allclose(
+      summary.scalars[f"ci_l0_hidden/{site.name}"],
+      np.mean(dual_out.scalars[f"ci_l0_hidden/{site.name}"]))
+
+
+def test_hidden_scalars_are_those_of_a_direct_hidden_pass(evals):
+  """Batch 0's hidden scalars against the hidden role's CI and a context
+  built here: the hidden terms score the relative error at the hidden
+  points, not the output."""
+  target, weights, dual, dual_terms, state, dual_out, batches, _ = evals
+  inputs = jnp.asarray(batches[0])
+  wanted = (*train_step.clean_tap_keys(dual, target, dual_terms), *POINTS)
+  clean, taps = target.clean_forward(weights, inputs, wanted)
+  own = train_step.prepare_roles(state.components, state.ci_params, taps,
+                                 dual, None)[1]
+  ctx = train_step.with_prepared(train_step.StepContext(
+    state.step, 10, target, weights, inputs, clean, *own[:2],
+    clean_taps=taps, hidden_points=POINTS), own)
+  lower = ctx.ci.lower
+  for site, l0 in train_step.ci_l0(lower, 0.1).items():
+    np.testing.assert_allclose(dual_out.scalars[f"ci_l0_hidden/{site}"][0],
+                               l0, rtol=1e-6)
+  _, masked = ctx.masked_forward_with_taps(
+    {s: SiteMask(ci) for s, ci in lower.items()}, POINTS)
+  np.testing.assert_allclose(
+    dual_out.scalars["recon/hidden_ci_masked"][0],
+    hidden.relative_error(masked, taps, POINTS), rtol=1e-5)
+  # Batch 0's term key, as the fast tier derives it.
+  term_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), 0), 2)
+  for j, term in enumerate(dual_terms):
+    if term.role != ci_fns.HIDDEN:
+      continue
+    value, _ = term.fn(ctx, jax.random.fold_in(term_key, 1 + j), None)
+    np.testing.assert_allclose(dual_out.scalars[f"loss/{term.name}"][0],
+                               value, rtol=1e-5, err_msg=term.name)
+  assert not np.allclose(dual_out.scalars["loss/stochastic_recon_hidden"],
+                         dual_out.scalars["loss/stochastic_recon"])
+
+
+def test_hidden_terms_need_a_hidden_role_and_hidden_points(chain):
+  target = chain[0]
+  hidden_terms = _hidden_copies(_output_terms(target.sites))
+  config = eval_step.EvalConfig(n_batches=1, total_steps=10,
+                                hidden_points=POINTS)
+  one = ci_fns.make_ci_fn(VECTOR, target.sites)
+  with pytest.raises(ValueError, match="CI function's roles"):
+    eval_step.make_eval_step(target, one, hidden_terms, config, None)
+  dual = ci_fns.make_ci_fn(ci_fns.CIConfig(
+    "vector_mlp", (4,), roles=ci_fns.ROLES), target.sites)
+  with pytest.raises(ValueError, match="no hidden points"):
+    eval_step.make_eval_step(
+      target, dual, hidden_terms,
+      eval_step.EvalConfig(n_batches=1, total_steps=10), None)
