@@ -18,7 +18,9 @@ TPD = ("--target=induction", "--c=8", "--ci_fn=vector_mlp", "--ci_hidden=4",
        "--target_batch_size=8", "--nontarget_batch_size=4",
        "--nontarget_recon_coeff=1", "--nontarget_unmasked_coeff=0.1",
        "--nontarget_importance_coeff=1e-4", "--nontarget_merged_coeff=0.5",
-       "--merged_routing=all", "--pgd_scope=bsc", "--ci_scaled_decay=0.1")
+       "--merged_routing=all", "--pgd_scope=bsc", "--ci_scaled_decay=0.1",
+       # Dual-role CI, its four passes scored one at a time.
+       "--ci_roles=output,hidden", "--sequential_passes")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,7 @@ def test_a_targeted_trajectory_is_invariant(helpers, targeted, mesh, preset):
   p, reference = targeted
   placed = helpers.trajectory(p, mesh, preset, n_steps=3)
   assert "nontarget/loss/merged_recon" in reference.metrics[-1]
+  assert "nontarget/loss/merged_recon_hidden" in reference.metrics[-1]
   helpers.assert_same_trajectory(reference.metrics, placed.metrics)
   # The non-target adversary's per-position sources follow its own batch.
   sources = placed.state.term_states["nontarget_merged_recon"].sources
