@@ -54,10 +54,14 @@ def test_trunk_gradient_is_the_sum_of_both_roles(kind):
     pre = dual.apply_roles(p, taps, comps)[role]
     return sum(jnp.sum(jnp.tanh(pre[s]) * weights[s]) for s in pre)
 
-  g_out = jax.grad(role_loss)(params, ci_fns.OUTPUT)
-  g_hid = jax.grad(role_loss)(params, ci_fns.HIDDEN)
-  g_sum = jax.grad(lambda p: role_loss(p, ci_fns.OUTPUT)
-                   + role_loss(p, ci_fns.HIDDEN))(params)
+  @jax.jit
+  def grads(p):
+    return (jax.grad(role_loss)(p, ci_fns.OUTPUT),
+            jax.grad(role_loss)(p, ci_fns.HIDDEN),
+            jax.grad(lambda q: role_loss(q, ci_fns.OUTPUT)
+                     + role_loss(q, ci_fns.HIDDEN))(p))
+
+  g_out, g_hid, g_sum = grads(params)
   # The one set of trunk arrays takes both roles' gradients, summed; each
   # head only its own role's.
   for leaf in jax.tree.leaves(g_out.hidden_head):
@@ -130,8 +134,13 @@ def _run(setup, config, steps):
   return jax.device_get(state), history
 
 
-def test_sequential_passes_equal_the_fused_step(setup):
-  fused, fused_metrics = _run(setup, _config(), 3)
+@pytest.fixture(scope="module")
+def fused(setup):
+  return _run(setup, _config(), 3)
+
+
+def test_sequential_passes_equal_the_fused_step(setup, fused):
+  fused, fused_metrics = fused
   seq, seq_metrics = _run(setup, _config(sequential=True), 3)
   for a, b in zip(fused_metrics, seq_metrics):
     assert a.keys() == b.keys()
@@ -143,9 +152,9 @@ def test_sequential_passes_equal_the_fused_step(setup):
 
 
 def test_four_passes_report_each_role_and_the_hidden_pass_scores_hidden(
-    setup):
+    setup, fused):
   target, weights, ci, comps, ci_params, batches = setup
-  _, (metrics,) = _run(setup, _config(), 1)
+  metrics = fused[1][0]
   assert {"target/ci_l0/mix", "target/ci_l0_hidden/mix",
           "nontarget/ci_l0_hidden/head", "target/loss/recon_hidden",
           "nontarget/loss/recon_hidden", "nontarget/loss/imp_hidden"} <= set(
