@@ -73,7 +73,8 @@ class Parts(NamedTuple):
 
   def stream_inputs(self, stream: str) -> Callable[[jax.Array], Any]:
     """Return `sample(key)` drawing one stream's batch alone."""
-    return lambda key: self.sample_inputs(key)[stream]
+    sample = streams.sampler(self.config, (stream,))
+    return lambda key: sample(key)[stream]
 
 
 class Plan(NamedTuple):
@@ -215,8 +216,7 @@ def stream_leads(config: TrainConfig, toy: Any,
   """Return each stream's activation lead shape; ValueError for streams the
   target cannot read (a target without token inputs, token ids past its
   vocabulary)."""
-  model = toy.config if lm.is_lm(config) else getattr(toy.config, "model",
-                                                      None)
+  model = lm.token_model(config, toy)
   if target.token_labels is None or model is None:
     raise ValueError(f"--target={config.target} takes no token ids; a "
                      "targeted decomposition's streams are token tasks, so "

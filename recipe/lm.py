@@ -40,6 +40,15 @@ def is_lm(config) -> bool:
   return config.target == HF
 
 
+def token_model(config, toy) -> glu_config.GluConfig | None:
+  """Return the GLU model config a run's token ids feed: a checkpoint
+  LM's, or a token toy's (`toy.config.model`); None for toys without token
+  inputs."""
+  if is_lm(config):
+    return toy.config
+  return getattr(toy.config, "model", None)
+
+
 def expand_sites(
   names: tuple[str, ...], patterns: tuple[str, ...]
 ) -> tuple[str, ...]:

@@ -179,12 +179,15 @@ def target_task(config: TrainConfig) -> Task | None:
   return tasks().get(config.target_task)
 
 
-def sampler(config: TrainConfig) -> Callable[[jax.Array], dict[str, Any]]:
-  """Return `sample(key) -> {stream: batch}` of the task streams; stream
-  `i` (target 0, non-target 1) draws from `fold_in(key, i)`."""
+def sampler(config: TrainConfig, wanted: tuple[str, ...] = (TARGET, NONTARGET)
+            ) -> Callable[[jax.Array], dict[str, Any]]:
+  """Return `sample(key) -> {stream: batch}` of the `wanted` task streams;
+  stream `i` (target 0, non-target 1) draws from `fold_in(key, i)` whatever
+  else is drawn."""
   known = tasks()
   draws = {s: (i, known[_source(config, s)[0]].sample, batch_size(config, s))
-           for i, s in enumerate((TARGET, NONTARGET)) if _source(config, s)[0]}
+           for i, s in enumerate((TARGET, NONTARGET))
+           if s in wanted and _source(config, s)[0]}
 
   def sample(key):
     return {s: fn(jax.random.fold_in(key, i), b)
