@@ -207,19 +207,28 @@ def _plot_counts(ax: Axes, edges: np.ndarray, counts: np.ndarray,
   ax.set(title=title, xlabel=xlabel, ylabel="count", yscale="log")
 
 
+def _role_label(label: str, role: str) -> str:
+  # A dual-role CI function's figures come in pairs that differ only here;
+  # in the axis labels, since long site names already fill the titles.
+  return f"{role}-role {label}" if role else label
+
+
 def plot_ci_histograms(
   lower: Mapping[str, np.ndarray], lower_edges: np.ndarray,
   pre: Mapping[str, np.ndarray], pre_edges: np.ndarray, path: run_dir.Path,
+  role: str = "",
 ) -> str:
   """Return `path` after plotting per site the histograms of lower CI (top
   row) and CI pre-activations (bottom row) from `[below, bins…, above]`
-  counts."""
+  counts; a CI `role` given is named in every panel's axis label."""
   if not lower:
     raise ValueError("plot_ci_histograms: no sites given")
   fig, axes = _site_grid(2, len(lower))
   for col, site in enumerate(lower):
-    _plot_counts(axes[0, col], lower_edges, lower[site], site, "CI (lower)")
-    _plot_counts(axes[1, col], pre_edges, pre[site], site, "CI pre-activation")
+    _plot_counts(axes[0, col], lower_edges, lower[site], site,
+                 _role_label("CI (lower)", role))
+    _plot_counts(axes[1, col], pre_edges, pre[site], site,
+                 _role_label("CI pre-activation", role))
   return _save_png(fig, path)
 
 
@@ -248,11 +257,13 @@ def plot_component_density(
 
 
 def plot_log_density(
-  counts: Mapping[str, np.ndarray], floor: float, path: run_dir.Path
+  counts: Mapping[str, np.ndarray], floor: float, path: run_dir.Path,
+  role: str = "",
 ) -> str:
   """Return `path` after plotting per site the share of positions in each
   log-spaced CI band (`[C, 1 + n_bands]` counts, column 0 below `floor`),
-  components sorted by their mean band."""
+  components sorted by their mean band; a CI `role` given is named in every
+  panel's axis label."""
   if not counts:
     raise ValueError("plot_log_density: no sites given")
   fig, axes = _site_grid(1, len(counts), width=3.8, height=3.2)
@@ -271,7 +282,8 @@ def plot_log_density(
     rows = sorted({int(r) for r in np.linspace(n_bands / 4, n_bands, 4)})
     labels = [f"{floor ** (1 - (r - 1) / n_bands):.0e}" for r in rows]
     ax.set_yticks([0, *rows], labels=[f"<{floor:.0e}", *labels])
-    ax.set(title=site, xlabel="component (by mean band)", ylabel="CI band")
+    ax.set(title=site, xlabel="component (by mean band)",
+           ylabel=_role_label("CI band", role))
   return _save_png(fig, path)
 
 

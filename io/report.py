@@ -2,10 +2,11 @@
 
 The page needs no server and no script: it shows the run's flags, its loss
 and eval curves (PNGs rendered into `report/`), the latest eval scalars, every
-figure under `<run>/figures/`, and, for language-model targets, a table of
-each site's most frequently firing components with the contexts where their
-CI is highest. Everything it shows is read from the run directory, so
-`bin/report` can rebuild it for a finished or a running run.
+figure under `<run>/figures/` (a dual-role CI function's hidden-role CI
+figures in a section of their own), and, for language-model targets, a
+table of each site's most frequently firing components with the contexts
+where their CI is highest. Everything it shows is read from the run
+directory, so `bin/report` can rebuild it for a finished or a running run.
 
 The component table is stored beside the page as `report/components.json`
 (written by the training loop at each slow eval) so the page can be rebuilt
@@ -36,6 +37,15 @@ FIGURE_CAPTIONS = {
   "ci_density.png": "Firing density and mean CI per component",
   "ci_log_density.png": "Share of positions per log-spaced CI band",
 }
+# Captions of a dual-role CI function's hidden-role figures (SPEC §6.6),
+# in page order: shown in their own section, after the output role's.
+HIDDEN_FIGURE_CAPTIONS = {
+  "ci_histograms_hidden.png": "Hidden-role CI and pre-activation histograms "
+                              "over the eval set",
+  "ci_log_density_hidden.png": "Hidden-role share of positions per "
+                               "log-spaced CI band",
+}
+HIDDEN_SECTION = "Hidden CI role"
 # The loop's own loss figure duplicates the report's fresher curve.
 _SKIPPED_FIGURES = ("losses.png",)
 # Headline columns: mask variants in order, then per-site metrics.
@@ -321,9 +331,11 @@ def render_html(
   figure_list: Sequence[tuple[str, str]],
   table: ComponentTable | None,
   generated: str,
+  hidden_figures: Sequence[tuple[str, str]] = (),
 ) -> str:
-  """Return the page: `latest` as `(title, record)` scalar tables, `curves`
-  and `figure_list` as `(relative src, caption)`, the optional LM table."""
+  """Return the page: `latest` as `(title, record)` scalar tables, `curves`,
+  `figure_list` and a dual-role CI function's `hidden_figures` as
+  `(relative src, caption)`, the optional LM table."""
   sections = [f"<h1>{_esc(title)}</h1><p>Generated {_esc(generated)}.</p>"]
   if latest:
     name, record = latest[0]
@@ -338,6 +350,13 @@ def render_html(
   if figure_list:
     sections.append("<h2>Figures</h2><div class=grid>" + "".join(
       _figure(src, caption) for src, caption in figure_list) + "</div>")
+  if hidden_figures:
+    sections.append(
+      f"<h2>{_esc(HIDDEN_SECTION)}</h2><p>The CI distributions of the "
+      "dual-role CI function's hidden role, which masks the hidden-activation "
+      "passes, over the same eval set; the figures above are the output "
+      "role's.</p><div class=grid>" + "".join(
+        _figure(src, caption) for src, caption in hidden_figures) + "</div>")
   if table:
     sections.append(_component_section(table))
   sections.append(f"<h2>Flags</h2><pre>{_esc(flags_text)}</pre>")
@@ -360,15 +379,22 @@ def _latest(records: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict]]:
   return out
 
 
-def _figure_files(run: str) -> list[tuple[str, str]]:
+def _figure_files(run: str) -> tuple[list[tuple[str, str]],
+                                      list[tuple[str, str]]]:
+  """Return the run's figures as `(src, caption)`: the output role's (and
+  any uncaptioned ones), then the hidden role's."""
   directory = os.path.join(run, "figures")
   if not os.path.isdir(directory):
-    return []
+    return [], []
   names = sorted(n for n in os.listdir(directory)
                  if n.endswith(".png") and n not in _SKIPPED_FIGURES)
   ordered = [n for n in FIGURE_CAPTIONS if n in names]
-  ordered += [n for n in names if n not in FIGURE_CAPTIONS]
-  return [(f"../figures/{n}", FIGURE_CAPTIONS.get(n, n[:-4])) for n in ordered]
+  ordered += [n for n in names
+              if n not in FIGURE_CAPTIONS and n not in HIDDEN_FIGURE_CAPTIONS]
+  hidden = [n for n in HIDDEN_FIGURE_CAPTIONS if n in names]
+  return ([(f"../figures/{n}", FIGURE_CAPTIONS.get(n, n[:-4]))
+           for n in ordered],
+          [(f"../figures/{n}", HIDDEN_FIGURE_CAPTIONS[n]) for n in hidden])
 
 
 def write_report(run: run_dir.Path) -> str:
@@ -401,8 +427,9 @@ def write_report(run: run_dir.Path) -> str:
   title = f"decompax run {os.path.basename(run)}"
   if target:
     title += f" ({target[0]})"
+  figure_list, hidden_figures = _figure_files(run)
   page = render_html(title, flags_text,
-                     _latest(records), curves, _figure_files(run), table,
-                     generated)
+                     _latest(records), curves, figure_list, table,
+                     generated, hidden_figures)
   return run_dir.atomic_write(os.path.join(directory, INDEX),
                               lambda f: f.write(page.encode("utf-8")))

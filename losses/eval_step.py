@@ -27,13 +27,16 @@ nonlinear units add each component's soft unit count and participation
 ratio (SPEC §5.10): weight space, so computed once per eval, not per batch.
 
 A dual-role CI function (`CIFn.roles`: output and hidden, SPEC §6.6) has
-the fast tier read out both roles from one trunk: every scalar above is the
-output role's, and the hidden role adds its CI-L0 (`ci_l0_hidden/<site>`)
-and, given `EvalConfig.hidden_points`, the relative error of those
-activations under its CI masks (`recon/hidden_ci_masked`); each hidden-role
-term is scored on the hidden pass, as the train step scores it. The slow
-tier's histograms, densities and contexts stay the output role's: they
-describe the components a forward keeps, which the output masks decide.
+both tiers read out both roles from one trunk: every stat above is the
+output role's. In the fast tier the hidden role adds its CI-L0
+(`ci_l0_hidden/<site>`) and, given `EvalConfig.hidden_points`, the relative
+error of those activations under its CI masks (`recon/hidden_ci_masked`);
+each hidden-role term is scored on the hidden pass, as the train step scores
+it. In the slow tier it adds its CI distributions beside the output role's,
+the same stats under `<stat>_hidden/<site>` (`CI_DISTRIBUTIONS`). The
+per-position CI, the top contexts and the hidden-activation errors stay the
+output role's: they describe what a forward keeps, which the output masks
+decide.
 """
 
 import dataclasses
@@ -46,7 +49,7 @@ import numpy as np
 from jaxtyping import Array, Float, Key
 
 from decompax.core import masks as masks_lib
-from decompax.core import probe
+from decompax.core import probe, squash
 from decompax.core import sites as sites_lib
 from decompax.core.ci_fns import HIDDEN, OUTPUT, CIFn
 from decompax.core.masks import SiteMask
@@ -242,18 +245,45 @@ def _hidden_act_stats(ctx: StepContext, key: Key[Array, ""],
   return stats
 
 
-def _slow_stats(ctx: StepContext, key: Key[Array, ""],
-                config: EvalConfig) -> dict[str, Array]:
+# The slow tier's per-site CI distributions, stat names as keyed for the
+# output role; a dual-role CI function's hidden role adds each as
+# `<stat>_hidden/<site>`.
+CI_DISTRIBUTIONS = ("hist_lower", "hist_pre", "ci_sum", "log_density")
+# The key suffix of each CI role's distributions.
+ROLE_SUFFIXES = {OUTPUT: "", HIDDEN: f"_{HIDDEN}"}
+
+
+def _ci_distributions(
+  ci: squash.CIOutput, sites: tuple[sites_lib.SiteSpec, ...], suffix: str,
+) -> dict[str, Array]:
+  """Return per site the `CI_DISTRIBUTIONS` of one role's CI, keyed
+  `<stat><suffix>/<site>`: counts and sums, so batches add up exactly."""
   stats = {}
-  for site in ctx.target.sites:
-    lower, pre = ctx.ci.lower[site.name], ctx.ci.pre[site.name]
-    stats[f"hist_lower/{site.name}"] = evals.histogram_counts(
+  for site in sites:
+    lower, pre = ci.lower[site.name], ci.pre[site.name]
+    stats[f"hist_lower{suffix}/{site.name}"] = evals.histogram_counts(
       lower, evals.LOWER_EDGES)
-    stats[f"hist_pre/{site.name}"] = evals.histogram_counts(
+    stats[f"hist_pre{suffix}/{site.name}"] = evals.histogram_counts(
       pre, evals.PRE_EDGES)
-    stats[f"ci_sum/{site.name}"] = jnp.sum(
+    stats[f"ci_sum{suffix}/{site.name}"] = jnp.sum(
       lower.reshape(-1, site.c).astype(jnp.float32), axis=0)
-    stats[f"log_density/{site.name}"] = evals.log_density_counts(lower)
+    stats[f"log_density{suffix}/{site.name}"] = evals.log_density_counts(
+      lower)
+  return stats
+
+
+def _slow_stats(ctxs: tuple[StepContext, ...], roles: tuple[str, ...],
+                key: Key[Array, ""], config: EvalConfig) -> dict[str, Array]:
+  """Return one batch's slow stats: every role's CI distributions, and the
+  output role's (`ctxs[0]`) per-position stats and hidden-activation
+  errors."""
+  ctx = ctxs[0]
+  stats = {}
+  for role, own in zip(roles, ctxs):
+    stats.update(_ci_distributions(own.ci, ctx.target.sites,
+                                   ROLE_SUFFIXES[role]))
+  for site in ctx.target.sites:
+    lower = ctx.ci.lower[site.name]
     if lower.ndim == 3:
       stats[f"position_ci/{site.name}"] = jnp.mean(lower, axis=0)
     if ctx.target.token_labels is not None:
@@ -406,9 +436,9 @@ def make_eval_step(
            batches: Batch) -> dict[str, Array]:
     def one(args):
       i, inputs = args
-      ctx = contexts(state, weights, inputs, slow_taps, False)[0]
+      ctxs = contexts(state, weights, inputs, slow_taps, len(roles) > 1)
       hidden_key = jax.random.fold_in(jax.random.fold_in(key, i), 3)
-      return _slow_stats(ctx, hidden_key, config)
+      return _slow_stats(ctxs, roles, hidden_key, config)
 
     per_batch = jax.lax.map(one, (jnp.arange(config.n_batches), batches))
     return {**per_batch, **_unit_stats(target, state.components)}
@@ -446,7 +476,10 @@ class EvalSummary(NamedTuple):
   positive (SPEC §5.10). `arrays` holds
   the slow tier's per-site arrays summed over batches: `density` and
   `mean_ci` `[C]`, `hist_lower`/`hist_pre` counts, `log_density` `[C, n+1]`
-  and `position_ci` `[T, C]`; `probe` the toys' probe CI.
+  and `position_ci` `[T, C]`, and for a dual-role CI function the hidden
+  role's `mean_ci_hidden`, `hist_lower_hidden`, `hist_pre_hidden` and
+  `log_density_hidden` (no `density`: the fast tier counts firing for the
+  output role only); `probe` the toys' probe CI.
   """
 
   scalars: dict[str, float]
@@ -528,6 +561,20 @@ def probe_scalars(
   return out
 
 
+def _ci_arrays(stats: dict[str, np.ndarray], suffix: str, positions: float
+               ) -> dict[str, dict[str, np.ndarray]]:
+  """Return one role's `mean_ci<suffix>` and summed CI distributions, or {}
+  where the slow tier holds none of that role (a one-role CI function's
+  hidden one)."""
+  if not any(k.startswith(f"hist_lower{suffix}/") for k in stats):
+    return {}
+  ci_sum = _sum_batches(stats, f"ci_sum{suffix}/")
+  arrays = {f"mean_ci{suffix}": {s: c / positions for s, c in ci_sum.items()}}
+  for name in ("hist_lower", "hist_pre", "log_density"):
+    arrays[f"{name}{suffix}"] = _sum_batches(stats, f"{name}{suffix}/")
+  return arrays
+
+
 def summarize(output: EvalOutput,
               expected: dict[str, Expected] | None = None) -> EvalSummary:
   """Return the host reduction of a fetched (numpy) `EvalOutput`;
@@ -545,10 +592,8 @@ def summarize(output: EvalOutput,
   arrays: dict[str, dict[str, np.ndarray]] = {}
   if any(k.startswith("hist_lower/") for k in stats):
     arrays["density"] = {s: c / positions for s, c in fired.items()}
-    arrays["mean_ci"] = {s: c / positions for s, c in
-                         _sum_batches(stats, "ci_sum/").items()}
-    for name in ("hist_lower", "hist_pre", "log_density"):
-      arrays[name] = _sum_batches(stats, f"{name}/")
+    for suffix in ROLE_SUFFIXES.values():
+      arrays.update(_ci_arrays(stats, suffix, positions))
     position_ci = _sum_batches(stats, "position_ci/")
     if position_ci:
       n_batches = len(stats["positions"])

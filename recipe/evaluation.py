@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decompax.core import probe, sites as sites_lib
+from decompax.core.ci_fns import OUTPUT
 from decompax.core.target import Expected, TargetFns
 from decompax.core.train_step import (
   LossTerm, StreamSpec, TrainState, no_constraint)
@@ -224,17 +225,25 @@ def render_slow(
   expected: Optional[dict[str, Expected]] = None,
 ) -> None:
   """Write the slow tier's figures, the LM component table and the report;
-  probe CI is permuted by each site's `expected` pattern."""
+  probe CI is permuted by each site's `expected` pattern. A dual-role CI
+  function's hidden role gets its own CI histograms and log-band densities
+  (`report.HIDDEN_FIGURE_CAPTIONS`)."""
   fig_dir = os.path.join(output_dir, "figures")
   arrays = summary.arrays
-  figures.plot_ci_histograms(
-    arrays["hist_lower"], evals.LOWER_EDGES, arrays["hist_pre"],
-    evals.PRE_EDGES, os.path.join(fig_dir, "ci_histograms.png"))
+  for role, suffix in eval_step.ROLE_SUFFIXES.items():
+    if f"hist_lower{suffix}" not in arrays:
+      continue
+    shown = "" if role == OUTPUT else role
+    figures.plot_ci_histograms(
+      arrays[f"hist_lower{suffix}"], evals.LOWER_EDGES,
+      arrays[f"hist_pre{suffix}"], evals.PRE_EDGES,
+      os.path.join(fig_dir, f"ci_histograms{suffix}.png"), shown)
+    figures.plot_log_density(
+      arrays[f"log_density{suffix}"], evals.LOG_DENSITY_MIN,
+      os.path.join(fig_dir, f"ci_log_density{suffix}.png"), shown)
   figures.plot_component_density(
     arrays["density"], arrays["mean_ci"],
     os.path.join(fig_dir, "ci_density.png"), threshold)
-  figures.plot_log_density(arrays["log_density"], evals.LOG_DENSITY_MIN,
-                           os.path.join(fig_dir, "ci_log_density.png"))
   if summary.probe:
     figures.plot_ci_on_features(
       summary.probe, os.path.join(fig_dir, "ci_on_features.png"),

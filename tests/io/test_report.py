@@ -107,6 +107,26 @@ def test_report_references_only_existing_pngs(synthetic_run):
   text = (synthetic_run / "report" / "index.html").read_text()
   assert "layers.0.mlp.up_proj" in text and "--c=4" in text
   assert "(tms_5-2)" in text
+  assert report.HIDDEN_SECTION not in text  # one CI role
+
+
+def test_hidden_role_figures_get_their_own_labelled_section(synthetic_run):
+  """A dual-role run's hidden-role CI figures follow the output role's
+  under their own heading, each captioned as the hidden role's."""
+  figures_dir = synthetic_run / "figures"
+  for name in ("ci_histograms", "ci_histograms_hidden",
+               "ci_log_density_hidden"):
+    (figures_dir / f"{name}.png").write_bytes(PNG)
+  page = report.write_report(synthetic_run)
+  text = open(page, encoding="utf-8").read()
+  head, hidden = text.split(f"<h2>{report.HIDDEN_SECTION}</h2>")
+  assert "../figures/ci_histograms.png" in head and "_hidden" not in head
+  shown = re.findall(r'<img src="([^"]+)"', hidden.split("<h2>")[0])
+  assert shown == ["../figures/ci_histograms_hidden.png",
+                   "../figures/ci_log_density_hidden.png"]
+  for caption in report.HIDDEN_FIGURE_CAPTIONS.values():
+    assert caption.startswith("Hidden-role")
+    assert f"<figcaption>{caption}</figcaption>" in hidden
 
 
 def test_report_of_a_directory_without_flags_is_refused(tmp_path):

@@ -1,14 +1,16 @@
-"""The fast eval of a dual-role CI function (losses/eval_step.py, SPEC §6.6).
+"""Both eval tiers of a dual-role CI function (losses/eval_step.py, SPEC §6.6).
 
-On the tiny three-site chain: a dual-role eval adds the hidden role's CI-L0,
-its CI-masked hidden recon and its terms' values, each the number a direct
-hidden-pass computation gives; its output-role scalars are those of the
+On the tiny three-site chain: a dual-role fast eval adds the hidden role's
+CI-L0, its CI-masked hidden recon and its terms' values, and its slow eval
+the hidden role's CI distributions, each the number a direct computation
+from the hidden role's CI gives; its output-role stats are those of the
 one-role function sharing its trunk and output head, whose eval keeps its
 key set.
 """
 
+import types
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,7 +18,8 @@ from decompax.core import ci_fns, optim, sites as sites_lib
 from decompax.core import train_step
 from decompax.core.masks import VARIANTS, SiteMask
 from decompax.core.schedules import Schedule
-from decompax.losses import eval_step, hidden, recon, terms
+from decompax.losses import eval_step, evals as evals_lib, hidden, recon
+from decompax.losses import terms
 
 BATCH = 8
 POINTS = ("l1.out",)
@@ -37,7 +40,8 @@ def _hidden_copies(output_terms):
 
 
 def _fast(target, weights, ci_fn, loss_terms, ci_params, hidden_points=()):
-  """Return the fast tier's per-batch output and batches."""
+  """Return the state, the fast tier's per-batch output and batches, and
+  the eval passes."""
   components = sites_lib.init_components(jax.random.key(1), target.sites)
   adam = optim.AdamWConfig(Schedule(1e-3))
   state = train_step.make_init(loss_terms, train_step.StepConfig(
@@ -51,7 +55,7 @@ def _fast(target, weights, ci_fn, loss_terms, ci_params, hidden_points=()):
                                 hidden_points=hidden_points)
   fns = eval_step.make_eval_step(target, ci_fn, loss_terms, config, sample)
   output, batches = fns.fast(state, weights, jax.random.key(5))
-  return state, jax.device_get(output), np.asarray(batches)
+  return state, jax.device_get(output), batches, fns
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +65,20 @@ def evals(chain):
     "vector_mlp", (4,), roles=ci_fns.ROLES), target.sites)
   output_terms = _output_terms(target.sites)
   dual_terms = output_terms + _hidden_copies(output_terms)
-  state, dual_out, batches = _fast(target, weights, dual, dual_terms,
-                                   dual.init(jax.random.key(2)), POINTS)
+  state, dual_out, batches, dual_fns = _fast(
+    target, weights, dual, dual_terms, dual.init(jax.random.key(2)), POINTS)
   one = ci_fns.make_ci_fn(VECTOR, target.sites)
-  _, one_out, _ = _fast(target, weights, one, output_terms,
-                        state.ci_params.shared)
-  return target, weights, dual, dual_terms, state, dual_out, batches, one_out
+  one_state, one_out, _, one_fns = _fast(target, weights, one, output_terms,
+                                         state.ci_params.shared)
+  return types.SimpleNamespace(
+    target=target, weights=weights, dual=dual, dual_terms=dual_terms,
+    state=state, dual_out=dual_out, batches=batches, dual_fns=dual_fns,
+    one_state=one_state, one_out=one_out, one_fns=one_fns)
 
 
 def test_a_one_role_eval_keeps_its_key_set(chain, evals):
   target = chain[0]
-  one_out = evals[-1]
+  one_out = evals.one_out
   assert set(one_out.scalars) == {
     *(f"ci_l0/{s.name}" for s in target.sites),
     *(f"recon/{v}" for v in VARIANTS),
@@ -79,7 +86,7 @@ def test_a_one_role_eval_keeps_its_key_set(chain, evals):
 
 
 def test_the_dual_role_eval_adds_the_hidden_role_to_the_output_one(evals):
-  target, *_, dual_out, _, one_out = evals
+  target, dual_out, one_out = evals.target, evals.dual_out, evals.one_out
   added = set(dual_out.scalars) - set(one_out.scalars)
   assert added == {
     *(f"ci_l0_hidden/{s.name}" for s in target.sites),
@@ -103,8 +110,9 @@ def test_hidden_scalars_are_those_of_a_direct_hidden_pass(evals):
   """Batch 0's hidden scalars against the hidden role's CI and a context
   built here: the hidden terms score the relative error at the hidden
   points, not the output."""
-  target, weights, dual, dual_terms, state, dual_out, batches, _ = evals
-  inputs = jnp.asarray(batches[0])
+  target, weights, dual = evals.target, evals.weights, evals.dual
+  dual_terms, state, dual_out = evals.dual_terms, evals.state, evals.dual_out
+  inputs = evals.batches[0]
   wanted = (*train_step.clean_tap_keys(dual, target, dual_terms), *POINTS)
   clean, taps = target.clean_forward(weights, inputs, wanted)
   own = train_step.prepare_roles(state.components, state.ci_params, taps,
@@ -131,6 +139,90 @@ def test_hidden_scalars_are_those_of_a_direct_hidden_pass(evals):
                                value, rtol=1e-5, err_msg=term.name)
   assert not np.allclose(dual_out.scalars["loss/stochastic_recon_hidden"],
                          dual_out.scalars["loss/stochastic_recon"])
+
+
+@pytest.fixture(scope="module")
+def slow(evals):
+  """Return the dual-role and the one-role slow tier's stats, fetched."""
+  key = jax.random.key(5)
+  dual = evals.dual_fns.slow(evals.state, evals.weights, key, evals.batches)
+  one = evals.one_fns.slow(evals.one_state, evals.weights, key,
+                           evals.batches)
+  return jax.device_get(dual), jax.device_get(one)
+
+
+def _merged(output, slow_stats):
+  """`eval_step.merge_slow` on host arrays."""
+  return output._replace(stats={**output.stats, **slow_stats})
+
+
+def _role_keys(sites, suffix):
+  return {f"{stat}{suffix}/{s.name}" for stat in eval_step.CI_DISTRIBUTIONS
+          for s in sites}
+
+
+def test_a_one_role_slow_eval_keeps_its_key_set(evals, slow):
+  sites = evals.target.sites
+  assert set(slow[1]) == _role_keys(sites, "") | {
+    f"hidden_{n}/{v}/{s.name}" for n in ("err", "n")
+    for v in ("ci_masked", "stochastic") for s in sites}
+  summary = eval_step.summarize(_merged(evals.one_out, slow[1]))
+  assert set(summary.arrays) == {"density", "mean_ci", "hist_lower",
+                                 "hist_pre", "log_density"}
+
+
+def test_the_dual_role_slow_eval_adds_the_hidden_roles_ci_distributions(
+    evals, slow):
+  dual, one = slow
+  assert set(dual) - set(one) == _role_keys(evals.target.sites, "_hidden")
+  assert set(one) <= set(dual)
+  # The output role's are the one-role function's, as in the fast tier.
+  for key, value in one.items():
+    np.testing.assert_allclose(dual[key], value, rtol=1e-5, err_msg=key)
+
+
+def test_hidden_ci_distributions_are_those_of_the_hidden_roles_ci(evals,
+                                                                  slow):
+  """Per batch, against the hidden role's CI computed here: numpy
+  histograms of lower and pre CI, per-component sums and log-band counts;
+  then the host sums of `summarize`."""
+  target, dual = evals.target, slow[0]
+  c = {s.name: s.c for s in target.sites}
+  for b, inputs in enumerate(evals.batches):
+    _, taps = target.clean_forward(evals.weights, inputs,
+                                   evals.dual.input_taps)
+    ci = train_step.prepare_roles(evals.state.components,
+                                  evals.state.ci_params, taps, evals.dual,
+                                  None)[1][1]
+    for site in c:
+      lower = np.asarray(ci.lower[site])
+      pre = np.asarray(ci.pre[site])
+      for name, x, edges in (("lower", lower, evals_lib.LOWER_EDGES),
+                             ("pre", pre, evals_lib.PRE_EDGES)):
+        edges = edges.astype(np.float32)
+        want = [np.sum(x < edges[0]), *np.histogram(x, edges)[0],
+                np.sum(x > edges[-1])]
+        np.testing.assert_array_equal(dual[f"hist_{name}_hidden/{site}"][b],
+                                      want, err_msg=f"{name} {site}")
+      np.testing.assert_allclose(dual[f"ci_sum_hidden/{site}"][b],
+                                 lower.reshape(-1, c[site]).sum(0),
+                                 rtol=1e-5)
+      np.testing.assert_array_equal(
+        dual[f"log_density_hidden/{site}"][b],
+        evals_lib.log_density_counts(ci.lower[site]))
+      assert not np.allclose(dual[f"ci_sum_hidden/{site}"][b],
+                             dual[f"ci_sum/{site}"][b])
+  summary = eval_step.summarize(_merged(evals.dual_out, dual))
+  positions = BATCH * len(evals.batches)
+  for site in c:
+    for name in ("hist_lower", "hist_pre", "log_density"):
+      np.testing.assert_array_equal(
+        summary.arrays[f"{name}_hidden"][site],
+        dual[f"{name}_hidden/{site}"].sum(0))
+    np.testing.assert_allclose(summary.arrays["mean_ci_hidden"][site],
+                               dual[f"ci_sum_hidden/{site}"].sum(0)
+                               / positions, rtol=1e-6)
+  assert "density_hidden" not in summary.arrays
 
 
 def test_hidden_terms_need_a_hidden_role_and_hidden_points(chain):

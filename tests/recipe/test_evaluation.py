@@ -16,8 +16,8 @@ from decompax.recipe.config import TrainConfig
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core.schedules import Schedule
 from decompax.core.target import Expected
-from decompax.io import run_dir
-from decompax.losses import eval_step, recon, terms
+from decompax.io import report, run_dir
+from decompax.losses import eval_step, evals, recon, terms
 from decompax.targets import tms
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -204,12 +204,53 @@ def test_lm_eval_writes_component_table_figures_and_report(
   assert (tmp_path / "figures" / "position_ci.png").read_bytes()[:8] == PNG
   page = (tmp_path / "report" / "index.html").read_text()
   assert "Top components per site" in page and "&middot;" in page
+  # One CI role: no hidden-role figures, no hidden-role section.
+  assert not (tmp_path / "figures" / "ci_histograms_hidden.png").exists()
+  assert report.HIDDEN_SECTION not in page
   refs = re.findall(r'(?:src|href)="([^"]+)"', page)
   assert refs
   for ref in refs:
     path = os.path.normpath(os.path.join(tmp_path, "report", ref))
     with open(path, "rb") as f:
       assert f.read(8) == PNG, ref
+
+
+def _slow_summary(rng, roles):
+  """Return a hand-made slow-tier summary of one site with `C = 3` for
+  `roles`' CI distributions."""
+  arrays = {"density": {"a": rng.uniform(size=3)}}
+  for suffix in (eval_step.ROLE_SUFFIXES[r] for r in roles):
+    arrays.update({
+      f"mean_ci{suffix}": {"a": rng.uniform(size=3)},
+      f"hist_lower{suffix}": {"a": rng.integers(0, 9, len(
+        evals.LOWER_EDGES) + 1)},
+      f"hist_pre{suffix}": {"a": rng.integers(0, 9, len(
+        evals.PRE_EDGES) + 1)},
+      f"log_density{suffix}": {"a": rng.integers(
+        0, 9, (3, evals.LOG_DENSITY_BINS + 1))}})
+  return eval_step.EvalSummary({}, arrays, {})
+
+
+def test_the_slow_render_shows_the_hidden_roles_ci_in_its_own_section(
+    tmp_path):
+  (tmp_path / run_dir.FLAGS_FILE).write_text("--target=t\n")
+  rng = np.random.default_rng(0)
+  uv = {"a": (rng.normal(size=(4, 3)), rng.normal(size=(3, 4)))}
+  evaluation.render_slow(str(tmp_path), _slow_summary(rng, ci_fns.ROLES),
+                         uv, {"a": [0, 1, 2]}, None, 0.1)
+  names = {"ci_histograms", "ci_log_density"}
+  for name in names:
+    for suffix in ("", "_hidden"):
+      path = tmp_path / "figures" / f"{name}{suffix}.png"
+      assert path.read_bytes()[:8] == PNG, path
+  page = (tmp_path / "report" / "index.html").read_text()
+  head, hidden = page.split(f"<h2>{report.HIDDEN_SECTION}</h2>")
+  for name in names:
+    assert f"../figures/{name}.png" in head
+    assert f"../figures/{name}_hidden.png" not in head
+    assert f"../figures/{name}_hidden.png" in hidden
+  for caption in report.HIDDEN_FIGURE_CAPTIONS.values():
+    assert f"<figcaption>{caption}</figcaption>" in hidden
 
 
 def _tms_id_split():
