@@ -487,6 +487,11 @@ _SEQUENTIAL_PASSES = flags.DEFINE_bool(
   "Score the step's passes (stream × CI role) one at a time behind an "
   "optimization barrier and add their gradients: the same objective, with "
   "one pass's masked forwards in memory at a time.")
+_AB_GRID = flags.DEFINE_enum(
+  "ab_grid", _D.ab_grid, ["auto", "on", "off"],
+  "Targeted decomposition: the A/B grid page of each slow eval (auto: when "
+  "the target stream is a two-operand task; on: refuse a run where it is "
+  "not; off: never).")
 _COMPONENTS_INIT = flags.DEFINE_enum(
   "components_init", _D.components_init, ["normal", "projected"],
   "V/U init: normal (V ~ N/√d_in, U ~ N/√C; SPEC §6.1) or projected (unit "

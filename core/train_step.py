@@ -608,6 +608,26 @@ def ci_scaled_decay(
   return out
 
 
+def check_term_names(terms: tuple[LossTerm, ...]) -> None:
+  """Raise ValueError unless term names are unique: a term's state (an
+  adversary's source bundle) is keyed by its name, so a name given to two
+  streams or roles would share one bundle between them (I22, I45)."""
+  seen: dict[str, LossTerm] = {}
+  for term in terms:
+    first = seen.setdefault(term.name, term)
+    if first is term:
+      continue
+    if (first.stream, first.role) != (term.stream, term.role):
+      raise ValueError(
+        f"loss term {term.name} is given to stream/role "
+        f"{first.stream or '-'}/{first.role} and "
+        f"{term.stream or '-'}/{term.role}; its state (a source bundle) "
+        "would be shared between them: build one term per stream and role, "
+        "each with its own name")
+    raise ValueError(f"loss term names must be unique, got "
+                     f"{[t.name for t in terms]}")
+
+
 def make_train_step(
   target: TargetFns,
   ci_fn: CIFn,
@@ -637,8 +657,7 @@ def make_train_step(
   if config.on_nonfinite not in ("stop", "skip"):
     raise ValueError(f"on_nonfinite must be stop or skip, got "
                      f"{config.on_nonfinite!r}")
-  if len(set(names)) != len(names):
-    raise ValueError(f"loss term names must be unique, got {names}")
+  check_term_names(terms)
   for term in terms:
     if term.finish is not None and term.init_state is None:
       raise ValueError(f"loss term {term.name} has a finish but no "

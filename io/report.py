@@ -227,7 +227,8 @@ STREAMS = ("target", "nontarget")
 TASK_VARIANTS = ("clean", "ci_masked", "ablated")
 
 
-def _eval_sections(record: Mapping[str, Any]) -> str:
+def _eval_sections(record: Mapping[str, Any], ab_grid_page: bool = True
+                   ) -> str:
   """Return the latest eval's headline: one summary, or a targeted run's
   per stream, its task metrics and the link to its A/B grid page."""
   step = _esc(record.get("step"))
@@ -241,11 +242,12 @@ def _eval_sections(record: Mapping[str, Any]) -> str:
     parts.append(f"<h2>Latest eval, {stream} stream (step {step})</h2>"
                  f"{_summary_tables(own)}")
   if any(k.startswith("task/") for k in record):
-    parts.append(_task_table(record))
+    parts.append(_task_table(record, ab_grid_page))
   return "".join(parts)
 
 
-def _task_table(record: Mapping[str, Any]) -> str:
+def _task_table(record: Mapping[str, Any], ab_grid_page: bool = True
+                ) -> str:
   """Return the task metrics: answer accuracy and CE of the clean model,
   under CI masks and with the target-alive components ablated, and the
   non-target CE clean and ablated."""
@@ -256,8 +258,9 @@ def _task_table(record: Mapping[str, Any]) -> str:
     f"<tr><th>{_esc(name)}</th>"
     + "".join(_cell(record, prefix + v) for v in TASK_VARIANTS) + "</tr>"
     for name, prefix in rows)
-  return ("<h2>Task</h2><p><a href=\"ab_grid.html\">A/B grid of the "
-          "target-alive components</a></p><table class=summary><tr><th></th>"
+  link = ("<p><a href=\"ab_grid.html\">A/B grid of the target-alive "
+          "components</a></p>" if ab_grid_page else "")
+  return ("<h2>Task</h2>" + link + "<table class=summary><tr><th></th>"
           + "".join(f"<th>{_esc(v)}</th>" for v in TASK_VARIANTS)
           + f"</tr>{body}</table>")
 
@@ -332,15 +335,17 @@ def render_html(
   table: ComponentTable | None,
   generated: str,
   hidden_figures: Sequence[tuple[str, str]] = (),
+  ab_grid_page: bool = True,
 ) -> str:
   """Return the page: `latest` as `(title, record)` scalar tables, `curves`,
   `figure_list` and a dual-role CI function's `hidden_figures` as
-  `(relative src, caption)`, the optional LM table."""
+  `(relative src, caption)`, the optional LM table; `ab_grid_page`: a
+  targeted run's A/B grid page is there to link to."""
   sections = [f"<h1>{_esc(title)}</h1><p>Generated {_esc(generated)}.</p>"]
   if latest:
     name, record = latest[0]
     if name == "Eval":
-      sections.append(_eval_sections(record))
+      sections.append(_eval_sections(record, ab_grid_page))
     sections.append(
       "<details><summary>Every latest scalar</summary><div class=grid>"
       + "".join(_scalar_table(r, n) for n, r in latest) + "</div></details>")
@@ -430,6 +435,7 @@ def write_report(run: run_dir.Path) -> str:
   figure_list, hidden_figures = _figure_files(run)
   page = render_html(title, flags_text,
                      _latest(records), curves, figure_list, table,
-                     generated, hidden_figures)
+                     generated, hidden_figures,
+                     os.path.isfile(os.path.join(directory, "ab_grid.html")))
   return run_dir.atomic_write(os.path.join(directory, INDEX),
                               lambda f: f.write(page.encode("utf-8")))

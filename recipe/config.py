@@ -164,6 +164,7 @@ class TrainConfig:
   hidden_pass_points: tuple[str, ...] = ()
   hidden_pass_coeff: float = 1.0
   sequential_passes: bool = False
+  ab_grid: str = "auto"
 
 
 DEFAULTS = TrainConfig()

@@ -496,7 +496,7 @@ def make_task_evaluator(
     scalars = {k: float(v) for k, v in out.scalars.items()}
     if writer:
       print(_task_line(done, scalars, target.sites), flush=True)
-      if slow:
+      if slow and config.ab_grid != "off":
         ab_grid.write(os.path.join(output_dir, report.REPORT_DIR),
                       ab_grid.snapshot(
                         done, task.grid.operators, task.grid.shape,

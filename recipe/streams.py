@@ -83,6 +83,7 @@ def _source(config: TrainConfig, stream: str) -> tuple[str, Optional[str]]:
 def check(config: TrainConfig) -> None:
   """Raise ValueError naming the first setting a targeted run refuses (or
   a non-target setting of a run that is not targeted)."""
+  check_ab_grid(config)
   if not is_targeted(config):
     for name in ("nontarget_recon_coeff", "nontarget_unmasked_coeff",
                  "nontarget_importance_coeff", "nontarget_pgd_coeff",
@@ -142,6 +143,26 @@ def check(config: TrainConfig) -> None:
   if not config.nontarget_recon_coeff:
     raise ValueError("the non-target stream needs its reconstruction: set "
                      "--nontarget_recon_coeff above 0")
+
+
+def check_ab_grid(config: TrainConfig) -> None:
+  """Raise ValueError for `--ab_grid=on` where the target stream is no
+  two-operand task (`auto` draws the grid where there is one; `off`
+  never)."""
+  if config.ab_grid not in ("auto", "on", "off"):
+    raise ValueError(f"--ab_grid must be auto, on or off, got "
+                     f"{config.ab_grid}")
+  if config.ab_grid != "on":
+    return
+  task = tasks().get(config.target_task) if is_targeted(config) else None
+  if task is None or task.grid is None:
+    source = (f"--target_task={config.target_task}" if config.target_task
+              else "a token-file target stream" if is_targeted(config)
+              else "a run without a target stream")
+    raise ValueError(
+      f"--ab_grid=on: the A/B grid lays a component's CI over a "
+      f"two-operand task's operands, and {source} has none; use "
+      "--target_task=addsub or --ab_grid=auto")
 
 
 def batch_size(config: TrainConfig, stream: str) -> int:

@@ -191,3 +191,14 @@ def test_the_step_applies_the_ci_scaled_decay_after_the_update(setup):
   for kind in want:
     np.testing.assert_allclose(b.components[kind].v, want[kind].v, rtol=1e-5)
     np.testing.assert_allclose(b.components[kind].u, want[kind].u, rtol=1e-5)
+
+
+def test_a_term_given_to_both_streams_is_refused_as_a_shared_bundle(setup):
+  """I22 across streams: one name on two streams would key one state (an
+  adversary's source bundle) for both."""
+  target, _, ci, *_ = setup
+  one = train_step.simple_term("pgd", 1.0, lambda ctx, key: 0.0)
+  with pytest.raises(ValueError, match="would be shared between them"):
+    train_step.make_train_step(
+      target, ci, (one._replace(stream="target"),
+                   one._replace(stream="nontarget")), _config())

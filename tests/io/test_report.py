@@ -178,3 +178,16 @@ def test_the_site_table_shows_the_hidden_roles_ci_l0_when_present():
   dual = headline({**one_role, "ci_l0_hidden/a": 2.5})
   assert "<th>CI-L0</th><th>CI-L0 (hidden role)</th>" in dual
   assert "<td>1.5</td><td>2.5</td><td>4</td>" in dual
+
+
+def test_the_task_table_links_the_ab_grid_only_where_the_page_is():
+  record = {"step": 3, "target/recon/ci_masked": 0.1,
+            "task/answer_accuracy/clean": 1.0}
+
+  def page(linked):
+    return report.render_html("run", "", [("Eval", record)], (), (), None,
+                              "now", ab_grid_page=linked)
+
+  assert 'href="ab_grid.html"' in page(True)
+  assert "<h2>Task</h2>" in page(False)
+  assert "ab_grid.html" not in page(False)
