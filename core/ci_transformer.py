@@ -331,16 +331,6 @@ def chunk_trunk(
   return h
 
 
-def chunk_forward(
-  params: ChunkParams,
-  u: Float[Array, "b t d_u"],
-  config: TransformerCIConfig,
-  inv_freq: Float[Array, " half"],
-) -> Float[Array, "b t c_sum"]:
-  """Return one chunk's pre-activations: its trunk, then its readout."""
-  return chunk_trunk(params, u, config, inv_freq) @ params.w_out + params.b_out
-
-
 def chunk_inputs(
   plan: ChunkPlan, taps: dict[str, Float[Array, "..."]]
 ) -> Float[Array, "chunk n t d_u"]:
