@@ -37,6 +37,9 @@ def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
   assert "--seed=3" in flags_text and "--num_steps=40" in flags_text
   wall = float(directory.with_suffix(".wall").read_text())
   assert wall > 0
+  # The restarts' selection score (the full selection runs in the slow
+  # tier): the held-out loss the step-20 eval logged.
+  assert bench.held_out_loss(directory, 20) > 0
   result = bench.measure_cell(directory, "tms_5-2")
   assert set(result["sites"]) == {"linear1", "linear2"}
   for row in result["sites"].values():
@@ -64,6 +67,7 @@ def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
   assert "of 2 |" in (tmp_path / "recovery.md").read_text()
 
 
+@pytest.mark.slow
 def test_restarts_continue_the_candidate_with_the_lowest_held_out_loss(
     bench, tmp_path):
   said = []

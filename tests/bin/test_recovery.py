@@ -50,6 +50,7 @@ def _run(config):
   return _probe(target, weights, ci_fn, state), metrics
 
 
+@pytest.mark.slow
 def test_tms_5_2_embedding_becomes_one_component_per_feature(parse):
   """TMS 5-2, paper recipe after a faithfulness warmup, 10k of its 40k steps
   (seed 1): linear1 shows the identity CI pattern with five alive components."""
