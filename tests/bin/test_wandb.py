@@ -80,6 +80,19 @@ def _logged(run_dir):
   return runs
 
 
+def _logged_once_flushed(run_dir, last_step, timeout_s=60.0):
+  """Return `_logged(run_dir)` once the second run's history holds
+  `last_step`, or as it stands after `timeout_s`: W&B's service process
+  writes the offline file behind `finish`, and under load it can lag."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    runs = _logged(run_dir)
+    if (len(runs) >= 2 and last_step in runs[1][0]) or (
+        time.monotonic() > deadline):
+      return runs
+    time.sleep(0.2)
+
+
 def _metrics(run_dir):
   return {r["step"]: r for r in map(json.loads, open(
     os.path.join(run_dir, "metrics.jsonl")))}
@@ -138,7 +151,7 @@ def test_the_sink_logs_each_record_once_across_a_resume(tmp_path, monkeypatch):
   time.sleep(1.1)
   resumed = wandb_sink.open_sink("decompax-test", str(tmp_path), settings)
   resumed.close(str(figures))
-  (first, config), (second, _) = _logged(tmp_path)
+  (first, config), (second, _) = _logged_once_flushed(tmp_path, 4)
   assert {s: h["loss/total"] for s, h in first.items()} == {0: 1.0, 2: 0.5}
   assert second[4]["loss/total"] == 0.25 and sorted(second) == [4]
   assert any(k.startswith("figures/ci/") for k in second[4])
