@@ -108,6 +108,12 @@ class RoleHeads(NamedTuple):
   hidden_head: object
 
 
+def role_suffix(role: str) -> str:
+  """Return the suffix a role's names carry (`ci_l0<suffix>/…`,
+  `<term><suffix>`): none for the output role, `_<role>` otherwise."""
+  return "" if role == OUTPUT else f"_{role}"
+
+
 def role_pre(ci_fn: CIFn, params: object, taps: dict[str, Array],
              components: Components) -> dict[str, dict[str, Array]]:
   """Return every role's pre-activations, `{role: {site: pre}}`."""

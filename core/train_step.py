@@ -41,7 +41,7 @@ import optax
 from jaxtyping import Array, Float, Int, Key
 
 from decompax.core import health as health_lib, optim, schedules, squash
-from decompax.core.ci_fns import OUTPUT, CIFn, role_pre
+from decompax.core.ci_fns import OUTPUT, CIFn, role_pre, role_suffix
 from decompax.core.sites import Components
 from decompax.core.target import Batch, TargetFns, Weights
 
@@ -759,9 +759,8 @@ def make_train_step(
     for p, own in enumerate(frozen):
       spec, role = streams[p // len(roles)], roles[p % len(roles)]
       prefix = f"{spec.name}/" if spec.name else ""
-      l0_key = "ci_l0" if role == OUTPUT else f"ci_l0_{role}"
       for site, l0 in ci_l0(own[1].lower, config.ci_alive_threshold).items():
-        metrics[f"{prefix}{l0_key}/{site}"] = l0
+        metrics[f"{prefix}ci_l0{role_suffix(role)}/{site}"] = l0
     metrics["grad_norm/components"] = optax.tree.norm(g_components)
     metrics["lr/components"] = lr
     updated = (components, ci_params, components_opt, ci_opt, finished)

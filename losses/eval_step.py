@@ -51,7 +51,7 @@ from jaxtyping import Array, Float, Key
 from decompax.core import masks as masks_lib
 from decompax.core import probe, squash
 from decompax.core import sites as sites_lib
-from decompax.core.ci_fns import HIDDEN, OUTPUT, CIFn
+from decompax.core.ci_fns import HIDDEN, OUTPUT, CIFn, role_suffix
 from decompax.core.masks import SiteMask
 from decompax.core.sites import Components
 from decompax.core.target import Batch, Expected, TargetFns, Weights
@@ -206,7 +206,7 @@ def _hidden_role_scalars(ctx: StepContext, threshold: float
   (`recon/hidden_ci_masked`): what a hidden pass optimizes, without the
   stochastic draws."""
   lower = ctx.ci.lower
-  scalars = {f"ci_l0_{HIDDEN}/{k}": v
+  scalars = {f"ci_l0{role_suffix(HIDDEN)}/{k}": v
              for k, v in ci_l0(lower, threshold).items()}
   if ctx.hidden_points:
     _, taps = ctx.masked_forward_with_taps(
@@ -250,7 +250,7 @@ def _hidden_act_stats(ctx: StepContext, key: Key[Array, ""],
 # `<stat>_hidden/<site>`.
 CI_DISTRIBUTIONS = ("hist_lower", "hist_pre", "ci_sum", "log_density")
 # The key suffix of each CI role's distributions.
-ROLE_SUFFIXES = {OUTPUT: "", HIDDEN: f"_{HIDDEN}"}
+ROLE_SUFFIXES = {role: role_suffix(role) for role in (OUTPUT, HIDDEN)}
 
 
 def _ci_distributions(

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from decompax.core import masks as masks_lib
-from decompax.core.ci_fns import OUTPUT, CIFn
+from decompax.core.ci_fns import OUTPUT, CIFn, role_suffix
 from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns, Weights
 from decompax.core.sites import Components
@@ -130,10 +130,9 @@ def make_task_eval(
     for s, mask in alive.items():
       scalars[f"task/alive/{s}"] = jnp.sum(mask, dtype=jnp.int32)
     for role, own in role_lower.items():
-      name = "answer_l0" if role == OUTPUT else f"answer_l0_{role}"
       for s, ci in own.items():
         # Components active where the answer is computed, per prompt.
-        scalars[f"task/{name}/{s}"] = jnp.mean(jnp.sum(
+        scalars[f"task/answer_l0{role_suffix(role)}/{s}"] = jnp.mean(jnp.sum(
           ci[:, picked] > threshold, axis=-1, dtype=jnp.float32))
     answer_ci = {role: {s: ci[:, positions[0]] for s, ci in own.items()}
                  for role, own in role_lower.items()}

@@ -391,7 +391,7 @@ def coeff_of(config: TrainConfig, term: Term) -> float:
 
 def hidden_name(name: str) -> str:
   """Return the name of term `name`'s hidden-role copy."""
-  return f"{name}_hidden"
+  return name + ci_fns.role_suffix(ci_fns.HIDDEN)
 
 
 def console_losses(metrics: dict, targeted: bool) -> list[str]:
@@ -422,29 +422,35 @@ def build_terms(
   order, then their hidden-role copies. A targeted run (`inputs` by stream)
   tags the plain terms with the target stream and the rest with their
   own."""
-  targeted = isinstance(inputs, dict)
   on = [t for t in TERMS if coeff_of(config, t) > 0]
   built = []
   for t in on:
-    stream = (t.stream or TARGET) if targeted else ""
-    own = inputs[stream] if targeted else inputs
+    stream, own = _stream_of(t, inputs)
     built.append(t.build(config, own, t.name, coeff_of(config, t))._replace(
       stream=stream))
   if ci_fns.HIDDEN in config.ci_roles:
-    for t in on:
-      if t.hidden_copy:
-        built.append(hidden_copy(config, t, inputs, targeted))
+    built += [hidden_copy(config, t, inputs) for t in on if t.hidden_copy]
   return tuple(built)
 
 
+def _stream_of(t: Term, inputs: TermInputs | dict[str, TermInputs]
+               ) -> tuple[str, TermInputs]:
+  """Return the stream term `t` scores and that stream's inputs: in a
+  targeted run (`inputs` by stream) its own stream, or the target's for a
+  plain term; otherwise the one unnamed stream."""
+  if not isinstance(inputs, dict):
+    return "", inputs
+  stream = t.stream or TARGET
+  return stream, inputs[stream]
+
+
 def hidden_copy(config: TrainConfig, t: Term,
-                inputs: TermInputs | dict[str, TermInputs],
-                targeted: bool) -> train_step.LossTerm:
+                inputs: TermInputs | dict[str, TermInputs]
+                ) -> train_step.LossTerm:
   """Return term `t` rebuilt for its stream's hidden pass: hidden role, no
   rider (a hidden pass scores hidden activations alone), recon terms at
   `--hidden_pass_coeff` times their coefficient."""
-  stream = (t.stream or TARGET) if targeted else ""
-  own = inputs[stream] if targeted else inputs
+  stream, own = _stream_of(t, inputs)
   coeff = coeff_of(config, t) * (config.hidden_pass_coeff if t.recon else 1.0)
   riderless = dataclasses.replace(config, hidden_terms=())
   return t.build(riderless, own, hidden_name(t.name), coeff)._replace(
