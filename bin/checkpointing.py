@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from decompax.core import ci_fns, health, sites as sites_lib
+from decompax.core import ci_fns, health, sites as sites_lib, slots
 from decompax.io import checkpoint, decomposition, resume, run_dir
 from decompax.bin import run_records
 
@@ -259,7 +259,8 @@ def _restore_own(session: Session, template, term_names: tuple[str, ...],
 
 def _restore_parent(session: Session, template, reinit, shardings):
   path = parent_step_dir(session.config.init_from)
-  item = resume.restore_decomposition(path, template, shardings)
+  item = resume.restore_decomposition(path, template, shardings,
+                                      session.sites)
   _say(f"fine-tuning from the decomposition of {path}")
   return 0, reinit(item["components"], item["ci_params"])
 
@@ -377,7 +378,8 @@ def save(session: Session, state) -> str:
   }
   path = checkpoint.save(session.directory, step,
                          checkpoint.split_state(state), metadata,
-                         after_item=_killer("kill_mid_save", step))
+                         after_item=_killer("kill_mid_save", step),
+                         real_shape=slots.real_shape_of(session.sites))
   if (kill := _killer("kill_after_save", step)) is not None:
     kill()
   if not config.keep_all:

@@ -34,7 +34,9 @@ def define(module_name: str,
     "placement", "ddp", ["ddp", "zero1", "owner"],
     "Placement preset: ddp (state replicated, batch over every device), zero1 "
     "(V/U masters and moments sharded over the whole mesh), owner (stacks "
-    "over replicate, matrix dims over fsdp, C over tp).", **fv)
+    "over replicate, matrix dims over fsdp, C over tp; a stack or C that does "
+    "not tile is held with zero pad slots, never computed on and never "
+    "reported).", **fv)
   flags.DEFINE_list(
     "place", [], "Per-category overrides of the preset, category:layout, e.g. "
     "optimizer:fsdp,frozen:replicated; a layout is a name (replicated, data, "

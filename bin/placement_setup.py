@@ -20,6 +20,7 @@ import jax
 from absl import flags
 from jax.sharding import AxisType, Mesh
 
+from decompax.core import sites as sites_lib
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -214,6 +215,21 @@ def fallback_lines(
       f"lea{'f keeps' if len(leaves) == 1 else 'ves keep'} dims replicated "
       f"that do not tile {' or '.join(meshes)} (e.g. {first.leaf} [{shape}])")
   return lines
+
+
+def pad_line(components, sites) -> str:
+  """Return the `[placement]` line naming the kinds held with pad slots
+  (`core.slots`), or "" when none is."""
+  padded = []
+  for kind, spec in sites_lib.kind_specs(sites).items():
+    n, _, c = components[kind].v.shape
+    if (n, c) != (spec.n, spec.c):
+      padded.append(f"{kind} {spec.n}x{spec.c} as {n}x{c}")
+  if not padded:
+    return ""
+  return ("[placement] optimizer: V/U masters held with zero pad slots "
+          f"(layers x C): {', '.join(padded)}; the step never computes on "
+          "them")
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from absl import flags, logging
 
 from decompax.bin import checkpointing, cli, placement_setup
 from decompax.bin import run_records, tokens_text, train_flags, wandb_sink
-from decompax.core import health, probe, sites as sites_lib
+from decompax.core import health, probe, sites as sites_lib, slots
 from decompax.io import checkpoint, decomposition, figures, run_dir
 from decompax.placement import shardings, transfer
 from decompax.recipe import (
@@ -115,6 +115,14 @@ def progress_line(step, total, metrics, sites, steps_per_s,
   eta = (total - step) / max(steps_per_s, 1e-9)
   parts.append(f"ETA {format_duration(eta)}")
   return "  ".join(parts)
+
+
+def host_state_of(state, sites):
+  """Return the state fetched to the host, its V/U cut to their real
+  shapes (the owner preset holds pad slots; no output shows them)."""
+  state = transfer.fetch(state)  # collective: every process
+  return state._replace(
+    components=slots.real_components(state.components, sites))
 
 
 def write_figures(output_dir, target, ci_fn, weights, state, metrics_path):
@@ -256,6 +264,10 @@ def report_placement(planned: assembly.Plan,
     for line in placement_setup.fallback_lines(
         planned.fallbacks, dict(placement.mesh.shape)):
       print(line)
+    line = placement_setup.pad_line(planned.state.components,
+                                    planned.parts.target.sites)
+    if line:
+      print(line)
 
 
 def placement_batches(config: TrainConfig) -> tuple:
@@ -318,7 +330,7 @@ def train(prepared: Prepared):
           "continue")
     return
   checkpointing.check_finite(session, state, full=True)
-  state = transfer.fetch(state)  # collective: every process
+  state = host_state_of(state, parts.target.sites)
   if writer:
     finish(config, parts.target, run.ci_fn, session.ci_config,
            prepared.weights, state, output_dir, loop.metrics_path)
@@ -439,7 +451,7 @@ def log_step(loop: Loop, state, metrics: dict, done: int,
                         1.0 / step_time, streams.is_targeted(config)),
           flush=True)
   if config.figures_every and done % config.figures_every == 0:
-    host_state = transfer.fetch(state)  # collective: every process
+    host_state = host_state_of(state, loop.target.sites)
     if loop.writer:
       write_figures(loop.output_dir, loop.target, loop.run.ci_fn,
                     loop.weights, host_state, loop.metrics_path)

@@ -115,12 +115,22 @@ def _unconstrained(role: str, tree):
   return tree
 
 
+def _own_dims(path, leaf) -> tuple[int, int]:
+  del path
+  return tuple(leaf.shape[-2:])
+
+
 def scale_by_muon(
-  config: MuonConfig, constrain: Callable = _unconstrained
+  config: MuonConfig, constrain: Callable = _unconstrained,
+  dims: Callable = _own_dims,
 ) -> optax.GradientTransformation:
   """Orthogonalised momentum for ≥2-D leaves, Adam directions for the rest.
 
   `constrain("muon", tree)` places the Newton–Schulz work (SPEC §8).
+  `dims(path, leaf)` is a leaf's real `(rows, cols)`: a stack held with pad
+  slots (`core.slots`) scales its update by its real shape, as it would
+  unpadded (its zero rows and columns leave the orthogonalisation's real
+  block as it is).
   """
   adam = optax.scale_by_adam(config.adam_b1, config.adam_b2, config.eps)
 
@@ -132,30 +142,32 @@ def scale_by_muon(
     momentum = jax.tree.map(lambda m, g: config.beta * m + g,
                             state.momentum, updates)
 
-    def direction(g, blended, adam_u):
+    def direction(path, g, blended, adam_u):
       if g.ndim < 2:
         return adam_u
-      rows, cols = g.shape[-2], g.shape[-1]
+      rows, cols = dims(path, g)
       scale = max(1.0, cols / rows) ** 0.5
       return (scale * newton_schulz(blended, config.ns_steps)).astype(g.dtype)
 
     blended = constrain("muon", jax.tree.map(
       lambda g, m: g + config.beta * m if config.nesterov else m,
       updates, momentum))
-    out = jax.tree.map(direction, updates, blended, adam_updates)
+    out = jax.tree_util.tree_map_with_path(direction, updates, blended,
+                                           adam_updates)
     return out, MuonState(momentum, adam_state)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
 def muon(
-  config: MuonConfig, total_steps: int, constrain: Callable = _unconstrained
+  config: MuonConfig, total_steps: int, constrain: Callable = _unconstrained,
+  dims: Callable = _own_dims,
 ) -> optax.GradientTransformation:
   """Return clip (if configured) → Muon → decoupled decay → `−lr(s)`."""
   parts = []
   if config.clip_max_norm is not None:
     parts.append(clip_by_global_norm(config.clip_max_norm))
-  parts.append(scale_by_muon(config, constrain))
+  parts.append(scale_by_muon(config, constrain, dims))
   if config.weight_decay:
     parts.append(optax.add_decayed_weights(config.weight_decay))
   parts.append(optax.scale_by_schedule(
@@ -165,9 +177,10 @@ def muon(
 
 def make_optimizer(
   config: "AdamWConfig | MuonConfig", total_steps: int,
-  constrain: Callable = _unconstrained,
+  constrain: Callable = _unconstrained, dims: Callable = _own_dims,
 ) -> optax.GradientTransformation:
-  """Return the optimizer a config describes (`constrain`: see Muon)."""
+  """Return the optimizer a config describes (`constrain`, `dims`: see
+  Muon)."""
   if isinstance(config, MuonConfig):
-    return muon(config, total_steps, constrain)
+    return muon(config, total_steps, constrain, dims)
   return adamw(config, total_steps)

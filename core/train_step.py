@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, Key
 
-from decompax.core import health as health_lib, optim, schedules, squash
+from decompax.core import health as health_lib, optim, schedules, slots, squash
 from decompax.core.ci_fns import OUTPUT, CIFn, role_pre, role_suffix
 from decompax.core.sites import Components
 from decompax.core.target import Batch, TargetFns, Weights
@@ -602,6 +602,10 @@ def ci_scaled_decay(
   out = {}
   for kind, factors in components.items():
     scale = 1.0 - lr * decay * (1.0 - max_ci[kind])
+    # Pad slots hold zeros, which any scale keeps.
+    n, c = factors.v.shape[0], factors.v.shape[2]
+    scale = jnp.pad(scale, ((0, n - scale.shape[0]), (0, c - scale.shape[1])),
+                    constant_values=1.0)
     out[kind] = factors._replace(
       v=factors.v * scale[:, None, :].astype(factors.v.dtype),
       u=factors.u * scale[:, :, None].astype(factors.u.dtype))
@@ -677,8 +681,9 @@ def make_train_step(
     wanted_taps.append(tuple(dict.fromkeys((
       *clean_tap_keys(ci_fn, target, own_terms),
       *(config.hidden_points if hidden else ())))))
-  components_tx = optim.make_optimizer(config.components_opt,
-                                       config.total_steps, constrain)
+  components_tx = optim.make_optimizer(
+    config.components_opt, config.total_steps, constrain,
+    slots.real_matrix_dims(target.sites))
   ci_tx = optim.adamw(config.ci_opt, config.total_steps)
 
   init = make_init(terms, config)
@@ -693,8 +698,10 @@ def make_train_step(
 
     def prep(theta):
       # Pass `k · len(roles) + r` is stream k's CI role r.
+      # Pad slots (the owner preset's) end here: nothing computes on them.
+      real = slots.real_components(theta[0], target.sites)
       return tuple(own for _, taps in cleans for own in prepare_roles(
-        theta[0], theta[1], taps, ci_fn, config.compute_dtype, constrain))
+        real, theta[1], taps, ci_fn, config.compute_dtype, constrain))
 
     prepared, prep_vjp = jax.vjp(
       prep, (state.components, state.ci_params))

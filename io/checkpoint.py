@@ -4,7 +4,8 @@ A checkpoint directory holds one directory per saved step, named by its label
 (completed optimizer steps, zero-padded to nine digits):
 
   000000100/checkpoint.json               format, step, items; written last
-  000000100/decomposition/manifest.json   per array: shape, dtype; metadata
+  000000100/decomposition/manifest.json   per array: shape, dtype (and
+                                          real_shape when padded); metadata
   000000100/decomposition/arrays/components/mlp_in/v/   one zarr v3 array
   000000100/training/...
 
@@ -45,6 +46,9 @@ DECOMPOSITION = "decomposition"
 TRAINING = "training"
 DECOMPOSITION_FIELDS = ("components", "ci_params")
 _TMP_PREFIX = ".tmp-"
+# `real_shape(path, leaf)`: the real shape of a leaf held with pad slots
+# (`core.slots.real_shape_of`), else None or the leaf's own shape.
+RealShape = Callable[[tuple, Any], Any]
 _TRASH_PREFIX = ".trash-"
 
 
@@ -107,11 +111,26 @@ def _write_json(path: Path, value: Any) -> None:
   run_dir.atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def _write_item(root: str, item: str, tree: PyTree, metadata: Mapping) -> None:
+def _real_shapes(tree: PyTree, real_shape: RealShape | None) -> list:
+  # Per leaf in flatten order: its real shape (a stack held with pad slots
+  # is smaller than its array) or None where it is the array's own.
+  found = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    real = None if real_shape is None else real_shape(path, leaf)
+    own = list(np.shape(leaf))
+    found.append(None if real is None or list(real) == own else list(real))
+  return found
+
+
+def _write_item(root: str, item: str, tree: PyTree, metadata: Mapping,
+                real_shape: RealShape | None = None) -> None:
   keys, leaves = run_dir.leaf_keys(tree)
   arrays = [jax.random.key_data(leaf) if _is_key(leaf) else _as_array(leaf)
             for leaf in leaves]
   entries = {k: _entry(leaf) for k, leaf in zip(keys, leaves)}
+  for key, real in zip(keys, _real_shapes(tree, real_shape)):
+    if real is not None:
+      entries[key]["real_shape"] = real
   for key, leaf in zip(keys, leaves):
     if _is_key(leaf):
       entries[key]["key_impl"] = str(jax.random.key_impl(leaf))
@@ -173,13 +192,17 @@ def save(
   items: Mapping[str, PyTree],
   metadata: Mapping[str, Mapping] | None = None,
   after_item: Callable[[str], None] | None = None,
+  real_shape: RealShape | None = None,
 ) -> str:
   """Write `items` as label `step` under `directory`; return its path.
 
   The step directory appears only once every item is written. An existing
   directory of the same label (a damaged one being replaced) is swapped out.
   `after_item(name)` runs after each item is written (fault injection in
-  tests). Raises CheckpointError when the disk refuses a write.
+  tests). `real_shape(path, leaf)` gives the real shape of a leaf held with
+  pad slots (`core.slots`): the array is written whole, pads included, and
+  its manifest entry records the real shape. Raises CheckpointError when
+  the disk refuses a write.
   """
   directory = os.path.abspath(os.fspath(directory))
   name = step_name(step)
@@ -193,7 +216,7 @@ def save(
       os.makedirs(tmp)
     _sync(f"checkpoint-begin-{tmp}")
     for item, tree in items.items():
-      _write_item(tmp, item, tree, metadata.get(item, {}))
+      _write_item(tmp, item, tree, metadata.get(item, {}), real_shape)
       if after_item is not None:
         after_item(item)
     if _primary():
@@ -290,11 +313,16 @@ def _renamed(stored: dict, renamed: Mapping[str, str]
 
 
 def _describe(entry: dict) -> str:
-  return f"{entry.get('dtype')}{list(entry.get('shape', []))}"
+  return f"{entry.get('dtype')}{_real(entry)}"
+
+
+def _real(entry: dict) -> list:
+  return list(entry.get("real_shape", entry.get("shape", [])))
 
 
 def _check_structure(where: str, stored: dict, keys: list[str],
-                     leaves: list, added: tuple[str, ...] = ()) -> None:
+                     leaves: list, added: tuple[str, ...] = (),
+                     reals: list | None = None) -> None:
   missing = [k for k in keys if k not in stored and not k.startswith(added)]
   if missing:
     raise CheckpointError(
@@ -305,15 +333,18 @@ def _check_structure(where: str, stored: dict, keys: list[str],
     raise CheckpointError(
       f"{where}: stored {extra[0]} is not in this run's state ({len(extra)} "
       "extra); it was written for another structure")
-  for key, leaf in zip(keys, leaves):
+  for key, leaf, real in zip(keys, leaves, reals or [None] * len(keys)):
     if key not in stored:
       continue
     want, got = _entry(leaf), stored[key]
+    if real is not None:
+      want["real_shape"] = real
     if bool(want.get("key")) != bool(got.get("key")):
       raise CheckpointError(
         f"{where}: {key} is stored as {'a' if got.get('key') else 'no'} PRNG"
         f" key, this run expects {'one' if want.get('key') else 'an array'}")
-    if (want["shape"], want["dtype"]) != (got.get("shape"), got.get("dtype")):
+    # Pad slots may differ (another mesh); the real sizes may not.
+    if (_real(want), want["dtype"]) != (_real(got), got.get("dtype")):
       raise CheckpointError(
         f"{where}: {key} is stored as {_describe(got)}, this run expects "
         f"{_describe(want)}")
@@ -371,6 +402,7 @@ def _finish_leaf(pending, entry: dict, leaf: Any):
 def restore_item(
   path: Path, item: str, template: PyTree, shardings: Any = None,
   added: tuple[str, ...] = (), renamed: Mapping[str, str] | None = None,
+  real_shape: RealShape | None = None,
 ) -> PyTree:
   """Return `item` of the step directory `path`, shaped like `template`.
 
@@ -383,21 +415,27 @@ def restore_item(
   checkpoint lacks them; the template must then hold arrays. `renamed`
   reads an older layout: each stored path that is a key of it, or lies
   under one, is read as the path that key maps to (`{"a/0": "a/x"}` reads
-  `a/0/v` as `a/x/v`). Raises DamagedCheckpoint for unreadable files and
-  CheckpointError when the stored structure differs from `template`.
+  `a/0/v` as `a/x/v`). `real_shape(path, leaf)` gives the real shape of a
+  template leaf held with pad slots (`core.slots`); a stored array whose
+  pad slots differ from the template's (another mesh, or none) is read by
+  its real block, the template's pads zero. Raises DamagedCheckpoint for
+  unreadable files and CheckpointError when the stored structure differs
+  from `template`.
   """
   manifest = _manifest(path, item)
   where = f"checkpoint {path} item {item}"
   all_keys, all_leaves = run_dir.leaf_keys(template)
+  reals = _real_shapes(template, real_shape)
   stored, on_disk = _renamed(manifest["arrays"], renamed or {})
-  _check_structure(where, stored, all_keys, all_leaves, added)
+  _check_structure(where, stored, all_keys, all_leaves, added, reals)
   placements = [_placement(leaf, given) for leaf, given in zip(
     all_leaves, _shardings(template, shardings, len(all_leaves)))]
   present = [i for i, k in enumerate(all_keys) if k in stored]
   keys = [all_keys[i] for i in present]
   stores = _open_all(path, item, keys, stored, on_disk)
-  reads = [tensor_store.start_read(stores[j], placements[i])
-           for j, i in enumerate(present)]
+  reads = [tensor_store.start_read(
+    stores[j], placements[i], tuple(_entry(all_leaves[i])["shape"]),
+    tuple(_real(stored[all_keys[i]]))) for j, i in enumerate(present)]
   # Leaves the checkpoint lacks keep the template's value, placed alike.
   restored = [leaf if key in stored else jax.device_put(leaf, sharding)
               for key, leaf, sharding in zip(all_keys, all_leaves,
@@ -432,7 +470,8 @@ def check_finite(path: Path, item: str, tree: PyTree) -> None:
 def read_item(path: Path, item: str) -> tuple[dict[str, np.ndarray], dict]:
   """Return every array of `item` on the host by tree path, and its metadata.
 
-  Needs no template; PRNG keys come back as their raw key data.
+  Needs no template; PRNG keys come back as their raw key data, and arrays
+  written with pad slots at their real shape.
   """
   manifest = _manifest(path, item)
   keys = list(manifest["arrays"])
@@ -441,7 +480,11 @@ def read_item(path: Path, item: str) -> tuple[dict[str, np.ndarray], dict]:
   arrays = {}
   for key, future in zip(keys, reads):
     try:
-      arrays[key] = np.asarray(tensor_store.wait_value(future))
+      array = np.asarray(tensor_store.wait_value(future))
+      real = _real(manifest["arrays"][key])
+      if list(array.shape) != real:
+        array = array[tuple(slice(0, n) for n in real)]
+      arrays[key] = array
     except tensor_store.StoreError as e:
       raise DamagedCheckpoint(f"checkpoint {path} item {item}: {key}: {e}"
                               ) from None

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from decompax.core import ci_fns, sites as sites_lib
+from decompax.core import ci_fns, sites as sites_lib, slots
 from decompax.io import checkpoint, decomposition
 
 # State fields newer than the checkpoint format's first version: a
@@ -121,7 +121,8 @@ def _reader(template: Any, shardings: Any, sites, ci_config,
     return {
       name: checkpoint.restore_item(
         path, name, tree, placed[name], added=ADDED_STATE_FIELDS,
-        renamed=renamed if name == checkpoint.TRAINING else None)
+        renamed=renamed if name == checkpoint.TRAINING else None,
+        real_shape=slots.real_shape_of(sites))
       for name, tree in items.items()}
 
   return read
@@ -159,12 +160,14 @@ def restore_state(
   return step, checkpoint.join_state(template, restored)
 
 
-def restore_decomposition(path: str, template: Any,
-                          shardings: Any = None) -> dict[str, Any]:
+def restore_decomposition(path: str, template: Any, shardings: Any = None,
+                          sites: tuple[sites_lib.SiteSpec, ...] = ()
+                          ) -> dict[str, Any]:
   """Return the components and CI parameters of the step directory `path`,
-  shaped like `template`'s and read onto `shardings` (see
-  `restore_state`)."""
+  shaped like `template`'s (with its pad slots, for the run's `sites`) and
+  read onto `shardings` (see `restore_state`)."""
   name = checkpoint.DECOMPOSITION
   return checkpoint.restore_item(
     path, name, checkpoint.split_state(template)[name],
-    None if shardings is None else checkpoint.split_state(shardings)[name])
+    None if shardings is None else checkpoint.split_state(shardings)[name],
+    real_shape=slots.real_shape_of(sites))

@@ -182,6 +182,7 @@ class PendingRead(NamedTuple):
   regions: dict
   buffers: dict
   futures: dict
+  partial: dict = {}
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -192,30 +193,49 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def start_read(store: ts.TensorStore, sharding: jax.sharding.Sharding
-               ) -> PendingRead:
+def start_read(store: ts.TensorStore, sharding: jax.sharding.Sharding,
+               shape: tuple[int, ...] | None = None,
+               real: tuple[int, ...] | None = None) -> PendingRead:
   """Start reading each distinct region the addressable devices hold.
 
   Only those regions are read, each once (replicas share one read), each
-  straight into the host buffer that its devices will take.
+  straight into the host buffer that its devices will take. With `shape`
+  (default the store's) and `real` (default all of it), the array read has
+  `shape`: its leading `real` block comes from the store, the rest is zero
+  (pad slots held at another size than they were written with).
   """
-  shape = tuple(store.shape)
+  shape = tuple(store.shape) if shape is None else tuple(shape)
+  real = shape if real is None else tuple(real)
   dtype = np.dtype(store.dtype.numpy_dtype)
-  regions, buffers, futures = {}, {}, {}
+  regions, buffers, futures, partial = {}, {}, {}, {}
   for device, index in sharding.addressable_devices_indices_map(shape).items():
     key = _normalize(index, shape)
     regions[device] = key
-    if key not in futures:
-      buffers[key] = _aligned_empty(tuple(b - a for a, b in key), dtype)
+    if key in buffers:
+      continue
+    buffers[key] = _aligned_empty(tuple(b - a for a, b in key), dtype)
+    stored = tuple((a, min(b, r)) for (a, b), r in zip(key, real))
+    if stored == key:
       futures[key] = ts.array(buffers[key]).write(
         store[tuple(slice(a, b) for a, b in key)])
-  return PendingRead(shape, sharding, regions, buffers, futures)
+      continue
+    # Part (or none) of the region is stored: read that part apart, and
+    # copy it into the zeroed region once it has landed.
+    buffers[key].fill(0)
+    if all(a < b for a, b in stored):
+      part = _aligned_empty(tuple(b - a for a, b in stored), dtype)
+      futures[key] = ts.array(part).write(
+        store[tuple(slice(a, b) for a, b in stored)])
+      partial[key] = part
+  return PendingRead(shape, sharding, regions, buffers, futures, partial)
 
 
 def finish_read(pending: PendingRead) -> jax.Array:
   """Return the array of `pending`, placed with its sharding."""
   for future in pending.futures.values():
     _result(future, "")
+  for key, part in pending.partial.items():
+    pending.buffers[key][tuple(slice(0, n) for n in part.shape)] = part
   arrays = [jax.device_put(pending.buffers[key], device, may_alias=True)
             for device, key in pending.regions.items()]
   return jax.make_array_from_single_device_arrays(

@@ -49,7 +49,7 @@ import numpy as np
 from jaxtyping import Array, Float, Key
 
 from decompax.core import masks as masks_lib
-from decompax.core import probe, squash
+from decompax.core import probe, slots, squash
 from decompax.core import sites as sites_lib
 from decompax.core.ci_fns import HIDDEN, OUTPUT, CIFn, role_suffix
 from decompax.core.masks import SiteMask
@@ -363,6 +363,11 @@ def make_eval_step(
     slow_taps += _site_out_keys(target)
   slow_taps = tuple(dict.fromkeys(slow_taps))
 
+  def real_state(state: TrainState) -> TrainState:
+    # Metrics never see the owner preset's pad slots (`core.slots`).
+    return state._replace(
+      components=slots.real_components(state.components, target.sites))
+
   def contexts(state, weights, inputs, wanted, every_role
                ) -> tuple[StepContext, ...]:
     """Return one context per CI role (`every_role`), or the output
@@ -417,6 +422,7 @@ def make_eval_step(
 
   def fast(state: TrainState, weights: Weights, key: Key[Array, ""],
            batches: Batch | None = None):
+    state = real_state(state)
     if batches is None and sample_inputs is None:
       raise ValueError("this eval step reads no data: pass its batches")
     if batches is not None:
@@ -434,6 +440,8 @@ def make_eval_step(
 
   def slow(state: TrainState, weights: Weights, key: Key[Array, ""],
            batches: Batch) -> dict[str, Array]:
+    state = real_state(state)
+
     def one(args):
       i, inputs = args
       ctxs = contexts(state, weights, inputs, slow_taps, len(roles) > 1)

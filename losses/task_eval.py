@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from decompax.core import masks as masks_lib
+from decompax.core import slots
 from decompax.core.ci_fns import OUTPUT, CIFn, role_suffix
 from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns, Weights
@@ -84,6 +85,8 @@ def make_task_eval(
   def task(components: Components, ci_params: Any, weights: Weights,
            prompts: Int[Array, "n t"], other: Int[Array, "b s"]
            ) -> TaskOutput:
+    # Metrics never see the owner preset's pad slots (`core.slots`).
+    components = slots.real_components(components, target.sites)
     clean, taps = target.clean_forward(weights, prompts, ci_fn.input_taps)
     # Every role's CI as the train step computes it, the trunk run once.
     by_role = dict(zip(ci_fn.roles, prepare_roles(

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from decompax.core import slots
 from decompax.core.adversary import SourceState
 from decompax.core.optim import MuonState
 from decompax.core.train_step import StepShardings, TrainState
@@ -271,27 +272,30 @@ def _uses_muon(components_opt: Any) -> bool:
 
 def _resolved_trees(
   table: PlacementTable, state: TrainState, weights: Any,
-  lead_shape: LeadShape, frozen_stacks: Any,
+  lead_shape: LeadShape, frozen_stacks: Any, sites: tuple,
 ) -> list:
   # (category, layout, tree, axes_fn, prefix) of every tree whose shapes
-  # are known before the step is traced.
+  # are known before the step is traced. The step computes on V/U without
+  # their pad slots (`core.slots`), so the compute-side roles see them so.
   batch_led = lambda p, x: batch_axes(x, lead_shape, "c")  # noqa: E731
+  real = jax.eval_shape(lambda c: slots.real_components(c, sites),
+                        state.components)
   found = [(category, layout, getattr(state, field), axes_fn, field)
            for field, category, layout, axes_fn
            in _state_trees(table, lead_shape)]
   found.append(("frozen", table.layout("frozen"), weights, _largest,
                 "weights"))
-  roles = ["compute", "operands", "faithfulness"]
-  if _uses_muon(state.components_opt):
-    roles.append("muon")
-  for role in roles:
-    found.append((role, table.layout(role), state.components, component_axes,
+  for role in ["compute", "operands", "faithfulness"]:
+    found.append((role, table.layout(role), real, component_axes,
                   "components"))
+  if _uses_muon(state.components_opt):
+    found.append(("muon", table.layout("muon"), state.components,
+                  component_axes, "components"))
   if frozen_stacks is not None:
     found.append(("faithfulness", table.layout("faithfulness"),
                   frozen_stacks, component_axes, "frozen_stacks"))
   found.append(("ci_activations", table.layout("ci_activations"),
-                _ci_activation_shapes(state.components, lead_shape),
+                _ci_activation_shapes(real, lead_shape),
                 batch_led, "ci"))
   return found
 
@@ -299,17 +303,19 @@ def _resolved_trees(
 def fallbacks(
   table: PlacementTable, sizes: dict[str, int], state: TrainState,
   weights: Any, lead_shape: LeadShape, frozen_stacks: Any = None,
+  sites: tuple = (),
 ) -> tuple[Fallback, ...]:
   """Return every dimension a preset's layout leaves (partly) replicated.
 
   Covers the state, the frozen weights (and `frozen_stacks`, as the
   faithfulness loss sees them) and the CI activations, under every
-  category whose trees these are; works on abstract trees. Raises
+  category whose trees these are; works on abstract trees. `sites` are
+  the run's: the computing categories see V/U without pad slots. Raises
   ValueError (one line) where an authored layout does not tile.
   """
   found = []
   for category, layout, tree, axes_fn, prefix in _resolved_trees(
-      table, state, weights, lead_shape, frozen_stacks):
+      table, state, weights, lead_shape, frozen_stacks, sites):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
       axes = axes_fn(path, leaf)
       if axes is None:

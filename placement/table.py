@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 from jax.sharding import PartitionSpec
 
+from decompax.core import slots
+
 MESH_AXES = ("replicate", "fsdp", "tp")
 
 CATEGORIES = {
@@ -62,6 +64,9 @@ class Layout:
 
   rules: Rules = ()
   authored: str = ""
+  # Whether V/U stacks under this layout are held with pad slots
+  # (`core.slots`) so that the layer and C axes tile their mesh axes.
+  pads: bool = False
 
   def mesh_axes(self, axis: str | None) -> tuple[str, ...]:
     """Return the mesh axes that shard `axis` (empty: replicated)."""
@@ -88,8 +93,10 @@ LAYOUTS: dict[str, Layout] = {
   # Intra-matrix over the full mesh (SPEC §8 zero1).
   "zero1": _layout(d_in=(_F,), d_out=(_F,), c=(_T, _R), largest=(_F, _T, _R)),
   # Whole matrices per replica group, matrix dims over fsdp, C over tp.
-  "owner": _layout(layer=(_R,), d_in=(_F,), d_out=(_F,), c=(_T,),
-                   largest=(_F,)),
+  # Stacks and C that do not tile are padded (SPEC §8): see `slot_pads`.
+  "owner": dataclasses.replace(
+    _layout(layer=(_R,), d_in=(_F,), d_out=(_F,), c=(_T,), largest=(_F,)),
+    pads=True),
   # Whole matrices per device where the layer axis tiles (Newton-Schulz work).
   "stacked": _layout(layer=(_R, _F, _T)),
 }
@@ -331,3 +338,16 @@ def partition_spec(
       raise LayoutError(_refusal(layout, leaf, tuple(shape), short, sizes),
                         layout.authored)
   return resolved.spec
+
+
+def slot_pads(table: PlacementTable, sizes: Mapping[str, int]
+              ) -> slots.SlotPads:
+  """Return the multiples the V/U masters' layer and C axes are padded to:
+  the device counts of the mesh axes the optimizer layout splits them over,
+  when that layout holds pad slots (`owner`); no pads otherwise."""
+  layout = table.layout("optimizer")
+  if not layout.pads:
+    return slots.NO_PADS
+  devices = lambda axis: math.prod(  # noqa: E731
+    sizes.get(a, 1) for a in layout.mesh_axes(axis))
+  return slots.SlotPads(layer=devices("layer"), c=devices("c"))

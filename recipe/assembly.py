@@ -23,11 +23,12 @@ from typing import Any, NamedTuple
 
 import jax
 
-from decompax.core import ci_fns, sites as sites_lib, train_step
+from decompax.core import ci_fns, sites as sites_lib, slots, train_step
 from decompax.core import warmup as warmup_lib
 from decompax.core.target import TargetFns
 from decompax.losses import faithfulness
 from decompax.placement import shardings as shardings_lib
+from decompax.placement import table as table_lib
 from decompax.placement import transfer
 from decompax.recipe import engine, lm, streams, token_data
 from decompax.recipe.config import TrainConfig
@@ -85,7 +86,8 @@ class Plan(NamedTuple):
   (pinned to the batch layout when placed) and `constrain` the placement
   hook, both for other jitted passes over the run (evals); `fallbacks`
   where a preset's layouts keep what does not tile replicated; `data` the
-  token files batches are read from (None: the step samples its own).
+  token files batches are read from (None: the step samples its own);
+  `pads` the pad slots its V/U masters are held with (`core.slots`).
   """
 
   parts: Parts
@@ -96,6 +98,7 @@ class Plan(NamedTuple):
   sample_inputs: Callable[[jax.Array], Any]
   fallbacks: tuple[shardings_lib.Fallback, ...] = ()
   data: token_data.TokenData | streams.StreamData | None = None
+  pads: slots.SlotPads = slots.NO_PADS
 
 
 class Run(NamedTuple):
@@ -231,13 +234,16 @@ def stream_leads(config: TrainConfig, toy: Any,
           for s, b in streams.batch_shapes(config).items()}
 
 
-def abstract_state(p: Parts) -> train_step.TrainState:
-  """Return the shapes of the run's initial state."""
+def abstract_state(p: Parts, pads: slots.SlotPads = slots.NO_PADS
+                   ) -> train_step.TrainState:
+  """Return the shapes of the run's initial state, its V/U masters held
+  with `pads` (`core.slots`)."""
   keys = keys_of(p.config.seed)
   init = train_step.make_init(p.terms, p.step_config)
   return jax.eval_shape(
-    lambda: init(sites_lib.init_components(keys.components, p.target.sites),
-                 p.ci_fn.init(keys.ci), keys.run, p.lead_shape))
+    lambda: init(slots.pad_components(
+      sites_lib.init_components(keys.components, p.target.sites),
+      p.target.sites, pads), p.ci_fn.init(keys.ci), keys.run, p.lead_shape))
 
 
 def plan(p: Parts, weights: Any,
@@ -254,14 +260,17 @@ def plan(p: Parts, weights: Any,
   """
   engine.check_rider_points(p.config, p.target, weights,
                             p.toy.sample_inputs(jax.random.key(0), 2))
-  state = abstract_state(p)
+  pads = slots.NO_PADS
+  if placement is not None:
+    pads = table_lib.slot_pads(placement.table, dict(placement.mesh.shape))
+  state = abstract_state(p, pads)
   shardings, fallbacks = None, ()
   constrain, sample = train_step.no_constraint, p.sample_inputs
   if placement is not None:
     mesh, table, _ = placement
     fallbacks = shardings_lib.fallbacks(
       table, dict(mesh.shape), state, weights, p.lead_shape,
-      jax.eval_shape(p.target.frozen_stacks, weights))
+      jax.eval_shape(p.target.frozen_stacks, weights), p.target.sites)
     shardings = shardings_lib.step_shardings(
       table, mesh, state, weights, p.lead_shape, example_batch(p, data))
     constrain = shardings_lib.make_constrain(table, mesh, p.lead_shape)
@@ -270,7 +279,8 @@ def plan(p: Parts, weights: Any,
     p.target, p.ci_fn, p.terms, p.step_config,
     sample_inputs=p.sample_inputs if data is None else None,
     shardings=shardings, constrain=constrain)
-  return Plan(p, step, state, shardings, constrain, sample, fallbacks, data)
+  return Plan(p, step, state, shardings, constrain, sample, fallbacks, data,
+              pads)
 
 
 def example_batch(p: Parts, data) -> Any:
@@ -312,15 +322,18 @@ def start(planned: Plan, weights: Any, restore: Restore | None = None) -> Run:
   components, warmup_losses = warm_components(
     p.config, p.target, weights, keys.components, warm=restore is None)
   state_shardings = None if placed is None else placed.state
-  init = shardings_lib.sharded_init(
-    lambda comps, ci_params: planned.step.init(comps, ci_params, keys.run,
-                                               p.lead_shape),
-    state_shardings)
+
+  def build(comps, ci_params):
+    # Components arrive real (fresh) or already padded (a fine-tune init
+    # read onto this run's shapes); either way they leave padded.
+    return planned.step.init(
+      slots.pad_components(comps, p.target.sites, planned.pads), ci_params,
+      keys.run, p.lead_shape)
+
+  init = shardings_lib.sharded_init(build, state_shardings)
   state = init(components, p.ci_fn.init(keys.ci))
   if restore is not None:
-    state = restore(state, lambda comps, ci_params: planned.step.init(
-      comps, ci_params, keys.run, p.lead_shape), state_shardings,
-      p.term_names)
+    state = restore(state, build, state_shardings, p.term_names)
   if placed is not None:
     # Restored leaves are in place already; a fine-tune init's are not.
     state = transfer.put(state, placed.state)

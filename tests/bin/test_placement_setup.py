@@ -1,16 +1,18 @@
 """Scale-out flags of bin/train: validation, compiler options, the mesh."""
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from absl import flags
 
 from decompax.bin import placement_setup, train, train_flags
-from decompax.io import run_dir
+from decompax.io import checkpoint, run_dir
 from decompax.targets import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -175,3 +177,59 @@ def test_setup_reports_preset_fallbacks_once_per_category(
   config, placement = _setup_args(parse, tms_target, tmp_path / "ddp")
   train.setup(config, placement)
   assert _report(capsys) == []
+
+
+def test_owner_pad_slots_stay_out_of_every_output(parse, tms_target,
+                                                  tmp_path, capsys):
+  # C = 7 on tp = 2 and one-layer stacks on replicate = 2: both padded
+  # (design §8, I49). The run's checkpoint records the real sizes, and its
+  # evals, exported decomposition and figures see only them.
+  out = tmp_path / "owner"
+  config, placement = _setup_args(
+    parse, tms_target, out, "--placement=owner", "--replicate=2", "--tp=2",
+    "--c=7", "--num_steps=2", "--eval_every=2",
+    "--log_every=1", "--slow_eval_every=0", "--eval_batches=1",
+    "--figures_every=0")
+  train.train(train.setup(config, placement))
+  lines = _report(capsys)
+  assert any("linear1 1x7 as 2x8" in line for line in lines), lines
+  step = out / checkpoint.CHECKPOINT_DIR / checkpoint.step_name(2)
+  manifest = json.loads((step / checkpoint.DECOMPOSITION /
+                         checkpoint.MANIFEST_FILE).read_text())
+  entry = manifest["arrays"]["components/linear1/v"]
+  assert entry["shape"] == [2, 5, 8] and entry["real_shape"] == [1, 5, 7]
+  arrays, _ = checkpoint.read_item(step, checkpoint.TRAINING)
+  assert arrays["components_opt/0/mu/linear1/v"].shape == (1, 5, 7)
+  exported = run_dir.load_arrays(out / "decomposition.npz")[0]
+  assert exported["components/linear1/v"].shape == (1, 5, 7)
+  records = run_dir.read_metrics(out / run_dir.METRICS_FILE)
+  l0 = [r for r in records if "eval/ci_l0/linear1" in r]
+  assert l0 and all(np.isfinite(r["eval/ci_l0/linear1"]) for r in l0)
+
+
+@pytest.mark.slow
+def test_a_padded_owner_decomposition_fine_tunes_unpadded(
+    parse, tms_target, tmp_path):
+  # A run's placement is one of its flags, so a resume keeps it; a fine-tune
+  # (--init_from) may place the child anew. Two steps under owner with pad
+  # slots, then a ddp child (no pads) starts from exactly the parent's real
+  # blocks (design §12, I49).
+  common = ("--c=7", "--log_every=1", "--eval_every=0",
+            "--slow_eval_every=0", "--figures_every=0")
+  parent, child = tmp_path / "parent", tmp_path / "child"
+  config, placement = _setup_args(
+    parse, tms_target, parent, *common, "--num_steps=2", "--placement=owner",
+    "--replicate=2", "--tp=2")
+  train.train(train.setup(config, placement))
+  config, placement = _setup_args(
+    parse, tms_target, child, *common, "--num_steps=1",
+    f"--init_from={parent}/latest")
+  train.train(train.setup(config, placement))
+  start = checkpoint.read_item(
+    child / checkpoint.CHECKPOINT_DIR / checkpoint.step_name(0),
+    checkpoint.DECOMPOSITION)[0]
+  final = run_dir.load_arrays(parent / "decomposition.npz")[0]
+  assert final["components/linear1/v"].shape == (1, 5, 7)
+  assert start.keys() == final.keys()
+  for key in final:
+    np.testing.assert_array_equal(start[key], final[key], err_msg=key)

@@ -71,11 +71,12 @@ def test_zero1_shards_factors_over_the_whole_mesh():
   assert u == P(None, ("tp", "replicate"), "fsdp")
 
 
-def test_owner_puts_stacks_on_replicate_and_pads_nothing():
+def test_owner_puts_stacks_on_replicate():
   table = table_lib.make_table("owner")
   assert _spec(table, "optimizer", V_AXES, (4, 16, 24), MESH_2X2X2) == P(
     "replicate", "fsdp", "tp")
-  # A stack of 3 does not tile 2 replicas: whole stacks on every replica.
+  # An unpadded stack of 3 does not tile 2 replicas and would stay whole;
+  # runs hold it padded to 4 instead (`slot_pads`, test_pad_slots.py).
   assert _spec(table, "optimizer", V_AXES, (3, 16, 24), MESH_2X2X2) == P(
     None, "fsdp", "tp")
 
