@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Key
 
-from decompax.core import ci_transformer
+from decompax.core import ci_transformer, factored
 # PerComponentMLP is re-exported: the component- and vector-MLP share it.
 from decompax.core.component_mlp import PerComponentMLP, component_mlp_pre
 from decompax.core.sites import Components, SiteSpec, site_factors
@@ -114,7 +114,8 @@ def role_suffix(role: str) -> str:
   return "" if role == OUTPUT else f"_{role}"
 
 
-def role_pre(ci_fn: CIFn, params: object, taps: dict[str, Array],
+def role_pre(ci_fn: CIFn, params: object,
+             taps: dict[str, factored.Activation],
              components: Components) -> dict[str, dict[str, Array]]:
   """Return every role's pre-activations, `{role: {site: pre}}`."""
   if ci_fn.apply_roles is None:
@@ -239,8 +240,10 @@ def _component_parts(sites, width: int, vector: bool) -> _Parts:
   def features(params, tap_values, components):
     del params
     if vector:
-      return {s.name: tap_values[s.name] for s in sites}
-    return {s.name: tap_values[s.name] @ site_factors(components, s)[0]
+      return {s.name: factored.dense(tap_values[s.name]) for s in sites}
+    # A factored tap is projected without being formed (`core.factored`).
+    return {s.name: factored.project(tap_values[s.name],
+                                     site_factors(components, s)[0])
             for s in sites}
 
   def readout(params, head, feats):
@@ -274,7 +277,8 @@ def _site_parts(sites, hidden: tuple[int, ...]) -> _Parts:
 
   def features(params, tap_values, components):
     del components
-    return {s.name: _hidden_layers(params[s.name], tap_values[s.name])
+    return {s.name: _hidden_layers(params[s.name],
+                                   factored.dense(tap_values[s.name]))
             for s in sites}
 
   def readout(params, head, feats):
@@ -301,7 +305,8 @@ def _global_parts(sites, hidden: tuple[int, ...]) -> _Parts:
 
   def features(params, tap_values, components):
     del components
-    x = jnp.concatenate([tap_values[s.name] for s in sites], axis=-1)
+    x = jnp.concatenate([factored.dense(tap_values[s.name]) for s in sites],
+                        axis=-1)
     return _hidden_layers(params, x)
 
   def readout(params, head, feats):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from decompax.core import factored
 from decompax.core.masks import SiteMask
 from decompax.core.train_step import StepContext
 
@@ -35,28 +36,29 @@ class HiddenRider:
 
 
 def relative_error(
-  masked: dict[str, Float[Array, "..."]],
-  clean: dict[str, Float[Array, "..."]],
+  masked: dict[str, factored.Activation],
+  clean: dict[str, factored.Activation],
   points: tuple[str, ...],
 ) -> Float[Array, ""]:
   """Return `mean_points Σ(masked − clean)² / Σ clean²` in fp32."""
   total = jnp.zeros((), jnp.float32)
   for point in points:
-    m = masked[point].astype(jnp.float32)
-    c = clean[point].astype(jnp.float32)
+    m = factored.dense(masked[point]).astype(jnp.float32)
+    c = factored.dense(clean[point]).astype(jnp.float32)
     total = total + jnp.sum(jnp.square(m - c)) / jnp.sum(jnp.square(c))
   return total / len(points)
 
 
 def site_squared_errors(
-  masked: dict[str, Float[Array, "..."]],
-  clean: dict[str, Float[Array, "..."]],
+  masked: dict[str, factored.Activation],
+  clean: dict[str, factored.Activation],
   points: tuple[str, ...],
 ) -> dict[str, tuple[Float[Array, ""], int]]:
   """Return per point `(Σ(masked − clean)², numel)` for exact accumulation."""
   out = {}
   for point in points:
-    diff = masked[point].astype(jnp.float32) - clean[point].astype(jnp.float32)
+    diff = (factored.dense(masked[point]).astype(jnp.float32)
+            - factored.dense(clean[point]).astype(jnp.float32))
     out[point] = (jnp.sum(jnp.square(diff)), diff.size)
   return out
 

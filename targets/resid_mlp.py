@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Key
 
-from decompax.core import sites, target
+from decompax.core import factored, sites, target
 from decompax.core.masks import SiteMask
 from decompax.targets import sparse_data, toy_sites
 from decompax.targets import train as train_lib
@@ -122,42 +122,16 @@ def init(key: Key[Array, ""], config: ResidMlpConfig) -> ResidMlpWeights:
   )
 
 
-class Residual(NamedTuple):
-  """The residual stream `Σ_k coefs[k] @ bases[k] + const`, never formed.
-
-  Terms are the activations written into the stream (`x` through `w_e`, a
-  layer's `h` through `w_out`, a live `mlp_out`'s masked `a` through `U`)
-  with the matrices that write them; `const` sums the `b_out` biases.
-  """
-
-  coefs: tuple[Float[Array, "..."], ...]
-  bases: tuple[Float[Array, "_n d_embed"], ...]
-  const: Optional[Float[Array, " d_embed"]] = None
-
-
-def _project(
-  resid: Residual, m: Float[Array, "d_embed d_out"]
-) -> Float[Array, "*b d_out"]:
-  # `coef @ (basis @ m)`: the d_embed contraction is between weights, once per
-  # forward, not between batch rows. The fixed term order (a zero coefficient
-  # adds an exact ±0) keeps unrouted live sites bit-identical to clean ones.
-  out = None
-  for coef, basis in zip(resid.coefs, resid.bases):
-    term = coef @ (basis @ m)
-    out = term if out is None else out + term
-  if resid.const is not None:
-    out = out + resid.const @ m
-  return out
-
-
-def _materialise(resid: Residual) -> Float[Array, "*b d_embed"]:
-  out = None
-  for coef, basis in zip(resid.coefs, resid.bases):
-    term = coef @ basis
-    out = term if out is None else out + term
-  if resid.const is not None:
-    out = out + resid.const
-  return out
+# The residual stream `Σ_k coefs[k] @ bases[k] + const`, never formed: its
+# terms are the activations written into the stream (`x` through `w_e`, a
+# layer's `h` through `w_out`, a live `mlp_out`'s masked `a` through `U`)
+# with the matrices that write them; `const` sums the `b_out` biases. Every
+# `r @ M` is `factored.project`: the d_embed contraction runs between
+# weights, once per forward, not between batch rows.
+Residual = factored.Factored
+_project = factored.project
+# A tap: an `mlp_in` input is the factored residual, the rest are arrays.
+Tap = factored.Activation
 
 
 # (site name, residual, W) -> residual @ W, or the live site's output.
@@ -254,15 +228,16 @@ def _factored_forward(
   read: ReadSite,
   write: WriteSite,
   wanted: tuple[str, ...] = (),
-) -> tuple[Float[Array, "*b n_features"], dict[str, Float[Array, "..."]]]:
-  # Clean and masked forwards share this op sequence (SPEC I2); `mlp_in` taps
-  # are the only [*b, d_embed] arrays formed, and only the `wanted` ones.
+) -> tuple[Float[Array, "*b n_features"], dict[str, Tap]]:
+  # Clean and masked forwards share this op sequence (SPEC I2). `mlp_in` taps
+  # are the residual itself, handed over factored: a CI function projects
+  # them onto V without forming the [*b, d_embed] array.
   taps = {}
   resid = Residual((x,), (weights.w_e,))
   for i in range(weights.w_in.shape[0]):
     name_in, name_out = f"layers.{i}.mlp_in", f"layers.{i}.mlp_out"
     if name_in in wanted:
-      taps[name_in] = _materialise(resid)
+      taps[name_in] = resid
     pre = read(name_in, resid, weights.w_in[i])
     taps[f"{name_in}.out"] = pre
     if weights.b_in is not None:
@@ -272,7 +247,7 @@ def _factored_forward(
     terms = write(name_out, h, weights.w_out[i])
     if f"{name_out}.out" in wanted:
       written = Residual(tuple(t[0] for t in terms), tuple(t[1] for t in terms))
-      taps[f"{name_out}.out"] = _materialise(written)
+      taps[f"{name_out}.out"] = factored.dense(written)
     const = resid.const
     if weights.b_out is not None:
       const = weights.b_out[i] if const is None else const + weights.b_out[i]
@@ -329,7 +304,7 @@ def target_fns(
 
   def clean_forward(
     weights: ResidMlpWeights, x: Float[Array, "*b n"], wanted: tuple[str, ...]
-  ) -> tuple[Float[Array, "*b n"], dict[str, Float[Array, "..."]]]:
+  ) -> tuple[Float[Array, "*b n"], dict[str, Tap]]:
     toy_sites.check_tap_keys(wanted, tap_keys)
     weights = jax.lax.stop_gradient(weights)
     y, taps = _factored_forward(

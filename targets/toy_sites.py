@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Key
 
-from decompax.core import site_forward, sites, target
+from decompax.core import factored, site_forward, sites, target
 from decompax.core.masks import SiteMask
 from decompax.targets import sparse_data
 
@@ -67,8 +67,8 @@ def masked_matmul(
 
 
 def select_taps(
-  taps: dict[str, Float[Array, "..."]], wanted: tuple[str, ...]
-) -> dict[str, Float[Array, "..."]]:
+  taps: dict[str, factored.Activation], wanted: tuple[str, ...]
+) -> dict[str, factored.Activation]:
   """Return the requested taps; raise ValueError naming any unknown key."""
   check_tap_keys(wanted, tuple(taps))
   return {k: taps[k] for k in wanted}

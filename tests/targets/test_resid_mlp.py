@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import site_forward, sites
+from decompax.core import factored, site_forward, sites
 from decompax.core.masks import SiteMask
 from decompax.targets import resid_mlp
 
@@ -165,4 +165,11 @@ def test_residual_is_formed_only_for_mlp_in_taps(n_layers):
   outs = tuple(s.name for s in fns.sites if s.kind == "mlp_out")
   clean = jax.make_jaxpr(fns.clean_forward, static_argnums=2)
   assert resid_shape not in _shapes(clean(weights, x, outs).jaxpr)
-  assert resid_shape in _shapes(clean(weights, x, ("layers.0.mlp_in",)).jaxpr)
+  # The mlp_in tap is the residual handed over factored: not formed either,
+  # and its values are the dense forward's.
+  ins = tuple(s.name for s in fns.sites if s.kind == "mlp_in")
+  assert resid_shape not in _shapes(clean(weights, x, ins).jaxpr)
+  _, taps = fns.clean_forward(weights, x, ins)
+  assert all(isinstance(taps[n], factored.Factored) for n in ins)
+  np.testing.assert_allclose(factored.dense(taps["layers.0.mlp_in"]),
+                             x @ weights.w_e, rtol=1e-6, atol=1e-6)
