@@ -20,7 +20,7 @@ import pytest
 
 from decompax.bin import placement_setup
 from decompax.core import sites as sites_lib
-from decompax.core import slots
+from decompax.core import slots, train_step
 from decompax.io import checkpoint, decomposition
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -214,3 +214,19 @@ def test_an_unpadded_checkpoint_reads_into_padded_shards(tmp_path, runs):
     np.testing.assert_array_equal(
       host[:1, :, :C], jax.device_get(reference.state.components[site.kind].v))
     assert not host[1:].any() and not host[:, :, C:].any()
+
+
+def test_ci_scaled_decay_reads_real_ci_onto_padded_masters():
+  sites = _sites()
+  comps = sites_lib.init_components(jax.random.key(1), sites)
+  padded = slots.pad_components(comps, sites, slots.SlotPads(layer=4, c=4))
+  max_ci = {k: jax.random.uniform(jax.random.key(2), (f.v.shape[0],
+                                                      f.v.shape[2]))
+            for k, f in comps.items()}
+  plain = train_step.ci_scaled_decay(comps, max_ci, 0.1, 0.5)
+  held = train_step.ci_scaled_decay(padded, max_ci, 0.1, 0.5)
+  for got, want in zip(jax.tree.leaves(slots.real_components(held, sites)),
+                       jax.tree.leaves(plain)):
+    np.testing.assert_array_equal(got, want)
+  assert not slots.has_pads(slots.real_components(held, sites), sites)
+  assert not np.any(np.asarray(held["k"].v[2:]))
