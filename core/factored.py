@@ -54,7 +54,3 @@ def dense(x: Any) -> Float[Array, "*b d"]:
     out = out + x.const
   return out
 
-
-def is_factored(x: Any) -> bool:
-  """Return whether `x` is a factored activation (a tree-map leaf test)."""
-  return isinstance(x, Factored)

@@ -104,18 +104,6 @@ def pad_components(tree: Any, sites: tuple[sites_lib.SiteSpec, ...],
   return map_slots(pad, tree, sites)
 
 
-def real_shapes(tree: Any, sites: tuple[sites_lib.SiteSpec, ...]
-                ) -> dict[tuple, tuple[int, ...]]:
-  """Return the real shape of every pad-slot leaf, keyed by tree path."""
-  kinds = sites_lib.kind_specs(sites)
-  found = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    slot = _slot_leaf(path, leaf, kinds)
-    if slot is not None:
-      found[path] = real_shape(*slot)
-  return found
-
-
 def real_shape_of(sites: tuple[sites_lib.SiteSpec, ...]):
   """Return `real(path, leaf)`: a pad-slot leaf's real shape, None for any
   other leaf (checkpoints record and read pad slots by it)."""
