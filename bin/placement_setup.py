@@ -20,7 +20,7 @@ import jax
 from absl import flags
 from jax.sharding import AxisType, Mesh
 
-from decompax.core import sites as sites_lib
+from decompax.core import slots
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -220,11 +220,8 @@ def fallback_lines(
 def pad_line(components, sites) -> str:
   """Return the `[placement]` line naming the kinds held with pad slots
   (`core.slots`), or "" when none is."""
-  padded = []
-  for kind, spec in sites_lib.kind_specs(sites).items():
-    n, _, c = components[kind].v.shape
-    if (n, c) != (spec.n, spec.c):
-      padded.append(f"{kind} {spec.n}x{spec.c} as {n}x{c}")
+  padded = [f"{kind} {n}x{c} as {held_n}x{held_c}" for kind, ((n, c), (
+    held_n, held_c)) in slots.padded_kinds(components, sites).items()]
   if not padded:
     return ""
   return ("[placement] optimizer: V/U masters held with zero pad slots "

@@ -128,11 +128,24 @@ def real_matrix_dims(sites: tuple[sites_lib.SiteSpec, ...]):
   return dims
 
 
+def padded_kinds(components: sites_lib.Components,
+                 sites: tuple[sites_lib.SiteSpec, ...]
+                 ) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
+  """Return, per kind held with pad slots, its real and held
+  `(layers, C)`."""
+  found = {}
+  for kind, spec in sites_lib.kind_specs(sites).items():
+    n, _, c = components[kind].v.shape
+    if (n, c) != (spec.n, spec.c):
+      found[kind] = ((spec.n, spec.c), (n, c))
+  return found
+
+
 def has_pads(tree: Any, sites: tuple[sites_lib.SiteSpec, ...]) -> bool:
   """Return whether any pad-slot leaf of `tree` is held padded."""
-  kinds = sites_lib.kind_specs(sites)
+  real = real_shape_of(sites)
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    slot = _slot_leaf(path, leaf, kinds)
-    if slot is not None and tuple(leaf.shape) != real_shape(*slot):
+    shape = real(path, leaf)
+    if shape is not None and tuple(leaf.shape) != shape:
       return True
   return False

@@ -46,10 +46,10 @@ DECOMPOSITION = "decomposition"
 TRAINING = "training"
 DECOMPOSITION_FIELDS = ("components", "ci_params")
 _TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
 # `real_shape(path, leaf)`: the real shape of a leaf held with pad slots
 # (`core.slots.real_shape_of`), else None or the leaf's own shape.
 RealShape = Callable[[tuple, Any], Any]
-_TRASH_PREFIX = ".trash-"
 
 
 class CheckpointError(ValueError):

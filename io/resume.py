@@ -110,6 +110,7 @@ def _reader(template: Any, shardings: Any, sites, ci_config,
             else checkpoint.split_state(shardings))
   # In term order: a state's dict of term states is sorted by name.
   stateful = tuple(n for n in term_names if n in template.term_states)
+  real_shape = slots.real_shape_of(sites)
 
   def read(path: str) -> dict[str, Any]:
     metadata = checkpoint.item_metadata(path, checkpoint.DECOMPOSITION)
@@ -122,7 +123,7 @@ def _reader(template: Any, shardings: Any, sites, ci_config,
       name: checkpoint.restore_item(
         path, name, tree, placed[name], added=ADDED_STATE_FIELDS,
         renamed=renamed if name == checkpoint.TRAINING else None,
-        real_shape=slots.real_shape_of(sites))
+        real_shape=real_shape)
       for name, tree in items.items()}
 
   return read

@@ -35,6 +35,10 @@ class HiddenRider:
       raise ValueError(f"hidden-activation coeff must be >= 0, got {self.coeff}")
 
 
+def _fp32(x: factored.Activation) -> Float[Array, "..."]:
+  return factored.dense(x).astype(jnp.float32)
+
+
 def relative_error(
   masked: dict[str, factored.Activation],
   clean: dict[str, factored.Activation],
@@ -43,8 +47,7 @@ def relative_error(
   """Return `mean_points Σ(masked − clean)² / Σ clean²` in fp32."""
   total = jnp.zeros((), jnp.float32)
   for point in points:
-    m = factored.dense(masked[point]).astype(jnp.float32)
-    c = factored.dense(clean[point]).astype(jnp.float32)
+    m, c = _fp32(masked[point]), _fp32(clean[point])
     total = total + jnp.sum(jnp.square(m - c)) / jnp.sum(jnp.square(c))
   return total / len(points)
 
@@ -57,8 +60,7 @@ def site_squared_errors(
   """Return per point `(Σ(masked − clean)², numel)` for exact accumulation."""
   out = {}
   for point in points:
-    diff = (factored.dense(masked[point]).astype(jnp.float32)
-            - factored.dense(clean[point]).astype(jnp.float32))
+    diff = _fp32(masked[point]) - _fp32(clean[point])
     out[point] = (jnp.sum(jnp.square(diff)), diff.size)
   return out
 

@@ -129,9 +129,6 @@ def init(key: Key[Array, ""], config: ResidMlpConfig) -> ResidMlpWeights:
 # `r @ M` is `factored.project`: the d_embed contraction runs between
 # weights, once per forward, not between batch rows.
 Residual = factored.Factored
-_project = factored.project
-# A tap: an `mlp_in` input is the factored residual, the rest are arrays.
-Tap = factored.Activation
 
 
 # (site name, residual, W) -> residual @ W, or the live site's output.
@@ -144,7 +141,7 @@ def _frozen_read(
   name: str, resid: Residual, w: Float[Array, "d_embed d_mlp"]
 ) -> Float[Array, "*b d_mlp"]:
   del name
-  return _project(resid, w)
+  return factored.project(resid, w)
 
 
 def _frozen_write(
@@ -161,15 +158,15 @@ def _decomposed_read(
   u: Float[Array, "c d_mlp"],
   site_mask: SiteMask,
 ) -> Float[Array, "*b d_mlp"]:
-  # `site_forward.decomposed_matmul` with every `r @ M` taken by `_project`.
-  a = _project(resid, v)
+  # `site_forward.decomposed_matmul` with every `r @ M` taken by `factored.project`.
+  a = factored.project(resid, v)
   y = (a * site_mask.mask) @ u
   rw = None
   if site_mask.delta is not None:
-    rw = _project(resid, w)
+    rw = factored.project(resid, w)
     y = y + site_mask.delta[..., None] * (rw - a @ u)
   if site_mask.route is not None:
-    rw = _project(resid, w) if rw is None else rw
+    rw = factored.project(resid, w) if rw is None else rw
     y = jnp.where(site_mask.route[..., None], y, rw)
   return y
 
@@ -228,7 +225,7 @@ def _factored_forward(
   read: ReadSite,
   write: WriteSite,
   wanted: tuple[str, ...] = (),
-) -> tuple[Float[Array, "*b n_features"], dict[str, Tap]]:
+) -> tuple[Float[Array, "*b n_features"], dict[str, factored.Activation]]:
   # Clean and masked forwards share this op sequence (SPEC I2). `mlp_in` taps
   # are the residual itself, handed over factored: a CI function projects
   # them onto V without forming the [*b, d_embed] array.
@@ -256,7 +253,7 @@ def _factored_forward(
       resid.bases + tuple(t[1] for t in terms),
       const,
     )
-  return _project(resid, weights.w_e.T), taps
+  return factored.project(resid, weights.w_e.T), taps
 
 
 def forward(
@@ -304,7 +301,7 @@ def target_fns(
 
   def clean_forward(
     weights: ResidMlpWeights, x: Float[Array, "*b n"], wanted: tuple[str, ...]
-  ) -> tuple[Float[Array, "*b n"], dict[str, Tap]]:
+  ) -> tuple[Float[Array, "*b n"], dict[str, factored.Activation]]:
     toy_sites.check_tap_keys(wanted, tap_keys)
     weights = jax.lax.stop_gradient(weights)
     y, taps = _factored_forward(
