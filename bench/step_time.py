@@ -13,6 +13,11 @@ recipe after `--untimed_steps` untimed ones. It reports, all measured in this on
     share of the matmul rate measured in the same round;
   * CI-MLP elementwise throughput: `[B, C, d_gate]` elements per second.
 
+A recipe ending in `@N` runs data-parallel over `N` CPU devices (simulated,
+one per core: XLA runs each elementwise fusion on one core, so a single
+device leaves the others idle for most of a toy step), as `bin/train
+--local_device_count=N` does.
+
 The speed-up compares like with like only under `--matched` (default): the
 reference's toy configs train with the delta component and no faithfulness
 term, so matched rows add `--use_delta_component --faithfulness_coeff=0` to
@@ -29,6 +34,10 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from decompax.bin import placement_setup
+from decompax.placement import mesh as mesh_lib
+from decompax.placement import shardings
+from decompax.placement import table as table_lib
 from decompax.recipe import assembly, hlo_flops
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import registry
@@ -49,7 +58,8 @@ _RECIPES = flags.DEFINE_list(
   ["tms_5-2", "tms_40-10", "resid_mlp1", "tms_5-2_vpd",
    "tms_5-2_vpd+--pgd_coeff=0", "resid_mlp1_vpd", "resid_mlp1_vpd+--pgd_coeff=0"],
   "Flagfiles in flags/, each optionally followed by '+'-joined flag overrides "
-  "(the VPD rows without their PGD term give the adversary's cost).")
+  "(the VPD rows without their PGD term give the adversary's cost) and by "
+  "@N to run data-parallel over N CPU devices.")
 
 # Per-step time (ms) of the PyTorch reference implementation on a 2-core CPU
 # like this one, in its best clean configuration (allocator fixed), timed
@@ -69,11 +79,36 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 20) -> float:
   return hlo_flops.measured_matmul_rate(jnp.float32, n, repeats)
 
 
+def split_devices(name: str) -> tuple[str, int]:
+  """Return `(recipe, devices)` of `recipe[@devices]`."""
+  recipe, sep, count = name.rpartition("@")
+  if not sep:
+    return name, 1
+  if not count.isdigit() or int(count) < 1:
+    raise ValueError(f"{name!r}: the device count after @ must be a "
+                     "positive integer")
+  return recipe, int(count)
+
+
 def load_recipe(name: str) -> TrainConfig:
   """Return the config of `flags/<file>.flags` plus overrides, for
   `name = file[+--flag=value...]`."""
   file, *overrides = name.split("+")
   return read_args([f"--flagfile=flags/{file}.flags", *overrides])
+
+
+def data_parallel(devices: int) -> shardings.Placement | None:
+  """Return the ddp placement over the first `devices` devices (None for
+  one: the unplaced step, as `bin/train` builds it)."""
+  if devices == 1:
+    return None
+  present = jax.devices()
+  if len(present) < devices:
+    raise ValueError(f"@{devices} needs {devices} devices; this process "
+                     f"has {len(present)}")
+  shape = mesh_lib.mesh_shape(devices, None, None, None)
+  mesh = placement_setup.build_mesh(shape, present[:devices])
+  return shardings.Placement(mesh, table_lib.make_table("ddp"), {})
 
 
 def best_reference(name: str) -> tuple[float, str] | None:
@@ -87,18 +122,22 @@ def best_reference(name: str) -> tuple[float, str] | None:
 
 def compile_recipe(name: str, matched: bool) -> dict:
   """Return one recipe's compiled step, its state and static figures."""
+  name, devices = split_devices(name)
   config = load_recipe(name + ("+" + "+".join(MATCHED_FLAGS) if matched
                                else ""))
   toy = registry.get(config.target)
   target = toy.fns(config.c)
-  weights = toy.init(jax.random.key(0))
-  run = assembly.build_run(config, toy, target, weights)
+  run = assembly.build_run(config, toy, target, toy.init(jax.random.key(0)),
+                           placement=data_parallel(devices))
+  weights = run.weights  # on the mesh when placed
   compiled = run.built.step.lower(run.state, weights, run.data_key).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   d_gate = config.ci_hidden[0]
+  # A sharded program's cost analysis counts one device's share.
+  flops = devices * cost.get("flops", float("nan"))
   return {"compiled": compiled, "state": run.state, "weights": weights,
-          "key": run.data_key, "flops": cost.get("flops", float("nan")),
+          "key": run.data_key, "flops": flops,
           "ci_elements": config.batch_size * sum(s.c for s in target.sites)
           * d_gate}
 
@@ -125,7 +164,7 @@ def row(name: str, recipe: dict, medians: list[float], peaks: list[float],
   """Return one table row from the per-round medians and matmul rates."""
   ms = 1e3 * statistics.median(medians)
   spread = f"[{1e3 * min(medians):.2f}, {1e3 * max(medians):.2f}]"
-  reference = best_reference(name) if matched else None
+  reference = best_reference(split_devices(name)[0]) if matched else None
   if reference:
     ref_ms, dtype = reference
     ref_text = f"{ref_ms:.1f} ({dtype}) | {ref_ms / ms:.2f}×"
@@ -142,6 +181,9 @@ def row(name: str, recipe: dict, medians: list[float], peaks: list[float],
 def main(argv):
   del argv
   matched = _MATCHED.value
+  # Before the first device use, which fixes the CPU device count.
+  jax.config.update("jax_num_cpu_devices", max(
+    split_devices(name)[1] for name in _RECIPES.value))
   recipes = {name: compile_recipe(name, matched) for name in _RECIPES.value}
   medians = {name: [] for name in recipes}
   peaks = []

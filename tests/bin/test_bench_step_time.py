@@ -1,6 +1,7 @@
 """bench/step_time.py times the reference's work under --matched and takes
 the speed-up against the reference's faster dtype."""
 
+import jax
 import pytest
 
 TINY = "tms_5-2+--batch_size=16+--c=6"
@@ -33,3 +34,21 @@ def test_a_recipe_compiles_times_and_formats(bench):
   line = bench.row("tms_5-2", recipe, medians, [1e11, 1e11], matched=True)
   assert line.startswith("| tms_5-2 | ") and "26.3 (fp32) | " in line
   assert line.count("|") == 7
+
+
+def test_a_recipe_runs_data_parallel_over_the_devices_after_its_at(bench):
+  assert bench.split_devices("tms_5-2+--c=6@2") == ("tms_5-2+--c=6", 2)
+  assert bench.split_devices("tms_5-2") == ("tms_5-2", 1)
+  with pytest.raises(ValueError, match="positive integer"):
+    bench.split_devices("tms_5-2@two")
+  one = bench.compile_recipe(TINY, matched=True)
+  two = bench.compile_recipe(TINY + "@2", matched=True)
+  assert {len(leaf.sharding.device_set)
+          for leaf in jax.tree.leaves(two["state"])} == {2}
+  # Both count the whole step's FLOPs, not one device's share.
+  assert two["flops"] == pytest.approx(one["flops"], rel=0.05)
+  assert bench.time_steps(two, steps=2, warmup=1) > 0
+  line = bench.row(TINY + "@2", two, [1e-3], [1e11], matched=True)
+  assert "26.3 (fp32)" not in line  # the tiny recipe has no reference
+  assert bench.row("tms_5-2@2", two, [1e-3], [1e11],
+                   matched=True).count("26.3 (fp32) | ") == 1
