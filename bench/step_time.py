@@ -33,8 +33,8 @@ import time
 import jax
 import jax.numpy as jnp
 from absl import app, flags
+from jax.sharding import AxisType
 
-from decompax.bin import placement_setup
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -107,7 +107,9 @@ def data_parallel(devices: int) -> shardings.Placement | None:
     raise ValueError(f"@{devices} needs {devices} devices; this process "
                      f"has {len(present)}")
   shape = mesh_lib.mesh_shape(devices, None, None, None)
-  mesh = placement_setup.build_mesh(shape, present[:devices])
+  mesh = jax.make_mesh(tuple(shape.sizes.values()), table_lib.MESH_AXES,
+                       axis_types=(AxisType.Auto,) * len(table_lib.MESH_AXES),
+                       devices=present[:devices])
   return shardings.Placement(mesh, table_lib.make_table("ddp"), {})
 
 
