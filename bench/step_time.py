@@ -183,9 +183,12 @@ def row(name: str, recipe: dict, medians: list[float], peaks: list[float],
 def main(argv):
   del argv
   matched = _MATCHED.value
+  try:
+    devices = max(split_devices(name)[1] for name in _RECIPES.value)
+  except ValueError as e:
+    raise app.UsageError(f"--recipes: {e}") from None
   # Before the first device use, which fixes the CPU device count.
-  jax.config.update("jax_num_cpu_devices", max(
-    split_devices(name)[1] for name in _RECIPES.value))
+  jax.config.update("jax_num_cpu_devices", devices)
   recipes = {name: compile_recipe(name, matched) for name in _RECIPES.value}
   medians = {name: [] for name in recipes}
   peaks = []
