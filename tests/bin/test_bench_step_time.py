@@ -12,6 +12,11 @@ def bench(load_bench):
   return load_bench("step_time")
 
 
+@pytest.fixture(scope="module")
+def one_device(bench):
+  return bench.compile_recipe(TINY, matched=True)
+
+
 def test_the_speed_up_is_against_the_faster_reference_dtype(bench, monkeypatch):
   monkeypatch.setitem(bench.REFERENCE_MS, "toy", {"fp32": 30.0, "bf16": 20.0})
   assert bench.best_reference("toy") == (20.0, "bf16")
@@ -26,8 +31,8 @@ def test_matched_rows_add_the_reference_settings(bench):
                                                                        1)
 
 
-def test_a_recipe_compiles_times_and_formats(bench):
-  recipe = bench.compile_recipe(TINY, matched=True)
+def test_a_recipe_compiles_times_and_formats(bench, one_device):
+  recipe = one_device
   assert recipe["flops"] > 0
   medians = [bench.time_steps(recipe, steps=2, warmup=1) for _ in range(2)]
   assert all(m > 0 for m in medians)
@@ -36,17 +41,17 @@ def test_a_recipe_compiles_times_and_formats(bench):
   assert line.count("|") == 7
 
 
-def test_a_recipe_runs_data_parallel_over_the_devices_after_its_at(bench):
+def test_a_recipe_runs_data_parallel_over_the_devices_after_its_at(
+    bench, one_device):
   assert bench.split_devices("tms_5-2+--c=6@2") == ("tms_5-2+--c=6", 2)
   assert bench.split_devices("tms_5-2") == ("tms_5-2", 1)
   with pytest.raises(ValueError, match="positive integer"):
     bench.split_devices("tms_5-2@two")
-  one = bench.compile_recipe(TINY, matched=True)
   two = bench.compile_recipe(TINY + "@2", matched=True)
   assert {len(leaf.sharding.device_set)
           for leaf in jax.tree.leaves(two["state"])} == {2}
   # Both count the whole step's FLOPs, not one device's share.
-  assert two["flops"] == pytest.approx(one["flops"], rel=0.05)
+  assert two["flops"] == pytest.approx(one_device["flops"], rel=0.05)
   assert bench.time_steps(two, steps=2, warmup=1) > 0
   line = bench.row(TINY + "@2", two, [1e-3], [1e11], matched=True)
   assert "26.3 (fp32)" not in line  # the tiny recipe has no reference
