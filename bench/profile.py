@@ -460,6 +460,12 @@ def report(profiles: list[Profile], matched: bool, top: int) -> str:
 
 def _check_recipes(names: list[str]) -> bool:
   for name in names:
+    if "@" in name:
+      # Its limits price one device's program on one process's rates;
+      # sharded steps are only timed, by step_time.
+      raise flags.ValidationError(
+        f"{name}: the profile reads one device's step; time @N recipes "
+        "with ./dev bench step_time")
     file = name.split("+")[0]
     if not (hlo_work.ROOT / "flags" / f"{file}.flags").is_file():
       raise flags.ValidationError(f"no flagfile flags/{file}.flags")

@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import pytest
+from absl import flags
 
 TINY = "tms_5-2+--batch_size=16+--c=6"
 
@@ -207,3 +208,9 @@ def test_a_profiled_step_adds_up_and_has_a_limit(bench, tmp_path):
   assert text.count(f"| `{profile.thunks[0].name}` |") == 1
   # Thunks trace back to repository lines: the CI-MLP kernel's among them.
   assert "| core/component_mlp.py:" in text
+
+
+def test_a_data_parallel_recipe_is_refused_with_where_to_time_it(bench):
+  with pytest.raises(flags.ValidationError, match="bench step_time"):
+    bench._check_recipes(["tms_5-2@2"])
+  assert bench._check_recipes(["tms_5-2"])
