@@ -234,35 +234,3 @@ def test_a_padded_owner_decomposition_fine_tunes_unpadded(
   for key in final:
     np.testing.assert_array_equal(start[key], final[key], err_msg=key)
 
-
-def _train_process(tms_target, out, *args):
-  common = (f"--target_path={tms_target}", f"--output_dir={out}",
-            "--batch_size=64", "--c=6", "--num_steps=4", "--save_every=2",
-            "--log_every=1", "--eval_every=0", "--slow_eval_every=0",
-            "--figures_every=0")
-  result = subprocess.run(
-    [sys.executable, "-P", str(ROOT / "bin" / "train"), *common, *args],
-    cwd=ROOT, capture_output=True, text=True, timeout=600,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert result.returncode == 0, result.stderr[-2000:]
-  return result.stdout
-
-
-@pytest.mark.slow
-def test_a_cpu_run_resumes_on_more_devices_where_it_left_off(tms_target,
-                                                             tmp_path):
-  # The device count is a launch flag, not a run flag: a run stopped on one
-  # CPU device continues data-parallel over two (both cores busy) and ends
-  # where the one-device run ends. The checkpoint reads into the new
-  # shardings; the masks do not depend on the mesh (design §8).
-  moved, whole = tmp_path / "moved", tmp_path / "whole"
-  _train_process(tms_target, moved, "--stop_after_step=2")
-  log = _train_process(tms_target, moved, "--local_device_count=2")
-  assert "resumed from step 2" in log
-  _train_process(tms_target, whole)
-  ends = [run_dir.load_arrays(run / "decomposition.npz")[0]
-          for run in (moved, whole)]
-  assert ends[0].keys() == ends[1].keys()
-  for key in ends[1]:
-    np.testing.assert_allclose(ends[0][key], ends[1][key], rtol=1e-4,
-                               atol=1e-6, err_msg=key)

@@ -7,9 +7,10 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from decompax.io import checkpoint
+from decompax.io import checkpoint, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARGS = ("--target=tms_5-2", "--c=6", "--batch_size=16", "--num_steps=8",
@@ -45,6 +46,24 @@ def test_stop_then_continue_matches_one_launch(tmp_path):
   _train(straight)
   assert (split / "decomposition.npz").exists()
   assert _losses(split) == _losses(straight)
+
+
+@pytest.mark.slow
+def test_a_cpu_run_continues_on_more_devices_where_it_left_off(tmp_path):
+  # The device count is a launch flag, not a run flag: a run stopped on one
+  # CPU device continues data-parallel over two (both cores busy) and ends
+  # where the one-device launch ends. The checkpoint reads into the new
+  # shardings; the masks do not depend on the mesh (design §8).
+  moved, straight = tmp_path / "moved", tmp_path / "straight"
+  _train(moved, "--stop_after_step=4")
+  assert "resumed from step 4" in _train(moved, "--local_device_count=2")
+  _train(straight)
+  ends = [run_dir.load_arrays(run / "decomposition.npz")[0]
+          for run in (moved, straight)]
+  assert ends[0].keys() == ends[1].keys()
+  for key in ends[1]:
+    np.testing.assert_allclose(ends[0][key], ends[1][key], rtol=1e-4,
+                               atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("args, message", [
