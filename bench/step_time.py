@@ -106,7 +106,7 @@ def data_parallel(devices: int) -> shardings.Placement | None:
   if len(present) < devices:
     raise ValueError(f"@{devices} needs {devices} devices; this process "
                      f"has {len(present)}")
-  shape = mesh_lib.mesh_shape(devices, None, None, None)
+  shape = mesh_lib.mesh_shape(devices)
   mesh = jax.make_mesh(tuple(shape.sizes.values()), table_lib.MESH_AXES,
                        axis_types=(AxisType.Auto,) * len(table_lib.MESH_AXES),
                        devices=present[:devices])
