@@ -18,6 +18,12 @@ one per core: XLA runs each elementwise fusion on one core, so a single
 device leaves the others idle for most of a toy step), as `bin/train
 --local_device_count=N` does.
 
+Each recipe compiles with the XLA options `bin/train` uses by default
+(`--compiler`'s default preset, `placement/compiler.py`). `--compilers`
+times it under several presets or option lists (`;`-separated), one row
+each, interleaved in the same rounds: the like-for-like measure of a
+compile option.
+
 The speed-up compares like with like only under `--matched` (default): the
 reference's toy configs train with the delta component and no faithfulness
 term, so matched rows add `--use_delta_component --faithfulness_coeff=0` to
@@ -35,6 +41,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from jax.sharding import AxisType
 
+from decompax.placement import compiler
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -53,6 +60,10 @@ _MATCHED = flags.DEFINE_bool(
   "and show the speed-up; --nomatched times the flagfiles as shipped.")
 _WARMUP = flags.DEFINE_integer("untimed_steps", 5, "Untimed steps after "
                                "compiling, per round.")
+_COMPILERS = flags.DEFINE_string(
+  "compilers", compiler.DEFAULT, "';'-separated compile options to time each "
+  "recipe under, as bin/train's --compiler takes them (a preset: "
+  f"{', '.join(compiler.PRESETS)}, or xla_option=value pairs).")
 _RECIPES = flags.DEFINE_list(
   "recipes",
   ["tms_5-2", "tms_40-10", "resid_mlp1", "tms_5-2_vpd",
@@ -122,8 +133,10 @@ def best_reference(name: str) -> tuple[float, str] | None:
   return times[dtype], dtype
 
 
-def compile_recipe(name: str, matched: bool) -> dict:
-  """Return one recipe's compiled step, its state and static figures."""
+def compile_recipe(name: str, matched: bool,
+                   options: str = compiler.DEFAULT) -> dict:
+  """Return one recipe's compiled step (under the compile `options`, a
+  preset name or option list), its state and static figures."""
   name, devices = split_devices(name)
   config = load_recipe(name + ("+" + "+".join(MATCHED_FLAGS) if matched
                                else ""))
@@ -132,7 +145,8 @@ def compile_recipe(name: str, matched: bool) -> dict:
   run = assembly.build_run(config, toy, target, toy.init(jax.random.key(0)),
                            placement=data_parallel(devices))
   weights = run.weights  # on the mesh when placed
-  compiled = run.built.step.lower(run.state, weights, run.data_key).compile()
+  compiled = run.built.step.lower(run.state, weights, run.data_key).compile(
+    compiler.options(options))
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   d_gate = config.ci_hidden[0]
@@ -166,7 +180,9 @@ def row(name: str, recipe: dict, medians: list[float], peaks: list[float],
   """Return one table row from the per-round medians and matmul rates."""
   ms = 1e3 * statistics.median(medians)
   spread = f"[{1e3 * min(medians):.2f}, {1e3 * max(medians):.2f}]"
-  reference = best_reference(split_devices(name)[0]) if matched else None
+  # A label may end in its compile options: `recipe [options]`.
+  reference = (best_reference(split_devices(name.split(" [")[0])[0])
+               if matched else None)
   if reference:
     ref_ms, dtype = reference
     ref_text = f"{ref_ms:.1f} ({dtype}) | {ref_ms / ms:.2f}×"
@@ -189,7 +205,15 @@ def main(argv):
     raise app.UsageError(f"--recipes: {e}") from None
   # Before the first device use, which fixes the CPU device count.
   jax.config.update("jax_num_cpu_devices", devices)
-  recipes = {name: compile_recipe(name, matched) for name in _RECIPES.value}
+  try:
+    settings = [c.strip() for c in _COMPILERS.value.split(";") if c.strip()]
+    for setting in settings:
+      compiler.options(setting)
+  except ValueError as e:
+    raise app.UsageError(f"--compilers: {e}") from None
+  recipes = {(name if len(settings) == 1 else f"{name} [{setting}]"):
+             compile_recipe(name, matched, setting)
+             for name in _RECIPES.value for setting in settings}
   medians = {name: [] for name in recipes}
   peaks = []
   for round_index in range(_ROUNDS.value):

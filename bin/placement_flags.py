@@ -10,6 +10,8 @@ defined once there however the binaries' modules are imported together.
 
 from absl import flags
 
+from decompax.placement import compiler
+
 NAMES = ("replicate", "fsdp", "tp", "placement", "place", "local_device_count",
          "coordinator_address", "num_processes", "process_id", "compiler",
          "compilation_cache_dir")
@@ -55,9 +57,11 @@ def define(module_name: str,
     "process_id", None, "This process's index, 0 .. num_processes-1 (0 writes "
     "logs and figures).", **fv)
   flags.DEFINE_string(
-    "compiler", "bare", "XLA options of the step's compile: bare, tuned-v1 "
-    "(GPU collective scheduling) or xla_option=value pairs, comma-separated.",
-    **fv)
+    "compiler", compiler.DEFAULT, "XLA options of the step's compile: bare "
+    "(none), cpu512 (512-bit vector loops where the CPU has AVX-512; other "
+    "platforms ignore it), tuned-v1 (GPU collective scheduling) or "
+    "xla_option=value pairs, comma-separated. How this launch compiles, not "
+    "part of the run: a resume may change it.", **fv)
   flags.DEFINE_string(
     "compilation_cache_dir", None, "Directory of JAX's persistent "
     "compilation cache (default: none).", **fv)

@@ -21,6 +21,7 @@ from absl import flags
 from jax.sharding import AxisType, Mesh
 
 from decompax.core import slots
+from decompax.placement import compiler as compiler_lib
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -28,23 +29,10 @@ from decompax.placement import table as table_lib
 # Flags that describe one process's launch, not the run: left out of the
 # run directory's resolved flags, so every process of a run (and a resume
 # launched differently) sees the same record.
+# The compile options are among them: they change how fast the step runs,
+# and its floating-point rounding, not what it computes.
 LAUNCH_FLAGS = ("coordinator_address", "num_processes", "process_id",
-                "local_device_count", "compilation_cache_dir")
-
-# XLA options of `--compiler=tuned-v1`: GPU collective scheduling and
-# combining for sharded steps (other platforms ignore them).
-COMPILER_PRESETS: dict[str, dict[str, Any]] = {
-  "bare": {},
-  "tuned-v1": {
-    "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_enable_highest_priority_async_stream": True,
-    "xla_gpu_enable_while_loop_double_buffering": True,
-    "xla_gpu_all_reduce_combine_threshold_bytes": 134217728,
-    "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
-    "xla_gpu_reduce_scatter_combine_threshold_bytes": 134217728,
-  },
-}
-
+                "local_device_count", "compiler", "compilation_cache_dir")
 
 @dataclasses.dataclass(frozen=True)
 class PlacementConfig:
@@ -59,7 +47,7 @@ class PlacementConfig:
   coordinator_address: str | None = None
   num_processes: int | None = None
   process_id: int | None = None
-  compiler: str = "bare"
+  compiler: str = compiler_lib.DEFAULT
   compilation_cache_dir: str | None = None
 
   @property
@@ -73,33 +61,6 @@ class PlacementConfig:
     """Return whether this launch joins a multi-process run."""
     return (self.coordinator_address is not None
             or self.num_processes is not None or self.process_id is not None)
-
-
-def _parse_value(text: str) -> bool | int | float | str:
-  lowered = text.strip().lower()
-  if lowered in ("true", "false"):
-    return lowered == "true"
-  for kind in (int, float):
-    try:
-      return kind(text)
-    except ValueError:
-      pass
-  return text.strip()
-
-
-def compiler_options(text: str) -> dict[str, Any]:
-  """Return the XLA options of a preset name or of `name=value,…`."""
-  if text in COMPILER_PRESETS:
-    return dict(COMPILER_PRESETS[text])
-  options = {}
-  for item in filter(None, (i.strip() for i in text.split(","))):
-    name, sep, value = item.partition("=")
-    if not sep or not name.strip().startswith("xla_"):
-      raise ValueError(
-        f"--compiler={text!r}: use {' or '.join(COMPILER_PRESETS)} or "
-        "xla_option=value pairs separated by commas")
-    options[name.strip()] = _parse_value(value)
-  return options
 
 
 def check_compiler_options(options: dict[str, Any]) -> None:
@@ -123,7 +84,7 @@ def config_from_flags(
   values["place"] = tuple(values["place"])
   config = PlacementConfig(**values)
   config.table  # noqa: B018  (unknown categories and layouts fail here)
-  compiler_options(config.compiler)
+  compiler_lib.options(config.compiler)
   for name in ("local_device_count", "num_processes"):
     value = getattr(config, name)
     if value is not None and value < 1:
@@ -154,7 +115,7 @@ def start(config: PlacementConfig) -> None:
     jax.distributed.initialize(
       coordinator_address=None if address == "auto" else address,
       num_processes=config.num_processes, process_id=config.process_id)
-  check_compiler_options(compiler_options(config.compiler))
+  check_compiler_options(compiler_lib.options(config.compiler))
 
 
 def is_writer() -> bool:
@@ -193,7 +154,7 @@ def make_placement(
                                ("batch", "seq")[:len(lead)], lead,
                                shape.sizes)
   return shardings.Placement(build_mesh(shape), table,
-                            compiler_options(config.compiler))
+                            compiler_lib.options(config.compiler))
 
 
 def fallback_lines(

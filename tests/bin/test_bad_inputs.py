@@ -374,7 +374,7 @@ ROWS = (
   Row("cache_dir_is_file", "train", ("--compilation_cache_dir={T}/afile", OUT),
       "is a file; name a directory", setup=_touch),
   Row("compiler_unknown", "train", ("--compiler=bogus", OUT),
-      "--compiler='bogus': use bare or tuned-v1"),
+      "--compiler='bogus': use bare, cpu512, tuned-v1 or"),
   Row("place_form", "train", ("--place=bogus", OUT),
       "--place: override 'bogus' is not category:layout"),
   Row("report_no_run_dir", "report", (), "Flag --run_dir must have a value"),

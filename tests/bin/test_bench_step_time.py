@@ -57,3 +57,17 @@ def test_a_recipe_runs_data_parallel_over_the_devices_after_its_at(
   assert "26.3 (fp32)" not in line  # the tiny recipe has no reference
   assert bench.row("tms_5-2@2", two, [1e-3], [1e11],
                    matched=True).count("26.3 (fp32) | ") == 1
+
+
+def test_each_compile_setting_gets_its_own_row(bench):
+  """`--compilers` compiles a recipe once per setting, bin/train's default
+  preset when given none; the labelled row keeps its reference."""
+  from decompax.placement import compiler  # noqa: PLC0415
+  assert bench._COMPILERS.default == compiler.DEFAULT
+  bare = bench.compile_recipe(TINY, matched=True, options="bare")
+  assert bench.time_steps(bare, steps=2, warmup=1) > 0
+  line = bench.row("tms_5-2 [bare]", bare, [1e-3], [1e11], matched=True)
+  assert line.startswith("| tms_5-2 [bare] | ")
+  assert "26.3 (fp32) | 26.30×" in line
+  with pytest.raises(ValueError, match="use bare, cpu512"):
+    bench.compile_recipe(TINY, matched=True, options="fast")

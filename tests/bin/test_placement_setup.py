@@ -13,6 +13,7 @@ from absl import flags
 
 from decompax.bin import placement_setup, train, train_flags
 from decompax.io import checkpoint, run_dir
+from decompax.placement import compiler
 from decompax.targets import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def test_defaults_are_ddp_over_every_device(parse):
   assert config.placement == "ddp" and not config.distributed
   placement = placement_setup.make_placement(config, (64,))
   assert dict(placement.mesh.shape) == {"replicate": 1, "fsdp": 8, "tp": 1}
-  assert placement.compiler_options == {}
+  assert placement.compiler_options == compiler.PRESETS["cpu512"]
 
 
 def test_mesh_and_overrides_reach_the_placement(parse):
@@ -77,15 +78,9 @@ def test_placements_that_do_not_fit_are_refused(parse, args, lead, message):
     placement_setup.make_placement(parse(*args), lead)
 
 
-def test_compiler_presets_and_mappings():
-  assert placement_setup.compiler_options("bare") == {}
-  tuned = placement_setup.compiler_options("tuned-v1")
-  assert tuned["xla_gpu_enable_latency_hiding_scheduler"] is True
-  placement_setup.check_compiler_options(tuned)  # XLA knows every option
-  assert placement_setup.compiler_options(
-    "xla_gpu_enable_triton_gemm=false,xla_gpu_all_reduce_combine_threshold_"
-    "bytes=1024") == {"xla_gpu_enable_triton_gemm": False,
-                      "xla_gpu_all_reduce_combine_threshold_bytes": 1024}
+def test_xla_knows_every_preset_option():
+  for name in compiler.PRESETS:
+    placement_setup.check_compiler_options(compiler.options(name))
   with pytest.raises(ValueError, match="No such compile option"):
     placement_setup.check_compiler_options({"xla_no_such_option": 1})
 
@@ -102,11 +97,24 @@ def test_compilation_cache_dir_reaches_jax(parse, tmp_path):
     parse(f"--compilation_cache_dir={tmp_path / 'file'}")
 
 
-def test_launch_flags_stay_out_of_the_run_record(parse):
+def _recorded_run(path: pathlib.Path, flags_text: str) -> pathlib.Path:
+  path.mkdir()
+  (path / run_dir.FLAGS_FILE).write_text(flags_text)
+  return path
+
+
+def test_launch_flags_stay_out_of_the_run_record(parse, tmp_path):
   from decompax.bin import train
-  parse("--process_id=1", "--num_processes=2", "--replicate=1")
+  parse("--process_id=1", "--num_processes=2", "--replicate=1",
+        "--compiler=bare")
   text = train.resolved_flags_text()
   assert "--process_id" not in text and "--num_processes" not in text
+  # A run recorded with a compiler flag (older versions did) resumes
+  # under any: the flag no longer names part of the run.
+  assert "--compiler" not in text
+  older = _recorded_run(tmp_path / "run", text + "--compiler=tuned-v1\n")
+  run_dir.check_run_dir(older, text, overwrite=False,
+                        defaults=train.flag_defaults())
   assert "--replicate=1" in text and "--placement=ddp" in text
 
 

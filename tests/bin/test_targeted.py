@@ -201,6 +201,7 @@ def _one_device_placement():
   """Return bin/train's default placement on one device, as the run's
   subprocess had: its step compiles to the same program (a step without
   the placement's sharding constraints may fuse, and round, differently)."""
+  from decompax.placement import compiler  # noqa: PLC0415
   from decompax.placement import mesh as mesh_lib  # noqa: PLC0415
   from decompax.placement import shardings  # noqa: PLC0415
   config = placement_setup.PlacementConfig()
@@ -208,7 +209,7 @@ def _one_device_placement():
     mesh_lib.mesh_shape(1, config.replicate, config.fsdp, config.tp),
     jax.devices()[:1])
   return shardings.Placement(mesh, config.table,
-                             placement_setup.compiler_options(config.compiler))
+                             compiler.options(config.compiler))
 
 
 def test_a_targeted_run_restored_at_step_2_steps_to_its_saved_step_4(
@@ -226,15 +227,18 @@ def test_a_targeted_run_restored_at_step_2_steps_to_its_saved_step_4(
                   early / checkpoint.step_name(2))
   config = parse(*TPD, f"--target_path={target_path}",
                  f"--output_dir={tmp_path / 'run'}")
-  prepared = train.setup(config, _one_device_placement())
+  placement = _one_device_placement()
+  prepared = train.setup(config, placement)
   run = assembly.start(prepared.plan, prepared.weights)
   parts = prepared.plan.parts
   args = (parts.target.sites, parts.ci_config, parts.term_names)
   step, state = resume.restore_state(str(early), run.state, *args,
                                      report=lambda line: None)
   assert step == 2
+  # Compiled as bin/train compiles it, with the launch's compile options.
+  compiled = train.compile_step(run, 2, placement)
   for done in (2, 3):
-    state, _ = run.built.step(state, run.weights, run.step_inputs(done))
+    state, _ = compiled(state, run.weights, run.step_inputs(done))
   saved_dir = tmp_path / "late"
   saved_dir.mkdir()
   shutil.copytree(out / "checkpoints" / checkpoint.step_name(4),
