@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from decompax.placement import compiler
 from decompax.recipe import assembly, lm
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import registry
@@ -73,7 +74,7 @@ def time_compile(run: assembly.Run) -> tuple[float, float]:
   start = time.perf_counter()
   lowered = run.built.step.lower(run.state, run.weights, run.data_key)
   lowered_at = time.perf_counter()
-  lowered.compile()
+  lowered.compile(compiler.options(compiler.DEFAULT))  # as bin/train does
   return lowered_at - start, time.perf_counter() - lowered_at
 
 
