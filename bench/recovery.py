@@ -16,13 +16,10 @@ faithfulness loss and the summed wall time of its launches. A cell
 *recovers* when every site's pattern error is 0. Results go to
 `<out_dir>/<variant>/recovery.md` and `recovery.json`.
 
-With `--restarts=K --select_at=R` a cell is a selection among K candidate
-runs (seeds `seed + 1000·j`, directories `<cell>_r<j>`): each trains to
-step R of its schedule (`bin/train --stop_after_step`), the one with the
-lowest held-out training loss at R (`eval/loss/total`, never a recovery
-metric; every candidate scores on the same held-out batches, those of the
-cell's seed, through `--eval_seed`) continues to the end, and the cell is measured on it. The choice
-is recorded beside the runs, so a rerun continues the same candidate.
+A cell run with `--extra=--restarts=K,--select_at=R` is a `bin/train`
+selection (bin/restarts.py): K candidates to step R, the lowest held-out
+loss continues. The cell is measured on the chosen candidate's run, its
+table row names the candidate, and its wall time is the whole selection's.
 """
 
 import concurrent.futures
@@ -58,12 +55,6 @@ _EXTRA = flags.DEFINE_list(
   "`--extra=--faithfulness_warmup_steps=200`.")
 _JOBS = flags.DEFINE_integer(
   "jobs", max(1, (os.cpu_count() or 1)), "Runs at once (at most the cores).")
-_RESTARTS = flags.DEFINE_integer(
-  "restarts", 1, "Candidate runs per cell, chosen among by the held-out "
-  "loss at --select_at (1: no restarts).")
-_SELECT_AT = flags.DEFINE_integer(
-  "select_at", 0, "Step at which the candidates' losses are compared (a "
-  "multiple of the recipe's --save_every and --eval_every).")
 _OUT_DIR = flags.DEFINE_string(
   "out_dir", str(ROOT / "runs" / "recovery"), "Where runs and tables go.")
 
@@ -101,23 +92,28 @@ def _add_wall(directory: pathlib.Path, seconds: float) -> float:
   return total
 
 
+def final_run(directory: pathlib.Path) -> tuple[pathlib.Path, dict | None]:
+  """Return the directory of the cell's final run and, for a `--restarts`
+  cell that has chosen, its choice record: the chosen candidate's run."""
+  path = directory / run_dir.CHOICE_FILE
+  if not path.exists():
+    return directory, None
+  choice = json.loads(path.read_text())
+  return (directory / run_dir.CANDIDATES_DIR / f"r{choice['chosen']}",
+          choice)
+
+
 def run_cell(variant_dir: pathlib.Path, name: str, seed: int,
-             extra: list[str], say, directory: pathlib.Path | None = None,
-             stop_at: int = 0) -> None:
-  """Run (or resume) one cell's run to completion, or to step `stop_at`;
-  raise on a failed run."""
-  directory = directory or cell_dir(variant_dir, name, seed)
-  if (directory / "decomposition.npz").exists():
+             extra: list[str], say) -> None:
+  """Run (or resume) one cell's run to completion; raise on a failed run."""
+  directory = cell_dir(variant_dir, name, seed)
+  if (final_run(directory)[0] / "decomposition.npz").exists():
     return
-  if stop_at and held_out_loss(directory, stop_at) is not None:
-    return
-  stop = [f"--stop_after_step={stop_at}"] if stop_at else []
   command = [sys.executable, "-P", str(ROOT / "bin" / "train"),
              f"--flagfile={ROOT / 'flags' / f'{name}.flags'}",
-             f"--seed={seed}", f"--output_dir={directory}", *extra, *stop]
+             f"--seed={seed}", f"--output_dir={directory}", *extra]
   log = directory.with_suffix(".log")
-  say(f"[recovery] start {directory.name}"
-      f"{f' to step {stop_at}' if stop_at else ''} (log {log})")
+  say(f"[recovery] start {directory.name} (log {log})")
   start = time.time()
   with open(log, "a") as out:
     code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT,
@@ -130,47 +126,7 @@ def run_cell(variant_dir: pathlib.Path, name: str, seed: int,
 
 def held_out_loss(directory: pathlib.Path, step: int) -> float | None:
   """Return the run's held-out total loss at `step`, None before it."""
-  path = directory / "metrics.jsonl"
-  if not path.exists():
-    return None
-  for record in run_dir.read_metrics(path):
-    if record.get("step") == step and "eval/loss/total" in record:
-      return float(record["eval/loss/total"])
-  return None
-
-
-def run_restarts(variant_dir: pathlib.Path, name: str, seed: int,
-                 extra: list[str], say, restarts: int,
-                 select_at: int) -> tuple[pathlib.Path, dict]:
-  """Run the cell's candidates to `select_at`, continue the one with the
-  lowest held-out loss there to the end; return its directory and the
-  selection record (written beside the runs, and reused on a rerun)."""
-  base = cell_dir(variant_dir, name, seed)
-  extra = [*extra, f"--eval_seed={seed}"]
-  choice_path = base.with_suffix(".choice.json")
-  if choice_path.exists():
-    choice = json.loads(choice_path.read_text())
-  else:
-    losses = {}
-    for j in range(restarts):
-      directory = base.with_name(f"{base.name}_r{j}")
-      run_cell(variant_dir, name, seed + 1000 * j, extra, say, directory,
-               select_at)
-      losses[j] = held_out_loss(directory, select_at)
-      if losses[j] is None:
-        raise RuntimeError(f"{directory.name} logged no held-out loss at "
-                           f"step {select_at}; make --select_at a multiple "
-                           "of the recipe's --eval_every")
-    best = min(losses, key=losses.get)
-    choice = {"chosen": best, "seed": seed + 1000 * best,
-              "select_at": select_at, "losses": losses}
-    choice_path.write_text(json.dumps(choice, indent=1) + "\n")
-    say(f"[recovery] {name} seed {seed}: candidate {best} chosen at step "
-        f"{select_at} (held-out losses "
-        + ", ".join(f"{v:.4e}" for v in losses.values()) + ")")
-  chosen = base.with_name(f"{base.name}_r{choice['chosen']}")
-  run_cell(variant_dir, name, choice["seed"], extra, say, chosen)
-  return chosen, choice
+  return run_dir.metric_at(directory, step, "eval/loss/total")
 
 
 def _final_faithfulness(directory: pathlib.Path) -> float:
@@ -180,8 +136,10 @@ def _final_faithfulness(directory: pathlib.Path) -> float:
   return value
 
 
-def measure_cell(directory: pathlib.Path, name: str) -> dict:
-  """Return the cell's per-site recovery metrics from its finished run."""
+def measure_cell(cell: pathlib.Path, name: str) -> dict:
+  """Return the cell's per-site recovery metrics from its finished run
+  (under --restarts, the chosen candidate's, with the choice)."""
+  directory, choice = final_run(cell)
   decomposition = decomposition_lib.load_npz(directory / "decomposition.npz")
   arrays, meta = run_dir.load_arrays(directory / "target.npz")
   toy = registry.get(meta["target"])
@@ -207,11 +165,15 @@ def measure_cell(directory: pathlib.Path, name: str) -> dict:
       row.update(mmcs=scalars[f"mmcs/{site.name}"],
                  ml2r=scalars[f"ml2r/{site.name}"])
     per_site[site.name] = row
-  wall = directory.with_suffix(".wall")
-  return {"flagfile": name, "sites": per_site,
-          "recovered": all(r["error"] == 0 for r in per_site.values()),
-          "faithfulness": _final_faithfulness(directory),
-          "wall_s": float(wall.read_text()) if wall.exists() else None}
+  # The cell's launches, every candidate's time included.
+  wall = cell.with_suffix(".wall")
+  result = {"flagfile": name, "sites": per_site,
+            "recovered": all(r["error"] == 0 for r in per_site.values()),
+            "faithfulness": _final_faithfulness(directory),
+            "wall_s": float(wall.read_text()) if wall.exists() else None}
+  if choice is not None:
+    result["selection"] = choice
+  return result
 
 
 def _site_cell(row: dict) -> str:
@@ -283,9 +245,6 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   if _JOBS.value < 1:
     raise app.UsageError("--jobs must be at least 1")
-  if _RESTARTS.value < 1 or (_RESTARTS.value > 1) != (_SELECT_AT.value > 0):
-    raise app.UsageError("--restarts above 1 needs --select_at > 0, and "
-                         "--select_at needs --restarts above 1")
   cells = parse_grid(_GRID.value)
   variant_dir = pathlib.Path(_OUT_DIR.value) / _VARIANT.value
   variant_dir.mkdir(parents=True, exist_ok=True)
@@ -299,18 +258,8 @@ def main(argv):
 
   def one(cell):
     name, seed = cell
-    if _RESTARTS.value > 1:
-      directory, choice = run_restarts(variant_dir, name, seed, _EXTRA.value,
-                                       say, _RESTARTS.value, _SELECT_AT.value)
-      result = {**measure_cell(directory, name), "selection": choice}
-      # The cell's cost is every candidate's, not only the one kept.
-      walls = [d.with_suffix(".wall") for d in
-               directory.parent.glob(f"{name}_s{seed}_r*") if d.is_dir()]
-      result["wall_s"] = sum(float(w.read_text()) for w in walls
-                             if w.exists())
-    else:
-      run_cell(variant_dir, name, seed, _EXTRA.value, say)
-      result = measure_cell(cell_dir(variant_dir, name, seed), name)
+    run_cell(variant_dir, name, seed, _EXTRA.value, say)
+    result = measure_cell(cell_dir(variant_dir, name, seed), name)
     with lock:
       results[cell] = result
       write_tables(variant_dir, results, _VARIANT.value, _EXTRA.value)

@@ -16,14 +16,14 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from decompax.bin import checkpointing, cli, placement_setup
+from decompax.bin import checkpointing, cli, placement_setup, restarts
 from decompax.bin import run_records, tokens_text, train_flags, wandb_sink
 from decompax.core import health, probe, sites as sites_lib, slots
 from decompax.io import checkpoint, decomposition, figures, run_dir
 from decompax.placement import shardings, transfer
 from decompax.recipe import (
   assembly, engine, evaluation, lm, streams, terms, token_data)
-from decompax.recipe.config import TrainConfig, setting
+from decompax.recipe.config import TrainConfig, held_out_seed, setting
 from decompax.targets import registry
 
 # Flags a launch may change without changing the run (flags.txt omits them).
@@ -166,6 +166,8 @@ class Prepared(NamedTuple):
   weights: Any
   output_dir: str
   placement: shardings.Placement | None = None
+  # The writer's open lock on output_dir (None on other processes).
+  lock: int | None = None
 
   @property
   def config(self) -> TrainConfig:
@@ -212,11 +214,11 @@ def setup(config: TrainConfig, placement=None) -> Prepared:
   if writer:
     with output_dir_named():
       if lock is None:
-        run_dir.lock_run_dir(output_dir)
+        lock = run_dir.lock_run_dir(output_dir)
       run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite,
                               flag_defaults())
     save_cache()
-  return Prepared(planned, weights, output_dir, placement)
+  return Prepared(planned, weights, output_dir, placement, lock)
 
 
 @contextlib.contextmanager
@@ -336,6 +338,85 @@ def train(prepared: Prepared):
            prepared.weights, state, output_dir, loop.metrics_path)
     evaluation.write_final_report(output_dir)
     sink.close(os.path.join(output_dir, "figures"))
+
+
+def prepare_selection(config: TrainConfig) -> tuple[str, int]:
+  """Return the directory of a `--restarts` run, checked against a run
+  already there (same flags: a resume) and holding its flags, and the open
+  lock this process holds on it."""
+  if jax.process_count() > 1:
+    raise ValueError("--restarts runs its candidates in one process; launch "
+                     "it without --num_processes")
+  output_dir = restarts.parent_dir(config)
+  flags_text = resolved_flags_text()
+  with output_dir_named():
+    run_dir.check_run_dir(output_dir, flags_text, config.overwrite,
+                          flag_defaults())
+    lock = run_dir.lock_run_dir(output_dir)
+    run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite,
+                            flag_defaults())
+  os.makedirs(os.path.join(output_dir, run_dir.CANDIDATES_DIR), exist_ok=True)
+  return output_dir, lock
+
+
+def run_candidate(config: TrainConfig, placement, output_dir: str,
+                  index: int, stop_at: int) -> None:
+  """Train (or resume) candidate `index`, to `stop_at` when nonzero."""
+  with restarts.candidate_flags(config, output_dir, index, stop_at):
+    candidate = train_flags.config_from_flags()
+    try:
+      prepared = setup(candidate, placement)
+    except ValueError as e:
+      raise restarts.SelectionError(
+        f"restart candidate {index}: {e}") from None
+    try:
+      train(prepared)
+    finally:
+      # This process opens the candidate again to continue it.
+      if prepared.lock is not None:
+        os.close(prepared.lock)
+
+
+def select_candidate(config: TrainConfig, placement, output_dir: str) -> dict:
+  """Return the recorded choice, first training each candidate to
+  --select_at and choosing by held-out loss if none was made."""
+  choice = restarts.read_choice(output_dir)
+  if choice is not None:
+    return choice
+  step, losses = config.select_at, {}
+  for index in range(config.restarts):
+    directory = restarts.candidate_dir(output_dir, index)
+    losses[index] = restarts.held_out_loss(directory, step)
+    if losses[index] is None:
+      print(f"[restarts] candidate {index} (seed "
+            f"{restarts.candidate_seed(config.seed, index)}) to step {step} "
+            f"in {directory}", flush=True)
+      try:
+        run_candidate(config, placement, output_dir, index, step)
+      except checkpointing.Diverged as e:
+        print(f"[restarts] candidate {index} left out: {e}", flush=True)
+      losses[index] = restarts.held_out_loss(directory, step)
+  chosen = restarts.choose(losses)
+  choice = {"chosen": chosen, "seed": restarts.candidate_seed(config.seed,
+                                                              chosen),
+            "select_at": step, "metric": restarts.SELECTION_METRIC,
+            "held_out_seed": held_out_seed(config),
+            "losses": {str(j): loss for j, loss in losses.items()}}
+  restarts.write_choice(output_dir, choice)
+  shown = ", ".join("diverged" if loss is None else f"{loss:.4e}"
+                    for loss in losses.values())
+  print(f"[restarts] held-out losses at step {step}: {shown}; candidate "
+        f"{chosen} continues", flush=True)
+  return choice
+
+
+def train_with_restarts(config: TrainConfig, placement,
+                        output_dir: str) -> None:
+  """Run a `--restarts` selection to the end (bin/restarts.py)."""
+  chosen = select_candidate(config, placement, output_dir)["chosen"]
+  run_candidate(config, placement, output_dir, chosen, 0)
+  print(f"[restarts] the run is candidate {chosen}: "
+        f"{restarts.candidate_dir(output_dir, chosen)}")
 
 
 def print_warmup(config, warmup_losses: jax.Array) -> None:
@@ -508,13 +589,21 @@ def main(argv: list[str]) -> None:
     placement_setup.start(placement_config)
     placement = placement_setup.make_placement(
       placement_config, *placement_batches(config))
-    prepared = setup(config, placement)
+    if config.restarts > 1:
+      selection_dir, _ = prepare_selection(config)
+    else:
+      prepared = setup(config, placement)
   except (ValueError, ImportError) as e:
     fail(str(e))
   except OSError as e:  # the disk filled or vanished under the setup
     fail(write_refusal(e.filename or config.output_dir, e))
   try:
-    train(prepared)
+    if config.restarts > 1:
+      train_with_restarts(config, placement, selection_dir)
+    else:
+      train(prepared)
+  except restarts.SelectionError as e:
+    fail(str(e))
   except checkpoint.CheckpointError as e:
     fail(str(e))
   except checkpointing.Diverged as e:

@@ -240,6 +240,17 @@ _EVAL_SEED = flags.DEFINE_integer(
   "eval_seed", _D.eval_seed,
   "Seed of the held-out eval batches (default: --seed). Runs compared by "
   "their held-out losses, e.g. restarts with different --seed, share one.")
+_RESTARTS = flags.DEFINE_integer(
+  "restarts", _D.restarts,
+  "Candidate runs to choose among (1: none). Candidate j trains with seed "
+  "--seed + 1000·j in <output_dir>/candidates/r<j> up to --select_at; the one "
+  "with the lowest held-out total loss there (all scored on the held-out "
+  "batches of --eval_seed, default --seed) continues to --num_steps. The "
+  "choice reads the loss only, never a recovery metric.")
+_SELECT_AT = flags.DEFINE_integer(
+  "select_at", _D.select_at,
+  "Step at which --restarts candidates are compared; a multiple of "
+  "--save_every and --eval_every inside the schedule.")
 _WARMUP_STEPS = flags.DEFINE_integer(
   "faithfulness_warmup_steps", _D.faithfulness_warmup_steps,
   "Faithfulness-only AdamW steps first (the SPD paper's recipes take none).")
@@ -754,6 +765,37 @@ def _validate_run(config: TrainConfig) -> None:
   checkpointing.parse_init_from(config.init_from)
   run_records.parse_profile_steps(config.profile_steps, config.num_steps)
   _validate_stop(config)
+  _validate_restarts(config)
+
+
+def _validate_restarts(config: TrainConfig) -> None:
+  """Raise ValueError unless --restarts and --select_at make a selection
+  that is saved and evaluated at the chosen step (or ask for none)."""
+  _positive("restarts", config.restarts)
+  select = config.select_at
+  if config.restarts == 1:
+    if select:
+      raise ValueError(f"--select_at={select} compares restart candidates; "
+                       "set --restarts above 1 or drop --select_at")
+    return
+  if not 0 < select < config.num_steps:
+    raise ValueError(f"--restarts={config.restarts} needs --select_at in "
+                     f"(0, --num_steps={config.num_steps}), the step at "
+                     "which the candidates are compared")
+  if not config.eval_every or select % config.eval_every:
+    raise ValueError(f"--select_at={select} must be a multiple of "
+                     f"--eval_every={config.eval_every}, so every candidate "
+                     "has a held-out loss there")
+  if config.checkpointing != "periodic" or select % config.save_every:
+    raise ValueError(f"--select_at={select} must be a multiple of "
+                     f"--save_every={config.save_every} with periodic "
+                     "checkpointing, so the chosen candidate continues")
+  if config.stop_after_step:
+    raise ValueError("--stop_after_step stops one run; a --restarts run "
+                     "resumes by rerunning its command instead")
+  if config.init_from:
+    raise ValueError("--restarts starts candidates from fresh seeds; with "
+                     "--init_from they would share one start: drop one")
 
 
 def _validate_stop(config: TrainConfig) -> None:

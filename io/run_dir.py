@@ -36,9 +36,12 @@ FLAGS_FILE = "flags.txt"
 METRICS_FILE = "metrics.jsonl"
 # Entries a run writes; overwriting a run removes these and nothing else,
 # so a mistyped run directory never loses files the run did not create.
+# A `--restarts` run's candidate runs and its record of the one it kept.
+CANDIDATES_DIR = "candidates"
+CHOICE_FILE = "restarts.json"
 RUN_ENTRIES = (FLAGS_FILE, METRICS_FILE, "figures", "decomposition.npz",
                "target.npz", "checkpoints", "run_info.json", "profile",
-               "NO_CHECKPOINTS", "report")
+               "NO_CHECKPOINTS", "report", CANDIDATES_DIR, CHOICE_FILE)
 # Held by the live run's writer; never in RUN_ENTRIES, so an overwrite
 # keeps it and cannot take a live run's directory.
 LOCK_FILE = ".lock"
@@ -395,6 +398,15 @@ def read_metrics(path: Path) -> list[dict]:
   with open(path, encoding="utf-8", errors="replace") as f:
     records = [_parse_record(line) for line in f if line.strip()]
   return [r for r in records if r is not None]
+
+
+def metric_at(directory: Path, step: int, key: str) -> float | None:
+  """Return the run's metric `key` logged at `step`, None where it has none
+  (not there yet)."""
+  for record in read_metrics(os.path.join(directory, METRICS_FILE)):
+    if record.get("step") == step and key in record:
+      return float(record[key])
+  return None
 
 
 def _write_npy(zf: zipfile.ZipFile, key: str, array: np.ndarray) -> None:

@@ -82,6 +82,8 @@ class TrainConfig:
   batch_size: int = 4096
   seed: int = 2
   eval_seed: int | None = None
+  restarts: int = 1
+  select_at: int = 0
   faithfulness_warmup_steps: int = 0
   faithfulness_warmup_lr: float = 0.01
   faithfulness_warmup_weight_decay: float = 0.1

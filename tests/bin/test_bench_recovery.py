@@ -68,28 +68,24 @@ def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
 
 
 @pytest.mark.slow
-def test_restarts_continue_the_candidate_with_the_lowest_held_out_loss(
-    bench, tmp_path):
+def test_a_restarts_cell_is_measured_on_the_chosen_candidate(bench, tmp_path):
   said = []
-  extra = SHORT + ["--save_every=20"]
-  directory, choice = bench.run_restarts(tmp_path, "tms_5-2", 5, extra,
-                                         said.append, restarts=2,
-                                         select_at=20)
+  extra = SHORT + ["--save_every=20", "--restarts=2", "--select_at=20"]
+  bench.run_cell(tmp_path, "tms_5-2", 5, extra, said.append)
+  cell = bench.cell_dir(tmp_path, "tms_5-2", 5)
+  directory, choice = bench.final_run(cell)
   losses = {int(k): v for k, v in choice["losses"].items()}
-  assert set(losses) == {0, 1} and choice["select_at"] == 20
   assert choice["chosen"] == min(losses, key=losses.get)
-  assert choice["seed"] == 5 + 1000 * choice["chosen"]
-  assert directory.name == f"tms_5-2_s5_r{choice['chosen']}"
+  assert directory == cell / "candidates" / f"r{choice['chosen']}"
   assert (directory / "decomposition.npz").exists()
-  other = tmp_path / f"tms_5-2_s5_r{1 - choice['chosen']}"
-  assert not (other / "decomposition.npz").exists()  # stopped at 20
   for j in (0, 1):
-    run = tmp_path / f"tms_5-2_s5_r{j}"
+    run = cell / "candidates" / f"r{j}"
     assert bench.held_out_loss(run, 20) == pytest.approx(losses[j])
     # Scored on the cell seed's held-out batches, not the candidate's own.
     assert "--eval_seed=5" in (run / "flags.txt").read_text().split()
-  # A rerun reads the recorded choice and launches nothing.
+  result = bench.measure_cell(cell, "tms_5-2")
+  assert result["selection"] == choice and result["wall_s"] > 0
+  # A rerun reads the finished cell and launches nothing.
   said.clear()
-  assert bench.run_restarts(tmp_path, "tms_5-2", 5, extra, said.append,
-                            restarts=2, select_at=20)[0] == directory
+  bench.run_cell(tmp_path, "tms_5-2", 5, extra, said.append)
   assert said == []

@@ -228,6 +228,17 @@ def test_metrics_missing_file_reads_empty(tmp_path):
   assert run_dir.read_metrics(tmp_path / "none.jsonl") == []
 
 
+def test_a_metric_is_read_at_its_step_or_not_at_all(tmp_path):
+  path = tmp_path / run_dir.METRICS_FILE
+  run_dir.append_metrics(path, {"step": 2, "loss/a": 0.5})
+  run_dir.append_metrics(path, {"step": 2, "eval/b": 0.25})
+  run_dir.append_metrics(path, {"step": 4, "loss/a": 0.125})
+  assert run_dir.metric_at(tmp_path, 2, "eval/b") == 0.25
+  assert run_dir.metric_at(tmp_path, 4, "loss/a") == 0.125
+  assert run_dir.metric_at(tmp_path, 4, "eval/b") is None
+  assert run_dir.metric_at(tmp_path / "absent", 2, "loss/a") is None
+
+
 def test_metrics_rejects_non_scalar(tmp_path):
   with pytest.raises(TypeError):
     run_dir.append_metrics(tmp_path / "m.jsonl", {"x": np.ones(3)})
