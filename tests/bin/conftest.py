@@ -78,6 +78,18 @@ def parse():
   flags.FLAGS.mark_as_parsed()
 
 
+@pytest.fixture(scope="module")
+def tms_target(tmp_path_factory):
+  """An untrained TMS 5-2 saved as a cached target (`--target_path`), for
+  tests whose runs do not depend on the weights' values."""
+  toy = registry.get("tms_5-2")
+  path = tmp_path_factory.mktemp("target") / "target.npz"
+  run_dir.save_arrays(str(path),
+                      toy.weights_to_arrays(toy.init(jax.random.key(0))),
+                      {"target": toy.name, "target_seed": toy.default_seed})
+  return path
+
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Flagfiles that need a downloaded checkpoint and an accelerator.
 NOT_CPU_SIZED = {"l18", "l18_addsub_tpd"}

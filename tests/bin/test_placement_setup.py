@@ -14,7 +14,6 @@ from absl import flags
 from decompax.bin import placement_setup, train, train_flags
 from decompax.io import checkpoint, run_dir
 from decompax.placement import compiler
-from decompax.targets import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -129,18 +128,6 @@ def test_binary_reports_a_bad_mesh_in_one_line(tmp_path):
   assert len(lines) == 1 and lines[0].startswith("train: error:")
   assert "spans 2 devices but 1 are present" in lines[0]
   assert not (tmp_path / "run").exists()
-
-
-@pytest.fixture(scope="module")
-def tms_target(tmp_path_factory):
-  """An untrained TMS 5-2 saved as a cached target (placement ignores the
-  weights' values)."""
-  toy = registry.get("tms_5-2")
-  path = tmp_path_factory.mktemp("target") / "target.npz"
-  run_dir.save_arrays(str(path),
-                      toy.weights_to_arrays(toy.init(jax.random.key(0))),
-                      {"target": toy.name, "target_seed": toy.default_seed})
-  return path
 
 
 def _setup_args(parse, tms_target, out, *args):

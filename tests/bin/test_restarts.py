@@ -4,12 +4,10 @@ loss continues, and a rerun resumes the selection."""
 import json
 import os
 
-import jax
 import pytest
 
 from decompax.bin import checkpointing, placement_setup, restarts, train
 from decompax.io import run_dir
-from decompax.targets import registry
 
 TINY = ("--target=tms_5-2", "--batch_size=16", "--c=6", "--ci_hidden=4",
         "--num_steps=4", "--eval_every=2", "--save_every=2", "--log_every=1",
@@ -17,20 +15,9 @@ TINY = ("--target=tms_5-2", "--batch_size=16", "--c=6", "--ci_hidden=4",
         "--eval_pgd_steps=1", "--noslow_on_first_step")
 
 
-@pytest.fixture(scope="module")
-def target_path(tmp_path_factory):
-  """An untrained TMS 5-2 saved as the candidates' shared cached target."""
-  toy = registry.get("tms_5-2")
-  path = tmp_path_factory.mktemp("target") / "target.npz"
-  run_dir.save_arrays(str(path),
-                      toy.weights_to_arrays(toy.init(jax.random.key(0))),
-                      {"target": toy.name, "target_seed": toy.default_seed})
-  return path
-
-
-def _launch(parse, target_path, out, *args):
+def _launch(parse, tms_target, out, *args):
   """Run bin/train's restarts path in-process; return the config."""
-  config = parse(*TINY, f"--target_path={target_path}",
+  config = parse(*TINY, f"--target_path={tms_target}",
                  f"--output_dir={out}", "--restarts=3", "--select_at=2",
                  *args)
   placement = placement_setup.make_placement(
@@ -49,9 +36,9 @@ def _steps(directory) -> list[int]:
 
 
 def test_the_lowest_held_out_loss_continues_and_a_rerun_resumes(
-    parse, target_path, tmp_path, monkeypatch, capsys):
+    parse, tms_target, tmp_path, monkeypatch, capsys):
   out = tmp_path / "run"
-  config = parse(*TINY, f"--target_path={target_path}", f"--output_dir={out}",
+  config = parse(*TINY, f"--target_path={tms_target}", f"--output_dir={out}",
                  "--restarts=3", "--select_at=2")
   placement = placement_setup.make_placement(
     placement_setup.config_from_flags(), (config.batch_size,))
@@ -77,7 +64,7 @@ def test_the_lowest_held_out_loss_continues_and_a_rerun_resumes(
     original(config, placement, output_dir, index, stop_at)
 
   monkeypatch.setattr(train, "run_candidate", recording)
-  _launch(parse, target_path, out)
+  _launch(parse, tms_target, out)
   assert trained == [(choice["chosen"], 0)]
   assert json.loads((out / run_dir.CHOICE_FILE).read_text()) == choice
   for j in range(3):
@@ -93,11 +80,11 @@ def test_the_lowest_held_out_loss_continues_and_a_rerun_resumes(
   assert "--restarts=3\n" in (out / run_dir.FLAGS_FILE).read_text()
   # The finished selection is refused on a rerun, naming --overwrite.
   with pytest.raises(restarts.SelectionError, match="--overwrite"):
-    _launch(parse, target_path, out)
+    _launch(parse, tms_target, out)
 
 
 def test_a_diverged_candidate_is_left_out_of_the_choice(
-    parse, target_path, tmp_path, monkeypatch):
+    parse, tms_target, tmp_path, monkeypatch):
   out = tmp_path / "run"
   original = train.run_candidate
 
@@ -107,7 +94,7 @@ def test_a_diverged_candidate_is_left_out_of_the_choice(
     original(config, placement, output_dir, index, stop_at)
 
   monkeypatch.setattr(train, "run_candidate", diverging_first)
-  _launch(parse, target_path, out, "--restarts=2")
+  _launch(parse, tms_target, out, "--restarts=2")
   choice = json.loads((out / run_dir.CHOICE_FILE).read_text())
   assert choice["losses"]["0"] is None and choice["chosen"] == 1
   with pytest.raises(restarts.SelectionError, match="all 2 restart "):
