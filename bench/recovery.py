@@ -95,12 +95,10 @@ def _add_wall(directory: pathlib.Path, seconds: float) -> float:
 def final_run(directory: pathlib.Path) -> tuple[pathlib.Path, dict | None]:
   """Return the directory of the cell's final run and, for a `--restarts`
   cell that has chosen, its choice record: the chosen candidate's run."""
-  path = directory / run_dir.CHOICE_FILE
-  if not path.exists():
+  final = pathlib.Path(run_dir.chosen_run(directory))
+  if final == directory:
     return directory, None
-  choice = json.loads(path.read_text())
-  return (directory / run_dir.CANDIDATES_DIR / f"r{choice['chosen']}",
-          choice)
+  return final, json.loads((directory / run_dir.CHOICE_FILE).read_text())
 
 
 def run_cell(variant_dir: pathlib.Path, name: str, seed: int,

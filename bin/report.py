@@ -7,7 +7,7 @@ a finished or a running run; open it in any browser.
 from absl import flags, logging
 
 from decompax.bin import cli
-from decompax.io import report
+from decompax.io import report, run_dir
 
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "Run directory (the --output_dir of bin/train).",
@@ -24,7 +24,8 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
   try:
-    path = report.write_report(_RUN_DIR.value)
+    # A --restarts run reports on its chosen candidate.
+    path = report.write_report(run_dir.chosen_run(_RUN_DIR.value))
   except ValueError as e:
     fail(f"--run_dir: {e}; pass a directory bin/train wrote (its "
          "--output_dir)")

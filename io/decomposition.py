@@ -131,12 +131,13 @@ def load_decomposition(path: Path, sharding: Any = None) -> Decomposition:
 
   `path` is a step directory, a checkpoint directory or a run directory
   (then its newest readable, finite step; damaged or non-finite newer ones
-  are skipped with a warning). A step directory named directly is loaded
+  are skipped with a warning; a `--restarts` run's is its chosen
+  candidate's). A step directory named directly is loaded
   even when it holds NaN or infinity, with a warning. Arrays are placed
   with `sharding` (one Sharding or a tree like the item), else on the first
   device. Raises CheckpointError.
   """
-  path = os.fspath(path)
+  path = run_dir.chosen_run(path)
   if os.path.isfile(os.path.join(path, checkpoint.INDEX_FILE)):
     return _load_step(path, sharding)
   for directory in (os.path.join(path, checkpoint.CHECKPOINT_DIR), path):

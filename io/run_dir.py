@@ -400,6 +400,18 @@ def read_metrics(path: Path) -> list[dict]:
   return [r for r in records if r is not None]
 
 
+def chosen_run(path: Path) -> str:
+  """Return the run a directory stands for: itself, or for a `--restarts`
+  run that has chosen, the chosen candidate's directory."""
+  path = os.fspath(path)
+  choice = os.path.join(path, CHOICE_FILE)
+  if not os.path.isfile(choice):
+    return path
+  with open(choice, encoding="utf-8") as f:
+    chosen = json.load(f)["chosen"]
+  return os.path.join(path, CANDIDATES_DIR, f"r{chosen}")
+
+
 def metric_at(directory: Path, step: int, key: str) -> float | None:
   """Return the run's metric `key` logged at `step`, None where it has none
   (not there yet)."""

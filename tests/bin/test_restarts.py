@@ -7,7 +7,7 @@ import os
 import pytest
 
 from decompax.bin import checkpointing, placement_setup, restarts, train
-from decompax.io import run_dir
+from decompax.io import load_decomposition, run_dir
 
 TINY = ("--target=tms_5-2", "--batch_size=16", "--c=6", "--ci_hidden=4",
         "--num_steps=4", "--eval_every=2", "--save_every=2", "--log_every=1",
@@ -78,6 +78,10 @@ def test_the_lowest_held_out_loss_continues_and_a_rerun_resumes(
     assert finished == (j == choice["chosen"])
     assert max(_steps(directory)) == (4 if finished else 2)
   assert "--restarts=3\n" in (out / run_dir.FLAGS_FILE).read_text()
+  # Consumers name the selection's directory and get the chosen run's.
+  chosen = restarts.candidate_dir(str(out), choice["chosen"])
+  assert run_dir.chosen_run(out) == chosen
+  assert load_decomposition(out).step == load_decomposition(chosen).step == 4
   # The finished selection is refused on a rerun, naming --overwrite.
   with pytest.raises(restarts.SelectionError, match="--overwrite"):
     _launch(parse, tms_target, out)
