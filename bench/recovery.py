@@ -95,10 +95,11 @@ def _add_wall(directory: pathlib.Path, seconds: float) -> float:
 def final_run(directory: pathlib.Path) -> tuple[pathlib.Path, dict | None]:
   """Return the directory of the cell's final run and, for a `--restarts`
   cell that has chosen, its choice record: the chosen candidate's run."""
-  final = pathlib.Path(run_dir.chosen_run(directory))
-  if final == directory:
+  choice = run_dir.read_choice(directory)
+  if choice is None:
     return directory, None
-  return final, json.loads((directory / run_dir.CHOICE_FILE).read_text())
+  chosen = run_dir.candidate_dir(directory, choice["chosen"])
+  return pathlib.Path(chosen), choice
 
 
 def run_cell(variant_dir: pathlib.Path, name: str, seed: int,

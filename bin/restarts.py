@@ -24,7 +24,6 @@ import os
 from absl import flags
 
 from decompax.io import run_dir
-from decompax.recipe import assembly
 from decompax.recipe.config import TrainConfig, held_out_seed
 
 # Candidate seeds step by this much, far apart from a grid's own seeds.
@@ -36,11 +35,6 @@ SELECTION_METRIC = "eval/loss/total"
 def candidate_seed(seed: int, index: int) -> int:
   """Return candidate `index`'s seed."""
   return seed + SEED_STRIDE * index
-
-
-def candidate_dir(output_dir: str, index: int) -> str:
-  """Return candidate `index`'s run directory."""
-  return os.path.join(output_dir, run_dir.CANDIDATES_DIR, f"r{index}")
 
 
 def held_out_loss(directory: str, step: int) -> float | None:
@@ -73,7 +67,7 @@ def candidate_flags(config: TrainConfig, output_dir: str, index: int,
   builds its config and `flags.txt` from them; restore them after."""
   values = {"seed": candidate_seed(config.seed, index),
             "eval_seed": held_out_seed(config),
-            "output_dir": candidate_dir(output_dir, index),
+            "output_dir": run_dir.candidate_dir(output_dir, index),
             "restarts": 1, "select_at": 0, "stop_after_step": stop_at,
             "overwrite": False}
   before = {name: flags.FLAGS[name].value for name in values}
@@ -84,24 +78,6 @@ def candidate_flags(config: TrainConfig, output_dir: str, index: int,
   finally:
     for name, value in before.items():
       flags.FLAGS[name].value = value
-
-
-def parent_dir(config: TrainConfig) -> str:
-  """Return the selection's directory (`bin/train`'s default if unset)."""
-  if config.output_dir is not None:
-    return config.output_dir
-  toy, _, _ = assembly.resolve_target(config)
-  os.makedirs("runs", exist_ok=True)
-  return os.path.join("runs", toy.name)
-
-
-def read_choice(output_dir: str) -> dict | None:
-  """Return the recorded choice, None before one was made."""
-  path = os.path.join(output_dir, run_dir.CHOICE_FILE)
-  if not os.path.exists(path):
-    return None
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
 
 
 def write_choice(output_dir: str, choice: dict) -> None:

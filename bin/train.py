@@ -178,6 +178,15 @@ class Prepared(NamedTuple):
     return self.plan.parts.target
 
 
+def output_dir_of(config: TrainConfig, toy_name: str) -> str:
+  """Return the run's directory: --output_dir, else `runs/<toy>`."""
+  if config.output_dir is not None:
+    return config.output_dir
+  # The default location's parent is ours to create; a user's is not.
+  os.makedirs("runs", exist_ok=True)
+  return os.path.join("runs", toy_name)
+
+
 def setup(config: TrainConfig, placement=None) -> Prepared:
   """Return the run planned (`assembly.parts`, `assembly.plan`) with its
   weights, after every check of user input and before its directory is
@@ -185,11 +194,7 @@ def setup(config: TrainConfig, placement=None) -> Prepared:
   """
   toy, target, load = assembly.resolve_target(config)
   parts = assembly.parts(config, toy, target)
-  output_dir = config.output_dir
-  if output_dir is None:
-    # The default location's parent is ours to create; a user's is not.
-    os.makedirs("runs", exist_ok=True)
-    output_dir = os.path.join("runs", toy.name)
+  output_dir = output_dir_of(config, toy.name)
   flags_text = resolved_flags_text()
   with output_dir_named():
     run_dir.check_run_dir(output_dir, flags_text, config.overwrite,
@@ -347,7 +352,8 @@ def prepare_selection(config: TrainConfig) -> tuple[str, int]:
   if jax.process_count() > 1:
     raise ValueError("--restarts runs its candidates in one process; launch "
                      "it without --num_processes")
-  output_dir = restarts.parent_dir(config)
+  toy, _, _ = assembly.resolve_target(config)
+  output_dir = output_dir_of(config, toy.name)
   flags_text = resolved_flags_text()
   with output_dir_named():
     run_dir.check_run_dir(output_dir, flags_text, config.overwrite,
@@ -380,12 +386,12 @@ def run_candidate(config: TrainConfig, placement, output_dir: str,
 def select_candidate(config: TrainConfig, placement, output_dir: str) -> dict:
   """Return the recorded choice, first training each candidate to
   --select_at and choosing by held-out loss if none was made."""
-  choice = restarts.read_choice(output_dir)
+  choice = run_dir.read_choice(output_dir)
   if choice is not None:
     return choice
   step, losses = config.select_at, {}
   for index in range(config.restarts):
-    directory = restarts.candidate_dir(output_dir, index)
+    directory = run_dir.candidate_dir(output_dir, index)
     losses[index] = restarts.held_out_loss(directory, step)
     if losses[index] is None:
       print(f"[restarts] candidate {index} (seed "
@@ -416,7 +422,7 @@ def train_with_restarts(config: TrainConfig, placement,
   chosen = select_candidate(config, placement, output_dir)["chosen"]
   run_candidate(config, placement, output_dir, chosen, 0)
   print(f"[restarts] the run is candidate {chosen}: "
-        f"{restarts.candidate_dir(output_dir, chosen)}")
+        f"{run_dir.candidate_dir(output_dir, chosen)}")
 
 
 def print_warmup(config, warmup_losses: jax.Array) -> None:

@@ -34,11 +34,11 @@ Path = str | os.PathLike
 
 FLAGS_FILE = "flags.txt"
 METRICS_FILE = "metrics.jsonl"
-# Entries a run writes; overwriting a run removes these and nothing else,
-# so a mistyped run directory never loses files the run did not create.
 # A `--restarts` run's candidate runs and its record of the one it kept.
 CANDIDATES_DIR = "candidates"
 CHOICE_FILE = "restarts.json"
+# Entries a run writes; overwriting a run removes these and nothing else,
+# so a mistyped run directory never loses files the run did not create.
 RUN_ENTRIES = (FLAGS_FILE, METRICS_FILE, "figures", "decomposition.npz",
                "target.npz", "checkpoints", "run_info.json", "profile",
                "NO_CHECKPOINTS", "report", CANDIDATES_DIR, CHOICE_FILE)
@@ -400,16 +400,29 @@ def read_metrics(path: Path) -> list[dict]:
   return [r for r in records if r is not None]
 
 
+def candidate_dir(path: Path, index: int) -> str:
+  """Return the directory of candidate `index` of the `--restarts` run at
+  `path`."""
+  return os.path.join(os.fspath(path), CANDIDATES_DIR, f"r{index}")
+
+
+def read_choice(path: Path) -> dict | None:
+  """Return the choice record of the `--restarts` run at `path`, None
+  before it has chosen (or for any other run)."""
+  choice = os.path.join(os.fspath(path), CHOICE_FILE)
+  if not os.path.isfile(choice):
+    return None
+  with open(choice, encoding="utf-8") as f:
+    return json.load(f)
+
+
 def chosen_run(path: Path) -> str:
   """Return the run a directory stands for: itself, or for a `--restarts`
   run that has chosen, the chosen candidate's directory."""
-  path = os.fspath(path)
-  choice = os.path.join(path, CHOICE_FILE)
-  if not os.path.isfile(choice):
-    return path
-  with open(choice, encoding="utf-8") as f:
-    chosen = json.load(f)["chosen"]
-  return os.path.join(path, CANDIDATES_DIR, f"r{chosen}")
+  choice = read_choice(path)
+  if choice is None:
+    return os.fspath(path)
+  return candidate_dir(path, choice["chosen"])
 
 
 def metric_at(directory: Path, step: int, key: str) -> float | None:

@@ -52,7 +52,7 @@ def test_the_lowest_held_out_loss_continues_and_a_rerun_resumes(
   # Each recorded loss is the candidate's own logged held-out loss.
   for j, loss in losses.items():
     assert loss == restarts.held_out_loss(
-      restarts.candidate_dir(str(out), j), 2)
+      run_dir.candidate_dir(str(out), j), 2)
   assert choice["chosen"] == min(losses, key=losses.get)
   assert choice["held_out_seed"] == config.seed
   # The rerun keeps the recorded choice and trains only the chosen one on.
@@ -68,7 +68,7 @@ def test_the_lowest_held_out_loss_continues_and_a_rerun_resumes(
   assert trained == [(choice["chosen"], 0)]
   assert json.loads((out / run_dir.CHOICE_FILE).read_text()) == choice
   for j in range(3):
-    directory = restarts.candidate_dir(str(out), j)
+    directory = run_dir.candidate_dir(str(out), j)
     recorded = (out / "candidates" / f"r{j}" / run_dir.FLAGS_FILE).read_text()
     # A candidate's record is its own run: its seed, the shared eval seed.
     assert f"--seed={config.seed + 1000 * j}\n" in recorded
@@ -79,7 +79,7 @@ def test_the_lowest_held_out_loss_continues_and_a_rerun_resumes(
     assert max(_steps(directory)) == (4 if finished else 2)
   assert "--restarts=3\n" in (out / run_dir.FLAGS_FILE).read_text()
   # Consumers name the selection's directory and get the chosen run's.
-  chosen = restarts.candidate_dir(str(out), choice["chosen"])
+  chosen = run_dir.candidate_dir(str(out), choice["chosen"])
   assert run_dir.chosen_run(out) == chosen
   assert load_decomposition(out).step == load_decomposition(chosen).step == 4
   # The finished selection is refused on a rerun, naming --overwrite.
