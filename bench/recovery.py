@@ -25,6 +25,7 @@ table row names the candidate, and its wall time is the whole selection's.
 import concurrent.futures
 import json
 import os
+import re
 import pathlib
 import subprocess
 import sys
@@ -50,9 +51,10 @@ _GRID = flags.DEFINE_list(
 _VARIANT = flags.DEFINE_string(
   "variant", "baseline", "Name of the recipe variant; its runs and tables "
   "live under <out_dir>/<variant>/.")
-_EXTRA = flags.DEFINE_list(
-  "extra", [], "Flags appended to every cell's command, e.g. "
-  "`--extra=--faithfulness_warmup_steps=200`.")
+_EXTRA = flags.DEFINE_string(
+  "extra", "", "Flags appended to every cell's command, comma-separated, e.g. "
+  "`--extra=--faithfulness_warmup_steps=200,--p_start=2`; a comma not "
+  "followed by `--` stays inside its flag's value (`--p_knots=0:1,1:0.5`).")
 _JOBS = flags.DEFINE_integer(
   "jobs", max(1, (os.cpu_count() or 1)), "Runs at once (at most the cores).")
 _OUT_DIR = flags.DEFINE_string(
@@ -65,6 +67,11 @@ def parse_seeds(text: str) -> list[int]:
     low, high = (int(x) for x in text.split("-"))
     return list(range(low, high + 1))
   return [int(x) for x in text.split("+")]
+
+
+def split_extra(text: str) -> list[str]:
+  """Split `--a=1,--b=x,y` into its flags, keeping commas inside values."""
+  return [flag for flag in re.split(r",(?=--)", text) if flag]
 
 
 def parse_grid(entries: list[str]) -> list[tuple[str, int]]:
@@ -245,6 +252,7 @@ def main(argv):
   if _JOBS.value < 1:
     raise app.UsageError("--jobs must be at least 1")
   cells = parse_grid(_GRID.value)
+  extra = split_extra(_EXTRA.value)
   variant_dir = pathlib.Path(_OUT_DIR.value) / _VARIANT.value
   variant_dir.mkdir(parents=True, exist_ok=True)
   lock = threading.Lock()
@@ -257,11 +265,11 @@ def main(argv):
 
   def one(cell):
     name, seed = cell
-    run_cell(variant_dir, name, seed, _EXTRA.value, say)
+    run_cell(variant_dir, name, seed, extra, say)
     result = measure_cell(cell_dir(variant_dir, name, seed), name)
     with lock:
       results[cell] = result
-      write_tables(variant_dir, results, _VARIANT.value, _EXTRA.value)
+      write_tables(variant_dir, results, _VARIANT.value, extra)
     say(f"[recovery] {name} seed {seed}: "
         f"{'recovered' if result['recovered'] else 'not recovered'}; "
         + ", ".join(f"{s} {_site_cell(r)}" for s, r in result["sites"].items()))
@@ -273,7 +281,7 @@ def main(argv):
       except Exception as e:  # a failed cell must not stop the grid
         failures.append(f"{cell[0]} seed {cell[1]}: {e}")
         say(f"[recovery] FAILED {failures[-1]}")
-  print(markdown(results, _VARIANT.value, _EXTRA.value) if results else "")
+  print(markdown(results, _VARIANT.value, extra) if results else "")
   if failures:
     sys.exit(f"{len(failures)} cell(s) failed: " + "; ".join(failures))
 

@@ -28,6 +28,14 @@ def test_grid_parsing(bench):
     bench.parse_grid(["tms_5-2"])
 
 
+def test_extra_flags_keep_commas_inside_values(bench):
+  assert bench.split_extra("--restarts=3,--select_at=12000") == [
+    "--restarts=3", "--select_at=12000"]
+  knots = "--p_knots=0:1:linear,0.5:0.25:hold,1:0.25"
+  assert bench.split_extra(knots + ",--seed=1") == [knots, "--seed=1"]
+  assert bench.split_extra("") == []
+
+
 def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
   said = []
   bench.run_cell(tmp_path, "tms_5-2", 3, SHORT, said.append)
