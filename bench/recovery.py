@@ -20,12 +20,17 @@ A cell run with `--extra=--restarts=K,--select_at=R` is a `bin/train`
 selection (bin/restarts.py): K candidates to step R, the lowest held-out
 loss continues. The cell is measured on the chosen candidate's run, its
 table row names the candidate, and its wall time is the whole selection's.
+
+A SIGTERM to the bench reaches the running cells' runs, which save a
+checkpoint and exit; no further cell starts, so rerunning the same command
+continues every cell where it stopped.
 """
 
 import concurrent.futures
 import json
 import os
 import re
+import signal
 import pathlib
 import subprocess
 import sys
@@ -109,6 +114,35 @@ def final_run(directory: pathlib.Path) -> tuple[pathlib.Path, dict | None]:
   return pathlib.Path(chosen), choice
 
 
+_running: set[subprocess.Popen] = set()
+_stopping = threading.Event()
+
+
+def stop(signum, frame=None) -> None:
+  """Pass a stop signal on to the running cells and start no more."""
+  del frame
+  _stopping.set()
+  for child in list(_running):
+    child.send_signal(signum)
+
+
+def run_logged(command: list[str], log: pathlib.Path) -> int:
+  """Run `command` with output appended to `log`; return its exit code."""
+  if _stopping.is_set():
+    raise RuntimeError("the bench is stopping; not started")
+  with open(log, "a") as out:
+    child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                             cwd=ROOT)
+    _running.add(child)
+    # A stop that came between the launch and the line above missed it.
+    if _stopping.is_set():
+      child.send_signal(signal.SIGTERM)
+    try:
+      return child.wait()
+    finally:
+      _running.discard(child)
+
+
 def run_cell(variant_dir: pathlib.Path, name: str, seed: int,
              extra: list[str], say) -> None:
   """Run (or resume) one cell's run to completion; raise on a failed run."""
@@ -121,9 +155,7 @@ def run_cell(variant_dir: pathlib.Path, name: str, seed: int,
   log = directory.with_suffix(".log")
   say(f"[recovery] start {directory.name} (log {log})")
   start = time.time()
-  with open(log, "a") as out:
-    code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT,
-                           cwd=ROOT)
+  code = run_logged(command, log)
   total = _add_wall(directory, time.time() - start)
   if code != 0:
     raise RuntimeError(f"{directory.name} exited {code}; see {log}")
@@ -256,6 +288,7 @@ def main(argv):
   variant_dir = pathlib.Path(_OUT_DIR.value) / _VARIANT.value
   variant_dir.mkdir(parents=True, exist_ok=True)
   lock = threading.Lock()
+  signal.signal(signal.SIGTERM, stop)
 
   def say(text):
     with lock:

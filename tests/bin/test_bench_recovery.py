@@ -1,7 +1,12 @@
 """bench/recovery.py runs a cell through bin/train, measures its sites from
-the finished run and reads a finished cell instead of rerunning it."""
+the finished run and reads a finished cell instead of rerunning it; a stop
+reaches the running cells and starts no new one."""
 
 import json
+import signal
+import sys
+import threading
+import time
 
 import pytest
 
@@ -34,6 +39,30 @@ def test_extra_flags_keep_commas_inside_values(bench):
   knots = "--p_knots=0:1:linear,0.5:0.25:hold,1:0.25"
   assert bench.split_extra(knots + ",--seed=1") == [knots, "--seed=1"]
   assert bench.split_extra("") == []
+
+
+def test_a_stop_reaches_the_running_cell_and_starts_no_more(bench, tmp_path):
+  ready = tmp_path / "ready"
+  # Stands in for bin/train: exits 75 on SIGTERM, as a run that saved does.
+  child = [sys.executable, "-c",
+           "import pathlib, signal, sys, time; "
+           "signal.signal(signal.SIGTERM, lambda *_: sys.exit(75)); "
+           f"pathlib.Path({str(ready)!r}).touch(); time.sleep(120)"]
+  codes = []
+  worker = threading.Thread(
+    target=lambda: codes.append(bench.run_logged(child, tmp_path / "log")))
+  try:
+    worker.start()
+    deadline = time.time() + 60
+    while not ready.exists() and time.time() < deadline:
+      time.sleep(0.05)
+    bench.stop(signal.SIGTERM)
+    worker.join(60)
+    assert codes == [75]
+    with pytest.raises(RuntimeError, match="stopping"):
+      bench.run_logged(child, tmp_path / "log")
+  finally:
+    bench._stopping.clear()
 
 
 def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
