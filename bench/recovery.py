@@ -29,9 +29,9 @@ continues every cell where it stopped.
 import concurrent.futures
 import json
 import os
+import pathlib
 import re
 import signal
-import pathlib
 import subprocess
 import sys
 import threading
