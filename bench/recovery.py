@@ -51,8 +51,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _GRID = flags.DEFINE_list(
   "grid", ["tms_5-2:0-4"], "Cells as `<flagfile>:<seeds>`, seeds a range "
-  "`0-4` or a `+`-joined list `0+3`; the flagfile is named without "
-  "directory or suffix (flags/<name>.flags).")
+  "`0-4` or a `+`-joined list `0+3`; the flagfile is named by its name "
+  "(`tms_5-2`) or its path (`flags/tms_5-2.flags`).")
 _VARIANT = flags.DEFINE_string(
   "variant", "baseline", "Name of the recipe variant; its runs and tables "
   "live under <out_dir>/<variant>/.")
@@ -83,7 +83,9 @@ def parse_grid(entries: list[str]) -> list[tuple[str, int]]:
   """Return the (flagfile, seed) cells named by `--grid`."""
   cells = []
   for entry in entries:
-    name, _, seeds = entry.partition(":")
+    path, _, seeds = entry.partition(":")
+    # `flags/tms_5-2.flags` is what `bin/train --flagfile` takes; accept it too.
+    name = pathlib.PurePath(path).name.removesuffix(".flags")
     if not (ROOT / "flags" / f"{name}.flags").is_file():
       raise app.UsageError(f"--grid: no flagfile flags/{name}.flags")
     if not seeds:

@@ -27,6 +27,7 @@ def test_grid_parsing(bench):
   assert bench.parse_seeds("1+4") == [1, 4]
   assert bench.parse_grid(["tms_5-2:1+4", "resid_mlp1:0"]) == [
     ("tms_5-2", 1), ("tms_5-2", 4), ("resid_mlp1", 0)]
+  assert bench.parse_grid(["flags/tms_5-2.flags:2"]) == [("tms_5-2", 2)]
   with pytest.raises(Exception, match="no flagfile"):
     bench.parse_grid(["tms_9-9:0"])
   with pytest.raises(Exception, match="names no seeds"):
