@@ -11,7 +11,9 @@ recipe and `--extra` holds its flags, appended after the flagfile and seed.
 Per cell and site it records, from the final decomposition on the toy's
 one-feature probes (SPEC §10, §11): the alive components (CI > 0.1 on some
 probe), the CI error against the site's expected pattern (identity, or dense
-over `k` columns), and for TMS embeddings MMCS and ML2R; per cell the final
+over `k` columns) with the forms a broken site takes (`core/probe.py`:
+shared components, split or weak features, extra dense components), and for
+TMS embeddings MMCS and ML2R; per cell the final
 faithfulness loss and the summed wall time of its launches. A cell
 *recovers* when every site's pattern error is 0. Results go to
 `<out_dir>/<variant>/recovery.md` and `recovery.json`.
@@ -200,7 +202,8 @@ def measure_cell(cell: pathlib.Path, name: str) -> dict:
     row = {"pattern": expected.pattern if expected.pattern == "identity"
            else f"dense k={expected.k}",
            "alive": len(probe.alive_components(np.asarray(ci[site.name]))),
-           "error": int(scalars[f"{expected.pattern}_ci_error/{site.name}"])}
+           "error": int(scalars[f"{expected.pattern}_ci_error/{site.name}"]),
+           "breaks": site_breaks(np.asarray(ci[site.name]), expected)}
     if f"mmcs/{site.name}" in scalars:
       row.update(mmcs=scalars[f"mmcs/{site.name}"],
                  ml2r=scalars[f"ml2r/{site.name}"])
@@ -216,10 +219,42 @@ def measure_cell(cell: pathlib.Path, name: str) -> dict:
   return result
 
 
+def site_breaks(ci: np.ndarray, expected) -> dict[str, int]:
+  """Return how a site's probe CI departs from its expected pattern."""
+  if expected.pattern == "dense":
+    return probe.dense_breaks(ci, expected.k)._asdict()
+  return probe.identity_breaks(ci)._asdict()
+
+
+def _features(n: int) -> str:
+  return f"{n} feature" + ("" if n == 1 else "s")
+
+
+def describe_breaks(breaks: dict[str, int]) -> str:
+  """Return the nonzero forms of a site's failure in a few words."""
+  parts = []
+  if breaks.get("shared"):
+    parts.append(f"{breaks['shared']} shared by "
+                 f"{_features(breaks['shared_features'])}")
+  if breaks.get("split"):
+    parts.append(f"{_features(breaks['split'])} split")
+  if breaks.get("weak"):
+    parts.append(f"{breaks['weak']} weak")
+  if breaks.get("extra"):
+    parts.append(f"{breaks['extra']} extra on "
+                 f"{_features(breaks['extra_features'])}")
+  if breaks.get("missing"):
+    parts.append(f"{breaks['missing']} block columns never kept")
+  return ", ".join(parts)
+
+
 def _site_cell(row: dict) -> str:
   text = f"{row['alive']} / {row['error']}"
   if "mmcs" in row:
     text += f" ({row['mmcs']:.3f}, {row['ml2r']:.3f})"
+  # Cells tabled before the breakdown existed have none.
+  if row["error"] and row.get("breaks"):
+    text += f": {describe_breaks(row['breaks'])}"
   return text
 
 
@@ -229,7 +264,11 @@ def markdown(results: dict[tuple[str, int], dict], variant: str,
   lines = [f"# Recovery: variant `{variant}`", "",
            f"Extra flags: `{' '.join(extra) or 'none'}`. Per site: alive "
            "components / pattern error (MMCS, ML2R where the site has a "
-           "feature axis). A seed recovers when every error is 0.", ""]
+           "feature axis), then how a broken site fails: components shared "
+           "by several features, features split over several components, "
+           "weak features (no CI reaches 0.9), or a dense site's extra "
+           "components past its block. A seed recovers when every error is "
+           "0.", ""]
   names = sorted({name for name, _ in results})
   for name in names:
     cells = sorted((s, r) for (n, s), r in results.items() if n == name)

@@ -98,6 +98,52 @@ def active_features(ci: np.ndarray, threshold: float = IDENTITY_TOL) -> dict[int
           for c in alive_components(ci, threshold)}
 
 
+class IdentityBreaks(NamedTuple):
+  """How an identity CI pattern breaks, in the forms the toys' failures take.
+
+  `shared`: components active on several features, one rank-1 piece serving
+  them all; `shared_features`: the features those components touch; `split`:
+  features with several active components; `weak`: features whose largest CI
+  stays below `1 − tol`, so no component is fully kept for them.
+  """
+
+  shared: int
+  shared_features: int
+  split: int
+  weak: int
+
+
+def identity_breaks(ci: np.ndarray, tol: float = IDENTITY_TOL) -> IdentityBreaks:
+  """Return the ways `ci` (`[n_features, C]`) departs from an identity."""
+  active = np.asarray(ci) > tol
+  shared = active.sum(0) > 1
+  return IdentityBreaks(
+    shared=int(shared.sum()),
+    shared_features=int(active[:, shared].any(1).sum()),
+    split=int((active.sum(1) > 1).sum()),
+    weak=int((np.asarray(ci).max(1) < 1.0 - tol).sum()))
+
+
+class DenseBreaks(NamedTuple):
+  """How a `k`-column dense CI pattern breaks: `extra` components past the
+  first `k` by mass that are active on some probe, the `extra_features`
+  they serve, and `missing` block columns that never reach `1 − tol`."""
+
+  extra: int
+  extra_features: int
+  missing: int
+
+
+def dense_breaks(ci: np.ndarray, k: int, tol: float = IDENTITY_TOL) -> DenseBreaks:
+  """Return the ways `ci` departs from a `k`-column dense pattern."""
+  ci = np.asarray(ci)
+  order = dense_permutation(ci)
+  block, rest = ci[:, order[:k]], ci[:, order[k:]] > tol
+  return DenseBreaks(
+    extra=int(rest.any(0).sum()), extra_features=int(rest.any(1).sum()),
+    missing=int(np.sum(~np.any(block >= 1.0 - tol, axis=0))))
+
+
 def pattern_error(ci: np.ndarray, expected: Expected) -> int:
   """Return the CI error against `expected`'s pattern (identity or dense)."""
   if expected.pattern == "dense":

@@ -34,6 +34,23 @@ def test_grid_parsing(bench):
     bench.parse_grid(["tms_5-2"])
 
 
+def test_a_broken_site_is_described_by_its_nonzero_forms(bench):
+  assert bench.describe_breaks(
+    {"shared": 1, "shared_features": 4, "split": 0, "weak": 0}) == \
+    "1 shared by 4 features"
+  assert bench.describe_breaks(
+    {"extra": 21, "extra_features": 40, "missing": 2}) == \
+    "21 extra on 40 features, 2 block columns never kept"
+  assert bench.describe_breaks(
+    {"shared": 1, "shared_features": 2, "split": 1, "weak": 0}) == \
+    "1 shared by 2 features, 1 feature split"
+  row = {"alive": 4, "error": 4, "breaks": {"shared": 1, "shared_features": 4,
+                                            "split": 0, "weak": 0}}
+  assert bench._site_cell(row) == "4 / 4: 1 shared by 4 features"
+  # Rows tabled before the breakdown existed still render.
+  assert bench._site_cell({"alive": 5, "error": 2}) == "5 / 2"
+
+
 def test_extra_flags_keep_commas_inside_values(bench):
   assert bench.split_extra("--restarts=3,--select_at=12000") == [
     "--restarts=3", "--select_at=12000"]
@@ -83,6 +100,9 @@ def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
   for row in result["sites"].values():
     assert 0 <= row["alive"] <= 8 and row["error"] >= 0
     assert -1 <= row["mmcs"] <= 1 and row["ml2r"] >= 0
+    # An identity site breaks in some named form exactly when it has errors.
+    assert set(row["breaks"]) == {"shared", "shared_features", "split", "weak"}
+    assert (row["error"] == 0) == (not any(row["breaks"].values()))
   # 40 steps do not recover TMS; the verdict follows the errors.
   assert result["recovered"] == all(
     r["error"] == 0 for r in result["sites"].values())
