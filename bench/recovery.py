@@ -70,10 +70,15 @@ _OUT_DIR = flags.DEFINE_string(
 
 def parse_seeds(text: str) -> list[int]:
   """Return the seeds of `0-4` or `0+3+7`."""
-  if "-" in text:
-    low, high = (int(x) for x in text.split("-"))
-    return list(range(low, high + 1))
-  return [int(x) for x in text.split("+")]
+  range_form = re.fullmatch(r"(\d+)-(\d+)", text)
+  if range_form:
+    low, high = (int(x) for x in range_form.groups())
+    if low <= high:
+      return list(range(low, high + 1))
+  elif re.fullmatch(r"\d+(\+\d+)*", text):
+    return [int(x) for x in text.split("+")]
+  raise app.UsageError(f"--grid: seeds {text!r} are neither a rising range "
+                       "like 0-4 nor a list like 0+3+7")
 
 
 def split_extra(text: str) -> list[str]:

@@ -32,6 +32,9 @@ def test_grid_parsing(bench):
     bench.parse_grid(["tms_9-9:0"])
   with pytest.raises(Exception, match="names no seeds"):
     bench.parse_grid(["tms_5-2"])
+  for bad in ("a", "3-1", "0-", "1++2", "-2"):
+    with pytest.raises(Exception, match="neither a rising range"):
+      bench.parse_grid([f"tms_5-2:{bad}"])
 
 
 def test_a_broken_site_is_described_by_its_nonzero_forms(bench):
