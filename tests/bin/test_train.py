@@ -35,6 +35,13 @@ def test_there_are_flagfiles_for_every_paper_toy():
           "resid_mlp2", "resid_mlp3"} <= names
 
 
+def test_tms_5_2_id_flagfile_trains_nonlinearity_locality(parse):
+  """Its measured seed table (docs/recovery.md) rests on the term."""
+  config = parse(f"--flagfile={ROOT / 'flags' / 'tms_5-2-id.flags'}")
+  toy, target, _ = assembly.resolve_target(config)
+  assert "nonlinearity_locality" in assembly.parts(config, toy, target).term_names
+
+
 @pytest.mark.parametrize("path", TOY_FLAGFILES, ids=lambda p: p.stem)
 def test_every_flagfile_parses_and_builds_its_terms(parse, path):
   config = parse(f"--flagfile={path}")
