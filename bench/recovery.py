@@ -204,11 +204,12 @@ def measure_cell(cell: pathlib.Path, name: str) -> dict:
   per_site = {}
   for site in sites:
     expected = target.expected[site.name]
+    site_ci = np.asarray(ci[site.name])
     row = {"pattern": expected.pattern if expected.pattern == "identity"
            else f"dense k={expected.k}",
-           "alive": len(probe.alive_components(np.asarray(ci[site.name]))),
+           "alive": len(probe.alive_components(site_ci)),
            "error": int(scalars[f"{expected.pattern}_ci_error/{site.name}"]),
-           "breaks": site_breaks(np.asarray(ci[site.name]), expected)}
+           "breaks": probe.pattern_breaks(site_ci, expected)._asdict()}
     if f"mmcs/{site.name}" in scalars:
       row.update(mmcs=scalars[f"mmcs/{site.name}"],
                  ml2r=scalars[f"ml2r/{site.name}"])
@@ -222,13 +223,6 @@ def measure_cell(cell: pathlib.Path, name: str) -> dict:
   if choice is not None:
     result["selection"] = choice
   return result
-
-
-def site_breaks(ci: np.ndarray, expected) -> dict[str, int]:
-  """Return how a site's probe CI departs from its expected pattern."""
-  if expected.pattern == "dense":
-    return probe.dense_breaks(ci, expected.k)._asdict()
-  return probe.identity_breaks(ci)._asdict()
 
 
 def _features(n: int) -> str:

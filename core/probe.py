@@ -79,11 +79,19 @@ def dense_ci_error(ci: np.ndarray, k: int, tol: float = IDENTITY_TOL) -> int:
   Columns sorted by mass: first-`k` columns with no entry `≥ 1 − tol`, plus
   every entry `> tol` in the remaining columns.
   """
+  block, rest = _dense_block_and_rest(ci, k)
+  return _missing_block_columns(block, tol) + int(np.sum(rest > tol))
+
+
+def _dense_block_and_rest(ci: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+  """Return the first `k` columns by mass and the columns after them."""
   ci = np.asarray(ci)
   order = dense_permutation(ci)
-  dense, rest = ci[:, order[:k]], ci[:, order[k:]]
-  missing = int(np.sum(~np.any(dense >= 1.0 - tol, axis=0)))
-  return missing + int(np.sum(rest > tol))
+  return ci[:, order[:k]], ci[:, order[k:]]
+
+
+def _missing_block_columns(block: np.ndarray, tol: float) -> int:
+  return int(np.sum(~np.any(block >= 1.0 - tol, axis=0)))
 
 
 def alive_components(ci: np.ndarray, threshold: float = IDENTITY_TOL) -> list[int]:
@@ -115,13 +123,14 @@ class IdentityBreaks(NamedTuple):
 
 def identity_breaks(ci: np.ndarray, tol: float = IDENTITY_TOL) -> IdentityBreaks:
   """Return the ways `ci` (`[n_features, C]`) departs from an identity."""
-  active = np.asarray(ci) > tol
+  ci = np.asarray(ci)
+  active = ci > tol
   shared = active.sum(0) > 1
   return IdentityBreaks(
     shared=int(shared.sum()),
     shared_features=int(active[:, shared].any(1).sum()),
     split=int((active.sum(1) > 1).sum()),
-    weak=int((np.asarray(ci).max(1) < 1.0 - tol).sum()))
+    weak=int((ci.max(1) < 1.0 - tol).sum()))
 
 
 class DenseBreaks(NamedTuple):
@@ -136,12 +145,11 @@ class DenseBreaks(NamedTuple):
 
 def dense_breaks(ci: np.ndarray, k: int, tol: float = IDENTITY_TOL) -> DenseBreaks:
   """Return the ways `ci` departs from a `k`-column dense pattern."""
-  ci = np.asarray(ci)
-  order = dense_permutation(ci)
-  block, rest = ci[:, order[:k]], ci[:, order[k:]] > tol
+  block, rest = _dense_block_and_rest(ci, k)
+  active = rest > tol
   return DenseBreaks(
-    extra=int(rest.any(0).sum()), extra_features=int(rest.any(1).sum()),
-    missing=int(np.sum(~np.any(block >= 1.0 - tol, axis=0))))
+    extra=int(active.any(0).sum()), extra_features=int(active.any(1).sum()),
+    missing=_missing_block_columns(block, tol))
 
 
 def pattern_error(ci: np.ndarray, expected: Expected) -> int:
@@ -149,6 +157,14 @@ def pattern_error(ci: np.ndarray, expected: Expected) -> int:
   if expected.pattern == "dense":
     return dense_ci_error(ci, expected.k)
   return identity_ci_error(ci)
+
+
+def pattern_breaks(ci: np.ndarray, expected: Expected
+                   ) -> IdentityBreaks | DenseBreaks:
+  """Return how `ci` departs from `expected`'s pattern (identity or dense)."""
+  if expected.pattern == "dense":
+    return dense_breaks(ci, expected.k)
+  return identity_breaks(ci)
 
 
 class FeatureMatch(NamedTuple):

@@ -160,3 +160,11 @@ def test_dense_breaks_counts_extra_pieces_and_missing_columns():
   faint = block.copy()
   faint[:, 1] = 0.7
   assert probe.dense_breaks(faint, k=3) == (0, 0, 1)
+
+
+def test_pattern_breaks_reads_the_expected_pattern():
+  ci = np.full((6, 3), 1.0)
+  assert probe.pattern_breaks(ci, Expected("dense", 3)) == \
+    probe.dense_breaks(ci, 3)
+  assert probe.pattern_breaks(ci, Expected("identity")) == \
+    probe.identity_breaks(ci)
