@@ -67,7 +67,15 @@ _TOYS: dict[str, tuple[ModuleType, Any, int]] = {
   ),
   "resid_mlp1": (resid_mlp, resid_mlp.ResidMlpConfig(1, 100, 50), 0),
   "resid_mlp2": (resid_mlp, resid_mlp.ResidMlpConfig(2, 100, 25), 0),
-  "resid_mlp3": (resid_mlp, resid_mlp.ResidMlpConfig(3, 102, 17), 0),
+  # The paper's three-layer target trains ten times longer than the others.
+  "resid_mlp3": (
+    resid_mlp,
+    resid_mlp.ResidMlpConfig(
+      3, 102, 17,
+      training=train_lib.TargetTraining(steps=10_000, lr=3e-3, schedule="cosine"),
+    ),
+    0,
+  ),
   "simple_mlp": (simple_mlp, simple_mlp.SimpleMlpConfig(), 0),
 }
 

@@ -6,8 +6,9 @@ Right-multiplication convention, `x: [*b, n_features]`:
 weights are stacked on a leading `layer` axis, which is also the row of each
 site in its kind's stack. Sites, canonical order: `layers.{i}.mlp_in` (kind
 `mlp_in`), `layers.{i}.mlp_out` (kind `mlp_out`), layer-ascending.
-Labels are `x + relu(κ ⊙ x)` with `κ ~ U[1, 2]` drawn once per model and
-stored with the weights.
+Labels are `x + relu(κ ⊙ x)` with `κ` drawn once per model from
+`U[kappa_low, kappa_high]` and stored with the weights; the toys use the SPD
+paper's `κ = 1`.
 
 The clean and masked forwards never form `r` ([*b, d_embed], d_embed = 1000
 against n_features, d_mlp, C ≤ 100): `r` is kept as a `Residual`, a sum of
@@ -24,7 +25,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Key
+from jaxtyping import Array, Float, Int, Key
 
 from decompax.core import factored, sites, target
 from decompax.core.masks import SiteMask
@@ -36,24 +37,29 @@ from decompax.targets import train as train_lib
 class ResidMlpConfig:
   """Shape, data and target-training settings of one residual MLP.
 
-  `d_mlp` is the width of each layer's MLP. By default `mlp_in` has a bias and
-  `mlp_out` has none.
+  `d_mlp` is the width of each layer's MLP. The defaults are the SPD paper's
+  target: labels `x + relu(x)` (`κ = 1`), no biases, 1000 training steps.
+  They matter for what a decomposition should find. A spread of `κ` (e.g.
+  `U[1, 2]`) or ten times the training gives the high-`κ` features a few
+  nearly private neurons, and the paper's recipe then splits `W_out` into
+  per-feature pieces for them instead of one dense block
+  (docs/recovery.md).
   """
 
   n_layers: int
   n_features: int
   d_mlp: int
   d_embed: int = 1000
-  in_bias: bool = True
+  in_bias: bool = False
   out_bias: bool = False
   feature_probability: float = 0.01
   value_low: float = -1.0
   value_high: float = 1.0
   kappa_low: float = 1.0
-  kappa_high: float = 2.0
+  kappa_high: float = 1.0
   batch_size: int = 2048
   training: train_lib.TargetTraining = train_lib.TargetTraining(
-    steps=10_000, lr=3e-3, schedule="cosine"
+    steps=1000, lr=3e-3, schedule="cosine"
   )
 
 
@@ -256,20 +262,54 @@ def _factored_forward(
   return factored.project(resid, weights.w_e.T), taps
 
 
-def forward(
+def _dense_forward(
   weights: ResidMlpWeights, x: Float[Array, "*b n_features"]
-) -> Float[Array, "*b n_features"]:
-  """Return the frozen model's output, by its definition (dense residual)."""
+) -> tuple[Float[Array, "*b n_features"], list[Float[Array, "*b d_mlp"]]]:
+  """Return the output and each layer's hidden activations (dense residual)."""
   r = x @ weights.w_e
+  hidden = []
   for i in range(weights.w_in.shape[0]):
     pre = r @ weights.w_in[i]
     if weights.b_in is not None:
       pre = pre + weights.b_in[i]
-    out = jax.nn.relu(pre) @ weights.w_out[i]
+    hidden.append(jax.nn.relu(pre))
+    out = hidden[-1] @ weights.w_out[i]
     if weights.b_out is not None:
       out = out + weights.b_out[i]
     r = r + out
-  return r @ weights.w_e.T
+  return r @ weights.w_e.T, hidden
+
+
+def forward(
+  weights: ResidMlpWeights, x: Float[Array, "*b n_features"]
+) -> Float[Array, "*b n_features"]:
+  """Return the frozen model's output, by its definition (dense residual)."""
+  return _dense_forward(weights, x)[0]
+
+
+def neurons_per_feature(
+  weights: ResidMlpWeights, share: float = 0.9, scale: float = 0.75
+) -> Int[Array, " n"]:
+  """Return, per feature `i`, the fewest neurons (all layers together) that
+  carry `share` of the energy the MLPs write for the input `scale·e_i`.
+
+  A neuron's part is `|Δh|·‖w_out row‖`, `Δh` its activation against the
+  zero input's; a feature no neuron responds to gets 0. A feature with few
+  such neurons is computed nearly
+  monosemantically, and a decomposition may then give it its own piece of
+  `W_out` instead of the paper's dense block (docs/recovery.md).
+  """
+  n = weights.w_e.shape[0]
+  probes = jnp.concatenate([scale * jnp.eye(n), jnp.zeros((1, n))])
+  _, hidden = _dense_forward(weights, probes)
+  parts = jnp.concatenate([
+    jnp.abs(h[:-1] - h[-1]) * jnp.linalg.norm(w_out, axis=1)
+    for h, w_out in zip(hidden, weights.w_out)
+  ], axis=1)
+  energy = -jnp.sort(-jnp.square(parts), axis=1)
+  total = jnp.sum(energy, axis=1, keepdims=True)
+  carried = jnp.cumsum(energy, axis=1) / jnp.where(total > 0, total, 1.0)
+  return jnp.where(total[:, 0] > 0, jnp.sum(carried < share, axis=1) + 1, 0)
 
 
 def feature_space_forward(
@@ -440,7 +480,12 @@ def weights_to_arrays(weights: ResidMlpWeights) -> dict[str, np.ndarray]:
 def weights_from_arrays(
   arrays: dict[str, np.ndarray], config: ResidMlpConfig
 ) -> ResidMlpWeights:
-  """Return weights from `weights_to_arrays` output; ValueError on mismatch."""
+  """Return weights from `weights_to_arrays` output; ValueError on mismatch.
+
+  The biases are taken as `arrays` holds them, whatever `config.in_bias` and
+  `config.out_bias` say, so that a run keeps the target it was trained on:
+  the toys' targets had an `mlp_in` bias before they followed the paper.
+  """
   n, d, m, lay = (
     config.n_features,
     config.d_embed,
@@ -453,8 +498,6 @@ def weights_from_arrays(
     "w_out": (lay, m, d),
     "kappa": (n,),
   }
-  if config.in_bias:
-    shapes["b_in"] = (lay, m)
-  if config.out_bias:
-    shapes["b_out"] = (lay, d)
+  biases = {"b_in": (lay, m), "b_out": (lay, d)}
+  shapes |= {name: shape for name, shape in biases.items() if name in arrays}
   return ResidMlpWeights(**toy_sites.arrays_to_fields(arrays, shapes))

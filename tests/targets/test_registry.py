@@ -72,11 +72,25 @@ def test_weights_from_arrays_rejects_another_config():
     registry.get("tms_5-2-id").weights_from_arrays(arrays)
 
 
-def test_resid_arrays_carry_kappa():
+def test_resid_targets_are_the_papers():
+  """Labels `x + relu(x)` and no biases: the target on which the paper's
+  recipe finds one dense `W_out` block (docs/recovery.md)."""
   toy = registry.get("resid_mlp2")
   arrays = toy.weights_to_arrays(_init("resid_mlp2"))
-  assert set(arrays) == {"w_e", "w_in", "w_out", "kappa", "b_in"}
+  assert set(arrays) == {"w_e", "w_in", "w_out", "kappa"}
   assert arrays["w_in"].shape == (2, 1000, 25)
+  np.testing.assert_array_equal(arrays["kappa"], 1.0)
+
+
+def test_resid_target_saved_with_a_bias_loads_with_it():
+  """A run made when the toys had an `mlp_in` bias keeps its target."""
+  toy = registry.get("resid_mlp1")
+  arrays = dict(toy.weights_to_arrays(_init("resid_mlp1")))
+  arrays["b_in"] = np.full((1, 50), 0.25, np.float32)
+  weights = toy.weights_from_arrays(arrays)
+  np.testing.assert_array_equal(weights.b_in, arrays["b_in"])
+  with pytest.raises(ValueError, match="b_in: shape"):
+    toy.weights_from_arrays(arrays | {"b_in": np.zeros((1, 49), np.float32)})
 
 
 @pytest.mark.parametrize("name", ["tms_5-2-id", "simple_mlp"])

@@ -173,3 +173,33 @@ def test_residual_is_formed_only_for_mlp_in_taps(n_layers):
   assert all(isinstance(taps[n], factored.Factored) for n in ins)
   np.testing.assert_allclose(factored.dense(taps["layers.0.mlp_in"]),
                              x @ weights.w_e, rtol=1e-6, atol=1e-6)
+
+
+def _two_layer_weights(w_in, w_out, b_in=None):
+  """Return a two-layer target on an identity embedding of four features."""
+  n = 4
+  return resid_mlp.ResidMlpWeights(
+    w_e=jnp.eye(n), w_in=jnp.stack([w_in, jnp.zeros_like(w_in)]),
+    w_out=jnp.stack([w_out, w_out]), kappa=jnp.ones(n),
+    b_in=None if b_in is None else jnp.stack([b_in, b_in]), b_out=None)
+
+
+def test_neurons_per_feature_counts_private_and_shared_neurons():
+  # Layer 0 gives each feature a private neuron; layer 1 reads nothing.
+  private = _two_layer_weights(jnp.eye(4), jnp.eye(4))
+  np.testing.assert_array_equal(resid_mlp.neurons_per_feature(private), 1)
+  # Every feature drives all four neurons alike: 90% needs all of them,
+  # 70% three.
+  shared = _two_layer_weights(jnp.ones((4, 4)), jnp.eye(4))
+  np.testing.assert_array_equal(resid_mlp.neurons_per_feature(shared), 4)
+  np.testing.assert_array_equal(
+    resid_mlp.neurons_per_feature(shared, share=0.7), 3)
+
+
+def test_neurons_per_feature_ignores_what_the_zero_input_writes():
+  # A bias keeps neuron 3 on for every input; only the private neuron
+  # moves, and feature 3, which no neuron reads, has none.
+  b_in = jnp.array([0.0, 0.0, 0.0, 5.0])
+  weights = _two_layer_weights(jnp.eye(4).at[3].set(0.0), jnp.eye(4), b_in)
+  np.testing.assert_array_equal(
+    resid_mlp.neurons_per_feature(weights), [1, 1, 1, 0])

@@ -63,7 +63,9 @@ def test_resid_training_keeps_embedding_and_kappa_fixed():
     6,
     3,
     d_embed=8,
+    in_bias=True,
     feature_probability=0.2,
+    kappa_high=2.0,
     batch_size=32,
     training=train_lib.TargetTraining(steps=10, lr=1e-2, schedule="cosine"),
   )
