@@ -31,6 +31,13 @@ def test_matched_rows_add_the_reference_settings(bench):
                                                                        1)
 
 
+def test_matched_rows_drop_the_locality_the_reference_lacks(bench):
+  # tms_40-10 ships nonlinearity locality; the reference has no such term.
+  assert bench.load_recipe("tms_40-10").nonlinearity_coeff > 0
+  matched = bench.load_recipe("tms_40-10+" + "+".join(bench.MATCHED_FLAGS))
+  assert matched.nonlinearity_coeff == 0
+
+
 def test_a_recipe_compiles_times_and_formats(bench, one_device):
   recipe = one_device
   assert recipe["flops"] > 0

@@ -35,9 +35,10 @@ def test_there_are_flagfiles_for_every_paper_toy():
           "resid_mlp2", "resid_mlp3"} <= names
 
 
-def test_tms_5_2_id_flagfile_trains_nonlinearity_locality(parse):
+@pytest.mark.parametrize("name", ["tms_5-2-id", "tms_40-10"])
+def test_flagfile_trains_nonlinearity_locality(parse, name):
   """Its measured seed table (docs/recovery.md) rests on the term."""
-  config = parse(f"--flagfile={ROOT / 'flags' / 'tms_5-2-id.flags'}")
+  config = parse(f"--flagfile={ROOT / 'flags' / f'{name}.flags'}")
   toy, target, _ = assembly.resolve_target(config)
   assert "nonlinearity_locality" in assembly.parts(config, toy, target).term_names
 
