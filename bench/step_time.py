@@ -57,8 +57,9 @@ _STEPS = flags.DEFINE_integer("timed_steps", 100, "Timed steps per recipe "
 _ROUNDS = flags.DEFINE_integer("timing_rounds", 3, "Rounds (each "
                                "recalibrates the matmul rate).")
 _MATCHED = flags.DEFINE_bool(
-  "matched", True, "Time the reference's work (delta on, no faithfulness, no locality) "
-  "and show the speed-up; --nomatched times the flagfiles as shipped.")
+  "matched", True, "Time the reference's work (delta on, no faithfulness, "
+  "no locality) and show the speed-up; --nomatched times the flagfiles as "
+  "shipped.")
 _WARMUP = flags.DEFINE_integer("untimed_steps", 5, "Untimed steps after "
                                "compiling, per round.")
 _COMPILERS = flags.DEFINE_string(
@@ -82,7 +83,8 @@ REFERENCE_MS = {
   "tms_40-10": {"bf16": 286.0},
   "resid_mlp1": {"bf16": 124.0},
 }
-# What the reference's toy configs train: delta on, faithfulness off.
+# What the reference's toy configs train: delta on, faithfulness and
+# nonlinearity locality off.
 MATCHED_FLAGS = ("--use_delta_component", "--faithfulness_coeff=0",
                  "--nonlinearity_coeff=0")
 

@@ -295,9 +295,9 @@ def neurons_per_feature(
 
   A neuron's part is `|Δh|·‖w_out row‖`, `Δh` its activation against the
   zero input's; a feature no neuron responds to gets 0. A feature with few
-  such neurons is computed nearly
-  monosemantically, and a decomposition may then give it its own piece of
-  `W_out` instead of the paper's dense block (docs/recovery.md).
+  such neurons is computed nearly monosemantically, and a decomposition may
+  then give it its own piece of `W_out` instead of the paper's dense block
+  (docs/recovery.md).
   """
   n = weights.w_e.shape[0]
   probes = jnp.concatenate([scale * jnp.eye(n), jnp.zeros((1, n))])
