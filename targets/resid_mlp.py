@@ -288,10 +288,11 @@ def forward(
 
 
 def neurons_per_feature(
-  weights: ResidMlpWeights, share: float = 0.9, scale: float = 0.75
+  weights: ResidMlpWeights, share: float = 0.9
 ) -> Int[Array, " n"]:
   """Return, per feature `i`, the fewest neurons (all layers together) that
-  carry `share` of the energy the MLPs write for the input `scale·e_i`.
+  carry `share` of the energy the MLPs write for the CI probe input `0.75·e_i`
+  (`sparse_data.feature_probe`).
 
   A neuron's part is `|Δh|·‖w_out row‖`, `Δh` its activation against the
   zero input's; a feature no neuron responds to gets 0. A feature with few
@@ -300,7 +301,7 @@ def neurons_per_feature(
   (docs/recovery.md).
   """
   n = weights.w_e.shape[0]
-  probes = jnp.concatenate([scale * jnp.eye(n), jnp.zeros((1, n))])
+  probes = jnp.concatenate([sparse_data.feature_probe(n), jnp.zeros((1, n))])
   _, hidden = _dense_forward(weights, probes)
   parts = jnp.concatenate([
     jnp.abs(h[:-1] - h[-1]) * jnp.linalg.norm(w_out, axis=1)
