@@ -444,8 +444,7 @@ def work_table(profiles: list[Profile]) -> str:
 def conditions(matched: bool) -> str:
   """Return the line saying what was measured, when and on what."""
   load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-  work = ("matched work (delta on, no faithfulness, no locality)" if matched
-          else "flagfiles as shipped")
+  work = step_time.MATCHED_WORK if matched else "flagfiles as shipped"
   return (f"{datetime.date.today()}, {jax.devices()[0].device_kind}, "
           f"{os.cpu_count()} cores, load average {load} (1, 5, 15 min) at "
           f"the end; {work}.")

@@ -87,6 +87,7 @@ REFERENCE_MS = {
 # nonlinearity locality off.
 MATCHED_FLAGS = ("--use_delta_component", "--faithfulness_coeff=0",
                  "--nonlinearity_coeff=0")
+MATCHED_WORK = "matched work (delta on, no faithfulness, no locality)"
 
 
 def matmul_flops_per_s(n: int = 1024, repeats: int = 20) -> float:
@@ -229,7 +230,7 @@ def main(argv):
   print(f"machine: {jax.devices()[0].device_kind}, fp32 matmul "
         f"{statistics.median(peaks) / 1e9:.0f} GFLOP/s (1024³, median of 20, "
         f"per round: {', '.join(f'{p / 1e9:.0f}' for p in peaks)}); "
-        f"{'matched work (delta on, no faithfulness, no locality)' if matched else 'flagfiles as shipped'}")
+        f"{MATCHED_WORK if matched else 'flagfiles as shipped'}")
   print("| recipe | step ms, median [min, max] of rounds | reference ms | "
         "speed-up | GFLOP/s (of matmul) | CI-MLP Gelem/s |")
   print("|---|---|---|---|---|---|")
