@@ -2,8 +2,10 @@
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 # Must precede the first JAX backend initialisation.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -13,6 +15,39 @@ from absl import flags  # noqa: E402
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 flags.FLAGS.mark_as_parsed()
+
+
+def _share_compiled_programs() -> None:
+  """Point every test process at one persistent compilation cache.
+
+  Many tests build the same step (the same recipe, rebuilt as new closures,
+  or relaunched as a `bin/train` child), and each rebuild would compile it
+  again. The controller makes the directory; xdist workers and the binaries
+  tests launch inherit it through the environment. Bounding the cache's
+  size turns on its file lock, which keeps concurrent processes from
+  reading an entry another is still writing. A test that studies the cache
+  sets its own directory and restores this one.
+  """
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+      prefix="decompax-test-xla-")
+    os.environ["DECOMPAX_TEST_CACHE_OWNER"] = str(os.getpid())
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+  jax.config.update("jax_compilation_cache_dir",
+                    os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float(
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+  jax.config.update("jax_compilation_cache_max_size",
+                    int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+
+
+_share_compiled_programs()
+
+
+def pytest_unconfigure(config):
+  if os.environ.get("DECOMPAX_TEST_CACHE_OWNER") == str(os.getpid()):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 import jax.numpy as jnp  # noqa: E402
