@@ -107,23 +107,71 @@ def cpu_flagfiles() -> list[pathlib.Path]:
           if p.stem not in NOT_CPU_SIZED]
 
 
+# The flagfiles whose whole smoke run is in the default suite: one per code
+# path (the TMS recipe; the hidden identity with its locality term; the VPD
+# terms; the residual MLP; a checkpoint with the transformer CI; the toy
+# transformer's attention sites). The others take those paths at other
+# sizes or with other settings: their smoke runs are slow, and
+# `test_flagfiles_lower.py` still builds and lowers every flagfile's step
+# in the default suite. A targeted recipe's short run is
+# tests/bin/test_targeted.py's.
+SMOKE_IN_DEFAULT = frozenset({"tms_5-2", "tms_5-2-id", "tms_5-2_vpd",
+                              "resid_mlp1", "tiny_llama", "induction"})
+
+
 def pytest_generate_tests(metafunc):
   # A smoke module names its share of the flagfiles (SMOKE_GROUP: the TMS
   # ones or the rest), so the suite's workers run the two files side by side.
   if "smoke_flagfile" in metafunc.fixturenames:
     tms = metafunc.module.SMOKE_GROUP == "tms"
     paths = [p for p in cpu_flagfiles() if p.stem.startswith("tms_") == tms]
-    # A targeted recipe's short run is tests/bin/test_targeted.py's; its
-    # smoke run (both streams' evals compiled) is the slow variant.
-    params = [pytest.param(p, marks=pytest.mark.slow) if p.stem.endswith(
-      "_tpd") else p for p in paths]
+    params = [p if p.stem in SMOKE_IN_DEFAULT
+              else pytest.param(p, marks=pytest.mark.slow) for p in paths]
     metafunc.parametrize("smoke_flagfile", params,
+                         ids=[p.stem for p in paths])
+  if "each_cpu_flagfile" in metafunc.fixturenames:
+    paths = cpu_flagfiles()
+    metafunc.parametrize("each_cpu_flagfile", paths,
                          ids=[p.stem for p in paths])
 
 
 @pytest.fixture
 def cpu_flagfile_names() -> set[str]:
   return {p.stem for p in cpu_flagfiles()}
+
+
+def smoke_args(parse, path: pathlib.Path, tmp_path: pathlib.Path,
+               warmup_steps: int = 2) -> list[str]:
+  """Return the arguments of a smoke-sized run of the flagfile at `path`
+  writing under `tmp_path`: tiny sizes, every eval tier due, a faithfulness
+  warmup of `warmup_steps` where the flagfile has one, and a toy's target
+  untrained (saved under `tmp_path` and loaded as the target cache)."""
+  args = [f"--flagfile={path}", *SMOKE_OVERRIDES,
+          f"--output_dir={tmp_path / 'run'}"]
+  config = parse(*args)
+  if config.faithfulness_warmup_steps:
+    args.append(f"--faithfulness_warmup_steps={warmup_steps}")
+  if config.target_task:
+    args += ["--target_batch_size=8", "--nontarget_batch_size=8"]
+  if config.target in registry.toy_names():
+    # An untrained toy stands in for the trained one: setup loads it from
+    # the target cache instead of training for thousands of steps.
+    toy = registry.get(config.target)
+    cache = tmp_path / "target.npz"
+    seed = (toy.default_seed if config.target_seed is None
+            else config.target_seed)
+    run_dir.save_arrays(
+      cache, toy.weights_to_arrays(toy.init(jax.random.key(0))),
+      {"target": toy.name, "target_seed": seed})
+    args.append(f"--target_path={cache}")
+  return args
+
+
+@pytest.fixture
+def smoke_config(parse, tmp_path):
+  """Return the parsed config of a flagfile's smoke-sized run (see
+  `smoke_args`), with no faithfulness warmup."""
+  return lambda path: parse(*smoke_args(parse, path, tmp_path, 0))
 
 
 @pytest.fixture
@@ -138,28 +186,10 @@ def smoke_run(parse, tmp_path, capsys):
 
   def run(path: pathlib.Path) -> None:
     out = tmp_path / "run"
-    args = [f"--flagfile={path}", *SMOKE_OVERRIDES, f"--output_dir={out}"]
-    config = parse(*args)
-    if config.faithfulness_warmup_steps:
-      args.append("--faithfulness_warmup_steps=2")
-    if config.target_task:
-      args += ["--target_batch_size=8", "--nontarget_batch_size=8"]
-    if config.target in registry.toy_names():
-      # An untrained toy stands in for the trained one: setup loads it from
-      # the target cache instead of training for thousands of steps.
-      toy = registry.get(config.target)
-      cache = tmp_path / "target.npz"
-      seed = (toy.default_seed if config.target_seed is None
-              else config.target_seed)
-      run_dir.save_arrays(
-        cache, toy.weights_to_arrays(toy.init(jax.random.key(0))),
-        {"target": toy.name, "target_seed": seed})
-      args.append(f"--target_path={cache}")
-    config = parse(*args)
-    prepared = train.setup(config)
+    prepared = train.setup(parse(*smoke_args(parse, path, tmp_path)))
     train.train(prepared)
     check_smoke_run(out, prepared.target, capsys.readouterr().err,
-                    "target/" if config.target_task else "")
+                    "target/" if prepared.config.target_task else "")
 
   return run
 

@@ -1,6 +1,6 @@
 """Every non-TMS flagfile runs through both eval tiers, a step and a save:
 the residual MLPs, the induction toy and the tiny Llama (see
-`test_eval_smoke.py`)."""
+`test_eval_smoke.py`; which of them the default suite runs)."""
 
 SMOKE_GROUP = "models"
 
