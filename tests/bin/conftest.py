@@ -112,7 +112,7 @@ def cpu_flagfiles() -> list[pathlib.Path]:
 # terms; the residual MLP; a checkpoint with the transformer CI; the toy
 # transformer's attention sites). The others take those paths at other
 # sizes or with other settings: their smoke runs are slow, and
-# `test_flagfiles_lower.py` still builds and lowers every flagfile's step
+# `test_flagfiles_lower.py` still builds and lowers each of their steps
 # in the default suite. A targeted recipe's short run is
 # tests/bin/test_targeted.py's.
 SMOKE_IN_DEFAULT = frozenset({"tms_5-2", "tms_5-2-id", "tms_5-2_vpd",
@@ -129,15 +129,20 @@ def pytest_generate_tests(metafunc):
               else pytest.param(p, marks=pytest.mark.slow) for p in paths]
     metafunc.parametrize("smoke_flagfile", params,
                          ids=[p.stem for p in paths])
-  if "each_cpu_flagfile" in metafunc.fixturenames:
-    paths = cpu_flagfiles()
-    metafunc.parametrize("each_cpu_flagfile", paths,
+  if "slow_smoke_flagfile" in metafunc.fixturenames:
+    paths = [p for p in cpu_flagfiles() if p.stem not in SMOKE_IN_DEFAULT]
+    metafunc.parametrize("slow_smoke_flagfile", paths,
                          ids=[p.stem for p in paths])
 
 
 @pytest.fixture
 def cpu_flagfile_names() -> set[str]:
   return {p.stem for p in cpu_flagfiles()}
+
+
+@pytest.fixture
+def smoke_in_default() -> frozenset[str]:
+  return SMOKE_IN_DEFAULT
 
 
 def smoke_args(parse, path: pathlib.Path, tmp_path: pathlib.Path,

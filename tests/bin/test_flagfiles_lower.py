@@ -1,9 +1,9 @@
-"""Every CPU flagfile builds its run and lowers its training step at smoke
-size.
+"""Every flagfile whose smoke run is `slow` builds its run and lowers its
+training step at smoke size.
 
-The fast variant of the smoke runs (`test_eval_smoke*.py`): those run one
-flagfile per code path in the default suite and the others as `slow`; this
-still catches a flagfile whose settings no longer parse, plan or trace.
+The fast variant of those smoke runs (`test_eval_smoke*.py` run one
+flagfile per code path in the default suite, and compile its step there):
+it still catches a flagfile whose settings no longer parse, plan or trace.
 Lowering traces the whole step to StableHLO without XLA's compile, the
 part of a smoke run that costs most.
 """
@@ -15,8 +15,8 @@ from decompax.recipe import assembly
 
 
 def test_flagfile_builds_its_run_and_lowers_its_step(smoke_config,
-                                                     each_cpu_flagfile):
-  prepared = train.setup(smoke_config(each_cpu_flagfile))
+                                                     slow_smoke_flagfile):
+  prepared = train.setup(smoke_config(slow_smoke_flagfile))
   run = assembly.start(prepared.plan, prepared.weights)
   lowered = run.built.step.lower(run.state, run.weights, run.step_inputs(0))
   assert "func.func public @main" in lowered.as_text()
