@@ -92,8 +92,9 @@ def test_tiny_llama_decomposes_end_to_end(tmp_path):
                       128, 127, "test")
   result = subprocess.run(
     [sys.executable, "-P", str(ROOT / "bin" / "train"), f"--flagfile={TINY}",
-     # Small widths and the fast eval tier only: the flagfile's slow tier
-     # runs in its smoke test (tests/bin/test_eval_smoke_models.py).
+     # Small widths and the fast eval tier: the slow tier's LM figures run
+     # in the induction smoke test, and the flagfile's own smoke run is slow
+     # (tests/bin/test_eval_smoke_models.py).
      "--num_steps=4", "--log_every=2", "--eval_every=4",
      "--slow_eval_every=0", "--faithfulness_warmup_steps=2", "--c=8",
      "--ci_d_model=8", "--ci_d_mlp=16",
