@@ -45,9 +45,50 @@ def _share_compiled_programs() -> None:
 _share_compiled_programs()
 
 
+def _share_finished_runs() -> None:
+  """Give every test process one directory of finished runs (`finished_run`
+  below): a run one xdist worker trained, the other copies instead of
+  training it again."""
+  if "DECOMPAX_TEST_SHARED_RUNS" not in os.environ:
+    os.environ["DECOMPAX_TEST_SHARED_RUNS"] = tempfile.mkdtemp(
+      prefix="decompax-test-runs-")
+
+
+_share_finished_runs()
+
+
+# The modules that take longest, longest first (CPU-s in a full run on two
+# cores: 144, 118, 124, 96, 94, 88, 82, 76, 73, 73, 68, 63). Workers take
+# whole files in collection order, so these go first: a long file left for
+# last runs alone while the other workers idle. The two toy-transformer
+# modules that share one trained run (`finished_run`) are apart, so that
+# the second finds it trained instead of waiting on it.
+LONG_MODULES = (
+  "bin/test_targeted.py", "placement/test_two_process.py",
+  "bin/test_browse.py", "bin/test_eval_smoke_models.py",
+  "losses/test_adversarial.py", "bin/test_train.py", "bin/test_eval_smoke.py",
+  "bin/test_bad_inputs.py", "bin/test_lm_train.py",
+  "placement/test_sharded_step.py", "bin/test_stop_after.py",
+  "bin/test_crash_soak.py")
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+if missing := [m for m in LONG_MODULES if not (TESTS_DIR / m).is_file()]:
+  raise RuntimeError(f"tests/conftest.py LONG_MODULES names {missing}, "
+                     "which do not exist: rename or drop them there")
+
+
+def pytest_collection_modifyitems(config, items):
+  def rank(item) -> int:
+    module = item.path.relative_to(TESTS_DIR).as_posix()
+    if module in LONG_MODULES:
+      return LONG_MODULES.index(module)
+    return len(LONG_MODULES)
+  items.sort(key=rank)
+
+
 def pytest_unconfigure(config):
   if os.environ.get("DECOMPAX_TEST_CACHE_OWNER") == str(os.getpid()):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    shutil.rmtree(os.environ["DECOMPAX_TEST_SHARED_RUNS"], ignore_errors=True)
 
 
 import jax.numpy as jnp  # noqa: E402
@@ -263,24 +304,53 @@ def _token_file(path) -> str:
   return str(path)
 
 
+def _train_short_run(name: str, home: pathlib.Path) -> None:
+  """Train `RECIPES[name]` into `home/name`, its token file `home/tokens.bin`
+  beside it."""
+  home.mkdir()
+  tokens = _token_file(home / "tokens.bin")
+  args = [a.format(tokens=tokens) for a in RECIPES[name]]
+  done = subprocess.run(
+    [sys.executable, "-P", str(RUN_ROOT / "bin" / "train"), *args, *SHORT,
+     f"--output_dir={home / name}"], cwd=RUN_ROOT, capture_output=True,
+    text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def _shared_short_run(name: str) -> pathlib.Path:
+  """Return the shared home of `RECIPES[name]`'s run, trained by whichever
+  test process asks first while the others wait on its lock. A run is
+  trained under a scratch name and renamed when finished, so one that
+  failed is trained again, never half used."""
+  import fcntl  # noqa: PLC0415
+  shared = pathlib.Path(os.environ["DECOMPAX_TEST_SHARED_RUNS"])
+  home = shared / name
+  with open(shared / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not home.is_dir():
+      scratch = shared / f"{name}.{os.getpid()}"
+      shutil.rmtree(scratch, ignore_errors=True)
+      _train_short_run(name, scratch)
+      scratch.rename(home)
+  return home
+
+
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
   """Return `path(name)`: the directory of a 4-step run of `RECIPES[name]`
   (a TMS 5-2 toy, the induction toy's token model, or the tiny Llama on a
-  token file beside the run, `<run>/../tokens.bin`)."""
+  token file beside the run, `<run>/../tokens.bin`).
+
+  Each test process gets its own copy, free to add files to, of a run the
+  suite trains once.
+  """
   paths = {}
 
   def path(name: str) -> str:
     if name not in paths:
-      output = tmp_path_factory.mktemp("runs") / name
-      tokens = _token_file(output.parent / "tokens.bin")
-      args = [a.format(tokens=tokens) for a in RECIPES[name]]
-      done = subprocess.run(
-        [sys.executable, "-P", str(RUN_ROOT / "bin" / "train"), *args,
-         *SHORT, f"--output_dir={output}"], cwd=RUN_ROOT, capture_output=True,
-        text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-      assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-      paths[name] = str(output)
+      copy = tmp_path_factory.mktemp("runs") / name
+      shutil.copytree(_shared_short_run(name), copy)
+      paths[name] = str(copy / name)
     return paths[name]
 
   return path
