@@ -17,6 +17,20 @@ jax.config.update("jax_num_cpu_devices", 8)
 flags.FLAGS.mark_as_parsed()
 
 
+# The session's shared directories this process made (the controller's, or
+# a lone process's), removed when it ends; workers inherit them.
+_OWNED_DIRS: list[str] = []
+
+
+def _session_dir(variable: str, prefix: str) -> str:
+  """Return the directory named by environment `variable`, making it (and
+  owning it) where no parent process has."""
+  if variable not in os.environ:
+    os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+    _OWNED_DIRS.append(os.environ[variable])
+  return os.environ[variable]
+
+
 def _share_compiled_programs() -> None:
   """Point every test process at one persistent compilation cache.
 
@@ -28,10 +42,7 @@ def _share_compiled_programs() -> None:
   reading an entry another is still writing. A test that studies the cache
   sets its own directory and restores this one.
   """
-  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
-      prefix="decompax-test-xla-")
-    os.environ["DECOMPAX_TEST_CACHE_OWNER"] = str(os.getpid())
+  _session_dir("JAX_COMPILATION_CACHE_DIR", "decompax-test-xla-")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
   jax.config.update("jax_compilation_cache_dir",
@@ -43,18 +54,11 @@ def _share_compiled_programs() -> None:
 
 
 _share_compiled_programs()
-
-
-def _share_finished_runs() -> None:
-  """Give every test process one directory of finished runs (`finished_run`
-  below): a run one xdist worker trained, the other copies instead of
-  training it again."""
-  if "DECOMPAX_TEST_SHARED_RUNS" not in os.environ:
-    os.environ["DECOMPAX_TEST_SHARED_RUNS"] = tempfile.mkdtemp(
-      prefix="decompax-test-runs-")
-
-
-_share_finished_runs()
+# One directory of finished runs (`finished_run` below), made before the
+# workers start: a run one xdist worker trained, the others copy instead of
+# training it again.
+SHARED_RUNS = "DECOMPAX_TEST_SHARED_RUNS"
+_session_dir(SHARED_RUNS, "decompax-test-runs-")
 
 
 # The modules that take longest, longest first (CPU-s in a full run on two
@@ -86,9 +90,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_unconfigure(config):
-  if os.environ.get("DECOMPAX_TEST_CACHE_OWNER") == str(os.getpid()):
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-    shutil.rmtree(os.environ["DECOMPAX_TEST_SHARED_RUNS"], ignore_errors=True)
+  for directory in _OWNED_DIRS:
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 import jax.numpy as jnp  # noqa: E402
@@ -323,7 +326,7 @@ def _shared_short_run(name: str) -> pathlib.Path:
   trained under a scratch name and renamed when finished, so one that
   failed is trained again, never half used."""
   import fcntl  # noqa: PLC0415
-  shared = pathlib.Path(os.environ["DECOMPAX_TEST_SHARED_RUNS"])
+  shared = pathlib.Path(os.environ[SHARED_RUNS])
   home = shared / name
   with open(shared / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
