@@ -229,8 +229,9 @@ def _features(n: int) -> str:
   return f"{n} feature" + ("" if n == 1 else "s")
 
 
-def describe_breaks(breaks: dict[str, int]) -> str:
-  """Return the nonzero forms of a site's failure in a few words."""
+def describe_breaks(breaks: dict[str, float]) -> str:
+  """Return the nonzero forms of a site's failure in a few words, with how
+  near the threshold a weak feature or missing column came."""
   parts = []
   if breaks.get("shared"):
     parts.append(f"{breaks['shared']} shared by "
@@ -238,13 +239,19 @@ def describe_breaks(breaks: dict[str, int]) -> str:
   if breaks.get("split"):
     parts.append(f"{_features(breaks['split'])} split")
   if breaks.get("weak"):
-    parts.append(f"{breaks['weak']} weak")
+    parts.append(f"{breaks['weak']} weak" + _nearest(breaks, "weakest_keep"))
   if breaks.get("extra"):
     parts.append(f"{breaks['extra']} extra on "
                  f"{_features(breaks['extra_features'])}")
   if breaks.get("missing"):
-    parts.append(f"{breaks['missing']} block columns never kept")
+    parts.append(f"{breaks['missing']} block columns never kept"
+                 + _nearest(breaks, "weakest_peak"))
   return ", ".join(parts)
+
+
+def _nearest(breaks: dict[str, float], key: str) -> str:
+  # Tables written before the peak was recorded have none.
+  return f" (lowest peak {breaks[key]:.3f})" if key in breaks else ""
 
 
 def _site_cell(row: dict) -> str:

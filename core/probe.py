@@ -112,13 +112,16 @@ class IdentityBreaks(NamedTuple):
   `shared`: components active on several features, one rank-1 piece serving
   them all; `shared_features`: the features those components touch; `split`:
   features with several active components; `weak`: features whose largest CI
-  stays below `1 − tol`, so no component is fully kept for them.
+  stays below `1 − tol`, so no component is fully kept for them;
+  `weakest_keep`: the smallest of those largest CIs, which tells a feature
+  kept at 0.5 from one that misses the threshold in the third decimal.
   """
 
   shared: int
   shared_features: int
   split: int
   weak: int
+  weakest_keep: float
 
 
 def identity_breaks(ci: np.ndarray, tol: float = IDENTITY_TOL) -> IdentityBreaks:
@@ -130,17 +133,21 @@ def identity_breaks(ci: np.ndarray, tol: float = IDENTITY_TOL) -> IdentityBreaks
     shared=int(shared.sum()),
     shared_features=int(active[:, shared].any(1).sum()),
     split=int((active.sum(1) > 1).sum()),
-    weak=int((ci.max(1) < 1.0 - tol).sum()))
+    weak=int((ci.max(1) < 1.0 - tol).sum()),
+    weakest_keep=float(ci.max(1).min()))
 
 
 class DenseBreaks(NamedTuple):
   """How a `k`-column dense CI pattern breaks: `extra` components past the
   first `k` by mass that are active on some probe, the `extra_features`
-  they serve, and `missing` block columns that never reach `1 − tol`."""
+  they serve, `missing` block columns that never reach `1 − tol`, and
+  `weakest_peak`, the smallest block column's largest CI: a column that
+  peaks at 0.3 is not part of the mechanism, one that peaks at 0.899 is."""
 
   extra: int
   extra_features: int
   missing: int
+  weakest_peak: float
 
 
 def dense_breaks(ci: np.ndarray, k: int, tol: float = IDENTITY_TOL) -> DenseBreaks:
@@ -149,7 +156,8 @@ def dense_breaks(ci: np.ndarray, k: int, tol: float = IDENTITY_TOL) -> DenseBrea
   active = rest > tol
   return DenseBreaks(
     extra=int(active.any(0).sum()), extra_features=int(active.any(1).sum()),
-    missing=_missing_block_columns(block, tol))
+    missing=_missing_block_columns(block, tol),
+    weakest_peak=float(block.max(0).min()))
 
 
 def pattern_error(ci: np.ndarray, expected: Expected) -> int:

@@ -135,31 +135,47 @@ def test_pattern_permutation_orders_dense_sites_by_column_mass():
 
 
 def test_identity_breaks_names_each_form_of_failure():
-  assert probe.identity_breaks(np.eye(4)) == (0, 0, 0, 0)
+  assert probe.identity_breaks(np.eye(4)) == (0, 0, 0, 0, 1.0)
   # One column serving features 0-2 at CI 1 (the TMS `linear2` failure).
   shared = np.zeros((4, 4))
   shared[:3, 0] = 1.0
   shared[3, 3] = 1.0
-  assert probe.identity_breaks(shared) == (1, 3, 0, 0)
+  assert probe.identity_breaks(shared) == (1, 3, 0, 0, 1.0)
   # Feature 1 needs two components; feature 2 is kept at CI 0.6 only.
   split = np.eye(4, 5)
   split[1, 4] = 0.8
   split[2, 2] = 0.6
-  assert probe.identity_breaks(split) == (0, 0, 1, 1)
+  assert probe.identity_breaks(split) == (0, 0, 1, 1, 0.6)
   assert probe.identity_ci_error(split) == 2
 
 
 def test_dense_breaks_counts_extra_pieces_and_missing_columns():
   block = np.full((6, 3), 1.0)
-  assert probe.dense_breaks(block, k=3) == (0, 0, 0)
+  assert probe.dense_breaks(block, k=3) == (0, 0, 0, 1.0)
   pieces = np.concatenate([block, np.zeros((6, 2))], axis=1)
   pieces[0, 3] = pieces[4, 3] = 0.5  # one piece on two features
   pieces[1, 4] = 0.2
-  assert probe.dense_breaks(pieces, k=3) == (2, 3, 0)
+  assert probe.dense_breaks(pieces, k=3) == (2, 3, 0, 1.0)
   assert probe.dense_ci_error(pieces, k=3) == 3
   faint = block.copy()
   faint[:, 1] = 0.7
-  assert probe.dense_breaks(faint, k=3) == (0, 0, 1)
+  assert probe.dense_breaks(faint, k=3) == (0, 0, 1, 0.7)
+
+
+def test_the_lowest_peak_tells_a_near_miss_from_a_faint_column():
+  # Both blocks miss the 0.9 threshold on one column; only the peak says
+  # that one column is a real piece of the mechanism and the other is not.
+  near = np.full((6, 3), 1.0)
+  near[:, 2] = np.linspace(0.2, 0.899, 6)
+  faint = np.full((6, 3), 1.0)
+  faint[:, 2] = 0.3
+  assert probe.dense_breaks(near, k=3).missing == 1
+  assert probe.dense_breaks(near, k=3).weakest_peak == pytest.approx(0.899)
+  assert probe.dense_breaks(faint, k=3).weakest_peak == pytest.approx(0.3)
+  kept = np.eye(3)
+  kept[1, 1] = 0.89
+  assert probe.identity_breaks(kept).weak == 1
+  assert probe.identity_breaks(kept).weakest_keep == pytest.approx(0.89)
 
 
 def test_pattern_breaks_reads_the_expected_pattern():
