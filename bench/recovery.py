@@ -244,7 +244,8 @@ def describe_breaks(breaks: dict[str, float]) -> str:
     parts.append(f"{breaks['extra']} extra on "
                  f"{_features(breaks['extra_features'])}")
   if breaks.get("missing"):
-    parts.append(f"{breaks['missing']} block columns never kept"
+    columns = "column" if breaks["missing"] == 1 else "columns"
+    parts.append(f"{breaks['missing']} block {columns} never kept"
                  + _nearest(breaks, "weakest_peak"))
   return ", ".join(parts)
 

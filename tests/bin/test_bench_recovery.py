@@ -48,6 +48,7 @@ def test_a_broken_site_is_described_by_its_nonzero_forms(bench):
     {"extra": 0, "extra_features": 0, "missing": 4,
      "weakest_peak": 0.8958}) == \
     "4 block columns never kept (lowest peak 0.896)"
+  assert bench.describe_breaks({"missing": 1}) == "1 block column never kept"
   assert bench.describe_breaks(
     {"shared": 0, "shared_features": 0, "split": 0, "weak": 1,
      "weakest_keep": 0.83}) == "1 weak (lowest peak 0.830)"
