@@ -239,20 +239,21 @@ def describe_breaks(breaks: dict[str, float]) -> str:
   if breaks.get("split"):
     parts.append(f"{_features(breaks['split'])} split")
   if breaks.get("weak"):
-    parts.append(f"{breaks['weak']} weak" + _nearest(breaks, "weakest_keep"))
+    parts.append(f"{breaks['weak']} weak" + _lowest_peak(breaks))
   if breaks.get("extra"):
     parts.append(f"{breaks['extra']} extra on "
                  f"{_features(breaks['extra_features'])}")
   if breaks.get("missing"):
     columns = "column" if breaks["missing"] == 1 else "columns"
     parts.append(f"{breaks['missing']} block {columns} never kept"
-                 + _nearest(breaks, "weakest_peak"))
+                 + _lowest_peak(breaks))
   return ", ".join(parts)
 
 
-def _nearest(breaks: dict[str, float], key: str) -> str:
+def _lowest_peak(breaks: dict[str, float]) -> str:
   # Tables written before the peak was recorded have none.
-  return f" (lowest peak {breaks[key]:.3f})" if key in breaks else ""
+  peak = breaks.get("lowest_peak")
+  return "" if peak is None else f" (lowest peak {peak:.3f})"
 
 
 def _site_cell(row: dict) -> str:

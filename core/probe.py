@@ -113,7 +113,7 @@ class IdentityBreaks(NamedTuple):
   them all; `shared_features`: the features those components touch; `split`:
   features with several active components; `weak`: features whose largest CI
   stays below `1 − tol`, so no component is fully kept for them;
-  `weakest_keep`: the smallest of those largest CIs, which tells a feature
+  `lowest_peak`: the smallest feature's largest CI, which tells a feature
   kept at 0.5 from one that misses the threshold in the third decimal.
   """
 
@@ -121,7 +121,7 @@ class IdentityBreaks(NamedTuple):
   shared_features: int
   split: int
   weak: int
-  weakest_keep: float
+  lowest_peak: float
 
 
 def identity_breaks(ci: np.ndarray, tol: float = IDENTITY_TOL) -> IdentityBreaks:
@@ -134,20 +134,21 @@ def identity_breaks(ci: np.ndarray, tol: float = IDENTITY_TOL) -> IdentityBreaks
     shared_features=int(active[:, shared].any(1).sum()),
     split=int((active.sum(1) > 1).sum()),
     weak=int((ci.max(1) < 1.0 - tol).sum()),
-    weakest_keep=float(ci.max(1).min()))
+    lowest_peak=float(ci.max(1).min()))
 
 
 class DenseBreaks(NamedTuple):
   """How a `k`-column dense CI pattern breaks: `extra` components past the
   first `k` by mass that are active on some probe, the `extra_features`
   they serve, `missing` block columns that never reach `1 − tol`, and
-  `weakest_peak`, the smallest block column's largest CI: a column that
-  peaks at 0.3 is not part of the mechanism, one that peaks at 0.899 is."""
+  `lowest_peak`, the smallest largest CI of a block column: a column that
+  peaks at 0.3 is a faint piece, one that peaks at 0.899 a kept piece that
+  misses the threshold in the third decimal."""
 
   extra: int
   extra_features: int
   missing: int
-  weakest_peak: float
+  lowest_peak: float
 
 
 def dense_breaks(ci: np.ndarray, k: int, tol: float = IDENTITY_TOL) -> DenseBreaks:
@@ -157,7 +158,7 @@ def dense_breaks(ci: np.ndarray, k: int, tol: float = IDENTITY_TOL) -> DenseBrea
   return DenseBreaks(
     extra=int(active.any(0).sum()), extra_features=int(active.any(1).sum()),
     missing=_missing_block_columns(block, tol),
-    weakest_peak=float(block.max(0).min()))
+    lowest_peak=float(block.max(0).min()))
 
 
 def pattern_error(ci: np.ndarray, expected: Expected) -> int:

@@ -46,12 +46,12 @@ def test_a_broken_site_is_described_by_its_nonzero_forms(bench):
     "21 extra on 40 features, 2 block columns never kept"
   assert bench.describe_breaks(
     {"extra": 0, "extra_features": 0, "missing": 4,
-     "weakest_peak": 0.8958}) == \
+     "lowest_peak": 0.8958}) == \
     "4 block columns never kept (lowest peak 0.896)"
   assert bench.describe_breaks({"missing": 1}) == "1 block column never kept"
   assert bench.describe_breaks(
     {"shared": 0, "shared_features": 0, "split": 0, "weak": 1,
-     "weakest_keep": 0.83}) == "1 weak (lowest peak 0.830)"
+     "lowest_peak": 0.83}) == "1 weak (lowest peak 0.830)"
   assert bench.describe_breaks(
     {"shared": 1, "shared_features": 2, "split": 1, "weak": 0}) == \
     "1 shared by 2 features, 1 feature split"
@@ -113,9 +113,9 @@ def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
     assert -1 <= row["mmcs"] <= 1 and row["ml2r"] >= 0
     # An identity site breaks in some named form exactly when it has errors.
     counts = {"shared", "shared_features", "split", "weak"}
-    assert set(row["breaks"]) == counts | {"weakest_keep"}
+    assert set(row["breaks"]) == counts | {"lowest_peak"}
     assert (row["error"] == 0) == (not any(row["breaks"][k] for k in counts))
-    assert 0 <= row["breaks"]["weakest_keep"] <= 1
+    assert 0 <= row["breaks"]["lowest_peak"] <= 1
   # 40 steps do not recover TMS; the verdict follows the errors.
   assert result["recovered"] == all(
     r["error"] == 0 for r in result["sites"].values())

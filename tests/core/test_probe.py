@@ -170,12 +170,12 @@ def test_the_lowest_peak_tells_a_near_miss_from_a_faint_column():
   faint = np.full((6, 3), 1.0)
   faint[:, 2] = 0.3
   assert probe.dense_breaks(near, k=3).missing == 1
-  assert probe.dense_breaks(near, k=3).weakest_peak == pytest.approx(0.899)
-  assert probe.dense_breaks(faint, k=3).weakest_peak == pytest.approx(0.3)
+  assert probe.dense_breaks(near, k=3).lowest_peak == pytest.approx(0.899)
+  assert probe.dense_breaks(faint, k=3).lowest_peak == pytest.approx(0.3)
   kept = np.eye(3)
   kept[1, 1] = 0.89
   assert probe.identity_breaks(kept).weak == 1
-  assert probe.identity_breaks(kept).weakest_keep == pytest.approx(0.89)
+  assert probe.identity_breaks(kept).lowest_peak == pytest.approx(0.89)
 
 
 def test_pattern_breaks_reads_the_expected_pattern():
