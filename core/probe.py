@@ -129,12 +129,13 @@ def identity_breaks(ci: np.ndarray, tol: float = IDENTITY_TOL) -> IdentityBreaks
   ci = np.asarray(ci)
   active = ci > tol
   shared = active.sum(0) > 1
+  peaks = ci.max(1)
   return IdentityBreaks(
     shared=int(shared.sum()),
     shared_features=int(active[:, shared].any(1).sum()),
     split=int((active.sum(1) > 1).sum()),
-    weak=int((ci.max(1) < 1.0 - tol).sum()),
-    lowest_peak=float(ci.max(1).min()))
+    weak=int((peaks < 1.0 - tol).sum()),
+    lowest_peak=float(peaks.min()))
 
 
 class DenseBreaks(NamedTuple):

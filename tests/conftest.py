@@ -42,11 +42,10 @@ def _share_compiled_programs() -> None:
   reading an entry another is still writing. A test that studies the cache
   sets its own directory and restores this one.
   """
-  _session_dir("JAX_COMPILATION_CACHE_DIR", "decompax-test-xla-")
+  cache_dir = _session_dir("JAX_COMPILATION_CACHE_DIR", "decompax-test-xla-")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
-  jax.config.update("jax_compilation_cache_dir",
-                    os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float(
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
   jax.config.update("jax_compilation_cache_max_size",

@@ -163,8 +163,8 @@ def test_dense_breaks_counts_extra_pieces_and_missing_columns():
 
 
 def test_the_lowest_peak_tells_a_near_miss_from_a_faint_column():
-  # Both blocks miss the 0.9 threshold on one column; only the peak says
-  # that one column is a real piece of the mechanism and the other is not.
+  # Both blocks miss the 0.9 threshold on one column; only the peak tells
+  # the kept piece just under the line from the faint one.
   near = np.full((6, 3), 1.0)
   near[:, 2] = np.linspace(0.2, 0.899, 6)
   faint = np.full((6, 3), 1.0)
