@@ -35,12 +35,20 @@ def test_there_are_flagfiles_for_every_paper_toy():
           "resid_mlp2", "resid_mlp3"} <= names
 
 
-@pytest.mark.parametrize("name", ["tms_5-2-id", "tms_40-10"])
+@pytest.mark.parametrize("name", ["tms_5-2-id", "tms_40-10", "tms_40-10-id"])
 def test_flagfile_trains_nonlinearity_locality(parse, name):
   """Its measured seed table (docs/recovery.md) rests on the term."""
   config = parse(f"--flagfile={ROOT / 'flags' / f'{name}.flags'}")
   toy, target, _ = assembly.resolve_target(config)
   assert "nonlinearity_locality" in assembly.parts(config, toy, target).term_names
+
+
+def test_tms_40_10_id_flagfile_trains_smooth_l0(parse):
+  """Under p = 2 its hidden identity's CI settles on the dense count's
+  line; its seed table (docs/recovery.md) rests on smooth-L0."""
+  config = parse(f"--flagfile={ROOT / 'flags' / 'tms_40-10-id.flags'}")
+  assert config.importance_penalty == "smooth_l0"
+  assert config.smooth_l0_gamma_schedule == "linear"
 
 
 @pytest.mark.parametrize("path", TOY_FLAGFILES, ids=lambda p: p.stem)
