@@ -51,6 +51,14 @@ def test_tms_40_10_id_flagfile_trains_smooth_l0(parse):
   assert config.smooth_l0_gamma_schedule == "linear"
 
 
+def test_resid_mlp2_flagfile_trains_smooth_l0(parse):
+  """Under p = 2 the features each layer does least for keep CI peaks under
+  the identity count's line; its seed table (docs/recovery.md) rests on
+  smooth-L0."""
+  config = parse(f"--flagfile={ROOT / 'flags' / 'resid_mlp2.flags'}")
+  assert config.importance_penalty == "smooth_l0"
+
+
 @pytest.mark.parametrize("path", TOY_FLAGFILES, ids=lambda p: p.stem)
 def test_every_flagfile_parses_and_builds_its_terms(parse, path):
   config = parse(f"--flagfile={path}")
