@@ -16,6 +16,12 @@ from decompax.core.sites import Components
 from decompax.core.target import Expected, TargetFns, Weights
 
 IDENTITY_TOL = 0.1
+# A contribution under this share of a feature's norm is no candidate for
+# its match: its direction is rounding and training residue, not the
+# feature's mechanism. Trained TMS runs leave dead components at ~1e-8 of a
+# column whose cosine with it, in a 2-dim hidden space, can beat the live
+# component's (SPEC §10's argmax would then report ML2R ~0 for that feature).
+MATCH_MIN_NORM_RATIO = 1e-3
 
 
 def probe_ci(
@@ -197,19 +203,23 @@ def feature_match(
   contributes `V[f, c]·U[c]` to it; with 1, `W[:, f]` and `V[:, c]·U[c, f]`.
   MMCS is the mean over features of the largest cosine similarity between
   the two; ML2R the mean norm ratio of that best component's contribution
-  to the feature's vector (1 for an exact rank-1 split).
+  to the feature's vector (1 for an exact rank-1 split). Only contributions
+  of at least `MATCH_MIN_NORM_RATIO` of the feature's norm compete; a
+  feature with none scores 0 on both.
   """
   weight, v, u = (np.asarray(a, np.float64) for a in (weight, v, u))
   if feature_axis == 1:
     weight, v, u = weight.T, u.T, v.T
   contribution = v[:, :, None] * u[None, :, :]        # [n, C, d]
-  target_norm = np.linalg.norm(weight, axis=-1)        # [n]
-  norms = np.linalg.norm(contribution, axis=-1)        # [n, C]
+  target_norm = np.maximum(np.linalg.norm(weight, axis=-1), 1e-30)  # [n]
+  ratio = np.linalg.norm(contribution, axis=-1) / target_norm[:, None]
   dots = np.einsum("ncd,nd->nc", contribution, weight)
-  cosine = dots / np.maximum(norms * target_norm[:, None], 1e-30)
-  best = np.argmax(cosine, axis=1)
+  cosine = dots / np.maximum(ratio * target_norm[:, None] ** 2, 1e-30)
+  candidate = ratio >= MATCH_MIN_NORM_RATIO
+  best = np.argmax(np.where(candidate, cosine, -np.inf), axis=1)
   rows = np.arange(len(best))
+  matched = candidate[rows, best]
   return FeatureMatch(
-    mmcs=float(np.mean(cosine[rows, best])),
-    ml2r=float(np.mean(norms[rows, best] / np.maximum(target_norm, 1e-30))),
+    mmcs=float(np.mean(np.where(matched, cosine[rows, best], 0.0))),
+    ml2r=float(np.mean(np.where(matched, ratio[rows, best], 0.0))),
     best=best)

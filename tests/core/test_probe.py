@@ -108,6 +108,32 @@ def test_feature_match_sees_a_shared_component_and_a_wrong_scale():
   np.testing.assert_allclose([halved.mmcs, halved.ml2r], [1.0, 0.5])
 
 
+def test_feature_match_passes_over_a_numerically_dead_component():
+  weight, v, u, columns = _tms_split()
+  # A dead component that points exactly along feature 0 at 1e-8 of its
+  # norm, as trained runs leave them, beside a live one turned slightly off
+  # the feature: by cosine alone the dead one would be the match, and the
+  # feature would read ML2R ~0.
+  dead = next(c for c in range(v.shape[1]) if c not in columns)
+  v_dead, u_dead = v.copy(), u.copy()
+  v_dead[0, dead] = 1.0
+  u_dead[dead] = 1e-8 * weight[0]
+  u_dead[columns[0]] = weight[0] + 1e-3 * np.array([-weight[0, 1],
+                                                    weight[0, 0]])
+  match = probe.feature_match(weight, v_dead, u_dead, feature_axis=0)
+  assert match.best[0] == columns[0]
+  np.testing.assert_allclose([match.mmcs, match.ml2r], [1.0, 1.0], atol=1e-5)
+  # At twice the floor it is a candidate again, and its exact direction wins.
+  u_dead[dead] = 2 * probe.MATCH_MIN_NORM_RATIO * weight[0]
+  assert probe.feature_match(weight, v_dead, u_dead, 0).best[0] == dead
+
+
+def test_feature_match_of_all_dust_scores_zero():
+  weight, v, u, _ = _tms_split()
+  match = probe.feature_match(weight, v, 1e-6 * u, feature_axis=0)
+  assert (match.mmcs, match.ml2r) == (0.0, 0.0)
+
+
 def test_pattern_error_reads_the_expected_pattern():
   ci = np.zeros((3, 5))
   ci[:, :2] = 1.0
