@@ -108,9 +108,9 @@ def cpu_flagfiles() -> list[pathlib.Path]:
 
 
 # The flagfiles whose whole smoke run is in the default suite: one per code
-# path (the TMS recipe; the hidden identity with its locality term; the VPD
-# terms; the residual MLP; the toy transformer's attention sites and the LM
-# eval tiers). The others take those paths at other sizes or with other
+# path (the TMS recipe; the hidden identity with its locality term and
+# smooth-L0 minimality; the VPD terms; the residual MLP; the toy
+# transformer's attention sites and the LM eval tiers). The others take those paths at other sizes or with other
 # settings: their smoke runs are slow, and `test_flagfiles_lower.py` still
 # builds and lowers each of their steps in the default suite. The tiny
 # Llama checkpoint with the transformer CI is launched with the fast eval

@@ -43,20 +43,15 @@ def test_flagfile_trains_nonlinearity_locality(parse, name):
   assert "nonlinearity_locality" in assembly.parts(config, toy, target).term_names
 
 
-def test_tms_40_10_id_flagfile_trains_smooth_l0(parse):
-  """Under p = 2 its hidden identity's CI settles on the dense count's
-  line; its seed table (docs/recovery.md) rests on smooth-L0."""
-  config = parse(f"--flagfile={ROOT / 'flags' / 'tms_40-10-id.flags'}")
+@pytest.mark.parametrize("name", ["tms_5-2-id", "tms_40-10-id", "resid_mlp2"])
+def test_flagfile_trains_smooth_l0(parse, name):
+  """Under the `p` penalty some of their needed CI settles under the
+  patterns' 0.9 line (tms_40-10-id, resid_mlp2) or their embeddings grow
+  past the target's (tms_5-2-id); their seed tables (docs/recovery.md)
+  rest on smooth-L0."""
+  config = parse(f"--flagfile={ROOT / 'flags' / f'{name}.flags'}")
   assert config.importance_penalty == "smooth_l0"
   assert config.smooth_l0_gamma_schedule == "linear"
-
-
-def test_resid_mlp2_flagfile_trains_smooth_l0(parse):
-  """Under p = 2 the features each layer does least for keep CI peaks under
-  the identity count's line; its seed table (docs/recovery.md) rests on
-  smooth-L0."""
-  config = parse(f"--flagfile={ROOT / 'flags' / 'resid_mlp2.flags'}")
-  assert config.importance_penalty == "smooth_l0"
 
 
 @pytest.mark.parametrize("path", TOY_FLAGFILES, ids=lambda p: p.stem)
