@@ -212,9 +212,10 @@ def feature_match(
     weight, v, u = weight.T, u.T, v.T
   contribution = v[:, :, None] * u[None, :, :]        # [n, C, d]
   target_norm = np.maximum(np.linalg.norm(weight, axis=-1), 1e-30)  # [n]
-  ratio = np.linalg.norm(contribution, axis=-1) / target_norm[:, None]
+  norms = np.linalg.norm(contribution, axis=-1)        # [n, C]
+  ratio = norms / target_norm[:, None]
   dots = np.einsum("ncd,nd->nc", contribution, weight)
-  cosine = dots / np.maximum(ratio * target_norm[:, None] ** 2, 1e-30)
+  cosine = dots / np.maximum(norms * target_norm[:, None], 1e-30)
   candidate = ratio >= MATCH_MIN_NORM_RATIO
   best = np.argmax(np.where(candidate, cosine, -np.inf), axis=1)
   rows = np.arange(len(best))
