@@ -327,7 +327,13 @@ def train(prepared: Prepared):
               output_dir, writer, sink)
   if first == 0:  # fresh runs only (SPEC I44)
     evaluation.log_baseline(loop.evaluator, run.state, loop.metrics_path)
-  state = run_steps(loop, run.state, first)
+  # The loop reads the device only by explicit device_get at log and eval
+  # steps, so no hidden host sync slips into the per-step path; the guard
+  # makes an implicit read an error on an accelerator (CPU arrays are host
+  # memory, so it never fires there). Setup (a toy target's training and
+  # checks) and the final writing read the device once each, unguarded.
+  with jax.transfer_guard_device_to_host("disallow"):
+    state = run_steps(loop, run.state, first)
   checkpointing.close(session)
   loop.evaluator.close()
   if last_step(config) < config.num_steps:
@@ -586,7 +592,6 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; flags (and flagfile lines) take "
          "the form --name=value")
-  jax.config.update("jax_transfer_guard_device_to_host", "disallow")
   try:
     config = train_flags.config_from_flags()
     if flags.FLAGS.wandb_project:

@@ -102,5 +102,5 @@ def train(
       params, opt_state, fixed, key, jnp.int32(start), n_steps=n_steps
     )
     if progress is not None:
-      progress(start + n_steps, float(jnp.mean(losses)))
+      progress(start + n_steps, float(jax.device_get(jnp.mean(losses))))
   return params

@@ -1,5 +1,6 @@
 """Test-wide setup: CPU with eight simulated devices, absl flags parsed."""
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -168,6 +169,40 @@ def make_chain_target(d: int = 4, d_out: int = 3, c: int = 5):
     "head": jax.random.normal(key1, (1, d, d_out)) / jnp.sqrt(d),
   }
   return fns, weights
+
+
+_SCALAR_READS = ("__float__", "__int__", "__bool__", "__index__",
+                 "__complex__")
+
+
+@contextlib.contextmanager
+def _implicit_scalar_reads_fail():
+  """Within, `float(x)`, `int(x)`, `bool(x)` of a jax.Array raise.
+
+  An accelerator's device-to-host transfer guard refuses these implicit
+  reads; CPU arrays are host memory, so the real guard never fires here.
+  Explicit `jax.device_get` still works.
+  """
+  array_type = type(jnp.zeros(()))
+  saved = {name: getattr(array_type, name) for name in _SCALAR_READS}
+
+  def refuse(self, *args):
+    raise RuntimeError("implicit device-to-host read of a jax.Array")
+
+  for name in saved:
+    setattr(array_type, name, refuse)
+  try:
+    yield
+  finally:
+    for name, method in saved.items():
+      setattr(array_type, name, method)
+
+
+@pytest.fixture
+def implicit_reads_fail():
+  """A context manager in which implicit scalar reads of jax.Arrays raise,
+  as they do under an accelerator's transfer guard."""
+  return _implicit_scalar_reads_fail
 
 
 @pytest.fixture(scope="session")

@@ -183,6 +183,30 @@ def test_short_run_writes_every_record(tmp_path, assert_bitwise_equal):
   assert "already holds the finished run (step 20 of 20)" in again.stderr
 
 
+def test_only_the_step_loop_runs_under_the_transfer_guard(
+    parse, tms_target, tmp_path, monkeypatch, implicit_reads_fail):
+  # The loop reads the device only through device_get, at log and eval
+  # steps; setup (a toy target's training and checks) and the final writing
+  # read it freely. Implicit scalar reads fail inside the loop here as the
+  # guard makes them fail on an accelerator.
+  guards, run_steps = [], train.run_steps
+
+  def checked(*args):
+    guards.append(jax.config.jax_transfer_guard_device_to_host)
+    with implicit_reads_fail():
+      return run_steps(*args)
+
+  monkeypatch.setattr(train, "run_steps", checked)
+  config = parse(f"--target_path={tms_target}",
+                 f"--output_dir={tmp_path / 'run'}", "--num_steps=4",
+                 "--batch_size=16", "--log_every=2", "--eval_every=2",
+                 "--slow_eval_every=4", "--save_every=2", "--figures_every=0")
+  train.train(train.setup(config))
+  assert guards == ["disallow"]
+  assert jax.config.jax_transfer_guard_device_to_host is None
+  assert (tmp_path / "run" / "decomposition.npz").is_file()
+
+
 def test_parse_config_leaves_the_flags_at_their_defaults():
   from absl import flags as absl_flags
 

@@ -57,6 +57,19 @@ def test_train_is_deterministic_and_reports_progress():
   assert not jnp.array_equal(a.w, untrained.w)
 
 
+def test_progress_reads_the_loss_explicitly(implicit_reads_fail):
+  # bin/train guards device-to-host reads; on an accelerator a float() of
+  # the device loss stopped every toy run that trained its own target.
+  config = tms.TmsConfig(
+    5, 2, batch_size=64,
+    training=train_lib.TargetTraining(steps=8, lr=1e-2, chunk_steps=8),
+  )
+  seen = []
+  with implicit_reads_fail():
+    tms.train(jax.random.key(7), config, lambda s, loss: seen.append(loss))
+  assert len(seen) == 1 and np.isfinite(seen[0])
+
+
 def test_resid_training_keeps_embedding_and_kappa_fixed():
   config = resid_mlp.ResidMlpConfig(
     2,
