@@ -14,7 +14,8 @@ probe), the CI error against the site's expected pattern (identity, or dense
 over `k` columns) with the forms a broken site takes (`core/probe.py`:
 shared components, split or weak features, extra dense components), and for
 TMS embeddings MMCS and ML2R; per cell the final
-faithfulness loss and the summed wall time of its launches. A cell
+faithfulness loss and the summed wall time of its launches; the bench
+measures on the CPU and leaves an accelerator to the cells' runs. A cell
 *recovers* when every site's pattern error is 0. Results go to
 `<out_dir>/<variant>/recovery.md` and `recovery.json`.
 
@@ -332,6 +333,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   if _JOBS.value < 1:
     raise app.UsageError("--jobs must be at least 1")
+  # The cells' runs own the accelerator: a TPU admits one process at a
+  # time, and on a GPU this one would reserve most of its memory. The probes
+  # that measure a finished cell are small, so they run on the CPU; the
+  # cells inherit the environment, not this setting.
+  jax.config.update("jax_platforms", "cpu")
   cells = parse_grid(_GRID.value)
   extra = split_extra(_EXTRA.value)
   variant_dir = pathlib.Path(_OUT_DIR.value) / _VARIANT.value
