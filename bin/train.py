@@ -331,7 +331,7 @@ def train(prepared: Prepared):
   # steps, so no hidden host sync slips into the per-step path; the guard
   # makes an implicit read an error on an accelerator (CPU arrays are host
   # memory, so it never fires there). Setup (a toy target's training and
-  # checks) and the final writing read the device once each, unguarded.
+  # checks) and the final writing run before and after it, unguarded.
   with jax.transfer_guard_device_to_host("disallow"):
     state = run_steps(loop, run.state, first)
   checkpointing.close(session)

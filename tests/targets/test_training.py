@@ -58,8 +58,9 @@ def test_train_is_deterministic_and_reports_progress():
 
 
 def test_progress_reads_the_loss_explicitly(implicit_reads_fail):
-  # bin/train guards device-to-host reads; on an accelerator a float() of
-  # the device loss stopped every toy run that trained its own target.
+  # Under a device-to-host transfer guard, as bin/train once ran it, a
+  # float() of the device loss stopped every toy run on an accelerator that
+  # trained its own target; a caller may still train under one.
   config = tms.TmsConfig(
     5, 2, batch_size=64,
     training=train_lib.TargetTraining(steps=8, lr=1e-2, chunk_steps=8),
