@@ -22,7 +22,9 @@ Each recipe compiles with the XLA options `bin/train` uses by default
 (`--compiler`'s default preset, `placement/compiler.py`). `--compilers`
 times it under several presets or option lists (`;`-separated), one row
 each, interleaved in the same rounds: the like-for-like measure of a
-compile option.
+compile option. `--ci_layouts` does the same for the component-MLP CI
+kernel's layout (`core/component_mlp.py`): `platform`, the one `bin/train`
+gets, or `cpu` or `accelerator` forced on any backend.
 
 The speed-up compares like with like only under `--matched` (default): the
 reference's toy configs train with the delta component, no faithfulness
@@ -33,15 +35,18 @@ reference's fp32 and bf16 times (`REFERENCE_MS`). Unmatched rows time the
 flagfiles as shipped and show no speed-up.
 """
 
+import contextlib
 import statistics
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 from jax.sharding import AxisType
 
+from decompax.core import ci_fns, component_mlp
 from decompax.placement import compiler
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
@@ -66,6 +71,14 @@ _COMPILERS = flags.DEFINE_string(
   "compilers", compiler.DEFAULT, "';'-separated compile options to time each "
   "recipe under, as bin/train's --compiler takes them (a preset: "
   f"{', '.join(compiler.PRESETS)}, or xla_option=value pairs).")
+# The component-MLP kernel each `--ci_layouts` entry traces the step with.
+CI_LAYOUTS = {"platform": component_mlp.component_mlp_pre,
+              "cpu": component_mlp.cpu_pre,
+              "accelerator": component_mlp.accelerator_pre}
+_CI_LAYOUTS = flags.DEFINE_list(
+  "ci_layouts", ["platform"], "Component-MLP CI kernel layouts to time each "
+  f"recipe under, one row each: {', '.join(CI_LAYOUTS)} (the layout "
+  "component_mlp_pre picks for this backend).")
 _RECIPES = flags.DEFINE_list(
   "recipes",
   ["tms_5-2", "tms_40-10", "resid_mlp1", "tms_5-2_vpd",
@@ -138,20 +151,35 @@ def best_reference(name: str) -> tuple[float, str] | None:
   return times[dtype], dtype
 
 
+def ci_layout(name: str) -> contextlib.AbstractContextManager:
+  """Return a context in which the component-MLP CI traces with the
+  `name`d kernel layout (`CI_LAYOUTS`)."""
+  if name not in CI_LAYOUTS:
+    raise ValueError(f"unknown CI layout {name!r}; use "
+                     f"{', '.join(CI_LAYOUTS)}")
+  return mock.patch.object(ci_fns, "component_mlp_pre", CI_LAYOUTS[name])
+
+
 def compile_recipe(name: str, matched: bool,
-                   options: str = compiler.DEFAULT) -> dict:
+                   options: str = compiler.DEFAULT,
+                   layout: str = "platform") -> dict:
   """Return one recipe's compiled step (under the compile `options`, a
-  preset name or option list), its state and static figures."""
+  preset name or option list, and the CI kernel `layout`), its state and
+  static figures."""
   name, devices = split_devices(name)
   config = load_recipe(name + ("+" + "+".join(MATCHED_FLAGS) if matched
                                else ""))
   toy = registry.get(config.target)
   target = toy.fns(config.c)
-  run = assembly.build_run(config, toy, target, toy.init(jax.random.key(0)),
-                           placement=data_parallel(devices))
+  # The CI function picks its kernel when the run is built.
+  with ci_layout(layout):
+    run = assembly.build_run(config, toy, target,
+                             toy.init(jax.random.key(0)),
+                             placement=data_parallel(devices))
+    compiled = run.built.step.lower(run.state, run.weights,
+                                    run.data_key).compile(
+      compiler.options(options))
   weights = run.weights  # on the mesh when placed
-  compiled = run.built.step.lower(run.state, weights, run.data_key).compile(
-    compiler.options(options))
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   d_gate = config.ci_hidden[0]
@@ -216,9 +244,22 @@ def main(argv):
       compiler.options(setting)
   except ValueError as e:
     raise app.UsageError(f"--compilers: {e}") from None
-  recipes = {(name if len(settings) == 1 else f"{name} [{setting}]"):
-             compile_recipe(name, matched, setting)
-             for name in _RECIPES.value for setting in settings}
+  layouts = _CI_LAYOUTS.value
+  for layout in layouts:
+    if layout not in CI_LAYOUTS:
+      raise app.UsageError(f"--ci_layouts: unknown layout {layout!r}; use "
+                           f"{', '.join(CI_LAYOUTS)}")
+  recipes = {}
+  for name in _RECIPES.value:
+    for setting in settings:
+      for layout in layouts:
+        tags = ([setting] if len(settings) > 1 else []) + (
+          [f"ci {layout}"] if len(layouts) > 1 else [])
+        label = f"{name} [{', '.join(tags)}]" if tags else name
+        start = time.perf_counter()
+        recipes[label] = compile_recipe(name, matched, setting, layout)
+        print(f"[step_time] {label}: compiled in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
   medians = {name: [] for name in recipes}
   peaks = []
   for round_index in range(_ROUNDS.value):

@@ -78,3 +78,15 @@ def test_each_compile_setting_gets_its_own_row(bench):
   assert "26.3 (fp32) | 26.30×" in line
   with pytest.raises(ValueError, match="use bare, cpu512"):
     bench.compile_recipe(TINY, matched=True, options="fast")
+
+
+def test_each_ci_layout_traces_its_own_kernel(bench):
+  """`--ci_layouts` forces the component-MLP kernel on any backend: the CPU
+  layout packs its two batch sums into one complex64 array, the
+  accelerator layout has no complex values at all."""
+  texts = {layout: bench.compile_recipe(TINY, matched=True, layout=layout)[
+             "compiled"].as_text() for layout in ("cpu", "accelerator")}
+  assert "c64[" in texts["cpu"]
+  assert "c64[" not in texts["accelerator"]
+  with pytest.raises(ValueError, match="use platform, cpu, accelerator"):
+    bench.ci_layout("gpu")

@@ -60,27 +60,36 @@ def test_gelu_saturates_far_from_zero():
     fast_gelu.gelu_grad(z), [0.0, 0.0, 1.0, 1.0], rtol=0, atol=1e-7)
 
 
+# Both layouts run here whatever the backend: each is a plain function of
+# its inputs; only `component_mlp_pre` picks one by platform.
+_LAYOUTS = pytest.mark.parametrize(
+  "pre_fn", [component_mlp.cpu_pre, component_mlp.accelerator_pre],
+  ids=["cpu", "accelerator"])
+
+
+@_LAYOUTS
 @pytest.mark.parametrize("lead,c,d_gate", [
   ((7,), 3, 4),      # ragged c: rows folded and padded
   ((2, 5), 8, 3),    # 2-D leading shape
   ((40,), 20, 16),   # slices of the batch padded
 ])
-def test_values_and_all_grads_match_reference(lead, c, d_gate):
+def test_values_and_all_grads_match_reference(pre_fn, lead, c, d_gate):
   params = _params(0, c, d_gate)
   inner, cotangent = _normal(1, (*lead, c)), _normal(2, (*lead, c))
-  fast = _value_and_grads(component_mlp.component_mlp_pre, params, inner, cotangent)
+  fast = _value_and_grads(pre_fn, params, inner, cotangent)
   ref = _value_and_grads(
     component_mlp.reference_pre, params, inner, cotangent)
   _assert_close(fast, ref, rtol=2e-6)
 
 
-def test_saturated_hidden_units_match_reference():
+@_LAYOUTS
+def test_saturated_hidden_units_match_reference(pre_fn):
   # |z| up to ~15: erf is ±1 and gelu' is 0 or 1 in fp32.
   params = _params(3, 6, 5, scale=3.0)
   inner, cotangent = _normal(4, (9, 6), scale=3.0), _normal(5, (9, 6))
   z = inner[..., None] * params.w_in + params.b_in
   assert float(jnp.max(jnp.abs(z))) > 10.0
-  fast = _value_and_grads(component_mlp.component_mlp_pre, params, inner, cotangent)
+  fast = _value_and_grads(pre_fn, params, inner, cotangent)
   ref = _value_and_grads(
     component_mlp.reference_pre, params, inner, cotangent)
   _assert_close(fast, ref, rtol=2e-6)
@@ -93,3 +102,20 @@ def test_non_float32_inputs_use_the_reference():
   assert pre.dtype == jnp.bfloat16
   np.testing.assert_array_equal(
     pre, component_mlp.reference_pre(params, inner))
+
+
+@pytest.mark.parametrize("platform,cpu_layout", [
+  ("cpu", True), ("tpu", False), ("cuda", False)])
+def test_the_layout_follows_the_platform_the_step_is_lowered_for(
+    platform, cpu_layout):
+  # Only the CPU layout uses optimization barriers (to keep its loop
+  # fusions apart), so their presence in the lowered gradient says which
+  # layout a platform got. Lowering needs no such device present.
+  params = _params(7, 5, 4)
+  inner = _normal(8, (8, 5))
+  grad = jax.jit(jax.grad(
+    lambda p, h: jnp.sum(component_mlp.component_mlp_pre(p, h)),
+    argnums=(0, 1)))
+  module = jax.export.export(grad, platforms=[platform])(
+    params, inner).mlir_module()
+  assert ("optimization_barrier" in module) == cpu_layout
