@@ -217,9 +217,9 @@ def _lanes_pre_fwd(w_in, b_in, w_out, b_out, h):
 def _lanes_pre_bwd(
   residuals: _Residuals, g: Float[Array, "n c"]
 ) -> tuple[Array, Array, Array, Array, Array]:
-  # The hidden layer is recomputed, never stored: every sum below is one
-  # reduction fusion over the broadcast `[n, c, g]`, which an accelerator's
-  # compiler keeps in registers (`g` on the lanes).
+  # The hidden layer is recomputed, never stored: each sum below reduces
+  # the broadcast `[n, c, g]`, which an accelerator's compiler fuses with
+  # the elementwise work that feeds it instead of writing it out.
   w_in, b_in, w_out, h = residuals
   gelu, grad = _gelu_and_grad(h[..., None] * w_in + b_in)
   dh = g * jnp.sum(w_in * w_out * grad, axis=-1)
@@ -256,7 +256,12 @@ def accelerator_pre(
 def cpu_pre(
   params: PerComponentMLP, inner: Float[Array, "*l c"]
 ) -> Float[Array, "*l c"]:
-  """Return the component MLPs laid out for XLA's CPU backend (float32)."""
+  """Return the component MLPs laid out for XLA's CPU backend (float32).
+
+  Rows are folded `r` at a time into `r·c` components with tiled
+  parameters (the same function; autodiff sums the tiled copies'
+  gradients), so that toy-sized `C` fills whole vector registers.
+  """
   c = inner.shape[-1]
   flat = inner.reshape(-1, c)
   n = flat.shape[0]
