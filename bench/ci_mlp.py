@@ -63,9 +63,9 @@ def main(argv):
   del argv
   impls = {"reference": component_mlp.reference_pre,
            "cpu": component_mlp.cpu_pre,
-           "accel": component_mlp.accelerator_pre}
+           "accelerator": component_mlp.accelerator_pre}
   print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind})")
-  print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<9} {'fwd ms':>8} "
+  print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<11} {'fwd ms':>8} "
         f"{'Gelem/s':>8} {'fwd+bwd ms':>11} {'Gelem/s':>8}")
   for shape in _SHAPES.value:
     b, c, d_gate = (int(v) for v in shape.split("x"))
@@ -85,7 +85,7 @@ def main(argv):
     elements = b * c * d_gate
     for name in impls:
       fwd, bwd = med[name, "fwd"], med[name, "bwd"]
-      print(f"{b:5d} {c:4d} {d_gate:3d} {name:<9} {1e3 * fwd:8.2f} "
+      print(f"{b:5d} {c:4d} {d_gate:3d} {name:<11} {1e3 * fwd:8.2f} "
             f"{elements / fwd / 1e9:8.3f} {1e3 * bwd:11.2f} "
             f"{elements / bwd / 1e9:8.3f}")
     for name in list(impls)[1:]:
