@@ -199,39 +199,37 @@ def _gelu_and_grad(
   return z * cdf, cdf + z * pdf
 
 
-def _lanes_pre(
-  w_in: Float[Array, "c g"],
-  b_in: Float[Array, "c g"],
-  w_out: Float[Array, "c g"],
-  b_out: Float[Array, " c"],
-  h: Float[Array, "n c"],
+@jax.custom_vjp
+def _broadcast_pre(
+  params: PerComponentMLP, h: Float[Array, "n c"]
 ) -> Float[Array, "n c"]:
-  z = h[..., None] * w_in + b_in
-  return jnp.sum(w_out * fast_gelu.gelu(z), axis=-1) + b_out
+  z = h[..., None] * params.w_in + params.b_in
+  return jnp.sum(params.w_out * fast_gelu.gelu(z), axis=-1) + params.b_out
 
 
-def _lanes_pre_fwd(w_in, b_in, w_out, b_out, h):
-  return _lanes_pre(w_in, b_in, w_out, b_out, h), (w_in, b_in, w_out, h)
+def _broadcast_pre_fwd(params, h):
+  return _broadcast_pre(params, h), (params, h)
 
 
-def _lanes_pre_bwd(
-  residuals: _Residuals, g: Float[Array, "n c"]
-) -> tuple[Array, Array, Array, Array, Array]:
+def _broadcast_pre_bwd(
+  residuals: tuple[PerComponentMLP, Array], g: Float[Array, "n c"]
+) -> tuple[PerComponentMLP, Array]:
   # The hidden layer is recomputed, never stored: each sum below reduces
   # the broadcast `[n, c, g]`, which an accelerator's compiler fuses with
   # the elementwise work that feeds it instead of writing it out.
-  w_in, b_in, w_out, h = residuals
-  gelu, grad = _gelu_and_grad(h[..., None] * w_in + b_in)
-  dh = g * jnp.sum(w_in * w_out * grad, axis=-1)
+  params, h = residuals
+  gelu, grad = _gelu_and_grad(h[..., None] * params.w_in + params.b_in)
+  dh = g * jnp.sum(params.w_in * params.w_out * grad, axis=-1)
   s = g[..., None] * grad
-  d_b_in = w_out * jnp.sum(s, axis=0)
-  d_w_in = w_out * jnp.sum(s * h[..., None], axis=0)
-  d_w_out = jnp.sum(g[..., None] * gelu, axis=0)
-  return d_w_in, d_b_in, d_w_out, jnp.sum(g, axis=0), dh
+  grads = PerComponentMLP(
+    w_in=params.w_out * jnp.sum(s * h[..., None], axis=0),
+    b_in=params.w_out * jnp.sum(s, axis=0),
+    w_out=jnp.sum(g[..., None] * gelu, axis=0),
+    b_out=jnp.sum(g, axis=0))
+  return grads, dh
 
 
-_lanes_pre_vjp = jax.custom_vjp(_lanes_pre)
-_lanes_pre_vjp.defvjp(_lanes_pre_fwd, _lanes_pre_bwd)
+_broadcast_pre.defvjp(_broadcast_pre_fwd, _broadcast_pre_bwd)
 
 
 def accelerator_pre(
@@ -246,11 +244,8 @@ def accelerator_pre(
   1.7x as fast as `cpu_pre`'s (`bench/ci_mlp.py`), and ResidMLP-3's whole
   step 2.5x (docs/performance.md); on a GPU it is the untimed default.
   """
-  c = inner.shape[-1]
-  flat = inner.reshape(-1, c)
-  pre = _lanes_pre_vjp(params.w_in, params.b_in, params.w_out, params.b_out,
-                       flat)
-  return pre.reshape(inner.shape)
+  flat = inner.reshape(-1, inner.shape[-1])
+  return _broadcast_pre(params, flat).reshape(inner.shape)
 
 
 def cpu_pre(
