@@ -2,6 +2,8 @@
 the speed-up against the reference's faster dtype."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 TINY = "tms_5-2+--batch_size=16+--c=6"
@@ -80,13 +82,26 @@ def test_each_compile_setting_gets_its_own_row(bench):
     bench.compile_recipe(TINY, matched=True, options="fast")
 
 
-def test_each_ci_layout_traces_its_own_kernel(bench):
+def test_each_ci_layout_traces_its_own_kernel_and_trains_alike(bench):
   """`--ci_layouts` forces the component-MLP kernel on any backend: the CPU
   layout packs its two batch sums into one complex64 array, the
-  accelerator layout has no complex values at all."""
-  texts = {layout: bench.compile_recipe(TINY, matched=True, layout=layout)[
-             "compiled"].as_text() for layout in ("cpu", "accelerator")}
+  accelerator layout has no complex values at all. Two training steps
+  under each end in the same state, to float32 rounding."""
+  recipes = {layout: bench.compile_recipe(TINY, matched=True, layout=layout)
+             for layout in ("cpu", "accelerator")}
+  texts = {layout: r["compiled"].as_text() for layout, r in recipes.items()}
   assert "c64[" in texts["cpu"]
   assert "c64[" not in texts["accelerator"]
+  finals = {}
+  for layout, r in recipes.items():
+    state = r["state"]
+    for _ in range(2):
+      state, _ = r["compiled"](state, r["weights"], r["key"])
+    finals[layout] = [np.asarray(leaf) for leaf in jax.tree.leaves(state)
+                      if leaf.dtype == jnp.float32]
+  assert len(finals["cpu"]) > 10
+  for a, b in zip(finals["cpu"], finals["accelerator"], strict=True):
+    np.testing.assert_allclose(a, b, rtol=0,
+                               atol=2e-6 * max(float(np.max(np.abs(b))), 1e-30))
   with pytest.raises(ValueError, match="use platform, cpu, accelerator"):
     bench.ci_layout("gpu")
