@@ -26,7 +26,11 @@ table row names the candidate, and its wall time is the whole selection's.
 
 A SIGTERM to the bench reaches the running cells' runs, which save a
 checkpoint and exit; no further cell starts, so rerunning the same command
-continues every cell where it stopped.
+continues every cell where it stopped. A cell also continues on another
+machine: copy its directory (only its newest checkpoint is needed) and its
+`.wall` file to the same place under that checkout, and rerun the command
+from the repository root with the same `--out_dir`, which the run records
+as part of its flags.
 """
 
 import concurrent.futures
