@@ -76,8 +76,9 @@ def main(argv):
       fns[name, "fwd"] = jax.jit(loss)
       fns[name, "bwd"] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     ref = fns["reference", "bwd"](params, h)
+    layouts = list(impls)[1:]
     err = {}
-    for name in impls:
+    for name in layouts:
       new = fns[name, "bwd"](params, h)
       err[name] = max(float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
                       for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(ref)))
@@ -88,7 +89,7 @@ def main(argv):
       print(f"{b:5d} {c:4d} {d_gate:3d} {name:<11} {1e3 * fwd:8.2f} "
             f"{elements / fwd / 1e9:8.3f} {1e3 * bwd:11.2f} "
             f"{elements / bwd / 1e9:8.3f}")
-    for name in list(impls)[1:]:
+    for name in layouts:
       fwd = med["reference", "fwd"] / med[name, "fwd"]
       bwd = med["reference", "bwd"] / med[name, "bwd"]
       print(f"{'':14}{name}: speedup fwd {fwd:.1f}x, fwd+bwd {bwd:.1f}x; "

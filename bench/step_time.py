@@ -245,10 +245,11 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(f"--compilers: {e}") from None
   layouts = _CI_LAYOUTS.value
-  for layout in layouts:
-    if layout not in CI_LAYOUTS:
-      raise app.UsageError(f"--ci_layouts: unknown layout {layout!r}; use "
-                           f"{', '.join(CI_LAYOUTS)}")
+  try:
+    for layout in layouts:
+      ci_layout(layout)
+  except ValueError as e:
+    raise app.UsageError(f"--ci_layouts: {e}") from None
   recipes = {}
   for name in _RECIPES.value:
     for setting in settings:

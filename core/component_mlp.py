@@ -184,21 +184,6 @@ def _row_fold(c: int) -> int:
   return r
 
 
-_SQRT_HALF = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-
-
-def _gelu_and_grad(
-  z: Float[Array, "*s"]
-) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
-  # One erf serves both: gelu = z·Φ(z), gelu' = Φ(z) + z·φ(z). The backward
-  # needs both at every hidden unit, and an accelerator's exp runs on its
-  # own transcendental unit, beside the erf's multiply-adds.
-  cdf = 0.5 * (1.0 + lax.erf(z * _SQRT_HALF))
-  pdf = _INV_SQRT_2PI * jnp.exp(-0.5 * z * z)
-  return z * cdf, cdf + z * pdf
-
-
 @jax.custom_vjp
 def _broadcast_pre(
   params: PerComponentMLP, h: Float[Array, "n c"]
@@ -218,7 +203,8 @@ def _broadcast_pre_bwd(
   # the broadcast `[n, c, g]`, which an accelerator's compiler fuses with
   # the elementwise work that feeds it instead of writing it out.
   params, h = residuals
-  gelu, grad = _gelu_and_grad(h[..., None] * params.w_in + params.b_in)
+  gelu, grad = fast_gelu.gelu_and_grad(
+    h[..., None] * params.w_in + params.b_in)
   dh = g * jnp.sum(params.w_in * params.w_out * grad, axis=-1)
   s = g[..., None] * grad
   grads = PerComponentMLP(

@@ -47,17 +47,23 @@ def test_gelu_and_derivative_match_float64_on_a_dense_grid():
   z64 = z.astype(np.float64)
   cdf = 0.5 * (1.0 + _erf(z64 / math.sqrt(2.0)))
   pdf = np.exp(-0.5 * z64 * z64) / math.sqrt(2.0 * math.pi)
-  gelu, grad = jax.jit(lambda x: (fast_gelu.gelu(x), fast_gelu.gelu_grad(x)))(z)
-  assert np.max(np.abs(gelu - z64 * cdf) / np.maximum(1.0, np.abs(z64))) < 3e-7
-  assert np.max(np.abs(grad - (cdf + z64 * pdf))) < 2.5e-7
+  pairs = jax.jit(lambda x: ((fast_gelu.gelu(x), fast_gelu.gelu_grad(x)),
+                             fast_gelu.gelu_and_grad(x)))(z)
+  for gelu, grad in pairs:
+    assert np.max(np.abs(gelu - z64 * cdf) / np.maximum(1.0, np.abs(z64))) < 3e-7
+    assert np.max(np.abs(grad - (cdf + z64 * pdf))) < 2.5e-7
 
 
 def test_gelu_saturates_far_from_zero():
-  # gelu exactly (no z·ε leak for huge |z|); gelu' to its 6e-8 clamp error.
+  # gelu exactly (no z·ε leak for huge |z|); gelu' to its 6e-8 clamp error,
+  # or exactly from the erf-and-exp pair.
   z = jnp.array([-1e4, -50.0, 50.0, 1e4], jnp.float32)
   np.testing.assert_array_equal(fast_gelu.gelu(z), [0.0, 0.0, 50.0, 1e4])
   np.testing.assert_allclose(
     fast_gelu.gelu_grad(z), [0.0, 0.0, 1.0, 1.0], rtol=0, atol=1e-7)
+  gelu, grad = fast_gelu.gelu_and_grad(z)
+  np.testing.assert_array_equal(gelu, [0.0, 0.0, 50.0, 1e4])
+  np.testing.assert_array_equal(grad, [0.0, 0.0, 1.0, 1.0])
 
 
 # Both layouts run here whatever the backend: each is a plain function of
