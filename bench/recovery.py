@@ -17,7 +17,13 @@ TMS embeddings MMCS and ML2R; per cell the final
 faithfulness loss and the summed wall time of its launches; the bench
 measures on the CPU and leaves an accelerator to the cells' runs. A cell
 *recovers* when every site's pattern error is 0. Results go to
-`<out_dir>/<variant>/recovery.md` and `recovery.json`.
+`<out_dir>/<variant>/recovery.md` and `recovery.json`. Weak features come
+with how strongly the site reads them next to the rest (`weak_read`): a
+site leaves a feature it barely carries partly masked at little cost.
+
+`--snapshot` trains nothing and measures each cell where it stands, an
+unfinished one at its newest checkpoint, and prints the tables with each
+row's step without recording them: a long cell's progress between stretches.
 
 A cell run with `--extra=--restarts=K,--select_at=R` is a `bin/train`
 selection (bin/restarts.py): K candidates to step R, the lowest held-out
@@ -69,6 +75,10 @@ _EXTRA = flags.DEFINE_string(
   "followed by `--` stays inside its flag's value (`--p_knots=0:1,1:0.5`).")
 _JOBS = flags.DEFINE_integer(
   "jobs", max(1, (os.cpu_count() or 1)), "Runs at once (at most the cores).")
+_SNAPSHOT = flags.DEFINE_bool(
+  "snapshot", False, "Train nothing: measure every cell where it stands, an "
+  "unfinished one at its newest checkpoint (its row names the step), and "
+  "print the tables without recording them.")
 _OUT_DIR = flags.DEFINE_string(
   "out_dir", str(ROOT / "runs" / "recovery"), "Where runs and tables go.")
 
@@ -188,11 +198,28 @@ def _final_faithfulness(directory: pathlib.Path) -> float:
   return value
 
 
-def measure_cell(cell: pathlib.Path, name: str) -> dict:
+def _decomposition(directory: pathlib.Path, snapshot: bool):
+  """Return the run's final decomposition, or under `snapshot` its newest
+  checkpoint's where the run has not finished."""
+  final = directory / "decomposition.npz"
+  if final.exists():
+    return decomposition_lib.load_npz(final)
+  if not snapshot:
+    raise FileNotFoundError(f"{directory} has not finished; run its cell "
+                            "to the end, or measure it with --snapshot")
+  if not (directory / "checkpoints").is_dir():
+    raise FileNotFoundError(f"{directory} has no checkpoint yet; run its "
+                            "cell first")
+  return decomposition_lib.load_decomposition(directory / "checkpoints")
+
+
+def measure_cell(cell: pathlib.Path, name: str, snapshot: bool = False
+                 ) -> dict:
   """Return the cell's per-site recovery metrics from its finished run
-  (under --restarts, the chosen candidate's, with the choice)."""
+  (under --restarts, the chosen candidate's, with the choice); under
+  `snapshot`, from an unfinished run's newest checkpoint, with its step."""
   directory, choice = final_run(cell)
-  decomposition = decomposition_lib.load_npz(directory / "decomposition.npz")
+  decomposition = _decomposition(directory, snapshot)
   arrays, meta = run_dir.load_arrays(directory / "target.npz")
   toy = registry.get(meta["target"])
   sites = decomposition.sites
@@ -202,6 +229,7 @@ def measure_cell(cell: pathlib.Path, name: str) -> dict:
   ci_fn = ci_fns.make_ci_fn(decomposition.ci_config, sites)
   ci = jax.device_get(probe.probe_ci(
     target, ci_fn, weights, decomposition.components, decomposition.ci_params))
+  reads = jax.device_get(probe.probe_reads(target, weights))
   # The eval's own recovery scalars, so the bench and the run's log agree.
   scalars = eval_step.probe_scalars(ci, jax.device_get(
     eval_step.feature_factors(target, weights, decomposition.components)),
@@ -214,7 +242,7 @@ def measure_cell(cell: pathlib.Path, name: str) -> dict:
            else f"dense k={expected.k}",
            "alive": len(probe.alive_components(site_ci)),
            "error": int(scalars[f"{expected.pattern}_ci_error/{site.name}"]),
-           "breaks": probe.pattern_breaks(site_ci, expected)._asdict()}
+           "breaks": _breaks(site_ci, reads[site.name], expected)}
     if f"mmcs/{site.name}" in scalars:
       row.update(mmcs=scalars[f"mmcs/{site.name}"],
                  ml2r=scalars[f"ml2r/{site.name}"])
@@ -227,7 +255,20 @@ def measure_cell(cell: pathlib.Path, name: str) -> dict:
             "wall_s": float(wall.read_text()) if wall.exists() else None}
   if choice is not None:
     result["selection"] = choice
+  if not (directory / "decomposition.npz").exists():
+    result["step"] = decomposition.step
   return result
+
+
+def _breaks(ci: np.ndarray, reads: np.ndarray, expected) -> dict:
+  """Return how a site departs from its pattern; for weak identity
+  features, how strongly the site reads them next to the rest."""
+  breaks = probe.pattern_breaks(ci, expected)._asdict()
+  ratio = probe.weak_read_ratio(ci, reads) if breaks.get("weak") else None
+  # NaN (every feature weak) has no rest to compare with, and no JSON.
+  if ratio is not None and np.isfinite(ratio):
+    breaks["weak_read"] = ratio
+  return breaks
 
 
 def _features(n: int) -> str:
@@ -236,7 +277,8 @@ def _features(n: int) -> str:
 
 def describe_breaks(breaks: dict[str, float]) -> str:
   """Return the nonzero forms of a site's failure in a few words, with how
-  near the threshold a weak feature or missing column came."""
+  near the threshold a weak feature or missing column came and how strongly
+  the site reads its weak features next to the rest."""
   parts = []
   if breaks.get("shared"):
     parts.append(f"{breaks['shared']} shared by "
@@ -244,21 +286,26 @@ def describe_breaks(breaks: dict[str, float]) -> str:
   if breaks.get("split"):
     parts.append(f"{_features(breaks['split'])} split")
   if breaks.get("weak"):
-    parts.append(f"{breaks['weak']} weak" + _lowest_peak(breaks))
+    parts.append(f"{breaks['weak']} weak" + _peak_and_read(breaks))
   if breaks.get("extra"):
     parts.append(f"{breaks['extra']} extra on "
                  f"{_features(breaks['extra_features'])}")
   if breaks.get("missing"):
     columns = "column" if breaks["missing"] == 1 else "columns"
     parts.append(f"{breaks['missing']} block {columns} never kept"
-                 + _lowest_peak(breaks))
+                 + _peak_and_read(breaks))
   return ", ".join(parts)
 
 
-def _lowest_peak(breaks: dict[str, float]) -> str:
-  # Tables written before the peak was recorded have none.
-  peak = breaks.get("lowest_peak")
-  return "" if peak is None else f" (lowest peak {peak:.3f})"
+def _peak_and_read(breaks: dict[str, float]) -> str:
+  # Tables written before the peak or the weak features' read was recorded
+  # have none, as has a site whose every feature is weak.
+  notes = []
+  if breaks.get("lowest_peak") is not None:
+    notes.append(f"lowest peak {breaks['lowest_peak']:.3f}")
+  if breaks.get("weak_read") is not None:
+    notes.append(f"read {breaks['weak_read']:.2f}x the rest's")
+  return f" ({', '.join(notes)})" if notes else ""
 
 
 def _site_cell(row: dict) -> str:
@@ -279,9 +326,10 @@ def markdown(results: dict[tuple[str, int], dict], variant: str,
            "components / pattern error (MMCS, ML2R where the site has a "
            "feature axis), then how a broken site fails: components shared "
            "by several features, features split over several components, "
-           "weak features (no CI reaches 0.9), or a dense site's extra "
-           "components past its block. A seed recovers when every error is "
-           "0.", ""]
+           "weak features (no CI reaches 0.9; `read` compares how far they "
+           "move the site's output with the other features), or a dense "
+           "site's extra components past its block. A seed recovers when "
+           "every error is 0.", ""]
   names = sorted({name for name, _ in results})
   for name in names:
     cells = sorted((s, r) for (n, s), r in results.items() if n == name)
@@ -294,8 +342,10 @@ def markdown(results: dict[tuple[str, int], dict], variant: str,
               "|---" * (len(sites) + 4) + "|"]
     for seed, r in cells:
       wall = "" if r["wall_s"] is None else f"{r['wall_s'] / 60:.1f}"
+      at = f" (step {r['step']})" if "step" in r else ""
       lines.append(
-        f"| {seed} | " + " | ".join(_site_cell(r["sites"][s]) for s in sites)
+        f"| {seed}{at} | "
+        + " | ".join(_site_cell(r["sites"][s]) for s in sites)
         + f" | {r['faithfulness']:.2e} | {wall} | "
         + ("yes" if r["recovered"] else "no")
         + (f" (candidate {r['selection']['chosen']})" if "selection" in r
@@ -357,12 +407,17 @@ def main(argv):
 
   def one(cell):
     name, seed = cell
-    run_cell(variant_dir, name, seed, extra, say)
-    result = measure_cell(cell_dir(variant_dir, name, seed), name)
+    if not _SNAPSHOT.value:
+      run_cell(variant_dir, name, seed, extra, say)
+    result = measure_cell(cell_dir(variant_dir, name, seed), name,
+                          snapshot=_SNAPSHOT.value)
     with lock:
       results[cell] = result
-      write_tables(variant_dir, results, _VARIANT.value, extra)
-    say(f"[recovery] {name} seed {seed}: "
+      # The tables record finished cells; a snapshot's go to the screen.
+      if not _SNAPSHOT.value:
+        write_tables(variant_dir, results, _VARIANT.value, extra)
+    at = f" at step {result['step']}" if "step" in result else ""
+    say(f"[recovery] {name} seed {seed}{at}: "
         f"{'recovered' if result['recovered'] else 'not recovered'}; "
         + ", ".join(f"{s} {_site_cell(r)}" for s, r in result["sites"].items()))
 

@@ -6,6 +6,7 @@ matrix per site. Metrics here run on host numpy arrays after the probe.
 
 from typing import NamedTuple, Optional
 
+import jax.numpy as jnp
 import numpy as np
 import scipy.optimize
 from jaxtyping import Array, Float
@@ -34,6 +35,39 @@ def probe_ci(
   inputs = target.feature_probe()
   _, taps = target.clean_forward(weights, inputs, ci_fn.input_taps)
   return squash.squash(ci_fn.apply(ci_params, taps, components)).lower
+
+
+def probe_reads(target: TargetFns, weights: Weights
+                ) -> dict[str, Float[Array, " n"]]:
+  """Return, per site, how far each one-feature probe moves the site's
+  output from its output on a zero input: how much of the feature the
+  site's target weight carries."""
+  if target.feature_probe is None:
+    raise ValueError("this target has no feature probe")
+  inputs = target.feature_probe()
+  outs = tuple(f"{s.name}.out" for s in target.sites)
+  _, taps = target.clean_forward(weights, inputs, outs)
+  _, zero_taps = target.clean_forward(weights, inputs * 0, outs)
+  return {s.name: jnp.linalg.norm(taps[f"{s.name}.out"]
+                                  - zero_taps[f"{s.name}.out"], axis=-1)
+          for s in target.sites}
+
+
+def weak_read_ratio(ci: np.ndarray, reads: np.ndarray,
+                    tol: float = IDENTITY_TOL) -> float:
+  """Return the weak features' mean read over the other features' (NaN
+  unless both kinds exist).
+
+  A weak feature, one whose largest CI stays below `1 − tol`, that the
+  site barely reads costs little reconstruction when only partly kept, so
+  the importance penalty holds its CI down: a ratio well under 1 says the
+  weak features are the site's faint ones, not lost ones.
+  """
+  weak = np.asarray(ci).max(1) < 1.0 - tol
+  reads = np.asarray(reads)
+  if weak.all() or not weak.any():
+    return float("nan")
+  return float(reads[weak].mean() / reads[~weak].mean())
 
 
 def identity_permutation(ci: np.ndarray) -> list[int]:

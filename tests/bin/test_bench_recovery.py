@@ -5,6 +5,7 @@ reaches the running cells and starts no new one."""
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,9 @@ def test_a_broken_site_is_described_by_its_nonzero_forms(bench):
   assert bench.describe_breaks(
     {"shared": 0, "shared_features": 0, "split": 0, "weak": 1,
      "lowest_peak": 0.83}) == "1 weak (lowest peak 0.830)"
+  assert bench.describe_breaks(
+    {"weak": 7, "lowest_peak": 0.696, "weak_read": 0.4012}) == \
+    "7 weak (lowest peak 0.696, read 0.40x the rest's)"
   assert bench.describe_breaks(
     {"shared": 1, "shared_features": 2, "split": 1, "weak": 0}) == \
     "1 shared by 2 features, 1 feature split"
@@ -118,7 +122,12 @@ def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
     assert -1 <= row["mmcs"] <= 1 and row["ml2r"] >= 0
     # An identity site breaks in some named form exactly when it has errors.
     counts = {"shared", "shared_features", "split", "weak"}
-    assert set(row["breaks"]) == counts | {"lowest_peak"}
+    # Weak features come with how the site reads them next to the rest,
+    # where some feature is not weak.
+    some_weak = 0 < row["breaks"]["weak"] < 5
+    assert set(row["breaks"]) == counts | {"lowest_peak"} | (
+      {"weak_read"} if some_weak else set())
+    assert row["breaks"].get("weak_read", 1.0) > 0
     assert (row["error"] == 0) == (not any(row["breaks"][k] for k in counts))
     assert 0 <= row["breaks"]["lowest_peak"] <= 1
   # 40 steps do not recover TMS; the verdict follows the errors.
@@ -152,6 +161,38 @@ def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
     env={**os.environ, "JAX_PLATFORMS": "tpu"})
   assert bench_run.returncode == 0, bench_run.stderr[-2000:]
   assert "tms_5-2 seed 3: " in bench_run.stdout
+  _snapshot_measures_an_unfinished_copy(bench, directory, result,
+                                        tmp_path / "unfinished")
+
+
+def _snapshot_measures_an_unfinished_copy(bench, directory, result, variant):
+  """The finished cell with its final decomposition taken away stands for a
+  cell between stretches: its newest checkpoint is the run's last step."""
+  copy = bench.cell_dir(variant, "tms_5-2", 3)
+  shutil.copytree(directory, copy)
+  (copy / "decomposition.npz").unlink()
+  with pytest.raises(FileNotFoundError, match="--snapshot"):
+    bench.measure_cell(copy, "tms_5-2")
+  snapshot = bench.measure_cell(copy, "tms_5-2", snapshot=True)
+  assert snapshot["step"] == 40
+  assert snapshot["sites"] == result["sites"]
+  assert "| 3 (step 40) | " in bench.markdown(
+    {("tms_5-2", 3): snapshot}, "short", SHORT)
+  # The command trains nothing and records nothing: the tables hold
+  # finished cells.
+  snapshot_run = subprocess.run(
+    [sys.executable, "-P", str(ROOT / "bench" / "recovery.py"),
+     "--grid=tms_5-2:3", f"--out_dir={variant.parent}",
+     f"--variant={variant.name}", "--snapshot"],
+    capture_output=True, text=True, timeout=300)
+  assert snapshot_run.returncode == 0, snapshot_run.stderr[-2000:]
+  assert "tms_5-2 seed 3 at step 40: " in snapshot_run.stdout
+  assert not (copy / "decomposition.npz").exists()
+  assert not (variant / "recovery.json").exists()
+  empty = variant.parent / "empty"
+  with pytest.raises(FileNotFoundError, match="no checkpoint yet"):
+    bench.measure_cell(bench.cell_dir(empty, "tms_5-2", 3), "tms_5-2",
+                       snapshot=True)
 
 
 @pytest.mark.slow

@@ -1,10 +1,12 @@
 """Toy recovery metrics (SPEC §10, §11)."""
 
+import jax
 import numpy as np
 import pytest
 
 from decompax.core import probe
 from decompax.core.target import Expected
+from decompax.targets import registry, resid_mlp
 
 
 def _permuted_identity():
@@ -210,3 +212,56 @@ def test_pattern_breaks_reads_the_expected_pattern():
     probe.dense_breaks(ci, 3)
   assert probe.pattern_breaks(ci, Expected("identity")) == \
     probe.identity_breaks(ci)
+
+
+def test_probe_reads_are_how_far_each_feature_moves_a_site():
+  toy = registry.get("tms_5-2")
+  c = {"linear1": 3, "linear2": 3}
+  target = toy.fns(c)
+  weights = toy.init(jax.random.key(0))
+  # The output bias sits after linear2, so the zero-input output is
+  # subtracted from both sites' probe outputs: linear1 reads row i of W at
+  # the probe's 0.75, linear2 that row through Wᵀ.
+  reads = probe.probe_reads(target, weights)
+  w = np.asarray(weights.w)
+  np.testing.assert_allclose(reads["linear1"],
+                             0.75 * np.linalg.norm(w, axis=1), rtol=1e-6)
+  np.testing.assert_allclose(reads["linear2"],
+                             0.75 * np.linalg.norm(w @ w.T, axis=1),
+                             rtol=1e-5)
+
+
+def test_probe_reads_leave_out_what_a_zero_input_already_gives():
+  config = resid_mlp.ResidMlpConfig(2, 4, 3, d_embed=6, in_bias=True,
+                                    out_bias=True)
+  target = resid_mlp.target_fns(config, 2)
+  weights = resid_mlp.init(jax.random.key(1), config)
+  reads = probe.probe_reads(target, weights)
+  # The first layer's biases reach the second layer's input on every input,
+  # the zero one included; only what the feature changes is its read.
+  w_e, w_in, w_out = (np.asarray(a) for a in
+                      (weights.w_e, weights.w_in, weights.w_out))
+  b_in, b_out = np.asarray(weights.b_in), np.asarray(weights.b_out)
+
+  def second_read(x):
+    first = np.maximum(x @ w_e @ w_in[0] + b_in[0], 0) @ w_out[0]
+    return (x @ w_e + first + b_out[0]) @ w_in[1]
+
+  probes = 0.75 * np.eye(4)
+  moved = second_read(probes) - second_read(np.zeros((1, 4)))
+  np.testing.assert_allclose(reads["layers.1.mlp_in"],
+                             np.linalg.norm(moved, axis=1), rtol=1e-5)
+  np.testing.assert_allclose(reads["layers.0.mlp_in"],
+                             np.linalg.norm(probes @ w_e @ w_in[0], axis=1),
+                             rtol=1e-5)
+  assert set(reads) == {s.name for s in target.sites}
+
+
+def test_weak_read_ratio_compares_weak_features_with_the_rest():
+  ci = np.eye(4)
+  ci[1, 1] = ci[3, 3] = 0.7
+  reads = np.array([2.0, 0.5, 4.0, 1.5])
+  assert probe.weak_read_ratio(ci, reads) == pytest.approx(1.0 / 3.0)
+  # Nothing to compare without weak features, or without the rest.
+  assert np.isnan(probe.weak_read_ratio(np.eye(4), reads))
+  assert np.isnan(probe.weak_read_ratio(0.5 * np.eye(4), reads))
