@@ -198,7 +198,8 @@ def _final_faithfulness(directory: pathlib.Path) -> float:
   return value
 
 
-def _decomposition(directory: pathlib.Path, snapshot: bool):
+def _decomposition(directory: pathlib.Path, snapshot: bool
+                   ) -> decomposition_lib.Decomposition:
   """Return the run's final decomposition, or under `snapshot` its newest
   checkpoint's where the run has not finished."""
   final = directory / "decomposition.npz"
@@ -207,6 +208,10 @@ def _decomposition(directory: pathlib.Path, snapshot: bool):
   if not snapshot:
     raise FileNotFoundError(f"{directory} has not finished; run its cell "
                             "to the end, or measure it with --snapshot")
+  if (directory / run_dir.CANDIDATES_DIR).is_dir():
+    raise FileNotFoundError(f"{directory} is still choosing among its "
+                            "--restarts candidates; a snapshot measures the "
+                            "chosen one, so run the cell past --select_at")
   if not (directory / "checkpoints").is_dir():
     raise FileNotFoundError(f"{directory} has no checkpoint yet; run its "
                             "cell first")

@@ -193,6 +193,11 @@ def _snapshot_measures_an_unfinished_copy(bench, directory, result, variant):
   with pytest.raises(FileNotFoundError, match="no checkpoint yet"):
     bench.measure_cell(bench.cell_dir(empty, "tms_5-2", 3), "tms_5-2",
                        snapshot=True)
+  # A --restarts cell before its choice has no one run to measure.
+  choosing = bench.cell_dir(variant.parent / "choosing", "tms_5-2", 3)
+  (choosing / "candidates" / "r0").mkdir(parents=True)
+  with pytest.raises(FileNotFoundError, match="still choosing"):
+    bench.measure_cell(choosing, "tms_5-2", snapshot=True)
 
 
 @pytest.mark.slow
