@@ -43,12 +43,13 @@ def test_flagfile_trains_nonlinearity_locality(parse, name):
   assert "nonlinearity_locality" in assembly.parts(config, toy, target).term_names
 
 
-@pytest.mark.parametrize("name", ["tms_5-2-id", "tms_40-10-id", "resid_mlp2"])
+@pytest.mark.parametrize(
+  "name", ["tms_5-2-id", "tms_40-10-id", "resid_mlp2", "resid_mlp3"])
 def test_flagfile_trains_smooth_l0(parse, name):
   """Under the `p` penalty some of their needed CI settles under the
-  patterns' 0.9 line (tms_40-10-id, resid_mlp2) or their embeddings grow
-  past the target's (tms_5-2-id); their seed tables (docs/recovery.md)
-  rest on smooth-L0."""
+  patterns' 0.9 line (tms_40-10-id, resid_mlp2, resid_mlp3) or their
+  embeddings grow past the target's (tms_5-2-id); their seed tables
+  (docs/recovery.md) rest on smooth-L0."""
   config = parse(f"--flagfile={ROOT / 'flags' / f'{name}.flags'}")
   assert config.importance_penalty == "smooth_l0"
   assert config.smooth_l0_gamma_schedule == "linear"
