@@ -199,12 +199,12 @@ def _final_faithfulness(directory: pathlib.Path) -> float:
 
 
 def _decomposition(directory: pathlib.Path, snapshot: bool
-                   ) -> decomposition_lib.Decomposition:
+                   ) -> tuple[decomposition_lib.Decomposition, bool]:
   """Return the run's final decomposition, or under `snapshot` its newest
-  checkpoint's where the run has not finished."""
+  checkpoint's where the run has not finished, and whether it is final."""
   final = directory / "decomposition.npz"
   if final.exists():
-    return decomposition_lib.load_npz(final)
+    return decomposition_lib.load_npz(final), True
   if not snapshot:
     raise FileNotFoundError(f"{directory} has not finished; run its cell "
                             "to the end, or measure it with --snapshot")
@@ -215,7 +215,8 @@ def _decomposition(directory: pathlib.Path, snapshot: bool
   if not (directory / "checkpoints").is_dir():
     raise FileNotFoundError(f"{directory} has no checkpoint yet; run its "
                             "cell first")
-  return decomposition_lib.load_decomposition(directory / "checkpoints")
+  return (decomposition_lib.load_decomposition(directory / "checkpoints"),
+          False)
 
 
 def measure_cell(cell: pathlib.Path, name: str, snapshot: bool = False
@@ -224,7 +225,9 @@ def measure_cell(cell: pathlib.Path, name: str, snapshot: bool = False
   (under --restarts, the chosen candidate's, with the choice); under
   `snapshot`, from an unfinished run's newest checkpoint, with its step."""
   directory, choice = final_run(cell)
-  decomposition = _decomposition(directory, snapshot)
+  # Whether it is final is read once: a run that finishes while it is
+  # measured keeps the label of the decomposition that was loaded.
+  decomposition, final = _decomposition(directory, snapshot)
   arrays, meta = run_dir.load_arrays(directory / "target.npz")
   toy = registry.get(meta["target"])
   sites = decomposition.sites
@@ -260,7 +263,7 @@ def measure_cell(cell: pathlib.Path, name: str, snapshot: bool = False
             "wall_s": float(wall.read_text()) if wall.exists() else None}
   if choice is not None:
     result["selection"] = choice
-  if not (directory / "decomposition.npz").exists():
+  if not final:
     result["step"] = decomposition.step
   return result
 

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float
 from decompax.core import squash
 from decompax.core.ci_fns import CIFn
 from decompax.core.sites import Components
-from decompax.core.target import Expected, TargetFns, Weights
+from decompax.core.target import Batch, Expected, TargetFns, Weights
 
 IDENTITY_TOL = 0.1
 # A contribution under this share of a feature's norm is no candidate for
@@ -25,14 +25,18 @@ IDENTITY_TOL = 0.1
 MATCH_MIN_NORM_RATIO = 1e-3
 
 
+def _probe_inputs(target: TargetFns) -> Batch:
+  if target.feature_probe is None:
+    raise ValueError("this target has no feature probe")
+  return target.feature_probe()
+
+
 def probe_ci(
   target: TargetFns, ci_fn: CIFn, weights: Weights, components: Components,
   ci_params: object,
 ) -> dict[str, Float[Array, "n c"]]:
   """Return each site's lower CI on the target's one-feature probe inputs."""
-  if target.feature_probe is None:
-    raise ValueError("this target has no feature probe")
-  inputs = target.feature_probe()
+  inputs = _probe_inputs(target)
   _, taps = target.clean_forward(weights, inputs, ci_fn.input_taps)
   return squash.squash(ci_fn.apply(ci_params, taps, components)).lower
 
@@ -42,9 +46,7 @@ def probe_reads(target: TargetFns, weights: Weights
   """Return, per site, how far each one-feature probe moves the site's
   output from its output on a zero input: how much of the feature the
   site's target weight carries."""
-  if target.feature_probe is None:
-    raise ValueError("this target has no feature probe")
-  inputs = target.feature_probe()
+  inputs = _probe_inputs(target)
   outs = tuple(f"{s.name}.out" for s in target.sites)
   _, taps = target.clean_forward(weights, inputs, outs)
   _, zero_taps = target.clean_forward(weights, inputs * 0, outs)
@@ -63,7 +65,7 @@ def weak_read_ratio(ci: np.ndarray, reads: np.ndarray,
   the importance penalty holds its CI down: a ratio well under 1 says the
   weak features are the site's faint ones, not lost ones.
   """
-  weak = np.asarray(ci).max(1) < 1.0 - tol
+  weak = weak_features(ci, tol)
   reads = np.asarray(reads)
   if weak.all() or not weak.any():
     return float("nan")
@@ -164,18 +166,22 @@ class IdentityBreaks(NamedTuple):
   lowest_peak: float
 
 
+def weak_features(ci: np.ndarray, tol: float = IDENTITY_TOL) -> np.ndarray:
+  """Return which features (rows of `ci`) no component keeps at `1 − tol`."""
+  return np.asarray(ci).max(1) < 1.0 - tol
+
+
 def identity_breaks(ci: np.ndarray, tol: float = IDENTITY_TOL) -> IdentityBreaks:
   """Return the ways `ci` (`[n_features, C]`) departs from an identity."""
   ci = np.asarray(ci)
   active = ci > tol
   shared = active.sum(0) > 1
-  peaks = ci.max(1)
   return IdentityBreaks(
     shared=int(shared.sum()),
     shared_features=int(active[:, shared].any(1).sum()),
     split=int((active.sum(1) > 1).sum()),
-    weak=int((peaks < 1.0 - tol).sum()),
-    lowest_peak=float(peaks.min()))
+    weak=int(weak_features(ci, tol).sum()),
+    lowest_peak=float(ci.max(1).min()))
 
 
 class DenseBreaks(NamedTuple):

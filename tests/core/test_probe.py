@@ -219,9 +219,9 @@ def test_probe_reads_are_how_far_each_feature_moves_a_site():
   c = {"linear1": 3, "linear2": 3}
   target = toy.fns(c)
   weights = toy.init(jax.random.key(0))
-  # The output bias sits after linear2, so the zero-input output is
-  # subtracted from both sites' probe outputs: linear1 reads row i of W at
-  # the probe's 0.75, linear2 that row through Wᵀ.
+  # Neither site's output holds the output bias, so a zero input moves
+  # neither: linear1 reads row i of W at the probe's 0.75, linear2 that row
+  # through Wᵀ.
   reads = probe.probe_reads(target, weights)
   w = np.asarray(weights.w)
   np.testing.assert_allclose(reads["linear1"],
