@@ -31,9 +31,11 @@ loss continues. The cell is measured on the chosen candidate's run, its
 table row names the candidate, and its wall time is the whole selection's.
 
 A SIGTERM to the bench reaches the running cells' runs, which save a
-checkpoint and exit; no further cell starts, so rerunning the same command
-continues every cell where it stopped. A cell also continues on another
-machine: copy its directory (only its newest checkpoint is needed) and its
+checkpoint and exit; no further cell starts, and the bench names the
+stopped cells and exits with the runs' requeue code, 75, so that a
+scheduler requeues it. Rerunning the same command continues every cell
+where it stopped. A cell also continues on another machine: copy its
+directory (only its newest checkpoint is needed) and its
 `.wall` file to the same place under that checkout, and rerun the command
 from the repository root with the same `--out_dir`, which the run records
 as part of its flags.
@@ -54,6 +56,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from decompax.bin import checkpointing
 from decompax.core import ci_fns, probe
 from decompax.io import decomposition as decomposition_lib
 from decompax.io import run_dir
@@ -138,6 +141,11 @@ def final_run(directory: pathlib.Path) -> tuple[pathlib.Path, dict | None]:
   return pathlib.Path(chosen), choice
 
 
+class Stopped(Exception):
+  """A cell left for a rerun to continue: its run saved and exited for a
+  requeue, or the bench was stopping before it started."""
+
+
 _running: set[subprocess.Popen] = set()
 _stopping = threading.Event()
 
@@ -153,7 +161,7 @@ def stop(signum, frame=None) -> None:
 def run_logged(command: list[str], log: pathlib.Path) -> int:
   """Run `command` with output appended to `log`; return its exit code."""
   if _stopping.is_set():
-    raise RuntimeError("the bench is stopping; not started")
+    raise Stopped("not started: the bench is stopping")
   with open(log, "a") as out:
     child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                              cwd=ROOT)
@@ -181,6 +189,8 @@ def run_cell(variant_dir: pathlib.Path, name: str, seed: int,
   start = time.time()
   code = run_logged(command, log)
   total = _add_wall(directory, time.time() - start)
+  if code == checkpointing.REQUEUE_EXIT_CODE:
+    raise Stopped(f"{directory.name} stopped for a requeue; see {log}")
   if code != 0:
     raise RuntimeError(f"{directory.name} exited {code}; see {log}")
   say(f"[recovery] done  {directory.name} in {total / 60:.1f} min")
@@ -411,7 +421,7 @@ def main(argv):
     with lock:
       print(text, flush=True)
 
-  results, failures = {}, []
+  results, failures, stopped = {}, [], []
 
   def one(cell):
     name, seed = cell
@@ -433,12 +443,26 @@ def main(argv):
     for cell, future in [(c, pool.submit(one, c)) for c in cells]:
       try:
         future.result()
+      except Stopped as e:
+        stopped.append(f"{cell[0]} seed {cell[1]}: {e}")
+        say(f"[recovery] stopped {stopped[-1]}")
       except Exception as e:  # a failed cell must not stop the grid
         failures.append(f"{cell[0]} seed {cell[1]}: {e}")
         say(f"[recovery] FAILED {failures[-1]}")
   print(markdown(results, _VARIANT.value, extra) if results else "")
+  finish(failures, stopped)
+
+
+def finish(failures: list[str], stopped: list[str]) -> None:
+  """Exit 1 if a cell failed, else with the requeue code if one stopped."""
+  rerun = (f"{len(stopped)} cell(s) stopped; rerun the same command to "
+           "continue them" if stopped else "")
   if failures:
-    sys.exit(f"{len(failures)} cell(s) failed: " + "; ".join(failures))
+    sys.exit(f"{len(failures)} cell(s) failed: " + "; ".join(failures)
+             + (f"; {rerun}" if rerun else ""))
+  if stopped:
+    print(rerun, file=sys.stderr)
+    sys.exit(checkpointing.REQUEUE_EXIT_CODE)
 
 
 if __name__ == "__main__":

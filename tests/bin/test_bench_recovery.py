@@ -97,10 +97,49 @@ def test_a_stop_reaches_the_running_cell_and_starts_no_more(bench, tmp_path):
     bench.stop(signal.SIGTERM)
     worker.join(60)
     assert codes == [75]
-    with pytest.raises(RuntimeError, match="stopping"):
+    with pytest.raises(bench.Stopped, match="stopping"):
       bench.run_logged(child, tmp_path / "log")
   finally:
     bench._stopping.clear()
+
+
+def test_a_stopped_bench_names_its_cells_and_exits_for_a_requeue(tmp_path):
+  long_run = [f for f in SHORT if not f.startswith("--num_steps")] + [
+    "--num_steps=1000000"]
+  bench_run = subprocess.Popen(
+    [sys.executable, "-P", str(ROOT / "bench" / "recovery.py"),
+     "--grid=tms_5-2:0+1", "--jobs=1", f"--out_dir={tmp_path}",
+     "--variant=v", "--extra=" + ",".join(long_run)],
+    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  log = tmp_path / "v" / "tms_5-2_s0.log"
+  deadline = time.time() + 240
+  # Past warmup, so that the stop is saved as a checkpoint.
+  while time.time() < deadline and not (
+      log.exists() and "step 20/" in log.read_text()):
+    time.sleep(0.2)
+  bench_run.send_signal(signal.SIGTERM)
+  out, err = bench_run.communicate(timeout=120)
+  assert bench_run.returncode == 75, err[-2000:]
+  assert "[recovery] stopped tms_5-2 seed 0: tms_5-2_s0 stopped for a " \
+    "requeue" in out
+  assert "[recovery] stopped tms_5-2 seed 1: not started" in out
+  assert "FAILED" not in out
+  assert "2 cell(s) stopped; rerun the same command" in err
+  cell = tmp_path / "v" / "tms_5-2_s0"
+  assert any((cell / "checkpoints").iterdir())
+  assert float(cell.with_suffix(".wall").read_text()) > 0
+  assert not (tmp_path / "v" / "tms_5-2_s1").exists()
+
+
+def test_a_failed_cell_outranks_a_stopped_one_in_the_exit(bench):
+  with pytest.raises(SystemExit) as failed:
+    bench.finish(["a seed 0: exited 1"], ["b seed 1: stopped"])
+  assert str(failed.value.code).startswith("1 cell(s) failed: a seed 0")
+  assert "1 cell(s) stopped; rerun" in str(failed.value.code)
+  with pytest.raises(SystemExit) as stopped:
+    bench.finish([], ["b seed 1: stopped"])
+  assert stopped.value.code == 75
+  bench.finish([], [])  # every cell finished: a normal return
 
 
 def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
