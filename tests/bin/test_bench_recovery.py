@@ -1,6 +1,6 @@
 """bench/recovery.py runs a cell through bin/train, measures its sites from
 the finished run and reads a finished cell instead of rerunning it; a stop
-reaches the running cells and starts no new one."""
+reaches the running cells, starts no new one and exits for a requeue."""
 
 import json
 import os
