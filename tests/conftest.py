@@ -341,11 +341,9 @@ def _token_file(path) -> str:
   return str(path)
 
 
-def _train_short_run(name: str, home: pathlib.Path) -> None:
-  """Train `RECIPES[name]` into `home/name`, its token file `home/tokens.bin`
-  beside it."""
+def _train_short_run(name: str, home: pathlib.Path, tokens: str) -> None:
+  """Train `RECIPES[name]` into `home/name` on the token file `tokens`."""
   home.mkdir()
-  tokens = _token_file(home / "tokens.bin")
   args = [a.format(tokens=tokens) for a in RECIPES[name]]
   done = subprocess.run(
     [sys.executable, "-P", str(RUN_ROOT / "bin" / "train"), *args, *SHORT,
@@ -358,7 +356,9 @@ def _shared_short_run(name: str) -> pathlib.Path:
   """Return the shared home of `RECIPES[name]`'s run, trained by whichever
   test process asks first while the others wait on its lock. A run is
   trained under a scratch name and renamed when finished, so one that
-  failed is trained again, never half used."""
+  failed is trained again, never half used. Its token file lies outside
+  that scratch directory, at the path the run's flags keep naming after
+  the rename."""
   import fcntl  # noqa: PLC0415
   shared = pathlib.Path(os.environ[SHARED_RUNS])
   home = shared / name
@@ -367,7 +367,8 @@ def _shared_short_run(name: str) -> pathlib.Path:
     if not home.is_dir():
       scratch = shared / f"{name}.{os.getpid()}"
       shutil.rmtree(scratch, ignore_errors=True)
-      _train_short_run(name, scratch)
+      tokens = _token_file(shared / f"{name}.tokens.bin")
+      _train_short_run(name, scratch, tokens)
       scratch.rename(home)
   return home
 
@@ -376,7 +377,7 @@ def _shared_short_run(name: str) -> pathlib.Path:
 def finished_run(tmp_path_factory):
   """Return `path(name)`: the directory of a 4-step run of `RECIPES[name]`
   (a TMS 5-2 toy, the induction toy's token model, or the tiny Llama on a
-  token file beside the run, `<run>/../tokens.bin`).
+  token file of the session's, which its flags name).
 
   Each test process gets its own copy, free to add files to, of a run the
   suite trains once.
