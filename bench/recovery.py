@@ -56,7 +56,6 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from decompax.bin import checkpointing
 from decompax.core import ci_fns, probe
 from decompax.io import decomposition as decomposition_lib
 from decompax.io import run_dir
@@ -146,6 +145,10 @@ class Stopped(Exception):
   requeue, or the bench was stopping before it started."""
 
 
+# bin/train's exit after a stop signal has saved its step (EX_TEMPFAIL, 75):
+# the run asks to be rerun, which resumes it.
+REQUEUE_EXIT_CODE = os.EX_TEMPFAIL
+
 _running: set[subprocess.Popen] = set()
 _stopping = threading.Event()
 
@@ -189,7 +192,7 @@ def run_cell(variant_dir: pathlib.Path, name: str, seed: int,
   start = time.time()
   code = run_logged(command, log)
   total = _add_wall(directory, time.time() - start)
-  if code == checkpointing.REQUEUE_EXIT_CODE:
+  if code == REQUEUE_EXIT_CODE:
     raise Stopped(f"{directory.name} stopped for a requeue; see {log}")
   if code != 0:
     raise RuntimeError(f"{directory.name} exited {code}; see {log}")
@@ -462,7 +465,7 @@ def finish(failures: list[str], stopped: list[str]) -> None:
              + (f"; {rerun}" if rerun else ""))
   if stopped:
     print(rerun, file=sys.stderr)
-    sys.exit(checkpointing.REQUEUE_EXIT_CODE)
+    sys.exit(REQUEUE_EXIT_CODE)
 
 
 if __name__ == "__main__":
