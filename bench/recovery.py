@@ -35,10 +35,10 @@ checkpoint and exit; no further cell starts, and the bench names the
 stopped cells and exits with the runs' requeue code, 75, so that a
 scheduler requeues it. Rerunning the same command continues every cell
 where it stopped. A cell also continues on another machine: copy its
-directory (only its newest checkpoint is needed) and its
-`.wall` file to the same place under that checkout, and rerun the command
-from the repository root with the same `--out_dir`, which the run records
-as part of its flags.
+directory (only its newest checkpoint is needed) and its `.wall` file to
+the same place under that checkout, and rerun the command from the
+repository root with the same `--out_dir`, which the run records as part
+of its flags.
 """
 
 import concurrent.futures
