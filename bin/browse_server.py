@@ -102,6 +102,8 @@ def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 def host_name(header: str) -> str | None:
   """Return the lower-case host of a Host header (no port, no brackets),
   or None where it is not one."""
+  if "@" in header:     # user info, which no browser sends in a Host
+    return None
   try:
     name = urllib.parse.urlsplit(f"//{header}").hostname
   except ValueError:

@@ -355,6 +355,7 @@ def test_connections_past_the_cap_are_turned_away(served):
   ("evil.example:{port}", 403), ("evil.example", 403),
   ("127.0.0.1.nip.io:{port}", 403), ("localhost.evil.example", 403),
   ("10.1.2.3:{port}", 403), ("", 403), ("[nonsense:{port}", 403),
+  ("evil.example@127.0.0.1:{port}", 403),
 ])
 def test_only_this_servers_names_are_answered(server, host, status):
   got, answer = _get_within(server + "/api/runs", 30, {
