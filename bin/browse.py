@@ -12,14 +12,21 @@ at the answer position over every operand pair, from the run's snapshot
 (`report/ab_grid_data.js`, read on its first request, then kept).
 
 Requests name runs by their index in `--run_dir` and sites by name; no
-path from a request reaches the file system. Prompts are padded to a few
-fixed lengths, so a new prompt reuses a compiled forward.
+path from a request reaches the file system, and the one file read while
+serving (the A/B grid) is opened only as a regular file of bounded size.
+Prompts are padded to a few fixed lengths, so a new prompt reuses a
+compiled forward. `browse_server` serves the app: threaded, with socket
+timeouts, answering only for this host and refusing writes from other
+origins. `--host` other than loopback is warned about.
 """
 
-import functools
 import importlib.resources
 import json
 import os
+import re
+import socket
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -30,7 +37,7 @@ from absl import flags, logging
 
 from decompax.bin import cli
 from decompax.core import sites as sites_lib
-from decompax.io import ab_grid, hf_checkpoint, report
+from decompax.io import ab_grid, hf_checkpoint, report, tensor_store
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
 
@@ -39,11 +46,23 @@ from decompax.recipe import harvest as harvest_lib
 _RUN_DIRS = flags.DEFINE_list(
   "run_dir", None, "Run directories with a finished harvest.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to serve on.")
-_PORT = flags.DEFINE_integer("port", 8470, "Port to serve on (0: any free).")
+_PORT = flags.DEFINE_integer("port", 8470, "Port to serve on (0: any free).",
+                             lower_bound=0, upper_bound=65535)
 
 # Prompts pad to the first of these lengths that holds them.
 BUCKETS = (16, 32, 64, 128, 256)
 MAX_BODY_BYTES = 1 << 16
+# A request body is an object of prompt and site lists: 3 levels deep.
+MAX_JSON_DEPTH = 16
+# A prompt part of digits alone is a token id; one this long is no vocab's.
+MAX_ID_DIGITS = 12
+TOKEN_ID = re.compile(r"[+-]?[0-9]+")
+# A JSON string, escapes included: brackets inside one do not nest.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# A client that sends or takes nothing this long is disconnected; each
+# connection has its own thread, at most this many at once.
+SOCKET_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64
 MAX_ABLATED = 4096
 TOP_PREDICTIONS = 5
 CONTEXTS_SHOWN = 20
@@ -99,7 +118,7 @@ def fail(message: str) -> None:
 def serve_run(path: str) -> Served:
   """Return the run at `path` with its harvest, ready to serve."""
   run = explore.load_run(path)
-  harvest = harvest_lib.load_harvest(path)
+  harvest = load_harvest(path)
   rows = explore.component_rows(run, harvest.sites,
                                 harvest.manifest["positions"])
   probe = {}
@@ -110,6 +129,24 @@ def serve_run(path: str) -> Served:
            else None)
   return Served(path, run, harvest, rows, token_decoder(run), probe, vocab,
                 text_encoder(run.config.model_dir))
+
+
+def load_harvest(path: str) -> harvest_lib.Harvest:
+  """Return the finished harvest of the run at `path`; ValueError naming
+  what is missing or damaged, and how to harvest again."""
+  out = os.path.join(path, harvest_lib.HARVEST_DIR)
+  again = f"rerun bin/harvest --run_dir={path} --overwrite to harvest again"
+  try:
+    return harvest_lib.load_harvest(path)
+  except tensor_store.StoreError as e:   # an array deleted or cut short
+    raise ValueError(f"a harvest array in {out} cannot be read ({e}); "
+                     f"{again}") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{out}/{harvest_lib.MANIFEST} is not JSON ({e}); "
+                     f"{again}") from None
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"{out}/{harvest_lib.MANIFEST} lacks {_one_line(e)}; "
+                     f"{again}") from None
 
 
 def token_decoder(run: explore.LoadedRun) -> Callable[[int], str]:
@@ -146,13 +183,19 @@ def text_encoder(model_dir: str | None) -> Encoder | None:
   return encode
 
 
-def prompt_ids(text: str, encode: Encoder | None) -> list[int]:
+def prompt_ids(text: str, encode: Encoder | None, vocab: int) -> list[int]:
   """Return `text` as token ids: itself when it is whitespace-separated
-  integers, else its encoding by the run's tokenizer."""
-  try:
-    return [int(part) for part in text.split()]
-  except ValueError:
-    pass
+  integers (ASCII digits), else its encoding by the run's tokenizer."""
+  parts = text.split()
+  if all(TOKEN_ID.fullmatch(part) for part in parts):
+    # Past a few digits, no id is in a vocabulary (and past 4300, Python
+    # refuses to convert one).
+    for part in parts:
+      if len(part.lstrip("+-")) > MAX_ID_DIGITS:
+        raise BadRequest(400, f"token id {part[:MAX_ID_DIGITS]}… "
+                         f"({len(part)} characters) is outside the "
+                         f"vocabulary [0, {vocab})")
+    return [int(part) for part in parts]
   if encode is None:
     raise BadRequest(400, NO_TOKENIZER)
   try:
@@ -168,7 +211,7 @@ def parse_prompt(text: Any, vocab: int, encode: Encoder | None = None
   that `encode` (the run's tokenizer, if it has one) turns into ids."""
   if not isinstance(text, str) or not text.strip():
     raise BadRequest(400, "prompt must be a non-empty string")
-  ids = prompt_ids(text, encode)
+  ids = prompt_ids(text, encode, vocab)
   if not ids:
     raise BadRequest(400, "the prompt encodes to no tokens")
   if len(ids) > BUCKETS[-1]:
@@ -194,8 +237,9 @@ def parse_choice(value: Any, served: Served, field: str
   for site, components in value.items():
     if site not in sizes:
       raise BadRequest(400, f"no site {site!r} in this run")
+    # A JSON true is a Python int: only integers name components.
     if (not isinstance(components, list)
-        or not all(isinstance(c, int) and 0 <= c < sizes[site]
+        or not all(type(c) is int and 0 <= c < sizes[site]
                    for c in components)):
       raise BadRequest(400, f"{field}[{site!r}] must list components in "
                        f"[0, {sizes[site]})")
@@ -297,13 +341,12 @@ def read_ab_grid(path: str) -> AbGrid | str:
   """Return the A/B grid snapshot of the run at `path`, or the one-line
   reason it has none to show."""
   try:
-    if os.path.getsize(ab_grid_file(path)) > MAX_AB_GRID_BYTES:
-      return (f"the run's A/B grid snapshot is over {MAX_AB_GRID_BYTES} "
-              "bytes; open report/ab_grid.html instead")
-    data = ab_grid.read(os.path.dirname(ab_grid_file(path)))
-  except FileNotFoundError:
-    data = None
-  except (OSError, ValueError) as e:
+    data = ab_grid.read(os.path.dirname(ab_grid_file(path)),
+                        MAX_AB_GRID_BYTES)
+  except ab_grid.TooLarge:
+    return (f"the run's A/B grid snapshot is over {MAX_AB_GRID_BYTES} "
+            "bytes; open report/ab_grid.html instead")
+  except (OSError, ValueError, RecursionError) as e:
     return f"the run's A/B grid snapshot cannot be read: {_one_line(e)}"
   if data is None:
     return ("this run has no A/B grid (a --target_task run writes one at "
@@ -340,6 +383,15 @@ def ab_grid_page(grid: AbGrid | str, sizes: dict[str, int], site: str,
           "shape": grid.shape, "roles": grid.roles}
 
 
+def nesting(raw: bytes) -> int:
+  """Return how deep the arrays and objects of the JSON text `raw` nest
+  (brackets inside strings do not count)."""
+  bare = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
+  opens = np.isin(bare, list(b"[{")).astype(np.int64)
+  closes = np.isin(bare, list(b"]}")).astype(np.int64)
+  return int(np.cumsum(opens - closes).max(initial=0))
+
+
 def page_html() -> bytes:
   """Return the browser's single page."""
   return importlib.resources.files("decompax.bin").joinpath(
@@ -348,7 +400,10 @@ def page_html() -> bytes:
 
 def make_app(runs: list[Served]):
   """Return the WSGI application serving `runs`."""
-  from werkzeug.exceptions import HTTPException  # noqa: PLC0415
+  from werkzeug.exceptions import (  # noqa: PLC0415
+    ClientDisconnected,
+    HTTPException,
+  )
   from werkzeug.routing import Map, Rule  # noqa: PLC0415
   from werkzeug.wrappers import Request, Response  # noqa: PLC0415
 
@@ -367,11 +422,16 @@ def make_app(runs: list[Served]):
   # Per run index, its A/B grid or why it has none: read on the first
   # request, then kept, so a request costs a lookup and never a parse.
   grids: dict[int, AbGrid | str] = {}
+  grids_lock = threading.Lock()
+  # Requests run on threads; predictions take turns, so that concurrent
+  # prompts do not each compile or hold a forward's memory at once.
+  model_lock = threading.Lock()
 
   def ab_grid_of(index: int) -> AbGrid | str:
-    if index not in grids:
-      grids[index] = read_ab_grid(runs[index].name)
-    return grids[index]
+    with grids_lock:
+      if index not in grids:
+        grids[index] = read_ab_grid(runs[index].name)
+      return grids[index]
 
   def served(index: int) -> Served:
     if not 0 <= index < len(runs):
@@ -383,7 +443,17 @@ def make_app(runs: list[Served]):
       raise BadRequest(413, f"the body must be JSON of at most "
                        f"{MAX_BODY_BYTES} bytes")
     try:
-      value = json.loads(request.get_data(cache=False))
+      raw = request.get_data(cache=False)
+    # werkzeug's word for a body cut short: the client stalled past the
+    # socket timeout, or closed.
+    except (ClientDisconnected, OSError):
+      raise BadRequest(408, f"the body did not arrive in time (its "
+                       f"{request.content_length} bytes)") from None
+    if nesting(raw) > MAX_JSON_DEPTH:
+      raise BadRequest(400, f"the body nests deeper than {MAX_JSON_DEPTH} "
+                       "levels")
+    try:
+      value = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
       raise BadRequest(400, "the body is not valid JSON") from None
     if not isinstance(value, dict):
@@ -414,9 +484,10 @@ def make_app(runs: list[Served]):
       raise BadRequest(400, "predictions need a language-model run")
     request_body = body(request)
     ids = parse_prompt(request_body.get("prompt"), s.vocab, s.encode)
-    return predictions(s, ids,
-                       parse_choice(request_body.get("ablate"), s, "ablate"),
-                       parse_choice(request_body.get("keep"), s, "keep"))
+    ablate = parse_choice(request_body.get("ablate"), s, "ablate")
+    keep = parse_choice(request_body.get("keep"), s, "keep")
+    with model_lock:
+      return predictions(s, ids, ablate, keep)
 
   def app(environ, start_response):
     request = Request(environ)
@@ -437,10 +508,23 @@ def make_app(runs: list[Served]):
   return app
 
 
-def make_server(runs: list[Served], host: str, port: int):
-  """Return a threaded server of `runs` (port 0: any free port)."""
-  from werkzeug.serving import make_server as werkzeug_server  # noqa: PLC0415
-  return werkzeug_server(host, port, make_app(runs), threaded=False)
+def make_server(runs: list[Served], host: str, port: int,
+                listening: socket.socket | None = None,
+                timeout: float = SOCKET_TIMEOUT_S,
+                max_connections: int = MAX_CONNECTIONS):
+  """Return a threaded server of `runs` on `listening`, or on a socket it
+  binds to `host:port` (port 0: any free port; OSError where it cannot).
+  Its `port` is the port it serves on."""
+  from decompax.bin import browse_server  # noqa: PLC0415 (werkzeug)
+  own = listening is None
+  if own:
+    listening = browse_server.listen(host, port)
+  try:
+    return browse_server.make_server(make_app(runs), host, listening,
+                                     timeout, max_connections)
+  finally:
+    if own:
+      listening.close()   # the server holds its own copy
 
 
 def main(argv: list[str]) -> None:
@@ -450,22 +534,34 @@ def main(argv: list[str]) -> None:
   if not _RUN_DIRS.value:
     fail("--run_dir must name at least one run directory with a finished "
          "harvest (bin/harvest --run_dir=DIR makes one)")
+  host, port = _HOST.value, _PORT.value
+  if not host.strip():
+    fail("--host is empty; give the address to serve on, e.g. 127.0.0.1 "
+         "(this machine alone)")
   try:
-    import werkzeug  # noqa: F401, PLC0415
+    from decompax.bin import browse_server  # noqa: PLC0415
   except ImportError:
     fail("the browser needs its extra: pip install 'decompax[browse]'")
+  # Bound before the runs load: a taken port is said at once.
+  try:
+    listening = browse_server.listen(host, port)
+  except (OSError, ValueError) as e:
+    fail(browse_server.bind_error(host, port, e))
+  warning = browse_server.exposure(host,
+                                   browse_server.bound_address(listening))
+  if warning:
+    print(f"browse: warning: {warning}", file=sys.stderr, flush=True)
   runs = []
   for path in _RUN_DIRS.value:
     try:
       runs.append(serve_run(path))
     except (OSError, ValueError) as e:
       fail(f"--run_dir: {e}")
-  try:
-    server = make_server(runs, _HOST.value, _PORT.value)
-  except OSError as e:
-    fail(f"--host/--port: cannot serve on {_HOST.value}:{_PORT.value} ({e})")
+  server = make_server(runs, host, port, listening)
+  listening.close()
+  shown = f"[{host}]" if ":" in host else host
   print(f"[browse] serving {len(runs)} run(s) on "
-        f"http://{_HOST.value}:{server.server_port}/", flush=True)
+        f"http://{shown}:{server.port}/", flush=True)
   server.serve_forever()
 
 

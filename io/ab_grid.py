@@ -12,6 +12,7 @@ written atomically; each slow eval replaces the snapshot.
 
 import json
 import os
+import stat
 from importlib import resources
 from typing import Any
 
@@ -72,14 +73,32 @@ def _write_text(path: str, text: str) -> str:
   return run_dir.atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def read(report_dir: str) -> dict[str, Any] | None:
+class TooLarge(ValueError):
+  """The snapshot is larger than a reader is willing to parse."""
+
+
+def read(report_dir: str, max_bytes: int) -> dict[str, Any] | None:
   """Return the snapshot `write` left in `report_dir`, or None where there
-  is none; ValueError where the file is not one."""
+  is none; ValueError where the file is not one, TooLarge where it holds
+  more than `max_bytes`.
+
+  Only a regular file is read: a FIFO or a device in its place (a link to
+  /dev/zero) is refused, never waited on nor read without end.
+  """
+  path = os.path.join(report_dir, DATA)
   try:
-    with open(os.path.join(report_dir, DATA), encoding="utf-8") as f:
-      text = f.read().strip()
+    # Non-blocking, so that opening a FIFO does not wait for a writer.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
   except FileNotFoundError:
     return None
+  with os.fdopen(fd, "rb") as f:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+      raise ValueError(f"{DATA} is not a regular file")
+    # Read at most one byte past the limit: the file may grow meanwhile.
+    raw = f.read(max_bytes + 1)
+  if len(raw) > max_bytes:
+    raise TooLarge(f"{DATA} is over {max_bytes} bytes")
+  text = raw.decode("utf-8").strip()
   prefix = "window.AB_GRID = "
   if not text.startswith(prefix) or not text.endswith(";"):
     raise ValueError(f"{DATA} is not a `{prefix}{{…}};` script")

@@ -8,7 +8,8 @@ exactly one line starting with `<program>: error:` (exit 2; 3 for a
 diverged run) and no traceback.
 
 `{T}` in arguments is the row's own temporary directory, `{ROOT}` the
-repository.
+repository. A row with `harvested` finds a finished TMS run with a finished
+harvest at `{T}/r` before its setup runs.
 """
 
 import json
@@ -43,6 +44,7 @@ class Row(NamedTuple):
   code: int = 2
   setup: Callable[[pathlib.Path], object] | None = None
   prelude: str = ""
+  harvested: bool = False
 
 
 # Setups: each gets the row's directory and may return a process to kill
@@ -121,6 +123,17 @@ def _lock_holder(t):
      "time.sleep(600)", str(t / "o")],
     stdout=subprocess.PIPE, text=True)
   assert holder.stdout.readline().strip() == "locked"
+  return holder
+
+
+def _port_holder(t):
+  """Hold a listening port; leave {T}/port.flags naming it."""
+  holder = subprocess.Popen(
+    [sys.executable, "-P", "-c",
+     "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); "
+     "s.listen(); print(s.getsockname()[1], flush=True); time.sleep(600)"],
+    stdout=subprocess.PIPE, text=True)
+  (t / "port.flags").write_text(f"--port={holder.stdout.readline().strip()}\n")
   return holder
 
 
@@ -389,8 +402,34 @@ ROWS = (
       "unexpected argument 'extra'"),
   Row("browse_no_run_dir", "browse", (),
       "--run_dir must name at least one run directory with a finished"),
-  Row("browse_not_a_run", "browse", ("--run_dir={T}/nowhere",),
+  Row("browse_not_a_run", "browse", ("--run_dir={T}/nowhere", "--port=0"),
       "has no flags.txt: pass the output directory of a bin/train run"),
+  Row("browse_port_too_big", "browse", (
+    "--run_dir={T}/nowhere", "--port=70000"),
+    "flag --port=70000: 70000 is not an integer in the range [0, 65535]"),
+  Row("browse_port_negative", "browse", ("--run_dir={T}/nowhere", "--port=-1"),
+      "flag --port=-1: -1 is not an integer in the range [0, 65535]"),
+  Row("browse_port_in_use", "browse", (
+    "--run_dir={T}/nowhere", "--flagfile={T}/port.flags"),
+    "is in use by another program; stop it or choose another --port",
+    setup=_port_holder),
+  Row("browse_host_empty", "browse", ("--run_dir={T}/nowhere", "--host= "),
+      "--host is empty; give the address to serve on"),
+  Row("browse_host_not_here", "browse", (
+    "--run_dir={T}/nowhere", "--host=192.0.2.1", "--port=0"),
+    "--host=192.0.2.1 is not an address of this machine"),
+  Row("browse_host_unresolvable", "browse", (
+    "--run_dir={T}/nowhere", f"--host={'a' * 64}.example", "--port=0"),
+    ".example: cannot resolve it"),
+  # Warns that it serves on every interface, then fails on the run.
+  Row("browse_every_interface", "browse", (
+    "--run_dir={T}/nowhere", "--host=0.0.0.0", "--port=0"),
+    "has no flags.txt"),
+  Row("browse_harvest_array_deleted", "browse", ("--run_dir={T}/r",
+                                                 "--port=0"),
+      "rerun bin/harvest --run_dir={T}/r --overwrite to harvest again",
+      setup=lambda t: shutil.rmtree(t / "r/harvest/linear1/fired"),
+      harvested=True),
   Row("tensorboard_not_a_run", "tensorboard", ("--run_dir={T}/nowhere",),
       "holds no metrics.jsonl; pass the output directory of a bin/train run"),
   Row("tokenizer_not_a_dir", "tokenize", (
@@ -423,7 +462,22 @@ class Result(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, Result]:
+def harvested(finished_run) -> pathlib.Path:
+  """Return a finished TMS run with a finished harvest."""
+  from decompax.recipe import explore  # noqa: PLC0415
+  from decompax.recipe import harvest as harvest_lib  # noqa: PLC0415
+  path = finished_run("tms")
+  run = explore.load_run(path)
+  settings = harvest_lib.resolve(run, harvest_lib.Request(
+    positions=512, batch_size=64, top_k=3, ablation_batches=1))
+  out = f"{path}/{harvest_lib.HARVEST_DIR}"
+  record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
+  harvest_lib.write_manifest(out, path, run, settings, record)
+  return pathlib.Path(path)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, harvested) -> dict[str, Result]:
   """Run every row once; return its exit code, output and directory."""
   base = tmp_path_factory.mktemp("bad_inputs")
   logs = base / "logs"
@@ -433,6 +487,8 @@ def results(tmp_path_factory) -> dict[str, Result]:
     for row in ROWS:
       t = base / row.id
       t.mkdir()
+      if row.harvested:
+        shutil.copytree(harvested, t / "r")
       made = row.setup(t) if row.setup else None
       if isinstance(made, subprocess.Popen):
         holders.append(made)
@@ -477,6 +533,16 @@ def test_no_traceback_reaches_stderr(results):
   leaked = [row_id for row_id, result in results.items()
             if "Traceback" in result.stderr]
   assert leaked == []
+
+
+def test_browse_beyond_loopback_warns_it_serves_every_interface(results):
+  assert ("browse: warning: --host=0.0.0.0 serves on every interface"
+          in results["browse_every_interface"].stderr)
+
+
+def test_browse_names_the_deleted_harvest_array(results):
+  result = results["browse_harvest_array_deleted"]
+  assert f"{result.directory}/r/harvest/linear1/fired" in result.stderr
 
 
 def test_refusals_write_no_run(results):

@@ -1,18 +1,24 @@
 """bin/browse: the component browser's API on a real server (ephemeral
 port) over a harvested induction-toy run: the runs, the component table and
 page, a component's A/B grid, predictions with ablations, and refusals of
-bad requests; and the prompt parsing of token ids and of text through a
-real tokenizer."""
+bad requests; clients that stall, name another host or post from another
+origin; and the prompt parsing of token ids and of text through a real
+tokenizer."""
 
+import contextlib
+import ipaddress
 import json
+import os
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 
-from decompax.bin import browse
+from decompax.bin import browse, browse_server
 from decompax.io import ab_grid, hf_checkpoint, report
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
@@ -49,13 +55,23 @@ def served(finished_run):
   return browse.serve_run(path)
 
 
-@pytest.fixture(scope="module")
-def server(served):
-  httpd = browse.make_server([served], "127.0.0.1", 0)
+@contextlib.contextmanager
+def _serving(served, **limits):
+  """Serve `served` on an ephemeral port; yield the server."""
+  httpd = browse.make_server([served], "127.0.0.1", 0, **limits)
   thread = threading.Thread(target=httpd.serve_forever, daemon=True)
   thread.start()
-  yield f"http://127.0.0.1:{httpd.server_port}"
-  httpd.shutdown()
+  try:
+    yield httpd
+  finally:
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+  with _serving(served) as httpd:
+    yield f"http://127.0.0.1:{httpd.port}"
 
 
 def _get(url):
@@ -71,14 +87,40 @@ def _get_json(url):
   return status, json.loads(body)
 
 
-def _post(url, body: bytes):
+def _post(url, body: bytes, headers=None):
   request = urllib.request.Request(
-    url, data=body, headers={"Content-Type": "application/json"})
+    url, data=body, headers={"Content-Type": "application/json",
+                             **(headers or {})})
   try:
     with urllib.request.urlopen(request, timeout=120) as response:
       return response.status, json.loads(response.read())
   except urllib.error.HTTPError as e:
     return e.code, json.loads(e.read())
+
+
+def _port(url: str) -> int:
+  return int(url.rsplit(":", 1)[1])
+
+
+def _stall(port: int, data: bytes) -> socket.socket:
+  """Return a connection that sent `data`, and then nothing."""
+  sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+  sock.sendall(data)
+  return sock
+
+
+def _reply(sock: socket.socket) -> bytes:
+  """Return what the server sends on `sock` until it closes it."""
+  chunks = []
+  while chunk := sock.recv(4096):
+    chunks.append(chunk)
+  return b"".join(chunks)
+
+
+HEADERS_CUT = b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: "
+BODY_CUT = (b"POST /api/runs/0/predict HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n"
+            b'\r\n{"prompt": "1')
 
 
 def test_page_runs_and_component_table(server):
@@ -203,12 +245,34 @@ def test_the_ab_grid_is_read_once_per_run(served, tmp_path):
    b'{"prompt": "1", "ablate": {"layers.1.mlp.up_proj": [99]}}', 400,
    "must list components"),
   ("/api/runs/7/predict", b'{"prompt": "1"}', 404, "no run 7"),
+  # A JSON true is a Python int, but no component.
+  ("/api/runs/0/predict",
+   b'{"prompt": "1", "ablate": {"layers.1.mlp.up_proj": [true]}}', 400,
+   "must list components"),
+  ("/api/runs/0/predict",
+   b'{"prompt": "1", "keep": {"layers.1.mlp.up_proj": [false]}}', 400,
+   "must list components"),
+  # Past 4300 digits Python's int() refuses a number; it is still an id.
+  ("/api/runs/0/predict", json.dumps({"prompt": "1" * 5000}).encode(), 400,
+   "token id 111111111111… (5000 characters) is outside the vocabulary"),
+  ("/api/runs/0/predict", json.dumps({"prompt": "3 -12345678901234"}).encode(),
+   400, "is outside the vocabulary"),
+  # Nesting is bounded before parsing: no RecursionError, no 500.
+  ("/api/runs/0/predict",
+   b'{"prompt": "1", "ablate": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
+   "nests deeper than 16 levels"),
+  ("/api/runs/0/predict", b'{"a": ' * 17 + b"1" + b"}" * 17, 400,
+   "nests deeper than 16 levels"),
+  # Brackets inside a string do not nest.
+  ("/api/runs/0/predict",
+   json.dumps({"prompt": "[{" * 100 + '\\"'}).encode(), 400,
+   "has no tokenizer"),
 ])
 def test_bad_requests_get_a_status_and_a_one_line_reason(
     server, path, body, status, reason):
   got, answer = _post(server + path, body)
   assert got == status and reason in answer["error"]
-  assert "\n" not in answer["error"]
+  assert "\n" not in answer["error"] and len(answer["error"]) < 300
 
 
 @pytest.mark.parametrize("path", [
@@ -223,6 +287,144 @@ def test_no_request_path_reaches_the_file_system(server, path):
     status, body = e.code, e.read()
   assert status == 404
   assert b"root:" not in body and b"--target" not in body
+
+
+def _get_within(url: str, seconds: float, headers=None):
+  request = urllib.request.Request(url, headers=headers or {})
+  try:
+    with urllib.request.urlopen(request, timeout=seconds) as response:
+      return response.status, json.loads(response.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def test_stalled_clients_stall_no_one_else(server):
+  """An idle socket, headers cut short and a body cut short each hold a
+  connection open, while every other request is answered at once."""
+  port = _port(server)
+  stalled = [_stall(port, data) for data in (b"", HEADERS_CUT, BODY_CUT)]
+  try:
+    for _ in range(3):
+      assert _get_within(server + "/api/runs", 10)[0] == 200
+    status, answer = _post(server + "/api/runs/0/predict",
+                           b'{"prompt": "0 3 5"}')
+    assert status == 200 and answer["tokens"] == ["0", "3", "5"]
+  finally:
+    for sock in stalled:
+      sock.close()
+
+
+@pytest.mark.parametrize("data, answer", [
+  (b"", b""), (HEADERS_CUT, b""),
+  (BODY_CUT, b"HTTP/1.1 408 REQUEST TIMEOUT"),
+])
+def test_a_stalled_client_is_disconnected(served, data, answer):
+  with _serving(served, timeout=0.5) as httpd:
+    sock = _stall(httpd.port, data)
+    start = time.monotonic()
+    with sock:
+      reply = _reply(sock)
+    assert time.monotonic() - start < 10
+    assert reply.startswith(answer)
+    if answer:
+      assert b"did not arrive in time" in reply
+
+
+def test_connections_past_the_cap_are_turned_away(served):
+  with _serving(served, max_connections=2) as httpd:
+    held = [_stall(httpd.port, b"") for _ in range(2)]
+    with _stall(httpd.port, b"") as third:
+      assert _reply(third).startswith(b"HTTP/1.1 503")
+    for sock in held:
+      sock.close()
+    # The held connections' threads end as their sockets close.
+    url = f"http://127.0.0.1:{httpd.port}/api/runs"
+    for _ in range(50):
+      with contextlib.suppress(urllib.error.URLError, ConnectionError):
+        if _get_within(url, 5)[0] == 200:
+          break
+      time.sleep(0.1)
+    else:
+      pytest.fail("the server never answered again")
+
+
+@pytest.mark.parametrize("host, status", [
+  ("127.0.0.1:{port}", 200), ("localhost:{port}", 200),
+  ("LOCALHOST", 200), ("[::1]:{port}", 200), ("127.0.0.2:{port}", 200),
+  # DNS rebinding: another site's name for this address.
+  ("evil.example:{port}", 403), ("evil.example", 403),
+  ("127.0.0.1.nip.io:{port}", 403), ("localhost.evil.example", 403),
+  ("10.1.2.3:{port}", 403), ("", 403), ("[nonsense:{port}", 403),
+  ("evil.example@127.0.0.1:{port}", 403),
+])
+def test_only_this_servers_names_are_answered(server, host, status):
+  got, answer = _get_within(server + "/api/runs", 30, {
+    "Host": host.format(port=_port(server))})
+  assert got == status
+  if status == 403:
+    assert "does not answer for Host" in answer["error"]
+
+
+@pytest.mark.parametrize("origin, status", [
+  ("http://evil.example", 403), ("null", 403),
+  ("http://localhost:{port}", 403),        # another origin, same machine
+  ("https://127.0.0.1:{port}", 403), ("http://127.0.0.1:{port}", 200),
+])
+def test_writes_from_another_origin_are_refused(server, origin, status):
+  got, answer = _post(server + "/api/runs/0/predict", b'{"prompt": "1 2"}',
+                      {"Origin": origin.format(port=_port(server))})
+  assert got == status
+  if status == 403:
+    assert "is refused: only this server's own page may post" in (
+      answer["error"])
+
+
+def test_a_server_beyond_loopback_answers_its_addresses_and_names():
+  def allowed(header, served="0.0.0.0"):
+    return browse_server.host_allowed(header, served, False, {"node7"})
+  assert allowed("192.168.1.7:8470") and allowed("[fe80::1]:8470")
+  assert allowed("node7:8470") and allowed("localhost:8470")
+  assert not allowed("evil.example:8470") and not allowed("node7.evil.example")
+  assert allowed("browse.lab:8470", "browse.lab")
+  assert not browse_server.host_allowed("192.168.1.7", "127.0.0.1", True)
+
+
+@pytest.mark.parametrize("address, warned", [
+  ("127.0.0.1", None), ("::1", None), ("0.0.0.0", "every interface"),
+  ("::", "every interface"), ("192.168.1.7", "which other machines can"),
+])
+def test_serving_beyond_loopback_is_warned_about(address, warned):
+  warning = browse_server.exposure(address, ipaddress.ip_address(address))
+  if warned is None:
+    assert warning is None
+  else:
+    assert warned in warning and "--host=127.0.0.1 serves" in warning
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_an_ab_grid_that_is_no_regular_file_is_refused_at_once(
+    served, tmp_path, kind):
+  """A FIFO would block the reader until some writer came; a device
+  (/dev/zero) would be read without end. Both are refused unread."""
+  from werkzeug.test import Client  # noqa: PLC0415
+  (tmp_path / report.REPORT_DIR).mkdir()
+  data = tmp_path / report.REPORT_DIR / ab_grid.DATA
+  if kind == "fifo":
+    os.mkfifo(data)
+  else:
+    data.symlink_to(os.devnull)   # read to its end at once, unlike /dev/zero
+  client = Client(browse.make_app([served._replace(name=str(tmp_path))]))
+  site = served.run.target.sites[0].name
+  answers = []
+  asking = threading.Thread(target=lambda: answers.append(client.get(
+    f"/api/runs/0/ab_grid/{site}/1")), daemon=True)
+  asking.start()
+  asking.join(30)
+  if asking.is_alive():       # free the reader blocked on the FIFO
+    os.close(os.open(data, os.O_WRONLY | os.O_NONBLOCK))
+    pytest.fail("the A/B grid's reader blocked on a FIFO")
+  assert answers[0].status_code == 404
+  assert "is not a regular file" in answers[0].get_json()["error"]
 
 
 CHROMIUM = "/usr/bin/chromium"
@@ -418,6 +620,14 @@ def test_text_is_encoded_by_the_run_tokenizer(encode):
   assert status == 400 and "token id 5 is outside" in reason
   status, reason = _refusal("the dog", encode)
   assert status == 400 and "cannot encode" in reason
+
+
+def test_a_very_long_number_is_an_id_outside_the_vocabulary(encode):
+  # Python's int() refuses 5000 digits: the prompt is still ids, not text
+  # for the tokenizer (which would make it one unknown word).
+  status, reason = _refusal("1 " + "9" * 5000, encode)
+  assert status == 400 and "is outside the vocabulary [0, 5)" in reason
+  assert len(reason) < 100
 
 
 def test_too_long_text_is_refused_with_413(encode):
