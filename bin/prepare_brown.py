@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 
+import numpy as np
 from absl import flags, logging
 
 from decompax.bin import cli
@@ -112,7 +113,7 @@ def tagged_documents(tokenizer, documents, names, tag_ids):
                                      add_special_tokens=False)
   out = []
   for name, text, enc in zip(names, texts, encodings):
-    starts = [start for start, _ in enc.offsets]
+    starts = np.asarray([start for start, _ in enc.offsets], np.int64)
     out.append(tokens_lib.TaggedDocument(
       name, enc.ids, brown.token_tags(text, starts, tag_ids),
       brown.sentence_tokens(text, starts)))
