@@ -13,7 +13,9 @@ resumable state: rerunning the same command resumes from it; saved every
 `--save_every_seconds`, at the end, and on SIGTERM/SIGINT, after which the
 process exits 75), `train_lm.json` (settings, then results) and, at the
 end, the Hugging Face directory: `config.json`, `model.safetensors`,
-`tokenizer.json`, `tokenizer_config.json`. The results are held-out cross
+`tokenizer.json`, `tokenizer_config.json`. Tests stop a run as a
+preemption would through `DECOMPAX_FAULT=sigterm_after_step=K` (the process
+signals itself after step K). The results are held-out cross
 entropies (nats per token) of the model and of a unigram and a bigram
 model fitted on the training split, all on the same predicted tokens: the
 held-out stream cut into disjoint windows of the context length.
@@ -38,6 +40,7 @@ from decompax.io import hf_checkpoint, run_dir, tree_npz
 from decompax.io import tokens as tokens_lib
 from decompax.targets import brown, glu_target, text_lm
 
+FAULT_ENV = "DECOMPAX_FAULT"
 STATE = "train_state.npz"
 RECORD = "train_lm.json"
 EXIT_REQUEUE = 75  # os.EX_TEMPFAIL, as bin/train after a stop signal
@@ -231,6 +234,15 @@ class Progress:
           f"elapsed {now - self.start:.0f}s  ETA {eta:.0f}s", flush=True)
 
 
+def sigterm_step() -> int | None:
+  """Return K of `sigterm_after_step=K` in DECOMPAX_FAULT, if set."""
+  for part in os.environ.get(FAULT_ENV, "").split(","):
+    key, _, value = part.partition("=")
+    if key == "sigterm_after_step":
+      return int(value)
+  return None
+
+
 def train(path, preset, train_tokens, state, stop) -> tuple:
   """Run the remaining steps; return the state and whether it stopped."""
   step_fn = jax.jit(text_lm.make_train_step(preset), donate_argnums=0)
@@ -238,6 +250,7 @@ def train(path, preset, train_tokens, state, stop) -> tuple:
   progress = Progress(preset.num_steps, preset.batch_size * preset.seq_len,
                       _PROGRESS_SECONDS.value)
   saved_at = time.time()
+  fault = sigterm_step()
   for step in range(first, preset.num_steps):
     window = tokens_lib.read_batch(train_tokens, _SEED.value, step,
                                    preset.batch_size, preset.seq_len + 1)
@@ -246,6 +259,8 @@ def train(path, preset, train_tokens, state, stop) -> tuple:
       fail(f"loss is {float(loss)} at step {step + 1}; lower the preset's lr"
            " and start over with --overwrite", 3)
     progress(step + 1, loss)
+    if fault == step + 1:
+      os.kill(os.getpid(), signal.SIGTERM)
     due = time.time() - saved_at >= _SAVE_EVERY_SECONDS.value
     if stop.is_set() or due:
       tree_npz.save_tree(os.path.join(path, STATE), state,
