@@ -91,7 +91,11 @@ def corpus(data_dir: str, brown_dir: str | None, overwrite: bool):
   target = os.path.join(data_dir, "corpus")
   if brown_dir is None and not overwrite and os.path.isdir(target):
     print(f"[brown] reusing {target}", flush=True)
-    return brown_io.read_corpus(target, names)
+    try:
+      return brown_io.read_corpus(target, names)
+    except ValueError as e:
+      raise ValueError(f"{e} (the copy in {target} is damaged: pass"
+                       " --overwrite to fetch it again)") from None
   if brown_dir is not None:
     print(f"[brown] reading {brown_dir}", flush=True)
     return brown_io.install_corpus(brown_dir, target, names)
