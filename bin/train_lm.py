@@ -11,7 +11,9 @@ window batch `(seed, s)` of `train.bin` (`io/tokens.py`).
 `--output_dir` (default `models/<preset>`) receives `train_state.npz` (the
 resumable state: rerunning the same command resumes from it; saved every
 `--save_every_seconds`, at the end, and on SIGTERM/SIGINT, after which the
-process exits 75), `train_lm.json` (settings, then results) and, at the
+process exits 75), `train_lm.json` (settings, then results),
+`metrics.jsonl` (training loss and held-out cross entropy every
+`--eval_every_steps`, on `--eval_windows` windows) and, at the
 end, the Hugging Face directory: `config.json`, `model.safetensors`,
 `tokenizer.json`, `tokenizer_config.json`. Tests stop a run as a
 preemption would through `DECOMPAX_FAULT=sigterm_after_step=K` (the process
@@ -43,6 +45,7 @@ from decompax.targets import brown, glu_target, text_lm
 FAULT_ENV = "DECOMPAX_FAULT"
 STATE = "train_state.npz"
 RECORD = "train_lm.json"
+METRICS = "metrics.jsonl"
 EXIT_REQUEUE = 75  # os.EX_TEMPFAIL, as bin/train after a stop signal
 
 _PRESET = flags.DEFINE_enum(
@@ -61,6 +64,12 @@ _BATCH_SIZE = flags.DEFINE_integer(
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation and data seed.")
 _MAX_EVAL_WINDOWS = flags.DEFINE_integer(
   "max_eval_windows", 0, "Held-out windows scored at the end; 0: all.")
+_EVAL_EVERY_STEPS = flags.DEFINE_integer(
+  "eval_every_steps", 100, "Steps between held-out evaluations during"
+  " training (on --eval_windows windows); 0: only at the end.")
+_EVAL_WINDOWS = flags.DEFINE_integer(
+  "eval_windows", 64, "Held-out windows, spread evenly over the split, of"
+  " the evaluations during training.")
 _EVAL_BATCH = flags.DEFINE_integer(
   "eval_batch", 16, "Held-out windows per evaluation forward.")
 _PROGRESS_SECONDS = cli.define_float(
@@ -87,6 +96,10 @@ def settings() -> tuple[text_lm.LmPreset, dict]:
   if any(v <= 0 for v in changes.values()):
     raise ValueError(f"{', '.join(f'--{k}' for k in changes)} must be"
                      " positive")
+  for holder in (_EVAL_WINDOWS, _EVAL_BATCH):
+    if holder.value <= 0:
+      raise ValueError(f"--{holder.name} must be positive, got"
+                       f" {holder.value}")
   if changes.get("num_steps", preset.num_steps) <= preset.warmup_steps:
     changes["warmup_steps"] = changes["num_steps"] // 10
   preset = dataclasses.replace(preset, **changes)
@@ -160,31 +173,38 @@ def install_stop_flag() -> threading.Event:
 def eval_windows(held_out: tokens_lib.Tokens, seq_len: int,
                  limit: int) -> np.ndarray:
   """Return the held-out stream cut into disjoint `[n, seq_len + 1]`
-  windows (each overlapping the next by its last token)."""
+  windows (each overlapping the next by its last token); with `limit`, at
+  most that many, spread evenly over the stream (so over every genre)."""
   n = brown.eval_windows(held_out.header.num_tokens, seq_len)
-  if limit:
-    n = min(n, limit)
-  index = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)
+  chosen = np.arange(n)
+  if 0 < limit < n:
+    chosen = np.arange(limit) * n // limit
+  index = chosen[:, None] * seq_len + np.arange(seq_len + 1)
   return np.asarray(held_out.ids[index], np.int32)
 
 
-def model_cross_entropy(weights, windows: np.ndarray, preset, batch: int):
-  """Return the model's mean next-token cross entropy over `windows`."""
+def make_scorer(preset: text_lm.LmPreset, batch: int):
+  """Return `score(weights, windows)`: the model's mean next-token cross
+  entropy over `windows`, `batch` windows per forward."""
   config = text_lm.model_config(preset)
   losses = jax.jit(lambda w, x: jnp.sum(text_lm.token_losses(w, x, config)))
-  total = 0.0
-  for i in range(0, len(windows), batch):
-    total += float(losses(weights, jnp.asarray(windows[i:i + batch])))
-  return total / (windows.shape[0] * (windows.shape[1] - 1))
+
+  def score(weights, windows: np.ndarray) -> float:
+    total = 0.0
+    for i in range(0, len(windows), batch):
+      total += float(losses(weights, jnp.asarray(windows[i:i + batch])))
+    return total / (windows.shape[0] * (windows.shape[1] - 1))
+
+  return score
 
 
-def evaluate(weights, train, held_out, preset, limit, batch) -> dict:
+def evaluate(weights, train, held_out, preset, limit, score) -> dict:
   """Return held-out cross entropies of the model and the baselines."""
   windows = eval_windows(held_out, preset.seq_len, limit)
   previous, targets = windows[:, :-1].ravel(), windows[:, 1:].ravel()
   base = brown.baselines(np.asarray(train.ids), previous, targets,
                          preset.vocab_size)
-  model = model_cross_entropy(weights, windows, preset, batch)
+  model = score(weights, windows)
   return {"held_out_tokens": int(targets.size),
           "model_ce": model, "unigram_ce": base.unigram,
           "bigram_ce": base.bigram, "bigram_alpha": base.bigram_alpha,
@@ -243,8 +263,12 @@ def sigterm_step() -> int | None:
   return None
 
 
-def train(path, preset, train_tokens, state, stop) -> tuple:
-  """Run the remaining steps; return the state and whether it stopped."""
+def train(path, preset, train_tokens, state, stop, check) -> tuple:
+  """Run the remaining steps; return the state and whether it stopped.
+
+  `check(step, weights, loss)` runs after every step (the held-out
+  evaluations it makes when due).
+  """
   step_fn = jax.jit(text_lm.make_train_step(preset), donate_argnums=0)
   first = int(state.step)
   progress = Progress(preset.num_steps, preset.batch_size * preset.seq_len,
@@ -259,6 +283,7 @@ def train(path, preset, train_tokens, state, stop) -> tuple:
       fail(f"loss is {float(loss)} at step {step + 1}; lower the preset's lr"
            " and start over with --overwrite", 3)
     progress(step + 1, loss)
+    check(step + 1, state.weights, loss)
     if fault == step + 1:
       os.kill(os.getpid(), signal.SIGTERM)
     due = time.time() - saved_at >= _SAVE_EVERY_SECONDS.value
@@ -299,14 +324,28 @@ def main(argv: list[str]) -> None:
           f" vocab {preset.vocab_size}; {preset.num_steps} steps of"
           f" {preset.batch_size} windows on {jax.devices()[0].platform}",
           flush=True)
+    score = make_scorer(preset, _EVAL_BATCH.value)
+    during = eval_windows(held_out, preset.seq_len, _EVAL_WINDOWS.value)
+
+    def check(step, weights, loss):
+      every = _EVAL_EVERY_STEPS.value
+      if every <= 0 or (step % every and step != preset.num_steps):
+        return
+      ce = score(weights, during)
+      print(f"[train_lm] step {step}: held-out cross entropy {ce:.4f}"
+            f" ({len(during)} windows)", flush=True)
+      run_dir.append_metrics(os.path.join(path, METRICS), {
+        "step": step, "train_loss": float(loss), "held_out_ce": ce,
+        "held_out_windows": len(during)})
+
     start = time.time()
-    state, stopped = train(path, preset, train_tokens, state, stop)
+    state, stopped = train(path, preset, train_tokens, state, stop, check)
     if stopped:
       print(f"[train_lm] stop signal: saved step {int(state.step)} to"
             f" {path}/{STATE}; rerun the same command to resume", flush=True)
       sys.exit(EXIT_REQUEUE)
     results = evaluate(state.weights, train_tokens, held_out, preset,
-                       _MAX_EVAL_WINDOWS.value, _EVAL_BATCH.value)
+                       _MAX_EVAL_WINDOWS.value, score)
     export(path, data_dir, state.weights, preset)
     write_record(path, {"settings": record, "results": results,
                         "train_seconds_this_run": time.time() - start})

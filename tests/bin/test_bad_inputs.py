@@ -288,6 +288,9 @@ ROWS = (
   Row("train_lm_steps_not_positive", "train_lm", (
     "--preset=tiny", "--num_steps=0", "--data_dir={T}/d"),
     "--num_steps must be positive"),
+  Row("train_lm_eval_windows_not_positive", "train_lm", (
+    "--preset=tiny", "--eval_windows=0", "--data_dir={T}/d"),
+    "--eval_windows must be positive, got 0"),
   # One run directory, one writer.
   Row("run_dir_in_use", "train", (OUT,), "is in use by pid",
       setup=_lock_holder),

@@ -140,6 +140,9 @@ def test_train_lm_reports_model_and_baselines(model):
   assert 0 < results["bigram_ce"] < results["unigram_ce"] < np.log(300)
   assert 0 < results["model_ce"] < np.log(300)
   assert "held-out cross entropy" in stdout and "ETA" in stdout
+  lines = (out / "metrics.jsonl").read_text().splitlines()
+  last = json.loads(lines[-1])
+  assert last["step"] == 40 and 0 < last["held_out_ce"] < np.log(300)
   assert {"config.json", "model.safetensors", "tokenizer.json",
           "tokenizer_config.json"} <= set(os.listdir(out))
 
