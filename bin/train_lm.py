@@ -132,26 +132,38 @@ def open_data(data_dir: str, preset: text_lm.LmPreset):
   return train, held_out
 
 
+# Every file a run writes into its --output_dir: what --overwrite removes.
+WRITTEN = (STATE, RECORD, METRICS, "config.json", "model.safetensors",
+           "tokenizer.json", "tokenizer_config.json")
+
+
 def check_output(path: str, record: dict, overwrite: bool) -> bool:
-  """Return whether `path` holds a run to resume; ValueError if it holds
-  another run and `overwrite` is off (with it, that run is removed)."""
-  state = os.path.join(path, STATE)
+  """Return whether `path` holds a saved state of this run to resume.
+
+  A directory holding another run (or files of none) is refused unless
+  `overwrite`, which removes the files a run writes (`WRITTEN`) and
+  nothing else. A run of these settings that never saved starts over.
+  """
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(f"--output_dir {path} is a file; name a directory")
   if not os.path.isdir(path) or not os.listdir(path):
     return False
   saved = None
-  if os.path.isfile(os.path.join(path, RECORD)):
+  try:
     with open(os.path.join(path, RECORD)) as f:
       saved = json.load(f).get("settings")
-  if saved == record and os.path.isfile(state):
-    return True
+  except (OSError, ValueError, AttributeError):
+    pass
+  if saved == record:
+    return os.path.isfile(os.path.join(path, STATE))
   if not overwrite:
     what = ("a run with other settings" if saved is not None
             else "files of no train_lm run")
     raise ValueError(f"--output_dir {path} holds {what}; pass --overwrite"
                      " to start over there, or name another directory")
-  shutil.rmtree(path)
+  for name in WRITTEN:
+    if os.path.isfile(os.path.join(path, name)):
+      os.remove(os.path.join(path, name))
   return False
 
 
@@ -318,6 +330,8 @@ def main(argv: list[str]) -> None:
       print(f"[train_lm] resuming {path} at step {meta['step']}", flush=True)
     else:
       state = text_lm.init_state(jax.random.key(_SEED.value), preset)
+      if os.path.isfile(os.path.join(path, METRICS)):
+        os.remove(os.path.join(path, METRICS))  # of a run that never saved
       write_record(path, {"settings": record})
     print(f"[train_lm] {preset.name}: {preset.n_layers} layers, d_model"
           f" {preset.d_model}, d_ff {preset.d_ff}, context {preset.seq_len},"

@@ -191,6 +191,38 @@ def test_a_stopped_run_resumes_onto_the_same_weights(model, tmp_path):
   assert a == b
 
 
+def test_a_run_that_never_saved_starts_over(model, tmp_path):
+  out, args, _ = model
+  (tmp_path / "m").mkdir()
+  record = json.loads((out / "train_lm.json").read_text())
+  (tmp_path / "m" / "train_lm.json").write_text(json.dumps(
+    {"settings": record["settings"]}))
+  (tmp_path / "m" / "metrics.jsonl").write_text('{"step": 99}\n')
+  other = [a for a in args if not a.startswith("--output_dir")]
+  done = run("train_lm", *other, f"--output_dir={tmp_path / 'm'}")
+  assert done.returncode == 0, done.stderr
+  assert "resuming" not in done.stdout
+  jax.tree.map(np.testing.assert_array_equal,
+               _trained_weights(tmp_path / "m"), _trained_weights(out))
+  steps = [json.loads(line)["step"] for line in
+           (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [40]
+
+
+def test_overwrite_removes_only_what_a_run_writes(model, tmp_path):
+  out, args, _ = model
+  (tmp_path / "m").mkdir()
+  (tmp_path / "m" / "train_lm.json").write_text('{"settings": {"x": 1}}')
+  (tmp_path / "m" / "notes.txt").write_text("keep me")
+  other = [a for a in args if not a.startswith("--output_dir")]
+  done = run("train_lm", *other, f"--output_dir={tmp_path / 'm'}",
+             "--overwrite", "--num_steps=2", "--eval_every_steps=0")
+  assert done.returncode == 0, done.stderr
+  assert (tmp_path / "m" / "notes.txt").read_text() == "keep me"
+  record = json.loads((tmp_path / "m" / "train_lm.json").read_text())
+  assert record["settings"]["preset"]["num_steps"] == 2
+
+
 def test_another_runs_directory_is_refused(model):
   out, args, _ = model
   done = run("train_lm", *args, "--num_steps=5")
