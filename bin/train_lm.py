@@ -365,10 +365,13 @@ def main(argv: list[str]) -> None:
                         "train_seconds_this_run": time.time() - start})
   except ValueError as e:
     fail(str(e))
+  gap = results["bigram_ce"] - results["model_ce"]
   print(f"[train_lm] held-out cross entropy (nats/token, "
         f"{results['held_out_tokens']} tokens): model"
         f" {results['model_ce']:.4f}, bigram {results['bigram_ce']:.4f},"
-        f" unigram {results['unigram_ce']:.4f}", flush=True)
+        f" unigram {results['unigram_ce']:.4f}; the model"
+        f" {'beats' if gap > 0 else 'does not beat'} the bigram by"
+        f" {abs(gap):.4f}", flush=True)
   print(f"[train_lm] wrote {path}")
 
 
