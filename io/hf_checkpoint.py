@@ -454,3 +454,24 @@ def write_word_tokenizer(
     config["eos_token"] = eos_token
   _write_json(os.path.join(model_dir, "tokenizer_config.json"), config)
   return model_dir
+
+
+def write_tokenizer_json(
+  model_dir: str, tokenizer_json: str, eos_token: Optional[str] = None,
+) -> str:
+  """Return `model_dir` after writing a trained `tokenizers` tokenizer
+  there: `tokenizer.json` as serialized (`Tokenizer.to_str()`) and a
+  `tokenizer_config.json` that makes transformers load it as a plain fast
+  tokenizer whose decoding gives back the text encoded (no cleanup of
+  spaces before punctuation).
+  """
+  os.makedirs(model_dir, exist_ok=True)
+  run_dir.atomic_write(os.path.join(model_dir, "tokenizer.json"),
+                       lambda f: f.write(tokenizer_json.encode("utf-8")))
+  config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                            "model_max_length": 1 << 30,
+                            "clean_up_tokenization_spaces": False}
+  if eos_token is not None:
+    config["eos_token"] = eos_token
+  _write_json(os.path.join(model_dir, "tokenizer_config.json"), config)
+  return model_dir

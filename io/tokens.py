@@ -284,3 +284,167 @@ def read_batch(
   starts = window_starts(seed, step, rows, tokens.header.num_tokens, seq_len)
   index = starts[:, None] + np.arange(seq_len)
   return np.asarray(tokens.ids[index], np.int32)
+
+
+# A tag stream beside a token file (`NAME.bin`): for every token, an id
+# into a tag vocabulary, plus the token offsets of every sentence start.
+# - `NAME.tags.bin`: one little-endian `uint16` tag id per token, the same
+#   length as `NAME.bin`.
+# - `NAME.sentences.bin`: little-endian `int64` offsets (into `NAME.bin`) of
+#   each sentence's first token, ascending.
+# - `NAME.tags.json`: `{"format": "decompax.tags", "version": 1, "tags",
+#   "num_tokens", "num_sentences", "documents"}`, `documents` a list of
+#   `{"name", "start", "num_tokens"}` (start: offset of the document's first
+#   token; its tokens include the EOS after it).
+# Written before the token file's own header, read only beside it: a token
+# file without a tag stream reads exactly as before.
+
+TAGS_FORMAT = "decompax.tags"
+TAGS_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TaggedDocument:
+  """One document's token ids, their tags and where its sentences start."""
+
+  name: str
+  ids: np.ndarray  # [n] token ids, no EOS
+  tags: np.ndarray  # [n] tag ids
+  sentence_starts: np.ndarray  # offsets into `ids`, ascending
+
+
+@dataclasses.dataclass(frozen=True)
+class TagStream:
+  """An opened tag stream: memory-mapped tag ids and the boundaries."""
+
+  tags: tuple[str, ...]
+  ids: np.ndarray  # memory-mapped `[num_tokens]` uint16
+  sentence_starts: np.ndarray  # `[num_sentences]` int64
+  documents: tuple[dict, ...]
+
+
+def tags_path(path: run_dir.Path) -> str:
+  """Return the tag-id file of token file `NAME.bin`: `NAME.tags.bin`."""
+  return os.path.splitext(os.fspath(path))[0] + ".tags.bin"
+
+
+def tags_header_path(path: run_dir.Path) -> str:
+  """Return the tag header of token file `NAME.bin`: `NAME.tags.json`."""
+  return os.path.splitext(os.fspath(path))[0] + ".tags.json"
+
+
+def sentences_path(path: run_dir.Path) -> str:
+  """Return the sentence offsets of `NAME.bin`: `NAME.sentences.bin`."""
+  return os.path.splitext(os.fspath(path))[0] + ".sentences.bin"
+
+
+def has_tags(path: run_dir.Path) -> bool:
+  """Return whether token file `path` has a tag stream beside it."""
+  return os.path.isfile(tags_header_path(path))
+
+
+def _tagged_layout(
+  documents: list[TaggedDocument], n_tags: int, eos_tag: int
+) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+  tags, sentences, records = [], [], []
+  at = 0
+  for doc in documents:
+    ids, doc_tags = np.asarray(doc.ids), np.asarray(doc.tags)
+    starts = np.asarray(doc.sentence_starts, np.int64)
+    if ids.shape != doc_tags.shape or ids.ndim != 1:
+      raise ValueError(f"document {doc.name}: {ids.shape} ids but"
+                       f" {doc_tags.shape} tags")
+    if doc_tags.size and (doc_tags.min() < 0 or doc_tags.max() >= n_tags):
+      raise ValueError(f"document {doc.name} holds tag ids outside [0,"
+                       f" {n_tags})")
+    if starts.size and (np.any(np.diff(starts) < 0) or starts[0] < 0
+                        or starts[-1] > ids.size):
+      raise ValueError(f"document {doc.name}: sentence starts must ascend"
+                       f" within [0, {ids.size}]")
+    tags += [doc_tags.astype("<u2"), np.asarray([eos_tag], "<u2")]
+    sentences.append(starts + at)
+    records.append({"name": doc.name, "start": at,
+                    "num_tokens": int(ids.size) + 1})
+    at += ids.size + 1
+  empty = np.zeros(0, "<u2")
+  return (np.concatenate(tags or [empty]),
+          np.concatenate(sentences or [np.zeros(0, np.int64)]).astype("<i8"),
+          records)
+
+
+def write_tagged_tokens(
+  path: run_dir.Path,
+  documents: list[TaggedDocument],
+  tags: tuple[str, ...],
+  eos_tag: str,
+  vocab_size: int,
+  eos_id: int,
+  tokenizer: str,
+) -> TokenHeader:
+  """Write a token file (`write_tokens`) and its tag stream beside it.
+
+  The tag files come first and the token header last, each atomically, so
+  a crash never leaves a token header without its complete tag stream.
+  Raises ValueError, writing nothing, for tags past `tags` or a document
+  whose ids and tags differ in length.
+  """
+  if not os.fspath(path).endswith(".bin"):
+    raise ValueError(f"token file {os.fspath(path)} must end in .bin")
+  if not 0 < len(tags) <= 1 << 16 or eos_tag not in tags:
+    raise ValueError(f"tag vocabulary of {len(tags)} tags must hold 1 to"
+                     f" 65536 tags including {eos_tag!r}")
+  tag_ids, sentences, records = _tagged_layout(
+    documents, len(tags), tags.index(eos_tag))
+  record = {"format": TAGS_FORMAT, "version": TAGS_VERSION,
+            "tags": list(tags), "num_tokens": int(tag_ids.size),
+            "num_sentences": int(sentences.size), "documents": records}
+  run_dir.atomic_write(tags_path(path), lambda f: f.write(tag_ids.tobytes()))
+  run_dir.atomic_write(sentences_path(path),
+                       lambda f: f.write(sentences.tobytes()))
+  run_dir.atomic_write(
+    tags_header_path(path),
+    lambda f: f.write((json.dumps(record) + "\n").encode()))
+  return write_tokens(path, (d.ids for d in documents), vocab_size, eos_id,
+                      tokenizer)
+
+
+def open_tags(tokens: Tokens) -> TagStream:
+  """Return the tag stream beside an opened token file.
+
+  Raises:
+    ValueError: no tag stream, or one that does not describe the token
+      file (another length, tag ids past its vocabulary, offsets outside
+      the file).
+  """
+  hpath = tags_header_path(tokens.path)
+  if not os.path.isfile(hpath):
+    raise ValueError(f"token file {tokens.path} has no tag stream ({hpath});"
+                     " write it with bin/prepare_brown")
+  try:
+    with open(hpath) as f:
+      record = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"tag header {hpath} is not valid JSON ({e})") from None
+  if not isinstance(record, dict) or record.get("format") != TAGS_FORMAT \
+      or record.get("version") != TAGS_VERSION:
+    raise ValueError(f"{hpath} is not a {TAGS_FORMAT} version"
+                     f" {TAGS_VERSION} header")
+  n = tokens.header.num_tokens
+  if record.get("num_tokens") != n:
+    raise ValueError(f"tag header {hpath} describes {record.get('num_tokens')}"
+                     f" tokens, but {tokens.path} holds {n}; write both again")
+  ids_path, sent_path = tags_path(tokens.path), sentences_path(tokens.path)
+  for file, size in ((ids_path, 2 * n),
+                     (sent_path, 8 * record.get("num_sentences", -1))):
+    if not os.path.isfile(file) or os.path.getsize(file) != size:
+      raise ValueError(f"{file} is missing or not {size} bytes long; write"
+                       " the token file and its tags again")
+  ids = np.memmap(ids_path, dtype="<u2", mode="r", shape=(n,))
+  if max_id(ids_path, np.dtype("<u2")) >= len(record["tags"]):
+    raise ValueError(f"{ids_path} holds tag ids past its"
+                     f" {len(record['tags'])} tags")
+  sentences = np.fromfile(sent_path, dtype="<i8")
+  if sentences.size and (sentences.min() < 0 or sentences.max() > n):
+    raise ValueError(f"{sent_path} holds offsets outside [0, {n}]")
+  return TagStream(tuple(record["tags"]), ids, sentences,
+                   tuple(record["documents"]))

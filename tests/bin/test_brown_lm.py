@@ -1,0 +1,230 @@
+"""The Brown pipeline end to end on a synthetic corpus in Brown's format:
+`bin/prepare_brown --brown_dir=`, then `bin/train_lm --preset=tiny`; the
+written model read back through `--target=hf`; a stopped run resumed."""
+
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decompax.io import brown as brown_io
+from decompax.io import tokens, tree_npz
+from decompax.recipe import config as config_lib
+from decompax.recipe import lm
+from decompax.targets import brown, text_lm
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Each word has one tag, so a token's tag can be checked from its text.
+LEXICON = {"the": "at", "dog": "nn", "cat": "nn", "runs": "vbz",
+           "quickly": "rb", "big": "jj", "John's": "np$", "1/2": "cd",
+           "and": "cc", "saw": "vbd", "house": "nn", "Fulton": "np-tl",
+           ".": "."}
+
+
+def write_corpus(directory: pathlib.Path) -> None:
+  """Write 500 short documents of random lexicon sentences."""
+  directory.mkdir()
+  words = sorted(LEXICON)
+  for name in brown.document_names():
+    rng = random.Random(name)
+    lines = []
+    for _ in range(rng.randint(2, 5)):
+      sentence = [rng.choice(words) for _ in range(rng.randint(3, 10))]
+      lines.append("\t" + " ".join(f"{w}/{LEXICON[w]}"
+                                   for w in [*sentence, "."]))
+    (directory / name).write_text("\n\n" + "\n\n".join(lines) + "\n")
+
+
+def run(program: str, *args: str, env: dict | None = None):
+  return subprocess.run(
+    [sys.executable, "-P", str(ROOT / "bin" / program), *args],
+    capture_output=True, text=True, cwd=ROOT, timeout=600,
+    env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  base = tmp_path_factory.mktemp("brown")
+  write_corpus(base / "src")
+  done = run("prepare_brown", f"--brown_dir={base / 'src'}",
+             f"--data_dir={base / 'data'}", "--vocab_sizes=300")
+  assert done.returncode == 0, done.stderr
+  return base / "data", done.stdout
+
+
+@pytest.fixture(scope="module")
+def model(data, tmp_path_factory):
+  out = tmp_path_factory.mktemp("model") / "tiny"
+  args = ("--preset=tiny", f"--data_dir={data[0] / 'bpe-300'}",
+          f"--output_dir={out}")
+  done = run("train_lm", *args)
+  assert done.returncode == 0, done.stderr
+  return out, args, done.stdout
+
+
+def test_prepare_writes_corpus_split_and_token_files(data):
+  path, stdout = data
+  assert len(os.listdir(path / "corpus")) == 500
+  train, held_out = brown_io.read_split(str(path / "split.json"))
+  assert train + held_out and not set(train) & set(held_out)
+  assert (tuple(train), tuple(held_out)) == brown.split_documents(
+    brown.document_names())
+  assert f"split {len(train)} train / {len(held_out)} held out" in stdout
+  assert sorted(os.listdir(path / "bpe-300")) == sorted([
+    *(f"{part}.{ext}" for part in ("train", "held_out")
+      for ext in ("bin", "json", "tags.bin", "tags.json", "sentences.bin")),
+    "tokenizer.json", "tokenizer_config.json"])
+
+
+def test_every_token_carries_its_words_tag(data):
+  path = data[0] / "bpe-300"
+  from decompax.io import hf_checkpoint  # noqa: PLC0415
+
+  tokenizer = hf_checkpoint.read_tokenizer(str(path))
+  opened = tokens.open_tokens(path / "held_out.bin")
+  stream = tokens.open_tags(opened)
+  _, held_out = brown_io.read_split(str(data[0] / "split.json"))
+  assert [d["name"] for d in stream.documents] == held_out
+  eos = tokenizer.eos_token_id
+  checked = 0
+  for token_id, tag_id in zip(opened.ids, stream.ids):
+    tag = stream.tags[tag_id]
+    text = tokenizer.decode([int(token_id)])
+    if token_id == eos:
+      assert tag == brown.EOS_TAG
+    elif text == "\n":
+      assert tag == brown.SEPARATOR
+    elif text.strip() == "":
+      # A lone space belongs to the word after it.
+      assert text == " " and tag in LEXICON.values()
+    elif text.strip() in LEXICON:
+      assert tag == LEXICON[text.strip()], text
+      checked += 1
+  assert checked > len(opened.ids) // 3
+  # Each sentence starts on a document's first token or after a newline.
+  starts = {d["start"] for d in stream.documents}
+  for offset in stream.sentence_starts:
+    assert offset in starts or tokenizer.decode(
+      [int(opened.ids[offset - 1])]) == "\n"
+  assert len(stream.sentence_starts) == sum(
+    len(brown_io.read_document(str(data[0] / "corpus" / n)))
+    for n in held_out)
+
+
+def test_bpe_decodes_the_token_file_back_to_the_corpus_text(data):
+  path = data[0] / "bpe-300"
+  from decompax.io import hf_checkpoint  # noqa: PLC0415
+
+  tokenizer = hf_checkpoint.read_tokenizer(str(path))
+  opened = tokens.open_tokens(path / "held_out.bin")
+  stream = tokens.open_tags(opened)
+  first = stream.documents[0]
+  ids = opened.ids[first["start"]:first["start"] + first["num_tokens"] - 1]
+  doc = brown_io.read_document(str(data[0] / "corpus" / first["name"]))
+  assert tokenizer.decode([int(i) for i in ids]) == \
+    brown.document_text(doc).text
+
+
+def test_train_lm_reports_model_and_baselines(model):
+  out, _, stdout = model
+  record = json.loads((out / "train_lm.json").read_text())
+  results = record["results"]
+  assert record["settings"]["preset"]["name"] == "tiny"
+  assert 0 < results["bigram_ce"] < results["unigram_ce"] < np.log(300)
+  assert 0 < results["model_ce"] < np.log(300)
+  assert "held-out cross entropy" in stdout and "ETA" in stdout
+  lines = (out / "metrics.jsonl").read_text().splitlines()
+  last = json.loads(lines[-1])
+  assert last["step"] == 40 and 0 < last["held_out_ce"] < np.log(300)
+  assert {"config.json", "model.safetensors", "tokenizer.json",
+          "tokenizer_config.json"} <= set(os.listdir(out))
+
+
+def _trained_weights(out):
+  preset = text_lm.PRESETS["tiny"]
+  template = jax.eval_shape(
+    lambda: text_lm.init_state(jax.random.key(0), preset))
+  state, meta = tree_npz.load_tree(out / "train_state.npz", template)
+  assert meta["step"] == preset.num_steps
+  return state.weights
+
+
+def test_hf_directory_reproduces_the_trainers_logits(model, data):
+  out = model[0]
+  weights = jax.tree.map(jnp.asarray, _trained_weights(out))
+  preset = text_lm.PRESETS["tiny"]
+  run_config = config_lib.read_args([
+    "--target=hf", f"--model_dir={out}", "--compute_dtype=float32",
+    f"--seq_len={preset.seq_len}"])
+  record, fns, load = lm.hf_target(run_config)
+  assert record.config == text_lm.model_config(preset)
+  opened = tokens.open_tokens(data[0] / "bpe-300" / "held_out.bin")
+  batch = jnp.asarray(tokens.read_batch(opened, 1, 0, 4, preset.seq_len))
+  got = jax.jit(lambda w: fns.clean_forward(w, batch, ())[0])(load())
+  want = jax.jit(lambda w: text_lm.logits(w, batch, record.config))(weights)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stopped_run_resumes_onto_the_same_weights(model, tmp_path):
+  out, args, _ = model
+  other = [a for a in args if not a.startswith("--output_dir")]
+  other.append(f"--output_dir={tmp_path / 'm'}")
+  stopped = run("train_lm", *other,
+                env={"DECOMPAX_FAULT": "sigterm_after_step=17"})
+  assert stopped.returncode == 75, stopped.stderr
+  assert "saved step 17" in stopped.stdout
+  assert not (tmp_path / "m" / "model.safetensors").exists()
+  resumed = run("train_lm", *other)
+  assert resumed.returncode == 0, resumed.stderr
+  assert "resuming" in resumed.stdout and "at step 17" in resumed.stdout
+  jax.tree.map(np.testing.assert_array_equal,
+               _trained_weights(tmp_path / "m"), _trained_weights(out))
+  a = json.loads((tmp_path / "m" / "train_lm.json").read_text())["results"]
+  b = json.loads((out / "train_lm.json").read_text())["results"]
+  assert a == b
+
+
+def test_a_run_that_never_saved_starts_over(model, tmp_path):
+  out, args, _ = model
+  (tmp_path / "m").mkdir()
+  record = json.loads((out / "train_lm.json").read_text())
+  (tmp_path / "m" / "train_lm.json").write_text(json.dumps(
+    {"settings": record["settings"]}))
+  (tmp_path / "m" / "metrics.jsonl").write_text('{"step": 99}\n')
+  other = [a for a in args if not a.startswith("--output_dir")]
+  done = run("train_lm", *other, f"--output_dir={tmp_path / 'm'}")
+  assert done.returncode == 0, done.stderr
+  assert "resuming" not in done.stdout
+  jax.tree.map(np.testing.assert_array_equal,
+               _trained_weights(tmp_path / "m"), _trained_weights(out))
+  steps = [json.loads(line)["step"] for line in
+           (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [40]
+
+
+def test_overwrite_removes_only_what_a_run_writes(model, tmp_path):
+  out, args, _ = model
+  (tmp_path / "m").mkdir()
+  (tmp_path / "m" / "train_lm.json").write_text('{"settings": {"x": 1}}')
+  (tmp_path / "m" / "notes.txt").write_text("keep me")
+  other = [a for a in args if not a.startswith("--output_dir")]
+  done = run("train_lm", *other, f"--output_dir={tmp_path / 'm'}",
+             "--overwrite", "--num_steps=2", "--eval_every_steps=0")
+  assert done.returncode == 0, done.stderr
+  assert (tmp_path / "m" / "notes.txt").read_text() == "keep me"
+  record = json.loads((tmp_path / "m" / "train_lm.json").read_text())
+  assert record["settings"]["preset"]["num_steps"] == 2
+
+
+def test_another_runs_directory_is_refused(model):
+  out, args, _ = model
+  done = run("train_lm", *args, "--num_steps=5")
+  assert done.returncode == 2
+  assert "holds a run with other settings; pass --overwrite" in done.stderr
