@@ -1,7 +1,8 @@
 """The README's runnable code blocks run as written.
 
 A fenced block whose info string is `sh runnable` or `python runnable` is
-run from the repository root: an `sh` block by bash (errexit, pipefail), a
+run from the repository root (`sh runnable slow`: only under
+`./dev test-slow`, for a block that stays long when shortened): an `sh` block by bash (errexit, pipefail), a
 `python` block as `./dev run python <file>`. The paths a block names stand
 for what the README's commands make, so they are replaced before it runs
 (STAND_INS): `runs/<name>` by a copy of one of the session's 4-step
@@ -26,7 +27,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-FENCE = re.compile(r"^```(\w+) runnable\n(.*?)^```$",
+FENCE = re.compile(r"^```(\w+) runnable( slow)?\n(.*?)^```$",
                    re.MULTILINE | re.DOTALL)
 LANGUAGES = ("sh", "python")
 
@@ -51,13 +52,15 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 class Block(NamedTuple):
   line: int
   language: str
+  slow: bool
   text: str
 
 
 def runnable_blocks() -> list[Block]:
   """Return every README block marked runnable, with its first line."""
   readme = README.read_text()
-  return [Block(readme.count("\n", 0, m.start()) + 1, m.group(1), m.group(2))
+  return [Block(readme.count("\n", 0, m.start()) + 1, m.group(1),
+                bool(m.group(2)), m.group(3))
           for m in FENCE.finditer(readme)]
 
 
@@ -96,11 +99,17 @@ def _data_dir(t: pathlib.Path) -> pathlib.Path:
   return t / "data"
 
 
+def _models_dir(t: pathlib.Path) -> pathlib.Path:
+  (t / "models").mkdir()
+  return t / "models"
+
+
 INPUTS: dict[str, Callable[[pathlib.Path], pathlib.Path]] = {
   "/models/Llama-3.1-8B": _tokenizer,
   "shard0.jsonl": _jsonl,
   "notes.txt": _text,
   "data": _data_dir,
+  "models": _models_dir,
 }
 UNREPLACED = re.compile(r"(?<![\w./-])(runs|data|models)/")
 
@@ -132,14 +141,16 @@ def _cases() -> list:
     for run in (RUNS[named[0]] if named else ("",)):
       case_id = f"line{block.line}-{block.language}" + (f"-{run}" if run
                                                         else "")
-      cases.append(pytest.param(block, named[0] if named else "", run,
-                                id=case_id))
+      cases.append(pytest.param(
+        block, named[0] if named else "", run, id=case_id,
+        marks=[pytest.mark.slow] if block.slow else []))
   return cases
 
 
 def test_the_readme_marks_blocks_runnable():
   blocks = runnable_blocks()
   assert {b.language for b in blocks} == set(LANGUAGES)
+  assert any(not b.slow for b in blocks)
   # Toy and language-model exploration both run.
   loads = [b for b in blocks if "explore.load_run" in b.text]
   assert {path for b in loads for path in RUNS
