@@ -20,10 +20,26 @@ def launch(program: str, main: Callable[[list[str]], None]) -> None:
   def parse_flags(argv: list[str]) -> list[str]:
     try:
       return flags.FLAGS(argv)
+    except flags.CantOpenFlagFileError as e:
+      fail(program, flagfile_message(e))
     except flags.Error as e:
       fail(program, f"{e}; see --helpfull")
+    except SystemExit as e:
+      # absl's help flags (--help, --helpshort, --helpfull, --helpxml) print
+      # what was asked for and exit 1 from inside the parse; every refusal
+      # of the parse itself is a flags.Error above. Help given is success.
+      sys.exit(0 if e.code == 1 else e.code)
 
   app.run(main, flags_parser=parse_flags)
+
+
+def flagfile_message(error: flags.CantOpenFlagFileError) -> str:
+  """Return why a flagfile could not be opened, without absl's `ERROR::`."""
+  cause = error.__context__
+  if isinstance(cause, OSError) and cause.filename is not None:
+    return (f"cannot open flagfile {cause.filename}: {cause.strerror}; "
+            "check the --flagfile path")
+  return str(error).removeprefix("ERROR:: ")
 
 
 class FiniteFloatParser(flags.FloatParser):

@@ -343,7 +343,8 @@ ROWS = (
       "unexpected argument 'target=tms_5-2'",
       setup=_flagfile("target=tms_5-2")),
   Row("flagfile_missing", "train", ("--flagfile={T}/none.flags", OUT),
-      "Unable to open flagfile"),
+      "cannot open flagfile {T}/none.flags: No such file or directory; "
+      "check the --flagfile path"),
   Row("int_not_int", "train", ("--c=abc", OUT), "flag --c=abc: invalid"),
   Row("enum_unknown", "train", ("--attention=bogus", OUT),
       "value should be one of"),
@@ -591,6 +592,8 @@ def test_a_bad_input_is_one_line_naming_the_fix(results, row):
   assert result.code == row.code, result.stderr
   assert len(lines) == 1, result.stderr
   assert _fill(row.fragment, result.directory) in lines[0]
+  # Ours is the only error prefix: no library's own (absl's `ERROR::`).
+  assert "ERROR" not in lines[0], lines[0]
 
 
 def test_no_traceback_reaches_stderr(results):

@@ -98,11 +98,11 @@ def test_a_harvest_sharded_by_the_flags_equals_the_one_device_harvest(
 
 
 def test_the_binary_lists_the_placement_flags_as_its_own():
-  # absl's --helpfull exits 1 after printing.
   result = subprocess.run(
     [sys.executable, "-P", str(ROOT / "bin" / "harvest"), "--helpfull"],
     cwd=ROOT, capture_output=True, text=True, timeout=120,
     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 0, result.stderr
   own = result.stdout.split("decompax.bin.harvest:\n")[1].split("\n\n")[0]
   for name in ("run_dir", "batch_size", *placement_flags.NAMES):
     assert f"  --{name}:" in own, name
