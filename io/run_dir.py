@@ -357,8 +357,8 @@ def check_run_dir(path: Path, flags_text: str, overwrite: bool,
   made does not count; flags in `ignored` never count) unless `overwrite`
   (else RunConflict). With `overwrite`, every file it would remove must be
   one a run wrote (`_foreign`). The directory that will receive the run's
-  first file must take one of `flags_text`'s size (a probe file, removed
-  again).
+  first file must take one of `flags_text`'s size, and the run's existing
+  subdirectories a byte (probe files, removed again).
   """
   path = os.path.abspath(os.fspath(path))
   _check_parent(path)
@@ -369,6 +369,12 @@ def check_run_dir(path: Path, flags_text: str, overwrite: bool,
     _check_existing(path, flags_text, overwrite, defaults, ignored)
   _check_writable(path if os.path.isdir(path) else os.path.dirname(path),
                   len(flags_text.encode("utf-8")))
+  # The directories the run writes into next (checkpoints first) take a
+  # file too, or the launch would fail after it had begun writing.
+  for entry in RUN_DIRS:
+    full = os.path.join(path, entry)
+    if entry != CANDIDATES_DIR and os.path.isdir(full):
+      _check_writable(full, 1)
 
 
 def prepare_run_dir(path: Path, flags_text: str, overwrite: bool,

@@ -539,6 +539,28 @@ def test_check_refuses_a_full_disk_and_leaves_no_probe(tmp_path, monkeypatch,
   assert sorted(os.listdir(where)) == before
 
 
+def test_check_refuses_a_checkpoint_directory_that_takes_no_file(
+    tmp_path, monkeypatch):
+  # checkpoints/ on a mount gone read-only: refused before the launch
+  # writes anything, not at its first save.
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  (out / "checkpoints").mkdir()
+  mkstemp = run_dir.tempfile.mkstemp
+
+  def read_only(dir, **kwargs):
+    if os.path.basename(dir) == "checkpoints":
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    return mkstemp(dir=dir, **kwargs)
+
+  monkeypatch.setattr(run_dir.tempfile, "mkstemp", read_only)
+  with pytest.raises(ValueError) as info:
+    run_dir.check_run_dir(out, "--c=5\n", overwrite=False)
+  assert str(info.value) == (
+    f"cannot write to {out / 'checkpoints'}: Read-only file system; choose "
+    "a writable directory")
+
+
 def test_check_names_the_flags_that_differ(tmp_path):
   out = tmp_path / "run"
   run_dir.prepare_run_dir(
