@@ -170,12 +170,26 @@ def parent_step_dir(text: str) -> str:
   return path
 
 
+def _earlier_run(output_dir: str) -> str | None:
+  """Return what shows that a run already trained in `output_dir` (records
+  or results, which a fresh start would discard), or None."""
+  if os.path.exists(os.path.join(output_dir, "decomposition.npz")):
+    return "its decomposition.npz"
+  records = run_dir.read_metrics(
+    os.path.join(output_dir, run_dir.METRICS_FILE))
+  if records:
+    return (f"{run_dir.METRICS_FILE} records up to step "
+            f"{max(r.get('step', 0) for r in records)}")
+  return None
+
+
 def check_entry(config, output_dir: str, sites, ci_config) -> None:
   """Raise ValueError, writing nothing, unless this launch may proceed.
 
   Refuses re-entering a `--checkpointing=none` run, resuming a finished
-  run, and an `--init_from` parent that is missing or structurally
-  different.
+  run, starting afresh over a run that has trained but whose checkpoints
+  are gone (its records would be lost without a word), and an
+  `--init_from` parent that is missing or structurally different.
   """
   if config.overwrite:
     latest = None
@@ -186,6 +200,12 @@ def check_entry(config, output_dir: str, sites, ci_config) -> None:
         "cannot be re-entered; pass --overwrite or choose another "
         "--output_dir")
     latest = checkpoint.latest_step(checkpoint_dir(output_dir))
+    earlier = None if latest is not None else _earlier_run(output_dir)
+    if earlier is not None:
+      raise ValueError(
+        f"output dir {output_dir} holds a run that has trained ({earlier}) "
+        "but no checkpoint to resume it from; pass --overwrite to train it "
+        "again from step 0, or choose another --output_dir")
   # A run killed between its final save and its final records resumes into
   # the finish alone.
   finished = os.path.exists(os.path.join(output_dir, "decomposition.npz"))

@@ -29,6 +29,9 @@ from decompax.targets import registry
 # Flags a launch may change without changing the run (flags.txt omits them).
 RELAUNCH_FLAGS = ("overwrite", "on_nonfinite", "max_skipped_in_a_row",
                   "stop_after_step", "wandb_project")
+# Flags that say where the run is, not what it is: flags.txt records this
+# launch's value, and a run directory moved elsewhere resumes from there.
+LOCATION_FLAGS = ("output_dir",)
 
 
 def fail(message: str) -> None:
@@ -198,7 +201,7 @@ def setup(config: TrainConfig, placement=None) -> Prepared:
   flags_text = resolved_flags_text()
   with output_dir_named():
     run_dir.check_run_dir(output_dir, flags_text, config.overwrite,
-                          flag_defaults())
+                          flag_defaults(), LOCATION_FLAGS)
   # The lock lasts as long as its descriptor, which nothing closes. An
   # existing run is locked before anything reads it; a new one only once
   # every check has passed, since locking creates the directory.
@@ -221,7 +224,7 @@ def setup(config: TrainConfig, placement=None) -> Prepared:
       if lock is None:
         lock = run_dir.lock_run_dir(output_dir)
       run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite,
-                              flag_defaults())
+                              flag_defaults(), LOCATION_FLAGS)
     save_cache()
   return Prepared(planned, weights, output_dir, placement, lock)
 
@@ -363,10 +366,10 @@ def prepare_selection(config: TrainConfig) -> tuple[str, int]:
   flags_text = resolved_flags_text()
   with output_dir_named():
     run_dir.check_run_dir(output_dir, flags_text, config.overwrite,
-                          flag_defaults())
+                          flag_defaults(), LOCATION_FLAGS)
     lock = run_dir.lock_run_dir(output_dir)
     run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite,
-                            flag_defaults())
+                            flag_defaults(), LOCATION_FLAGS)
   os.makedirs(os.path.join(output_dir, run_dir.CANDIDATES_DIR), exist_ok=True)
   return output_dir, lock
 

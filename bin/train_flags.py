@@ -15,7 +15,8 @@ import math
 
 from absl import flags
 
-from decompax.bin import checkpointing, cli, placement_flags, run_records
+from decompax.bin import checkpointing, cli, placement_flags, restarts
+from decompax.bin import run_records
 from decompax.core import ci_fns
 from decompax.core.masks import ROUTINGS
 from decompax.recipe import streams, terms
@@ -758,8 +759,40 @@ def _validate_roles(config: TrainConfig) -> None:
                      "drop it")
 
 
+# Seeds become JAX keys, which keep 32 bits: a larger or negative seed
+# would silently name the same key as one in range (2**32 is seed 0).
+SEED_LIMIT = 2**32
+SEED_FLAGS = ("seed", "target_seed", "eval_seed")
+
+
+def _validate_seeds(config: TrainConfig) -> None:
+  """Raise ValueError for a seed (or a `--restarts` candidate's seed)
+  outside [0, 2**32)."""
+  for name in SEED_FLAGS:
+    value = getattr(config, name)
+    if value is not None and not 0 <= value < SEED_LIMIT:
+      raise ValueError(f"--{name}={value} must lie in [0, 2**32) "
+                       f"(0..{SEED_LIMIT - 1})")
+  last = restarts.candidate_seed(config.seed, config.restarts - 1)
+  if config.restarts > 1 and last >= SEED_LIMIT:
+    raise ValueError(f"--restarts={config.restarts} gives candidate seeds up "
+                     f"to {last}, past 2**32 - 1; lower --seed")
+
+
+def _validate_output_dir(config: TrainConfig) -> None:
+  """Raise ValueError for an empty `--output_dir`, which would make the
+  working directory the run directory (an unset shell variable does it)."""
+  if config.output_dir is not None and not config.output_dir.strip():
+    raise ValueError(f"--output_dir={config.output_dir!r} names no directory; "
+                     "name the run directory, or drop the flag for "
+                     "runs/<target>")
+
+
 def _validate_run(config: TrainConfig) -> None:
-  """Raise ValueError for bad checkpoint, init or profile settings."""
+  """Raise ValueError for bad run directory, seed, checkpoint, init or
+  profile settings."""
+  _validate_output_dir(config)
+  _validate_seeds(config)
   for name in ("save_every", "keep_last", "max_skipped_in_a_row"):
     _positive(name, getattr(config, name))
   checkpointing.parse_init_from(config.init_from)

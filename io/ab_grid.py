@@ -70,7 +70,7 @@ def write(report_dir: str, data: dict[str, Any]) -> str:
 
 
 def _write_text(path: str, text: str) -> str:
-  return run_dir.atomic_write(path, lambda f: f.write(text.encode()))
+  return run_dir.write_run_file(path, lambda f: f.write(text.encode()))
 
 
 class TooLarge(ValueError):

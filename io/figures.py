@@ -39,7 +39,7 @@ def _save_png(fig: Figure, path: run_dir.Path) -> str:
   # recreating the deleted run directory.
   with contextlib.suppress(FileExistsError):
     os.mkdir(os.path.dirname(os.path.abspath(path)))
-  return run_dir.atomic_write(
+  return run_dir.write_run_file(
     path, lambda f: fig.savefig(f, format="png", dpi=_DPI))
 
 

@@ -163,8 +163,8 @@ def write_table(run: run_dir.Path, table: ComponentTable) -> str:
   directory = os.path.join(os.fspath(run), REPORT_DIR)
   os.makedirs(directory, exist_ok=True)
   text = table_to_json(table).encode("utf-8")
-  return run_dir.atomic_write(os.path.join(directory, TABLE_FILE),
-                              lambda f: f.write(text))
+  return run_dir.write_run_file(os.path.join(directory, TABLE_FILE),
+                                lambda f: f.write(text))
 
 
 def _esc(value: Any) -> str:
@@ -437,5 +437,5 @@ def write_report(run: run_dir.Path) -> str:
                      _latest(records), curves, figure_list, table,
                      generated, hidden_figures,
                      os.path.isfile(os.path.join(directory, "ab_grid.html")))
-  return run_dir.atomic_write(os.path.join(directory, INDEX),
-                              lambda f: f.write(page.encode("utf-8")))
+  return run_dir.write_run_file(os.path.join(directory, INDEX),
+                                lambda f: f.write(page.encode("utf-8")))

@@ -7,6 +7,12 @@ one, never half of one. Metrics are appended one JSON line at a time instead,
 and readers skip a line torn by a crash. While a run lives, its writer holds
 the lock of `.lock` (`lock_run_dir`), so a second trainer cannot write there.
 
+Replacing a run (`overwrite`) removes only what a run wrote: the entries of
+`RUN_ENTRIES` of a directory whose `flags.txt` a run wrote, and of those the
+browsable `figures/` and `report/` only when each file in them is listed in
+their `.run_files`, the record `write_run_file` keeps of what it wrote.
+Anything else there makes the replacement a one-line refusal.
+
 Array files map slash-joined tree paths (`components/mlp_up/v`) to arrays
 (STYLE §9), so files stay readable when record classes are renamed.
 """
@@ -41,7 +47,15 @@ CHOICE_FILE = "restarts.json"
 # so a mistyped run directory never loses files the run did not create.
 RUN_ENTRIES = (FLAGS_FILE, METRICS_FILE, "figures", "decomposition.npz",
                "target.npz", "checkpoints", "run_info.json", "profile",
-               "NO_CHECKPOINTS", "report", CANDIDATES_DIR, CHOICE_FILE)
+               "NO_CHECKPOINTS", "report", CANDIDATES_DIR, CHOICE_FILE,
+               "wandb.json")
+# The entries of RUN_ENTRIES a run keeps as directories; the rest are files.
+RUN_DIRS = ("figures", "checkpoints", "profile", "report", CANDIDATES_DIR)
+# Directories people browse, and may add files to: each keeps a record of
+# the files the run wrote there (`write_run_file`), and an overwrite
+# removes them only when they hold nothing else.
+RECORDED_DIRS = ("figures", "report")
+RECORD_FILE = ".run_files"
 # Held by the live run's writer; never in RUN_ENTRIES, so an overwrite
 # keeps it and cannot take a live run's directory.
 LOCK_FILE = ".lock"
@@ -74,6 +88,31 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> str:
     raise
   fsync_dir(parent)
   return path
+
+
+def _recorded(directory: str) -> set[str]:
+  """Return the names `write_run_file` listed in `directory`."""
+  try:
+    with open(os.path.join(directory, RECORD_FILE), encoding="utf-8",
+              errors="replace") as f:
+      return {line.strip() for line in f if line.strip()}
+  except FileNotFoundError:
+    return set()
+
+
+def write_run_file(path: Path, write: Callable[[BinaryIO], Any]) -> str:
+  """Return `path` after `atomic_write(path, write)`, its name first listed
+  in its directory's `.run_files` (so that a run replaced by `overwrite`
+  takes it along, and nothing else there)."""
+  path = os.fspath(path)
+  directory, name = os.path.split(os.path.abspath(path))
+  if name not in _recorded(directory):
+    # Listed before it exists: a crash between the two leaves a name
+    # without a file, never a file of the run's that looks like a user's.
+    with open(os.path.join(directory, RECORD_FILE), "a",
+              encoding="utf-8") as f:
+      f.write(name + "\n")
+  return atomic_write(path, write)
 
 
 def fsync_dir(path: str) -> None:
@@ -146,25 +185,80 @@ class RunConflict(ValueError):
 
 
 def _conflict(path: str, flags_text: str,
-              defaults: Mapping[str, str] | None = None) -> str | None:
-  """Return why `path` cannot host a run with `flags_text` and the fix,
-  or None."""
-  if not os.path.isdir(path):
-    return None
+              defaults: Mapping[str, str] | None = None,
+              ignored: tuple[str, ...] = ()) -> str | None:
+  """Return why the run directory `path` cannot host a run with
+  `flags_text` and the fix, or None."""
   flags_path = os.path.join(path, FLAGS_FILE)
-  if os.path.isfile(flags_path):
-    with open(flags_path, encoding="utf-8", errors="replace") as f:
-      old = _flag_values(f.read())
-    new = _flag_values(flags_text)
-    names = _differing(old, new, defaults)
-    if not names:
-      return None
-    return (f"holds a run with other flags ({_listed(old, new, names)}); "
-            "resume it with the same flags, replace it, or choose another "
-            "directory")
-  if any(os.path.lexists(os.path.join(path, e)) for e in RUN_ENTRIES):
-    return (f"holds run files but no {FLAGS_FILE}; replace it or choose "
-            "another directory")
+  with open(flags_path, encoding="utf-8", errors="replace") as f:
+    old = _flag_values(f.read())
+  new = _flag_values(flags_text)
+  names = [n for n in _differing(old, new, defaults) if n not in ignored]
+  if not names:
+    return None
+  return (f"holds a run with other flags ({_listed(old, new, names)}); "
+          "resume it with the same flags, replace it, or choose another "
+          "directory")
+
+
+def _present(path: str) -> list[str]:
+  return [e for e in RUN_ENTRIES if os.path.lexists(os.path.join(path, e))]
+
+
+def _misplaced(path: str) -> str | None:
+  """Return why an entry of `path` named as a run's is not of the kind the
+  run writes (a file where it keeps a directory, or the reverse), and the
+  fix, or None: the run could neither write there nor replace it."""
+  for entry in _present(path):
+    full = os.path.join(path, entry)
+    if entry in RUN_DIRS and not os.path.isdir(full):
+      kind = "a directory"
+    elif entry not in RUN_DIRS and not os.path.isfile(full):
+      kind = "a regular file"
+    else:
+      continue
+    return (f"holds {entry}, which is not {kind} as a run's {entry} is, so "
+            "no run wrote it; move it away or choose another directory")
+  return None
+
+
+def _unrecorded(path: str) -> list[str]:
+  """Return the files in the recorded directories of run `path` (and of its
+  `--restarts` candidates) that their `.run_files` does not list (atomic
+  leftovers of listed files count as listed)."""
+  found = []
+  candidates = os.path.join(path, CANDIDATES_DIR)
+  if os.path.isdir(candidates) and not os.path.islink(candidates):
+    for entry in sorted(os.listdir(candidates)):
+      found.extend(f"{CANDIDATES_DIR}/{entry}/{name}" for name in
+                   _unrecorded(os.path.join(candidates, entry)))
+  for name in RECORDED_DIRS:
+    directory = os.path.join(path, name)
+    if os.path.islink(directory) or not os.path.isdir(directory):
+      continue  # a link is removed, never followed
+    recorded = _recorded(directory)
+    for entry in sorted(os.listdir(directory)):
+      leftover = entry.endswith(".tmp") and any(
+        entry.startswith(f".{r}.") for r in recorded)
+      if entry not in recorded | {RECORD_FILE} and not leftover:
+        found.append(f"{name}/{entry}")
+  return found
+
+
+def _foreign(path: str) -> str | None:
+  """Return why replacing the run at `path` would remove files that no run
+  wrote, and the fix, or None."""
+  if not os.path.isfile(os.path.join(path, FLAGS_FILE)):
+    return (f"holds {', '.join(_present(path))} but no {FLAGS_FILE}, so no "
+            "run wrote them and they are not a run's to replace; move them "
+            "away or choose another directory")
+  unrecorded = _unrecorded(path)
+  if unrecorded:
+    shown = ", ".join(unrecorded[:3]) + (
+      f" and {len(unrecorded) - 3} more" if len(unrecorded) > 3 else "")
+    return (f"holds {shown}, which the run did not write (not in its "
+            f"{RECORD_FILE}), so replacing the run would delete it; move it "
+            "away or choose another directory")
   return None
 
 
@@ -232,41 +326,70 @@ def _check_parent(path: str) -> None:
     f"{ancestor} {_not_a_directory(ancestor)}; choose another directory")
 
 
+def _check_existing(path: str, flags_text: str, overwrite: bool,
+                    defaults: Mapping[str, str] | None,
+                    ignored: tuple[str, ...]) -> None:
+  """Raise ValueError unless the existing directory `path` can host this
+  run (see `check_run_dir`)."""
+  present = _present(path)
+  if not present:
+    return  # nothing of a run's: a new run beside what is there
+  reason = _misplaced(path)
+  if reason is None and (overwrite or not os.path.isfile(
+      os.path.join(path, FLAGS_FILE))):
+    reason = _foreign(path)
+  if reason is not None:
+    raise ValueError(f"output dir {path} {reason}")
+  reason = _conflict(path, flags_text, defaults, ignored)
+  if reason is not None and not overwrite:
+    raise RunConflict(f"output dir {path} {reason}")
+
+
 def check_run_dir(path: Path, flags_text: str, overwrite: bool,
-                  defaults: Mapping[str, str] | None = None) -> None:
+                  defaults: Mapping[str, str] | None = None,
+                  ignored: tuple[str, ...] = ()) -> None:
   """Raise ValueError, leaving nothing behind, unless `path` can host this run.
 
-  The parent must be a directory; an existing directory must hold the same
-  flags (a resume; with `defaults`, the program's `{flag: default}`, a flag
-  added or removed since the run was made does not count) unless
-  `overwrite` (else RunConflict); and the directory that will receive the
-  run's first file must take one of `flags_text`'s size (a probe file,
-  removed again).
+  The parent must be a directory. An existing directory holding run
+  entries must hold a run (its `flags.txt`), each entry of the kind the
+  run writes, and the same flags (a resume; with `defaults`, the
+  program's `{flag: default}`, a flag added or removed since the run was
+  made does not count; flags in `ignored` never count) unless `overwrite`
+  (else RunConflict). With `overwrite`, every file it would remove must be
+  one a run wrote (`_foreign`). The directory that will receive the run's
+  first file must take one of `flags_text`'s size, and the run's existing
+  subdirectories a byte (probe files, removed again).
   """
   path = os.path.abspath(os.fspath(path))
   _check_parent(path)
   if os.path.lexists(path) and not os.path.isdir(path):
     raise ValueError(f"output dir {path} {_not_a_directory(path)}; choose "
                      "another directory")
-  reason = _conflict(path, flags_text, defaults)
-  if reason is not None and not overwrite:
-    raise RunConflict(f"output dir {path} {reason}")
+  if os.path.isdir(path):
+    _check_existing(path, flags_text, overwrite, defaults, ignored)
   _check_writable(path if os.path.isdir(path) else os.path.dirname(path),
                   len(flags_text.encode("utf-8")))
+  # The directories the run writes into next (checkpoints first) take a
+  # file too, or the launch would fail after it had begun writing.
+  for entry in RUN_DIRS:
+    full = os.path.join(path, entry)
+    if entry != CANDIDATES_DIR and os.path.isdir(full):
+      _check_writable(full, 1)
 
 
 def prepare_run_dir(path: Path, flags_text: str, overwrite: bool,
-                    defaults: Mapping[str, str] | None = None) -> None:
+                    defaults: Mapping[str, str] | None = None,
+                    ignored: tuple[str, ...] = ()) -> None:
   """Create or reuse the run directory `path` and write its `flags.txt`.
 
   A directory whose `flags.txt` matches `flags_text` is reused (resume; see
-  `check_run_dir` for `defaults`), its `flags.txt` rewritten as this
-  version records it.
+  `check_run_dir` for `defaults` and `ignored`), its `flags.txt` rewritten
+  as this version records it (with this launch's values of `ignored`).
   With `overwrite`, the entries in `RUN_ENTRIES` are removed first; other
-  files are kept. Raises ValueError, having created nothing, when
-  `check_run_dir` does.
+  files are kept. Raises ValueError, having created or removed nothing,
+  when `check_run_dir` does.
   """
-  check_run_dir(path, flags_text, overwrite, defaults)
+  check_run_dir(path, flags_text, overwrite, defaults, ignored)
   path = os.path.abspath(os.fspath(path))
   if overwrite and os.path.isdir(path):
     _remove_run_entries(path)

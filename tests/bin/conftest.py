@@ -228,3 +228,6 @@ def check_smoke_run(out: pathlib.Path, target, stderr: str,
       # Figures, and a targeted run's A/B grid page.
       assert f.read(8) == PNG or ref.endswith(".html"), ref
   assert list((out / "checkpoints").iterdir())
+  # Every file the run wrote is its own to replace: --overwrite finds
+  # nothing there that it did not write.
+  run_dir.check_run_dir(out, "", overwrite=True)

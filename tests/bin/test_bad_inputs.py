@@ -5,11 +5,13 @@ first, the exit code and a fragment of the one-line message. All rows run
 once per module, in parallel, through `run_binaries.py` (the real
 `entry()` of each program in a forked child). Each row's stderr must hold
 exactly one line starting with `<program>: error:` (exit 2; 3 for a
-diverged run) and no traceback.
+diverged run) and no traceback. A row marked `untouched` must leave its
+directory as its setup made it (but for a run's `.lock`).
 
-`{T}` in arguments is the row's own temporary directory, `{ROOT}` the
-repository. A row with `harvested` finds a finished TMS run with a finished
-harvest at `{T}/r` before its setup runs.
+`{T}` in arguments and the working directory is the row's own temporary
+directory, `{ROOT}` the repository (the default working directory). A row
+with `harvested` finds a finished TMS run with a finished harvest at `{T}/r`
+before its setup runs.
 """
 
 import json
@@ -26,11 +28,14 @@ import pytest
 from absl import flags
 
 from decompax.bin import train
-from decompax.io import tokens
+from decompax.io import run_dir, tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LLAMA = ("--flagfile={ROOT}/flags/tiny_llama.flags",)
 OUT = "--output_dir={T}/o"
+# A run of seconds: a row that regresses into training ends soon.
+SHORT = ("--num_steps=4", "--save_every=2", "--log_every=2", "--batch_size=8",
+         "--eval_every=0", "--slow_eval_every=0", "--figures_every=0")
 DIVERGE = ("--num_steps=10", "--save_every=5", "--log_every=5",
            "--batch_size=32", "--eval_every=0", "--slow_eval_every=0",
            "--figures_every=0", "--faithfulness_warmup_steps=5", "--lr=1e6")
@@ -45,6 +50,8 @@ class Row(NamedTuple):
   setup: Callable[[pathlib.Path], object] | None = None
   prelude: str = ""
   harvested: bool = False
+  cwd: str = "{ROOT}"
+  untouched: bool = False
 
 
 # Setups: each gets the row's directory and may return a process to kill
@@ -93,6 +100,34 @@ def _flags_txt(*args: str):
       flags.FLAGS.unparse_flags()
       flags.FLAGS.mark_as_parsed()
   return setup
+
+
+def _earlier_run(*args: str, checkpoints: bool = False,
+                 figures: tuple[str, ...] = ()):
+  """Leave {T}/r holding a run made with SHORT and `args` that logged 5
+  records, without checkpoints (or with a file named `checkpoints`), and
+  with `figures` in `figures/` that no run wrote."""
+
+  def setup(t):
+    _flags_txt(*SHORT, *args)(t)
+    out = t / "r"
+    (out / "metrics.jsonl").write_text(
+      "".join(f'{{"step": {step}}}\n' for step in range(5)))
+    if checkpoints:
+      (out / "checkpoints").write_text("not a directory")
+    for name in figures:
+      (out / "figures").mkdir(exist_ok=True)
+      (out / "figures" / name).write_bytes(b"mine")
+  return setup
+
+
+def _user_files(t):
+  # A user's directory: notes and figures of their own, no run.
+  out = t / "u"
+  (out / "figures").mkdir(parents=True)
+  (out / "figures" / "plot.png").write_bytes(b"mine")
+  (out / "notes.txt").write_text("mine")
+  (out / "metrics.jsonl").write_text('{"step": 1}\n')
 
 
 def _forged_tokens(**header):
@@ -311,6 +346,50 @@ ROWS = (
       "is in use by pid", setup=_lock_holder),
   Row("lock_not_a_file", "train", (OUT,), "cannot lock output dir",
       setup=_lock_not_a_file),
+  # A run directory is only ever a run's: nothing of a user's is replaced,
+  # and nothing is touched before the launch is known to proceed.
+  Row("output_dir_empty", "train", (*SHORT, "--output_dir="),
+      "--output_dir='' names no directory; name the run directory",
+      cwd="{T}", untouched=True, setup=_touch),
+  Row("output_dir_blank", "train", (*SHORT, "--output_dir= ", "--overwrite"),
+      "--output_dir=' ' names no directory", cwd="{T}", untouched=True,
+      setup=_touch),
+  Row("overwrite_user_files", "train", (
+    *SHORT, "--output_dir={T}/u", "--overwrite"),
+    "--output_dir: output dir {T}/u holds metrics.jsonl, figures but no "
+    "flags.txt, so no run wrote them and they are not a run's to replace",
+    setup=_user_files, untouched=True),
+  Row("overwrite_a_figure_no_run_wrote", "train", (
+    *SHORT, "--output_dir={T}/r", "--overwrite"),
+    "holds figures/mine.png, which the run did not write (not in its "
+    ".run_files), so replacing the run would delete it; move it away",
+    setup=_earlier_run("--lr=0.002", figures=("mine.png",)), untouched=True),
+  Row("checkpoints_is_a_file", "train", (*SHORT, "--output_dir={T}/r"),
+      "holds checkpoints, which is not a directory as a run's checkpoints "
+      "is, so no run wrote it; move it away or choose another directory",
+      setup=_earlier_run(checkpoints=True), untouched=True),
+  Row("checkpoints_deleted", "train", (*SHORT, "--output_dir={T}/r"),
+      "holds a run that has trained (metrics.jsonl records up to step 4) but "
+      "no checkpoint to resume it from; pass --overwrite to train it again "
+      "from step 0, or choose another --output_dir",
+      setup=_earlier_run(), untouched=True),
+  # Seeds past what a JAX key holds, refused before any run directory.
+  Row("seed_past_32_bits", "train", (
+    *SHORT, "--seed=1180591620717411303424", OUT),
+    "--seed=1180591620717411303424 must lie in [0, 2**32)"),
+  Row("target_seed_past_32_bits", "train", (
+    *SHORT, "--target_seed=1180591620717411303424", OUT),
+    "--target_seed=1180591620717411303424 must lie in [0, 2**32)"),
+  Row("eval_seed_past_32_bits", "train", (
+    *SHORT, "--eval_seed=1180591620717411303424", OUT),
+    "--eval_seed=1180591620717411303424 must lie in [0, 2**32)"),
+  Row("seed_negative", "train", (*SHORT, "--seed=-1", OUT),
+      "--seed=-1 must lie in [0, 2**32)"),
+  Row("candidate_seed_past_32_bits", "train", (
+    "--seed=4294967000", "--restarts=2", "--num_steps=20", "--select_at=10",
+    "--save_every=10", "--log_every=10", "--eval_every=10",
+    "--slow_eval_every=10", OUT),
+    "--restarts=2 gives candidate seeds up to 4294968000, past 2**32 - 1"),
   # One clear line instead of a traceback.
   Row("read_only_output", "train", ("--output_dir=/sys/decompax_run",),
       "--output_dir: cannot write to /sys: "),
@@ -519,6 +598,15 @@ def _fill(text: str, t: pathlib.Path) -> str:
   return text.replace("{T}", str(t)).replace("{ROOT}", str(ROOT))
 
 
+def _listing(directory: pathlib.Path) -> dict[str, str | None]:
+  """Return every entry under `directory` but run locks: a file's text,
+  None for a directory."""
+  return {str(p.relative_to(directory)):
+          p.read_text(errors="replace") if p.is_file() else None
+          for p in sorted(directory.rglob("*"))
+          if p.name != run_dir.LOCK_FILE}
+
+
 class Result(NamedTuple):
   code: int
   stdout: str
@@ -557,9 +645,11 @@ def results(tmp_path_factory, harvested) -> dict[str, Result]:
       made = row.setup(t) if row.setup else None
       if isinstance(made, subprocess.Popen):
         holders.append(made)
+      if row.untouched:
+        (logs / f"{row.id}.before").write_text(json.dumps(_listing(t)))
       specs.append({
         "id": row.id, "program": row.program,
-        "argv": [_fill(a, t) for a in row.argv], "cwd": str(ROOT),
+        "argv": [_fill(a, t) for a in row.argv], "cwd": _fill(row.cwd, t),
         "env": {"JAX_PLATFORMS": "cpu"}, "prelude": row.prelude,
         "out": str(logs)})
     runner = subprocess.run(
@@ -610,6 +700,15 @@ def test_browse_beyond_loopback_warns_it_serves_every_interface(results):
 def test_browse_names_the_deleted_harvest_array(results):
   result = results["browse_harvest_array_deleted"]
   assert f"{result.directory}/r/harvest/linear1/fired" in result.stderr
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.untouched],
+                         ids=[r.id for r in ROWS if r.untouched])
+def test_a_refusal_leaves_what_was_there(results, row):
+  result = results[row.id]
+  before = json.loads(
+    (result.directory.parent / "logs" / f"{row.id}.before").read_text())
+  assert _listing(result.directory) == before
 
 
 def test_refusals_write_no_run(results):

@@ -21,7 +21,7 @@ import jax
 import pytest
 
 from decompax.bin import checkpointing, placement_setup, run_records, train
-from decompax.bin import train_flags
+from decompax.bin import train_flags, wandb_sink
 from decompax.recipe import assembly, engine
 from decompax.core import health
 from decompax.io import checkpoint, load_decomposition, run_dir
@@ -424,10 +424,58 @@ def test_unusable_checkpoints_are_one_line_errors(straight, tmp_path, damage,
   assert message in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_moved_run_resumes_from_its_new_place(straight, tmp_path, parse):
+  # flags.txt records --output_dir, but where a run lies is not what it is.
+  out, _ = _resumable_copy(straight, tmp_path)
+  args = (*VPD_ARGS, f"--target_path={straight.target_path}")
+  parse(*args, f"--output_dir={tmp_path / 'old'}")
+  (out / run_dir.FLAGS_FILE).write_text(train.resolved_flags_text())
+  config = parse(*args, f"--output_dir={out}")
+  prepared = train.setup(config)
+  os.close(prepared.lock)
+  assert (out / run_dir.FLAGS_FILE).read_text() == (
+    train.resolved_flags_text())
+  assert f"--output_dir={out}\n" in train.resolved_flags_text()
+  run = _restored_run(config, straight)
+  assert int(jax.device_get(run.state.step)) == SAVE_EVERY
+
+
+@pytest.mark.parametrize("evidence,shown", [
+  ("records", "metrics.jsonl records up to step 6"),
+  ("results", "its decomposition.npz")])
+def test_a_run_whose_checkpoints_are_gone_is_not_restarted_silently(
+    straight, tmp_path, evidence, shown):
+  out, ckpts = _resumable_copy(straight, tmp_path)
+  shutil.rmtree(ckpts)
+  if evidence == "records":
+    for step in (0, 2, 6):
+      run_dir.append_metrics(out / run_dir.METRICS_FILE, {"step": step})
+  else:
+    (out / "decomposition.npz").write_bytes(b"")
+  config = dataclasses.replace(straight.config, output_dir=str(out))
+  structure = (straight.target.sites, engine.ci_config(config))
+  with pytest.raises(ValueError) as info:
+    checkpointing.check_entry(config, str(out), *structure)
+  assert str(info.value) == (
+    f"output dir {out} holds a run that has trained ({shown}) but no "
+    "checkpoint to resume it from; pass --overwrite to train it again from "
+    "step 0, or choose another --output_dir")
+  checkpointing.check_entry(dataclasses.replace(config, overwrite=True),
+                            str(out), *structure)
+  # A run stopped during its warmup saved and logged nothing: it starts
+  # again as the requeue asks.
+  (out / "decomposition.npz").unlink(missing_ok=True)
+  (out / run_dir.METRICS_FILE).unlink(missing_ok=True)
+  checkpointing.check_entry(config, str(out), *structure)
+
+
 def test_overwrite_removes_every_entry_checkpointing_writes():
   written = (checkpoint.CHECKPOINT_DIR, checkpointing.NONE_MARKER,
-             run_records.RUN_INFO_FILE, run_records.PROFILE_DIR)
+             run_records.RUN_INFO_FILE, run_records.PROFILE_DIR,
+             wandb_sink.STATE_FILE)
   assert set(written) <= set(run_dir.RUN_ENTRIES)
+  assert {checkpoint.CHECKPOINT_DIR, run_records.PROFILE_DIR} <= set(
+    run_dir.RUN_DIRS)
 
 
 def test_a_placed_resume_reads_each_leaf_into_its_shards(

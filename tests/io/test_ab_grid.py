@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from decompax.io import ab_grid
+from decompax.io import ab_grid, run_dir
 
 P, OPS = 5, ("+", "-")
 
@@ -65,6 +65,9 @@ def test_write_puts_the_page_and_its_data_side_by_side(tmp_path):
   loaded = json.loads(text[len("window.AB_GRID = "):].rstrip().rstrip(";"))
   assert loaded == json.loads(json.dumps(_data()))
   assert '<script src="ab_grid_data.js">' in (tmp_path / page).read_text()
+  # Both are the run's: an --overwrite of the run takes them along.
+  assert (tmp_path / run_dir.RECORD_FILE).read_text().split() == [
+    "ab_grid_data.js", "ab_grid.html"]
 
 
 CHROMIUM = "/usr/bin/chromium"

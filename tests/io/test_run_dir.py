@@ -4,6 +4,7 @@ import errno
 import fcntl
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -97,12 +98,114 @@ def test_prepare_same_flags_keeps_run_files(tmp_path):
   assert run_dir.read_metrics(out / "metrics.jsonl") == [{"step": 0}]
 
 
-def test_prepare_run_files_without_flags_need_overwrite(tmp_path):
+def _listing(directory):
+  return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None
+          for p in sorted(directory.rglob("*"))}
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_run_files_without_flags_are_no_run_to_replace(tmp_path, overwrite):
+  # A user's directory (a project root, the working directory) holding
+  # figures/ and metrics.jsonl of its own: --overwrite must not take them.
+  out = tmp_path / "mine"
+  (out / "figures").mkdir(parents=True)
+  (out / "figures" / "plot.png").write_bytes(b"png")
+  (out / "metrics.jsonl").write_text('{"step": 1}\n')
+  (out / "notes.txt").write_text("mine")
+  before = _listing(out)
+  with pytest.raises(ValueError) as info:
+    run_dir.prepare_run_dir(out, "--c=5\n", overwrite=overwrite)
+  assert not isinstance(info.value, run_dir.RunConflict)  # no "replace it"
+  message = str(info.value)
+  assert "holds metrics.jsonl, figures but no flags.txt, so no run wrote " in (
+    message) and "\n" not in message
+  assert _listing(out) == before
+
+
+def test_overwrite_refuses_a_file_the_run_did_not_write(tmp_path):
   out = tmp_path / "run"
-  out.mkdir()
-  (out / "decomposition.npz").write_bytes(b"x")
-  with pytest.raises(ValueError, match="no flags.txt"):
-    run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  (out / "figures").mkdir()
+  run_dir.write_run_file(out / "figures" / "ci.png", lambda f: f.write(b"1"))
+  (out / "figures" / "mine.png").write_bytes(b"mine")
+  before = _listing(out)
+  with pytest.raises(ValueError) as info:
+    run_dir.prepare_run_dir(out, "--c=6\n", overwrite=True)
+  message = str(info.value)
+  assert ("holds figures/mine.png, which the run did not write (not in its "
+          ".run_files), so replacing the run would delete it; move it away "
+          "or choose another directory") in message
+  assert _listing(out) == before
+  # Moved away, the run is replaced; the files it wrote go with it.
+  (out / "figures" / "mine.png").rename(tmp_path / "mine.png")
+  run_dir.prepare_run_dir(out, "--c=6\n", overwrite=True)
+  assert sorted(os.listdir(out)) == ["flags.txt"]
+
+
+def test_a_candidate_file_the_run_did_not_write_is_found(tmp_path):
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  report = pathlib.Path(run_dir.candidate_dir(out, 1)) / "report"
+  report.mkdir(parents=True)
+  (report / "index.html").write_text("mine")
+  with pytest.raises(ValueError, match="holds candidates/r1/report/index.html"):
+    run_dir.check_run_dir(out, "--c=6\n", overwrite=True)
+
+
+def test_write_run_file_lists_each_name_once(tmp_path):
+  for content in (b"1", b"2"):
+    run_dir.write_run_file(tmp_path / "a.png", lambda f: f.write(content))
+  run_dir.write_run_file(tmp_path / "b.png", lambda f: f.write(b"3"))
+  assert (tmp_path / run_dir.RECORD_FILE).read_text() == "a.png\nb.png\n"
+  assert (tmp_path / "a.png").read_bytes() == b"2"
+
+
+def test_a_leftover_of_a_listed_file_is_the_runs(tmp_path):
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  (out / "report").mkdir()
+  run_dir.write_run_file(out / "report" / "index.html", lambda f: f.write(b""))
+  (out / "report" / ".index.html.x1y2.tmp").write_bytes(b"half")
+  run_dir.prepare_run_dir(out, "--c=6\n", overwrite=True)
+  assert sorted(os.listdir(out)) == ["flags.txt"]
+
+
+@pytest.mark.parametrize("entry,kind", [
+  ("checkpoints", "a directory"), ("metrics.jsonl", "a regular file")])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_entry_of_another_kind_is_refused_before_anything_changes(
+    tmp_path, entry, kind, overwrite):
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  if kind == "a directory":
+    (out / entry).write_text("not the run's")
+    (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 5}\n')
+  else:
+    (out / entry).mkdir()
+  before = _listing(out)
+  with pytest.raises(ValueError) as info:
+    run_dir.prepare_run_dir(out, "--c=5\n", overwrite=overwrite)
+  assert (f"holds {entry}, which is not {kind} as a run's {entry} is, so no "
+          "run wrote it; move it away or choose another directory") in str(
+            info.value)
+  assert _listing(out) == before
+
+
+def test_a_moved_run_resumes_with_its_location_flag_ignored(tmp_path):
+  old = tmp_path / "old"
+  run_dir.prepare_run_dir(old, f"--c=5\n--output_dir={old}\n", False)
+  run_dir.append_metrics(old / "metrics.jsonl", {"step": 0})
+  new = tmp_path / "new"
+  old.rename(new)
+  now = f"--c=5\n--output_dir={new}\n"
+  with pytest.raises(run_dir.RunConflict, match="--output_dir was "):
+    run_dir.check_run_dir(new, now, overwrite=False)
+  run_dir.prepare_run_dir(new, now, False, ignored=("output_dir",))
+  assert (new / "flags.txt").read_text() == now
+  assert run_dir.read_metrics(new / "metrics.jsonl") == [{"step": 0}]
+  with pytest.raises(run_dir.RunConflict, match="--c was 5, now 6"):
+    run_dir.check_run_dir(new, f"--c=6\n--output_dir={old}\n", False,
+                          ignored=("output_dir",))
 
 
 def test_prepare_not_a_directory_raises(tmp_path):
@@ -117,7 +220,7 @@ def test_prepare_overwrite_removes_only_run_entries(tmp_path):
   out = tmp_path / "run"
   run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
   (out / "figures").mkdir()
-  (out / "figures" / "ci.png").write_bytes(b"png")
+  run_dir.write_run_file(out / "figures" / "ci.png", lambda f: f.write(b"p"))
   (out / "metrics.jsonl").write_text('{"step": 0}\n')
   (out / "target.npz").write_bytes(b"npz")
   (out / "notes.md").write_text("mine")
@@ -434,6 +537,28 @@ def test_check_refuses_a_full_disk_and_leaves_no_probe(tmp_path, monkeypatch,
     f"cannot write to {where}: No space left on device; free space there "
     "and rerun, or choose another directory")
   assert sorted(os.listdir(where)) == before
+
+
+def test_check_refuses_a_checkpoint_directory_that_takes_no_file(
+    tmp_path, monkeypatch):
+  # checkpoints/ on a mount gone read-only: refused before the launch
+  # writes anything, not at its first save.
+  out = tmp_path / "run"
+  run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)
+  (out / "checkpoints").mkdir()
+  mkstemp = run_dir.tempfile.mkstemp
+
+  def read_only(dir, **kwargs):
+    if os.path.basename(dir) == "checkpoints":
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    return mkstemp(dir=dir, **kwargs)
+
+  monkeypatch.setattr(run_dir.tempfile, "mkstemp", read_only)
+  with pytest.raises(ValueError) as info:
+    run_dir.check_run_dir(out, "--c=5\n", overwrite=False)
+  assert str(info.value) == (
+    f"cannot write to {out / 'checkpoints'}: Read-only file system; choose "
+    "a writable directory")
 
 
 def test_check_names_the_flags_that_differ(tmp_path):
