@@ -175,6 +175,31 @@ def _input_file(t):
   (t / "in.txt").write_text("some words\n")
 
 
+def _output_as_input(t):
+  (t / "o.bin").write_text("some words\n")
+
+
+def _hardlinked_output(t):
+  _input_file(t)
+  os.link(t / "in.txt", t / "o.bin")
+
+
+def _header_as_input(t):
+  (t / "o.json").write_text('{"text": "some words"}\n')
+
+
+def _directory_output(t):
+  _input_file(t)
+  (t / "o.bin").mkdir()
+
+
+def _token_file_input(t):
+  # Small ids as uint16: valid UTF-8, and every other byte a NUL.
+  _word_level(t, ["[UNK]", "[EOS]", "the"], "[EOS]", "[UNK]")
+  tokens.write_tokens(t / "ids.bin", [np.arange(40) % 3], 3, 1, "t")
+  (t / "ids.jsonl").write_text('{"text": "the"}\n{"text": "the\0"}\n')
+
+
 FULL_DISK = (
   "import errno, os\n"
   "def _full(fd):\n"
@@ -214,6 +239,30 @@ ROWS = (
     "--tokenizer={T}/tok", "--input={T}/w.txt", "--input={T}/b.jsonl",
     "--output={T}/o.bin"), "b.jsonl tokenizes to nothing but EOS",
     setup=_eos_only_input),
+  # Never replace an input with its own tokens.
+  Row("tokenize_input_is_output", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/o.bin", "--output={T}/o.bin",
+    "--overwrite"), "--input {T}/o.bin is the --output {T}/o.bin; writing "
+    "it would replace the input", setup=_output_as_input),
+  Row("tokenize_output_hardlinks_input", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/in.txt", "--output={T}/o.bin",
+    "--overwrite"), "--input {T}/in.txt is the --output {T}/o.bin",
+    setup=_hardlinked_output),
+  Row("tokenize_input_is_output_header", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/o.json", "--output={T}/o.bin",
+    "--overwrite"), "--input {T}/o.json is the header of --output "
+    "{T}/o.bin", setup=_header_as_input),
+  Row("tokenize_output_is_a_directory", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/in.txt", "--output={T}/o.bin"),
+    "--output: {T}/o.bin is a directory; name a file",
+    setup=_directory_output),
+  Row("tokenize_binary_input", "tokenize", (
+    "--tokenizer={T}/tok", "--input={T}/ids.bin", "--output={T}/o.bin"),
+    "--input {T}/ids.bin holds a NUL byte: it is binary, not text",
+    setup=_token_file_input),
+  Row("tokenize_binary_jsonl_line", "tokenize", (
+    "--tokenizer={T}/tok", "--input={T}/ids.jsonl", "--output={T}/o.bin"),
+    "--input {T}/ids.jsonl:2 holds a NUL byte", setup=_token_file_input),
   Row("lr_nan", "train", ("--lr=nan", OUT),
       "flag --lr=nan: must be a finite number"),
   Row("lr_inf", "train", ("--lr=inf", OUT),
