@@ -230,6 +230,20 @@ def _conflict(path: str, flags_text: str,
   return None
 
 
+def remove_path(path: Path) -> bool:
+  """Remove the file or directory tree at `path` (a link itself, never
+  what it points to), if any; return whether there was one."""
+  path = os.fspath(path)
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path)
+    return True
+  try:
+    os.remove(path)
+  except FileNotFoundError:
+    return False
+  return True
+
+
 def _remove_run_entries(path: str) -> None:
   for entry in RUN_ENTRIES:
     full = os.path.join(path, entry)
