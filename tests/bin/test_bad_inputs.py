@@ -112,16 +112,39 @@ def _both_tokens(t):
   _forged_tokens(vocab_size=10)(t)
 
 
-def _lock_holder(t):
-  (t / "o").mkdir()
+def _lock_holder(t, directory="o"):
+  (t / directory).mkdir(exist_ok=True)
   holder = subprocess.Popen(
     [sys.executable, "-P", "-c",
      "import sys, time; from decompax.io import run_dir; "
      "run_dir.lock_run_dir(sys.argv[1]); print('locked', flush=True); "
-     "time.sleep(600)", str(t / "o")],
+     "time.sleep(600)", str(t / directory)],
     stdout=subprocess.PIPE, text=True)
   assert holder.stdout.readline().strip() == "locked"
   return holder
+
+
+# `finished_run` of tests/conftest.py, which `results` puts here for the
+# setups below.
+_FINISHED = {}
+
+
+def _run_copy(name: str, then: Callable[[pathlib.Path], object] = None):
+  """Leave {T}/r holding a finished run of `name` (its harvest/ empty),
+  then run `then`."""
+
+  def setup(t):
+    shutil.copytree(_FINISHED["run"](name), t / "r",
+                    ignore=shutil.ignore_patterns("harvest"))
+    (t / "r" / "harvest").mkdir()
+    return then(t) if then else None
+  return setup
+
+
+def _manifest(text: str):
+  def write(t):
+    (t / "r" / "harvest" / "manifest.json").write_text(text)
+  return write
 
 
 def _lock_not_a_file(t):
@@ -436,6 +459,23 @@ ROWS = (
       "has no flags.txt: pass the output directory of a bin/train run"),
   Row("harvest_positional", "harvest", ("--run_dir={T}", "extra"),
       "unexpected argument 'extra'"),
+  Row("harvest_save_every_negative", "harvest", (
+    "--run_dir={T}/nowhere", "--save_every_s=-1"),
+    "--save_every_s=-1.0 must be 0 or more"),
+  Row("harvest_ablation_chunk_zero", "harvest", (
+    "--run_dir={T}/nowhere", "--ablation_chunk=0"),
+    "--ablation_chunk=0 must be positive"),
+  Row("harvest_window_past_the_sequence", "harvest", (
+    "--run_dir={T}/r", "--window_before=100000000"),
+    "--window_before=100000000 reaches past the sequence: a window of "
+    "seq_len=32 holds at most 31", setup=_run_copy("induction")),
+  Row("harvest_manifest_lacks_settings", "harvest", ("--run_dir={T}/r",),
+      "{T}/r/harvest/manifest.json lacks the key 'settings'; delete "
+      "{T}/r/harvest or overwrite it to harvest again (--overwrite)",
+      setup=_run_copy("tms", _manifest('{"sites": {}}'))),
+  Row("harvest_in_use", "harvest", ("--run_dir={T}/r",),
+      "harvest {T}/r/harvest is in use by pid",
+      setup=_run_copy("tms", lambda t: _lock_holder(t, "r/harvest"))),
   Row("browse_no_run_dir", "browse", (),
       "--run_dir must name at least one run directory with a finished"),
   Row("browse_not_a_run", "browse", ("--run_dir={T}/nowhere",),
@@ -472,8 +512,9 @@ class Result(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, Result]:
+def results(tmp_path_factory, finished_run) -> dict[str, Result]:
   """Run every row once; return its exit code, output and directory."""
+  _FINISHED["run"] = finished_run
   base = tmp_path_factory.mktemp("bad_inputs")
   logs = base / "logs"
   logs.mkdir()
