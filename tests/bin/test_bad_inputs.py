@@ -2,13 +2,14 @@
 
 One table, one row per case: the program, its arguments, what to prepare
 first, the exit code and a fragment of the one-line message. All rows run
-once per module, in parallel, through `run_binaries.py` (the real
-`entry()` of each program in a forked child). Each row's stderr must hold
-exactly one line starting with `<program>: error:` (exit 2; 3 for a
-diverged run) and no traceback.
+once per module, in parallel, through `run_binaries.py` (each program's
+launcher in a forked child). Each row's stderr must hold exactly one line
+starting with `<program>: error:` (exit 2; 3 for a diverged run) and no
+traceback.
 
 `{T}` in arguments is the row's own temporary directory, `{ROOT}` the
-repository.
+repository. A setup may copy one of the suite's finished runs there
+(`_run_copy`).
 """
 
 import json
