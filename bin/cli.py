@@ -1,11 +1,19 @@
-"""What every decompax binary shares: one-line errors and the absl launch."""
+"""What every decompax binary shares: one-line errors, the exit code of a
+stop signal, and the absl launch."""
 
 import math
+import signal
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
 from absl import app, flags
+
+# A run stopped by SIGTERM or SIGINT exits with EX_TEMPFAIL ("try again"),
+# what schedulers requeue: rerunning the same command continues it (or, with
+# nothing to continue, does it again). bin/train's checkpointing exits so too.
+REQUEUE_EXIT_CODE = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def fail(program: str, message: str, code: int = 2) -> NoReturn:

@@ -2,7 +2,11 @@
 
 Writes `<run_dir>/harvest/` (see `recipe/harvest.py`): per component its
 firing density, mean CI, CI histogram, co-activations, top contexts and
-ablation effect. Rerun the same command to resume an interrupted harvest.
+ablation effect. Rerun the same command to resume an interrupted harvest:
+SIGTERM or SIGINT saves at the next batch boundary and exits with
+`cli.REQUEUE_EXIT_CODE` (a second SIGINT stops at once, from the last
+save). One harvest at a time writes a run's store: it holds the lock of
+`harvest/.lock` (`run_dir.lock_dir`).
 
 Shards over the devices of one process with `bin/train`'s scale-out flags
 (`--replicate`, `--fsdp`, `--tp`, `--placement`, `--place`,
@@ -18,10 +22,15 @@ absl's flags, which the launch parses.
 """
 
 import os
+import signal
+import sys
+import threading
+from typing import Any
 
 from absl import flags, logging
 
 from decompax.bin import cli, placement_flags, placement_setup
+from decompax.io import run_dir
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 from decompax.recipe import explore
@@ -57,12 +66,14 @@ _SEQ_LEN = flags.DEFINE_integer(
   "--seq_len).", flag_values=HARVEST_FLAGS)
 _TOP_K = flags.DEFINE_integer("top_k", _D.top_k, "Contexts kept per "
                               "component.", flag_values=HARVEST_FLAGS)
-_BEFORE = flags.DEFINE_integer("window_before", _D.window_before,
-                               "Tokens kept before a top position.",
-                               flag_values=HARVEST_FLAGS)
-_AFTER = flags.DEFINE_integer("window_after", _D.window_after,
-                              "Tokens kept after a top position.",
-                              flag_values=HARVEST_FLAGS)
+_BEFORE = flags.DEFINE_integer(
+  "window_before", _D.window_before, "Tokens kept before a top position "
+  f"(default: {harvest_lib.WINDOW_BEFORE}, fewer in shorter sequences; at "
+  "most --seq_len - 1).", flag_values=HARVEST_FLAGS)
+_AFTER = flags.DEFINE_integer(
+  "window_after", _D.window_after, "Tokens kept after a top position "
+  f"(default: {harvest_lib.WINDOW_AFTER}, fewer in shorter sequences; at "
+  "most --seq_len - 1).", flag_values=HARVEST_FLAGS)
 _THRESHOLD = _define_float(
   "threshold", _D.threshold, "CI above which a component fires "
   "(default: the run's --ci_alive_threshold).")
@@ -124,12 +135,48 @@ def make_placement() -> shardings.Placement:
   return placement_setup.make_placement(config, (_BATCH_SIZE.value,))
 
 
+def _stop_on_signals() -> threading.Event:
+  """Return the event SIGTERM and SIGINT set; a second SIGINT raises
+  KeyboardInterrupt at once."""
+  stop = threading.Event()
+
+  def handle(signum: int, frame: Any) -> None:
+    del frame
+    if stop.is_set() and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    stop.set()
+
+  for signum in cli.STOP_SIGNALS:
+    signal.signal(signum, handle)
+  return stop
+
+
+def _exit_stopped(message: str) -> None:
+  print(f"[harvest] stop signal: {message}; exiting with "
+        f"{cli.REQUEUE_EXIT_CODE}, rerun the same command to resume",
+        flush=True)
+  sys.exit(cli.REQUEUE_EXIT_CODE)
+
+
 def main(argv: list[str]) -> None:
+  stop = _stop_on_signals()
+  try:
+    _main(argv, stop)
+  except harvest_lib.Stopped as e:
+    _exit_stopped(f"{e}, saved" if e.done else
+                  "stopped before the first batch, nothing to save")
+  except KeyboardInterrupt:
+    _exit_stopped("interrupted again, stopped at once (the last save "
+                  "stands)")
+
+
+def _main(argv: list[str], stop: threading.Event) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
   try:
     harvest_lib.check_request(request())
+    harvest_lib.check_cadence(_SAVE_EVERY_S.value, _ABLATION_CHUNK.value)
   except ValueError as e:
     fail(_flagged(str(e)))
   try:
@@ -143,10 +190,12 @@ def main(argv: list[str]) -> None:
   out = os.path.join(_RUN_DIR.value, harvest_lib.HARVEST_DIR)
   try:
     settings = harvest_lib.resolve(run, request())
+    # Held until the process ends: through the manifest's write.
+    run_dir.lock_dir(out, "harvest", "wait for that harvest to end")
     record = harvest_lib.harvest(
       run, settings, out, _SAVE_EVERY_S.value, _ABLATION_CHUNK.value,
       _OVERWRITE.value, say=lambda line: print(line, flush=True),
-      placement=placement)
+      placement=placement, stop=stop.is_set)
   except harvest_lib.HarvestConflict as e:
     fail(f"{e} (--overwrite)")
   except table_lib.LayoutError as e:

@@ -3,9 +3,11 @@
 A run directory holds `flags.txt`, `metrics.jsonl`, `figures/` and `.npz`
 files. Whole files are written by `atomic_write` (temporary file in the same
 directory, fsync, `os.replace`), so a crash leaves the old file or the new
-one, never half of one. Metrics are appended one JSON line at a time instead,
-and readers skip a line torn by a crash. While a run lives, its writer holds
-the lock of `.lock` (`lock_run_dir`), so a second trainer cannot write there.
+one, never half of one (the temporary a killed writer leaves,
+`remove_stale_temporaries` removes later). Metrics are appended one JSON line
+at a time instead, and readers skip a line torn by a crash. While a run
+lives, its writer holds the lock of `.lock` (`lock_run_dir`), so a second
+trainer cannot write there; `lock_dir` locks any other directory so.
 
 Replacing a run (`overwrite`) removes only what a run wrote: the entries of
 `RUN_ENTRIES` of a directory whose `flags.txt` a run wrote, and of those the
@@ -23,6 +25,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -66,11 +69,29 @@ _METADATA_KEY = "__metadata__"
 _DTYPES_KEY = "__dtypes__"
 
 
+def _temporary_pattern(path: str) -> re.Pattern:
+  # What `atomic_write`'s mkstemp names: `.NAME.` + 8 of [a-z0-9_] + `.tmp`.
+  return re.compile(rf"\.{re.escape(os.path.basename(path))}\.[a-z0-9_]{{8}}"
+                    r"\.tmp")
+
+
+def _try_lock(fd: int) -> bool:
+  """Take `fd`'s exclusive flock without waiting; False when another
+  process holds it or the file system cannot lock."""
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    return False
+  return True
+
+
 def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> str:
   """Return `path` after `write(file)` has atomically replaced its content.
 
   The parent directory must exist. If `write` raises, the destination is
-  untouched and the temporary file is removed.
+  untouched and the temporary file is removed. The temporary is locked
+  (flock) until it is renamed into place, which tells a live writer's from
+  one a killed writer left (`remove_stale_temporaries`).
   """
   path = os.fspath(path)
   parent = os.path.dirname(os.path.abspath(path))
@@ -78,13 +99,16 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> str:
     dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
   try:
     with os.fdopen(fd, "wb") as f:
+      _try_lock(fd)
       os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide results from others
       write(f)
       f.flush()
       os.fsync(f.fileno())
-    os.replace(tmp, path)
+      # Renamed while still locked: the lock never lapses on a temporary.
+      os.replace(tmp, path)
   except BaseException:
-    os.remove(tmp)
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
     raise
   fsync_dir(parent)
   return path
@@ -113,6 +137,44 @@ def write_run_file(path: Path, write: Callable[[BinaryIO], Any]) -> str:
               encoding="utf-8") as f:
       f.write(name + "\n")
   return atomic_write(path, write)
+
+
+def _remove_if_unlocked(path: str) -> bool:
+  """Remove `path` unless a live process holds its lock; return whether it
+  was removed."""
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+  except OSError:  # gone already (renamed into place), or a link
+    return False
+  try:
+    # A free lock means its writer died (where the file system cannot lock,
+    # the file stays). Is it still the file under that name?
+    if not _try_lock(fd) or os.fstat(fd).st_ino != os.lstat(path).st_ino:
+      return False
+    os.remove(path)
+    return True
+  except FileNotFoundError:
+    return False
+  finally:
+    os.close(fd)
+
+
+def remove_stale_temporaries(path: Path) -> list[str]:
+  """Remove the temporaries of `path` that killed `atomic_write`s left
+  beside it; return their names.
+
+  Only names `atomic_write` gives a temporary of `path` qualify
+  (`.NAME.xxxxxxxx.tmp`), and only those no live writer holds locked.
+  """
+  path = os.path.abspath(os.fspath(path))
+  parent = os.path.dirname(path)
+  pattern = _temporary_pattern(path)
+  try:
+    names = sorted(os.listdir(parent))
+  except OSError:
+    return []
+  return [name for name in names if pattern.fullmatch(name)
+          and _remove_if_unlocked(os.path.join(parent, name))]
 
 
 def fsync_dir(path: str) -> None:
@@ -262,6 +324,20 @@ def _foreign(path: str) -> str | None:
   return None
 
 
+def remove_path(path: Path) -> bool:
+  """Remove the file or directory tree at `path` (a link itself, never
+  what it points to), if any; return whether there was one."""
+  path = os.fspath(path)
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path)
+    return True
+  try:
+    os.remove(path)
+  except FileNotFoundError:
+    return False
+  return True
+
+
 def _remove_run_entries(path: str) -> None:
   for entry in RUN_ENTRIES:
     full = os.path.join(path, entry)
@@ -404,48 +480,55 @@ def _holder(fd: int) -> str:
   return " ".join(text.split()) or "another process"
 
 
-def _lock_refusal(path: str, error: OSError) -> ValueError:
-  return ValueError(f"cannot lock output dir {path}: {error.strerror}; "
+def _lock_refusal(what: str, path: str, error: OSError) -> ValueError:
+  return ValueError(f"cannot lock {what} {path}: {error.strerror}; "
                     "choose another directory")
 
 
-def _open_lock(path: str) -> int:
+def _open_lock(what: str, path: str) -> int:
   try:
     with contextlib.suppress(FileExistsError):
       os.mkdir(path)
     return os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT,
                    0o644)
   except OSError as e:
-    raise _lock_refusal(path, e) from e
+    raise _lock_refusal(what, path, e) from e
 
 
 def lock_run_dir(path: Path) -> int:
-  """Return an open descriptor holding the exclusive lock of run `path`.
+  """Return an open descriptor holding the exclusive lock of run `path`
+  (`lock_dir`: a second trainer is refused)."""
+  return lock_dir(path, "output dir",
+                  "wait for that run to end or choose another directory")
+
+
+def lock_dir(path: Path, what: str, wait: str) -> int:
+  """Return an open descriptor holding the exclusive lock of directory
+  `path`, which holds `what` (named in errors).
 
   Creates `path` (its parent must exist) and `path/.lock`, into which the
   holder writes `pid <pid> on <host>`. The lock lives as long as the
   descriptor, so it lasts for the process's life unless closed, and the
-  kernel drops it when the process dies: the file a dead run left never
-  blocks. Raises a one-line ValueError naming the holder when another
-  process holds the lock. Where the file system cannot lock, warns and
-  returns the descriptor unlocked.
+  kernel drops it when the process dies: the file a dead process left
+  never blocks. Raises a one-line ValueError naming the holder, and `wait`
+  as the fix, when another process holds the lock. Where the file system
+  cannot lock, warns and returns the descriptor unlocked.
   """
   path = os.path.abspath(os.fspath(path))
-  fd = _open_lock(path)
+  fd = _open_lock(what, path)
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
     holder = _holder(fd)
     os.close(fd)
     raise ValueError(
-      f"output dir {path} is in use by {holder}; wait for that run to end "
-      "or choose another directory") from None
+      f"{what} {path} is in use by {holder}; {wait}") from None
   except OSError as e:
     if e.errno not in _NO_LOCKING:
       os.close(fd)
-      raise _lock_refusal(path, e) from e
+      raise _lock_refusal(what, path, e) from e
     warnings.warn(f"{path} cannot be locked ({e.strerror}); a second "
-                  "trainer on it would not be refused")
+                  "writer there would not be refused")
     return fd
   me = f"pid {os.getpid()} on {socket.gethostname()}\n".encode("utf-8")
   os.ftruncate(fd, 0)

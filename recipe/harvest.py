@@ -12,8 +12,9 @@ divergence from the clean model when it alone is ablated, summed over the
 positions where it fires (measured on the first `ablation_batches`).
 
 An interrupted harvest resumes from `harvest/state.npz` when rerun with the
-same settings. The record it returns compares its throughput with a plain
-clean forward over the same batches.
+same settings; asked to stop (`stop`), it saves that state at the next batch
+boundary and raises `Stopped`. The record it returns compares its
+throughput with a plain clean forward over the same batches.
 
 On a `Placement` (one process's devices; see `place`) each batch splits over
 the mesh's batch axes, data-parallel, and the decomposition, CI parameters
@@ -26,7 +27,6 @@ harvest's exactly, sums up to the order of the additions.
 import dataclasses
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
@@ -47,7 +47,17 @@ from decompax.recipe import explore, lm
 from decompax.targets import registry
 
 class HarvestConflict(ValueError):
-  """The output directory holds a harvest made with other settings."""
+  """The output directory holds a harvest made with other settings (or
+  one whose record cannot be read)."""
+
+
+class Stopped(Exception):
+  """The harvest stopped when asked, its progress saved: `done` batches
+  (0: none yet, nothing saved)."""
+
+  def __init__(self, done: int, total: int):
+    super().__init__(f"stopped after batch {done} of {total}")
+    self.done, self.total = done, total
 
 
 HARVEST_DIR = "harvest"
@@ -74,20 +84,26 @@ class Settings:
   decomposition_step: int
 
 
+# Context windows by default; shorter where a sequence is (a window never
+# reaches past its sequence).
+WINDOW_BEFORE, WINDOW_AFTER = 8, 4
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
   """What a harvest is asked for; `resolve` checks it against a run.
 
   None means the run's own value (`seq_len`, `threshold` as
-  `ci_alive_threshold`, `data_path`).
+  `ci_alive_threshold`, `data_path`), and for the windows
+  `WINDOW_BEFORE`/`WINDOW_AFTER`, cut to the sequence.
   """
 
   positions: int = 65536
   batch_size: int = 64
   seq_len: Optional[int] = None
   top_k: int = 20
-  window_before: int = 8
-  window_after: int = 4
+  window_before: Optional[int] = None
+  window_after: Optional[int] = None
   threshold: Optional[float] = None
   ablation_batches: int = 2
   seed: int = 0
@@ -101,8 +117,35 @@ def check_request(request: Request) -> None:
     if getattr(request, name) <= 0:
       raise ValueError(f"{name}={getattr(request, name)} must be positive")
   for name in ("window_before", "window_after", "ablation_batches"):
-    if getattr(request, name) < 0:
-      raise ValueError(f"{name}={getattr(request, name)} must be 0 or more")
+    value = getattr(request, name)
+    if value is not None and value < 0:
+      raise ValueError(f"{name}={value} must be 0 or more")
+
+
+def check_cadence(save_every_s: float, ablation_chunk: int) -> None:
+  """Raise ValueError (one line, naming the setting) for a save interval or
+  an ablation chunk no harvest can use."""
+  if save_every_s < 0:
+    raise ValueError(f"save_every_s={save_every_s} must be 0 or more")
+  if ablation_chunk <= 0:
+    raise ValueError(f"ablation_chunk={ablation_chunk} must be positive")
+
+
+def _window(request: Request, name: str, default: int, seq_len: int,
+            windowed: bool) -> int:
+  """Return a context window's extent; ValueError for one past the
+  sequence (always empty there, and memory grows with it)."""
+  value = getattr(request, name)
+  if not windowed:  # a toy's contexts are its input rows, not windows
+    return default if value is None else value
+  if value is None:
+    return min(default, seq_len - 1)
+  if value >= seq_len:
+    raise ValueError(
+      f"{name}={value} reaches past the sequence: a window of seq_len="
+      f"{seq_len} holds at most {seq_len - 1} positions on either side of "
+      "a top position; lower it")
+  return value
 
 
 def resolve(run: explore.LoadedRun, request: Request) -> Settings:
@@ -116,6 +159,10 @@ def resolve(run: explore.LoadedRun, request: Request) -> Settings:
                      "file; pass one (make it with bin/tokenize)")
   seq_len = (request.seq_len or config.seq_len) if data_path else (
     toy_seq_len(run, request.batch_size))
+  windowed = bool(data_path) or _toy_sequences(run, request.batch_size)
+  before = _window(request, "window_before", WINDOW_BEFORE, seq_len,
+                   windowed)
+  after = _window(request, "window_after", WINDOW_AFTER, seq_len, windowed)
   per_batch = request.batch_size * seq_len
   if per_batch < request.top_k:
     raise ValueError(f"top_k={request.top_k} exceeds the {per_batch} "
@@ -125,7 +172,7 @@ def resolve(run: explore.LoadedRun, request: Request) -> Settings:
   return Settings(
     os.path.abspath(data_path) if data_path else "",
     -(-request.positions // per_batch), request.batch_size, seq_len,
-    request.top_k, request.window_before, request.window_after,
+    request.top_k, before, after,
     float(threshold), request.ablation_batches, request.seed,
     run.decomposition.step)
 
@@ -136,10 +183,19 @@ def _toy_batch(run: explore.LoadedRun, batch_size: int):
                         jax.random.key(0))
 
 
+def _toy_lead(run: explore.LoadedRun, batch_size: int) -> tuple[int, ...]:
+  return tuple(run.target.batch_lead_shape(_toy_batch(run, batch_size)))
+
+
+def _toy_sequences(run: explore.LoadedRun, batch_size: int) -> bool:
+  """Return whether a toy's inputs are sequences (its contexts windows)."""
+  return len(_toy_lead(run, batch_size)) == 2
+
+
 def toy_seq_len(run: explore.LoadedRun, batch_size: int) -> int:
   """Return the positions per input of a toy's own batches (1 for inputs
   without a sequence axis)."""
-  lead = tuple(run.target.batch_lead_shape(_toy_batch(run, batch_size)))
+  lead = _toy_lead(run, batch_size)
   return lead[1] if len(lead) == 2 else 1
 
 
@@ -354,30 +410,65 @@ def save_state(out: str, totals: dict, done: int, settings: Settings) -> None:
   run_dir.save_arrays(_state_path(out), _flat(totals), meta)
 
 
+def _unreadable(path: str, why: str) -> HarvestConflict:
+  return HarvestConflict(f"{path} {why}; delete {os.path.dirname(path)} or "
+                         "overwrite it to harvest again")
+
+
+def _record(path: str) -> dict:
+  """Return what `path` (the manifest or the state) records: a dict holding
+  at least its `settings` dict (and the state's `done`); HarvestConflict
+  naming the file and the key where it cannot be read."""
+  if path.endswith(".json"):
+    try:
+      with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise _unreadable(path, f"cannot be read ({e})") from None
+    keys = ("settings",)
+  else:
+    try:
+      record = run_dir.load_arrays(path)[1]
+    except ValueError as e:
+      raise _unreadable(path, f"cannot be read ({e})") from None
+    keys = ("settings", "done")
+  if not isinstance(record, dict):
+    raise _unreadable(path, "holds no JSON object")
+  for key in keys:
+    if key not in record:
+      raise _unreadable(path, f"lacks the key {key!r}")
+  if not isinstance(record["settings"], dict):
+    raise _unreadable(path, "has 'settings' that is not a JSON object")
+  return record
+
+
 def resume(out: str, totals: dict, settings: Settings,
            overwrite: bool) -> int:
   """Return the batches already harvested (0 for a fresh harvest), after
-  loading their totals; refuse a harvest made with other settings."""
+  loading their totals; -1 when `out` holds this harvest, complete. Refuse
+  (HarvestConflict) a harvest made with other settings, or one whose
+  manifest or state cannot be read, unless `overwrite` (then removed)."""
   path = _state_path(out)
   manifest = os.path.join(out, MANIFEST)
   existing = [p for p in (path, manifest) if os.path.exists(p)]
   if not existing:
     return 0
-  if os.path.exists(manifest):
-    with open(manifest) as f:
-      recorded = json.load(f)["settings"]
-  else:
-    recorded = run_dir.load_arrays(path)[1]["settings"]
-  if recorded != dataclasses.asdict(settings):
-    if overwrite:
-      for p in existing:
-        os.remove(p)
-      return 0
-    changed = sorted(k for k in recorded
-                     if recorded[k] != dataclasses.asdict(settings).get(k))
-    raise HarvestConflict(
-      f"{out} holds a harvest with other settings ({', '.join(changed)}); "
-      "rerun with its settings to continue it, or overwrite it")
+  wanted = dataclasses.asdict(settings)
+  try:
+    record = _record(manifest if os.path.exists(manifest) else path)
+    recorded = record["settings"]
+    if recorded != wanted:
+      changed = sorted(k for k in recorded.keys() | wanted.keys()
+                       if recorded.get(k) != wanted.get(k))
+      raise HarvestConflict(
+        f"{out} holds a harvest with other settings ({', '.join(changed)}); "
+        "rerun with its settings to continue it, or overwrite it")
+  except HarvestConflict:
+    if not overwrite:
+      raise
+    for p in existing:
+      run_dir.remove_path(p)
+    return 0
   if os.path.exists(manifest):
     return -1
   arrays, meta = run_dir.load_arrays(path)
@@ -397,8 +488,7 @@ def write_store(out: str, totals: dict) -> list[str]:
       value = np.asarray(fields[field])
       relative = os.path.join(site, field)
       path = os.path.join(out, relative)
-      if os.path.exists(path):  # a half-written store of a killed harvest
-        shutil.rmtree(path)
+      run_dir.remove_path(path)  # a half-written store of a killed harvest
       store = tensor_store.created(tensor_store.start_create(
         path, value.shape, value.dtype, value.shape, ctx), path)
       futures += tensor_store.start_write(store, value)
@@ -425,21 +515,37 @@ def _fresh_window(shapes: dict[str, stats_lib.BatchStats],
   return jax.jit(fresh, out_shardings=placed.statistics)
 
 
+def _never() -> bool:
+  return False
+
+
+def remove_stale(out: str, say: Callable[[str], None]) -> None:
+  """Remove the temporaries killed harvests left in `out`, saying so."""
+  for name in (STATE_FILE, MANIFEST):
+    for stale in run_dir.remove_stale_temporaries(os.path.join(out, name)):
+      say(f"[harvest] removed {stale}, left by a killed harvest")
+
+
 def harvest(run: explore.LoadedRun, settings: Settings, out: str,
             save_every_s: float = 60.0, ablation_chunk: int = 16,
             overwrite: bool = False,
             say: Callable[[str], None] = print,
-            placement: Optional[shardings.Placement] = None) -> dict:
+            placement: Optional[shardings.Placement] = None,
+            stop: Callable[[], bool] = _never) -> dict:
   """Run the harvest into `out` (resuming a saved one, or replacing one
   made with other settings when `overwrite`) and return its record: the
   arrays written and the throughput beside a clean forward ({} when `out`
   already holds this harvest, complete). With `placement`, on its mesh
-  (`place`; ValueError when the batch does not split over it)."""
-  if save_every_s < 0 or ablation_chunk <= 0:
-    raise ValueError("save_every_s must be 0 or more and ablation_chunk "
-                     "positive")
+  (`place`; ValueError when the batch does not split over it).
+
+  `stop()` is asked before each batch: when true, the progress since the
+  last save is saved and `Stopped` raised (once every batch is done, the
+  harvest finishes instead, without timing the clean forward).
+  """
+  check_cadence(save_every_s, ablation_chunk)
   placed = place(run, settings, placement)
   os.makedirs(out, exist_ok=True)
+  remove_stale(out, say)
   batch = batch_source(run, settings, placed.inputs)
   stats_fn, accumulate, ablation_fn, clean_fn = jitted(
     run, settings, ablation_chunk, placed)
@@ -459,9 +565,14 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   # save or the end fetches the window into the host totals.
   window = fresh_window()
   started, first, timed_from = time.time(), done, None
-  saved = started
+  saved, saved_done = started, done
   timed_start = max(first + 1, settings.ablation_batches)
   for i in range(done, settings.n_batches):
+    if stop():
+      if i > saved_done:
+        add_window(totals, window)
+        save_state(out, totals, i, settings)
+      raise Stopped(i, settings.n_batches)
     # Timed from the first batch after the compile and the ablations,
     # which a clean forward does not do.
     if i == timed_start:
@@ -480,13 +591,15 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
       add_window(totals, window)
       window = fresh_window()
       save_state(out, totals, i + 1, settings)
-      saved = time.time()
+      saved, saved_done = time.time(), i + 1
     if (i + 1) % max(1, settings.n_batches // 10) == 0:
       say(_progress(i + 1, settings.n_batches, started, first))
   jax.block_until_ready(window)
   harvest_seconds = time.time() - timed_from if timed_from else 0.0
   add_window(totals, window)
   written = write_store(out, totals)
+  if stop():  # timing the clean forward is all that is left
+    return {"arrays": written}
   return {"arrays": written, **throughput(
     clean_fn, weights, batch, harvest_seconds,
     settings.n_batches - timed_start)}
@@ -526,9 +639,7 @@ def write_manifest(out: str, run_path: str, run: explore.LoadedRun,
   path = os.path.join(out, MANIFEST)
   run_dir.atomic_write(path, lambda f: f.write(
     (json.dumps(manifest, indent=1) + "\n").encode()))
-  state = _state_path(out)
-  if os.path.exists(state):
-    os.remove(state)
+  run_dir.remove_path(_state_path(out))
   return path
 
 

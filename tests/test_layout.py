@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -100,3 +101,11 @@ def test_workspace_md_states_the_enforced_edges():
     assert f"**{package}**" in text
   assert "`io` → `core`, `placement`" in text
   assert "`bench` → the library packages" in text
+
+
+def test_no_binary_module_shadows_the_standard_library():
+  # `python bin/<tool>` without -P puts bin/ first on sys.path, where a
+  # module named like a standard one (`tokenize`) replaces it for every
+  # import, the interpreter's own included.
+  names = {p.stem for p in (ROOT / "bin").glob("*.py")}
+  assert sorted(names & sys.stdlib_module_names) == []

@@ -2,11 +2,12 @@
 
 Used by `test_bad_inputs.py`: importing JAX and the libraries costs seconds
 per process, most of a refusal's run. This script imports them once, then
-forks one child per invocation, which runs the program's real `entry()` as
-its launcher would, with its own argv, working directory, environment and
-stdout/stderr files. Only modules that define no absl flags are imported
-before the fork (the binaries define clashing flag names), and no JAX
-backend is started in the parent, so each child starts its own.
+forks one child per invocation, which runs the program's launcher
+`bin/<program>` itself (so its module is the one the launcher names), with
+its own argv, working directory, environment and stdout/stderr files. Only
+modules that define no absl flags are imported before the fork (the
+binaries define clashing flag names), and no JAX backend is started in the
+parent, so each child starts its own.
 
 stdin: a JSON list of `{"id", "program", "argv", "cwd", "env", "prelude",
 "out"}`; stdout: a JSON object of `id -> exit code`. `prelude` is Python
@@ -17,8 +18,11 @@ run in the child before the program (a fault to inject); `out` is where
 import importlib
 import json
 import os
+import pathlib
 import sys
 import traceback
+
+BIN = pathlib.Path(__file__).resolve().parents[2] / "bin"
 
 PRELOADED = ("jax", "jax.numpy", "numpy", "optax", "tensorstore", "scipy",
              "matplotlib", "decompax.core.train_step", "decompax.io.checkpoint",
@@ -41,7 +45,9 @@ def _child(row: dict) -> None:
     sys.stdin = open(os.devnull)
     exec(row.get("prelude") or "", {})
     sys.argv = [row["program"], *row["argv"]]
-    importlib.import_module(f"decompax.bin.{row['program']}").entry()
+    launcher = BIN / row["program"]
+    exec(compile(launcher.read_text(), str(launcher), "exec"),
+         {"__name__": "__main__"})
     code = 0
   except SystemExit as e:
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -2,16 +2,17 @@
 
 One table, one row per case: the program, its arguments, what to prepare
 first, the exit code and a fragment of the one-line message. All rows run
-once per module, in parallel, through `run_binaries.py` (the real
-`entry()` of each program in a forked child). Each row's stderr must hold
-exactly one line starting with `<program>: error:` (exit 2; 3 for a
-diverged run) and no traceback. A row marked `untouched` must leave its
-directory as its setup made it (but for a run's `.lock`).
+once per module, in parallel, through `run_binaries.py` (each program's
+launcher in a forked child). Each row's stderr must hold exactly one line
+starting with `<program>: error:` (exit 2; 3 for a diverged run) and no
+traceback. A row marked `untouched` must leave its directory as its setup
+made it (but for a run's `.lock`).
 
 `{T}` in arguments and the working directory is the row's own temporary
 directory, `{ROOT}` the repository (the default working directory). A row
 with `harvested` finds a finished TMS run with a finished harvest at `{T}/r`
-before its setup runs.
+before its setup runs; a setup may instead copy one of the suite's finished
+runs there with an empty harvest (`_run_copy`).
 """
 
 import json
@@ -149,13 +150,13 @@ def _both_tokens(t):
   _forged_tokens(vocab_size=10)(t)
 
 
-def _lock_holder(t):
-  (t / "o").mkdir()
+def _lock_holder(t, directory="o"):
+  (t / directory).mkdir(exist_ok=True)
   holder = subprocess.Popen(
     [sys.executable, "-P", "-c",
      "import sys, time; from decompax.io import run_dir; "
      "run_dir.lock_run_dir(sys.argv[1]); print('locked', flush=True); "
-     "time.sleep(600)", str(t / "o")],
+     "time.sleep(600)", str(t / directory)],
     stdout=subprocess.PIPE, text=True)
   assert holder.stdout.readline().strip() == "locked"
   return holder
@@ -170,6 +171,29 @@ def _port_holder(t):
     stdout=subprocess.PIPE, text=True)
   (t / "port.flags").write_text(f"--port={holder.stdout.readline().strip()}\n")
   return holder
+
+
+# `finished_run` of tests/conftest.py, which `results` puts here for the
+# setups below.
+_FINISHED = {}
+
+
+def _run_copy(name: str, then: Callable[[pathlib.Path], object] = None):
+  """Leave {T}/r holding a finished run of `name` (its harvest/ empty),
+  then run `then`."""
+
+  def setup(t):
+    shutil.copytree(_FINISHED["run"](name), t / "r",
+                    ignore=shutil.ignore_patterns("harvest"))
+    (t / "r" / "harvest").mkdir()
+    return then(t) if then else None
+  return setup
+
+
+def _manifest(text: str):
+  def write(t):
+    (t / "r" / "harvest" / "manifest.json").write_text(text)
+  return write
 
 
 def _lock_not_a_file(t):
@@ -254,6 +278,31 @@ def _lm_data(vocab_size: int, settings: dict | None = None):
   return setup
 
 
+def _output_as_input(t):
+  (t / "o.bin").write_text("some words\n")
+
+
+def _hardlinked_output(t):
+  _input_file(t)
+  os.link(t / "in.txt", t / "o.bin")
+
+
+def _header_as_input(t):
+  (t / "o.json").write_text('{"text": "some words"}\n')
+
+
+def _directory_output(t):
+  _input_file(t)
+  (t / "o.bin").mkdir()
+
+
+def _token_file_input(t):
+  # Small ids as uint16: valid UTF-8, and every other byte a NUL.
+  _word_level(t, ["[UNK]", "[EOS]", "the"], "[EOS]", "[UNK]")
+  tokens.write_tokens(t / "ids.bin", [np.arange(40) % 3], 3, 1, "t")
+  (t / "ids.jsonl").write_text('{"text": "the"}\n{"text": "the\0"}\n')
+
+
 FULL_DISK = (
   "import errno, os\n"
   "def _full(fd):\n"
@@ -293,6 +342,30 @@ ROWS = (
     "--tokenizer={T}/tok", "--input={T}/w.txt", "--input={T}/b.jsonl",
     "--output={T}/o.bin"), "b.jsonl tokenizes to nothing but EOS",
     setup=_eos_only_input),
+  # Never replace an input with its own tokens.
+  Row("tokenize_input_is_output", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/o.bin", "--output={T}/o.bin",
+    "--overwrite"), "--input {T}/o.bin is the --output {T}/o.bin; writing "
+    "it would replace the input", setup=_output_as_input),
+  Row("tokenize_output_hardlinks_input", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/in.txt", "--output={T}/o.bin",
+    "--overwrite"), "--input {T}/in.txt is the --output {T}/o.bin",
+    setup=_hardlinked_output),
+  Row("tokenize_input_is_output_header", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/o.json", "--output={T}/o.bin",
+    "--overwrite"), "--input {T}/o.json is the header of --output "
+    "{T}/o.bin", setup=_header_as_input),
+  Row("tokenize_output_is_a_directory", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/in.txt", "--output={T}/o.bin"),
+    "--output: {T}/o.bin is a directory; name a file",
+    setup=_directory_output),
+  Row("tokenize_binary_input", "tokenize", (
+    "--tokenizer={T}/tok", "--input={T}/ids.bin", "--output={T}/o.bin"),
+    "--input {T}/ids.bin holds a NUL byte: it is binary, not text",
+    setup=_token_file_input),
+  Row("tokenize_binary_jsonl_line", "tokenize", (
+    "--tokenizer={T}/tok", "--input={T}/ids.jsonl", "--output={T}/o.bin"),
+    "--input {T}/ids.jsonl:2 holds a NUL byte", setup=_token_file_input),
   Row("lr_nan", "train", ("--lr=nan", OUT),
       "flag --lr=nan: must be a finite number"),
   Row("lr_inf", "train", ("--lr=inf", OUT),
@@ -544,6 +617,23 @@ ROWS = (
       "has no flags.txt: pass the output directory of a bin/train run"),
   Row("harvest_positional", "harvest", ("--run_dir={T}", "extra"),
       "unexpected argument 'extra'"),
+  Row("harvest_save_every_negative", "harvest", (
+    "--run_dir={T}/nowhere", "--save_every_s=-1"),
+    "--save_every_s=-1.0 must be 0 or more"),
+  Row("harvest_ablation_chunk_zero", "harvest", (
+    "--run_dir={T}/nowhere", "--ablation_chunk=0"),
+    "--ablation_chunk=0 must be positive"),
+  Row("harvest_window_past_the_sequence", "harvest", (
+    "--run_dir={T}/r", "--window_before=100000000"),
+    "--window_before=100000000 reaches past the sequence: a window of "
+    "seq_len=32 holds at most 31", setup=_run_copy("induction")),
+  Row("harvest_manifest_lacks_settings", "harvest", ("--run_dir={T}/r",),
+      "{T}/r/harvest/manifest.json lacks the key 'settings'; delete "
+      "{T}/r/harvest or overwrite it to harvest again (--overwrite)",
+      setup=_run_copy("tms", _manifest('{"sites": {}}'))),
+  Row("harvest_in_use", "harvest", ("--run_dir={T}/r",),
+      "harvest {T}/r/harvest is in use by pid",
+      setup=_run_copy("tms", lambda t: _lock_holder(t, "r/harvest"))),
   Row("browse_no_run_dir", "browse", (),
       "--run_dir must name at least one run directory with a finished"),
   Row("browse_not_a_run", "browse", ("--run_dir={T}/nowhere", "--port=0"),
@@ -630,8 +720,9 @@ def harvested(finished_run) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory, harvested) -> dict[str, Result]:
+def results(tmp_path_factory, harvested, finished_run) -> dict[str, Result]:
   """Run every row once; return its exit code, output and directory."""
+  _FINISHED["run"] = finished_run
   base = tmp_path_factory.mktemp("bad_inputs")
   logs = base / "logs"
   logs.mkdir()

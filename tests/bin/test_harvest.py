@@ -1,12 +1,16 @@
 """bin/harvest: its flags beside bin/train's in one process, the placement
-flags it shares with bin/train, and a harvest sharded by them."""
+flags it shares with bin/train, a harvest sharded by them, and a stop
+signal that saves it."""
 
 import dataclasses
 import os
 import pathlib
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ from absl import flags
 
 from decompax.bin import harvest, placement_flags, placement_setup
 from decompax.bin import train, train_flags
+from decompax.io import run_dir
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
 
@@ -106,3 +111,35 @@ def test_the_binary_lists_the_placement_flags_as_its_own():
   own = result.stdout.split("decompax.bin.harvest:\n")[1].split("\n\n")[0]
   for name in ("run_dir", "batch_size", *placement_flags.NAMES):
     assert f"  --{name}:" in own, name
+
+
+def test_a_stop_signal_saves_the_harvest_and_exits_for_a_requeue(
+    finished_run, tmp_path):
+  run_path = tmp_path / "run"
+  shutil.copytree(finished_run("tms"), run_path,
+                  ignore=shutil.ignore_patterns(harvest_lib.HARVEST_DIR))
+  out = run_path / harvest_lib.HARVEST_DIR
+  # 1.25M batches, saved after each: it is mid-harvest when signalled.
+  process = subprocess.Popen(
+    [sys.executable, "-P", str(ROOT / "bin" / "harvest"),
+     f"--run_dir={run_path}", "--positions=10000000", "--batch_size=8",
+     "--top_k=5", "--ablation_batches=0", "--save_every_s=0"],
+    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  state = out / harvest_lib.STATE_FILE
+  deadline = time.time() + 240
+  while not state.exists():
+    assert process.poll() is None and time.time() < deadline
+    time.sleep(0.05)
+  process.send_signal(signal.SIGINT)
+  stdout, stderr = process.communicate(timeout=120)
+  assert process.returncode == 75, stdout + stderr
+  assert "Traceback" not in stderr, stderr
+  said = re.fullmatch(
+    r"\[harvest\] stop signal: stopped after batch (\d+) of 1250000, saved;"
+    r" exiting with 75, rerun the same command to resume",
+    stdout.splitlines()[-1])
+  assert said, stdout
+  assert sorted(os.listdir(out)) == [run_dir.LOCK_FILE,
+                                     harvest_lib.STATE_FILE]
+  assert run_dir.load_arrays(state)[1]["done"] == int(said[1])

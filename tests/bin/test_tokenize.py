@@ -1,10 +1,13 @@
-"""bin/tokenize: text and JSONL to a token file, and its one-line errors."""
+"""bin/tokenize: text and JSONL to a token file, its one-line errors, and
+a stop signal that leaves nothing behind."""
 
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -86,12 +89,19 @@ def test_round_trip_text_and_jsonl(tmp_path, tokenizer_dir):
   text = tmp_path / "story.txt"
   text.write_text("the dog\nsat on a cat\n")
   out = tmp_path / "train.bin"
+  # Left by killed runs: the output's and its header's temporaries go,
+  # another file's stays.
+  for name in (".train.bin.a1b2c3d4.tmp", ".train.json.x_y_z_00.tmp",
+               ".other.bin.a1b2c3d4.tmp"):
+    (tmp_path / name).write_bytes(b"\0\1")
   result = _tokenize(f"--tokenizer={tokenizer_dir}", f"--input={jsonl}",
                      f"--input={text}", f"--output={out}", "--text_field=body",
                      "--batch_docs=2", "--progress_seconds=0")
   assert result.returncode == 0, result.stderr
   assert "[tokenize] wrote" in result.stdout
   assert "documents," in result.stdout  # a progress line
+  assert ("[tokenize] removed .train.bin.a1b2c3d4.tmp, left by a killed run"
+          in result.stdout)
   opened = tokens.open_tokens(out)
   want = []
   for doc in [*docs, "the dog\nsat on a cat\n"]:
@@ -101,8 +111,9 @@ def test_round_trip_text_and_jsonl(tmp_path, tokenizer_dir):
   assert opened.header.num_documents == 4
   assert opened.header.eos_id == 1
   assert opened.header.tokenizer == os.path.abspath(tokenizer_dir)
-  assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "story.txt",
-                                          "train.bin", "train.json"]
+  assert sorted(os.listdir(tmp_path)) == [
+    ".other.bin.a1b2c3d4.tmp", "docs.jsonl", "story.txt", "train.bin",
+    "train.json"]
 
 
 def _assert_fails(result, match):
@@ -166,3 +177,82 @@ def test_inputs_that_give_no_tokens_are_refused(tmp_path, tokenizer_dir):
   _assert_fails(results[1], "empty.txt is empty; give a file holding text")
   _assert_fails(results[2], "blank.jsonl tokenizes to nothing but EOS")
   assert os.listdir(out.parent) == []
+
+
+def test_an_input_named_as_the_output_is_refused_and_kept(tmp_path,
+                                                         tokenizer_dir):
+  """The same file as input and output, by its name or through a link,
+  even with --overwrite: refused, the input byte for byte as it was."""
+  data = tmp_path / "data"
+  data.mkdir()
+  same = data / "train.bin"
+  same.write_text("the cat sat\n")
+  (data / "link.bin").symlink_to(same)
+  before = {p.name: p.read_bytes() for p in data.iterdir()}
+  base = [f"--tokenizer={tokenizer_dir}", "--overwrite"]
+  results = _tokenize_all(
+    [*base, f"--input={same}", f"--output={same}"],
+    [*base, f"--input={same}", f"--output={data / 'link.bin'}"])
+  _assert_fails(results[0], f"--input {same} is the --output {same}")
+  _assert_fails(results[1], f"--input {same} is the --output {data}/link")
+  assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+
+
+def test_the_launcher_runs_without_an_isolated_path(tmp_path):
+  # `python bin/tokenize` puts bin/ first on sys.path: a module there named
+  # `tokenize` would stand in for the standard library's.
+  result = subprocess.run(
+    [sys.executable, str(ROOT / "bin" / "tokenize"), f"--tokenizer={tmp_path}",
+     f"--input={tmp_path / 'none.txt'}", f"--output={tmp_path / 'o.bin'}"],
+    cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  _assert_fails(result, "none.txt not found")
+
+
+def _stop_mid_tokenize(tmp_path, tokenizer_dir, words: int, signum: int):
+  """Send `signum` while bin/tokenize tokenizes one document of `words`
+  words; return the result and the seconds it took to exit."""
+  text = tmp_path / "big.txt"
+  text.write_text("the cat sat " * (words // 3))
+  out = tmp_path / "out"
+  out.mkdir()
+  process = subprocess.Popen(
+    _command([f"--tokenizer={tokenizer_dir}", f"--input={text}",
+              f"--output={out / 'big.bin'}"]),
+    cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  deadline = time.time() + 240
+  while not os.listdir(out):  # the temporary: the write has begun
+    assert process.poll() is None and time.time() < deadline
+    time.sleep(0.02)
+  time.sleep(0.5)  # into the tokenizer's call
+  process.send_signal(signum)
+  signalled = time.time()
+  stdout, stderr = process.communicate(timeout=300)
+  result = subprocess.CompletedProcess(process.args, process.returncode,
+                                       stdout, stderr)
+  return result, time.time() - signalled, out
+
+
+def _assert_stopped(result, out, name):
+  assert result.returncode == 75, result.stdout + result.stderr
+  assert "Traceback" not in result.stderr, result.stderr
+  assert result.stdout.splitlines()[-1].startswith(
+    f"[tokenize] stop signal ({name}): {out / 'big.bin'} not written;")
+  assert os.listdir(out) == []
+
+
+def test_a_stop_signal_leaves_nothing_and_exits_for_a_requeue(tmp_path,
+                                                             tokenizer_dir):
+  result, _, out = _stop_mid_tokenize(tmp_path, tokenizer_dir, 300_000,
+                                      signal.SIGINT)
+  _assert_stopped(result, out, "SIGINT")
+
+
+@pytest.mark.slow
+def test_a_stop_signal_is_taken_during_a_long_tokenizer_call(tmp_path,
+                                                            tokenizer_dir):
+  """One document of 6M words keeps the tokenizer busy for many seconds,
+  in native code: the signal still ends the process at once."""
+  result, seconds, out = _stop_mid_tokenize(tmp_path, tokenizer_dir,
+                                            6_000_000, signal.SIGTERM)
+  _assert_stopped(result, out, "SIGTERM")
+  assert seconds < 5

@@ -63,6 +63,47 @@ def test_atomic_write_failure_keeps_old_content(tmp_path):
   assert _temp_files(tmp_path) == []
 
 
+def test_stale_temporaries_of_killed_writes_are_removed(tmp_path):
+  """A killed write's temporary of the file goes; a live writer's (locked),
+  another file's and other names stay."""
+  target = tmp_path / "a.bin"
+  stale = [".a.bin.k3x_9q0z.tmp", ".a.bin.zzzzzzzz.tmp"]
+  kept = [".a.bin.short.tmp", ".b.bin.k3x_9q0z.tmp", "a.bin.k3x_9q0z.tmp",
+          ".a.bin.k3x_9q0z.tmp.x", ".a.bin.live0000.tmp"]
+  for name in stale + kept:
+    (tmp_path / name).write_bytes(b"x")
+  live = os.open(tmp_path / ".a.bin.live0000.tmp", os.O_RDONLY)
+  fcntl.flock(live, fcntl.LOCK_EX)
+  try:
+    assert run_dir.remove_stale_temporaries(target) == stale
+  finally:
+    os.close(live)
+  assert sorted(os.listdir(tmp_path)) == sorted(kept)
+
+
+def test_a_live_writes_temporary_is_kept(tmp_path):
+  target = tmp_path / "a.bin"
+  seen = []
+
+  def write(f):
+    f.write(b"data")
+    seen.append(run_dir.remove_stale_temporaries(target))
+
+  run_dir.atomic_write(target, write)
+  assert seen == [[]] and target.read_bytes() == b"data"
+  assert _temp_files(tmp_path) == []
+
+
+def test_a_directory_lock_names_what_it_holds(tmp_path):
+  fd = run_dir.lock_dir(tmp_path / "h", "harvest", "wait for it to end")
+  try:
+    with pytest.raises(ValueError, match=r"^harvest .*/h is in use by pid "
+                       r"\d+ on .*; wait for it to end$"):
+      run_dir.lock_dir(tmp_path / "h", "harvest", "wait for it to end")
+  finally:
+    os.close(fd)
+
+
 def test_prepare_writes_flags(tmp_path):
   out = tmp_path / "run"
   run_dir.prepare_run_dir(out, "--c=5\n", overwrite=False)

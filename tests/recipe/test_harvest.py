@@ -158,6 +158,78 @@ def test_an_interrupted_harvest_resumes_to_the_same_result(
                                     _read(whole, site.name, field), field)
 
 
+def test_a_stopped_harvest_saves_and_resumes_to_the_same_result(
+    induction, harvested, tmp_path):
+  """Asked to stop before batch 2 with no save due, it saves batches 0-1
+  and raises; a temporary a killed save left goes on the rerun."""
+  settings, whole, _ = harvested
+  out = str(tmp_path)
+  asked = []
+
+  def stop():
+    asked.append(True)
+    return len(asked) > 2
+
+  with pytest.raises(harvest_lib.Stopped, match="after batch 2 of 4"):
+    harvest_lib.harvest(induction, settings, out, save_every_s=60.0,
+                        ablation_chunk=5, say=lambda _: None, stop=stop)
+  assert sorted(os.listdir(out)) == [harvest_lib.STATE_FILE]
+  (tmp_path / ".state.npz.k1ll3d00.tmp").write_bytes(b"PK")
+  said = []
+  harvest_lib.harvest(induction, settings, out, save_every_s=60.0,
+                      ablation_chunk=5, say=said.append)
+  assert said[:2] == [
+    "[harvest] removed .state.npz.k1ll3d00.tmp, left by a killed harvest",
+    "[harvest] resuming after batch 2"]
+  assert not (tmp_path / ".state.npz.k1ll3d00.tmp").exists()
+  # `whole` saved after every batch: its sums were added in another order.
+  _assert_same_harvest(induction, out, whole)
+
+
+@pytest.mark.parametrize("manifest, why", [
+  ("{}", "lacks the key 'settings'"),
+  ('{"settings": [1]}', "has 'settings' that is not a JSON object"),
+  ("{", "cannot be read (Expecting"),
+])
+def test_an_unreadable_manifest_is_named_and_overwritten_only_if_asked(
+    induction, tmp_path, manifest, why):
+  settings = harvest_lib.resolve(induction, REQUEST)
+  path = tmp_path / harvest_lib.MANIFEST
+  path.write_text(manifest)
+  with pytest.raises(harvest_lib.HarvestConflict) as error:
+    harvest_lib.resume(str(tmp_path), {}, settings, overwrite=False)
+  assert str(error.value).startswith(f"{path} {why}")
+  assert path.read_text() == manifest
+  assert harvest_lib.resume(str(tmp_path), {}, settings, overwrite=True) == 0
+  assert not path.exists()
+
+
+def test_a_recorded_harvest_lacking_a_setting_names_it(induction, harvested,
+                                                      tmp_path):
+  settings, whole, _ = harvested
+  record = json.loads(open(os.path.join(whole, harvest_lib.MANIFEST)).read())
+  del record["settings"]["top_k"]
+  (tmp_path / harvest_lib.MANIFEST).write_text(json.dumps(record))
+  with pytest.raises(harvest_lib.HarvestConflict, match=r"settings \(top_k\)"):
+    harvest_lib.resume(str(tmp_path), {}, settings, overwrite=False)
+
+
+def test_windows_stay_inside_the_sequence(induction, tmp_path):
+  """Default windows are cut to a short sequence; asked-for ones past it
+  are refused (the window's memory grows with it, for columns always
+  empty)."""
+  from decompax.io import tokens  # noqa: PLC0415
+  path = tmp_path / "tokens.bin"
+  tokens.write_tokens(path, [np.arange(40) % 31], 32, 31, "test")
+  short = harvest_lib.Request(positions=16, batch_size=4, seq_len=4, top_k=3,
+                              data_path=str(path))
+  settings = harvest_lib.resolve(induction, short)
+  assert (settings.before, settings.after) == (3, 3)
+  assert harvest_lib.resolve(induction, REQUEST).before == 3
+  assert harvest_lib.resolve(induction, harvest_lib.Request()).before == (
+    harvest_lib.WINDOW_BEFORE)
+
+
 def test_other_settings_are_refused_unless_overwritten(induction, harvested):
   settings, out, _ = harvested
   other = harvest_lib.resolve(induction, harvest_lib.Request(
@@ -170,6 +242,11 @@ def test_other_settings_are_refused_unless_overwritten(induction, harvested):
   (harvest_lib.Request(top_k=0), "top_k=0 must be positive"),
   (harvest_lib.Request(batch_size=1, top_k=100), "top_k=100 exceeds"),
   (harvest_lib.Request(window_after=-1), "window_after=-1 must be 0"),
+  # The induction run's sequences hold 32 tokens.
+  (harvest_lib.Request(window_before=100_000_000),
+   "window_before=100000000 reaches past the sequence: a window of "
+   "seq_len=32 holds at most 31 positions"),
+  (harvest_lib.Request(window_after=32), "window_after=32 reaches past"),
 ])
 def test_bad_requests_are_named(induction, request_, message):
   with pytest.raises(ValueError, match=message):
@@ -307,6 +384,23 @@ def test_a_sharded_harvest_resumes_to_the_same_result(
                       ablation_chunk=5, say=said.append, placement=placement)
   assert "[harvest] resuming after batch 2" in said
   _assert_same_harvest(tms, str(tmp_path), reference)
+
+
+@pytest.mark.parametrize("save_every_s, chunk, message", [
+  (-1.0, 5, "save_every_s=-1.0 must be 0 or more"),
+  (0.0, 0, "ablation_chunk=0 must be positive"),
+])
+def test_bad_cadences_are_named(tms, save_every_s, chunk, message):
+  settings = harvest_lib.resolve(tms, TMS_REQUEST)
+  with pytest.raises(ValueError, match=f"^{message}$"):
+    harvest_lib.harvest(tms, settings, "unused", save_every_s, chunk)
+
+
+def test_a_toy_without_sequences_keeps_its_windows_unchecked(tms):
+  # Its contexts are input rows: a window is never cut from them.
+  settings = harvest_lib.resolve(tms, harvest_lib.Request(
+    positions=8, batch_size=8, top_k=5, window_before=100))
+  assert (settings.seq_len, settings.before, settings.after) == (1, 100, 4)
 
 
 def test_a_batch_that_does_not_split_over_the_mesh_is_refused(tms):

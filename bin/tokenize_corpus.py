@@ -7,17 +7,30 @@ tokenized without special tokens by the Hugging Face tokenizer in the local
 directory `--tokenizer` and written in order, each followed by the EOS id,
 as `NAME.bin` plus its header `NAME.json` (format: `decompax.io.tokens`).
 Both files appear atomically once everything is tokenized.
+
+An input that is the output or its header (under any name: links are
+followed), binary input (NUL bytes) and an output that is not a file are
+refused before anything is written. SIGTERM or SIGINT stops it at once,
+tokenizer call or not (the tokenizer runs off the main thread, which the
+signal reaches), leaving nothing behind, and exits with
+`cli.REQUEUE_EXIT_CODE`. Temporaries a killed run left beside the output
+are removed by the next.
 """
 
 import json
 import os
+import signal
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 from absl import flags, logging
 
 from decompax.bin import cli
 from decompax.io import hf_checkpoint
+from decompax.io import run_dir
 from decompax.io import tokens as tokens_lib
 
 _TOKENIZER = flags.DEFINE_string(
@@ -60,6 +73,17 @@ def load_tokenizer(path: str):
   return hf_checkpoint.read_tokenizer(path)
 
 
+def _check_not_output(path: str, output: str) -> None:
+  """Raise ValueError when input `path` is the file `output` or its header
+  would replace."""
+  header = tokens_lib.header_path(output)
+  for target, what in ((output, f"the --output {output}"),
+                       (header, f"the header of --output {output}")):
+    if os.path.exists(target) and os.path.samefile(path, target):
+      raise ValueError(f"--input {path} is {what}; writing it would replace"
+                       " the input: choose another --output")
+
+
 def check_paths(inputs: list[str], output: str, overwrite: bool) -> None:
   """Raise ValueError for missing inputs or an output that must not be
   written."""
@@ -73,8 +97,17 @@ def check_paths(inputs: list[str], output: str, overwrite: bool) -> None:
   parent = os.path.dirname(os.path.abspath(output))
   if not os.path.isdir(parent):
     raise ValueError(f"--output directory {parent} does not exist")
-  existing = [p for p in (output, tokens_lib.header_path(output))
-              if os.path.exists(p)]
+  for path in inputs:
+    _check_not_output(path, output)
+  targets = (output, tokens_lib.header_path(output))
+  for path in targets:
+    if os.path.isdir(path):
+      raise ValueError(f"--output: {path} is a directory; name a file"
+                       " NAME.bin whose NAME.bin and NAME.json are free")
+    if os.path.exists(path) and not os.path.isfile(path):
+      raise ValueError(f"--output: {path} is not a regular file; name"
+                       " another")
+  existing = [p for p in targets if os.path.exists(p)]
   if existing and not overwrite:
     raise ValueError(f"{existing[0]} exists; pass --overwrite to replace it")
 
@@ -88,13 +121,25 @@ def read_documents(path: str, text_field: str) -> Iterator[str]:
                      f" {e.start})") from None
 
 
+def _binary(where: str) -> ValueError:
+  return ValueError(f"{where} holds a NUL byte: it is binary, not text (a"
+                    " token file?); give text or JSONL files")
+
+
 def _read_documents(path: str, text_field: str) -> Iterator[str]:
+  # NUL decodes as UTF-8 but never occurs in text: it marks a binary file
+  # (a token file read back as text tokenizes to unknown tokens).
   if not path.endswith(".jsonl"):
     with open(path, encoding="utf-8") as f:
-      yield f.read()
+      text = f.read()
+    if "\0" in text:
+      raise _binary(f"--input {path}")
+    yield text
     return
   with open(path, encoding="utf-8") as f:
     for line_no, line in enumerate(f, 1):
+      if "\0" in line:
+        raise _binary(f"--input {path}:{line_no}")
       if not line.strip():
         continue
       try:
@@ -120,6 +165,41 @@ def batched(docs: Iterator[str], size: int) -> Iterator[list[str]]:
     yield batch
 
 
+class Stopped(BaseException):
+  """A stop signal arrived (a BaseException: no `except ValueError` or
+  `except Exception` on the way up may swallow it)."""
+
+
+def _stop_at_once(signum: int, frame: Any) -> NoReturn:
+  del frame
+  raise Stopped(signal.Signals(signum).name)
+
+
+def off_main_thread(call: Callable[[], Any]) -> Any:
+  """Return `call()`, run on a daemon thread while this one waits.
+
+  A signal's Python handler runs on the main thread, between bytecodes: in
+  a long native call (the tokenizer's, which releases the GIL) it would wait
+  for the call to end. Waiting on an event instead, the main thread takes
+  the signal at once; the abandoned call dies with the process.
+  """
+  result, done = {}, threading.Event()
+
+  def run():
+    try:
+      result["value"] = call()
+    except BaseException as e:  # noqa: BLE001 (re-raised below)
+      result["error"] = e
+    finally:
+      done.set()
+
+  threading.Thread(target=run, daemon=True).start()
+  done.wait()
+  if "error" in result:
+    raise result["error"]
+  return result["value"]
+
+
 def tokenized(tokenizer, inputs, text_field, batch_docs, progress_seconds):
   """Yield each document's ids, printing progress as it goes.
 
@@ -132,7 +212,8 @@ def tokenized(tokenizer, inputs, text_field, batch_docs, progress_seconds):
   for path in inputs:
     n_text = 0
     for batch in batched(read_documents(path, text_field), batch_docs):
-      ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
+      ids = off_main_thread(
+        lambda b=batch: tokenizer(b, add_special_tokens=False)["input_ids"])
       for doc in ids:
         n_docs += 1
         n_tokens += len(doc) + 1
@@ -150,7 +231,35 @@ def tokenized(tokenizer, inputs, text_field, batch_docs, progress_seconds):
                        " model's tokenizer")
 
 
+def remove_stale(output: str) -> None:
+  """Remove the temporaries that killed runs left beside `output` and its
+  header, saying so."""
+  for path in (output, tokens_lib.header_path(output)):
+    for name in run_dir.remove_stale_temporaries(path):
+      print(f"[tokenize] removed {name}, left by a killed run", flush=True)
+
+
+def _exit_stopped(signal_name: str, output: str) -> NoReturn:
+  # Raised through `write_tokens`, the signal removed its temporary file.
+  # The process ends here, without the interpreter's shutdown: a tokenizer
+  # call may still run on its thread, and nothing is left to tidy.
+  print(f"[tokenize] stop signal ({signal_name}): {output} not written;"
+        " rerun the same command to tokenize again (exit"
+        f" {cli.REQUEUE_EXIT_CODE})", flush=True)
+  sys.stderr.flush()
+  os._exit(cli.REQUEUE_EXIT_CODE)
+
+
 def main(argv: list[str]) -> None:
+  for signum in cli.STOP_SIGNALS:
+    signal.signal(signum, _stop_at_once)
+  try:
+    _main(argv)
+  except Stopped as e:
+    _exit_stopped(str(e), _OUTPUT.value)
+
+
+def _main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; flags take the form --name=value")
@@ -159,6 +268,7 @@ def main(argv: list[str]) -> None:
       raise ValueError(
         f"--batch_docs must be positive, got {_BATCH_DOCS.value}")
     check_paths(_INPUT.value, _OUTPUT.value, _OVERWRITE.value)
+    remove_stale(_OUTPUT.value)
     tokenizer = load_tokenizer(_TOKENIZER.value)
     eos_id = tokenizer.eos_token_id if _EOS_ID.value is None else _EOS_ID.value
     if eos_id is None:
@@ -173,6 +283,9 @@ def main(argv: list[str]) -> None:
       tokenizer=os.path.abspath(_TOKENIZER.value))
   except ValueError as e:
     fail(str(e))
+  # Written: a signal now would only misreport it.
+  for signum in cli.STOP_SIGNALS:
+    signal.signal(signum, signal.SIG_IGN)
   print(f"[tokenize] wrote {_OUTPUT.value}: {header.num_documents} documents,"
         f" {header.num_tokens} {header.dtype} tokens (vocab"
         f" {header.vocab_size}, EOS {header.eos_id}) in"
