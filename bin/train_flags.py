@@ -581,8 +581,17 @@ def _parse_widths(values: list[str]) -> tuple[int, ...]:
     ) from None
 
 
+def check_alive_threshold(flag: str, value: float) -> None:
+  """Raise ValueError unless a CI threshold lies in [0, 1): CI does, so a
+  negative one counts every component alive and 1 counts none."""
+  if not 0.0 <= value < 1.0:
+    raise ValueError(f"--{flag} must lie in [0, 1), the range of CI, got "
+                     f"{value}")
+
+
 def _validate_eval_cadence(config: TrainConfig) -> None:
   """Raise ValueError unless log_every | eval_every | slow_eval_every."""
+  check_alive_threshold("ci_alive_threshold", config.ci_alive_threshold)
   _positive("eval_batches", config.eval_batches)
   _non_negative("eval_every", config.eval_every)
   _non_negative("slow_eval_every", config.slow_eval_every)
@@ -671,6 +680,15 @@ def _validate_schedules(config: TrainConfig) -> None:
   if config.importance_penalty == "smooth_l0" and config.p_knots:
     raise ValueError("--p_knots anneals p, which smooth_l0 does not use; "
                      "anneal γ with --smooth_l0_gamma_schedule")
+  # A negative final fraction ends the decay below zero: a learning rate
+  # would ascend the loss, an exponent p turn minimality around.
+  for name in ("lr_final_frac", "p_final_frac"):
+    _non_negative(name, getattr(config, name))
+  if config.importance_penalty == "lp" and config.p_start <= 0:
+    raise ValueError(f"--p_start must be positive, got {config.p_start}: "
+                     "minimality raises CI to the power p, and at p = 0 it "
+                     "is a constant that trains nothing (p < 0 rewards "
+                     "large CI); the SPD recipes use 1 or 2")
 
 
 def _validate_coefficients(config: TrainConfig) -> None:
@@ -752,6 +770,11 @@ def _validate_roles(config: TrainConfig) -> None:
   with setting("ci_roles"):
     ci_fns.parse_roles(config.ci_roles)
   _non_negative("hidden_pass_coeff", config.hidden_pass_coeff)
+  points = config.hidden_pass_points
+  twice = sorted({p for p in points if points.count(p) > 1})
+  if twice:
+    raise ValueError(f"--hidden_pass_points lists {', '.join(twice)} twice; "
+                     "name each activation once")
   if ci_fns.HIDDEN not in config.ci_roles and config.hidden_pass_points:
     raise ValueError("--hidden_pass_points names what the hidden role's "
                      "passes reconstruct; add --ci_roles=output,hidden or "
