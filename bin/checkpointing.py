@@ -23,6 +23,7 @@ item is written), `kill_after_save=K` (committed, nothing pruned yet) and
 `kill_mid_prune=K` (an old step hidden for deletion, not yet deleted).
 """
 
+import math
 import os
 import signal
 import sys
@@ -102,6 +103,13 @@ def divergence(session: Session, state, full: bool = False) -> str | None:
     return (f"diverged: {int(record.streak)} updates in a row were not "
             f"finite (the run's first: {first}); {newest()}; lower --lr or "
             "raise --max_skipped_in_a_row")
+  skipped = int(record.nonfinite_steps)
+  if (config.on_nonfinite == "skip"
+      and skipped > config.max_skipped_share * config.num_steps):
+    return (f"diverged: {skipped} updates were not finite and skipped, "
+            f"more than --max_skipped_share={config.max_skipped_share:g} of "
+            f"the {config.num_steps} steps (the run's first: {first}); "
+            f"{newest()}; lower --lr or raise --max_skipped_share")
   if full and not bool(jax.device_get(_state_finite(state))):
     return (f"diverged: the state of step {int(jax.device_get(state.step))}"
             f" is not finite; nothing saved from it; {newest()}; lower --lr "
@@ -114,6 +122,29 @@ def check_finite(session: Session, state, full: bool = False) -> None:
   reason = divergence(session, state, full)
   if reason is not None:
     raise Diverged(reason)
+
+
+def check_final_eval(session: Session, state, scalars: dict,
+                     done: int) -> None:
+  """Raise Diverged when the run's last eval (step --num_steps) holds a
+  non-finite value: what the run would report as its result is garbage,
+  even if every update stayed finite or was skipped. Nothing of that step
+  is logged or saved."""
+  config = session.config
+  if done != config.num_steps:
+    return
+  bad = [k for k, v in scalars.items()
+         if isinstance(v, float) and not math.isfinite(v)]
+  if not bad:
+    return
+  more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+  skipped = int(jax.device_get(state.health.nonfinite_steps))
+  dropped = (f"; {skipped} of its {done} updates were skipped as "
+             "non-finite" if skipped else "")
+  raise Diverged(
+    f"diverged: the final eval (step {done}) is not finite ({bad[0]} = "
+    f"{scalars[bad[0]]}{more}){dropped}; nothing saved from it; newest "
+    f"good checkpoint: {_newest_good(session)}; lower --lr")
 
 
 def _writer() -> bool:

@@ -28,7 +28,7 @@ from decompax.targets import registry
 
 # Flags a launch may change without changing the run (flags.txt omits them).
 RELAUNCH_FLAGS = ("overwrite", "on_nonfinite", "max_skipped_in_a_row",
-                  "stop_after_step", "wandb_project")
+                  "max_skipped_share", "stop_after_step", "wandb_project")
 
 
 def fail(message: str) -> None:
@@ -535,8 +535,10 @@ def log_step(loop: Loop, state, metrics: dict, done: int,
   its progress line and refresh the figures when due."""
   config = loop.config
   record = {"step": done, **metrics, "step_time_s": step_time}
-  record.update(loop.evaluator.evaluate(
-    state, done, lambda: checkpointing.stop_requested(loop.session)))
+  scalars = loop.evaluator.evaluate(
+    state, done, lambda: checkpointing.stop_requested(loop.session))
+  checkpointing.check_final_eval(loop.session, state, scalars, done)
+  record.update(scalars)
   if loop.writer:
     run_dir.append_metrics(loop.metrics_path, record)
     loop.sink.sync()

@@ -543,6 +543,12 @@ _MAX_SKIPPED_IN_A_ROW = flags.DEFINE_integer(
   "With --on_nonfinite=skip: stop as a diverged run once this many updates "
   "in a row were non-finite (a run that cannot recover). May differ between "
   "launches of a run.")
+_MAX_SKIPPED_SHARE = _define_float(
+  "max_skipped_share", _D.max_skipped_share,
+  "With --on_nonfinite=skip: stop as a diverged run once more than this "
+  "share of --num_steps updates were non-finite, in a row or not (a run "
+  "that mostly trained nothing; 1: no limit). May differ between launches "
+  "of a run.")
 _INIT_FROM = flags.DEFINE_string(
   "init_from", _D.init_from,
   "Fine-tune init: <run_dir>/<step> or <run_dir>/latest. Starts from that "
@@ -785,6 +791,9 @@ def _validate_run(config: TrainConfig) -> None:
   """Raise ValueError for bad checkpoint, init or profile settings."""
   for name in ("save_every", "keep_last", "max_skipped_in_a_row"):
     _positive(name, getattr(config, name))
+  if not 0.0 < config.max_skipped_share <= 1.0:
+    raise ValueError("--max_skipped_share must lie in (0, 1], got "
+                     f"{config.max_skipped_share}")
   checkpointing.parse_init_from(config.init_from)
   run_records.parse_profile_steps(config.profile_steps, config.num_steps)
   _validate_stop(config)

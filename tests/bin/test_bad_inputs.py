@@ -210,6 +210,15 @@ ROWS = (
   # Never save or report garbage.
   Row("diverged", "train", (*DIVERGE, OUT), "diverged at step 2 (first "
       "non-finite value: loss/", code=3),
+  Row("skipped_too_many", "train", (*DIVERGE, "--on_nonfinite=skip", OUT),
+      "diverged: 4 updates were not finite and skipped, more than "
+      "--max_skipped_share=0.1 of the 10 steps", code=3),
+  Row("final_eval_not_finite", "train", (
+    *DIVERGE, "--eval_every=5", "--on_nonfinite=skip",
+    "--max_skipped_share=1", OUT),
+    "diverged: the final eval (step 10) is not finite (eval/", code=3),
+  Row("skipped_share_zero", "train", ("--max_skipped_share=0", OUT),
+      "--max_skipped_share must lie in (0, 1], got 0.0"),
   Row("token_ids_past_vocab", "train", (*LLAMA, "--data_path={T}/f.bin", OUT),
       "holds id 999, outside the vocab [0, 10)", setup=_forged_tokens(
         vocab_size=10)),
