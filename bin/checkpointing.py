@@ -4,8 +4,9 @@ With `--checkpointing=periodic` a run saves label 0 after its warmup (or
 fine-tune init), every `--save_every` steps, at the end, and when SIGTERM or
 SIGINT arrives: the signal only sets a flag, serviced at the next step
 boundary by saving the completed step and exiting with `REQUEUE_EXIT_CODE`
-(75, EX_TEMPFAIL). A signal during setup or warmup exits with the same code
-without saving (I40). Rerunning the same command restores the newest
+(75, EX_TEMPFAIL). A signal during setup or the faithfulness warmup exits
+with the same code without saving (I40): the warmup looks for it between
+chunks of steps about half a second long (`warmup_between`). Rerunning the same command restores the newest
 readable checkpoint, skips the warmup and continues on the same trajectory:
 the step draws its batch and keys from `(seed, step)` (I36).
 
@@ -34,7 +35,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from decompax.core import ci_fns, health, sites as sites_lib, slots
+from decompax.core import ci_fns, health, sites as sites_lib, slots, warmup
 from decompax.io import checkpoint, decomposition, resume, run_dir
 from decompax.bin import run_records
 
@@ -350,6 +351,39 @@ def stop_requested(session: Session) -> bool:
   with jax.transfer_guard("allow"):
     flags = multihost_utils.process_allgather(np.array(session.stop.is_set()))
   return bool(np.any(flags))
+
+
+def _agreed(session: Session, seconds: float) -> tuple[bool, float]:
+  """Return whether a stop is pending and the longest of the processes'
+  `seconds`, the same on every process (a collective when there are
+  several), so each takes the same next step."""
+  if jax.process_count() == 1:
+    return session.stop.is_set(), seconds
+  from jax.experimental import multihost_utils
+  with jax.transfer_guard("allow"):
+    rows = multihost_utils.process_allgather(
+      np.array([float(session.stop.is_set()), seconds]))
+  return bool(np.any(rows[:, 0])), float(np.max(rows[:, 1]))
+
+
+def warmup_between(session: Session) -> warmup.Between:
+  """Return the look between chunks of a fresh run's faithfulness warmup
+  (`core.warmup`): on a stop signal it exits for a requeue at that step
+  boundary. Nothing is saved: a warmup cut short is no run's step 0, and
+  the rerun starts it over (I40)."""
+  total, last = session.config.faithfulness_warmup_steps, [0]
+
+  def between(done: int, seconds: float) -> int:
+    length, last[0] = done - last[0], done
+    stop, seconds = _agreed(session, seconds)
+    if stop:
+      _exit_for_requeue(
+        session, f"stop signal during the faithfulness warmup, after {done} "
+        f"of its {total} steps: nothing saved, the rerun warms up from the "
+        f"start (exit {REQUEUE_EXIT_CODE})")
+    return warmup.next_chunk(length, seconds)
+
+  return between
 
 
 def after_warmup(session: Session, state) -> None:

@@ -310,8 +310,12 @@ def train(prepared: Prepared):
   parts, writer = prepared.plan.parts, placement_setup.is_writer()
   session = checkpointing.open_session(config, output_dir, parts.target.sites,
                                        parts.ci_config, parts.term_names)
-  run = assembly.start(prepared.plan, prepared.weights,
-                       checkpointing.restorer(session))
+  restore = checkpointing.restorer(session)
+  if restore is None and config.faithfulness_warmup_steps:
+    print(f"[warmup] {config.faithfulness_warmup_steps} faithfulness "
+          "steps ...", flush=True)
+  run = assembly.start(prepared.plan, prepared.weights, restore,
+                       checkpointing.warmup_between(session))
   checkpointing.after_warmup(session, run.state)
   print_warmup(config, run.warmup_losses)
   print(f"[train] {parts.toy.name}: sites "
