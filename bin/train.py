@@ -16,7 +16,8 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from decompax.bin import checkpointing, cli, placement_setup, restarts
+from decompax.bin import checkpointing, cli, device_memory, placement_setup
+from decompax.bin import restarts
 from decompax.bin import run_records, tokens_text, train_flags, wandb_sink
 from decompax.core import health, probe, sites as sites_lib, slots
 from decompax.io import checkpoint, decomposition, figures, run_dir
@@ -451,6 +452,12 @@ def compile_step(run: assembly.Run, first: int,
     run.state, run.weights, run.step_inputs(first)).compile(
       placement.compiler_options if placement else None)
   print(f"[train] step compiled in {time.time() - compile_start:.1f}s")
+  # A step that cannot be allocated may hang instead of failing: refuse it
+  # before it runs.
+  device_memory.check_fits(
+    compiled, f"the step (--batch_size={run.plan.parts.config.batch_size})",
+    "lower --batch_size (a targeted run: its streams' batch sizes), "
+    "--seq_len or --c, or spread the batch over more devices")
   return compiled
 
 
@@ -625,6 +632,14 @@ def main(argv: list[str]) -> None:
     fail(str(e))
   except checkpointing.Diverged as e:
     cli.fail("train", str(e), checkpointing.DIVERGED_EXIT_CODE)
+  except device_memory.DoesNotFit as e:
+    fail(str(e))
+  except jax.errors.JaxRuntimeError as e:
+    # An allocation that fails where XLA does report it (accelerators).
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    fail(f"out of memory ({' '.join(str(e).split())[:300]}); lower "
+         "--batch_size, --seq_len or --c")
   except OSError as e:  # metrics, figures or results; checkpoints are safe
     fail(write_refusal(e.filename or prepared.output_dir, e))
 

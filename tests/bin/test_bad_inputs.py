@@ -203,6 +203,11 @@ FULL_DISK = (
   "def _full(fd):\n"
   "  raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
   "os.fsync = _full\n")
+# At most 8 GiB of address space: the oversized step below is refused
+# the same on any machine, and never allocated even where it would fit.
+ADDRESS_SPACE_8G = (
+  "import resource\n"
+  "resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))\n")
 TOKENIZE = ("--tokenizer={T}/tok", "--input={T}/w.txt", "--output={T}/o.bin")
 FIXTURE_TOKENIZER = "--tokenizer={ROOT}/tests/fixtures/tiny_llama"
 
@@ -217,6 +222,13 @@ ROWS = (
     *DIVERGE, "--eval_every=5", "--on_nonfinite=skip",
     "--max_skipped_share=1", OUT),
     "diverged: the final eval (step 10) is not finite (eval/", code=3),
+  # A step that cannot be allocated used to hang in the step-0 eval. It is
+  # refused once compiled, after the setup wrote the run (so not in {T}/o).
+  Row("step_does_not_fit", "train", (
+    "--batch_size=100000000", "--num_steps=10", "--log_every=5",
+    "--eval_every=5", "--slow_eval_every=0", "--figures_every=0",
+    "--output_dir={T}/run"), "the step (--batch_size=100000000) needs ",
+    prelude=ADDRESS_SPACE_8G),
   Row("skipped_share_zero", "train", ("--max_skipped_share=0", OUT),
       "--max_skipped_share must lie in (0, 1], got 0.0"),
   Row("token_ids_past_vocab", "train", (*LLAMA, "--data_path={T}/f.bin", OUT),
