@@ -208,6 +208,14 @@ FULL_DISK = (
 ADDRESS_SPACE_8G = (
   "import resource\n"
   "resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))\n")
+# An accelerator's allocator refusing the step's buffers, as XLA reports it.
+DEVICE_OOM = (
+  "import jax\n"
+  "from decompax.bin import device_memory\n"
+  "def _refused(*args):\n"
+  "  raise jax.errors.JaxRuntimeError(\n"
+  "    'RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.0G')\n"
+  "device_memory.check_fits = _refused\n")
 TOKENIZE = ("--tokenizer={T}/tok", "--input={T}/w.txt", "--output={T}/o.bin")
 FIXTURE_TOKENIZER = "--tokenizer={ROOT}/tests/fixtures/tiny_llama"
 
@@ -229,6 +237,11 @@ ROWS = (
     "--eval_every=5", "--slow_eval_every=0", "--figures_every=0",
     "--output_dir={T}/run"), "the step (--batch_size=100000000) needs ",
     prelude=ADDRESS_SPACE_8G),
+  Row("device_out_of_memory", "train", (
+    "--num_steps=10", "--eval_every=0", "--slow_eval_every=0",
+    "--figures_every=0", "--output_dir={T}/run"), "out of memory "
+    "(RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.0G); "
+    "lower --batch_size", prelude=DEVICE_OOM),
   Row("skipped_share_zero", "train", ("--max_skipped_share=0", OUT),
       "--max_skipped_share must lie in (0, 1], got 0.0"),
   Row("token_ids_past_vocab", "train", (*LLAMA, "--data_path={T}/f.bin", OUT),
