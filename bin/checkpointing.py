@@ -6,9 +6,10 @@ SIGINT arrives: the signal only sets a flag, serviced at the next step
 boundary by saving the completed step and exiting with `REQUEUE_EXIT_CODE`
 (75, EX_TEMPFAIL). A signal during setup or the faithfulness warmup exits
 with the same code without saving (I40): the warmup looks for it between
-chunks of steps about half a second long (`warmup_between`). Rerunning the same command restores the newest
-readable checkpoint, skips the warmup and continues on the same trajectory:
-the step draws its batch and keys from `(seed, step)` (I36).
+chunks of steps about half a second long (`warmup_between`). Rerunning the
+same command restores the newest readable checkpoint, skips the warmup and
+continues on the same trajectory: the step draws its batch and keys from
+`(seed, step)` (I36).
 
 A checkpoint written while term states were stored by position
 (`term_states/<j>/...`) resumes, its arrays read under the terms' names.
