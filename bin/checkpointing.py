@@ -4,10 +4,12 @@ With `--checkpointing=periodic` a run saves label 0 after its warmup (or
 fine-tune init), every `--save_every` steps, at the end, and when SIGTERM or
 SIGINT arrives: the signal only sets a flag, serviced at the next step
 boundary by saving the completed step and exiting with `REQUEUE_EXIT_CODE`
-(75, EX_TEMPFAIL). A signal during setup or warmup exits with the same code
-without saving (I40). Rerunning the same command restores the newest
-readable checkpoint, skips the warmup and continues on the same trajectory:
-the step draws its batch and keys from `(seed, step)` (I36).
+(75, EX_TEMPFAIL). A signal during setup or the faithfulness warmup exits
+with the same code without saving (I40): the warmup looks for it between
+chunks of steps about half a second long (`warmup_between`). Rerunning the
+same command restores the newest readable checkpoint, skips the warmup and
+continues on the same trajectory: the step draws its batch and keys from
+`(seed, step)` (I36).
 
 A checkpoint written while term states were stored by position
 (`term_states/<j>/...`) resumes, its arrays read under the terms' names.
@@ -23,6 +25,7 @@ item is written), `kill_after_save=K` (committed, nothing pruned yet) and
 `kill_mid_prune=K` (an old step hidden for deletion, not yet deleted).
 """
 
+import math
 import os
 import signal
 import sys
@@ -33,7 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from decompax.core import ci_fns, health, sites as sites_lib, slots
+from decompax.core import ci_fns, health, sites as sites_lib, slots, warmup
 from decompax.io import checkpoint, decomposition, resume, run_dir
 from decompax.bin import run_records
 
@@ -102,6 +105,13 @@ def divergence(session: Session, state, full: bool = False) -> str | None:
     return (f"diverged: {int(record.streak)} updates in a row were not "
             f"finite (the run's first: {first}); {newest()}; lower --lr or "
             "raise --max_skipped_in_a_row")
+  skipped = int(record.nonfinite_steps)
+  if (config.on_nonfinite == "skip"
+      and skipped > config.max_skipped_share * config.num_steps):
+    return (f"diverged: {skipped} updates were not finite and skipped, "
+            f"more than --max_skipped_share={config.max_skipped_share:g} of "
+            f"the {config.num_steps} steps (the run's first: {first}); "
+            f"{newest()}; lower --lr or raise --max_skipped_share")
   if full and not bool(jax.device_get(_state_finite(state))):
     return (f"diverged: the state of step {int(jax.device_get(state.step))}"
             f" is not finite; nothing saved from it; {newest()}; lower --lr "
@@ -114,6 +124,29 @@ def check_finite(session: Session, state, full: bool = False) -> None:
   reason = divergence(session, state, full)
   if reason is not None:
     raise Diverged(reason)
+
+
+def check_final_eval(session: Session, state, scalars: dict,
+                     done: int) -> None:
+  """Raise Diverged when the run's last eval (step --num_steps) holds a
+  non-finite value: what the run would report as its result is garbage,
+  even if every update stayed finite or was skipped. Nothing of that step
+  is logged or saved."""
+  config = session.config
+  if done != config.num_steps:
+    return
+  bad = [k for k, v in scalars.items()
+         if isinstance(v, float) and not math.isfinite(v)]
+  if not bad:
+    return
+  more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+  skipped = int(jax.device_get(state.health.nonfinite_steps))
+  dropped = (f"; {skipped} of its {done} updates were skipped as "
+             "non-finite" if skipped else "")
+  raise Diverged(
+    f"diverged: the final eval (step {done}) is not finite ({bad[0]} = "
+    f"{scalars[bad[0]]}{more}){dropped}; nothing saved from it; newest "
+    f"good checkpoint: {_newest_good(session)}; lower --lr")
 
 
 def _writer() -> bool:
@@ -339,6 +372,39 @@ def stop_requested(session: Session) -> bool:
   with jax.transfer_guard("allow"):
     flags = multihost_utils.process_allgather(np.array(session.stop.is_set()))
   return bool(np.any(flags))
+
+
+def _agreed(session: Session, seconds: float) -> tuple[bool, float]:
+  """Return whether a stop is pending and the longest of the processes'
+  `seconds`, the same on every process (a collective when there are
+  several), so each takes the same next step."""
+  if jax.process_count() == 1:
+    return session.stop.is_set(), seconds
+  from jax.experimental import multihost_utils
+  with jax.transfer_guard("allow"):
+    rows = multihost_utils.process_allgather(
+      np.array([float(session.stop.is_set()), seconds]))
+  return bool(np.any(rows[:, 0])), float(np.max(rows[:, 1]))
+
+
+def warmup_between(session: Session) -> warmup.Between:
+  """Return the look between chunks of a fresh run's faithfulness warmup
+  (`core.warmup`): on a stop signal it exits for a requeue at that step
+  boundary. Nothing is saved: a warmup cut short is no run's step 0, and
+  the rerun starts it over (I40)."""
+  total, last = session.config.faithfulness_warmup_steps, [0]
+
+  def between(done: int, seconds: float) -> int:
+    length, last[0] = done - last[0], done
+    stop, seconds = _agreed(session, seconds)
+    if stop:
+      _exit_for_requeue(
+        session, f"stop signal during the faithfulness warmup, after {done} "
+        f"of its {total} steps: nothing saved, the rerun warms up from the "
+        f"start (exit {REQUEUE_EXIT_CODE})")
+    return warmup.next_chunk(length, seconds)
+
+  return between
 
 
 def after_warmup(session: Session, state) -> None:

@@ -174,6 +174,10 @@ def _main(argv: list[str], stop: threading.Event) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
+  threshold = _THRESHOLD.value
+  if threshold is not None and not 0.0 <= threshold < 1.0:
+    # CI lies in [0, 1]: below 0 every component fires, at 1 none does.
+    fail(f"--threshold must lie in [0, 1), the range of CI, got {threshold}")
   try:
     harvest_lib.check_request(request())
     harvest_lib.check_cadence(_SAVE_EVERY_S.value, _ABLATION_CHUNK.value)

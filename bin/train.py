@@ -16,7 +16,8 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from decompax.bin import checkpointing, cli, placement_setup, restarts
+from decompax.bin import checkpointing, cli, device_memory, placement_setup
+from decompax.bin import restarts
 from decompax.bin import run_records, tokens_text, train_flags, wandb_sink
 from decompax.core import health, probe, sites as sites_lib, slots
 from decompax.io import checkpoint, decomposition, figures, run_dir
@@ -28,7 +29,7 @@ from decompax.targets import registry
 
 # Flags a launch may change without changing the run (flags.txt omits them).
 RELAUNCH_FLAGS = ("overwrite", "on_nonfinite", "max_skipped_in_a_row",
-                  "stop_after_step", "wandb_project")
+                  "max_skipped_share", "stop_after_step", "wandb_project")
 # Flags that say where the run is, not what it is: flags.txt records this
 # launch's value, and a run directory moved elsewhere resumes from there.
 LOCATION_FLAGS = ("output_dir",)
@@ -313,8 +314,12 @@ def train(prepared: Prepared):
   parts, writer = prepared.plan.parts, placement_setup.is_writer()
   session = checkpointing.open_session(config, output_dir, parts.target.sites,
                                        parts.ci_config, parts.term_names)
-  run = assembly.start(prepared.plan, prepared.weights,
-                       checkpointing.restorer(session))
+  restore = checkpointing.restorer(session)
+  if restore is None and config.faithfulness_warmup_steps:
+    print(f"[warmup] {config.faithfulness_warmup_steps} faithfulness "
+          "steps ...", flush=True)
+  run = assembly.start(prepared.plan, prepared.weights, restore,
+                       checkpointing.warmup_between(session))
   checkpointing.after_warmup(session, run.state)
   print_warmup(config, run.warmup_losses)
   print(f"[train] {parts.toy.name}: sites "
@@ -450,6 +455,12 @@ def compile_step(run: assembly.Run, first: int,
     run.state, run.weights, run.step_inputs(first)).compile(
       placement.compiler_options if placement else None)
   print(f"[train] step compiled in {time.time() - compile_start:.1f}s")
+  # A step that cannot be allocated may hang instead of failing: refuse it
+  # before it runs.
+  device_memory.check_fits(
+    compiled, f"the step (--batch_size={run.plan.parts.config.batch_size})",
+    "lower --batch_size (a targeted run: its streams' batch sizes), "
+    "--seq_len or --c, or spread the batch over more devices")
   return compiled
 
 
@@ -538,8 +549,10 @@ def log_step(loop: Loop, state, metrics: dict, done: int,
   its progress line and refresh the figures when due."""
   config = loop.config
   record = {"step": done, **metrics, "step_time_s": step_time}
-  record.update(loop.evaluator.evaluate(
-    state, done, lambda: checkpointing.stop_requested(loop.session)))
+  scalars = loop.evaluator.evaluate(
+    state, done, lambda: checkpointing.stop_requested(loop.session))
+  checkpointing.check_final_eval(loop.session, state, scalars, done)
+  record.update(scalars)
   if loop.writer:
     run_dir.append_metrics(loop.metrics_path, record)
     loop.sink.sync()
@@ -622,6 +635,14 @@ def main(argv: list[str]) -> None:
     fail(str(e))
   except checkpointing.Diverged as e:
     cli.fail("train", str(e), checkpointing.DIVERGED_EXIT_CODE)
+  except device_memory.DoesNotFit as e:
+    fail(str(e))
+  except jax.errors.JaxRuntimeError as e:
+    # An allocation that fails where XLA does report it (accelerators).
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    fail(f"out of memory ({' '.join(str(e).split())[:300]}); lower "
+         "--batch_size, --seq_len or --c")
   except OSError as e:  # metrics, figures or results; checkpoints are safe
     fail(write_refusal(e.filename or prepared.output_dir, e))
 

@@ -544,6 +544,12 @@ _MAX_SKIPPED_IN_A_ROW = flags.DEFINE_integer(
   "With --on_nonfinite=skip: stop as a diverged run once this many updates "
   "in a row were non-finite (a run that cannot recover). May differ between "
   "launches of a run.")
+_MAX_SKIPPED_SHARE = _define_float(
+  "max_skipped_share", _D.max_skipped_share,
+  "With --on_nonfinite=skip: stop as a diverged run once more than this "
+  "share of --num_steps updates were non-finite, in a row or not (a run "
+  "that mostly trained nothing; 1: no limit). May differ between launches "
+  "of a run.")
 _INIT_FROM = flags.DEFINE_string(
   "init_from", _D.init_from,
   "Fine-tune init: <run_dir>/<step> or <run_dir>/latest. Starts from that "
@@ -582,8 +588,17 @@ def _parse_widths(values: list[str]) -> tuple[int, ...]:
     ) from None
 
 
+def check_alive_threshold(flag: str, value: float) -> None:
+  """Raise ValueError unless a CI threshold lies in [0, 1): CI does, so a
+  negative one counts every component alive and 1 counts none."""
+  if not 0.0 <= value < 1.0:
+    raise ValueError(f"--{flag} must lie in [0, 1), the range of CI, got "
+                     f"{value}")
+
+
 def _validate_eval_cadence(config: TrainConfig) -> None:
   """Raise ValueError unless log_every | eval_every | slow_eval_every."""
+  check_alive_threshold("ci_alive_threshold", config.ci_alive_threshold)
   _positive("eval_batches", config.eval_batches)
   _non_negative("eval_every", config.eval_every)
   _non_negative("slow_eval_every", config.slow_eval_every)
@@ -672,6 +687,15 @@ def _validate_schedules(config: TrainConfig) -> None:
   if config.importance_penalty == "smooth_l0" and config.p_knots:
     raise ValueError("--p_knots anneals p, which smooth_l0 does not use; "
                      "anneal γ with --smooth_l0_gamma_schedule")
+  # A negative final fraction ends the decay below zero: a learning rate
+  # would ascend the loss, an exponent p turn minimality around.
+  for name in ("lr_final_frac", "p_final_frac"):
+    _non_negative(name, getattr(config, name))
+  if config.importance_penalty == "lp" and config.p_start <= 0:
+    raise ValueError(f"--p_start must be positive, got {config.p_start}: "
+                     "minimality raises CI to the power p, and at p = 0 it "
+                     "is a constant that trains nothing (p < 0 rewards "
+                     "large CI); the SPD recipes use 1 or 2")
 
 
 def _validate_coefficients(config: TrainConfig) -> None:
@@ -753,6 +777,11 @@ def _validate_roles(config: TrainConfig) -> None:
   with setting("ci_roles"):
     ci_fns.parse_roles(config.ci_roles)
   _non_negative("hidden_pass_coeff", config.hidden_pass_coeff)
+  points = config.hidden_pass_points
+  twice = sorted({p for p in points if points.count(p) > 1})
+  if twice:
+    raise ValueError(f"--hidden_pass_points lists {', '.join(twice)} twice; "
+                     "name each activation once")
   if ci_fns.HIDDEN not in config.ci_roles and config.hidden_pass_points:
     raise ValueError("--hidden_pass_points names what the hidden role's "
                      "passes reconstruct; add --ci_roles=output,hidden or "
@@ -795,6 +824,9 @@ def _validate_run(config: TrainConfig) -> None:
   _validate_seeds(config)
   for name in ("save_every", "keep_last", "max_skipped_in_a_row"):
     _positive(name, getattr(config, name))
+  if not 0.0 < config.max_skipped_share <= 1.0:
+    raise ValueError("--max_skipped_share must lie in (0, 1], got "
+                     f"{config.max_skipped_share}")
   checkpointing.parse_init_from(config.init_from)
   run_records.parse_profile_steps(config.profile_steps, config.num_steps)
   _validate_stop(config)

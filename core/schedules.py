@@ -57,6 +57,11 @@ class Knot:
                        f"{'|'.join(SEGMENT_SHAPES)}")
     if not (math.isfinite(self.at) and math.isfinite(self.frac)):
       raise ValueError(f"knot ({self.at}, {self.frac}) is not finite")
+    if self.frac < 0:
+      # A knot scales a learning rate, coefficient or exponent: below 0 it
+      # flips the sign (a learning rate would ascend the loss).
+      raise ValueError(f"knot {self.at:g}:{self.frac:g} has a negative "
+                       "fraction; fractions must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

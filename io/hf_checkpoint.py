@@ -21,7 +21,7 @@ word-level tokenizer. Each file is replaced atomically.
 import json
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, BinaryIO, Optional
 
 import ml_dtypes
@@ -39,23 +39,47 @@ _NORMS = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm",
           "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 
-def read_config(model_dir: str) -> dict[str, Any]:
+def read_config(model_dir: str,
+                check: Optional[Callable[[dict[str, Any]], None]] = None
+                ) -> dict[str, Any]:
   """Return the checkpoint's config as a dict (transformers' AutoConfig).
 
+  `check(raw)` sees the file's own JSON object first; its ValueError comes
+  back naming the file.
+
   Raises:
-    ValueError: no directory or config.json there, or a config transformers
-      cannot read.
+    ValueError: no directory or config.json there, a file that is not a
+      JSON object, one `check` refuses, or a config transformers cannot
+      read; each on one line naming the file.
   """
-  if not os.path.isfile(os.path.join(model_dir, "config.json")):
+  path = os.path.join(model_dir, "config.json")
+  if not os.path.isfile(path):
     raise ValueError(f"{model_dir!r} holds no config.json; name a local "
                      "Hugging Face checkpoint directory")
+  try:
+    with open(path, encoding="utf-8") as f:
+      raw = json.load(f)
+  except OSError as e:
+    raise ValueError(f"cannot read {path}: {e.strerror}") from None
+  except ValueError as e:  # also UnicodeDecodeError
+    raise ValueError(f"{path} is not valid JSON ({e})") from None
+  if not isinstance(raw, dict):
+    raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not the "
+                     "object of a model config")
+  if check is not None:
+    try:
+      check(raw)
+    except ValueError as e:
+      raise ValueError(f"{path}: {e}") from None
   transformers = _import_transformers()
   try:
     config = transformers.AutoConfig.from_pretrained(
       model_dir, local_files_only=True)
-  except (ValueError, KeyError, OSError) as e:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-    raise ValueError(f"cannot read {model_dir}/config.json: {first}") from None
+  # Its validators raise their own error classes (huggingface_hub's strict
+  # dataclasses among them); any of them is the file's fault.
+  except Exception as e:  # noqa: BLE001
+    why = " ".join(str(e).split()) or type(e).__name__
+    raise ValueError(f"cannot read {path}: {why}") from None
   return config.to_dict()
 
 
@@ -241,17 +265,27 @@ def load_decoder_arrays(
       raise ValueError(f"checkpoint {model_dir} lacks tensor {name!r}")
     return read_tensor(files[name], name)
 
+  def stack(hf, transpose=False):
+    names = [f"model.layers.{i}.{hf}.weight" for i in range(n_layers)]
+    layers = [get(name) for name in names]
+    for name, layer in zip(names[1:], layers[1:]):
+      if layer.shape != layers[0].shape:
+        raise ValueError(
+          f"tensor {name} in {files[name]} has shape {layer.shape}, but "
+          f"{names[0]} has {layers[0].shape}; every layer's must match "
+          f"({_REFETCH})")
+    return np.stack([np.asarray(layer, dtype).T if transpose
+                     else np.asarray(layer, dtype) for layer in layers])
+
   out = {"embed": np.asarray(get("model.embed_tokens.weight"), dtype),
          "norm": np.asarray(get("model.norm.weight"), dtype)}
   if not tied:
     out["head"] = np.asarray(get("lm_head.weight"), dtype)
   norms = dict(_NORMS) if qk_norm else {k: _NORMS[k] for k in ("ln1", "ln2")}
   for key, hf in norms.items():
-    out[key] = np.stack([np.asarray(get(f"model.layers.{i}.{hf}.weight"),
-                                    dtype) for i in range(n_layers)])
+    out[key] = stack(hf)
   for key, hf in _MATRICES.items():
-    out[key] = np.stack([np.asarray(get(f"model.layers.{i}.{hf}.weight"),
-                                    dtype).T for i in range(n_layers)])
+    out[key] = stack(hf, transpose=True)
   return out
 
 

@@ -294,9 +294,11 @@ def example_batch(p: Parts, data) -> Any:
 
 
 def warm_components(config: TrainConfig, target: TargetFns, weights: Any,
-                    key: jax.Array, warm: bool):
+                    key: jax.Array, warm: bool,
+                    between: warmup_lib.Between | None = None):
   """Return the initial components, after the faithfulness warmup when
-  `warm`, and the warmup's losses (none without it)."""
+  `warm`, and the warmup's losses (none without it); `between` is the
+  host's look between its chunks (`core.warmup`)."""
   w_stacks = target.frozen_stacks(weights)
   if config.components_init == "projected":
     components = sites_lib.init_components_projected(
@@ -306,21 +308,25 @@ def warm_components(config: TrainConfig, target: TargetFns, weights: Any,
   return warmup_lib.faithfulness_warmup(
     lambda comps, ws: faithfulness.faithfulness_per_kind(ws, comps),
     components, w_stacks, config.faithfulness_warmup_steps if warm else 0,
-    config.faithfulness_warmup_lr, config.faithfulness_warmup_weight_decay)
+    config.faithfulness_warmup_lr, config.faithfulness_warmup_weight_decay,
+    between)
 
 
-def start(planned: Plan, weights: Any, restore: Restore | None = None) -> Run:
+def start(planned: Plan, weights: Any, restore: Restore | None = None,
+          between: warmup_lib.Between | None = None) -> Run:
   """Return the run with its initial state built in place.
 
   A fresh run's components are warmed up (faithfulness alone) and the
   state built around them, each leaf straight into its shard; with
   `restore` (a resume or fine-tune init) the warmup is skipped and the
-  state is read from the checkpoint onto the same shardings.
+  state is read from the checkpoint onto the same shardings. `between`
+  runs between chunks of the warmup (it may end the launch there).
   """
   p, placed = planned.parts, planned.shardings
   keys = keys_of(p.config.seed)
   components, warmup_losses = warm_components(
-    p.config, p.target, weights, keys.components, warm=restore is None)
+    p.config, p.target, weights, keys.components, warm=restore is None,
+    between=between)
   state_shardings = None if placed is None else placed.state
 
   def build(comps, ci_params):

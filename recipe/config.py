@@ -144,6 +144,7 @@ class TrainConfig:
   keep_all: bool = False
   on_nonfinite: str = "stop"
   max_skipped_in_a_row: int = 100
+  max_skipped_share: float = 0.1
   init_from: str | None = None
   profile_steps: str = ""
   target_task: str = ""

@@ -86,12 +86,15 @@ def hidden_pass_points(config: TrainConfig, target) -> tuple[str, ...]:
   points = (config.hidden_pass_points or target.hidden_pass_points
             or site_outs)
   reaches = target.masking_reaches or (lambda point: point in site_outs)
-  for point in points:
-    if not reaches(point):
-      raise ValueError(
-        f"--hidden_pass_points: masking the decomposed sites cannot reach "
-        f"{point!r} (it is computed before, or beside, every one of them); "
-        f"name activations downstream of a site, e.g. {site_outs[-1]!r}")
+  # The target's tap check names no flag; a point it does not know is
+  # this flag's (or the target default's) to fix.
+  with setting("hidden_pass_points"):
+    for point in points:
+      if not reaches(point):
+        raise ValueError(
+          f"masking the decomposed sites cannot reach {point!r} (it is "
+          "computed before, or beside, every one of them); name "
+          f"activations downstream of a site, e.g. {site_outs[-1]!r}")
   return tuple(points)
 
 
@@ -114,8 +117,12 @@ def ci_config(
   `glu_target.ci_chunks`); without one, one chunk per site reading that
   site's input.
   """
+  with setting("ci_roles"):
+    ci_fns.parse_roles(config.ci_roles)
   if config.ci_fn != "transformer":
-    with setting("ci_roles"):
+    # The roles are checked: what the constructor refuses now is the
+    # hidden widths (or a dual-role trunk that has none).
+    with setting("ci_hidden"):
       return ci_fns.CIConfig(config.ci_fn, config.ci_hidden,
                              roles=config.ci_roles)
   chunks, widths = (), ()

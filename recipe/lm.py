@@ -76,7 +76,8 @@ def hf_target(config) -> tuple[LmTarget, target_lib.TargetFns,
                      "checkpoint directory>")
   model_dir = config.model_dir
   with setting("model_dir"):
-    glu = glu_config.config_from_hf(hf_checkpoint.read_config(model_dir))
+    glu = glu_config.config_from_hf(hf_checkpoint.read_config(
+      model_dir, glu_config.check_fields))
   if config.seq_len > glu.max_position:
     raise ValueError(f"--seq_len {config.seq_len} exceeds the model's "
                      f"max_position_embeddings {glu.max_position}")

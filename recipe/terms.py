@@ -207,9 +207,10 @@ def persistent_config(config: TrainConfig) -> adversarial.PersistentConfig:
     b1, b2, config.pgd_eps)
   with setting("pgd_lr_warmup_pct"):
     lr = Schedule(config.pgd_lr, "constant", 1.0, config.pgd_lr_warmup_pct)
-  return adversarial.PersistentConfig(
-    source, lr, config.pgd_n_warmup, config.pgd_objective,
-    config.pgd_start_frac)
+  with setting("pgd_start_frac"):
+    return adversarial.PersistentConfig(
+      source, lr, config.pgd_n_warmup, config.pgd_objective,
+      config.pgd_start_frac)
 
 
 def _persistent_term(config: TrainConfig, inputs: TermInputs, name: str,

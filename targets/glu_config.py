@@ -153,6 +153,42 @@ def _check_options(hf: dict[str, Any], family: str) -> None:
             "implemented")
 
 
+# Sizes the forward reads from a HF config: required, then optional.
+_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers",
+          "intermediate_size", "vocab_size")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim",
+                   "max_position_embeddings")
+
+
+def _is_size(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_fields(hf: dict[str, Any]) -> None:
+  """Raise ValueError naming the first key of a raw `config.json` dict whose
+  value this forward cannot use: a size that is not a positive integer
+  (a string "64" included), or heads that do not divide their widths.
+  Checked before transformers reads the file, whose own refusals of these
+  name no key."""
+  for key in _SIZES + _OPTIONAL_SIZES:
+    if key not in hf or (key in _OPTIONAL_SIZES and hf[key] is None):
+      if key in _SIZES:
+        raise ValueError(f"key {key!r} is missing; a decoder config gives "
+                         "it as a positive integer")
+      continue
+    if not _is_size(hf[key]):
+      raise ValueError(f"key {key!r} must be a positive integer, got "
+                       f"{hf[key]!r} ({type(hf[key]).__name__})")
+  heads, width = hf["num_attention_heads"], hf["hidden_size"]
+  if hf.get("head_dim") is None and width % heads:
+    raise ValueError(f"key 'num_attention_heads': {heads} heads do not "
+                     f"divide hidden_size {width} (and no head_dim is given)")
+  kv_heads = hf.get("num_key_value_heads") or heads
+  if heads % kv_heads:
+    raise ValueError(f"key 'num_key_value_heads': {kv_heads} key/value "
+                     f"heads do not divide num_attention_heads {heads}")
+
+
 def config_from_hf(hf: dict[str, Any]) -> GluConfig:
   """Return the `GluConfig` of a HF config dict; ValueError if unsupported."""
   family = hf.get("model_type")

@@ -87,6 +87,29 @@ def _drop_second_shard(model):
   (model / "model-00002-of-00002.safetensors").unlink()
 
 
+def _config_json(**changes):
+  def damage(model):
+    path = model / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+  return damage
+
+
+def _config_text(text: str):
+  def damage(model):
+    (model / "config.json").write_text(text)
+  return damage
+
+
+def _widen_second_layer(model):
+  """Give layer 1's up_proj one output row more than layer 0's."""
+  from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+  path = model / "model.safetensors"
+  tensors = load_file(path)
+  name = "model.layers.1.mlp.up_proj.weight"
+  tensors[name] = np.concatenate([tensors[name], tensors[name][:1]])
+  save_file(tensors, path)
+
+
 def _flags_txt(*args: str):
   """Leave {T}/r holding a run made with `args` (its flags.txt)."""
 
@@ -308,6 +331,19 @@ FULL_DISK = (
   "def _full(fd):\n"
   "  raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
   "os.fsync = _full\n")
+# At most 8 GiB of address space: the oversized step below is refused
+# the same on any machine, and never allocated even where it would fit.
+ADDRESS_SPACE_8G = (
+  "import resource\n"
+  "resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))\n")
+# An accelerator's allocator refusing the step's buffers, as XLA reports it.
+DEVICE_OOM = (
+  "import jax\n"
+  "from decompax.bin import device_memory\n"
+  "def _refused(*args):\n"
+  "  raise jax.errors.JaxRuntimeError(\n"
+  "    'RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.0G')\n"
+  "device_memory.check_fits = _refused\n")
 TOKENIZE = ("--tokenizer={T}/tok", "--input={T}/w.txt", "--output={T}/o.bin")
 FIXTURE_TOKENIZER = "--tokenizer={ROOT}/tests/fixtures/tiny_llama"
 
@@ -315,6 +351,27 @@ ROWS = (
   # Never save or report garbage.
   Row("diverged", "train", (*DIVERGE, OUT), "diverged at step 2 (first "
       "non-finite value: loss/", code=3),
+  Row("skipped_too_many", "train", (*DIVERGE, "--on_nonfinite=skip", OUT),
+      "diverged: 4 updates were not finite and skipped, more than "
+      "--max_skipped_share=0.1 of the 10 steps", code=3),
+  Row("final_eval_not_finite", "train", (
+    *DIVERGE, "--eval_every=5", "--on_nonfinite=skip",
+    "--max_skipped_share=1", OUT),
+    "diverged: the final eval (step 10) is not finite (eval/", code=3),
+  # A step that cannot be allocated used to hang in the step-0 eval. It is
+  # refused once compiled, after the setup wrote the run (so not in {T}/o).
+  Row("step_does_not_fit", "train", (
+    "--batch_size=100000000", "--num_steps=10", "--log_every=5",
+    "--eval_every=5", "--slow_eval_every=0", "--figures_every=0",
+    "--output_dir={T}/run"), "the step (--batch_size=100000000) needs ",
+    prelude=ADDRESS_SPACE_8G),
+  Row("device_out_of_memory", "train", (
+    "--num_steps=10", "--eval_every=0", "--slow_eval_every=0",
+    "--figures_every=0", "--output_dir={T}/run"), "out of memory "
+    "(RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.0G); "
+    "lower --batch_size", prelude=DEVICE_OOM),
+  Row("skipped_share_zero", "train", ("--max_skipped_share=0", OUT),
+      "--max_skipped_share must lie in (0, 1], got 0.0"),
   Row("token_ids_past_vocab", "train", (*LLAMA, "--data_path={T}/f.bin", OUT),
       "holds id 999, outside the vocab [0, 10)", setup=_forged_tokens(
         vocab_size=10)),
@@ -482,10 +539,52 @@ ROWS = (
     setup=_model_copy("tiny_qwen3", _drop_second_shard)),
   Row("full_disk", "train", (OUT,), "No space left on device; free space "
       "there", prelude=FULL_DISK),
+  Row("config_heads_do_not_divide", "train", (
+    *LLAMA, "--model_dir={T}/m", OUT), "m/config.json: key "
+    "'num_attention_heads': 3 heads do not divide hidden_size 64",
+    setup=_model_copy("tiny_llama", _config_json(num_attention_heads=3,
+                                                  head_dim=None))),
+  Row("config_size_a_string", "train", (*LLAMA, "--model_dir={T}/m", OUT),
+      "m/config.json: key 'hidden_size' must be a positive integer, got "
+      "'64' (str)", setup=_model_copy("tiny_llama",
+                                      _config_json(hidden_size="64"))),
+  Row("config_not_json", "train", (*LLAMA, "--model_dir={T}/m", OUT),
+      "m/config.json is not valid JSON (Expecting value",
+      setup=_model_copy("tiny_llama", _config_text("{\"a\": }"))),
+  Row("layer_shapes_differ", "train", (*LLAMA, "--model_dir={T}/m", OUT),
+      "tensor model.layers.1.mlp.up_proj.weight in {T}/m/model.safetensors "
+      "has shape (97, 64), but model.layers.0.mlp.up_proj.weight has "
+      "(96, 64)", setup=_model_copy("tiny_llama", _widen_second_layer)),
   Row("other_flags", "train", ("--output_dir={T}/r", "--lr=0.002"),
       "--lr was 0.001, now 0.002); resume it with the same flags, replace "
       "it, or choose another directory (--overwrite replaces it)",
       setup=_flags_txt("--lr=0.001")),
+  # Settings that would train something else than asked, silently.
+  Row("lr_knot_negative", "train", ("--lr_knots=0:1,1:-0.5", OUT),
+      "--lr_knots: knot 1:-0.5 has a negative fraction"),
+  Row("lr_final_frac_negative", "train", ("--lr_final_frac=-0.5", OUT),
+      "--lr_final_frac must be >= 0, got -0.5"),
+  Row("p_start_zero", "train", ("--p_start=0", OUT),
+      "--p_start must be positive, got 0.0: minimality raises CI to the "
+      "power p, and at p = 0 it is a constant"),
+  Row("alive_threshold_negative", "train", ("--ci_alive_threshold=-1", OUT),
+      "--ci_alive_threshold must lie in [0, 1), the range of CI, got -1.0"),
+  Row("harvest_threshold_negative", "harvest", (
+    "--run_dir={T}/nowhere", "--threshold=-1"),
+    "--threshold must lie in [0, 1), the range of CI, got -1.0"),
+  Row("hidden_pass_point_twice", "train", (
+    "--ci_roles=output,hidden",
+    "--hidden_pass_points=linear2.out,linear1.out,linear2.out", OUT),
+    "--hidden_pass_points lists linear2.out twice"),
+  # Each message names its flag (or file).
+  Row("ci_hidden_zero", "train", ("--ci_hidden=0", OUT),
+      "--ci_hidden: CI hidden widths must be positive, got (0,)"),
+  Row("pgd_start_frac_one", "train", (
+    "--pgd_coeff=1", "--pgd_start_frac=1", OUT),
+    "--pgd_start_frac: start_frac must lie in [0, 1), got 1.0"),
+  Row("hidden_pass_point_unknown", "train", (
+    *LLAMA, "--ci_roles=output,hidden", "--hidden_pass_points=bogus", OUT),
+    "--hidden_pass_points: unknown tap key 'bogus'"),
   # Refusals that already worked.
   Row("unknown_flag", "train", ("--bogus=1", OUT),
       "Unknown command line flag 'bogus'"),

@@ -61,8 +61,10 @@ def test_divergence_stops_and_keeps_the_good_checkpoint(tmp_path,
 def test_skip_drops_bad_updates_until_too_many_come_in_a_row(
     tmp_path, target_path):
   out = tmp_path / "run"
+  # No share limit: the streak is what stops this run.
   result = _train("--lr=1e6", "--on_nonfinite=skip",
-                  "--max_skipped_in_a_row=8", f"--output_dir={out}",
+                  "--max_skipped_in_a_row=8", "--max_skipped_share=1",
+                  f"--output_dir={out}",
                   f"--target_path={target_path}")
   assert result.returncode == DIVERGED, result.stderr
   assert "non-finite update(s)" in result.stdout

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -336,6 +337,37 @@ def test_killed_mid_write_then_sigterm_resumes_without_losing_steps(
   launches = json.loads((out / "run_info.json").read_text())["launches"]
   assert [entry["mode"] for entry in launches] == ["fresh", "resume"]
   assert launches[0]["versions"]["tensorstore"]
+
+
+def test_sigterm_mid_warmup_stops_at_a_warmup_step_within_seconds(
+    straight, tmp_path, output_lines):  # I40
+  out = tmp_path / "run"
+  # Ten million warmup steps: minutes, far longer than the wait below.
+  process = _bin_train([
+    "--num_steps=10", "--batch_size=16", "--faithfulness_warmup_steps=10000000",
+    "--eval_every=0", "--slow_eval_every=0", "--figures_every=0",
+    f"--target_path={straight.target_path}", f"--output_dir={out}"])
+  try:
+    seen, lines = [], output_lines(process)
+    for line in lines:
+      seen.append(line)
+      if line.startswith("[warmup] 10000000 faithfulness steps"):
+        break
+    time.sleep(3)  # into the warmup's loop, past its compile
+    process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    seen.extend(lines)
+    code = process.wait(timeout=120)
+    waited = time.monotonic() - signalled
+  finally:
+    process.kill()
+    process.wait()
+  output = "".join(seen)
+  assert code == checkpointing.REQUEUE_EXIT_CODE, output[-2000:]
+  assert waited < 10, output[-2000:]
+  assert ("stop signal during the faithfulness warmup, after " in output
+          and " of its 10000000 steps: nothing saved" in output), output
+  assert checkpoint.committed_steps(out / checkpoint.CHECKPOINT_DIR) == []
 
 
 @pytest.mark.parametrize("args,message", [

@@ -85,6 +85,7 @@ def test_knots_trace_inside_jit():
   ("0:1,1", "at:frac"),
   ("0:one,1:0", "non-number"),
   ("0:1,1:nan", "not finite"),
+  ("0:1,0.5:-0.2,1:0", "knot 0.5:-0.2 has a negative fraction"),
 ])
 def test_bad_knots_are_refused(text, message):
   with pytest.raises(ValueError, match=message):

@@ -58,6 +58,40 @@ def test_missing_pieces_fail_with_one_line(tmp_path):
   assert "\n" not in str(info.value)
 
 
+def test_layers_of_different_shapes_are_named_not_stacked(tmp_path):
+  layers = {f"model.layers.{i}.input_layernorm.weight":
+            np.ones((4 + i,), np.float32) for i in range(2)}
+  save_file({"model.embed_tokens.weight": np.zeros((4, 2), np.float32),
+             "model.norm.weight": np.ones((2,), np.float32), **layers},
+            str(tmp_path / "model.safetensors"))
+  with pytest.raises(ValueError, match=(
+      r"tensor model.layers.1.input_layernorm.weight in .*model.safetensors "
+      r"has shape \(5,\), but model.layers.0.input_layernorm.weight has "
+      r"\(4,\)")):
+    hf_checkpoint.load_decoder_arrays(str(tmp_path), 2, False, True)
+
+
+@pytest.mark.parametrize("text, message", [
+  ('{"model_type": ', "config.json is not valid JSON"),
+  ("[1]", "config.json holds a JSON list"),
+])
+def test_a_config_that_is_not_a_json_object_names_its_file(tmp_path, text,
+                                                          message):
+  (tmp_path / "config.json").write_text(text)
+  with pytest.raises(ValueError, match=message):
+    hf_checkpoint.read_config(str(tmp_path))
+
+
+def test_a_check_of_the_raw_config_names_the_file(tmp_path):
+  (tmp_path / "config.json").write_text('{"hidden_size": "64"}')
+
+  def check(raw):
+    raise ValueError(f"key 'hidden_size' got {raw['hidden_size']!r}")
+
+  with pytest.raises(ValueError, match=r"config.json: key 'hidden_size'"):
+    hf_checkpoint.read_config(str(tmp_path), check)
+
+
 def test_unsupported_tensor_dtype_is_refused(tmp_path):
   path = tmp_path / "x.safetensors"
   header = json.dumps({"x": {"dtype": "I8", "shape": [2],
