@@ -8,6 +8,8 @@ import ast
 import importlib.util
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -63,3 +65,20 @@ def test_applying_refuses_a_line_that_is_gone_or_repeated():
     mutation.apply("nothing here\n")
   with pytest.raises(ValueError, match="occurs 2 times"):
     mutation.apply(f"{mutation.before}\n{mutation.before}\n")
+
+
+def test_the_scratch_copy_is_what_its_processes_import(tmp_path):
+  # The environment's editable install points `decompax.*` at this
+  # checkout; a mutation applied to the copy must be the code that runs.
+  work = tmp_path / "repo"
+  MUTATE.scratch_copy(ROOT, work)
+  assert (work / "core" / "masks.py").read_text() == (
+    ROOT / "core" / "masks.py").read_text()
+  env = MUTATE.environment(work, tmp_path / "cache")
+  MUTATE.check_imports_from(work, env)  # exits unless all come from `work`
+  (work / "core" / "marker.py").write_text("WHERE = 'scratch'\n")
+  done = subprocess.run(
+    [sys.executable, "-P", "-c",
+     "from decompax.core import marker; print(marker.WHERE)"],
+    cwd=work, env=env, capture_output=True, text=True)
+  assert done.stdout.strip() == "scratch", done.stderr[-2000:]
