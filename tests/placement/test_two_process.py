@@ -225,13 +225,16 @@ def test_two_processes_resume_a_token_file_run_onto_the_right_batches(
   and relaunched must read steps 3 and 4's batches, not the launch's first
   ones, and end bitwise where an uninterrupted two-process launch ends."""
   straight, split = tmp_path / "straight", tmp_path / "split"
-  both = (_start(tmp_path, "straight", _token_llama_args(tmp_path, straight)),
-          _start(tmp_path, "stopped", [*_token_llama_args(tmp_path, split),
-                                       "--stop_after_step=2"]))
-  for started in both:
+  # The uninterrupted launch and the first half of the split one run side
+  # by side.
+  straight_run = _start(tmp_path, "straight",
+                        _token_llama_args(tmp_path, straight))
+  stopped_run = _start(tmp_path, "stopped", [
+    *_token_llama_args(tmp_path, split), "--stop_after_step=2"])
+  for started in (straight_run, stopped_run):
     codes, texts = _finish(started)
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
-  assert "stopped after step 2 of 4" in texts[0]
+  assert "stopped after step 2 of 4" in texts[0]  # the stopped launch's
   assert checkpoint.committed_steps(split / "checkpoints") == [0, 2]
   codes, texts = _finish(_start(tmp_path, "resumed",
                                 _token_llama_args(tmp_path, split)))
