@@ -133,6 +133,7 @@ def test_feature_match_passes_over_a_numerically_dead_component():
 @pytest.mark.parametrize("feature_axis", [0, 1])
 def test_ml2r_reads_the_best_cosine_component_not_the_largest(feature_axis):
   weight, v, u, columns = _tms_split()
+  # SPEC §10: ML2R is the norm ratio of the best-cosine component.
   # Feature 0 keeps its exact component at half its norm and gains a spare
   # one three times its norm, 45 degrees off: the match (and the norm ratio
   # ML2R reports) is the aligned component's, though the spare is larger.

@@ -68,7 +68,7 @@ def test_smooth_l0_counts_components_and_has_its_gradient():
 
 def _ctx(upper, step, total_steps=11):
   # Only the CI and the step matter to the minimality terms, which read the
-  # upper CI: the lower and pre-squash CI differ from it, so a term reading
+  # upper CI (I6): the lower and pre-squash CI differ from it, so a term reading
   # either would be seen.
   lower = {k: 0.5 * v for k, v in upper.items()}
   pre = {k: v - 0.25 for k, v in upper.items()}

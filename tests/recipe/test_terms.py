@@ -32,6 +32,7 @@ def _lp(p: float) -> float:
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_the_p_anneal_runs_from_p_start_to_its_final_fraction(schedule):
+  # I32: a decay reaches f·start exactly at the last step.
   config = TrainConfig(num_steps=STEPS, p_start=2.0, p_schedule=schedule,
                        p_final_frac=0.25)
   # The last step (`num_steps - 1` completed) is at p_start·p_final_frac.
