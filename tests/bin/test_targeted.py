@@ -254,3 +254,32 @@ def test_a_targeted_run_restored_at_step_2_steps_to_its_saved_step_4(
         got.dtype, jax.dtypes.prng_key):
       got, want = jax.random.key_data(got), jax.random.key_data(want)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_assembled_run_pins_delta_on_the_nontarget_stream_alone(
+    parse, finished_run, tmp_path):
+  """I45 through the built step: with every component zero a masked
+  forward is `δ·W`, so a stream whose δ is pinned at 1 reproduces the clean
+  forward under any mask and its recon terms are exactly zero, while the
+  target stream's stochastic δ leaves a loss."""
+  from decompax.recipe import assembly  # noqa: PLC0415
+  target_path = os.path.join(finished_run("induction"), "target.npz")
+  config = parse(*TPD, f"--target_path={target_path}",
+                 f"--output_dir={tmp_path / 'run'}")
+  placement = _one_device_placement()
+  prepared = train.setup(config, placement)
+  run = assembly.start(prepared.plan, prepared.weights)
+  compiled = train.compile_step(run, 0, placement)
+  state = run.state._replace(
+    components=jax.tree.map(jax.numpy.zeros_like, run.state.components))
+  _, metrics = compiled(state, run.weights, run.step_inputs(0))
+  metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  pinned = ("nontarget/loss/recon", "nontarget/loss/merged_recon",
+            "nontarget/loss/recon_hidden", "nontarget/loss/merged_recon_hidden")
+  for key in pinned:
+    assert metrics[key] == 0.0, (key, metrics[key])
+  for key in ("target/loss/stochastic_recon",
+              "target/loss/stochastic_recon_hidden"):
+    assert metrics[key] > 1e-4, (key, metrics[key])
+  # The unmasked variant runs δ ≡ 0: nothing of W is left.
+  assert metrics["nontarget/loss/unmasked_recon"] > 1e-4

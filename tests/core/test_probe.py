@@ -130,6 +130,25 @@ def test_feature_match_passes_over_a_numerically_dead_component():
   assert probe.feature_match(weight, v_dead, u_dead, 0).best[0] == dead
 
 
+@pytest.mark.parametrize("feature_axis", [0, 1])
+def test_ml2r_reads_the_best_cosine_component_not_the_largest(feature_axis):
+  weight, v, u, columns = _tms_split()
+  # SPEC §10: ML2R is the norm ratio of the best-cosine component.
+  # Feature 0 keeps its exact component at half its norm and gains a spare
+  # one three times its norm, 45 degrees off: the match (and the norm ratio
+  # ML2R reports) is the aligned component's, though the spare is larger.
+  spare = next(c for c in range(v.shape[1]) if c not in columns)
+  w0 = weight[0]
+  turned = np.array([w0[0] - w0[1], w0[0] + w0[1]]) / np.sqrt(2)
+  v[0, spare], u[spare] = 1.0, 3.0 * turned
+  u[columns[0]] = 0.5 * w0
+  args = (weight, v, u) if feature_axis == 0 else (weight.T, u.T, v.T)
+  match = probe.feature_match(*args, feature_axis=feature_axis)
+  assert list(match.best) == list(columns)
+  np.testing.assert_allclose([match.mmcs, match.ml2r], [1.0, 0.9],
+                             rtol=1e-12)
+
+
 def test_feature_match_of_all_dust_scores_zero():
   weight, v, u, _ = _tms_split()
   match = probe.feature_match(weight, v, 1e-6 * u, feature_axis=0)

@@ -218,3 +218,35 @@ def test_a_finish_without_a_state_is_refused(chain):
     finish=lambda ctx, key, state, inputs, grads, aux: state)
   with pytest.raises(ValueError, match="finish but no init_state"):
     _build(chain, (term,))
+
+
+def _key_term():
+  """A term whose value is a draw from the key the step hands it."""
+
+  def fn(ctx, key):
+    del ctx
+    return jax.random.uniform(key)
+
+  return train_step.simple_term("draw", 1.0, fn)
+
+
+def test_each_step_draws_from_its_own_key(chain):
+  """R2: a term's key comes from the run's key and the step, folded in
+  per term (`fold_in(fold_in(rng, step), 1 + j)`): new draws every step,
+  the same draws at the same step, whatever came before."""
+  target, weights = chain
+  ci, built = _build(chain, (_key_term(),))
+  start = _state(chain, ci, built)
+  x = jax.random.normal(jax.random.key(3), (8, 4))
+  rng = np.asarray(jax.random.key_data(start.rng))  # the step donates it
+  later = jax.tree.map(jnp.copy, start)._replace(step=jnp.asarray(5))
+  draws = []
+  state = start
+  for _ in range(2):
+    state, metrics = built.step(state, weights, x)
+    draws.append(float(metrics["loss/draw"]))
+  _, at_5 = built.step(later, weights, x)
+  want = [float(jax.random.uniform(jax.random.fold_in(jax.random.fold_in(
+    jax.random.wrap_key_data(rng), s), 1))) for s in (0, 1, 5)]
+  assert draws[0] != draws[1]
+  np.testing.assert_array_equal([*draws, float(at_5["loss/draw"])], want)

@@ -67,8 +67,12 @@ def test_smooth_l0_counts_components_and_has_its_gradient():
 
 
 def _ctx(upper, step, total_steps=11):
-  # Only the CI and the step matter to the minimality terms.
-  ci = squash.CIOutput(pre=upper, lower=upper, upper=upper)
+  # Only the CI and the step matter to the minimality terms, which read the
+  # upper CI (I6): the lower and pre-squash CI differ from it, so a term reading
+  # either would be seen.
+  lower = {k: 0.5 * v for k, v in upper.items()}
+  pre = {k: v - 0.25 for k, v in upper.items()}
+  ci = squash.CIOutput(pre=pre, lower=lower, upper=upper)
   return StepContext(jnp.asarray(step), total_steps, None, None, None,
                      jnp.zeros(()), {}, ci)
 
@@ -86,7 +90,10 @@ def test_importance_term_takes_the_smooth_l0_penalty_on_its_gamma_schedule():
                                rtol=1e-6)
   # The L_p default on the same CI differs: the penalty choice is honoured.
   lp = terms.importance_minimality_term(1.0, 1.0)
-  assert abs(float(lp.fn(_ctx(upper, 10), None, None)[0]) - expected) > 1e-3
+  lp_value = float(lp.fn(_ctx(upper, 10), None, None)[0])
+  assert abs(lp_value - expected) > 1e-3
+  np.testing.assert_allclose(lp_value, sum(
+    float(jnp.sum(jnp.mean(c, axis=0))) for c in upper.values()), rtol=1e-6)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -225,8 +225,10 @@ def test_ci_scaled_decay_reads_real_ci_onto_padded_masters():
             for k, f in comps.items()}
   plain = train_step.ci_scaled_decay(comps, max_ci, 0.1, 0.5)
   held = train_step.ci_scaled_decay(padded, max_ci, 0.1, 0.5)
+  leaves = jax.tree.leaves(plain)
+  assert len(leaves) == 2 * len({s.kind for s in sites})  # each kind's V, U
   for got, want in zip(jax.tree.leaves(slots.real_components(held, sites)),
-                       jax.tree.leaves(plain)):
+                       leaves, strict=True):
     np.testing.assert_array_equal(got, want)
   assert not slots.has_pads(slots.real_components(held, sites), sites)
   assert not np.any(np.asarray(held["k"].v[2:]))

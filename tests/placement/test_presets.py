@@ -6,8 +6,10 @@ recipe at toy size (C = 8, CI hidden 4, batch 64), three steps on the
 equals the one-device trajectory within rel 1e-5, no device holds a
 full-batch `[B, C]` buffer, the shared-scope persistent sources are
 bit-identical on every device, and the state sits where the preset's
-table puts it. The slow file adds the other meshes, five steps, the
-residual MLP and the LM (whose stacked layers let `owner` split the layer
+table puts it. The residual MLP, whose component-MLP CI folds and slices
+the batch, keeps its trajectory under zero1 on the same mesh at toy size.
+The slow file adds the other meshes, five steps, the full-size residual
+MLP and the LM (whose stacked layers let `owner` split the layer
 axis: TMS has one layer per kind, so here `owner` differs from zero1 in
 its optimizer layout's C axis only); zero1 on this mesh is in
 `test_sharded_step.py`.
@@ -63,3 +65,22 @@ def test_preset_keeps_the_trajectory_and_shards_the_batch(helpers, tms,
                for leaf in jax.tree.leaves(state))
   else:  # owner: C over tp alone (zero1 splits it over tp x replicate)
     assert {spec[2] for spec in v_specs} == {"tp"}
+
+
+def test_the_component_mlp_ci_keeps_the_trajectory_on_eight_devices(
+    helpers):
+  """I34 for the residual MLP's VPD recipe at toy size (C = 16, batch 64):
+  the component-MLP CI's folded batch splits 8 ways under zero1 and every
+  metric of three steps equals the one-device trajectory within rel 1e-5,
+  with no batch-sized buffer replicated (the slow file: every preset and
+  mesh at batch 512)."""
+  p = helpers.problem(helpers.vpd_config(
+    "resid_mlp1_vpd", "--batch_size=64", f"--num_steps={STEPS}", "--c=16",
+    "--ci_hidden=4"))
+  reference = helpers.trajectory(p, (1, 1, 1), "ddp", STEPS)
+  placed = helpers.trajectory(p, MESH, "zero1", STEPS)
+  helpers.assert_same_trajectory(reference.metrics, placed.metrics)
+  found = helpers.buffers_at_least(placed.compiled.as_text(),
+                                   helpers.full_batch_elements(p),
+                                   helpers.batch_shapes(p, reference))
+  assert not found, f"replicated batch-sized buffers: {found}"

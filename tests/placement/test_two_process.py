@@ -6,7 +6,9 @@ Two processes with two simulated CPU devices each join through
 trajectory, both processes write their shards of each checkpoint, and only
 process 0 prints or writes run files. The run is stopped by a signal to
 process 0 alone after step 2 (both save and exit) and relaunched (both
-resume), so the trajectory spans a two-process resume. The slow check adds
+resume), so the trajectory spans a two-process resume. A tiny Llama run
+on a token file is stopped and resumed the same way, and must end bitwise
+where an uninterrupted two-process launch ends. The slow check adds
 both eval tiers across such a resume and compares the whole log with one
 uninterrupted process's.
 """
@@ -20,9 +22,10 @@ import subprocess
 import sys
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 
-from decompax.io import checkpoint, run_dir
+from decompax.io import checkpoint, run_dir, tokens
 
 pytestmark = pytest.mark.multidevice
 
@@ -195,6 +198,54 @@ def test_both_processes_skip_a_checkpoint_one_of_them_finds_damaged(
   records = _records(out)
   assert [r.pop("step") for r in records] == [1, 2, 3, 4, 5]
   helpers.assert_same_trajectory(tms_reference.metrics, records)
+
+
+def _token_llama_args(root: pathlib.Path, out: pathlib.Path) -> list[str]:
+  """A 4-step tiny Llama run on a token file of random documents, saved
+  every 2 steps (as `tests/bin/test_token_resume.py`'s one-process run)."""
+  rng = np.random.default_rng(0)
+  docs = [rng.integers(0, 127, rng.integers(5, 60)) for _ in range(200)]
+  data = root / "tokens.bin"
+  if not data.exists():
+    tokens.write_tokens(str(data), docs, 128, 127, "test")
+  return [
+    f"--flagfile={ROOT / 'flags' / 'tiny_llama.flags'}",
+    f"--model_dir={ROOT / 'tests' / 'fixtures' / 'tiny_llama'}",
+    "--batch_size=4", "--seq_len=8", "--c=8", "--ci_fn=vector_mlp",
+    "--ci_hidden=8", f"--data_path={data}", "--num_steps=4", "--log_every=1",
+    "--eval_every=0", "--slow_eval_every=0", "--save_every=2",
+    "--faithfulness_warmup_steps=0", "--figures_every=0",
+    f"--output_dir={out}", f"--compilation_cache_dir={root / 'cache'}"]
+
+
+def test_two_processes_resume_a_token_file_run_onto_the_right_batches(
+    tmp_path, assert_bitwise_equal):
+  """I36 on the LM path: each process reads its own rows of step s's batch
+  from the token file on the host. A two-process run stopped after step 2
+  and relaunched must read steps 3 and 4's batches, not the launch's first
+  ones, and end bitwise where an uninterrupted two-process launch ends."""
+  straight, split = tmp_path / "straight", tmp_path / "split"
+  # The uninterrupted launch and the first half of the split one run side
+  # by side.
+  straight_run = _start(tmp_path, "straight",
+                        _token_llama_args(tmp_path, straight))
+  stopped_run = _start(tmp_path, "stopped", [
+    *_token_llama_args(tmp_path, split), "--stop_after_step=2"])
+  for started in (straight_run, stopped_run):
+    codes, texts = _finish(started)
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+  assert "stopped after step 2 of 4" in texts[0]  # the stopped launch's
+  assert checkpoint.committed_steps(split / "checkpoints") == [0, 2]
+  codes, texts = _finish(_start(tmp_path, "resumed",
+                                _token_llama_args(tmp_path, split)))
+  assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+  assert "resumed from step 2" in texts[0] and "step 3/4" in texts[0]
+  want, got = _records(straight), _records(split)
+  assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
+  assert got == want
+  ends = [run_dir.load_arrays(str(run / "decomposition.npz"))[0]
+          for run in (straight, split)]
+  assert_bitwise_equal(ends[1], ends[0])
 
 
 @pytest.mark.slow

@@ -47,6 +47,9 @@ def test_every_recon_and_importance_term_gets_a_hidden_copy_after_the_rest():
 
 def test_a_one_role_run_builds_no_copies():
   built = terms.build_terms(TrainConfig(), INPUTS)
+  assert [t.name for t in built] == [
+    "faithfulness", "importance_minimality", "stochastic_recon",
+    "stochastic_recon_per_site"]
   assert all(t.role == ci_fns.OUTPUT for t in built)
 
 
@@ -126,7 +129,9 @@ def test_a_toy_reaches_its_site_outputs_only():
 
 
 def test_glu_lm_tap_names_match_the_default_points():
-  # The default points are taps the LM forward knows.
-  for point in glu_target.hidden_pass_points(
-      MODEL, _sites("layers.0.mlp.down_proj")):
-    glu_lm.parse_tap(point, MODEL.n_layers)
+  # The default points are taps the LM forward knows: every block's MLP
+  # output from the decomposed one on.
+  points = glu_target.hidden_pass_points(
+    MODEL, _sites("layers.0.mlp.down_proj"))
+  assert [glu_lm.parse_tap(point, MODEL.n_layers) for point in points] == [
+    ("down.out", i) for i in range(MODEL.n_layers)]
