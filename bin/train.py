@@ -372,6 +372,10 @@ def prepare_selection(config: TrainConfig) -> tuple[str, int]:
   with output_dir_named():
     run_dir.check_run_dir(output_dir, flags_text, config.overwrite,
                           flag_defaults(), LOCATION_FLAGS)
+    if not config.overwrite:
+      # A damaged choice is refused before the lock, not after candidates
+      # have trained again.
+      run_dir.read_choice(output_dir)
     lock = run_dir.lock_run_dir(output_dir)
     run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite,
                             flag_defaults(), LOCATION_FLAGS)

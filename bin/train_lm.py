@@ -46,7 +46,6 @@ FAULT_ENV = "DECOMPAX_FAULT"
 STATE = "train_state.npz"
 RECORD = "train_lm.json"
 METRICS = "metrics.jsonl"
-EXIT_REQUEUE = 75  # os.EX_TEMPFAIL, as bin/train after a stop signal
 
 _PRESET = flags.DEFINE_enum(
   "preset", "brown-s", sorted(text_lm.PRESETS), "Model shape and training"
@@ -357,7 +356,7 @@ def main(argv: list[str]) -> None:
     if stopped:
       print(f"[train_lm] stop signal: saved step {int(state.step)} to"
             f" {path}/{STATE}; rerun the same command to resume", flush=True)
-      sys.exit(EXIT_REQUEUE)
+      sys.exit(cli.REQUEUE_EXIT_CODE)
     results = evaluate(state.weights, train_tokens, held_out, preset,
                        _MAX_EVAL_WINDOWS.value, score)
     export(path, data_dir, state.weights, preset)

@@ -618,8 +618,17 @@ def read_choice(path: Path) -> dict | None:
   choice = os.path.join(os.fspath(path), CHOICE_FILE)
   if not os.path.isfile(choice):
     return None
-  with open(choice, encoding="utf-8") as f:
-    return json.load(f)
+  fix = "delete it to choose again from the candidates' records"
+  try:
+    with open(choice, encoding="utf-8") as f:
+      record = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{choice} is not JSON ({e}); {fix}") from None
+  if not (isinstance(record, dict) and isinstance(record.get("chosen"), int)
+          and not isinstance(record["chosen"], bool)):
+    raise ValueError(f"{choice} names no chosen candidate (an integer "
+                     f"'chosen'); {fix}")
+  return record
 
 
 def chosen_run(path: Path) -> str:

@@ -37,6 +37,9 @@ OUT = "--output_dir={T}/o"
 # A run of seconds: a row that regresses into training ends soon.
 SHORT = ("--num_steps=4", "--save_every=2", "--log_every=2", "--batch_size=8",
          "--eval_every=0", "--slow_eval_every=0", "--figures_every=0")
+RESTARTS = ("--restarts=2", "--num_steps=20", "--select_at=10",
+            "--save_every=10", "--log_every=10", "--eval_every=10",
+            "--slow_eval_every=10")
 DIVERGE = ("--num_steps=10", "--save_every=5", "--log_every=5",
            "--batch_size=32", "--eval_every=0", "--slow_eval_every=0",
            "--figures_every=0", "--faithfulness_warmup_steps=5", "--lr=1e6")
@@ -217,6 +220,17 @@ def _manifest(text: str):
   def write(t):
     (t / "r" / "harvest" / "manifest.json").write_text(text)
   return write
+
+
+def _choice_file(text: str):
+  """Leave {T}/r holding a `--restarts` run (its flags.txt) whose
+  restarts.json reads `text`."""
+  made = _flags_txt(*RESTARTS)
+
+  def setup(t):
+    made(t)
+    (t / "r" / "restarts.json").write_text(text)
+  return setup
 
 
 def _lock_not_a_file(t):
@@ -520,6 +534,11 @@ ROWS = (
     "--save_every=10", "--log_every=10", "--eval_every=10",
     "--slow_eval_every=10", OUT),
     "--restarts=2 gives candidate seeds up to 4294968000, past 2**32 - 1"),
+  Row("restarts_choice_not_json", "train", (*RESTARTS, "--output_dir={T}/r"),
+      "restarts.json is not JSON", setup=_choice_file("{"), untouched=True),
+  Row("restarts_choice_without_chosen", "train", (
+    *RESTARTS, "--output_dir={T}/r"), "names no chosen candidate",
+    setup=_choice_file('{"chosen": true}'), untouched=True),
   # One clear line instead of a traceback.
   Row("read_only_output", "train", ("--output_dir=/sys/decompax_run",),
       "--output_dir: cannot write to /sys: "),
