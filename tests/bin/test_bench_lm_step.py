@@ -1,4 +1,4 @@
-"""bench/gpu_l18.py measures the l18 step at a reduced shape on CPU: every
+"""bench/lm_step.py measures the l18 step at a reduced shape on CPU: every
 field of its report, the step's matmul FLOPs counted in the compiled
 program and from the recipe agreeing, prefix sharing ON and OFF taking the
 same first step, and one-line refusals of bad flags."""
@@ -23,12 +23,13 @@ REPORT_KEYS = {
   "tokens_per_s", "flops_compiled", "uncounted", "flops_xla_cost",
   "flops_executed", "flops_model", "flops_parts", "flops_ratio",
   "flops_agree", "peak_flops", "peak_source", "mfu", "executed_rate",
-  "peak_memory", "static_memory", "first_losses"}
+  "peak_memory", "static_memory", "first_losses", "matmul_rate",
+  "matmul_n", "mfu_measured", "profile", "flops_xla_remat"}
 
 
 @pytest.fixture(scope="module")
 def bench(load_bench):
-  return load_bench("gpu_l18")
+  return load_bench("lm_step")
 
 
 def tiny(bench, recipe=TINY_RECIPE + FAST, **changes):
@@ -59,7 +60,7 @@ def test_the_report_has_every_field_and_its_flop_counts_agree(bench):
   assert report["static_memory"]["argument"] > 0
   assert set(report["first_losses"]) == set(bench.prefix.RECON_TERMS)
   rows = bench.report_rows(report, settings)
-  assert len(rows) == 13 and all(value for _, value, _ in rows)
+  assert len(rows) == 16 and all(value for _, value, _ in rows)
   parts = dict(bench.flop_parts_rows(report))
   assert "masked forwards (remat)" in parts
 
