@@ -146,12 +146,14 @@ CONFIG_JSON = (ROOT / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b"
 MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim",
               "vocab_size")
-# Dense bf16 peak (FLOP/s, no sparsity) by device kind, as the vendors
-# publish it: Google Cloud's TPU pages (v5e 197 TFLOP/s, v5p 459, v6e 918
-# per chip) and NVIDIA's datasheets (H100 SXM 989 TFLOP/s, H100 PCIe 756,
-# H100 NVL 835, H200 989, B200 2250 dense, A100 312). The first name the
-# device kind contains wins; JAX calls a v5e "TPU v5 lite" and a v6e
-# "TPU v6 lite".
+# Dense bf16 peak (FLOP/s, no sparsity) by device kind, vendor figures:
+# "Peak compute per chip (bf16)" on Google Cloud's TPU pages
+# (cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, /v5p: 459, /v6e: 918) and
+# NVIDIA's datasheets' dense BF16 Tensor Core figures (H100 SXM 989
+# TFLOP/s, H100 PCIe 756, H100 NVL 835, H200 989, B200 (HGX, 1000 W) 2250,
+# A100 312; the datasheets print twice these, with sparsity). The first
+# name the device kind contains wins; JAX calls a v5e "TPU v5 lite" and a
+# v6e "TPU v6 lite".
 PEAK_BF16 = (("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
              ("TPU v5p", 459e12), ("TPU v5", 459e12),
              ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
