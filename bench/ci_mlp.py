@@ -4,8 +4,9 @@ Run: `.venv/bin/python -P bench/ci_mlp.py` (or `./dev bench ci_mlp`).
 For each `(B, C, d_gate)` it times, in this one process, the forward alone
 and `value_and_grad` with respect to the parameters and the input `h` (the
 training step's use: `h = x @ V`), for `component_mlp.reference_pre` and
-both layouts of `component_mlp.component_mlp_pre` (`cpu_pre` and
-`accelerator_pre`, each forced whatever the backend), and reports
+the layouts of `component_mlp.component_mlp_pre` (`cpu_pre` and
+`accelerator_pre`, each forced whatever the backend, and on a TPU the
+Pallas kernel `component_mlp_pallas.pallas_pre`), and reports
 `[B, C, d_gate]` elements per second and each layout's speed-up over the
 reference. The loss is `Σ clip(pre, 0, 1)²`, the shape of the importance
 losses. Timings interleave the implementations so machine load hits all
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from decompax.core import ci_fns, component_mlp
+from decompax.core import ci_fns, component_mlp, component_mlp_pallas
 
 _REPEATS = flags.DEFINE_integer("repeats", 30, "Timed calls per function.")
 _SHAPES = flags.DEFINE_list(
@@ -64,6 +65,8 @@ def main(argv):
   impls = {"reference": component_mlp.reference_pre,
            "cpu": component_mlp.cpu_pre,
            "accelerator": component_mlp.accelerator_pre}
+  if jax.default_backend() == "tpu":
+    impls["pallas"] = component_mlp_pallas.pallas_pre
   print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind})")
   print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<11} {'fwd ms':>8} "
         f"{'Gelem/s':>8} {'fwd+bwd ms':>11} {'Gelem/s':>8}")

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from jax.sharding import AxisType
 
-from decompax.core import ci_fns, component_mlp
+from decompax.core import ci_fns, component_mlp, component_mlp_pallas
 from decompax.placement import compiler
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
@@ -74,7 +74,8 @@ _COMPILERS = flags.DEFINE_string(
 # The component-MLP kernel each `--ci_layouts` entry traces the step with.
 CI_LAYOUTS = {"platform": component_mlp.component_mlp_pre,
               "cpu": component_mlp.cpu_pre,
-              "accelerator": component_mlp.accelerator_pre}
+              "accelerator": component_mlp.accelerator_pre,
+              "pallas": component_mlp_pallas.pallas_pre}
 _CI_LAYOUTS = flags.DEFINE_list(
   "ci_layouts", ["platform"], "Component-MLP CI kernel layouts to time each "
   f"recipe under, one row each: {', '.join(CI_LAYOUTS)} (the layout "
