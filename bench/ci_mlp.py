@@ -28,6 +28,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 30, "Timed calls per function.")
 _SHAPES = flags.DEFINE_list(
   "shapes", ["4096x20x16", "4096x200x16", "2048x100x16"],
   "Shapes BxCxD_GATE to time.")
+_LAYOUTS = flags.DEFINE_list(
+  "layouts", ["cpu", "accelerator", "pallas"],
+  "Layouts to time beside the reference (pallas only on a TPU).")
 
 
 def make_inputs(b: int, c: int, d_gate: int):
@@ -62,11 +65,16 @@ def median_times(fns: dict, args: tuple, repeats: int) -> dict:
 
 def main(argv):
   del argv
-  impls = {"reference": component_mlp.reference_pre,
-           "cpu": component_mlp.cpu_pre,
-           "accelerator": component_mlp.accelerator_pre}
+  layouts = {"cpu": component_mlp.cpu_pre,
+             "accelerator": component_mlp.accelerator_pre}
   if jax.default_backend() == "tpu":
-    impls["pallas"] = component_mlp_pallas.pallas_pre
+    layouts["pallas"] = component_mlp_pallas.pallas_pre
+  unknown = set(_LAYOUTS.value) - {"cpu", "accelerator", "pallas"}
+  if unknown:
+    sys.exit(f"ci_mlp: error: unknown --layouts {', '.join(sorted(unknown))}"
+             "; use cpu, accelerator, pallas")
+  impls = {"reference": component_mlp.reference_pre,
+           **{k: v for k, v in layouts.items() if k in _LAYOUTS.value}}
   print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind})")
   print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<11} {'fwd ms':>8} "
         f"{'Gelem/s':>8} {'fwd+bwd ms':>11} {'Gelem/s':>8}")
