@@ -13,6 +13,7 @@ losses. Timings interleave the implementations so machine load hits all
 alike. On an accelerator, `--shapes=2048x500x128` is ResidMLP-3's CI.
 """
 
+import functools
 import statistics
 import sys
 import time
@@ -30,7 +31,8 @@ _SHAPES = flags.DEFINE_list(
   "Shapes BxCxD_GATE to time.")
 _LAYOUTS = flags.DEFINE_list(
   "layouts", ["cpu", "accelerator", "pallas"],
-  "Layouts to time beside the reference (pallas only on a TPU).")
+  "Layouts to time beside the reference (pallas, and pallas_compact with "
+  "its parameter rows not replicated, only on a TPU).")
 
 
 def make_inputs(b: int, c: int, d_gate: int):
@@ -69,14 +71,17 @@ def main(argv):
              "accelerator": component_mlp.accelerator_pre}
   if jax.default_backend() == "tpu":
     layouts["pallas"] = component_mlp_pallas.pallas_pre
-  unknown = set(_LAYOUTS.value) - {"cpu", "accelerator", "pallas"}
+    layouts["pallas_compact"] = functools.partial(
+      component_mlp_pallas.pallas_pre, replicated=False)
+  known = {"cpu", "accelerator", "pallas", "pallas_compact"}
+  unknown = set(_LAYOUTS.value) - known
   if unknown:
     sys.exit(f"ci_mlp: error: unknown --layouts {', '.join(sorted(unknown))}"
-             "; use cpu, accelerator, pallas")
+             f"; use {', '.join(sorted(known))}")
   impls = {"reference": component_mlp.reference_pre,
            **{k: v for k, v in layouts.items() if k in _LAYOUTS.value}}
   print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind})")
-  print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<11} {'fwd ms':>8} "
+  print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<14} {'fwd ms':>8} "
         f"{'Gelem/s':>8} {'fwd+bwd ms':>11} {'Gelem/s':>8}")
   for shape in _SHAPES.value:
     b, c, d_gate = (int(v) for v in shape.split("x"))
@@ -97,7 +102,7 @@ def main(argv):
     elements = b * c * d_gate
     for name in impls:
       fwd, bwd = med[name, "fwd"], med[name, "bwd"]
-      print(f"{b:5d} {c:4d} {d_gate:3d} {name:<11} {1e3 * fwd:8.2f} "
+      print(f"{b:5d} {c:4d} {d_gate:3d} {name:<14} {1e3 * fwd:8.2f} "
             f"{elements / fwd / 1e9:8.3f} {1e3 * bwd:11.2f} "
             f"{elements / bwd / 1e9:8.3f}")
     for name in layouts:
