@@ -57,6 +57,7 @@ class Plan(NamedTuple):
   rows: int          # positions per grid step (a multiple of 8)
   lanes: int         # components per grid step (c, or a multiple of 128)
   units: int         # hidden units padded to a multiple of 8
+  replicated: bool   # each unit's parameter row stored down 8 sublanes
   vmem_bytes: int    # the backward's VMEM footprint, double-buffered
 
 
@@ -64,20 +65,27 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def _footprint(rows: int, lanes: int, units: int) -> int:
+def _footprint(rows: int, lanes: int, units: int, replicated: bool) -> int:
   # Double-buffered blocks of the backward, the larger of the two passes:
   # `h`, cotangent and `dh` ([rows, lanes]), three parameter rows
-  # ([units, lanes]) and three `[units, 8, lanes]` accumulators. Lanes
-  # are padded to whole vector registers in VMEM.
+  # ([units, lanes], or `[units, 8, lanes]` replicated) and three
+  # `[units, 8, lanes]` accumulators. Lanes are padded to whole vector
+  # registers in VMEM.
   width = _round_up(lanes, _LANES)
-  blocks = 3 * rows + 3 * units + 3 * units * _SUBLANES
+  blocks = 3 * rows + 3 * units * (_SUBLANES if replicated else 1)
+  blocks += 3 * units * _SUBLANES
   return 2 * _F32 * width * blocks
 
 
 def plan(n: int, c: int, d_gate: int, *, block_rows: int = BLOCK_ROWS,
-         vmem_budget: int = VMEM_BUDGET) -> Plan:
+         vmem_budget: int = VMEM_BUDGET, replicated: bool = True) -> Plan:
   """Return the blocks for `n` positions of `c` components with `d_gate`
   hidden units, or raise `ValueError` saying why the shape does not tile.
+
+  `replicated` stores each hidden unit's parameter row down all 8
+  sublanes, so the kernel reads it as a whole `[8, lanes]` tile (8x the
+  parameters' VMEM, no sublane broadcast); otherwise 8 units share a tile
+  and each row is broadcast as it is read.
 
   All `c` components go in one block when they fit the budget; otherwise
   `c` must be a multiple of 128, cut into the widest fitting blocks of
@@ -95,16 +103,16 @@ def plan(n: int, c: int, d_gate: int, *, block_rows: int = BLOCK_ROWS,
   if c % _LANES == 0:
     widths += [w for w in range(c - _LANES, 0, -_LANES) if c % w == 0]
   for lanes in widths:
-    need = _footprint(rows, lanes, units)
+    need = _footprint(rows, lanes, units, replicated)
     if need <= vmem_budget:
-      return Plan(rows, lanes, units, need)
-  least = _footprint(rows, widths[-1], units)
+      return Plan(rows, lanes, units, replicated, need)
+  least = _footprint(rows, widths[-1], units, replicated)
   fix = ("a multiple of 128 components can be cut into narrower blocks"
          if c % _LANES else "fewer hidden units would fit")
   raise ValueError(
     f"component-MLP Pallas kernel: c={c}, d_gate={d_gate} needs "
-    f"{least / 2**20:.1f} MiB of VMEM per block, over the "
-    f"{vmem_budget / 2**20:.0f} MiB budget; {fix}, or use "
+    f"{least / 2**20:.3g} MiB of VMEM per block, over the "
+    f"{vmem_budget / 2**20:.3g} MiB budget; {fix}, or use "
     "component_mlp.accelerator_pre")
 
 
@@ -118,14 +126,24 @@ def tiles(n: int, c: int, d_gate: int) -> bool:
 
 
 def _unit_rows(
-  w: Float[Array, "c g"], units: int
+  w: Float[Array, "c g"], plan_: Plan
 ) -> Float[Array, "k 8 c"]:
-  # `[c, g]` → `[units/8, 8, c]`: one row per hidden unit (zero for the
-  # padding), 8 units to a tile so a unit's row is read by a dynamic index
-  # on the leading axis and a static one on the sublanes.
+  # `[c, g]` → one row per hidden unit (zero for the padding): replicated,
+  # `[units, 8, c]`, a whole tile per unit; else `[units/8, 8, c]`, 8 units
+  # to a tile, a unit's row read by a dynamic index on the leading axis and
+  # a static one on the sublanes.
   c, d_gate = w.shape
-  w = jnp.pad(w.T, ((0, units - d_gate), (0, 0)))
-  return w.reshape(units // _SUBLANES, _SUBLANES, c)
+  w = jnp.pad(w.T, ((0, plan_.units - d_gate), (0, 0)))
+  if plan_.replicated:
+    return jnp.broadcast_to(w[:, None, :], (plan_.units, _SUBLANES, c))
+  return w.reshape(plan_.units // _SUBLANES, _SUBLANES, c)
+
+
+def _unit_row(ref, k, r: int, replicated: bool):
+  # Unit `8k + r`'s parameters, to multiply an `[8, lanes]` tile.
+  if replicated:
+    return ref[k * _SUBLANES + r]
+  return ref[k, r:r + 1, :]
 
 
 def _compiler_params(plan_: Plan, semantics: tuple[str, ...]):
@@ -140,27 +158,30 @@ def _row_tiles(rows: int):
   return lambda i: pl.ds(pl.multiple_of(i * _SUBLANES, _SUBLANES), _SUBLANES)
 
 
-def _forward_kernel(h_ref, wi_ref, bi_ref, wo_ref, bo_ref, out_ref):
+def _forward_kernel(h_ref, wi_ref, bi_ref, wo_ref, bo_ref, out_ref, *,
+                    replicated: bool):
   tile = _row_tiles(h_ref.shape[0])
+  row = functools.partial(_unit_row, replicated=replicated)
+  groups = wi_ref.shape[0] // (_SUBLANES if replicated else 1)
 
   def per_tile(i, carry):
     h = h_ref[tile(i), :]
 
     def per_group(k, acc):
       for r in range(_SUBLANES):
-        z = h * wi_ref[k, r:r + 1, :] + bi_ref[k, r:r + 1, :]
-        acc = acc + wo_ref[k, r:r + 1, :] * fast_gelu.gelu(z)
+        z = h * row(wi_ref, k, r) + row(bi_ref, k, r)
+        acc = acc + row(wo_ref, k, r) * fast_gelu.gelu(z)
       return acc
 
     start = jnp.broadcast_to(bo_ref[...], h.shape)
-    out_ref[tile(i), :] = lax.fori_loop(0, wi_ref.shape[0], per_group, start)
+    out_ref[tile(i), :] = lax.fori_loop(0, groups, per_group, start)
     return carry
 
   lax.fori_loop(0, h_ref.shape[0] // _SUBLANES, per_tile, 0)
 
 
 def _backward_kernel(h_ref, g_ref, wi_ref, bi_ref, wiwo_ref,
-                     dh_ref, dwi_ref, dbi_ref, dwo_ref):
+                     dh_ref, dwi_ref, dbi_ref, dwo_ref, *, replicated: bool):
   # The grid's second axis walks the positions; the parameter-gradient
   # accumulators stay put along it and start at zero.
   @pl.when(pl.program_id(1) == 0)
@@ -169,15 +190,17 @@ def _backward_kernel(h_ref, g_ref, wi_ref, bi_ref, wiwo_ref,
       ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
   tile = _row_tiles(h_ref.shape[0])
+  row = functools.partial(_unit_row, replicated=replicated)
+  groups = dwi_ref.shape[0] // _SUBLANES
 
   def per_tile(i, carry):
     h, g = h_ref[tile(i), :], g_ref[tile(i), :]
 
     def per_group(k, acc):
       for r in range(_SUBLANES):
-        z = h * wi_ref[k, r:r + 1, :] + bi_ref[k, r:r + 1, :]
+        z = h * row(wi_ref, k, r) + row(bi_ref, k, r)
         gelu, grad = fast_gelu.gelu_and_grad(z)
-        acc = acc + wiwo_ref[k, r:r + 1, :] * grad
+        acc = acc + row(wiwo_ref, k, r) * grad
         s = g * grad
         unit = k * _SUBLANES + r
         dwi_ref[unit] += s * h
@@ -185,7 +208,7 @@ def _backward_kernel(h_ref, g_ref, wi_ref, bi_ref, wiwo_ref,
         dwo_ref[unit] += g * gelu
       return acc
 
-    acc = lax.fori_loop(0, wi_ref.shape[0], per_group, jnp.zeros_like(h))
+    acc = lax.fori_loop(0, groups, per_group, jnp.zeros_like(h))
     dh_ref[tile(i), :] = g * acc
     return carry
 
@@ -195,8 +218,9 @@ def _backward_kernel(h_ref, g_ref, wi_ref, bi_ref, wiwo_ref,
 def _specs(plan_: Plan):
   rows = pl.BlockSpec(block_shape=(plan_.rows, plan_.lanes),
                       index_map=lambda j, i: (i, j))
+  tiles_ = plan_.units // (1 if plan_.replicated else _SUBLANES)
   units = pl.BlockSpec(
-    block_shape=(plan_.units // _SUBLANES, _SUBLANES, plan_.lanes),
+    block_shape=(tiles_, _SUBLANES, plan_.lanes),
     index_map=lambda j, i: (0, 0, j))
   sums = pl.BlockSpec(block_shape=(plan_.units, _SUBLANES, plan_.lanes),
                       index_map=lambda j, i: (0, 0, j))
@@ -220,14 +244,14 @@ def _forward(params: ComponentMLPParams, h: Float[Array, "n c"], plan_: Plan,
   hp = _padded_rows(h, plan_)
   rows, units, _, bias = _specs(plan_)
   out = pl.pallas_call(
-    _forward_kernel,
+    functools.partial(_forward_kernel, replicated=plan_.replicated),
     out_shape=jax.ShapeDtypeStruct(hp.shape, jnp.float32),
     grid=_grid(hp.shape[0], c, plan_),
     in_specs=[rows, units, units, units, bias],
     out_specs=rows,
     compiler_params=_compiler_params(plan_, ("parallel", "parallel")),
     interpret=interpret,
-  )(hp, *(_unit_rows(w, plan_.units)
+  )(hp, *(_unit_rows(w, plan_)
           for w in (params.w_in, params.b_in, params.w_out)),
     params.b_out.reshape(1, c))
   return out[:n]
@@ -242,7 +266,7 @@ def _backward(params: ComponentMLPParams, h: Float[Array, "n c"],
   rows, units, sums, _ = _specs(plan_)
   partial = jax.ShapeDtypeStruct((plan_.units, _SUBLANES, c), jnp.float32)
   dh, *parts = pl.pallas_call(
-    _backward_kernel,
+    functools.partial(_backward_kernel, replicated=plan_.replicated),
     out_shape=(jax.ShapeDtypeStruct(hp.shape, jnp.float32),
                partial, partial, partial),
     grid=_grid(hp.shape[0], c, plan_),
@@ -250,7 +274,7 @@ def _backward(params: ComponentMLPParams, h: Float[Array, "n c"],
     out_specs=(rows, sums, sums, sums),
     compiler_params=_compiler_params(plan_, ("parallel", "arbitrary")),
     interpret=interpret,
-  )(hp, gp, *(_unit_rows(w, plan_.units)
+  )(hp, gp, *(_unit_rows(w, plan_)
               for w in (params.w_in, params.b_in,
                         params.w_in * params.w_out)))
   s_w, s_b, d_w_out = (jnp.sum(p, axis=1)[:d_gate].T for p in parts)
@@ -281,7 +305,7 @@ _pre.defvjp(_pre_fwd, _pre_bwd)
 def pallas_pre(
   params: ComponentMLPParams, inner: Float[Array, "*l c"], *,
   interpret: bool = False, block_rows: int = BLOCK_ROWS,
-  vmem_budget: int = VMEM_BUDGET,
+  vmem_budget: int = VMEM_BUDGET, replicated: bool = True,
 ) -> Float[Array, "*l c"]:
   """Return the component MLPs as a Pallas TPU kernel (float32).
 
@@ -291,5 +315,6 @@ def pallas_pre(
   c = inner.shape[-1]
   flat = inner.reshape(-1, c)
   plan_ = plan(flat.shape[0], c, params.w_in.shape[-1],
-               block_rows=block_rows, vmem_budget=vmem_budget)
+               block_rows=block_rows, vmem_budget=vmem_budget,
+               replicated=replicated)
   return _pre(params, flat, plan_, interpret).reshape(inner.shape)
