@@ -13,8 +13,8 @@ cross-lane work at all:
   * the backward keeps `dh`'s sum over units in registers and adds each
     unit's three parameter-gradient terms into `[d_gate, 8, c]`
     accumulators, one `[8, c]` tile per unit, summed over the 8 sublanes
-    outside the kernel (a sublane reduction per step would cost more than
-    the one final sum).
+    once, outside the kernel, so that the loop holds elementwise work
+    alone.
 Positions are padded to whole blocks (with zero cotangent, so they add
 nothing to the gradients) and hidden units to a multiple of 8 (with zero
 weights, so they add nothing to the output).
@@ -45,8 +45,9 @@ _LANES = 128
 # Positions per grid step: enough to amortise a step's overhead, few enough
 # that the double-buffered `h`, cotangent and output blocks stay small.
 BLOCK_ROWS = 256
-# VMEM the kernel may plan for: half of a v5e's or v6e's 128 MiB, and above
-# the 16 MiB the compiler grants a kernel unless told otherwise.
+# VMEM the kernel may plan for (the limit it asks the compiler for, which
+# grants 16 MiB unless told otherwise). ResidMLP-3's blocks plan 27 MiB,
+# which the TPU v5e it was measured on granted.
 VMEM_BUDGET = 64 << 20
 _F32 = 4
 
