@@ -4,14 +4,16 @@ Run: `.venv/bin/python -P bench/ci_mlp.py` (or `./dev bench ci_mlp`).
 For each `(B, C, d_gate)` it times, in this one process, the forward alone
 and `value_and_grad` with respect to the parameters and the input `h` (the
 training step's use: `h = x @ V`), for `component_mlp.reference_pre` and
-both layouts of `component_mlp.component_mlp_pre` (`cpu_pre` and
-`accelerator_pre`, each forced whatever the backend), and reports
+the layouts of `component_mlp.component_mlp_pre` (`cpu_pre` and
+`accelerator_pre`, each forced whatever the backend, and on a TPU the
+Pallas kernel `component_mlp_pallas.pallas_pre`), and reports
 `[B, C, d_gate]` elements per second and each layout's speed-up over the
 reference. The loss is `Σ clip(pre, 0, 1)²`, the shape of the importance
 losses. Timings interleave the implementations so machine load hits all
 alike. On an accelerator, `--shapes=2048x500x128` is ResidMLP-3's CI.
 """
 
+import functools
 import statistics
 import sys
 import time
@@ -21,12 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from decompax.core import ci_fns, component_mlp
+from decompax.core import ci_fns, component_mlp, component_mlp_pallas
 
 _REPEATS = flags.DEFINE_integer("repeats", 30, "Timed calls per function.")
 _SHAPES = flags.DEFINE_list(
   "shapes", ["4096x20x16", "4096x200x16", "2048x100x16"],
   "Shapes BxCxD_GATE to time.")
+_LAYOUTS = flags.DEFINE_list(
+  "layouts", ["cpu", "accelerator", "pallas"],
+  "Layouts to time beside the reference (pallas, and pallas_compact with "
+  "its parameter rows not replicated, only on a TPU).")
 
 
 def make_inputs(b: int, c: int, d_gate: int):
@@ -61,11 +67,21 @@ def median_times(fns: dict, args: tuple, repeats: int) -> dict:
 
 def main(argv):
   del argv
+  layouts = {"cpu": component_mlp.cpu_pre,
+             "accelerator": component_mlp.accelerator_pre}
+  if jax.default_backend() == "tpu":
+    layouts["pallas"] = component_mlp_pallas.pallas_pre
+    layouts["pallas_compact"] = functools.partial(
+      component_mlp_pallas.pallas_pre, replicated=False)
+  known = {"cpu", "accelerator", "pallas", "pallas_compact"}
+  unknown = set(_LAYOUTS.value) - known
+  if unknown:
+    sys.exit(f"ci_mlp: error: unknown --layouts {', '.join(sorted(unknown))}"
+             f"; use {', '.join(sorted(known))}")
   impls = {"reference": component_mlp.reference_pre,
-           "cpu": component_mlp.cpu_pre,
-           "accelerator": component_mlp.accelerator_pre}
+           **{k: v for k, v in layouts.items() if k in _LAYOUTS.value}}
   print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind})")
-  print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<11} {'fwd ms':>8} "
+  print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<14} {'fwd ms':>8} "
         f"{'Gelem/s':>8} {'fwd+bwd ms':>11} {'Gelem/s':>8}")
   for shape in _SHAPES.value:
     b, c, d_gate = (int(v) for v in shape.split("x"))
@@ -86,7 +102,7 @@ def main(argv):
     elements = b * c * d_gate
     for name in impls:
       fwd, bwd = med[name, "fwd"], med[name, "bwd"]
-      print(f"{b:5d} {c:4d} {d_gate:3d} {name:<11} {1e3 * fwd:8.2f} "
+      print(f"{b:5d} {c:4d} {d_gate:3d} {name:<14} {1e3 * fwd:8.2f} "
             f"{elements / fwd / 1e9:8.3f} {1e3 * bwd:11.2f} "
             f"{elements / bwd / 1e9:8.3f}")
     for name in layouts:

@@ -21,6 +21,8 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from decompax.recipe import hlo_flops
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MATMUL_OPS = {"dot", "convolution"}
 REDUCTION_OPS = {"reduce", "reduce-window", "select-and-scatter", "scatter"}
@@ -197,10 +199,17 @@ def _contraction_flops(hlo: Hlo, instruction: Instruction) -> float:
     contracted = math.prod(
       lhs[d] for d in _dims(instruction.attributes, "lhs_contracting_dims"))
   else:
-    kernel = _arrays(hlo.instructions[instruction.operands[1]].shape)[0][1]
-    labels = re.search(r"dim_labels=\w+_(\w+)->", instruction.attributes)
-    out_features = kernel[labels[1].index("o")] if labels else 1
-    contracted = math.prod(kernel) // out_features
+    # Only the taps that land on input: a TPU writes dots as convolutions
+    # whose windows mostly cover padding (`hlo_flops.convolution_flops`).
+    lhs, kernel = (_arrays(hlo.instructions[o].shape)[0][1]
+                   for o in instruction.operands[:2])
+    labels = re.search(r"dim_labels=(\w+_\w+->\w+)", instruction.attributes)
+    window = re.search(r"\bwindow=\{([^}]*)\}", instruction.attributes)
+    if labels is None:
+      return 2.0 * result * math.prod(kernel)
+    return hlo_flops.convolution_flops(
+      lhs, kernel, _arrays(instruction.shape)[0][1], labels[1],
+      window[1] if window else "")
   return 2.0 * result * contracted
 
 

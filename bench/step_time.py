@@ -24,7 +24,9 @@ times it under several presets or option lists (`;`-separated), one row
 each, interleaved in the same rounds: the like-for-like measure of a
 compile option. `--ci_layouts` does the same for the component-MLP CI
 kernel's layout (`core/component_mlp.py`): `platform`, the one `bin/train`
-gets, or `cpu` or `accelerator` forced on any backend.
+gets, or `cpu` or `accelerator` forced on any backend, or on a TPU the
+Pallas kernel (`pallas`; `pallas_compact` without replicated parameter
+rows).
 
 The speed-up compares like with like only under `--matched` (default): the
 reference's toy configs train with the delta component, no faithfulness
@@ -36,6 +38,7 @@ flagfiles as shipped and show no speed-up.
 """
 
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -46,7 +49,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from jax.sharding import AxisType
 
-from decompax.core import ci_fns, component_mlp
+from decompax.core import ci_fns, component_mlp, component_mlp_pallas
 from decompax.placement import compiler
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
@@ -74,7 +77,10 @@ _COMPILERS = flags.DEFINE_string(
 # The component-MLP kernel each `--ci_layouts` entry traces the step with.
 CI_LAYOUTS = {"platform": component_mlp.component_mlp_pre,
               "cpu": component_mlp.cpu_pre,
-              "accelerator": component_mlp.accelerator_pre}
+              "accelerator": component_mlp.accelerator_pre,
+              "pallas": component_mlp_pallas.pallas_pre,
+              "pallas_compact": functools.partial(
+                component_mlp_pallas.pallas_pre, replicated=False)}
 _CI_LAYOUTS = flags.DEFINE_list(
   "ci_layouts", ["platform"], "Component-MLP CI kernel layouts to time each "
   f"recipe under, one row each: {', '.join(CI_LAYOUTS)} (the layout "

@@ -6,8 +6,10 @@ recomputes the hidden layer instead of storing `[*l, c, d_gate]`, in the
 layout that suits the backend the step is lowered for:
   * `cpu_pre` for XLA's CPU backend: hidden units unrolled into `[n, c]`
     loop fusions and batch sums cut into vectorised slices;
-  * `accelerator_pre` for a TPU or GPU: the plain broadcast over
-    `[n, c, d_gate]`, which their compilers fuse into single reductions.
+  * `accelerator_pre` for a GPU: the plain broadcast over `[n, c, d_gate]`,
+    which its compiler fuses into single reductions;
+  * `tpu_pre` for a TPU: the Pallas kernel of `component_mlp_pallas`, or
+    `accelerator_pre` for a shape that kernel does not tile.
 `reference_pre` is the plain definition both must equal.
 """
 
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from decompax.core import fast_gelu
+from decompax.core import component_mlp_pallas, fast_gelu
 
 
 def _gelu(x: Float[Array, "*s"]) -> Float[Array, "*s"]:
@@ -221,14 +223,15 @@ _broadcast_pre.defvjp(_broadcast_pre_fwd, _broadcast_pre_bwd)
 def accelerator_pre(
   params: PerComponentMLP, inner: Float[Array, "*l c"]
 ) -> Float[Array, "*l c"]:
-  """Return the component MLPs laid out for a TPU or GPU (float32).
+  """Return the component MLPs laid out for a GPU or TPU (float32).
 
   The plain broadcast over `[n, c, d_gate]`, which their compilers fuse
   into single reductions (`d_gate` on the vector lanes), with a custom VJP
   that recomputes the hidden layer instead of storing it. On a TPU v5e at
   ResidMLP-3's `2048 × 500 × 128` its forward and gradient together run
   1.7x as fast as `cpu_pre`'s (`bench/ci_mlp.py`), and ResidMLP-3's whole
-  step 2.5x (docs/performance.md); on a GPU it is the untimed default.
+  step 2.5x (docs/performance.md); the Pallas kernel (`tpu_pre`) is 1.17x
+  faster again there. On a GPU it is the untimed default.
   """
   flat = inner.reshape(-1, inner.shape[-1])
   return _broadcast_pre(params, flat).reshape(inner.shape)
@@ -255,6 +258,18 @@ def cpu_pre(
   return pre.reshape(rows * r, c)[:n].reshape(inner.shape)
 
 
+def tpu_pre(
+  params: PerComponentMLP, inner: Float[Array, "*l c"]
+) -> Float[Array, "*l c"]:
+  """Return the component MLPs for a TPU (float32): the Pallas kernel
+  (`component_mlp_pallas.pallas_pre`) where its blocks fit the chip's
+  VMEM, else `accelerator_pre`."""
+  c = inner.shape[-1]
+  if component_mlp_pallas.tiles(inner.size // c, c, params.w_in.shape[-1]):
+    return component_mlp_pallas.pallas_pre(params, inner)
+  return accelerator_pre(params, inner)
+
+
 def component_mlp_pre(
   params: PerComponentMLP, inner: Float[Array, "*l c"]
 ) -> Float[Array, "*l c"]:
@@ -265,12 +280,13 @@ def component_mlp_pre(
   per backend and chosen when the step is lowered for its platform:
   `cpu_pre` unrolls the hidden units into `[n, c]` loop fusions for XLA's
   CPU emitter, whose fused reductions run as scalar code; `accelerator_pre`
-  leaves the broadcast to a TPU's or GPU's fusing compiler, where the
-  unrolled form's many `[n, c]` passes and barriers cost more than they
-  save. Inputs other than float32 take the plain definition.
+  leaves the broadcast to a GPU's fusing compiler, where the unrolled
+  form's many `[n, c]` passes and barriers cost more than they save;
+  `tpu_pre` runs the Pallas kernel on a TPU. Inputs other than float32
+  take the plain definition.
   """
   args = (params.w_in, params.b_in, params.w_out, params.b_out, inner)
   if inner.size == 0 or any(a.dtype != jnp.float32 for a in args):
     return reference_pre(params, inner)
-  return lax.platform_dependent(params, inner, cpu=cpu_pre,
+  return lax.platform_dependent(params, inner, cpu=cpu_pre, tpu=tpu_pre,
                                 default=accelerator_pre)

@@ -1,10 +1,14 @@
 """bench/step_time.py times the reference's work under --matched and takes
 the speed-up against the reference's faster dtype."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from decompax.core import component_mlp_pallas
 
 TINY = "tms_5-2+--batch_size=16+--c=6"
 
@@ -105,3 +109,27 @@ def test_each_ci_layout_traces_its_own_kernel_and_trains_alike(bench):
                                atol=2e-6 * max(float(np.max(np.abs(b))), 1e-30))
   with pytest.raises(ValueError, match="use platform, cpu, accelerator"):
     bench.ci_layout("gpu")
+
+
+def test_the_pallas_kernel_trains_like_the_accelerator_layout(
+    bench, monkeypatch):
+  """The Pallas kernel inside a real training step (through Pallas'
+  interpreter, since this is a CPU): two steps end in the accelerator
+  layout's state, to float32 rounding."""
+  monkeypatch.setitem(bench.CI_LAYOUTS, "pallas", functools.partial(
+    component_mlp_pallas.pallas_pre, interpret=True))
+  finals, loops = {}, {}
+  for layout in ("accelerator", "pallas"):
+    r = bench.compile_recipe(TINY, matched=True, layout=layout)
+    # The interpreter runs the kernel's grid and row loops as HLO loops.
+    loops[layout] = r["compiled"].as_text().count(" while(")
+    state = r["state"]
+    for _ in range(2):
+      state, _ = r["compiled"](state, r["weights"], r["key"])
+    finals[layout] = [np.asarray(leaf) for leaf in jax.tree.leaves(state)
+                      if leaf.dtype == jnp.float32]
+  assert loops["pallas"] > loops["accelerator"]
+  assert len(finals["pallas"]) > 10
+  for a, b in zip(finals["pallas"], finals["accelerator"], strict=True):
+    np.testing.assert_allclose(a, b, rtol=0,
+                               atol=2e-6 * max(float(np.max(np.abs(b))), 1e-30))

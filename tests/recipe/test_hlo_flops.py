@@ -1,6 +1,8 @@
 """recipe/hlo_flops.py: a compiled program's matmul count takes loops
 times their trips, the costliest branch and GPU library calls."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 
@@ -75,3 +77,75 @@ def test_gpu_library_calls_are_sized_and_unknown_ones_named():
 
 def test_the_measured_matmul_rate_is_positive():
   assert hlo_flops.measured_matmul_rate(n=32, repeats=2) > 0
+
+
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "tpu_hlo"
+
+
+def test_a_tpu_batched_matmul_written_as_a_convolution_counts_as_its_dot():
+  # The batch axes are window axes over dilated input: one tap is real.
+  text = (FIXTURES / "batched.hlo.txt").read_text()
+  assert "lhs_dilate=2x4" in text
+  counted = hlo_flops.compiled_matmul_flops(text)
+  assert counted == hlo_flops.HloMatmuls(2 * 2 * 4 * 128 * 128 * 64, {})
+
+
+def test_a_tpu_loop_reads_its_trip_count_from_its_condition():
+  text = (FIXTURES / "scan.hlo.txt").read_text()
+  assert "known_trip_count" not in text
+  assert hlo_flops.loop_trips(text) == [10]
+  assert hlo_flops.compiled_matmul_flops(text).flops == (
+    10 * 2 * 128 * 256 * 256)
+
+
+# TPU-style convolutions as XLA writes them, built by hand: a plain dot; a
+# projection to heads whose head axis is a window over padding (the input
+# axis is 1 wide); a feature-grouped one; a data-only custom call; and
+# XLA's rematerialised clone of a fusion.
+TPU_HLO = """HloModule tpu
+
+%fused (p0: bf16[16,64], p1: bf16[64,32]) -> bf16[16,32] {
+  %p0 = bf16[16,64]{1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = bf16[64,32]{1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution.1 = bf16[16,32]{1,0:T(8,128)(2,1)} \
+convolution(%p0, %p1), dim_labels=bf_io->bf
+}
+
+ENTRY %main (a: bf16[16,64], w: bf16[64,32], x: bf16[16,64,1], \
+h: bf16[4,8,64]) -> f32[] {
+  %a = bf16[16,64]{1,0:T(8,128)(2,1)} parameter(0)
+  %w = bf16[64,32]{1,0:T(8,128)(2,1)} parameter(1)
+  %x = bf16[16,64,1]{1,0,2:T(8,128)(2,1)} parameter(2)
+  %h = bf16[4,8,64]{2,1,0:T(8,128)(2,1)} parameter(3)
+  %fusion.7 = bf16[16,32]{1,0:T(8,128)(2,1)} fusion(%a, %w), kind=kOutput, \
+calls=%fused
+  %fusion.7.remat2 = bf16[16,32]{1,0:T(8,128)(2,1)} fusion(%a, %w), \
+kind=kOutput, calls=%fused
+  %convolution.2 = bf16[16,4,8]{0,2,1:T(8,128)(2,1)} convolution(%x, %h), \
+window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_0oi->b0f
+  %convolution.3 = bf16[16,32]{1,0:T(8,128)(2,1)} convolution(%a, %w), \
+dim_labels=bf_io->bf, feature_group_count=2
+  %buffer = bf16[16,32]{1,0} custom-call(), custom_call_target="AllocateBuffer"
+  ROOT %r = f32[] constant(0)
+}
+""".replace("\\\n", "")
+
+
+def test_tpu_convolutions_count_their_real_taps_and_xla_remat_apart():
+  counted = hlo_flops.compiled_matmul_flops(TPU_HLO)
+  dot = 2 * 16 * 64 * 32
+  heads = 2 * 16 * 4 * 8 * 64  # one real tap of the 4-wide window
+  grouped = 2 * 16 * 32 * 64  # the kernel's i is one group's features
+  assert counted == hlo_flops.HloMatmuls(2 * dot + heads + grouped, {}, dot)
+
+
+def test_a_convolution_counts_only_taps_that_land_on_input():
+  # Two dilated batch axes (as in the fixture), then a real 1-d window of
+  # 3 taps over 5 positions padded 1 each side: 3 + 3 + 3 + 2 + 2 = 13
+  # real taps, the edges losing one each.
+  assert hlo_flops.convolution_flops(
+    [2, 4, 3, 5], [2, 4, 5, 5], [2, 4, 3, 5], "01bf_01oi->01bf",
+    "size=2x4 stride=1x3 lhs_dilate=2x4") == 2 * 2 * 4 * 3 * 5 * 5
+  assert hlo_flops.convolution_flops(
+    [2, 6, 5], [3, 6, 4], [2, 4, 5], "bf0_0io->bf0",
+    "size=3 pad=1_1") == 2 * 2 * 4 * 6 * 13

@@ -54,7 +54,7 @@ def _both_counts(config, sites):
   return lm_flops.lm_step_flops(config, MODEL, sites), counted
 
 
-# The default suite checks the l18 sites (tests/bin/test_bench_gpu_l18.py);
+# The default suite checks the l18 sites (tests/bin/test_bench_lm_step.py);
 # these take the other paths of the count.
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, roles, layer", [

@@ -1,7 +1,8 @@
-"""The Llama-3.1-8B layer-18 step on one accelerator: compile time, step
-time, FLOPs, MFU, memory, and what prefix sharing saves (SPEC §3.5).
+"""The Llama-3.1-8B layer-18 step on one device of any platform (CPU, GPU,
+TPU): compile time, step time, FLOPs, MFU, memory, where the step's time
+goes, and what prefix sharing saves (SPEC §3.5).
 
-Run: `./dev bench gpu_l18` on a machine with a GPU. The step is
+Run: `./dev bench lm_step` on a machine with an accelerator. The step is
 `flags/l18.flags` (Llama-3.1-8B's layer-18 MLP gate/up/down, C = 24576, the
 transformer CI, the full VPD recipe) at `--sequences_per_step` ×
 `--tokens_per_sequence` tokens, built exactly as `bin/train` builds it
@@ -9,7 +10,7 @@ transformer CI, the full VPD recipe) at `--sequences_per_step` ×
 (`recipe.random_lm`; the config is the committed
 `tests/fixtures/hf_configs/llama-3.1-8b/config.json`), so no checkpoint is
 needed. `--model_config` and `--recipe_settings` shrink it to CPU sizes,
-which is how `tests/bin/test_bench_gpu_l18.py` keeps it running. It
+which is how `tests/bin/test_bench_lm_step.py` keeps it running. It
 reports:
   * compile time, lower + compile wall; with `--compile_cache_dir` (as
     bin/train's `--compilation_cache_dir`) the step is lowered and compiled
@@ -25,7 +26,15 @@ reports:
   * MFU: the recipe's model FLOPs (rematerialisation left out) per second
     over the device's dense bf16 peak (`PEAK_BF16` by device kind; on CPU
     the measured rate of a matmul in the compute dtype stands in; an
-    accelerator not in the table has none);
+    accelerator not in the table has none), and over the rate this device
+    measures for one large matmul in the compute dtype (`MATMUL_N`³), the
+    most a step of matmuls could reach here;
+  * with `--traced_steps`, where the step's time goes: that many steps
+    run under `jax.profiler.trace`, and each executed HLO instruction's
+    time (a CPU or GPU thunk names it in `args.hlo_op`, a TPU op event by
+    its own name) is summed by category as `bench/profile.py` does (matmul,
+    elementwise, reduction, layout, control flow), beside the matmuls'
+    achieved FLOP rate and the slowest instructions;
   * peak device memory (`memory_stats()`, where the backend keeps it) and
     XLA's static memory analysis of the step;
   * prefix sharing's OFF/ON step-time ratio with the l18 sites moved to each
@@ -49,8 +58,11 @@ measured. JAX's memory pool is raised from its default 75% of the device
 to 95% (`XLA_PYTHON_CLIENT_MEM_FRACTION`, unless set).
 """
 
+import collections
 import dataclasses
 import gc
+import glob
+import gzip
 import importlib.util
 import json
 import os
@@ -58,6 +70,8 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 import types
 from typing import Any
 
@@ -86,6 +100,9 @@ def _load_sibling(name: str) -> types.ModuleType:
 
 # Its variants are compiled, stepped and timed as bench/prefix.py does.
 prefix = _load_sibling("prefix")
+# The trace is reduced as bench/profile.py reduces a toy step's.
+profile = _load_sibling("profile")
+hlo_work = _load_sibling("hlo_work")
 
 _SEQUENCES = flags.DEFINE_integer(
   "sequences_per_step", 4, "Sequences per step (the per-device batch).")
@@ -114,6 +131,11 @@ _RATIO_WITH_CSE = flags.DEFINE_bool(
   "on, rather than in a child process with it off.")
 _RATIOS_ONLY = flags.DEFINE_bool(
   "ratios_only", False, "Measure only the ratios (the child process).")
+# `--trace_dir` (keep the trace and the step's HLO text there) is
+# bench/profile.py's flag.
+_TRACED_STEPS = flags.DEFINE_integer(
+  "traced_steps", 0, "Steps traced with jax.profiler after the timed ones "
+  "and reduced to a table of op categories (0: no trace).")
 _CACHE_DIR = flags.DEFINE_string(
   "compile_cache_dir", None, "JAX's persistent compilation cache; the step "
   "then compiles a second time from it.")
@@ -124,11 +146,25 @@ CONFIG_JSON = (ROOT / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b"
 MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim",
               "vocab_size")
-# Dense bf16 tensor-core peak (FLOP/s, no sparsity) by device kind, from
-# the vendors' datasheets; the first name the device kind contains wins.
-PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+# Dense bf16 peak (FLOP/s, no sparsity) by device kind, vendor figures:
+# "Peak compute per chip (bf16)" on Google Cloud's TPU pages
+# (cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, /v5p: 459, /v6e: 918) and
+# NVIDIA's datasheets' dense BF16 Tensor Core figures (H100 SXM 989
+# TFLOP/s, H100 PCIe 756, H100 NVL 835, H200 989, B200 (HGX, 1000 W) 2250,
+# A100 312; the datasheets print twice these, with sparsity). The first
+# name the device kind contains wins; JAX calls a v5e "TPU v5 lite" and a
+# v6e "TPU v6 lite".
+PEAK_BF16 = (("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
+             ("TPU v5p", 459e12), ("TPU v5", 459e12),
+             ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
+             ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
              ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12))
-GOALS = {"mfu": 0.40, "compile_s": 120.0, "warm_compile_s": 10.0,
+# Sides of the square matmul whose measured rate MFU is also held against:
+# large enough to keep an accelerator's matrix units busy.
+MATMUL_N = {"cpu": 1024}
+ACCELERATOR_MATMUL_N = 8192
+GOALS = {"mfu": {"H200": 0.40, "TPU v5e": 0.60}, "compile_s": 120.0,
+         "warm_compile_s": 10.0,
          "ratio": {18: 1.25, 31: 1.8}}
 FLOP_TOLERANCE = 0.10
 NO_CSE = "--xla_disable_hlo_passes=cse"
@@ -233,16 +269,22 @@ def check_settings(settings: Settings) -> None:
     l18_sites(config, model, layer)
 
 
-def peak_flops(device: Any, dtype: Any) -> tuple[float | None, str]:
+def matmul_rate(device: Any, dtype: Any) -> tuple[float, int]:
+  """Return the FLOP/s this device measures for one `n×n @ n×n` matmul in
+  `dtype`, and `n`."""
+  n = MATMUL_N.get(device.platform, ACCELERATOR_MATMUL_N)
+  return hlo_flops.measured_matmul_rate(dtype, n), n
+
+
+def peak_flops(device: Any, measured: float, dtype: Any
+               ) -> tuple[float | None, str]:
   """Return the device's dense bf16 peak FLOP/s and where it comes from
-  (None: not known)."""
+  (None: not known); on a CPU, the `measured` matmul rate."""
   if device.platform == "cpu":
-    name = jnp.dtype(dtype).name
-    return (hlo_flops.measured_matmul_rate(dtype),
-            f"this CPU's measured {name} matmul rate")
+    return measured, f"this CPU's measured {jnp.dtype(dtype).name} matmul rate"
   for kind, peak in PEAK_BF16:
     if kind in device.device_kind:
-      return peak, f"{kind} datasheet, dense bf16"
+      return peak, f"{kind}, vendor figure, dense bf16"
   return None, f"no peak known for {device.device_kind}"
 
 
@@ -259,6 +301,60 @@ def run_steps(variant: dict, measured: int, warmup: int) -> float:
   return statistics.median(variant["times"][warmup:])
 
 
+def read_trace(directory: str) -> dict:
+  """Return the newest Chrome-format trace (`*trace.json.gz`) the profiler
+  wrote under `directory`."""
+  paths = glob.glob(os.path.join(directory, "**", "*trace.json.gz"),
+                    recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no *trace.json.gz under {directory}")
+  with gzip.open(max(paths, key=os.path.getmtime), "rt") as f:
+    return json.load(f)
+
+
+def op_spans(trace: dict, hlo: hlo_work.Hlo) -> list[profile.Span]:
+  """Return the executed instructions of the step in a trace: an event
+  naming one of its instructions, in `args.hlo_op` (a CPU or GPU thunk) or
+  as its own name (a TPU op), from the one process that ran most of them
+  (a TPU's ops show on the device's process, not the host's)."""
+  by_process = collections.defaultdict(list)
+  for event in trace.get("traceEvents", []):
+    args = event.get("args") or {}
+    name = args.get("hlo_op") or event.get("name")
+    if (event.get("ph") == "X" and name in hlo.instructions
+        and args.get("hlo_module", hlo.module) == hlo.module):
+      start = float(event["ts"])
+      by_process[event.get("pid")].append(profile.Span(
+        name, event.get("tid"), start, start + float(event["dur"])))
+  return max(by_process.values(), key=len, default=[])
+
+
+def trace_steps(variant: dict, steps: int, trace_dir: str) -> float:
+  """Run `steps` steps of a compiled variant under the profiler; return
+  their wall time (s)."""
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    start = time.perf_counter()
+    for _ in range(steps):
+      prefix.advance(variant)
+    return time.perf_counter() - start
+
+
+def profile_step(variant: dict, steps: int, trace_dir: str) -> dict:
+  """Return where `steps` traced steps of a compiled variant spend their
+  time: each instruction's row (`profile.thunk_rows`: category, ms per
+  step, FLOPs) and the traced wall and busy time per step (s)."""
+  os.makedirs(trace_dir, exist_ok=True)
+  text = variant["step"].as_text()
+  # Beside the trace, so a kept trace can be read against the program.
+  pathlib.Path(trace_dir, "step.hlo.txt").write_text(text)
+  hlo = hlo_work.parse_hlo(text)
+  wall = trace_steps(variant, steps, trace_dir)
+  attribution = profile.attribute(op_spans(read_trace(trace_dir), hlo))
+  return {"steps": steps, "wall_s": wall / steps,
+          "busy_s": 1e-6 * attribution.busy / steps,
+          "thunks": profile.thunk_rows(hlo, attribution, steps)}
+
+
 def static_memory(compiled: Any) -> dict[str, float]:
   """Return XLA's memory analysis of the compiled step, in bytes."""
   stats = compiled.memory_analysis()
@@ -266,11 +362,14 @@ def static_memory(compiled: Any) -> dict[str, float]:
           for name in ("argument", "output", "alias", "temp")}
 
 
-def measure_step(settings: Settings, recompile: bool = False) -> dict:
+def measure_step(settings: Settings, recompile: bool = False,
+                 profile_steps: int = 0, trace_dir: str = "") -> dict:
   """Return the report of the l18 step: compile time (and with `recompile`
   the time to compile it again from JAX's persistent cache, which the
   caller has configured), step time, FLOPs counted both ways, MFU,
-  memory."""
+  memory, and with `profile_steps` the profile of that many traced steps
+  (`profile_step`; the trace under `trace_dir`, else a temporary
+  folder)."""
   config, model = l18_recipe(settings), llama_config(settings.model_config)
   lm_flops.check_covered(config)
   sites = l18_sites(config, model, settings.layer)
@@ -288,24 +387,36 @@ def measure_step(settings: Settings, recompile: bool = False) -> dict:
   counted = hlo_flops.compiled_matmul_flops(compiled.as_text())
   predicted = lm_flops.lm_step_flops(config, model, sites)
   step_s = run_steps(variant, settings.measured, settings.warmup)
+  traced = None
+  if profile_steps:
+    with tempfile.TemporaryDirectory() as scratch:
+      traced = profile_step(variant, profile_steps, trace_dir or scratch)
   device = jax.devices()[0]
-  peak, source = peak_flops(device, dtype)
-  ratio = predicted.executed / counted.flops
+  measured, side = matmul_rate(device, dtype)
+  peak, source = peak_flops(device, measured, dtype)
+  # The recipe counts the program as written; a TPU's compiler may add
+  # rematerialised copies of its own to fit the device's memory.
+  written = counted.flops - counted.rematerialized
+  ratio = predicted.executed / written if written else float("nan")
   return {
     "device": device.device_kind, "model": model, "config": config,
     "compile_s": variant["compile_s"], "warm_compile_s": warm_s,
     "step_s": step_s,
     "tokens_per_s": config.batch_size * config.seq_len / step_s,
     "flops_compiled": counted.flops, "uncounted": counted.uncounted,
+    "flops_xla_remat": counted.rematerialized,
     "flops_xla_cost": hlo_flops.xla_cost_flops(compiled),
     "flops_executed": predicted.executed, "flops_model": predicted.model,
     "flops_parts": predicted, "flops_ratio": ratio,
     "flops_agree": abs(ratio - 1) <= FLOP_TOLERANCE,
     "peak_flops": peak, "peak_source": source,
     "mfu": None if peak is None else predicted.model / step_s / peak,
+    "matmul_rate": measured, "matmul_n": side,
+    "mfu_measured": predicted.model / step_s / measured,
     "executed_rate": predicted.executed / step_s,
     "peak_memory": peak_memory(device), "static_memory":
     static_memory(compiled), "first_losses": variant["first"],
+    "profile": traced,
   }
 
 
@@ -399,9 +510,11 @@ def report_rows(report: dict, settings: Settings) -> list[tuple[str, str,
     ("tokens/s", f"{report['tokens_per_s']:.0f}", ""),
     ("FLOPs/step in the compiled HLO (loops x trips)",
      _si(report["flops_compiled"], "FLOP"), ""),
+    ("of which XLA's own rematerialisation (.remat clones)",
+     _si(report["flops_xla_remat"], "FLOP"), ""),
     ("FLOPs/step analytic, as executed (with remat)",
      _si(report["flops_executed"], "FLOP"),
-     f"ratio to compiled {report['flops_ratio']:.4f}: "
+     f"ratio to compiled less XLA's remat {report['flops_ratio']:.4f}: "
      f"{'agree' if report['flops_agree'] else 'DISAGREE'} (within 10%)"),
     ("FLOPs/step analytic, model (remat left out)",
      _si(report["flops_model"], "FLOP"), ""),
@@ -411,7 +524,12 @@ def report_rows(report: dict, settings: Settings) -> list[tuple[str, str,
      ""),
     ("MFU (model FLOPs / step time / peak)",
      "n/a" if report["mfu"] is None else f"{100 * report['mfu']:.1f}%",
-     f">= {100 * GOALS['mfu']:.0f}% on an H200"),
+     ", ".join(f">= {100 * v:.0f}% on a {k}"
+               for k, v in GOALS["mfu"].items())),
+    (f"measured {report['matmul_n']}^3 matmul rate",
+     _si(report["matmul_rate"], "FLOP/s"), ""),
+    ("MFU against the measured matmul rate",
+     f"{100 * report['mfu_measured']:.1f}%", ""),
     ("executed FLOP rate (with remat)",
      _si(report["executed_rate"], "FLOP/s"), ""),
     ("peak device memory (memory_stats)", _bytes(report["peak_memory"]),
@@ -423,6 +541,38 @@ def report_rows(report: dict, settings: Settings) -> list[tuple[str, str,
   if report["uncounted"]:
     rows.append(("not sized by the HLO count", ", ".join(
       f"{n} x{k}" for n, k in report["uncounted"].items()), ""))
+  return rows
+
+
+def profile_rows(report: dict) -> list[tuple[str, ...]]:
+  """Return the traced step's time by op category: ms per step, share of
+  the traced wall time, and the matmul FLOP rate it achieved."""
+  traced = report["profile"]
+  wall_ms = 1e3 * traced["wall_s"]
+  totals = collections.defaultdict(lambda: [0.0, 0.0])
+  for thunk in traced["thunks"]:
+    totals[thunk.category][0] += thunk.ms
+    totals[thunk.category][1] += thunk.calls * thunk.flops
+  rows = []
+  for name in profile.CATEGORIES:
+    if name in totals:
+      ms, flops = totals[name]
+      rate = _si(flops / (1e-3 * ms), "FLOP/s") if flops and ms else ""
+      rows.append((name, f"{ms:.1f}", f"{100 * ms / wall_ms:.1f}%", rate))
+  idle = wall_ms - 1e3 * traced["busy_s"]
+  rows.append(("no op running (gaps)", f"{idle:.1f}",
+               f"{100 * idle / wall_ms:.1f}%", ""))
+  return rows
+
+
+def slowest_rows(report: dict, count: int = 15) -> list[tuple[str, ...]]:
+  """Return the traced step's slowest instructions."""
+  rows = []
+  for t in report["profile"]["thunks"][:count]:
+    rate = (_si(t.calls * t.flops / (1e-3 * t.ms), "FLOP/s")
+            if t.flops and t.ms else "")
+    rows.append((f"`{t.name}`", t.category, f"{t.ms:.2f}", f"{t.calls:g}",
+                 rate, t.source))
   return rows
 
 
@@ -514,7 +664,7 @@ def main(argv):
       raise ValueError(f"--compile_cache_dir {cache} is a file; name a "
                        "directory")
   except ValueError as e:
-    sys.exit(f"gpu_l18: {e}")
+    sys.exit(f"lm_step: error: {e}")
   # JAX's default pool is 75% of the device: too little for this step.
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   if _RATIOS_ONLY.value:
@@ -523,18 +673,29 @@ def main(argv):
     sys.exit(0 if all(r["losses_agree"] for r in ratios) else 1)
   child = None
   if settings.ratio_layers and not _RATIO_WITH_CSE.value:
-    print("[gpu_l18] prefix sharing's ratios, in a child process with XLA's "
+    print("[lm_step] prefix sharing's ratios, in a child process with XLA's "
           "CSE off ...", flush=True)
     # Before this process takes the device's memory.
     child = run_ratio_child()
   if _CACHE_DIR.value:
     jax.config.update("jax_compilation_cache_dir", _CACHE_DIR.value)
-  print("[gpu_l18] the l18 step: compile, FLOPs, steps ...", flush=True)
-  report = measure_step(settings, recompile=bool(_CACHE_DIR.value))
+  print("[lm_step] the l18 step: compile, FLOPs, steps ...", flush=True)
+  report = measure_step(settings, recompile=bool(_CACHE_DIR.value),
+                        profile_steps=_TRACED_STEPS.value,
+                        trace_dir=flags.FLAGS.trace_dir)
   print(describe(report, settings))
   print_table([("measure", "value", "goal"), *report_rows(report, settings)])
   print("analytic FLOPs by part:")
   print_table([("part", "FLOPs"), *flop_parts_rows(report)])
+  if report["profile"]:
+    traced = report["profile"]
+    print(f"profile of {traced['steps']} traced steps: "
+          f"{1e3 * traced['wall_s']:.1f} ms wall per step, ops running "
+          f"{1e3 * traced['busy_s']:.1f} ms")
+    print_table([("category", "ms/step", "share of wall", "matmul rate"),
+                 *profile_rows(report)])
+    print_table([("instruction", "category", "ms/step", "runs/step",
+                  "matmul rate", "source"), *slowest_rows(report)])
   ok = report["flops_agree"]
   if child is not None:
     print(child[0], end="", flush=True)
@@ -547,5 +708,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.argv[0] = "gpu_l18"
+  sys.argv[0] = "lm_step"
   app.run(main)

@@ -1,4 +1,4 @@
-"""bench/gpu_l18.py measures the l18 step at a reduced shape on CPU: every
+"""bench/lm_step.py measures the l18 step at a reduced shape on CPU: every
 field of its report, the step's matmul FLOPs counted in the compiled
 program and from the recipe agreeing, prefix sharing ON and OFF taking the
 same first step, and one-line refusals of bad flags."""
@@ -23,12 +23,13 @@ REPORT_KEYS = {
   "tokens_per_s", "flops_compiled", "uncounted", "flops_xla_cost",
   "flops_executed", "flops_model", "flops_parts", "flops_ratio",
   "flops_agree", "peak_flops", "peak_source", "mfu", "executed_rate",
-  "peak_memory", "static_memory", "first_losses"}
+  "peak_memory", "static_memory", "first_losses", "matmul_rate",
+  "matmul_n", "mfu_measured", "profile", "flops_xla_remat"}
 
 
 @pytest.fixture(scope="module")
 def bench(load_bench):
-  return load_bench("gpu_l18")
+  return load_bench("lm_step")
 
 
 def tiny(bench, recipe=TINY_RECIPE + FAST, **changes):
@@ -42,7 +43,7 @@ def tiny(bench, recipe=TINY_RECIPE + FAST, **changes):
 
 def test_the_report_has_every_field_and_its_flop_counts_agree(bench):
   settings = tiny(bench)
-  report = bench.measure_step(settings)
+  report = bench.measure_step(settings, profile_steps=2)
   assert set(report) == REPORT_KEYS
   assert report["compile_s"] > 0 and report["step_s"] > 0
   assert report["warm_compile_s"] is None
@@ -52,16 +53,24 @@ def test_the_report_has_every_field_and_its_flop_counts_agree(bench):
   assert report["flops_agree"]
   assert report["flops_executed"] == pytest.approx(report["flops_compiled"],
                                                    rel=0.10)
-  assert report["uncounted"] == {}
+  assert report["uncounted"] == {} and report["flops_xla_remat"] == 0
   assert 0 < report["flops_model"] < report["flops_executed"]
   # On CPU the peak is the measured matmul rate; the MFU is against it.
   assert report["peak_flops"] > 0 and 0 < report["mfu"] < 1
   assert report["static_memory"]["argument"] > 0
   assert set(report["first_losses"]) == set(bench.prefix.RECON_TERMS)
   rows = bench.report_rows(report, settings)
-  assert len(rows) == 13 and all(value for _, value, _ in rows)
+  assert len(rows) == 16 and all(value for _, value, _ in rows)
   parts = dict(bench.flop_parts_rows(report))
   assert "masked forwards (remat)" in parts
+  # The traced steps' time by op category, matmuls at a positive rate.
+  categories = {row[0]: row for row in bench.profile_rows(report)}
+  assert "matmul" in categories and categories["matmul"][3].endswith("FLOP/s")
+  assert list(categories)[-1] == "no op running (gaps)"
+  assert sum(t.calls * t.flops for t in report["profile"]["thunks"]
+             if t.category == "matmul") == pytest.approx(
+               report["flops_compiled"])
+  assert bench.slowest_rows(report)
 
 
 def test_bad_flags_are_refused_in_one_line(bench):
