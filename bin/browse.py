@@ -2,10 +2,12 @@
 
 A local server (127.0.0.1 by default) with one page: the component table of
 every site (sortable, filterable, searchable by a token of the top
-contexts), a component's page (top contexts shaded by CI, CI histogram, V/U
-norms, the components it fires with), and a prompt box that shows the next
-token predictions with chosen components ablated, beside the clean model's,
-with the KL per position. Each run needs a finished harvest (`bin/harvest`).
+contexts; its ablation column named by the run's divergence), a
+component's page (top contexts shaded by CI, none for a dead component,
+CI histogram, V/U norms, the components it fires with), and, for
+language models, a prompt box that shows the next token predictions with
+chosen components ablated, beside the clean model's, with the KL per
+position (a toy's inputs are feature vectors: it gets no prompt box). Each run needs a finished harvest (`bin/harvest`).
 A prompt is token ids, or text where the run's model has a tokenizer. A
 targeted run's component page also shows the component's A/B grid: its CI
 at the answer position over every operand pair, from the run's snapshot

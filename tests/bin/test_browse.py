@@ -640,6 +640,26 @@ def test_a_component_page_draws_its_ab_grid(server, chromium):
   # Cell (a, b) of operator o is prompt (o, a, b); its CI grows with both.
   assert rgb(0, 0, 0) == [255, 255, 255]
   assert rgb(1, 2, 3) != [255, 255, 255]
+  # Each grid's operand values stand beside its rows (a) and over its
+  # columns (b), centred on their cells.
+  for op in box.find_elements(By.CLASS_NAME, "op"):
+    canvas = op.find_element(By.TAG_NAME, "canvas").rect
+    for axis, n, along, size in (("a", GRID[1], "y", "height"),
+                                 ("b", GRID[2], "x", "width")):
+      ticks = op.find_elements(By.CSS_SELECTOR, f".{axis}-ticks span")
+      assert [t.text for t in ticks] == [str(i) for i in range(n)]
+      cell = canvas[size] / n
+      for i, tick in enumerate(ticks):
+        centre = tick.rect[along] + tick.rect[size] / 2
+        assert abs(centre - (canvas[along] + (i + 0.5) * cell)) <= 2
+  # The colour scale: white at CI 0 to the role's colour at 1.
+  scale = box.find_element(By.CSS_SELECTOR, '.scale[data-role="output"]')
+  assert scale.text.split() == ["output", "CI", "0", "1"]
+  gradient = chromium.execute_script(
+    "return getComputedStyle(arguments[0]).backgroundImage",
+    scale.find_element(By.CLASS_NAME, "bar"))
+  assert gradient == ("linear-gradient(to right, rgb(255, 255, 255), "
+                      "rgb(230, 90, 20))")
   box = open_component(0)
   assert "not in the A/B grid" in box.text
   assert not box.find_elements(By.TAG_NAME, "canvas")
