@@ -528,6 +528,7 @@ def test_a_toy_run_in_a_real_browser(toy_server, chromium):
   assert not chromium.find_element(By.ID, "prompt-area").is_displayed()
   note = chromium.find_element(By.ID, "no-prompt")
   assert note.is_displayed() and "feature vectors" in note.text
+  assert not chromium.find_element(By.ID, "search").is_displayed()
   assert chromium.find_element(By.ID, "ablation-header").text == (
     "ablation MSE")
   assert "ablation MSE" in box.text and "KL" not in box.text
