@@ -2,10 +2,12 @@
 
 A local server (127.0.0.1 by default) with one page: the component table of
 every site (sortable, filterable, searchable by a token of the top
-contexts), a component's page (top contexts shaded by CI, CI histogram, V/U
-norms, the components it fires with), and a prompt box that shows the next
-token predictions with chosen components ablated, beside the clean model's,
-with the KL per position. Each run needs a finished harvest (`bin/harvest`).
+contexts; its ablation column named by the run's divergence), a
+component's page (top contexts shaded by CI, none for a dead component,
+CI histogram, V/U norms, the components it fires with), and, for
+language models, a prompt box that shows the next token predictions with
+chosen components ablated, beside the clean model's, with the KL per
+position (a toy's inputs are feature vectors: it gets no prompt box). Each run needs a finished harvest (`bin/harvest`).
 A prompt is token ids, or text where the run's model has a tokenizer. A
 targeted run's component page also shows the component's A/B grid: its CI
 at the answer position over every operand pair, from the run's snapshot
@@ -303,18 +305,17 @@ def component_page(served: Served, site: str, component: int) -> dict:
     raise BadRequest(404, f"site {site!r} has no component {component}")
   row = next(r for r in served.rows
              if r["site"] == site and r["component"] == component)
+  threshold = float(served.harvest.manifest["settings"]["threshold"])
+  # Dead: its CI never passed the threshold on the harvested positions, so
+  # its top "contexts" would be arbitrary positions at CI 0.
+  dead = int(stats["fired"][component]) == 0
   contexts = []
   for values, context, ci in zip(stats["top_ci"][component],
                                  stats["top_context"][component],
                                  stats["top_context_ci"][component]):
-    if not np.isfinite(values):
+    if not np.isfinite(values) or values <= threshold:
       continue
-    if np.issubdtype(context.dtype, np.integer):
-      tokens = [served.decode(int(t)) if t >= 0 else "" for t in context]
-    else:
-      tokens = [f"{x:.2f}" for x in context]
-    contexts.append({"ci": float(values), "tokens": tokens,
-                     "token_ci": [float(x) for x in ci]})
+    contexts.append(context_item(served.decode, float(values), context, ci))
   toy = {}
   if site in served.probe:
     spec = sites_lib.site_by_name(served.run.target.sites)[site]
@@ -324,12 +325,43 @@ def component_page(served: Served, site: str, component: int) -> dict:
            "v": [float(x) for x in v[:, component]],
            "u": [float(x) for x in u[component]]}
   return {
-    **row, **toy,
+    **row, **toy, "dead": dead, "threshold": threshold,
     "contexts": contexts[:CONTEXTS_SHOWN],
     "histogram": {"floor": served.harvest.manifest["histogram_bands"]["floor"],
                   "counts": [int(x) for x in stats["histogram"][component]]},
     "correlated": explore.correlated(stats, component),
   }
+
+
+def context_item(decode: Callable[[int], str], ci: float,
+                 context: np.ndarray, window_ci: np.ndarray) -> dict:
+  """Return one top context as the page draws it: its tokens (a toy's input
+  values), and per token a shade in [0, 1] and a hover note.
+
+  A token window is shaded by the component's CI on each token. A toy's
+  context is one input row with one CI: its values are shaded by their
+  magnitude relative to the row's largest, which marks the features
+  present in the input (zero: absent) rather than the first value.
+  """
+  if np.issubdtype(context.dtype, np.integer):
+    cis = [float(x) for x in window_ci]
+    return {"ci": ci, "tokens": [decode(int(t)) if t >= 0 else ""
+                                 for t in context],
+            "token_ci": cis, "shade": cis,
+            "notes": [f"CI {x:.3g}" for x in cis]}
+  values = np.asarray(context, np.float64)
+  top = float(np.max(np.abs(values), initial=0.0))
+  shade = np.abs(values) / top if top > 0 else np.zeros_like(values)
+  return {"ci": ci, "tokens": [f"{x:.2f}" for x in values],
+          "token_ci": [float(x) for x in window_ci],
+          "shade": [float(x) for x in shade],
+          "notes": [f"feature {i}: {x:.3g}" for i, x in enumerate(values)]}
+
+
+def divergence_name(run: explore.LoadedRun) -> str:
+  """Return the short name of the run's divergence, as columns label it:
+  KL for language models (next-token distributions), MSE for toys."""
+  return "KL" if run.target.token_labels is not None else "MSE"
 
 
 def ab_grid_file(path: str) -> str:
@@ -468,6 +500,7 @@ def make_app(runs: list[Served]):
                "sites": {x.name: x.c for x in s.run.target.sites},
                "positions": s.harvest.manifest["positions"],
                "tokens": s.run.target.token_labels is not None,
+               "divergence": divergence_name(s.run),
                "tokenizer": s.encode is not None,
                "ab_grid": os.path.isfile(ab_grid_file(s.name))}
               for i, s in enumerate(runs)]

@@ -61,6 +61,10 @@ SITE_COLUMNS = (
   ("hidden_acts/ci_masked", "hidden MSE (CI-masked)"),
   ("hidden_acts/stochastic", "hidden MSE (stochastic)"),
 )
+# CE unrecovered divides by the zero-ablation CE gap. A gap at most this
+# share of the clean CE is taken as noise: divided by it, a variant's small
+# CE change reads as a large ratio, so the page shows n/a and says why.
+CE_NOISE = 0.02
 # The report's own curves: (file, metric prefix or prefixes, y label, log
 # scale).
 CURVES = (
@@ -77,6 +81,41 @@ CURVES = (
   ("eval_nonlinearity.png", "eval/nonlinearity/",
    "eval units per component", False),
 )
+
+
+# A targeted run's eval scalars, by stream (`eval/<stream>/…`).
+STREAMS = ("target", "nontarget")
+TASK_VARIANTS = ("clean", "ci_masked", "ablated")
+# A targeted run's task curves (`eval/task/…`), after its streams' own.
+TASK_CURVES = (
+  ("task_accuracy.png", "eval/task/answer_accuracy/", "answer accuracy",
+   False),
+  ("task_answer_ce.png", "eval/task/answer_ce/", "answer CE", False),
+  ("task_nontarget_ce.png", "eval/task/nontarget_ce/", "non-target CE",
+   False),
+)
+
+
+def curve_specs(keys: set[str]) -> list[tuple[str, Any, str, bool]]:
+  """Return the curves to draw from the metric `keys` a run recorded, as
+  `CURVES` rows: a targeted run's eval curves once per stream (its keys are
+  `eval/<stream>/…`), labelled by it, then its task curves."""
+  streams = [s for s in STREAMS
+             if any(k.startswith(f"eval/{s}/") for k in keys)]
+  specs = []
+  for name, prefix, ylabel, log in CURVES:
+    prefixes = (prefix,) if isinstance(prefix, str) else prefix
+    if not streams or not prefixes[0].startswith("eval/"):
+      specs.append((name, prefix, ylabel, log))
+      continue
+    for stream in streams:
+      specs.append((f"{stream}_{name}", tuple(
+        f"eval/{stream}/{p[len('eval/'):]}" for p in prefixes),
+        f"{stream}: {ylabel}", log))
+  if streams:
+    specs.extend(TASK_CURVES)
+  return [(name, prefix, ylabel, log) for name, prefix, ylabel, log in specs
+          if any(k.startswith(prefix) for k in keys)]
 
 
 class Context(NamedTuple):
@@ -193,21 +232,53 @@ def _cell(record: Mapping[str, Any], key: str) -> str:
   return f"<td>{_esc(_format(value))}</td>"
 
 
+def zero_gap_is_noise(record: Mapping[str, Any]) -> bool:
+  """Return whether zero ablation moves the CE too little to measure the
+  other masks against: `CE(zero) − CE(clean)` at most `CE_NOISE` of the
+  clean CE (or not positive, where the clean CE is not recorded)."""
+  gap = record.get("ce_diff/zero")
+  if not isinstance(gap, (int, float)):
+    return False
+  clean = record.get("ce/clean")
+  floor = CE_NOISE * abs(clean) if isinstance(clean, (int, float)) else 0.0
+  return gap <= floor
+
+
+def _unrecovered_cell(record: Mapping[str, Any], key: str) -> str:
+  if key in record and zero_gap_is_noise(record):
+    return "<td title=\"zero ablation barely moves the CE\">n/a</td>"
+  return _cell(record, key)
+
+
+def _noise_note(record: Mapping[str, Any]) -> str:
+  clean = record.get("ce/clean")
+  of_clean = (f", under {CE_NOISE:.0%} of the clean CE ({clean:.4g})"
+              if isinstance(clean, (int, float)) else "")
+  return (f"<p class=note>CE unrecovered is n/a: zero ablation moves the "
+          f"CE by {record['ce_diff/zero']:.3g} nats{of_clean}, too little "
+          "to divide by.</p>")
+
+
 def _summary_tables(record: Mapping[str, Any]) -> str:
   """Return the eval headline: the masked-output family, then per site."""
   parts = []
   variants = [k[len("recon/"):] for k in RECON_ORDER if k in record]
   if variants:
-    rows = [("divergence from clean", "recon/")]
+    rows = [("divergence from clean", "recon/", _cell)]
     if any(k.startswith("ce_diff/") for k in record):
-      rows += [("CE − clean CE", "ce_diff/"),
-               ("CE unrecovered (zero = 1)", "ce_unrecovered/")]
+      rows += [("CE − clean CE", "ce_diff/", _cell),
+               ("CE unrecovered (zero = 1)", "ce_unrecovered/",
+                _unrecovered_cell)]
     body = "".join(
       f"<tr><th>{_esc(name)}</th>"
-      + "".join(_cell(record, prefix + v) for v in variants) + "</tr>"
-      for name, prefix in rows)
-    parts.append("<table class=summary><tr><th>masks</th>" + "".join(
-      f"<th>{_esc(v)}</th>" for v in variants) + f"</tr>{body}</table>")
+      + "".join(cell(record, prefix + v) for v in variants) + "</tr>"
+      for name, prefix, cell in rows)
+    note = (_noise_note(record) if any(
+      k.startswith("ce_unrecovered/") for k in record)
+      and zero_gap_is_noise(record) else "")
+    parts.append("<div><table class=summary><tr><th>masks</th>" + "".join(
+      f"<th>{_esc(v)}</th>" for v in variants) + f"</tr>{body}</table>"
+      f"{note}</div>")
   sites = sorted({k.split("/", 1)[1] for k in record
                   if k.startswith("ci_l0/")})
   if sites:
@@ -222,9 +293,6 @@ def _summary_tables(record: Mapping[str, Any]) -> str:
   return "<div class=grid>" + "".join(parts) + "</div>"
 
 
-# A targeted run's eval scalars, by stream (`eval/<stream>/…`).
-STREAMS = ("target", "nontarget")
-TASK_VARIANTS = ("clean", "ci_masked", "ablated")
 
 
 def _eval_sections(record: Mapping[str, Any], ab_grid_page: bool = True
@@ -283,12 +351,26 @@ def _visible(text: str) -> str:
 
 
 def _context_html(context: Context) -> str:
-  words = []
-  for i, word in enumerate(context.tokens):
-    text = _visible(_esc(word))
-    words.append(f"<mark>{text}</mark>" if i == context.focus else text)
-  return (f"<div class=ctx><span class=ci>{context.ci:.2f}</span> "
-          f"<code>{''.join(words)}</code></div>")
+  """Return one context as a table row: its CI, the text before the firing
+  position (right-aligned), the marked position, and the text after, so
+  that the positions of a component's contexts line up down its rows
+  (contexts cut at a sequence's start hold fewer tokens before it)."""
+  def text(words):
+    return "".join(_visible(_esc(w)) for w in words)
+  focus = context.focus
+  return (f"<tr class=ctx><td class=ci>{context.ci:.2f}</td>"
+          f"<td class=before><code>{text(context.tokens[:focus])}</code></td>"
+          f"<td class=focus><code><mark>"
+          f"{text(context.tokens[focus:focus + 1])}</mark></code></td>"
+          f"<td class=after><code>{text(context.tokens[focus + 1:])}"
+          "</code></td></tr>")
+
+
+def _contexts_html(contexts: Sequence[Context]) -> str:
+  if not contexts:
+    return ""
+  return ("<table class=contexts>"
+          + "".join(_context_html(c) for c in contexts) + "</table>")
 
 
 def _component_section(table: ComponentTable) -> str:
@@ -300,7 +382,7 @@ def _component_section(table: ComponentTable) -> str:
     body = "".join(
       f"<tr><td>{r.component}</td><td>{r.frequency:.3g}</td>"
       f"<td>{r.mean_ci:.3g}</td>"
-      f"<td>{''.join(_context_html(c) for c in r.contexts)}</td></tr>"
+      f"<td>{_contexts_html(r.contexts)}</td></tr>"
       for r in rows)
     parts.append(
       f"<h3>{_esc(site)}</h3><table class=components><tr><th>component</th>"
@@ -318,8 +400,10 @@ figcaption { font-size: 0.85em; color: #444; }
 table { border-collapse: collapse; font-size: 0.85em; }
 td, th { border: 1px solid #ddd; padding: 2px 6px; vertical-align: top; }
 .scalars td:first-child { font-family: monospace; }
-.ctx code { white-space: pre-wrap; } mark { background: #fd8; }
-.ci { color: #666; font-size: 0.85em; }
+.ctx code { white-space: pre; } mark { background: #fd8; }
+.contexts td { border: none; padding: 0; }
+.contexts td.before { text-align: right; }
+.contexts td.ci { color: #666; font-size: 0.85em; padding-right: 0.5em; }
 .summary th { background: #f0f0f0; text-align: left; }
 .summary { margin: 0 1em 1em 0; }
 pre { background: #f6f6f6; padding: 0.6em; font-size: 0.8em; }
@@ -366,7 +450,8 @@ def render_html(
     sections.append(_component_section(table))
   sections.append(f"<h2>Flags</h2><pre>{_esc(flags_text)}</pre>")
   return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
-          f"<title>{_esc(title)}</title><style>{_STYLE}</style></head>"
+          f"<title>{_esc(title)}</title><link rel=\"icon\" href=\"data:,\">"
+          f"<style>{_STYLE}</style></head>"
           f"<body>{''.join(sections)}</body></html>\n")
 
 
@@ -416,11 +501,11 @@ def write_report(run: run_dir.Path) -> str:
   directory = os.path.join(run, REPORT_DIR)
   os.makedirs(directory, exist_ok=True)
   curves = []
-  for name, prefix, ylabel, log in CURVES:
-    if any(k.startswith(prefix) for r in records for k in r):
-      figures.plot_metric_curves(records, prefix, os.path.join(directory, name),
-                                 ylabel, log)
-      curves.append((name, ylabel))
+  for name, prefix, ylabel, log in curve_specs(
+      {k for r in records for k in r}):
+    figures.plot_metric_curves(records, prefix, os.path.join(directory, name),
+                               ylabel, log)
+    curves.append((name, ylabel))
   table = None
   table_path = os.path.join(directory, TABLE_FILE)
   if os.path.isfile(table_path):

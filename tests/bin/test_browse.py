@@ -447,10 +447,113 @@ def chromium():
   for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
                    "--disable-dev-shm-usage", "--window-size=1400,900"):
     options.add_argument(argument)
+  options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
   driver = webdriver.Chrome(options=options,
                             service=Service(executable_path=CHROMEDRIVER))
   yield driver
   driver.quit()
+
+
+def _open_component(driver, site, c):
+  """Click component `c` of `site` in the table; return its page's box
+  once it shows that component."""
+  from selenium.webdriver.common.by import By  # noqa: PLC0415
+  from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
+  wait = WebDriverWait(driver, 60)
+  row = f'#table tbody tr[data-site="{site}"][data-c="{c}"]'
+  wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, row))
+  driver.find_element(By.CSS_SELECTOR, row).click()
+  return wait.until(lambda d: d.execute_script(
+    "const h = document.querySelector('#component h3');"
+    "return h && h.textContent.endsWith(arguments[0]) ?"
+    " document.getElementById('component') : null;", f" c{c}"))
+
+
+# Per chart of the component page: its axis titles and tick labels.
+_CHART_TEXT = (
+  "return Array.from(document.querySelectorAll('svg.chart')).map(s => ["
+  "s.dataset.chart,"
+  " Array.from(s.querySelectorAll('.x-label, .y-label'), t => t.textContent),"
+  " s.querySelectorAll('.x-tick').length, s.querySelectorAll('.y-tick').length"
+  "]);")
+
+
+def test_a_component_page_reads_in_a_real_browser(server, chromium):
+  """Its contexts' positions line up down the rows, its histogram has
+  titled, ticked axes, the ablation column names KL, and the page asks
+  for no missing favicon."""
+  site = next(iter(json.loads(_get(server + "/api/runs")[1])[0]["sites"]))
+  chromium.get_log("browser")                     # drop earlier entries
+  chromium.get(server + "/")
+  c = int(np.argmax([r["density"] for r in json.loads(_get(
+    f"{server}/api/runs/0/components")[1]) if r["site"] == site]))
+  box = _open_component(chromium, site, c)
+  assert chromium.execute_script(
+    "return document.getElementById('ablation-header').textContent"
+  ) == "ablation KL"
+  assert "ablation KL" in box.text
+  # Each context is a row of cells; a column's cells share their left edge
+  # (inline tokens of unequal widths would not).
+  lefts = chromium.execute_script(
+    "return Array.from(document.querySelectorAll('tr.context'), r =>"
+    " Array.from(r.querySelectorAll('td.token'),"
+    " t => Math.round(t.getBoundingClientRect().left)));")
+  assert len(lefts) > 1 and all(row == lefts[0] for row in lefts)
+  charts = chromium.execute_script(_CHART_TEXT)
+  assert charts == [["histogram", ["CI, log scale (first bar: below the "
+                                   "floor)", "positions"], 3, 2]]
+  missing = [e["message"] for e in chromium.get_log("browser")
+             if e["level"] == "SEVERE"]
+  assert not missing, missing
+
+
+@pytest.fixture(scope="module")
+def toy_server(toy_served):
+  """Serve the TMS run, its busiest linear1 component's neighbour dead."""
+  busiest = _busiest(toy_served, "linear1")
+  dead = (busiest + 1) % 6
+  with _serving(_with_dead(toy_served, "linear1", dead)) as httpd:
+    yield f"http://127.0.0.1:{httpd.port}", busiest, dead
+
+
+def test_a_toy_run_in_a_real_browser(toy_server, chromium):
+  """No prompt box (a toy has no next-token predictions) but a note why;
+  the ablation column names MSE; contexts shade the features present; the
+  charts have titled, ticked axes; a dead component says so, with no
+  contexts."""
+  from selenium.webdriver.common.by import By  # noqa: PLC0415
+  url, busiest, dead = toy_server
+  chromium.get(url + "/")
+  box = _open_component(chromium, "linear1", busiest)
+  assert not chromium.find_element(By.ID, "prompt-area").is_displayed()
+  note = chromium.find_element(By.ID, "no-prompt")
+  assert note.is_displayed() and "feature vectors" in note.text
+  assert not chromium.find_element(By.ID, "search").is_displayed()
+  assert chromium.find_element(By.ID, "ablation-header").text == (
+    "ablation MSE")
+  assert "ablation MSE" in box.text and "KL" not in box.text
+  # The darkest cell of each context is its largest input value.
+  darkest = chromium.execute_script(
+    "return Array.from(document.querySelectorAll('tr.context'), r => {"
+    " const cells = Array.from(r.querySelectorAll('td.token'));"
+    " const alpha = cells.map(t =>"
+    "  parseFloat(getComputedStyle(t).backgroundColor.split(',')[3] ?? 1));"
+    " const values = cells.map(t => Math.abs(Number(t.textContent)));"
+    " return [alpha.indexOf(Math.max(...alpha)),"
+    "         values.indexOf(Math.max(...values))]; });")
+  assert darkest and all(a == b for a, b in darkest)
+  charts = {name: (labels, x, y) for name, labels, x, y in
+            chromium.execute_script(_CHART_TEXT)}
+  assert charts == {
+    "histogram": (["CI, log scale (first bar: below the floor)",
+                   "positions"], 3, 2),
+    "probe": (["feature", "CI"], 5, 2),
+    "v": (["input dimension", "V entry"], 5, charts["v"][2]),
+    "u": (["output dimension", "U entry"], 2, charts["u"][2])}
+  assert charts["v"][2] >= 2 and charts["u"][2] >= 2
+  box = _open_component(chromium, "linear1", dead)
+  assert "Dead: its CI never exceeded" in box.text
+  assert not box.find_elements(By.CSS_SELECTOR, "tr.context")
 
 
 def test_in_a_real_browser(server, chromium, tmp_path):
@@ -538,6 +641,26 @@ def test_a_component_page_draws_its_ab_grid(server, chromium):
   # Cell (a, b) of operator o is prompt (o, a, b); its CI grows with both.
   assert rgb(0, 0, 0) == [255, 255, 255]
   assert rgb(1, 2, 3) != [255, 255, 255]
+  # Each grid's operand values stand beside its rows (a) and over its
+  # columns (b), centred on their cells.
+  for op in box.find_elements(By.CLASS_NAME, "op"):
+    canvas = op.find_element(By.TAG_NAME, "canvas").rect
+    for axis, n, along, size in (("a", GRID[1], "y", "height"),
+                                 ("b", GRID[2], "x", "width")):
+      ticks = op.find_elements(By.CSS_SELECTOR, f".{axis}-ticks span")
+      assert [t.text for t in ticks] == [str(i) for i in range(n)]
+      cell = canvas[size] / n
+      for i, tick in enumerate(ticks):
+        centre = tick.rect[along] + tick.rect[size] / 2
+        assert abs(centre - (canvas[along] + (i + 0.5) * cell)) <= 2
+  # The colour scale: white at CI 0 to the role's colour at 1.
+  scale = box.find_element(By.CSS_SELECTOR, '.scale[data-role="output"]')
+  assert scale.text.split() == ["output", "CI", "0", "1"]
+  gradient = chromium.execute_script(
+    "return getComputedStyle(arguments[0]).backgroundImage",
+    scale.find_element(By.CLASS_NAME, "bar"))
+  assert gradient == ("linear-gradient(to right, rgb(255, 255, 255), "
+                      "rgb(230, 90, 20))")
   box = open_component(0)
   assert "not in the A/B grid" in box.text
   assert not box.find_elements(By.TAG_NAME, "canvas")
@@ -566,7 +689,9 @@ def test_keep_mode_and_the_prompt_ci_heat_map(server):
       assert max(values) > 0.1
 
 
-def test_a_toy_component_page_shows_its_probe_ci_and_factors(finished_run):
+@pytest.fixture(scope="module")
+def toy_served(finished_run):
+  """Return the harvested TMS 5-2 run."""
   path = finished_run("tms")
   run = explore.load_run(path)
   settings = harvest_lib.resolve(run, harvest_lib.Request(
@@ -574,13 +699,80 @@ def test_a_toy_component_page_shows_its_probe_ci_and_factors(finished_run):
   out = f"{path}/{harvest_lib.HARVEST_DIR}"
   record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
   harvest_lib.write_manifest(out, path, run, settings, record)
-  page = browse.component_page(browse.serve_run(path), "linear1", 2)
+  return browse.serve_run(path)
+
+
+def _busiest(served, site):
+  return int(np.argmax(served.harvest.sites[site]["fired"]))
+
+
+def _with_dead(served, site, component):
+  """Return `served` with `component` of `site` never having fired: its
+  top CI below the threshold, as a harvest leaves a dead component."""
+  stats = {**served.harvest.sites[site]}
+  for field in ("fired", "top_ci"):
+    stats[field] = stats[field].copy()
+  stats["fired"][component] = 0
+  stats["top_ci"][component] = 0.0
+  sites = {**served.harvest.sites, site: stats}
+  return served._replace(harvest=served.harvest._replace(sites=sites))
+
+
+def test_a_toy_component_page_shows_its_probe_ci_and_factors(toy_served):
+  page = browse.component_page(toy_served, "linear1", 2)
   assert len(page["probe_ci"]) == 5            # one per TMS 5-2 feature
   assert len(page["v"]) == 5 and len(page["u"]) == 2
+  run = toy_served.run
   probe = explore.component_ci(run, run.target.feature_probe())["linear1"]
   np.testing.assert_allclose(page["probe_ci"], np.asarray(probe)[:, 2],
                              rtol=1e-6)
   assert all(len(c["tokens"]) == 5 for c in page["contexts"])  # input rows
+
+
+def test_a_toy_context_shades_the_features_present(toy_served):
+  """A toy's context is one input row with one CI: the shading marks its
+  nonzero features, the largest darkest, not its first value."""
+  page = browse.component_page(toy_served, "linear1",
+                               _busiest(toy_served, "linear1"))
+  assert page["contexts"]
+  for context in page["contexts"]:
+    values = np.abs(np.asarray(context["tokens"], float))
+    shade = np.asarray(context["shade"])
+    assert shade.shape == values.shape
+    assert shade[np.argmax(values)] == pytest.approx(1.0)
+    assert np.all(shade[values == 0] == 0)
+    assert np.all(shade[values > 0.05] > 0)
+    assert context["notes"][0].startswith("feature 0: ")
+
+
+def test_a_token_context_shades_each_token_by_its_ci(served):
+  site = served.run.target.sites[0].name
+  page = browse.component_page(served, site, _busiest(served, site))
+  for context in page["contexts"]:
+    assert context["shade"] == context["token_ci"]
+    assert len(context["notes"]) == len(context["tokens"])
+
+
+def test_a_dead_component_shows_no_contexts(toy_served):
+  """A component that never fired lists none of its arbitrary top
+  positions at CI 0, and says it is dead; a live one shows only contexts
+  above the threshold."""
+  c = _busiest(toy_served, "linear1")
+  alive = browse.component_page(toy_served, "linear1", c)
+  assert alive["dead"] is False and alive["contexts"]
+  assert all(x["ci"] > alive["threshold"] for x in alive["contexts"])
+  dead = browse.component_page(_with_dead(toy_served, "linear1", c),
+                               "linear1", c)
+  assert dead["dead"] is True and dead["contexts"] == []
+  assert dead["threshold"] == toy_served.run.config.ci_alive_threshold
+
+
+def test_runs_name_their_divergence(served, toy_served):
+  from werkzeug.test import Client  # noqa: PLC0415
+  runs = Client(browse.make_app([served, toy_served])).get(
+    "/api/runs").get_json()
+  assert [r["divergence"] for r in runs] == ["KL", "MSE"]
+  assert [r["tokens"] for r in runs] == [True, False]
 
 
 # A word-level tokenizer with one more entry than the model's vocabulary,

@@ -50,8 +50,9 @@ def test_component_table_html_shows_the_decoded_context(model_dir):
   assert table["s"][0].contexts[0].tokens == tuple(TEXTS[i]
                                                    for i in tokens[0, 0])
   page = report.render_html("run", "", [], [], [], table, "now")
-  assert ("<code>the&middot;cat<mark>&middot;sat</mark>&rarr;on&crarr;"
-          "&lt;b&gt;</code>") in page
+  assert ("<td class=before><code>the&middot;cat</code></td><td class=focus>"
+          "<code><mark>&middot;sat</mark></code></td><td class=after><code>"
+          "&rarr;on&crarr;&lt;b&gt;</code></td>") in page
 
 
 def test_a_model_without_tokenizer_shows_ids_and_says_so_once(capsys):

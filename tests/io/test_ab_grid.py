@@ -155,3 +155,43 @@ def test_the_page_shows_each_roles_grid_side_by_side(tmp_path, browser):
   facts = browser.find_element(By.ID, "facts").text
   assert "output 0.100" in facts and "hidden 0.100" in facts
   assert not _severe(browser)
+
+
+def test_each_grid_has_operand_ticks_and_a_colour_scale(tmp_path, browser):
+  """Each grid's b values stand over their columns and its a values beside
+  their rows, and each role's grid has a scale from white at CI 0 to the
+  role's colour at 1."""
+  from selenium.webdriver.common.by import By  # noqa: PLC0415
+  ab_grid.write(str(tmp_path), _data(two_roles=True))
+  browser.get("file://" + str(tmp_path / "ab_grid.html"))
+  figures = browser.find_elements(By.CSS_SELECTOR, "#grids figure.role")
+  assert len(figures) == 4
+  for figure in figures:
+    canvas = figure.find_element(By.TAG_NAME, "canvas").rect
+    for axis, along, start in (("b", "x", canvas["x"]),
+                               ("a", "y", canvas["y"])):
+      ticks = figure.find_elements(By.CSS_SELECTOR, f".{axis}-ticks span")
+      assert [t.text for t in ticks] == [str(i) for i in range(P)]
+      size = "width" if along == "x" else "height"
+      for i, tick in enumerate(ticks):
+        centre = tick.rect[along] + tick.rect[size] / 2
+        # The canvas's 1 px border comes before its first cell.
+        assert abs(centre - (start + 1 + (i + 0.5) * 12)) <= 1.5
+    assert figure.find_element(By.CLASS_NAME, "axis-title").text == "a \\ b"
+    scale = figure.find_element(By.CLASS_NAME, "scale")
+    assert scale.text.split() == ["CI", "0", "1"]
+    role = figure.find_element(By.TAG_NAME, "canvas").get_attribute(
+      "data-role")
+    colour = {"output": "rgb(230, 90, 20)", "hidden": "rgb(20, 110, 230)"}
+    gradient = browser.execute_script(
+      "return getComputedStyle(arguments[0]).backgroundImage",
+      scale.find_element(By.CLASS_NAME, "bar"))
+    assert gradient.startswith("linear-gradient(to right, rgb(255, 255, 255)")
+    assert gradient.endswith(f"{colour[role]})")
+  assert not _severe(browser)
+
+
+def test_the_page_asks_for_no_favicon(tmp_path):
+  page = ab_grid.write(str(tmp_path), _data())
+  head = (tmp_path / page).read_text().split("</head>")[0]
+  assert '<link rel="icon" href="data:,">' in head

@@ -16,7 +16,8 @@ def referenced_files(page_path):
   """Return the files an HTML page links or embeds, resolved to paths."""
   with open(page_path, encoding="utf-8") as f:
     page = f.read()
-  refs = re.findall(r'(?:src|href)="([^"]+)"', page)
+  refs = [r for r in re.findall(r'(?:src|href)="([^"]+)"', page)
+          if not r.startswith("data:")]
   base = os.path.dirname(page_path)
   return [os.path.normpath(os.path.join(base, r)) for r in refs]
 
@@ -191,3 +192,127 @@ def test_the_task_table_links_the_ab_grid_only_where_the_page_is():
   assert 'href="ab_grid.html"' in page(True)
   assert "<h2>Task</h2>" in page(False)
   assert "ab_grid.html" not in page(False)
+
+
+def test_a_components_contexts_line_up_at_the_firing_position():
+  """Contexts cut at a sequence's start (the arithmetic toy's five-token
+  prompts) hold fewer tokens before the position: each is a row whose
+  text before the position is its own right-aligned cell, so the marked
+  positions share a column."""
+  contexts = (report.Context(0.9, ("a", "+", "b", "="), 3),
+              report.Context(0.8, ("12", "=", "7"), 1))
+  page = report.render_html(
+    "run", "", [], [], [],
+    {"s": [report.ComponentRow(0, 0.5, 0.4, contexts)]}, "now")
+  rows = re.findall(r"<tr class=ctx>(.*?)</tr>", page)
+  cells = [re.findall(r"<td class=(\w+)>(.*?)</td>", row) for row in rows]
+  assert [[name for name, _ in row] for row in cells] == [
+    ["ci", "before", "focus", "after"]] * 2
+  assert [row[1][1] for row in cells] == ["<code>a+b</code>", "<code>12</code>"]
+  assert [row[2][1] for row in cells] == ["<code><mark>=</mark></code>"] * 2
+  assert ".contexts td.before { text-align: right; }" in page
+
+
+def _ce_record(zero_gap, clean=2.0):
+  return {"step": 3, "recon/ci_masked": 0.1, "recon/zero": 0.9,
+          "ce/clean": clean, "ce_diff/ci_masked": 0.78,
+          "ce_diff/zero": zero_gap,
+          # As losses.evals divides: by 1 where the gap is exactly 0.
+          "ce_unrecovered/ci_masked": 0.78 / (zero_gap or 1.0),
+          "ce_unrecovered/zero": 1.0}
+
+
+def _headline(record):
+  return report.render_html("run", "", [("Eval", record)], (), (), None,
+                            "now").split("<details>")[0]
+
+
+@pytest.mark.parametrize("zero_gap, shown", [
+  (-0.015, False), (0.0, False), (0.039, False), (0.041, True), (3.0, True)])
+def test_ce_unrecovered_is_na_when_zero_ablation_barely_moves_the_ce(
+    zero_gap, shown):
+  """Divided by a zero-ablation gap within 2% of the clean CE (2.0), a
+  small CE change reads as a large ratio (52 at a gap of −0.015): the
+  table says n/a and why instead."""
+  assert report.zero_gap_is_noise(_ce_record(zero_gap)) is not shown
+  page = _headline(_ce_record(zero_gap))
+  row = re.search(r"<th>CE unrecovered \(zero = 1\)</th>(.*?)</tr>",
+                  page).group(1)
+  ratio = report._format(0.78 / (zero_gap or 1.0))
+  if shown:
+    assert f"<td>{ratio}</td><td>1</td>" in row and "n/a" not in page
+  else:
+    assert row.count(">n/a</td>") == 2 and ratio not in row
+    assert "CE unrecovered is n/a: zero ablation moves the CE by" in page
+    assert "under 2% of the clean CE (2)" in page
+  # The CE differences themselves are always shown.
+  assert f"<td>{report._format(zero_gap)}</td>" in page
+
+
+def _targeted_run(tmp_path):
+  (tmp_path / run_dir.FLAGS_FILE).write_text("--target=induction\n")
+  metrics = tmp_path / run_dir.METRICS_FILE
+  for step in (0, 10):
+    record = {"step": step, "loss/faithfulness": 1.0 / (step + 1)}
+    for stream in ("target", "nontarget"):
+      record.update({f"eval/{stream}/recon/ci_masked": 0.1,
+                     f"eval/{stream}/ce_diff/ci_masked": 0.2,
+                     f"eval/{stream}/ci_l0/s": 1.0})
+    record.update({"eval/task/answer_accuracy/clean": 1.0,
+                   "eval/task/answer_ce/ablated": 2.0,
+                   "eval/task/nontarget_ce/clean": 1.5})
+    run_dir.append_metrics(metrics, record)
+  return tmp_path
+
+
+def test_a_targeted_runs_curves_show_each_stream_and_the_task(tmp_path):
+  page = report.write_report(_targeted_run(tmp_path))
+  shown = list(dict.fromkeys(
+    os.path.basename(r) for r in referenced_files(page)))
+  assert shown == [
+    "loss_curves.png", "target_eval_recon.png", "nontarget_eval_recon.png",
+    "target_eval_ce.png", "nontarget_eval_ce.png", "target_ci_l0.png",
+    "nontarget_ci_l0.png", "task_accuracy.png", "task_answer_ce.png",
+    "task_nontarget_ce.png"]
+  for ref in referenced_files(page):
+    with open(ref, "rb") as f:
+      assert f.read(8) == PNG, ref
+  text = open(page, encoding="utf-8").read()
+  assert "<figcaption>nontarget: eval CE − clean CE</figcaption>" in text
+
+
+def test_an_untargeted_runs_curves_keep_their_names():
+  keys = {"loss/faithfulness", "eval/recon/zero", "eval/ci_l0/a",
+          "eval/identity_ci_error/a"}
+  assert [name for name, *_ in report.curve_specs(keys)] == [
+    "loss_curves.png", "eval_recon.png", "ci_l0.png", "ci_error.png"]
+
+
+def test_the_pages_ask_for_no_favicon(synthetic_run):
+  """A page without an icon of its own makes the browser request
+  /favicon.ico, missing wherever the report is served."""
+  page = open(report.write_report(synthetic_run), encoding="utf-8").read()
+  assert '<link rel="icon" href="data:,">' in page.split("</head>")[0]
+
+
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+
+
+def test_the_readmes_screenshot_command_runs_as_written(synthetic_run,
+                                                        tmp_path):
+  """The README's Chromium command makes the report's screenshot, also as
+  root (where Chromium needs --no-sandbox)."""
+  import shlex  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  with open(README, encoding="utf-8") as f:
+    command = re.search(r"`(chromium --headless[^`]*)`", f.read()).group(1)
+  page = report.write_report(synthetic_run)
+  shot = tmp_path / "shot.png"
+  argv = [{"docs/report.png": str(shot)}.get(a, a) for a in shlex.split(
+    command.replace("--screenshot=docs/report.png",
+                    f"--screenshot={shot}").replace(
+      "runs/tms_5-2/report/index.html", page))]
+  assert argv[0] == "chromium" and page in argv
+  done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert shot.read_bytes()[:8] == PNG
