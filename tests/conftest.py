@@ -392,3 +392,34 @@ def finished_run(tmp_path_factory):
     return paths[name]
 
   return path
+
+
+@pytest.fixture(scope="session")
+def harvested(finished_run):
+  """Return `path(name, **request)`: this process's finished run `name`,
+  harvested once (`recipe.harvest.Request(**request)`; later calls return
+  the same harvest)."""
+  from decompax.recipe import explore  # noqa: PLC0415
+  from decompax.recipe import harvest as harvest_lib  # noqa: PLC0415
+  done = {}
+
+  def path(name: str, **request) -> str:
+    if name not in done:
+      run_path = finished_run(name)
+      run = explore.load_run(run_path)
+      settings = harvest_lib.resolve(run, harvest_lib.Request(**request))
+      out = f"{run_path}/{harvest_lib.HARVEST_DIR}"
+      record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
+      harvest_lib.write_manifest(out, run_path, run, settings, record)
+      done[name] = run_path
+    return done[name]
+
+  return path
+
+
+@pytest.fixture(scope="session")
+def harvested_tms(harvested) -> str:
+  """Return this process's finished TMS 5-2 run, harvested with small
+  settings (the browser's and the bad-input table's run)."""
+  return harvested("tms", positions=512, batch_size=64, top_k=3,
+                   ablation_batches=1)

@@ -823,22 +823,7 @@ class Result(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def harvested(finished_run) -> pathlib.Path:
-  """Return a finished TMS run with a finished harvest."""
-  from decompax.recipe import explore  # noqa: PLC0415
-  from decompax.recipe import harvest as harvest_lib  # noqa: PLC0415
-  path = finished_run("tms")
-  run = explore.load_run(path)
-  settings = harvest_lib.resolve(run, harvest_lib.Request(
-    positions=512, batch_size=64, top_k=3, ablation_batches=1))
-  out = f"{path}/{harvest_lib.HARVEST_DIR}"
-  record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
-  harvest_lib.write_manifest(out, path, run, settings, record)
-  return pathlib.Path(path)
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory, harvested, finished_run) -> dict[str, Result]:
+def results(tmp_path_factory, harvested_tms, finished_run) -> dict[str, Result]:
   """Run every row once; return its exit code, output and directory."""
   _FINISHED["run"] = finished_run
   base = tmp_path_factory.mktemp("bad_inputs")
@@ -850,7 +835,7 @@ def results(tmp_path_factory, harvested, finished_run) -> dict[str, Result]:
       t = base / row.id
       t.mkdir()
       if row.harvested:
-        shutil.copytree(harvested, t / "r")
+        shutil.copytree(harvested_tms, t / "r")
       made = row.setup(t) if row.setup else None
       if isinstance(made, subprocess.Popen):
         holders.append(made)

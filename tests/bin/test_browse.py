@@ -21,7 +21,6 @@ import pytest
 from decompax.bin import browse, browse_server
 from decompax.io import ab_grid, hf_checkpoint, report
 from decompax.recipe import explore
-from decompax.recipe import harvest as harvest_lib
 
 
 # A tiny A/B grid: two operators over a 3 x 4 grid of operands.
@@ -40,17 +39,12 @@ def _ab_snapshot(site: str, c: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(finished_run):
+def served(harvested):
   """Return the harvested induction run, with an A/B grid snapshot of its
   first site in its report (as a targeted run's slow eval leaves one)."""
-  path = finished_run("induction")
-  run = explore.load_run(path)
-  settings = harvest_lib.resolve(run, harvest_lib.Request(
-    positions=2 * 8 * 32, batch_size=8, top_k=4, ablation_batches=1))
-  out = f"{path}/{harvest_lib.HARVEST_DIR}"
-  record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
-  harvest_lib.write_manifest(out, path, run, settings, record)
-  site = run.target.sites[0]
+  path = harvested("induction", positions=2 * 8 * 32, batch_size=8, top_k=4,
+                   ablation_batches=1)
+  site = explore.load_run(path).target.sites[0]
   ab_grid.write(f"{path}/{report.REPORT_DIR}", _ab_snapshot(site.name, site.c))
   return browse.serve_run(path)
 
@@ -690,15 +684,9 @@ def test_keep_mode_and_the_prompt_ci_heat_map(server):
 
 
 @pytest.fixture(scope="module")
-def toy_served(finished_run):
-  """Return the harvested TMS 5-2 run."""
-  path = finished_run("tms")
-  run = explore.load_run(path)
-  settings = harvest_lib.resolve(run, harvest_lib.Request(
-    positions=512, batch_size=64, top_k=3, ablation_batches=1))
-  out = f"{path}/{harvest_lib.HARVEST_DIR}"
-  record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
-  harvest_lib.write_manifest(out, path, run, settings, record)
+def toy_served(harvested_tms):
+  """Return the harvested TMS 5-2 run, served."""
+  path = harvested_tms
   return browse.serve_run(path)
 
 
