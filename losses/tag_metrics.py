@@ -206,3 +206,31 @@ def bootstrap_difference(
   low, high = np.nanquantile(draws, [tail, 1 - tail], axis=0)
   return {name: Interval(float(e), float(lo), float(hi))
           for name, e, lo, hi in zip(SCALARS, estimate, low, high)}
+
+
+class Comparison(NamedTuple):
+  """Two unit sets over the same positions (components `a`, a baseline
+  `b`): their summaries and the bootstrap of each difference `a − b`,
+  weighted and unweighted."""
+
+  a: dict[str, Summary]  # "weighted", "unweighted"
+  b: dict[str, Summary]
+  difference: dict[str, dict[str, Interval]]
+
+
+def compare(a: tag_profile.TagStats, b: tag_profile.TagStats, seed: int,
+            n_boot: int = 1000, level: float = 0.95) -> Comparison:
+  """Return the comparison of two unit sets' coarse-class profiles (one
+  site's components against its neurons, or every site's); ValueError if
+  they were not measured over the same positions."""
+  if not np.array_equal(a.base_coarse, b.base_coarse):
+    raise ValueError("unit sets saw different positions; compare sets from"
+                     " one harvest")
+  base = np.asarray(a.base_coarse)
+  summaries = lambda s: {
+    kind: summarize(tag_profile.class_counts(s), base.sum(axis=0),
+                    kind == "weighted") for kind in ("weighted", "unweighted")}
+  return Comparison(summaries(a), summaries(b), {
+    kind: bootstrap_difference(a.coarse, b.coarse, base, seed,
+                               kind == "weighted", n_boot, level)
+    for kind in ("weighted", "unweighted")})

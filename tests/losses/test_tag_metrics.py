@@ -146,3 +146,21 @@ def test_bootstrap_skips_groups_without_positions():
   want = tag_metrics.bootstrap_difference(a, b, base, seed=1, weighted=True,
                                           n_boot=30)
   assert got == want
+
+
+def test_compare_summarizes_both_sets_and_bootstraps_their_difference():
+  a, base = _groups(6)
+  b, _ = _groups(7, u=3)
+  stats = lambda c: tag_profile.TagStats(
+    np.zeros((c.shape[1], 1)), c, np.zeros((c.shape[1], 3, 3)),
+    np.zeros(1, np.int64), base)
+  got = tag_metrics.compare(stats(a), stats(b), seed=3, n_boot=20)
+  for kind, weighted in (("weighted", True), ("unweighted", False)):
+    want_a = tag_metrics.summarize(a.sum(0), base.sum(0), weighted)
+    assert got.a[kind].median_purity == want_a.median_purity
+    assert got.b[kind].units == 3
+    assert got.difference[kind] == tag_metrics.bootstrap_difference(
+      a, b, base, 3, weighted, n_boot=20)
+  moved = stats(b)._replace(base_coarse=base + 1)
+  with pytest.raises(ValueError, match="different positions"):
+    tag_metrics.compare(stats(a), moved, seed=0)
