@@ -12,8 +12,10 @@ divergence from the clean model when it alone is ablated, summed over the
 positions where it fires (measured on the first `ablation_batches`). When
 the token file has a tag stream, also every component's part-of-speech
 statistics, its CI as the activity (`losses/tag_profile.py`, fields
-`TAG_FIELDS`; `docs/tag_profiles.md`), with the tag vocabulary, its coarse
-classes and the documents in the manifest's `tags`.
+`TAG_FIELDS`; `docs/tag_profiles.md`) and those of the baselines, the
+neurons of every MLP with a decomposed site (`BASELINES`), with the tag
+vocabulary, its coarse classes, the documents and the baselines' keys in
+the manifest's `tags`.
 
 An interrupted harvest resumes from `harvest/state.npz` when rerun with the
 same settings; asked to stop (`stop`), it saves that state at the next batch
@@ -45,11 +47,11 @@ from decompax.io import run_dir, tensor_store
 from decompax.io import tokens as tokens_lib
 from decompax.losses import evals
 from decompax.losses import harvest as stats_lib
-from decompax.losses import tag_profile
+from decompax.losses import tag_profile, unit_activity
 from decompax.placement import shardings, transfer
 from decompax.placement import table as table_lib
 from decompax.recipe import explore, lm
-from decompax.targets import brown, brown_tags, registry
+from decompax.targets import brown, brown_tags, glu_lm, registry
 
 class HarvestConflict(ValueError):
   """The output directory holds a harvest made with other settings (or
@@ -75,6 +77,10 @@ TAG_FIELDS = tuple(f"tag_{name}" for name in tag_profile.TagStats._fields)
 # held-out documents, so each is a group of its own; a file of fewer
 # documents gets one group per document.
 TAG_GROUPS = 64
+# The baselines a tag harvest measures the same way, per layer whose MLP
+# has a decomposed site (`losses/unit_activity.py`): store keys
+# `layers.<i>.mlp.<kind>`, tag statistics only.
+BASELINES = ("neurons", "gates", "rotated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +315,56 @@ def tag_source(settings: Settings, sharding: Any = None
   return TagSource(read, coarse_of, record)
 
 
+def baseline_layers(run: explore.LoadedRun) -> tuple[int, ...]:
+  """Return the layers whose MLP has a decomposed site (a GLU model's;
+  none for other targets)."""
+  parsed = (glu_lm.parse_site(s.name) for s in run.target.sites)
+  return tuple(sorted({p[0] for p in parsed
+                       if p is not None and p[1] in ("gate", "up", "down")}))
+
+
+def baseline_keys(layers: tuple[int, ...]) -> tuple[str, ...]:
+  """Return the store keys of the baselines of `layers`."""
+  return tuple(f"layers.{i}.mlp.{kind}" for i in layers for kind in BASELINES)
+
+
+def _mlp_taps(layers: tuple[int, ...]) -> tuple[str, ...]:
+  return tuple(f"layers.{i}.mlp.{role}_proj.out" for i in layers
+               for role in ("gate", "up"))
+
+
+def rotations(run: explore.LoadedRun, settings: Settings,
+              layers: tuple[int, ...]) -> Any:
+  """Return the random rotation of each layer's neurons (Haar, from the
+  harvest's seed folded with the layer): `[layers, d_ff, d_ff]`."""
+  if not layers:
+    return None
+  taps = jax.eval_shape(
+    lambda w, x: run.target.clean_forward(w, x, _mlp_taps(layers))[1],
+    run.weights, batch_shape(run, settings))
+  d_ff = taps[_mlp_taps(layers)[0]].shape[-1]
+  key = jax.random.key(settings.seed)
+  return jnp.stack([unit_activity.random_rotation(
+    jax.random.fold_in(key, i), d_ff) for i in layers])
+
+
+def baseline_activity(target, weights, inputs, layers: tuple[int, ...],
+                      rotation: Any) -> dict[str, jax.Array]:
+  """Return every baseline's activity on `inputs`, by store key
+  (traceable)."""
+  _, taps = target.clean_forward(weights, inputs, _mlp_taps(layers))
+  out = {}
+  for j, i in enumerate(layers):
+    gate = taps[f"layers.{i}.mlp.gate_proj.out"]
+    up = taps[f"layers.{i}.mlp.up_proj.out"]
+    out[f"layers.{i}.mlp.neurons"] = unit_activity.glu_neuron_activity(
+      gate, up)
+    out[f"layers.{i}.mlp.gates"] = unit_activity.gate_activity(gate)
+    out[f"layers.{i}.mlp.rotated"] = unit_activity.rotated_activity(
+      gate, up, rotation[j])
+  return out
+
+
 class Placed(NamedTuple):
   """A harvest's arrays where it computes: the frozen weights, the
   decomposition, and the layouts of each batch and of the statistics (None
@@ -394,9 +450,9 @@ def empty_totals(shapes: dict[str, stats_lib.BatchStats],
       "ablation_sum": np.zeros(c, np.float64),
       "ablation_count": np.zeros(c, np.int64),
     }
-    if tag_shapes:
-      zero = tag_profile.zero_tag_stats(c, *_tag_sizes(tag_shapes[site]))
-      totals[site].update(zip(TAG_FIELDS, zero))
+  for key, shape in (tag_shapes or {}).items():
+    zero = tag_profile.zero_tag_stats(shape.fine.shape[0], *_tag_sizes(shape))
+    totals.setdefault(key, {}).update(zip(TAG_FIELDS, zero))
   return totals
 
 
@@ -447,7 +503,8 @@ def add_ablation(totals: dict, run: explore.LoadedRun,
 
 def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
            placed: Optional[Placed] = None,
-           coarse_of: Optional[np.ndarray] = None):
+           coarse_of: Optional[np.ndarray] = None,
+           layers: tuple[int, ...] = ()):
   """Return the jitted batch statistics, the accumulation of one batch
   into the device's window of statistics, the ablation pass, and the plain
   clean forward the throughput is compared with. With `placed`, the CI
@@ -455,7 +512,8 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
 
   The window is `(statistics, tag statistics)` per site; the second is
   empty unless `coarse_of` is given, and then each batch comes with its
-  positions' `(tags, previous tags, groups)`."""
+  positions' `(tags, previous tags, groups)` and the tag statistics hold
+  the baselines of `layers` too (their neurons' rotations an argument)."""
   target, ci_fn = run.target, run.ci_fn
   constrain, kept = train_step.no_constraint, {}
   if placed is not None and placed.statistics is not None:
@@ -464,23 +522,28 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
     constrain = placed.constrain
     kept = {"out_shardings": (placed.statistics, None)}
 
-  def stats(weights, components, ci_params, inputs, positions=None):
+  def stats(weights, components, ci_params, inputs, positions=None,
+            rotation=None):
     ci = constrain("ci_activations", explore.lower_ci(
       target, ci_fn, weights, components, ci_params, inputs))
     batch = {site: stats_lib.batch_stats(
       value, inputs, settings.threshold, settings.top_k, settings.before,
       settings.after) for site, value in ci.items()}
-    tags = {} if coarse_of is None else {
-      site: tag_profile.batch_tag_stats(
-        value, *positions, jnp.asarray(coarse_of),
-        len(brown_tags.COARSE), settings.tag_groups)
-      for site, value in ci.items()}
+    if coarse_of is None:
+      return (batch, {}), ci
+    activity = dict(ci)
+    if layers:
+      activity.update(baseline_activity(target, weights, inputs, layers,
+                                        rotation))
+    tags = {key: tag_profile.batch_tag_stats(
+      value, *positions, jnp.asarray(coarse_of), len(brown_tags.COARSE),
+      settings.tag_groups) for key, value in activity.items()}
     return (batch, tags), ci
 
   def accumulate(window, weights, components, ci_params, inputs,
-                 positions=None):
+                 positions=None, rotation=None):
     (batch, tags), ci = stats(weights, components, ci_params, inputs,
-                              positions)
+                              positions, rotation)
     add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
     return ({site: stats_lib.add_stats(window[0][site], batch[site])
              for site in window[0]},
@@ -589,7 +652,7 @@ def write_store(out: str, totals: dict) -> list[str]:
   ctx = tensor_store.context()
   written, futures = [], []
   for site, fields in totals.items():
-    for field in FIELDS + (TAG_FIELDS if TAG_FIELDS[0] in fields else ()):
+    for field in [f for f in FIELDS + TAG_FIELDS if f in fields]:
       value = np.asarray(fields[field])
       relative = os.path.join(site, field)
       path = os.path.join(out, relative)
@@ -656,15 +719,20 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   batch = batch_source(run, settings, placed.inputs)
   tags = tag_source(settings, placed.inputs)
   positions = (lambda i: None) if tags is None else tags.read
+  layers = () if tags is None else baseline_layers(run)
+  rotation = rotations(run, settings, layers)
+  if rotation is not None and placed.statistics is not None:
+    rotation = transfer.put(rotation, placed.statistics)
   stats_fn, accumulate, ablation_fn, clean_fn = jitted(
     run, settings, ablation_chunk, placed,
-    None if tags is None else tags.coarse_of)
+    None if tags is None else tags.coarse_of, layers)
   weights, components, ci_params = (placed.weights, placed.components,
                                     placed.ci_params)
   shapes, _ = jax.eval_shape(stats_fn, weights, components, ci_params,
-                             batch(0), positions(0))
+                             batch(0), positions(0), rotation)
   totals = empty_totals(*shapes)
-  tag_record = {} if tags is None else {"tags": tags.record}
+  tag_record = {} if tags is None else {"tags": {
+    **tags.record, "baselines": list(baseline_keys(layers))}}
   done = resume(out, totals, settings, overwrite)
   if done < 0:
     say(f"[harvest] {out} is complete; nothing to do")
@@ -691,7 +759,7 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
       timed_from = time.time()
     inputs = batch(i)
     window, ci = accumulate(window, weights, components, ci_params, inputs,
-                            positions(i))
+                            positions(i), rotation)
     if i < settings.ablation_batches:
       divergence = ablation_fn(weights, components, inputs)
       add_ablation(totals, run, transfer.fetch(divergence),
@@ -757,10 +825,12 @@ def write_manifest(out: str, run_path: str, run: explore.LoadedRun,
 
 class Harvest(NamedTuple):
   """A completed harvest read back: its manifest and, per site, every
-  statistic as a host array."""
+  statistic as a host array; per baseline key (`BASELINES`), its tag
+  statistics."""
 
   manifest: dict
   sites: dict[str, dict[str, np.ndarray]]
+  baselines: dict[str, dict[str, np.ndarray]]
 
 
 def load_harvest(run_path: str) -> Harvest:
@@ -774,13 +844,18 @@ def load_harvest(run_path: str) -> Harvest:
   with open(manifest_path) as f:
     manifest = json.load(f)
   ctx = tensor_store.context()
-  sites = {}
-  fields = FIELDS + (TAG_FIELDS if "tags" in manifest else ())
-  for site in manifest["sites"]:
-    sites[site] = {}
+  tagged = "tags" in manifest
+
+  def read(key, fields):
+    arrays = {}
     for field in fields:
-      path = os.path.join(out, site, field)
+      path = os.path.join(out, key, field)
       store = tensor_store.opened(tensor_store.start_open(path, ctx), path)
-      sites[site][field] = np.asarray(
-        tensor_store.wait_value(store.read()))
-  return Harvest(manifest, sites)
+      arrays[field] = np.asarray(tensor_store.wait_value(store.read()))
+    return arrays
+
+  sites = {site: read(site, FIELDS + (TAG_FIELDS if tagged else ()))
+           for site in manifest["sites"]}
+  baselines = {key: read(key, TAG_FIELDS) for key in
+               (manifest["tags"].get("baselines", []) if tagged else [])}
+  return Harvest(manifest, sites, baselines)

@@ -515,6 +515,10 @@ def test_an_interrupted_tag_harvest_resumes_to_the_same_result(
     for field in harvest_lib.FIELDS + harvest_lib.TAG_FIELDS:
       np.testing.assert_array_equal(_read(out, site.name, field),
                                     _read(whole, site.name, field), field)
+  for key in record["tags"]["baselines"]:
+    for field in harvest_lib.TAG_FIELDS:
+      np.testing.assert_array_equal(_read(out, key, field),
+                                    _read(whole, key, field), field)
 
 
 def test_load_harvest_reads_the_tag_statistics(induction, tagged, tmp_path):
@@ -528,3 +532,48 @@ def test_load_harvest_reads_the_tag_statistics(induction, tagged, tmp_path):
   assert fields["tag_coarse"].shape == (settings.tag_groups, site.c, 12)
   np.testing.assert_array_equal(fields["tag_base_fine"],
                                 _read(out, site.name, "tag_base_fine"))
+  assert sorted(loaded.baselines) == sorted(
+    loaded.manifest["tags"]["baselines"])
+  neurons = loaded.baselines["layers.1.mlp.neurons"]
+  assert set(neurons) == set(harvest_lib.TAG_FIELDS)
+  np.testing.assert_array_equal(neurons["tag_base_coarse"],
+                                fields["tag_base_coarse"])
+
+
+def test_the_baselines_tag_statistics_are_those_of_the_neurons(
+    induction, tagged):
+  """Each decomposed MLP's neurons, gates and rotated neurons, against
+  their activity computed from a clean forward's taps, batch by batch."""
+  from decompax.io import tokens  # noqa: PLC0415
+  settings, out, record = tagged
+  layers = harvest_lib.baseline_layers(induction)
+  assert layers == (1,)
+  assert record["tags"]["baselines"] == [
+    "layers.1.mlp.neurons", "layers.1.mlp.gates", "layers.1.mlp.rotated"]
+  opened = tokens.open_tokens(settings.data_path)
+  stream = tokens.open_tags(opened)
+  rotation = np.asarray(harvest_lib.rotations(induction, settings, layers))[0]
+  np.testing.assert_allclose(rotation.T @ rotation, np.eye(len(rotation)),
+                             atol=1e-5)
+  inputs, _ = _direct(induction, settings)
+  want = {}
+  for i, x in enumerate(inputs):
+    _, taps = induction.target.clean_forward(induction.weights, x, (
+      "layers.1.mlp.gate_proj.out", "layers.1.mlp.up_proj.out"))
+    gate = np.asarray(taps["layers.1.mlp.gate_proj.out"], np.float64)
+    up = np.asarray(taps["layers.1.mlp.up_proj.out"], np.float64)
+    silu = gate / (1 + np.exp(-gate))
+    activity = {"neurons": np.maximum(silu * up, 0),
+                "gates": np.maximum(silu, 0),
+                "rotated": np.maximum((silu * up) @ rotation, 0)}
+    starts = tokens.window_starts(settings.seed, i, range(4),
+                                  opened.header.num_tokens, 12)
+    tags = stream.ids[starts[:, None] + np.arange(12)].reshape(-1)
+    for kind, a in activity.items():
+      fine = want.setdefault(kind, np.zeros((a.shape[-1], len(TAGS))))
+      np.add.at(fine.T, tags, a.reshape(-1, a.shape[-1]))
+  for kind, fine in want.items():
+    got = _read(out, f"layers.1.mlp.{kind}", "tag_fine")
+    np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
+                               err_msg=kind)
+  assert not np.allclose(want["rotated"], want["neurons"])
