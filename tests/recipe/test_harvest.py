@@ -577,3 +577,24 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
     np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
                                err_msg=kind)
   assert not np.allclose(want["rotated"], want["neurons"])
+
+
+def test_a_sharded_tag_harvest_equals_the_one_device_one(
+    induction, tagged, tmp_path):
+  """ddp on four devices: each batch's positions split like its tokens;
+  counts exact, sums up to their order."""
+  settings, reference, record = tagged
+  harvest_lib.harvest(induction, settings, str(tmp_path), save_every_s=0.0,
+                      say=lambda _: None,
+                      placement=_placement("ddp", (1, 4, 1)))
+  keys = [s.name for s in induction.target.sites] + record["tags"][
+    "baselines"]
+  for key in keys:
+    for field in harvest_lib.TAG_FIELDS:
+      got, want = _read(str(tmp_path), key, field), _read(reference, key,
+                                                           field)
+      if np.issubdtype(want.dtype, np.integer):
+        np.testing.assert_array_equal(got, want, f"{key}/{field}")
+      else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{key}/{field}")
