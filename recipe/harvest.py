@@ -13,7 +13,8 @@ positions where it fires (measured on the first `ablation_batches`). When
 the token file has a tag stream, also every component's part-of-speech
 statistics, its CI as the activity (`losses/tag_profile.py`, fields
 `TAG_FIELDS`; `docs/tag_profiles.md`) and those of the baselines, the
-neurons of every MLP with a decomposed site (`BASELINES`), with the tag
+neurons of every MLP with a decomposed site (`BASELINES`) and the heads
+of every attention with one (`HEADS`), with the tag
 vocabulary, its coarse classes, the documents and the baselines' keys in
 the manifest's `tags`.
 
@@ -50,7 +51,7 @@ from decompax.losses import harvest as stats_lib
 from decompax.losses import tag_profile, unit_activity
 from decompax.placement import shardings, transfer
 from decompax.placement import table as table_lib
-from decompax.recipe import explore, lm
+from decompax.recipe import assembly, explore, lm
 from decompax.targets import brown, brown_tags, glu_lm, registry
 
 class HarvestConflict(ValueError):
@@ -81,6 +82,9 @@ TAG_GROUPS = 64
 # has a decomposed site (`losses/unit_activity.py`): store keys
 # `layers.<i>.mlp.<kind>`, tag statistics only.
 BASELINES = ("neurons", "gates", "rotated")
+# And per layer with a decomposed attention site, its heads: store key
+# `layers.<i>.self_attn.heads`.
+HEADS = "heads"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,9 +327,38 @@ def baseline_layers(run: explore.LoadedRun) -> tuple[int, ...]:
                        if p is not None and p[1] in ("gate", "up", "down")}))
 
 
-def baseline_keys(layers: tuple[int, ...]) -> tuple[str, ...]:
-  """Return the store keys of the baselines of `layers`."""
-  return tuple(f"layers.{i}.mlp.{kind}" for i in layers for kind in BASELINES)
+def head_layers(run: explore.LoadedRun) -> tuple[int, ...]:
+  """Return the layers with a decomposed attention site (a GLU model's)."""
+  parsed = (glu_lm.parse_site(s.name) for s in run.target.sites)
+  return tuple(sorted({p[0] for p in parsed
+                       if p is not None and p[1] in ("q", "k", "v", "o")}))
+
+
+def baseline_keys(layers: tuple[int, ...],
+                  heads: tuple[int, ...] = ()) -> tuple[str, ...]:
+  """Return the store keys of the baselines of `layers` (MLPs) and
+  `heads` (attention)."""
+  return tuple(f"layers.{i}.mlp.{kind}" for i in layers
+               for kind in BASELINES) + tuple(
+    f"layers.{i}.self_attn.{HEADS}" for i in heads)
+
+
+def _layer_o(weights: glu_lm.GluWeights, layer: int) -> jax.Array:
+  """Return `o_proj` of a layer from whichever stored stack holds it."""
+  at = 0
+  for stack in (weights.prefix, weights.span, weights.tail):
+    if stack is None:
+      continue
+    if layer < at + stack.o.shape[0]:
+      return stack.o[layer - at]
+    at += stack.o.shape[0]
+  raise ValueError(f"layer {layer} is past the model's {at} layers")
+
+
+def n_heads(run: explore.LoadedRun) -> int:
+  """Return the attention heads of a GLU run's model."""
+  toy = assembly.resolve_target(run.config)[0]
+  return lm.token_model(run.config, toy).n_heads
 
 
 def _mlp_taps(layers: tuple[int, ...]) -> tuple[str, ...]:
@@ -333,12 +366,23 @@ def _mlp_taps(layers: tuple[int, ...]) -> tuple[str, ...]:
                for role in ("gate", "up"))
 
 
+def baseline_weights(run: explore.LoadedRun, settings: Settings,
+                     layers: tuple[int, ...], heads: tuple[int, ...]
+                     ) -> dict[str, jax.Array]:
+  """Return what the baselines' activities read besides the forward: the
+  rotations of `layers` (`rotations`) and `o_proj` of `heads`, stacked."""
+  out = {}
+  if layers:
+    out["rotation"] = rotations(run, settings, layers)
+  if heads:
+    out["w_o"] = jnp.stack([_layer_o(run.weights, i) for i in heads])
+  return out
+
+
 def rotations(run: explore.LoadedRun, settings: Settings,
-              layers: tuple[int, ...]) -> Any:
+              layers: tuple[int, ...]) -> jax.Array:
   """Return the random rotation of each layer's neurons (Haar, from the
   harvest's seed folded with the layer): `[layers, d_ff, d_ff]`."""
-  if not layers:
-    return None
   taps = jax.eval_shape(
     lambda w, x: run.target.clean_forward(w, x, _mlp_taps(layers))[1],
     run.weights, batch_shape(run, settings))
@@ -349,10 +393,13 @@ def rotations(run: explore.LoadedRun, settings: Settings,
 
 
 def baseline_activity(target, weights, inputs, layers: tuple[int, ...],
-                      rotation: Any) -> dict[str, jax.Array]:
+                      heads: tuple[int, ...], n_head: int,
+                      extra: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """Return every baseline's activity on `inputs`, by store key
-  (traceable)."""
-  _, taps = target.clean_forward(weights, inputs, _mlp_taps(layers))
+  (traceable; `extra` from `baseline_weights`)."""
+  o_taps = tuple(f"layers.{i}.self_attn.o_proj" for i in heads)
+  _, taps = target.clean_forward(weights, inputs,
+                                 _mlp_taps(layers) + o_taps)
   out = {}
   for j, i in enumerate(layers):
     gate = taps[f"layers.{i}.mlp.gate_proj.out"]
@@ -361,7 +408,10 @@ def baseline_activity(target, weights, inputs, layers: tuple[int, ...],
       gate, up)
     out[f"layers.{i}.mlp.gates"] = unit_activity.gate_activity(gate)
     out[f"layers.{i}.mlp.rotated"] = unit_activity.rotated_activity(
-      gate, up, rotation[j])
+      gate, up, extra["rotation"][j])
+  for j, (i, key) in enumerate(zip(heads, o_taps)):
+    out[f"layers.{i}.self_attn.{HEADS}"] = unit_activity.head_activity(
+      taps[key], extra["w_o"][j], n_head)
   return out
 
 
@@ -504,7 +554,8 @@ def add_ablation(totals: dict, run: explore.LoadedRun,
 def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
            placed: Optional[Placed] = None,
            coarse_of: Optional[np.ndarray] = None,
-           layers: tuple[int, ...] = ()):
+           layers: tuple[int, ...] = (), heads: tuple[int, ...] = (),
+           n_head: int = 0):
   """Return the jitted batch statistics, the accumulation of one batch
   into the device's window of statistics, the ablation pass, and the plain
   clean forward the throughput is compared with. With `placed`, the CI
@@ -513,7 +564,8 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
   The window is `(statistics, tag statistics)` per site; the second is
   empty unless `coarse_of` is given, and then each batch comes with its
   positions' `(tags, previous tags, groups)` and the tag statistics hold
-  the baselines of `layers` too (their neurons' rotations an argument)."""
+  the baselines of `layers` and `heads` too (what they read besides the
+  forward, `baseline_weights`, an argument)."""
   target, ci_fn = run.target, run.ci_fn
   constrain, kept = train_step.no_constraint, {}
   if placed is not None and placed.statistics is not None:
@@ -523,7 +575,7 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
     kept = {"out_shardings": (placed.statistics, None)}
 
   def stats(weights, components, ci_params, inputs, positions=None,
-            rotation=None):
+            extra=None):
     ci = constrain("ci_activations", explore.lower_ci(
       target, ci_fn, weights, components, ci_params, inputs))
     batch = {site: stats_lib.batch_stats(
@@ -532,18 +584,18 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
     if coarse_of is None:
       return (batch, {}), ci
     activity = dict(ci)
-    if layers:
+    if layers or heads:
       activity.update(baseline_activity(target, weights, inputs, layers,
-                                        rotation))
+                                        heads, n_head, extra))
     tags = {key: tag_profile.batch_tag_stats(
       value, *positions, jnp.asarray(coarse_of), len(brown_tags.COARSE),
       settings.tag_groups) for key, value in activity.items()}
     return (batch, tags), ci
 
   def accumulate(window, weights, components, ci_params, inputs,
-                 positions=None, rotation=None):
+                 positions=None, extra=None):
     (batch, tags), ci = stats(weights, components, ci_params, inputs,
-                              positions, rotation)
+                              positions, extra)
     add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
     return ({site: stats_lib.add_stats(window[0][site], batch[site])
              for site in window[0]},
@@ -720,19 +772,22 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   tags = tag_source(settings, placed.inputs)
   positions = (lambda i: None) if tags is None else tags.read
   layers = () if tags is None else baseline_layers(run)
-  rotation = rotations(run, settings, layers)
-  if rotation is not None and placed.statistics is not None:
-    rotation = transfer.put(rotation, placed.statistics)
+  heads = () if tags is None else head_layers(run)
+  extra = baseline_weights(run, settings, layers, heads)
+  if placed.statistics is not None:
+    extra = transfer.put(extra, jax.tree.map(lambda _: placed.statistics,
+                                             extra))
   stats_fn, accumulate, ablation_fn, clean_fn = jitted(
     run, settings, ablation_chunk, placed,
-    None if tags is None else tags.coarse_of, layers)
+    None if tags is None else tags.coarse_of, layers, heads,
+    n_heads(run) if heads else 0)
   weights, components, ci_params = (placed.weights, placed.components,
                                     placed.ci_params)
   shapes, _ = jax.eval_shape(stats_fn, weights, components, ci_params,
-                             batch(0), positions(0), rotation)
+                             batch(0), positions(0), extra)
   totals = empty_totals(*shapes)
   tag_record = {} if tags is None else {"tags": {
-    **tags.record, "baselines": list(baseline_keys(layers))}}
+    **tags.record, "baselines": list(baseline_keys(layers, heads))}}
   done = resume(out, totals, settings, overwrite)
   if done < 0:
     say(f"[harvest] {out} is complete; nothing to do")
@@ -759,7 +814,7 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
       timed_from = time.time()
     inputs = batch(i)
     window, ci = accumulate(window, weights, components, ci_params, inputs,
-                            positions(i), rotation)
+                            positions(i), extra)
     if i < settings.ablation_batches:
       divergence = ablation_fn(weights, components, inputs)
       add_ablation(totals, run, transfer.fetch(divergence),

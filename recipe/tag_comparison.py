@@ -3,10 +3,12 @@
 
 A harvest over a tagged token file holds every site's tag statistics of
 its components and, per layer whose MLP has a decomposed site, those of
-the MLP's neurons, gates and rotated neurons (`recipe/harvest.py`). Here a
-site's alive components (those that fired over the harvest) are compared
-with each baseline of the site's layer, and all MLP sites' components
-together with all those layers' baselines (the total).
+the MLP's neurons, gates and rotated neurons, and per layer with a
+decomposed attention site, those of its heads (`recipe/harvest.py`). Here
+a site's alive components (those that fired over the harvest) are
+compared with each baseline of the site's layer, and, per baseline kind,
+all those sites' components together with all those layers' units (the
+total).
 """
 
 from typing import NamedTuple
@@ -40,42 +42,45 @@ def alive_components(fields: dict[str, np.ndarray]) -> tag_profile.TagStats:
   return tag_profile.select_units(tag_stats(fields), fields["fired"] > 0)
 
 
-def mlp_layer(site: str) -> int | None:
-  """Return the layer of an MLP site (None for any other site)."""
+def baselines_of(site: str) -> tuple[tuple[str, str], ...]:
+  """Return `(kind, store key)` of each baseline a site is compared with:
+  an MLP site's layer's neurons, gates and rotated neurons, an attention
+  site's layer's heads (none for other sites)."""
   parsed = glu_lm.parse_site(site)
-  if parsed is None or parsed[1] not in ("gate", "up", "down"):
-    return None
-  return parsed[0]
+  if parsed is None:
+    return ()
+  layer, role, _ = parsed
+  if role in ("gate", "up", "down"):
+    return tuple((kind, f"layers.{layer}.mlp.{kind}")
+                 for kind in harvest_lib.BASELINES)
+  return ((harvest_lib.HEADS, f"layers.{layer}.self_attn.heads"),)
 
 
 def comparisons(harvest: harvest_lib.Harvest, seed: int = 0,
                 n_boot: int = 1000) -> list[Row]:
-  """Return, per MLP site and baseline kind, then for the total, the
+  """Return, per site and baseline kind, then per kind for the total, the
   comparison of components against that baseline; ValueError for a
   harvest without tag statistics."""
   if "tags" not in harvest.manifest:
     raise ValueError("the harvest has no tag statistics: harvest a token "
-                     "file with a tag stream (bin/prepare_brown writes one)")
-  rows, mine, theirs = [], [], {kind: [] for kind in harvest_lib.BASELINES}
-  layers = []
+                     "file with a tag stream (./dev data brown writes one)")
+  rows = []
+  mine: dict[str, list] = {}
+  theirs: dict[str, dict[str, tag_profile.TagStats]] = {}
   for site, fields in harvest.sites.items():
-    layer = mlp_layer(site)
-    if layer is None or f"layers.{layer}.mlp.neurons" not in harvest.baselines:
+    pairs = [(kind, key) for kind, key in baselines_of(site)
+             if key in harvest.baselines]
+    if not pairs:
       continue
     components = alive_components(fields)
-    mine.append(components)
-    for kind in harvest_lib.BASELINES:
-      units = tag_stats(harvest.baselines[f"layers.{layer}.mlp.{kind}"])
+    for kind, key in pairs:
+      units = tag_stats(harvest.baselines[key])
       rows.append(Row(site, kind, tag_metrics.compare(
         components, units, seed, n_boot)))
-    if layer not in layers:
-      layers.append(layer)
-      for kind in harvest_lib.BASELINES:
-        theirs[kind].append(
-          tag_stats(harvest.baselines[f"layers.{layer}.mlp.{kind}"]))
-  if mine:
-    total = tag_profile.concat_units(mine)
-    for kind in harvest_lib.BASELINES:
-      rows.append(Row(TOTAL, kind, tag_metrics.compare(
-        total, tag_profile.concat_units(theirs[kind]), seed, n_boot)))
+      mine.setdefault(kind, []).append(components)
+      theirs.setdefault(kind, {})[key] = units
+  for kind, parts in mine.items():
+    rows.append(Row(TOTAL, kind, tag_metrics.compare(
+      tag_profile.concat_units(parts),
+      tag_profile.concat_units(list(theirs[kind].values())), seed, n_boot)))
   return rows

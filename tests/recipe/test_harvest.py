@@ -542,14 +542,20 @@ def test_load_harvest_reads_the_tag_statistics(induction, tagged, tmp_path):
 
 def test_the_baselines_tag_statistics_are_those_of_the_neurons(
     induction, tagged):
-  """Each decomposed MLP's neurons, gates and rotated neurons, against
-  their activity computed from a clean forward's taps, batch by batch."""
+  """Each decomposed MLP's neurons, gates and rotated neurons, and each
+  decomposed attention's heads, against their activity computed from a
+  clean forward's taps, batch by batch."""
   from decompax.io import tokens  # noqa: PLC0415
+  from decompax.targets import glu_target  # noqa: PLC0415
   settings, out, record = tagged
   layers = harvest_lib.baseline_layers(induction)
-  assert layers == (1,)
+  assert layers == (1,) == harvest_lib.head_layers(induction)
   assert record["tags"]["baselines"] == [
-    "layers.1.mlp.neurons", "layers.1.mlp.gates", "layers.1.mlp.rotated"]
+    "layers.1.mlp.neurons", "layers.1.mlp.gates", "layers.1.mlp.rotated",
+    "layers.1.self_attn.heads"]
+  w_o = glu_target.weights_to_arrays(induction.weights)["o"][1]
+  n_heads = harvest_lib.n_heads(induction)
+  head_dim = w_o.shape[0] // n_heads
   opened = tokens.open_tokens(settings.data_path)
   stream = tokens.open_tags(opened)
   rotation = np.asarray(harvest_lib.rotations(induction, settings, layers))[0]
@@ -559,21 +565,29 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
   want = {}
   for i, x in enumerate(inputs):
     _, taps = induction.target.clean_forward(induction.weights, x, (
-      "layers.1.mlp.gate_proj.out", "layers.1.mlp.up_proj.out"))
+      "layers.1.mlp.gate_proj.out", "layers.1.mlp.up_proj.out",
+      "layers.1.self_attn.o_proj"))
+    o_in = np.asarray(taps["layers.1.self_attn.o_proj"], np.float64)
     gate = np.asarray(taps["layers.1.mlp.gate_proj.out"], np.float64)
     up = np.asarray(taps["layers.1.mlp.up_proj.out"], np.float64)
     silu = gate / (1 + np.exp(-gate))
     activity = {"neurons": np.maximum(silu * up, 0),
                 "gates": np.maximum(silu, 0),
-                "rotated": np.maximum((silu * up) @ rotation, 0)}
+                "rotated": np.maximum((silu * up) @ rotation, 0),
+                "heads": np.stack([np.linalg.norm(
+                  o_in[..., h * head_dim:(h + 1) * head_dim]
+                  @ w_o[h * head_dim:(h + 1) * head_dim], axis=-1)
+                  for h in range(n_heads)], axis=-1)}
     starts = tokens.window_starts(settings.seed, i, range(4),
                                   opened.header.num_tokens, 12)
     tags = stream.ids[starts[:, None] + np.arange(12)].reshape(-1)
     for kind, a in activity.items():
       fine = want.setdefault(kind, np.zeros((a.shape[-1], len(TAGS))))
       np.add.at(fine.T, tags, a.reshape(-1, a.shape[-1]))
+  assert want["heads"].shape == (n_heads, len(TAGS)) and n_heads > 1
   for kind, fine in want.items():
-    got = _read(out, f"layers.1.mlp.{kind}", "tag_fine")
+    where = "self_attn" if kind == "heads" else "mlp"
+    got = _read(out, f"layers.1.{where}.{kind}", "tag_fine")
     np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
                                err_msg=kind)
   assert not np.allclose(want["rotated"], want["neurons"])

@@ -32,6 +32,7 @@ def harvest():
            "layers.0.self_attn.q_proj": _fields(components, [1, 1, 1])}
   baselines = {f"layers.0.mlp.{kind}": _fields(neurons)
                for kind in harvest_lib.BASELINES}
+  baselines["layers.0.self_attn.heads"] = _fields(neurons[:, :1])
   manifest = {"tags": {"baselines": list(baselines)}}
   return harvest_lib.Harvest(manifest, sites, baselines)
 
@@ -40,7 +41,14 @@ def test_each_mlp_site_meets_each_baseline_and_the_total(harvest):
   rows = tag_comparison.comparisons(harvest, seed=0, n_boot=20)
   assert [(r.site, r.baseline) for r in rows] == [
     ("layers.0.mlp.up_proj", kind) for kind in harvest_lib.BASELINES] + [
-    ("total", kind) for kind in harvest_lib.BASELINES]
+    ("layers.0.self_attn.q_proj", "heads")] + [
+    ("total", kind) for kind in harvest_lib.BASELINES + ("heads",)]
+  heads = rows[3].comparison
+  assert heads.a["unweighted"].units == 3  # every q_proj component fired
+  assert heads.b["unweighted"].units == 1
+  assert heads.b["unweighted"].median_purity == pytest.approx(.5)
+  # One MLP site, one layer: its total is the site.
+  assert rows[4].comparison.difference == rows[0].comparison.difference
   got = rows[0].comparison
   assert got.a["unweighted"].units == 2  # the dead component is left out
   assert got.a["unweighted"].median_purity == 1.0
