@@ -392,14 +392,21 @@ def rotations(run: explore.LoadedRun, settings: Settings,
     jax.random.fold_in(key, i), d_ff) for i in layers])
 
 
-def baseline_activity(target, weights, inputs, layers: tuple[int, ...],
+def _o_taps(heads: tuple[int, ...]) -> tuple[str, ...]:
+  return tuple(f"layers.{i}.self_attn.o_proj" for i in heads)
+
+
+def baseline_taps(layers: tuple[int, ...], heads: tuple[int, ...]
+                  ) -> tuple[str, ...]:
+  """Return the clean forward's taps the baselines' activities read."""
+  return _mlp_taps(layers) + _o_taps(heads)
+
+
+def baseline_activity(taps: dict[str, jax.Array], layers: tuple[int, ...],
                       heads: tuple[int, ...], n_head: int,
                       extra: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Return every baseline's activity on `inputs`, by store key
-  (traceable; `extra` from `baseline_weights`)."""
-  o_taps = tuple(f"layers.{i}.self_attn.o_proj" for i in heads)
-  _, taps = target.clean_forward(weights, inputs,
-                                 _mlp_taps(layers) + o_taps)
+  """Return every baseline's activity, by store key, from the clean
+  forward's `baseline_taps` (traceable; `extra` from `baseline_weights`)."""
   out = {}
   for j, i in enumerate(layers):
     gate = taps[f"layers.{i}.mlp.gate_proj.out"]
@@ -409,7 +416,7 @@ def baseline_activity(target, weights, inputs, layers: tuple[int, ...],
     out[f"layers.{i}.mlp.gates"] = unit_activity.gate_activity(gate)
     out[f"layers.{i}.mlp.rotated"] = unit_activity.rotated_activity(
       gate, up, extra["rotation"][j])
-  for j, (i, key) in enumerate(zip(heads, o_taps)):
+  for j, (i, key) in enumerate(zip(heads, _o_taps(heads))):
     out[f"layers.{i}.self_attn.{HEADS}"] = unit_activity.head_activity(
       taps[key], extra["w_o"][j], n_head)
   return out
@@ -576,8 +583,10 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
 
   def stats(weights, components, ci_params, inputs, positions=None,
             extra=None):
-    ci = constrain("ci_activations", explore.lower_ci(
-      target, ci_fn, weights, components, ci_params, inputs))
+    ci, taps = explore.lower_ci_and_taps(
+      target, ci_fn, weights, components, ci_params, inputs,
+      baseline_taps(layers, heads) if coarse_of is not None else ())
+    ci = constrain("ci_activations", ci)
     batch = {site: stats_lib.batch_stats(
       value, inputs, settings.threshold, settings.top_k, settings.before,
       settings.after) for site, value in ci.items()}
@@ -585,8 +594,7 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
       return (batch, {}), ci
     activity = dict(ci)
     if layers or heads:
-      activity.update(baseline_activity(target, weights, inputs, layers,
-                                        heads, n_head, extra))
+      activity.update(baseline_activity(taps, layers, heads, n_head, extra))
     tags = {key: tag_profile.batch_tag_stats(
       value, *positions, jnp.asarray(coarse_of), len(brown_tags.COARSE),
       settings.tag_groups) for key, value in activity.items()}
