@@ -2,6 +2,7 @@
 checked against direct computation, resumed after an interruption, written
 as a zarr store with a manifest, and the same when sharded over devices."""
 
+import dataclasses
 import json
 import math
 import os
@@ -213,6 +214,20 @@ def test_a_recorded_harvest_lacking_a_setting_names_it(induction, harvested,
   (tmp_path / harvest_lib.MANIFEST).write_text(json.dumps(record))
   with pytest.raises(harvest_lib.HarvestConflict, match=r"settings \(top_k\)"):
     harvest_lib.resume(str(tmp_path), {}, settings, overwrite=False)
+
+
+def test_a_harvest_from_before_tag_statistics_is_still_this_harvest(
+    induction, harvested, tmp_path):
+  """A record without `tag_groups` had none: complete, not a conflict; a
+  tagged harvest of the same settings is another one."""
+  settings, whole, _ = harvested
+  record = json.loads(open(os.path.join(whole, harvest_lib.MANIFEST)).read())
+  assert record["settings"].pop("tag_groups") == 0
+  (tmp_path / harvest_lib.MANIFEST).write_text(json.dumps(record))
+  assert harvest_lib.resume(str(tmp_path), {}, settings, False) == -1
+  tagged = dataclasses.replace(settings, tag_groups=3)
+  with pytest.raises(harvest_lib.HarvestConflict, match="tag_groups"):
+    harvest_lib.resume(str(tmp_path), {}, tagged, overwrite=False)
 
 
 def test_windows_stay_inside_the_sequence(induction, tmp_path):
