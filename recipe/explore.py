@@ -125,8 +125,21 @@ def lower_ci(target: TargetFns, ci_fn: ci_fns.CIFn, weights, components,
              ci_params, inputs) -> dict[str, Float[Array, "*lead c"]]:
   """Return every site's lower CI on `inputs` (traceable: jit it, or call
   it inside a jitted function)."""
-  _, taps = target.clean_forward(weights, inputs, ci_fn.input_taps)
-  return squash.squash(ci_fn.apply(ci_params, taps, components)).lower
+  return lower_ci_and_taps(target, ci_fn, weights, components, ci_params,
+                           inputs, ())[0]
+
+
+def lower_ci_and_taps(target: TargetFns, ci_fn: ci_fns.CIFn, weights,
+                      components, ci_params, inputs,
+                      wanted: tuple[str, ...]) -> tuple[dict, dict]:
+  """Return every site's lower CI on `inputs` and the clean forward's
+  `wanted` taps, from the one forward the CI reads (a tap does not depend
+  on which others are asked for, SPEC I29)."""
+  keys = tuple(dict.fromkeys(ci_fn.input_taps + tuple(wanted)))
+  _, taps = target.clean_forward(weights, inputs, keys)
+  ci = squash.squash(ci_fn.apply(
+    ci_params, {k: taps[k] for k in ci_fn.input_taps}, components)).lower
+  return ci, {k: taps[k] for k in wanted}
 
 
 def vocab_size(run: LoadedRun) -> int:

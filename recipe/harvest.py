@@ -9,7 +9,14 @@ firing density and mean CI, a log-spaced CI histogram, co-activation counts
 with every component of its site, the top-k contexts by CI (token windows
 with the component's CI on each token, or a toy's input rows), and the
 divergence from the clean model when it alone is ablated, summed over the
-positions where it fires (measured on the first `ablation_batches`).
+positions where it fires (measured on the first `ablation_batches`). When
+the token file has a tag stream, also every component's part-of-speech
+statistics, its CI as the activity (`losses/tag_profile.py`, fields
+`TAG_FIELDS`; `docs/tag_profiles.md`) and those of the baselines, the
+neurons of every MLP with a decomposed site (`BASELINES`) and the heads
+of every attention with one (`HEADS`), with the tag
+vocabulary, its coarse classes, the documents and the baselines' keys in
+the manifest's `tags`.
 
 An interrupted harvest resumes from `harvest/state.npz` when rerun with the
 same settings; asked to stop (`stop`), it saves that state at the next batch
@@ -41,10 +48,11 @@ from decompax.io import run_dir, tensor_store
 from decompax.io import tokens as tokens_lib
 from decompax.losses import evals
 from decompax.losses import harvest as stats_lib
+from decompax.losses import tag_profile, unit_activity
 from decompax.placement import shardings, transfer
 from decompax.placement import table as table_lib
-from decompax.recipe import explore, lm
-from decompax.targets import registry
+from decompax.recipe import assembly, explore, lm
+from decompax.targets import brown, brown_tags, glu_lm, registry
 
 class HarvestConflict(ValueError):
   """The output directory holds a harvest made with other settings (or
@@ -65,6 +73,18 @@ STATE_FILE = "state.npz"
 MANIFEST = "manifest.json"
 FIELDS = ("fired", "ci_sum", "histogram", "coactive", "top_ci", "top_context",
           "top_context_ci", "ablation_sum", "ablation_count")
+TAG_FIELDS = tuple(f"tag_{name}" for name in tag_profile.TagStats._fields)
+# Most document groups of a tag harvest (`tag_profile`): more than Brown's
+# held-out documents, so each is a group of its own; a file of fewer
+# documents gets one group per document.
+TAG_GROUPS = 64
+# The baselines a tag harvest measures the same way, per layer whose MLP
+# has a decomposed site (`losses/unit_activity.py`): store keys
+# `layers.<i>.mlp.<kind>`, tag statistics only.
+BASELINES = ("neurons", "gates", "rotated")
+# And per layer with a decomposed attention site, its heads: store key
+# `layers.<i>.self_attn.heads`.
+HEADS = "heads"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +102,7 @@ class Settings:
   ablation_batches: int
   seed: int
   decomposition_step: int
+  tag_groups: int = 0  # 0: no tag stream, no tag statistics
 
 
 # Context windows by default; shorter where a sequence is (a window never
@@ -169,12 +190,26 @@ def resolve(run: explore.LoadedRun, request: Request) -> Settings:
                      "positions of one batch; raise batch_size or lower top_k")
   threshold = (config.ci_alive_threshold if request.threshold is None
                else request.threshold)
+  groups = tag_groups(data_path) if data_path else 0
   return Settings(
     os.path.abspath(data_path) if data_path else "",
     -(-request.positions // per_batch), request.batch_size, seq_len,
     request.top_k, before, after,
     float(threshold), request.ablation_batches, request.seed,
-    run.decomposition.step)
+    run.decomposition.step, tag_groups=groups)
+
+
+def tag_groups(data_path: str) -> int:
+  """Return the document groups of a harvest of `data_path`: 0 without a
+  tag stream, else one per document up to `TAG_GROUPS`; ValueError for a
+  tag stream that does not describe its token file."""
+  if not tokens_lib.has_tags(data_path):
+    return 0
+  try:
+    stream = tokens_lib.open_tags(tokens_lib.open_tokens(data_path))
+  except (OSError, ValueError) as e:
+    raise ValueError(f"data_path: {e}") from None
+  return max(1, min(TAG_GROUPS, len(stream.documents)))
 
 
 def _toy_batch(run: explore.LoadedRun, batch_size: int):
@@ -237,6 +272,154 @@ def batch_source(run: explore.LoadedRun, settings: Settings,
   # Each device draws its own rows; the partitionable counter-based RNG
   # draws the same batch however it is split.
   return jax.jit(sample, out_shardings=sharding)
+
+
+class TagSource(NamedTuple):
+  """A tag harvest's positions: `read(i)` gives batch `i`'s tags, previous
+  tags and document groups (each laid out like the batch), `coarse_of`
+  each tag's coarse class, `record` what the manifest says of them."""
+
+  read: Callable[[int], tuple[Any, Any, Any]]
+  coarse_of: np.ndarray
+  record: dict
+
+
+def tag_source(settings: Settings, sharding: Any = None
+               ) -> Optional[TagSource]:
+  """Return the tag stream's positions of every harvested batch, the very
+  windows `batch_source` reads (None without tag statistics)."""
+  if not settings.tag_groups:
+    return None
+  try:
+    opened = tokens_lib.open_tokens(settings.data_path)
+  except OSError as e:
+    raise ValueError(f"data_path: {e}") from None
+  stream = tokens_lib.open_tags(opened)
+  documents = np.asarray([d["start"] for d in stream.documents], np.int64)
+  # The position before the stream's first one: a document starts there.
+  before = (stream.tags.index(brown.EOS_TAG)
+            if brown.EOS_TAG in stream.tags else 0)
+  n, t = opened.header.num_tokens, settings.seq_len
+
+  def read(i):
+    starts = tokens_lib.window_starts(settings.seed, i,
+                                      range(settings.batch_size), n, t)
+    index = starts[:, None] + np.arange(t)
+    tags, previous = tag_profile.position_tags(stream.ids, index, before)
+    group = tag_profile.position_groups(documents, index,
+                                        settings.tag_groups)
+    if sharding is None:
+      return tuple(map(jnp.asarray, (tags, previous, group)))
+    return tuple(transfer.put(x, sharding) for x in (tags, previous, group))
+
+  coarse_of = brown_tags.coarse_ids(stream.tags)
+  record = {"tags": list(stream.tags), "classes": list(brown_tags.COARSE),
+            "coarse_of": coarse_of.tolist(), "groups": settings.tag_groups,
+            "documents": [d["name"] for d in stream.documents]}
+  return TagSource(read, coarse_of, record)
+
+
+def baseline_layers(run: explore.LoadedRun) -> tuple[int, ...]:
+  """Return the layers whose MLP has a decomposed site (a GLU model's;
+  none for other targets)."""
+  parsed = (glu_lm.parse_site(s.name) for s in run.target.sites)
+  return tuple(sorted({p[0] for p in parsed
+                       if p is not None and p[1] in ("gate", "up", "down")}))
+
+
+def head_layers(run: explore.LoadedRun) -> tuple[int, ...]:
+  """Return the layers with a decomposed attention site (a GLU model's)."""
+  parsed = (glu_lm.parse_site(s.name) for s in run.target.sites)
+  return tuple(sorted({p[0] for p in parsed
+                       if p is not None and p[1] in ("q", "k", "v", "o")}))
+
+
+def baseline_keys(layers: tuple[int, ...],
+                  heads: tuple[int, ...] = ()) -> tuple[str, ...]:
+  """Return the store keys of the baselines of `layers` (MLPs) and
+  `heads` (attention)."""
+  return tuple(f"layers.{i}.mlp.{kind}" for i in layers
+               for kind in BASELINES) + tuple(
+    f"layers.{i}.self_attn.{HEADS}" for i in heads)
+
+
+def _layer_o(weights: glu_lm.GluWeights, layer: int) -> jax.Array:
+  """Return `o_proj` of a layer from whichever stored stack holds it."""
+  at = 0
+  for stack in (weights.prefix, weights.span, weights.tail):
+    if stack is None:
+      continue
+    if layer < at + stack.o.shape[0]:
+      return stack.o[layer - at]
+    at += stack.o.shape[0]
+  raise ValueError(f"layer {layer} is past the model's {at} layers")
+
+
+def n_heads(run: explore.LoadedRun) -> int:
+  """Return the attention heads of a GLU run's model."""
+  toy = assembly.resolve_target(run.config)[0]
+  return lm.token_model(run.config, toy).n_heads
+
+
+def _mlp_taps(layers: tuple[int, ...]) -> tuple[str, ...]:
+  return tuple(f"layers.{i}.mlp.{role}_proj.out" for i in layers
+               for role in ("gate", "up"))
+
+
+def baseline_weights(run: explore.LoadedRun, settings: Settings,
+                     layers: tuple[int, ...], heads: tuple[int, ...]
+                     ) -> dict[str, jax.Array]:
+  """Return what the baselines' activities read besides the forward: the
+  rotations of `layers` (`rotations`) and `o_proj` of `heads`, stacked."""
+  out = {}
+  if layers:
+    out["rotation"] = rotations(run, settings, layers)
+  if heads:
+    out["w_o"] = jnp.stack([_layer_o(run.weights, i) for i in heads])
+  return out
+
+
+def rotations(run: explore.LoadedRun, settings: Settings,
+              layers: tuple[int, ...]) -> jax.Array:
+  """Return the random rotation of each layer's neurons (Haar, from the
+  harvest's seed folded with the layer): `[layers, d_ff, d_ff]`."""
+  taps = jax.eval_shape(
+    lambda w, x: run.target.clean_forward(w, x, _mlp_taps(layers))[1],
+    run.weights, batch_shape(run, settings))
+  d_ff = taps[_mlp_taps(layers)[0]].shape[-1]
+  key = jax.random.key(settings.seed)
+  return jnp.stack([unit_activity.random_rotation(
+    jax.random.fold_in(key, i), d_ff) for i in layers])
+
+
+def _o_taps(heads: tuple[int, ...]) -> tuple[str, ...]:
+  return tuple(f"layers.{i}.self_attn.o_proj" for i in heads)
+
+
+def baseline_taps(layers: tuple[int, ...], heads: tuple[int, ...]
+                  ) -> tuple[str, ...]:
+  """Return the clean forward's taps the baselines' activities read."""
+  return _mlp_taps(layers) + _o_taps(heads)
+
+
+def baseline_activity(taps: dict[str, jax.Array], layers: tuple[int, ...],
+                      heads: tuple[int, ...], n_head: int,
+                      extra: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Return every baseline's activity, by store key, from the clean
+  forward's `baseline_taps` (traceable; `extra` from `baseline_weights`)."""
+  out = {}
+  for j, i in enumerate(layers):
+    gate = taps[f"layers.{i}.mlp.gate_proj.out"]
+    up = taps[f"layers.{i}.mlp.up_proj.out"]
+    out[f"layers.{i}.mlp.neurons"] = unit_activity.glu_neuron_activity(
+      gate, up)
+    out[f"layers.{i}.mlp.gates"] = unit_activity.gate_activity(gate)
+    out[f"layers.{i}.mlp.rotated"] = unit_activity.rotated_activity(
+      gate, up, extra["rotation"][j])
+  for j, (i, key) in enumerate(zip(heads, _o_taps(heads))):
+    out[f"layers.{i}.self_attn.{HEADS}"] = unit_activity.head_activity(
+      taps[key], extra["w_o"][j], n_head)
+  return out
 
 
 class Placed(NamedTuple):
@@ -304,9 +487,11 @@ def place(run: explore.LoadedRun, settings: Settings,
                 shardings.make_constrain(table, mesh, lead))
 
 
-def empty_totals(shapes: dict[str, stats_lib.BatchStats]) -> dict[str, dict]:
+def empty_totals(shapes: dict[str, stats_lib.BatchStats],
+                 tag_shapes: Optional[dict] = None) -> dict[str, dict]:
   """Return zero accumulators per site, shaped like one batch's statistics
-  (counts in int64, top contexts empty)."""
+  (counts in int64, top contexts empty; tag statistics where `tag_shapes`
+  has the site)."""
   totals = {}
   for site, s in shapes.items():
     c = s.fired.shape[0]
@@ -322,15 +507,31 @@ def empty_totals(shapes: dict[str, stats_lib.BatchStats]) -> dict[str, dict]:
       "ablation_sum": np.zeros(c, np.float64),
       "ablation_count": np.zeros(c, np.int64),
     }
+  for key, shape in (tag_shapes or {}).items():
+    zero = tag_profile.zero_tag_stats(shape.fine.shape[0], *_tag_sizes(shape))
+    totals.setdefault(key, {}).update(zip(TAG_FIELDS, zero))
   return totals
 
 
-def add_window(totals: dict, window: dict[str, stats_lib.BatchStats]
+def _tag_sizes(shape: tag_profile.TagStats) -> tuple[int, int, int]:
+  g, _, k = shape.coarse.shape
+  return shape.fine.shape[1], k, g
+
+
+def add_window(totals: dict,
+               window: tuple[dict[str, stats_lib.BatchStats], dict]
                ) -> None:
-  """Add the device's statistics of the batches since the last flush into
-  the host totals (counts in int64 and sums in float64, so a long harvest
-  neither overflows nor loses its small increments)."""
-  for site, s in transfer.fetch(window).items():
+  """Add the device's statistics of the batches since the last flush (and
+  their tag statistics) into the host totals (counts in int64 and sums in
+  float64, so a long harvest neither overflows nor loses its small
+  increments)."""
+  stats, tags = window
+  for site, s in transfer.fetch(tags).items():
+    t = totals[site]
+    summed = tag_profile.add_tag_stats(
+      tag_profile.TagStats(*(t[f] for f in TAG_FIELDS)), s)
+    t.update(zip(TAG_FIELDS, summed))
+  for site, s in transfer.fetch(stats).items():
     t = totals[site]
     t["fired"] += s.fired
     t["ci_sum"] += s.ci_sum
@@ -358,11 +559,20 @@ def add_ablation(totals: dict, run: explore.LoadedRun,
 
 
 def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
-           placed: Optional[Placed] = None):
+           placed: Optional[Placed] = None,
+           coarse_of: Optional[np.ndarray] = None,
+           layers: tuple[int, ...] = (), heads: tuple[int, ...] = (),
+           n_head: int = 0):
   """Return the jitted batch statistics, the accumulation of one batch
   into the device's window of statistics, the ablation pass, and the plain
   clean forward the throughput is compared with. With `placed`, the CI
-  keeps its layout and the window stays replicated."""
+  keeps its layout and the window stays replicated.
+
+  The window is `(statistics, tag statistics)` per site; the second is
+  empty unless `coarse_of` is given, and then each batch comes with its
+  positions' `(tags, previous tags, groups)` and the tag statistics hold
+  the baselines of `layers` and `heads` too (what they read besides the
+  forward, `baseline_weights`, an argument)."""
   target, ci_fn = run.target, run.ci_fn
   constrain, kept = train_step.no_constraint, {}
   if placed is not None and placed.statistics is not None:
@@ -371,17 +581,34 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
     constrain = placed.constrain
     kept = {"out_shardings": (placed.statistics, None)}
 
-  def stats(weights, components, ci_params, inputs):
-    ci = constrain("ci_activations", explore.lower_ci(
-      target, ci_fn, weights, components, ci_params, inputs))
-    return {site: stats_lib.batch_stats(
+  def stats(weights, components, ci_params, inputs, positions=None,
+            extra=None):
+    ci, taps = explore.lower_ci_and_taps(
+      target, ci_fn, weights, components, ci_params, inputs,
+      baseline_taps(layers, heads) if coarse_of is not None else ())
+    ci = constrain("ci_activations", ci)
+    batch = {site: stats_lib.batch_stats(
       value, inputs, settings.threshold, settings.top_k, settings.before,
-      settings.after) for site, value in ci.items()}, ci
+      settings.after) for site, value in ci.items()}
+    if coarse_of is None:
+      return (batch, {}), ci
+    activity = dict(ci)
+    if layers or heads:
+      activity.update(baseline_activity(taps, layers, heads, n_head, extra))
+    tags = {key: tag_profile.batch_tag_stats(
+      value, *positions, jnp.asarray(coarse_of), len(brown_tags.COARSE),
+      settings.tag_groups) for key, value in activity.items()}
+    return (batch, tags), ci
 
-  def accumulate(window, weights, components, ci_params, inputs):
-    batch, ci = stats(weights, components, ci_params, inputs)
-    return {site: stats_lib.add_stats(window[site], batch[site])
-            for site in window}, ci
+  def accumulate(window, weights, components, ci_params, inputs,
+                 positions=None, extra=None):
+    (batch, tags), ci = stats(weights, components, ci_params, inputs,
+                              positions, extra)
+    add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+    return ({site: stats_lib.add_stats(window[0][site], batch[site])
+             for site in window[0]},
+            {site: add(window[1][site], tags[site]) for site in window[1]}
+            ), ci
 
   def ablation(weights, components, inputs):
     lead = tuple(target.batch_lead_shape(inputs))
@@ -456,7 +683,8 @@ def resume(out: str, totals: dict, settings: Settings,
   wanted = dataclasses.asdict(settings)
   try:
     record = _record(manifest if os.path.exists(manifest) else path)
-    recorded = record["settings"]
+    # Harvests from before tag statistics record no `tag_groups`: none.
+    recorded = {"tag_groups": 0, **record["settings"]}
     if recorded != wanted:
       changed = sorted(k for k in recorded.keys() | wanted.keys()
                        if recorded.get(k) != wanted.get(k))
@@ -484,7 +712,7 @@ def write_store(out: str, totals: dict) -> list[str]:
   ctx = tensor_store.context()
   written, futures = [], []
   for site, fields in totals.items():
-    for field in FIELDS:
+    for field in [f for f in FIELDS + TAG_FIELDS if f in fields]:
       value = np.asarray(fields[field])
       relative = os.path.join(site, field)
       path = os.path.join(out, relative)
@@ -504,11 +732,13 @@ def _progress(done: int, total: int, started: float, first: int) -> str:
           f"ETA {eta:.0f}s")
 
 
-def _fresh_window(shapes: dict[str, stats_lib.BatchStats],
-                  placed: Placed) -> Callable[[], dict]:
+def _fresh_window(shapes: tuple[dict, dict], placed: Placed
+                  ) -> Callable[[], tuple[dict, dict]]:
   def fresh():
-    return {site: stats_lib.zero_stats(shape)
-            for site, shape in shapes.items()}
+    zeros = lambda x: jnp.zeros(x.shape, x.dtype)  # noqa: E731
+    return ({site: stats_lib.zero_stats(shape)
+             for site, shape in shapes[0].items()},
+            jax.tree.map(zeros, shapes[1]))
 
   if placed.statistics is None:
     return fresh
@@ -547,13 +777,25 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   os.makedirs(out, exist_ok=True)
   remove_stale(out, say)
   batch = batch_source(run, settings, placed.inputs)
+  tags = tag_source(settings, placed.inputs)
+  positions = (lambda i: None) if tags is None else tags.read
+  layers = () if tags is None else baseline_layers(run)
+  heads = () if tags is None else head_layers(run)
+  extra = baseline_weights(run, settings, layers, heads)
+  if placed.statistics is not None:
+    extra = transfer.put(extra, jax.tree.map(lambda _: placed.statistics,
+                                             extra))
   stats_fn, accumulate, ablation_fn, clean_fn = jitted(
-    run, settings, ablation_chunk, placed)
+    run, settings, ablation_chunk, placed,
+    None if tags is None else tags.coarse_of, layers, heads,
+    n_heads(run) if heads else 0)
   weights, components, ci_params = (placed.weights, placed.components,
                                     placed.ci_params)
   shapes, _ = jax.eval_shape(stats_fn, weights, components, ci_params,
-                             batch(0))
-  totals = empty_totals(shapes)
+                             batch(0), positions(0), extra)
+  totals = empty_totals(*shapes)
+  tag_record = {} if tags is None else {"tags": {
+    **tags.record, "baselines": list(baseline_keys(layers, heads))}}
   done = resume(out, totals, settings, overwrite)
   if done < 0:
     say(f"[harvest] {out} is complete; nothing to do")
@@ -579,7 +821,8 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
       jax.block_until_ready(window)
       timed_from = time.time()
     inputs = batch(i)
-    window, ci = accumulate(window, weights, components, ci_params, inputs)
+    window, ci = accumulate(window, weights, components, ci_params, inputs,
+                            positions(i), extra)
     if i < settings.ablation_batches:
       divergence = ablation_fn(weights, components, inputs)
       add_ablation(totals, run, transfer.fetch(divergence),
@@ -599,8 +842,8 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   add_window(totals, window)
   written = write_store(out, totals)
   if stop():  # timing the clean forward is all that is left
-    return {"arrays": written}
-  return {"arrays": written, **throughput(
+    return {"arrays": written, **tag_record}
+  return {"arrays": written, **tag_record, **throughput(
     clean_fn, weights, batch, harvest_seconds,
     settings.n_batches - timed_start)}
 
@@ -645,10 +888,12 @@ def write_manifest(out: str, run_path: str, run: explore.LoadedRun,
 
 class Harvest(NamedTuple):
   """A completed harvest read back: its manifest and, per site, every
-  statistic as a host array."""
+  statistic as a host array; per baseline key (`BASELINES`), its tag
+  statistics."""
 
   manifest: dict
   sites: dict[str, dict[str, np.ndarray]]
+  baselines: dict[str, dict[str, np.ndarray]]
 
 
 def load_harvest(run_path: str) -> Harvest:
@@ -662,12 +907,18 @@ def load_harvest(run_path: str) -> Harvest:
   with open(manifest_path) as f:
     manifest = json.load(f)
   ctx = tensor_store.context()
-  sites = {}
-  for site in manifest["sites"]:
-    sites[site] = {}
-    for field in FIELDS:
-      path = os.path.join(out, site, field)
+  tagged = "tags" in manifest
+
+  def read(key, fields):
+    arrays = {}
+    for field in fields:
+      path = os.path.join(out, key, field)
       store = tensor_store.opened(tensor_store.start_open(path, ctx), path)
-      sites[site][field] = np.asarray(
-        tensor_store.wait_value(store.read()))
-  return Harvest(manifest, sites)
+      arrays[field] = np.asarray(tensor_store.wait_value(store.read()))
+    return arrays
+
+  sites = {site: read(site, FIELDS + (TAG_FIELDS if tagged else ()))
+           for site in manifest["sites"]}
+  baselines = {key: read(key, TAG_FIELDS) for key in
+               (manifest["tags"].get("baselines", []) if tagged else [])}
+  return Harvest(manifest, sites, baselines)

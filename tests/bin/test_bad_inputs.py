@@ -216,6 +216,16 @@ def _run_copy(name: str, then: Callable[[pathlib.Path], object] = None):
   return setup
 
 
+def _tags_of_another_file(t):
+  """Leave {T}/k.bin (21 ids) beside the tag stream of an earlier k.bin
+  (11 ids)."""
+  tokens.write_tagged_tokens(
+    t / "k.bin", [tokens.TaggedDocument("d", np.arange(10), np.ones(10, int),
+                                        np.asarray([0]))],
+    ("<eos>", "nn"), "<eos>", 32, 31, "t")
+  tokens.write_tokens(t / "k.bin", [np.arange(20)], 32, 31, "t")
+
+
 def _manifest(text: str):
   def write(t):
     (t / "r" / "harvest" / "manifest.json").write_text(text)
@@ -745,6 +755,11 @@ ROWS = (
     "--run_dir={T}/r", "--window_before=100000000"),
     "--window_before=100000000 reaches past the sequence: a window of "
     "seq_len=32 holds at most 31", setup=_run_copy("induction")),
+  Row("harvest_tags_of_another_token_file", "harvest", (
+    "--run_dir={T}/r", "--data_path={T}/k.bin", "--seq_len=8"),
+    "--data_path: tag header {T}/k.tags.json describes 11 tokens, but "
+    "{T}/k.bin holds 21; write both again",
+    setup=_run_copy("induction", _tags_of_another_file)),
   Row("harvest_manifest_lacks_settings", "harvest", ("--run_dir={T}/r",),
       "{T}/r/harvest/manifest.json lacks the key 'settings'; delete "
       "{T}/r/harvest or overwrite it to harvest again (--overwrite)",

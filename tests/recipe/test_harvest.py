@@ -2,9 +2,11 @@
 checked against direct computation, resumed after an interruption, written
 as a zarr store with a manifest, and the same when sharded over devices."""
 
+import dataclasses
 import json
 import math
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -214,6 +216,20 @@ def test_a_recorded_harvest_lacking_a_setting_names_it(induction, harvested,
     harvest_lib.resume(str(tmp_path), {}, settings, overwrite=False)
 
 
+def test_a_harvest_from_before_tag_statistics_is_still_this_harvest(
+    induction, harvested, tmp_path):
+  """A record without `tag_groups` had none: complete, not a conflict; a
+  tagged harvest of the same settings is another one."""
+  settings, whole, _ = harvested
+  record = json.loads(open(os.path.join(whole, harvest_lib.MANIFEST)).read())
+  assert record["settings"].pop("tag_groups") == 0
+  (tmp_path / harvest_lib.MANIFEST).write_text(json.dumps(record))
+  assert harvest_lib.resume(str(tmp_path), {}, settings, False) == -1
+  tagged = dataclasses.replace(settings, tag_groups=3)
+  with pytest.raises(harvest_lib.HarvestConflict, match="tag_groups"):
+    harvest_lib.resume(str(tmp_path), {}, tagged, overwrite=False)
+
+
 def test_windows_stay_inside_the_sequence(induction, tmp_path):
   """Default windows are cut to a short sequence; asked-for ones past it
   are refused (the window's memory grows with it, for columns always
@@ -410,3 +426,204 @@ def test_a_batch_that_does_not_split_over_the_mesh_is_refused(tms):
       r"^batch_size=6: the batch axis of size 6 does not split over the 4 "
       r"devices of mesh axes fsdp; choose a size divisible by 4$")):
     harvest_lib.place(tms, settings, _placement("ddp", (1, 4, 1)))
+
+
+# A tag vocabulary in Brown's spelling: the special tags, then words' tags.
+TAGS = ("<eos>", "<sep>", "at", "nn", "vbd-hl", "in", ".", "fw-nn")
+
+
+@pytest.fixture(scope="module")
+def tagged(induction, tmp_path_factory):
+  """The induction run over a tagged token file of its vocabulary: the
+  settings of a two-batch harvest and the harvest, made with a save after
+  every batch."""
+  from decompax.io import tokens  # noqa: PLC0415
+  rng = np.random.default_rng(2)
+  docs = []
+  for d in range(7):
+    n = int(rng.integers(5, 30))
+    docs.append(tokens.TaggedDocument(
+      f"doc{d}", rng.integers(0, 31, n), rng.integers(1, len(TAGS), n),
+      np.asarray([0, n // 2])))
+  path = tmp_path_factory.mktemp("tagged") / "tokens.bin"
+  tokens.write_tagged_tokens(path, docs, TAGS, "<eos>", 32, 31, "test")
+  settings = harvest_lib.resolve(induction, harvest_lib.Request(
+    positions=2 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
+    ablation_batches=0, data_path=str(path)))
+  out = str(tmp_path_factory.mktemp("tag_harvest"))
+  record = harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
+                               say=lambda _: None)
+  harvest_lib.write_manifest(out, "run", induction, settings, record)
+  return settings, out, record
+
+
+def test_a_tagged_token_file_gives_tag_statistics_of_the_ci(
+    induction, tagged):
+  """Against the CI and the tag stream read directly, position by
+  position."""
+  from decompax.io import tokens  # noqa: PLC0415
+  from decompax.targets import brown_tags  # noqa: PLC0415
+  settings, out, record = tagged
+  assert settings.tag_groups == 7  # one group per document
+  opened = tokens.open_tokens(settings.data_path)
+  stream = tokens.open_tags(opened)
+  doc_starts = [d["start"] for d in stream.documents]
+  coarse_of = brown_tags.coarse_ids(TAGS)
+  assert record["tags"]["tags"] == list(TAGS)
+  assert record["tags"]["coarse_of"] == coarse_of.tolist()
+  assert record["tags"]["documents"] == [f"doc{d}" for d in range(7)]
+  inputs, cis = _direct(induction, settings)
+  k, g = len(brown_tags.COARSE), settings.tag_groups
+  for site in induction.target.sites:
+    fine = np.zeros((site.c, len(TAGS)))
+    coarse = np.zeros((g, site.c, k))
+    bigram = np.zeros((site.c, k, k))
+    base = np.zeros((g, k), np.int64)
+    for i, ci in enumerate(cis):
+      starts = tokens.window_starts(settings.seed, i, range(4),
+                                    opened.header.num_tokens, 12)
+      for row, start in enumerate(starts):
+        for col in range(12):
+          at = start + col
+          assert inputs[i][row, col] == opened.ids[at]
+          tag, cls = stream.ids[at], coarse_of[stream.ids[at]]
+          prev = coarse_of[stream.ids[at - 1]] if at else coarse_of[0]
+          doc = int(np.searchsorted(doc_starts, at, side="right")) - 1
+          a = ci[site.name][row, col]
+          fine[:, tag] += a
+          coarse[doc, :, cls] += a
+          bigram[:, prev, cls] += a
+          base[doc, cls] += 1
+    for field, want in (("tag_fine", fine), ("tag_coarse", coarse),
+                        ("tag_bigram", bigram), ("tag_base_coarse", base)):
+      np.testing.assert_allclose(_read(out, site.name, field), want,
+                                 rtol=1e-5, atol=1e-6, err_msg=field)
+    assert base.sum() == 2 * 4 * 12
+
+
+def test_an_interrupted_tag_harvest_resumes_to_the_same_result(
+    induction, tagged, tmp_path, monkeypatch):
+  settings, whole, _ = tagged
+  out = str(tmp_path)
+  source = harvest_lib.tag_source
+
+  def failing(s, *placed):
+    tags = source(s, *placed)
+
+    def read(i):
+      if i == 1:
+        raise KeyboardInterrupt  # as a kill would, after batch 0's save
+      return tags.read(i)
+    return tags._replace(read=read)
+
+  monkeypatch.setattr(harvest_lib, "tag_source", failing)
+  with pytest.raises(KeyboardInterrupt):
+    harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
+                        say=lambda _: None)
+  monkeypatch.setattr(harvest_lib, "tag_source", source)
+  said = []
+  record = harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
+                               say=said.append)
+  assert "[harvest] resuming after batch 1" in said
+  assert record["tags"]["tags"] == list(TAGS)
+  for site in induction.target.sites:
+    for field in harvest_lib.FIELDS + harvest_lib.TAG_FIELDS:
+      np.testing.assert_array_equal(_read(out, site.name, field),
+                                    _read(whole, site.name, field), field)
+  for key in record["tags"]["baselines"]:
+    for field in harvest_lib.TAG_FIELDS:
+      np.testing.assert_array_equal(_read(out, key, field),
+                                    _read(whole, key, field), field)
+
+
+def test_load_harvest_reads_the_tag_statistics(induction, tagged, tmp_path):
+  settings, out, _ = tagged
+  shutil.copytree(out, tmp_path / harvest_lib.HARVEST_DIR)
+  loaded = harvest_lib.load_harvest(str(tmp_path))
+  assert loaded.manifest["tags"]["classes"][0] == "noun"
+  site = induction.target.sites[0]
+  fields = loaded.sites[site.name]
+  assert set(fields) == set(harvest_lib.FIELDS + harvest_lib.TAG_FIELDS)
+  assert fields["tag_coarse"].shape == (settings.tag_groups, site.c, 12)
+  np.testing.assert_array_equal(fields["tag_base_fine"],
+                                _read(out, site.name, "tag_base_fine"))
+  assert sorted(loaded.baselines) == sorted(
+    loaded.manifest["tags"]["baselines"])
+  neurons = loaded.baselines["layers.1.mlp.neurons"]
+  assert set(neurons) == set(harvest_lib.TAG_FIELDS)
+  np.testing.assert_array_equal(neurons["tag_base_coarse"],
+                                fields["tag_base_coarse"])
+
+
+def test_the_baselines_tag_statistics_are_those_of_the_neurons(
+    induction, tagged):
+  """Each decomposed MLP's neurons, gates and rotated neurons, and each
+  decomposed attention's heads, against their activity computed from a
+  clean forward's taps, batch by batch."""
+  from decompax.io import tokens  # noqa: PLC0415
+  from decompax.targets import glu_target  # noqa: PLC0415
+  settings, out, record = tagged
+  layers = harvest_lib.baseline_layers(induction)
+  assert layers == (1,) == harvest_lib.head_layers(induction)
+  assert record["tags"]["baselines"] == [
+    "layers.1.mlp.neurons", "layers.1.mlp.gates", "layers.1.mlp.rotated",
+    "layers.1.self_attn.heads"]
+  w_o = glu_target.weights_to_arrays(induction.weights)["o"][1]
+  n_heads = harvest_lib.n_heads(induction)
+  head_dim = w_o.shape[0] // n_heads
+  opened = tokens.open_tokens(settings.data_path)
+  stream = tokens.open_tags(opened)
+  rotation = np.asarray(harvest_lib.rotations(induction, settings, layers))[0]
+  np.testing.assert_allclose(rotation.T @ rotation, np.eye(len(rotation)),
+                             atol=1e-5)
+  inputs, _ = _direct(induction, settings)
+  want = {}
+  for i, x in enumerate(inputs):
+    _, taps = induction.target.clean_forward(induction.weights, x, (
+      "layers.1.mlp.gate_proj.out", "layers.1.mlp.up_proj.out",
+      "layers.1.self_attn.o_proj"))
+    o_in = np.asarray(taps["layers.1.self_attn.o_proj"], np.float64)
+    gate = np.asarray(taps["layers.1.mlp.gate_proj.out"], np.float64)
+    up = np.asarray(taps["layers.1.mlp.up_proj.out"], np.float64)
+    silu = gate / (1 + np.exp(-gate))
+    activity = {"neurons": np.maximum(silu * up, 0),
+                "gates": np.maximum(silu, 0),
+                "rotated": np.maximum((silu * up) @ rotation, 0),
+                "heads": np.stack([np.linalg.norm(
+                  o_in[..., h * head_dim:(h + 1) * head_dim]
+                  @ w_o[h * head_dim:(h + 1) * head_dim], axis=-1)
+                  for h in range(n_heads)], axis=-1)}
+    starts = tokens.window_starts(settings.seed, i, range(4),
+                                  opened.header.num_tokens, 12)
+    tags = stream.ids[starts[:, None] + np.arange(12)].reshape(-1)
+    for kind, a in activity.items():
+      fine = want.setdefault(kind, np.zeros((a.shape[-1], len(TAGS))))
+      np.add.at(fine.T, tags, a.reshape(-1, a.shape[-1]))
+  assert want["heads"].shape == (n_heads, len(TAGS)) and n_heads > 1
+  for kind, fine in want.items():
+    where = "self_attn" if kind == "heads" else "mlp"
+    got = _read(out, f"layers.1.{where}.{kind}", "tag_fine")
+    np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
+                               err_msg=kind)
+  assert not np.allclose(want["rotated"], want["neurons"])
+
+
+def test_a_sharded_tag_harvest_equals_the_one_device_one(
+    induction, tagged, tmp_path):
+  """ddp on four devices: each batch's positions split like its tokens;
+  counts exact, sums up to their order."""
+  settings, reference, record = tagged
+  harvest_lib.harvest(induction, settings, str(tmp_path), save_every_s=0.0,
+                      say=lambda _: None,
+                      placement=_placement("ddp", (1, 4, 1)))
+  keys = [s.name for s in induction.target.sites] + record["tags"][
+    "baselines"]
+  for key in keys:
+    for field in harvest_lib.TAG_FIELDS:
+      got, want = _read(str(tmp_path), key, field), _read(reference, key,
+                                                           field)
+      if np.issubdtype(want.dtype, np.integer):
+        np.testing.assert_array_equal(got, want, f"{key}/{field}")
+      else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{key}/{field}")

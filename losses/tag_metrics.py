@@ -1,0 +1,236 @@
+"""How monosemantic a set of units is, from its tag statistics
+(`tag_profile`): purity, lift, coverage, and a bootstrap over documents
+for the difference between two unit sets (components against neurons).
+
+Host functions in float64 over a unit set's counts `[u, k]` (activity per
+unit and class: coarse classes, or fine tags) and the base counts `[k]`
+(positions per class). A unit whose activity is zero everywhere is dead:
+its purity and lift are NaN and the summaries leave it out.
+
+- **Purity** of a unit: the share of its activity in its top class.
+- **Lift**: purity over the top class's base rate, the share of all
+  positions in that class (1: no more selective than the stream itself).
+- **Coverage** of a class: how many units, taken heaviest first in that
+  class, hold a given share (0.9) of the class's activity over all units.
+- A summary is **weighted** when each unit counts by its share of the
+  set's activity, **unweighted** when each alive unit counts once. The
+  median is the weighted median (`weighted_median`), which is the usual
+  median for equal weights.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+from jaxtyping import Float, Int, Real
+
+from decompax.losses import tag_profile
+
+PURE, MOSTLY_PURE = 0.8, 0.5
+COVERED_SHARE = 0.9
+# The scalar summaries a bootstrap compares, in `Summary` order.
+SCALARS = ("median_purity", "share_pure", "share_mostly_pure", "mean_lift")
+
+
+class Summary(NamedTuple):
+  """A unit set's summary (NaN where it has no alive unit)."""
+
+  units: int  # alive units
+  median_purity: float
+  share_pure: float  # share of units with purity ≥ PURE
+  share_mostly_pure: float  # … ≥ MOSTLY_PURE
+  mean_lift: float
+  coverage: Int[np.ndarray, " k"]  # units holding COVERED_SHARE of a class
+
+
+class Profiles(NamedTuple):
+  """Every unit's label: its top class and top fine tag."""
+
+  mass: Float[np.ndarray, " u"]
+  top_class: Int[np.ndarray, " u"]  # −1: dead
+  purity: Float[np.ndarray, " u"]
+  lift: Float[np.ndarray, " u"]
+  top_tag: Int[np.ndarray, " u"]
+  tag_purity: Float[np.ndarray, " u"]
+  tag_lift: Float[np.ndarray, " u"]
+
+
+class Interval(NamedTuple):
+  """A bootstrap's estimate on the full sample and its percentile
+  interval."""
+
+  estimate: float
+  low: float
+  high: float
+
+
+def purity(counts: Float[np.ndarray, "u k"]
+           ) -> tuple[Float[np.ndarray, " u"], Int[np.ndarray, " u"]]:
+  """Return every unit's purity and top class (NaN and −1 when dead)."""
+  counts = np.asarray(counts, np.float64)
+  mass = counts.sum(axis=1)
+  top = np.argmax(counts, axis=1)
+  alive = mass > 0
+  share = np.take_along_axis(counts, top[:, None], 1)[:, 0] / np.where(
+    alive, mass, 1.0)
+  return np.where(alive, share, np.nan), np.where(alive, top, -1)
+
+
+def lift(counts: Float[np.ndarray, "u k"], base: Real[np.ndarray, " k"]
+         ) -> Float[np.ndarray, " u"]:
+  """Return every unit's purity over its top class's base rate."""
+  share, top = purity(counts)
+  base = np.asarray(base, np.float64)
+  rate = base / base.sum()
+  top_rate = rate[np.maximum(top, 0)]
+  with np.errstate(divide="ignore", invalid="ignore"):
+    return np.where((top >= 0) & (top_rate > 0), share / top_rate, np.nan)
+
+
+def weighted_median(values: Float[np.ndarray, " n"],
+                    weights: Float[np.ndarray, " n"]) -> float:
+  """Return the value where the sorted values' cumulative weight reaches
+  half the total (the mean of two values when it lands exactly between
+  them); NaN for no weight."""
+  weights = np.asarray(weights, np.float64)
+  values = np.asarray(values, np.float64)[weights > 0]
+  weights = weights[weights > 0]
+  order = np.argsort(values, kind="stable")
+  v, c = values[order], np.cumsum(weights[order])
+  if not len(v) or c[-1] <= 0:
+    return float("nan")
+  half = c[-1] / 2
+  i = int(np.searchsorted(c, half * (1 - 1e-12), side="left"))
+  if np.isclose(c[i], half, rtol=1e-12, atol=0) and i + 1 < len(v):
+    return float((v[i] + v[i + 1]) / 2)
+  return float(v[i])
+
+
+def coverage(counts: Float[np.ndarray, "u k"], share: float = COVERED_SHARE
+             ) -> Int[np.ndarray, " k"]:
+  """Return, per class, how few units hold `share` of its activity (0 for
+  a class no unit touches)."""
+  ordered = -np.sort(-np.asarray(counts, np.float64), axis=0)
+  cumulative = np.cumsum(ordered, axis=0)
+  total = cumulative[-1] if len(ordered) else np.zeros(ordered.shape[1])
+  reached = cumulative >= share * total * (1 - 1e-12)
+  needed = np.argmax(reached, axis=0) + 1
+  return np.where(total > 0, needed, 0).astype(np.int64)
+
+
+def _scalars(counts: np.ndarray, base: np.ndarray, weighted: bool
+             ) -> np.ndarray:
+  share, _ = purity(counts)
+  alive = ~np.isnan(share)
+  if not alive.any():
+    return np.full(len(SCALARS), np.nan)
+  p, lifted = share[alive], lift(counts, base)[alive]
+  w = counts.sum(axis=1)[alive] if weighted else np.ones(len(p))
+  w = w / w.sum()
+  return np.asarray([weighted_median(p, w), w @ (p >= PURE),
+                     w @ (p >= MOSTLY_PURE), w @ lifted])
+
+
+def summarize(counts: Float[np.ndarray, "u k"],
+              base: Real[np.ndarray, " k"], weighted: bool) -> Summary:
+  """Return a unit set's summary (see the module docstring)."""
+  counts = np.asarray(counts, np.float64)
+  alive = int((counts.sum(axis=1) > 0).sum())
+  return Summary(alive, *map(float, _scalars(counts, base, weighted)),
+                 coverage(counts))
+
+
+def profiles(stats: tag_profile.TagStats) -> Profiles:
+  """Return every unit's label from its statistics: coarse class purity
+  and lift, and the same for its top fine tag."""
+  counts = tag_profile.class_counts(stats)
+  base = np.asarray(stats.base_coarse).sum(axis=0)
+  share, top = purity(counts)
+  tag_share, top_tag = purity(np.asarray(stats.fine))
+  return Profiles(tag_profile.unit_mass(stats), top, share,
+                  lift(counts, base), top_tag, tag_share,
+                  lift(np.asarray(stats.fine), stats.base_fine))
+
+
+def top_shares(counts: Float[np.ndarray, "u m"], n: int
+               ) -> tuple[Int[np.ndarray, "u n"], Float[np.ndarray, "u n"]]:
+  """Return every unit's `n` heaviest entries (fine tags, or flattened
+  bigrams) and their shares of its activity, heaviest first."""
+  counts = np.asarray(counts, np.float64)
+  index = np.argsort(-counts, axis=1, kind="stable")[:, :n]
+  mass = counts.sum(axis=1, keepdims=True)
+  share = np.take_along_axis(counts, index, 1) / np.where(mass > 0, mass, 1)
+  return index, share
+
+
+def top_bigrams(bigram: Float[np.ndarray, "u k k"], n: int
+                ) -> tuple[Int[np.ndarray, "u n"], Int[np.ndarray, "u n"],
+                           Float[np.ndarray, "u n"]]:
+  """Return every unit's `n` heaviest (previous class, class) pairs and
+  their shares of its activity."""
+  k = bigram.shape[-1]
+  index, share = top_shares(np.asarray(bigram).reshape(len(bigram), -1), n)
+  return index // k, index % k, share
+
+
+def group_resamples(seed: int, n_boot: int, n_groups: int
+                    ) -> Int[np.ndarray, "b g"]:
+  """Return how often each of `n_groups` groups is drawn in each of
+  `n_boot` resamples of `n_groups` draws with replacement."""
+  rng = np.random.default_rng(seed)
+  return rng.multinomial(n_groups, np.full(n_groups, 1 / n_groups),
+                         size=n_boot)
+
+
+def bootstrap_difference(
+  a: Float[np.ndarray, "g ua k"], b: Float[np.ndarray, "g ub k"],
+  base: Real[np.ndarray, "g k"], seed: int, weighted: bool,
+  n_boot: int = 1000, level: float = 0.95,
+) -> dict[str, Interval]:
+  """Return, per scalar of `SCALARS`, the difference `a − b` of two unit
+  sets' summaries (their `coarse` statistics, per document group, over
+  the same positions) with a percentile interval from resampling the
+  groups that hold any position, both sets on the same draws."""
+  present = np.asarray(base).sum(axis=1) > 0
+  a, b = np.asarray(a, np.float64)[present], np.asarray(b, np.float64)[present]
+  base = np.asarray(base, np.float64)[present]
+
+  def difference(w):
+    fold = lambda x: np.tensordot(w, x, axes=1)
+    return (_scalars(fold(a), fold(base), weighted)
+            - _scalars(fold(b), fold(base), weighted))
+
+  estimate = difference(np.ones(len(base)))
+  draws = np.stack([difference(w) for w in
+                    group_resamples(seed, n_boot, len(base))])
+  tail = (1 - level) / 2
+  low, high = np.nanquantile(draws, [tail, 1 - tail], axis=0)
+  return {name: Interval(float(e), float(lo), float(hi))
+          for name, e, lo, hi in zip(SCALARS, estimate, low, high)}
+
+
+class Comparison(NamedTuple):
+  """Two unit sets over the same positions (components `a`, a baseline
+  `b`): their summaries and the bootstrap of each difference `a − b`,
+  weighted and unweighted."""
+
+  a: dict[str, Summary]  # "weighted", "unweighted"
+  b: dict[str, Summary]
+  difference: dict[str, dict[str, Interval]]
+
+
+def compare(a: tag_profile.TagStats, b: tag_profile.TagStats, seed: int,
+            n_boot: int = 1000, level: float = 0.95) -> Comparison:
+  """Return the comparison of two unit sets' coarse-class profiles (one
+  site's components against its neurons, or every site's); ValueError if
+  they were not measured over the same positions."""
+  if not np.array_equal(a.base_coarse, b.base_coarse):
+    raise ValueError("unit sets saw different positions; compare sets from"
+                     " one harvest")
+  base = np.asarray(a.base_coarse)
+  summaries = lambda s: {
+    kind: summarize(tag_profile.class_counts(s), base.sum(axis=0),
+                    kind == "weighted") for kind in ("weighted", "unweighted")}
+  return Comparison(summaries(a), summaries(b), {
+    kind: bootstrap_difference(a.coarse, b.coarse, base, seed,
+                               kind == "weighted", n_boot, level)
+    for kind in ("weighted", "unweighted")})

@@ -1,0 +1,86 @@
+"""Components against neurons, by part of speech, from a finished harvest
+(`docs/tag_profiles.md`).
+
+A harvest over a tagged token file holds every site's tag statistics of
+its components and, per layer whose MLP has a decomposed site, those of
+the MLP's neurons, gates and rotated neurons, and per layer with a
+decomposed attention site, those of its heads (`recipe/harvest.py`). Here
+a site's alive components (those that fired over the harvest) are
+compared with each baseline of the site's layer, and, per baseline kind,
+all those sites' components together with all those layers' units (the
+total).
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+from decompax.losses import tag_metrics, tag_profile
+from decompax.recipe import harvest as harvest_lib
+from decompax.targets import glu_lm
+
+TOTAL = "total"
+
+
+class Row(NamedTuple):
+  """One comparison: a site's (or the total's) components against one
+  baseline."""
+
+  site: str
+  baseline: str  # a `harvest.BASELINES` kind
+  comparison: tag_metrics.Comparison
+
+
+def tag_stats(fields: dict[str, np.ndarray]) -> tag_profile.TagStats:
+  """Return the tag statistics of one store key's harvested fields."""
+  return tag_profile.TagStats(*(fields[f] for f in harvest_lib.TAG_FIELDS))
+
+
+def alive_components(fields: dict[str, np.ndarray]) -> tag_profile.TagStats:
+  """Return a site's tag statistics restricted to the components that
+  fired (CI above the harvest's threshold) at least once."""
+  return tag_profile.select_units(tag_stats(fields), fields["fired"] > 0)
+
+
+def baselines_of(site: str) -> tuple[tuple[str, str], ...]:
+  """Return `(kind, store key)` of each baseline a site is compared with:
+  an MLP site's layer's neurons, gates and rotated neurons, an attention
+  site's layer's heads (none for other sites)."""
+  parsed = glu_lm.parse_site(site)
+  if parsed is None:
+    return ()
+  layer, role, _ = parsed
+  if role in ("gate", "up", "down"):
+    return tuple((kind, f"layers.{layer}.mlp.{kind}")
+                 for kind in harvest_lib.BASELINES)
+  return ((harvest_lib.HEADS, f"layers.{layer}.self_attn.heads"),)
+
+
+def comparisons(harvest: harvest_lib.Harvest, seed: int = 0,
+                n_boot: int = 1000) -> list[Row]:
+  """Return, per site and baseline kind, then per kind for the total, the
+  comparison of components against that baseline; ValueError for a
+  harvest without tag statistics."""
+  if "tags" not in harvest.manifest:
+    raise ValueError("the harvest has no tag statistics: harvest a token "
+                     "file with a tag stream (./dev data brown writes one)")
+  rows = []
+  mine: dict[str, list] = {}
+  theirs: dict[str, dict[str, tag_profile.TagStats]] = {}
+  for site, fields in harvest.sites.items():
+    pairs = [(kind, key) for kind, key in baselines_of(site)
+             if key in harvest.baselines]
+    if not pairs:
+      continue
+    components = alive_components(fields)
+    for kind, key in pairs:
+      units = tag_stats(harvest.baselines[key])
+      rows.append(Row(site, kind, tag_metrics.compare(
+        components, units, seed, n_boot)))
+      mine.setdefault(kind, []).append(components)
+      theirs.setdefault(kind, {})[key] = units
+  for kind, parts in mine.items():
+    rows.append(Row(TOTAL, kind, tag_metrics.compare(
+      tag_profile.concat_units(parts),
+      tag_profile.concat_units(list(theirs[kind].values())), seed, n_boot)))
+  return rows

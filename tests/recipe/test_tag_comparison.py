@@ -1,0 +1,68 @@
+"""Components against the neurons of their layer, from a harvest's tag
+statistics, on a harvest written by hand."""
+
+import numpy as np
+import pytest
+
+from decompax.losses import tag_metrics
+from decompax.recipe import harvest as harvest_lib
+from decompax.recipe import tag_comparison
+
+BASE = np.asarray([[10, 10, 10], [20, 0, 10]])  # 2 documents, 3 classes
+
+
+def _fields(coarse, fired=None):
+  """A store key's fields for per-document class profiles `[g, u, k]`."""
+  u, k = coarse.shape[1:]
+  fields = dict(zip(harvest_lib.TAG_FIELDS, (
+    coarse.sum(0), coarse, np.zeros((u, k, k)), BASE.sum(0), BASE)))
+  if fired is not None:
+    fields["fired"] = np.asarray(fired)
+  return fields
+
+
+@pytest.fixture(scope="module")
+def harvest():
+  # Components: two pure ones and a dead one (never fired, a little mass).
+  components = np.asarray([[[4, 0, 0], [0, 0, 2], [0, 1, 0]],
+                           [[3, 0, 0], [0, 0, 5], [0, 0, 0]]], float)
+  neurons = np.asarray([[[2, 2, 0], [1, 1, 1]],
+                        [[3, 0, 3], [2, 0, 2]]], float)
+  sites = {"layers.0.mlp.up_proj": _fields(components, [5, 3, 0]),
+           "layers.0.self_attn.q_proj": _fields(components, [1, 1, 1])}
+  baselines = {f"layers.0.mlp.{kind}": _fields(neurons)
+               for kind in harvest_lib.BASELINES}
+  baselines["layers.0.self_attn.heads"] = _fields(neurons[:, :1])
+  manifest = {"tags": {"baselines": list(baselines)}}
+  return harvest_lib.Harvest(manifest, sites, baselines)
+
+
+def test_each_mlp_site_meets_each_baseline_and_the_total(harvest):
+  rows = tag_comparison.comparisons(harvest, seed=0, n_boot=20)
+  assert [(r.site, r.baseline) for r in rows] == [
+    ("layers.0.mlp.up_proj", kind) for kind in harvest_lib.BASELINES] + [
+    ("layers.0.self_attn.q_proj", "heads")] + [
+    ("total", kind) for kind in harvest_lib.BASELINES + ("heads",)]
+  heads = rows[3].comparison
+  assert heads.a["unweighted"].units == 3  # every q_proj component fired
+  assert heads.b["unweighted"].units == 1
+  assert heads.b["unweighted"].median_purity == pytest.approx(.5)
+  # One MLP site, one layer: its total is the site.
+  assert rows[4].comparison.difference == rows[0].comparison.difference
+  got = rows[0].comparison
+  assert got.a["unweighted"].units == 2  # the dead component is left out
+  assert got.a["unweighted"].median_purity == 1.0
+  # Neurons: [5, 2, 3] → .5 and [3, 1, 3] → 3/7; median of the two.
+  assert got.b["unweighted"].median_purity == pytest.approx((.5 + 3 / 7) / 2)
+  diff = got.difference["unweighted"]["median_purity"]
+  assert diff.estimate == pytest.approx(1 - (.5 + 3 / 7) / 2)
+  assert diff.low <= diff.estimate <= diff.high
+  assert got.difference == tag_metrics.compare(
+    tag_comparison.alive_components(harvest.sites["layers.0.mlp.up_proj"]),
+    tag_comparison.tag_stats(harvest.baselines["layers.0.mlp.neurons"]),
+    0, 20).difference
+
+
+def test_a_harvest_without_tags_is_refused(harvest):
+  with pytest.raises(ValueError, match="no tag statistics"):
+    tag_comparison.comparisons(harvest._replace(manifest={}))
