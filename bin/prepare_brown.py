@@ -29,7 +29,7 @@ from absl import flags, logging
 
 from decompax.bin import cli
 from decompax.io import brown as brown_io
-from decompax.io import hf_checkpoint
+from decompax.io import hf_checkpoint, run_dir
 from decompax.io import tokens as tokens_lib
 from decompax.targets import brown
 
@@ -134,10 +134,7 @@ def build_bpe(directory: str, vocab_size: int, documents, split) -> None:
   tokenizer = brown.train_bpe(train_texts, vocab_size)
   print(f"[brown] trained BPE {vocab_size} in {time.time() - start:.1f}s",
         flush=True)
-  parent = os.path.dirname(os.path.abspath(directory))
-  staging = tempfile.mkdtemp(prefix=".bpe.", dir=parent)
-  try:
-    os.chmod(staging, 0o755)
+  with run_dir.staged_directory(directory, ".bpe.") as staging:
     hf_checkpoint.write_tokenizer_json(staging, tokenizer.to_str(),
                                        brown.EOS_TOKEN)
     eos_id = tokenizer.token_to_id(brown.EOS_TOKEN)
@@ -149,12 +146,6 @@ def build_bpe(directory: str, vocab_size: int, documents, split) -> None:
         os.path.abspath(directory))
       print(f"[brown]   {part}: {header.num_documents} documents,"
             f" {header.num_tokens} tokens", flush=True)
-    if os.path.isdir(directory):
-      shutil.rmtree(directory)
-    os.replace(staging, directory)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
 
 
 def main(argv: list[str]) -> None:

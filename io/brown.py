@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import tarfile
-import tempfile
 from collections.abc import Sequence
 
 from decompax.io import run_dir
@@ -96,20 +95,9 @@ def install_corpus(source: str, destination: str,
   complete copy or the new one.
   """
   documents = read_corpus(source, names)
-  parent = os.path.dirname(os.path.abspath(destination))
-  os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=".corpus.", dir=parent)
-  try:
-    os.chmod(staging, 0o755)
+  with run_dir.staged_directory(destination, ".corpus.") as staging:
     for name in names:
       shutil.copyfile(os.path.join(source, name), os.path.join(staging, name))
-    if os.path.isdir(destination):
-      shutil.rmtree(destination)
-    os.replace(staging, destination)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
-  run_dir.fsync_dir(parent)
   return documents
 
 

@@ -31,7 +31,7 @@ import socket
 import tempfile
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
 import jax
@@ -175,6 +175,27 @@ def remove_stale_temporaries(path: Path) -> list[str]:
     return []
   return [name for name in names if pattern.fullmatch(name)
           and _remove_if_unlocked(os.path.join(parent, name))]
+
+
+@contextlib.contextmanager
+def staged_directory(destination: Path, prefix: str) -> Iterator[str]:
+  """Yield a new directory beside `destination` to fill; when the block ends
+  it replaces `destination`, so readers find the whole old copy or the
+  whole new one. A block that raises leaves `destination` as it was and
+  the staging directory removed."""
+  parent = os.path.dirname(os.path.abspath(destination))
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
+  try:
+    os.chmod(staging, 0o755)  # mkdtemp's 0o700 would hide it from others
+    yield staging
+    if os.path.isdir(destination):
+      shutil.rmtree(destination)
+    os.replace(staging, destination)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  fsync_dir(parent)
 
 
 def fsync_dir(path: str) -> None:

@@ -26,7 +26,7 @@ import functools
 import json
 import os
 from collections.abc import Iterable
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 from jaxtyping import Int, UInt
@@ -122,16 +122,22 @@ def _is_count(value: object) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _read_json(hpath: str, what: str) -> Any:
+  """Return the JSON in `hpath`; ValueError naming it as `what` if it
+  cannot be read or parsed."""
+  try:
+    with open(hpath) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{what} {hpath} is not valid JSON ({e})") from None
+
+
 def _read_header(path: str) -> TokenHeader:
   hpath = header_path(path)
   if not os.path.exists(hpath):
     raise ValueError(f"token header {hpath} not found; write {path} and its"
                      " header with bin/tokenize")
-  try:
-    with open(hpath) as f:
-      record = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"token header {hpath} is not valid JSON ({e})") from None
+  record = _read_json(hpath, "token header")
   if not isinstance(record, dict) or record.get("format") != FORMAT:
     raise ValueError(f"{hpath} is not a {FORMAT} header")
   if record.get("version") != VERSION:
@@ -420,11 +426,7 @@ def open_tags(tokens: Tokens) -> TagStream:
   if not os.path.isfile(hpath):
     raise ValueError(f"token file {tokens.path} has no tag stream ({hpath});"
                      " write it with bin/prepare_brown")
-  try:
-    with open(hpath) as f:
-      record = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"tag header {hpath} is not valid JSON ({e})") from None
+  record = _read_json(hpath, "tag header")
   if not isinstance(record, dict) or record.get("format") != TAGS_FORMAT \
       or record.get("version") != TAGS_VERSION:
     raise ValueError(f"{hpath} is not a {TAGS_FORMAT} version"
