@@ -279,12 +279,14 @@ def _validate_restarts(config: TrainConfig) -> None:
   if config.restarts == 1:
     if select:
       raise ValueError(f"--select_at={select} compares restart candidates; "
-                       "set --restarts above 1 or drop --select_at")
+                       "set --restarts above 1 or drop --select_at "
+                       "(--select_at=0)")
     return
   if not 0 < select < config.num_steps:
     raise ValueError(f"--restarts={config.restarts} needs --select_at in "
                      f"(0, --num_steps={config.num_steps}), the step at "
-                     "which the candidates are compared")
+                     "which the candidates are compared; for one run, set "
+                     "--restarts=1 --select_at=0")
   if not config.eval_every or select % config.eval_every:
     raise ValueError(f"--select_at={select} must be a multiple of "
                      f"--eval_every={config.eval_every}, so every candidate "
