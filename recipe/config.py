@@ -681,18 +681,15 @@ def _read_arg(arg: str) -> tuple[str, typing.Any]:
     if fields[name] is not bool:
       raise ValueError(f"{arg!r} needs a value, --{name}=value")
     return name, True
+  about = _docs()[name]
   try:
     value = _convert(fields[name], text)
+    if about.numbers:
+      check_numbers(value, keyed=about.numbers == "keyed")
   except ValueError as e:
     raise ValueError(f"{arg!r}: {e}") from None
-  setting_doc = _docs()[name]
-  try:
-    if setting_doc.numbers:
-      check_numbers(value, keyed=setting_doc.numbers == "keyed")
-  except ValueError as e:
-    raise ValueError(f"{arg!r}: {e}") from None
-  if setting_doc.choices is not None and value not in setting_doc.choices:
-    raise ValueError(f"{arg!r}: takes one of {', '.join(setting_doc.choices)}")
+  if about.choices is not None and value not in about.choices:
+    raise ValueError(f"{arg!r}: takes one of {', '.join(about.choices)}")
   return name, value
 
 
