@@ -39,6 +39,7 @@ import numpy as np
 from decompax.core import ci_fns, health, sites as sites_lib, slots, warmup
 from decompax.io import checkpoint, decomposition, resume, run_dir
 from decompax.bin import run_records
+from decompax.recipe.checks import parse_init_from
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", what schedulers requeue
 # A diverged run: rerunning the same command would diverge again, so this
@@ -162,17 +163,6 @@ def _say(message: str) -> None:
 def checkpoint_dir(output_dir: str) -> str:
   """Return where a run directory keeps its checkpoints."""
   return os.path.join(output_dir, checkpoint.CHECKPOINT_DIR)
-
-
-def parse_init_from(text: str | None) -> tuple[str, int | None] | None:
-  """Return `(run_dir, step)` of `--init_from` (step None: latest), or None."""
-  if not text:
-    return None
-  parent, step = os.path.split(os.path.normpath(text))
-  if not parent or not (step.isdigit() or step == "latest"):
-    raise ValueError(f"--init_from must be <run_dir>/<step> or "
-                     f"<run_dir>/latest, got {text!r}")
-  return parent, None if step == "latest" else int(step)
 
 
 def _fault(name: str) -> int | None:

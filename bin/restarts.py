@@ -24,17 +24,9 @@ import os
 from absl import flags
 
 from decompax.io import run_dir
-from decompax.recipe.config import TrainConfig, held_out_seed
-
-# Candidate seeds step by this much, far apart from a grid's own seeds.
-SEED_STRIDE = 1000
+from decompax.recipe.config import TrainConfig, candidate_seed, held_out_seed
 # What the candidates are compared on: the held-out total loss.
 SELECTION_METRIC = "eval/loss/total"
-
-
-def candidate_seed(seed: int, index: int) -> int:
-  """Return candidate `index`'s seed."""
-  return seed + SEED_STRIDE * index
 
 
 def held_out_loss(directory: str, step: int) -> float | None:

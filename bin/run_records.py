@@ -17,6 +17,7 @@ import sys
 import jax
 
 from decompax.io import checkpoint, run_dir
+from decompax.recipe.checks import parse_profile_steps
 
 RUN_INFO_FILE = "run_info.json"
 PROFILE_DIR = "profile"
@@ -90,23 +91,6 @@ def record_launch(output_dir: str, mode: str) -> None:
   except OSError as e:
     raise checkpoint.CheckpointError(
       f"--output_dir: {run_dir.write_refusal(path, e)}") from None
-
-
-def parse_profile_steps(text: str, num_steps: int) -> tuple[int, int] | None:
-  """Return the profiled window `(start, end)` of `START:END`, or None."""
-  if not text:
-    return None
-  start, sep, end = text.partition(":")
-  try:
-    window = (int(start), int(end))
-  except ValueError:
-    window = None
-  if not sep or window is None:
-    raise ValueError(f"--profile_steps must be START:END, got {text!r}")
-  if not 0 <= window[0] < window[1] <= num_steps:
-    raise ValueError(f"--profile_steps {text} must satisfy 0 <= START < END "
-                     f"<= --num_steps ({num_steps})")
-  return window
 
 
 def profile_before_step(config, output_dir: str, index: int) -> None:

@@ -1,6 +1,8 @@
 """Decompose a toy target: `bin/train --flagfile=flags/<name>.flags`.
 
-Without flags it runs the embedded default, the SPD paper's TMS 5-2 recipe.
+Without a flagfile it runs the library's defaults, the SPD paper's TMS 5-2
+recipe as one run; `./dev train` without one runs `flags/tms_5-2.flags`,
+that recipe with loss-chosen restarts, which recovers on every seed measured.
 The run directory receives the resolved flags, `metrics.jsonl`, the trained
 target, checkpoints, the final decomposition and PNG figures. The same
 command resumes an interrupted run; SIGTERM/SIGINT save the completed step

@@ -1,15 +1,16 @@
 """The settings of one decomposition run: `TrainConfig`, and reading them.
 
-`TrainConfig` holds every setting of a run, each field named as the
-`bin/train` flag that sets it and defaulting to that flag's default (the
-flags take their defaults from here). A recipe is a flagfile: one
-`--name=value` per line, `#` comments; `read_args` turns flagfiles and
-overrides into a config without absl, for the benchmarks and any library
-caller, while `bin/train` parses the same text with its flags. Neither
-validates combinations here: the flags check theirs
-(`bin/train_flags.validate`), and each library config built from these
-values checks itself in its constructor; `setting` names the field of a
-value such a constructor refused, as `--name: why`.
+`TrainConfig` holds every setting of a run, each written once: a field
+named as the `bin/train` flag that sets it, with its type, its default and,
+in its metadata (`Doc`), the help text and choices the flag shows and
+accepts; `bin/train_flags` generates the flags from the fields. A recipe is
+a flagfile: one `--name=value` per line, `#` comments; `read_args` turns
+flagfiles and overrides into a config without absl, for the benchmarks and
+any library caller, while `bin/train` parses the same text with its flags.
+Both hand the result to `recipe.checks.check`, which refuses a bad value or
+combination naming its setting; each library config built from these
+values checks itself in its constructor too, and `setting` names the field
+of a value such a constructor refused, as `--name: why`.
 """
 
 import contextlib
@@ -19,155 +20,564 @@ import math
 import types
 import typing
 from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+from decompax.core.masks import ROUTINGS
+
+
+class Doc(NamedTuple):
+  """What a setting's flag shows and accepts beyond its type and default.
+
+  `choices` are the values a string setting takes. `numbers` marks a list
+  setting whose entries are finite numbers (`plain`) or `kind:number`
+  pairs whose number may be `none` (`keyed`); the entries stay strings.
+  """
+
+  help: str
+  choices: tuple[str, ...] | None = None
+  numbers: str | None = None
+
+
+def _setting(default: Any, help_text: str, *,
+             choices: tuple[str, ...] | None = None,
+             numbers: str | None = None) -> Any:
+  return dataclasses.field(
+    default=default, metadata={"doc": Doc(help_text, choices, numbers)})
+
+
+def doc(field: dataclasses.Field) -> Doc:
+  """Return the help text and choices of a `TrainConfig` field."""
+  return field.metadata["doc"]
+
+
+CI_FNS = ("component_mlp", "vector_mlp", "site_mlp", "global_mlp",
+          "transformer")
+_ATTENTIONS = ("reference", "xla", "cudnn", "auto")
+_SCHEDULES = ("constant", "linear", "cosine")
+_PLANS = ("all_sites", "per_site", "subset", "groups")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Every setting of one decomposition run (see the module docstring)."""
 
-  target: str = "tms_5-2"
-  target_seed: int | None = None
-  target_path: str | None = None
-  model_dir: str | None = None
-  seq_len: int = 64
-  data_path: str | None = None
-  eval_data_path: str | None = None
-  attention: str = "reference"
-  compute_dtype: str = "bfloat16"
-  sites: tuple[str, ...] = ()
-  c: int = 20
-  ci_fn: str = "component_mlp"
-  ci_hidden: tuple[int, ...] = (16,)
-  ci_d_model: int = 64
-  ci_n_blocks: int = 2
-  ci_n_heads: int = 4
-  ci_n_kv_heads: int | None = None
-  ci_d_mlp: int = 256
-  ci_attention: str = "reference"
-  ci_remat: bool = False
-  faithfulness_coeff: float = 1.0
-  faithfulness_form: str = "global"
-  importance_coeff: float = 0.003
-  p_start: float = 1.0
-  p_schedule: str = "constant"
-  p_final_frac: float = 1.0
-  p_knots: str = ""
-  importance_penalty: str = "lp"
-  smooth_l0_gamma: float = 1.0
-  smooth_l0_gamma_schedule: str = "linear"
-  smooth_l0_gamma_final_frac: float = 0.01
-  smooth_l0_normalized: bool = False
-  importance_eps: float = 1e-12
-  frequency_coeff: float = 0.0
-  reference_token_count: float | None = None
-  stochastic_coeff: float = 1.0
-  stochastic_routing: str = "all"
-  per_site_coeff: float = 1.0
-  subset_coeff: float = 0.0
-  subset_size: int = 2
-  subset_routing: str = "uniform_k"
-  n_mask_samples: int = 1
-  sampling: str = "continuous"
-  use_delta_component: bool = False
-  lr: float = 0.001
-  lr_schedule: str = "cosine"
-  lr_final_frac: float = 0.0
-  lr_warmup_pct: float = 0.0
-  lr_knots: str = ""
-  route_probability: float = 0.5
-  weight_decay: float = 0.0
-  clip_max_norm: float = 0.0
-  ci_lr: float | None = None
-  num_steps: int = 40000
-  batch_size: int = 4096
-  seed: int = 2
-  eval_seed: int | None = None
-  restarts: int = 1
-  select_at: int = 0
-  faithfulness_warmup_steps: int = 0
-  faithfulness_warmup_lr: float = 0.01
-  faithfulness_warmup_weight_decay: float = 0.1
-  output_dir: str | None = None
-  overwrite: bool = False
-  log_every: int = 500
-  figures_every: int = 0
-  ci_alive_threshold: float = 0.1
-  eval_every: int = 1000
-  slow_eval_every: int = 10000
-  figure_cpu_share: float = 0.05
-  eval_batches: int = 4
-  slow_on_first_step: bool = True
-  eval_pgd_steps: int = 20
-  eval_pgd_lr: float = 0.1
-  eval_attention_kl: bool = False
-  groups_coeff: float = 0.0
-  recon_groups: str = ""
-  groups_routing: str = "uniform_k"
-  ema_halflife_steps: float = 0.0
-  pgd_coeff: float = 0.0
-  pgd_plan: str = "all_sites"
-  pgd_routing: str = "all"
-  pgd_scope: str = "c"
-  pgd_parametrization: str = "clamp"
-  pgd_step_rule: str = "adam"
-  pgd_lr: float = 0.01
-  pgd_lr_warmup_pct: float = 0.0
-  pgd_betas: tuple[str, ...] = ("0.5", "0.99")
-  pgd_eps: float = 1e-08
-  pgd_n_warmup: int = 0
-  pgd_objective: str = "e2e"
-  pgd_start_frac: float = 0.0
-  merged_coeff: float = 0.0
-  merged_plan: str = "all_sites"
-  merged_routing: str = "uniform_k"
-  merged_adv_fraction: float = 0.5
-  merged_adv_fraction_final_frac: float = 1.0
-  hidden_coeff: float = 0.0
-  hidden_points: tuple[str, ...] = ()
-  hidden_terms: tuple[str, ...] = ()
-  fresh_pgd_coeff: float = 0.0
-  fresh_pgd_init: str = "random"
-  fresh_pgd_scope: str = "c"
-  fresh_pgd_steps: int = 1
-  fresh_pgd_step_size: float = 0.1
-  fresh_pgd_routing: str = "all"
-  nonlinearity_coeff: float = 0.0
-  nonlinearity_threshold: float = 1.0
-  nonlinearity_threshold_final_frac: float = 1.0
-  nonlinearity_weights: tuple[str, ...] = ()
-  components_optimizer: str = "adamw"
-  components_init: str = "normal"
-  checkpointing: str = "periodic"
-  save_every: int = 1000
-  stop_after_step: int = 0
-  keep_last: int = 3
-  keep_all: bool = False
-  on_nonfinite: str = "stop"
-  max_skipped_in_a_row: int = 100
-  max_skipped_share: float = 0.1
-  init_from: str | None = None
-  profile_steps: str = ""
-  target_task: str = ""
-  target_data_path: str | None = None
-  target_batch_size: int = 0
-  target_seq_len: int = 0
-  target_loss_positions: str = "answer"
-  nontarget_task: str = ""
-  nontarget_data_path: str | None = None
-  nontarget_batch_size: int = 0
-  nontarget_seq_len: int = 0
-  nontarget_recon_coeff: float = 0.0
-  nontarget_sources: str = "stochastic"
-  nontarget_unmasked_coeff: float = 0.0
-  nontarget_importance_coeff: float = 0.0
-  nontarget_pgd_coeff: float = 0.0
-  nontarget_merged_coeff: float = 0.0
-  ci_scaled_decay: float = 0.0
-  ci_roles: tuple[str, ...] = ("output",)
-  hidden_pass_points: tuple[str, ...] = ()
-  hidden_pass_coeff: float = 1.0
-  sequential_passes: bool = False
-  ab_grid: str = "auto"
+  target: str = _setting(
+    "tms_5-2",
+    "Toy target: tms_5-2, tms_5-2-id, tms_40-10, tms_40-10-id, resid_mlp1, "
+    "resid_mlp2, resid_mlp3, simple_mlp, induction or addsub (a ± b mod 23 "
+    "plus copying); or hf, a language model read from --model_dir.")
+  target_seed: int | None = _setting(
+    None,
+    "Seed of the target's own training (default: the target's known-good "
+    "seed).")
+  target_path: str | None = _setting(
+    None,
+    "Cached trained target (.npz); trained and written there when absent. "
+    "Default: <output_dir>/target.npz.")
+  model_dir: str | None = _setting(
+    None,
+    "--target=hf: local Hugging Face checkpoint directory (config.json and "
+    "safetensors).")
+  seq_len: int = _setting(64, "Tokens per sequence of a --target=hf batch.")
+  data_path: str | None = _setting(
+    None,
+    "--target=hf: token file (NAME.bin from bin/tokenize) the training "
+    "batches are read from; default: uniform random token ids.")
+  eval_data_path: str | None = _setting(
+    None,
+    "--target=hf: held-out token file of the eval batches; default: windows "
+    "of --data_path on a stream of their own (not held-out text).")
+  attention: str = _setting(
+    "reference",
+    "Attention of LM targets: plain einsums, or jax.nn.dot_product_attention "
+    "with implementation xla, cudnn or JAX's choice (auto).",
+    choices=_ATTENTIONS)
+  compute_dtype: str = _setting(
+    "bfloat16",
+    "Dtype of --target=hf frozen weights and activations (SPEC N4).",
+    choices=("bfloat16", "float32"))
+  sites: tuple[str, ...] = _setting(
+    (),
+    "Sites to decompose, comma-separated (default: all); --target=hf also "
+    "takes shell patterns, e.g. 'layers.18.mlp.*'.")
+  c: int = _setting(20, "Components per decomposed matrix.")
+  ci_fn: str = _setting(
+    "component_mlp",
+    "Causal-importance function: the toy MLPs of SPEC §4.2 or the chunkwise "
+    "transformer of §4.3 (LMs: one chunk per decomposed block reading "
+    "resid.<block>; toys: one chunk per site reading its input).",
+    choices=CI_FNS)
+  ci_hidden: tuple[int, ...] = _setting(
+    (16,),
+    "Hidden widths of the CI function (d_gate for component/vector MLPs).")
+  ci_d_model: int = _setting(
+    64,
+    "Transformer CI: width of each chunk's transformer.")
+  ci_n_blocks: int = _setting(
+    2,
+    "Transformer CI: blocks per chunk (0 allowed).")
+  ci_n_heads: int = _setting(
+    4,
+    "Transformer CI: attention heads (head dim must be even).")
+  ci_n_kv_heads: int | None = _setting(
+    None,
+    "Transformer CI: key/value heads (default: --ci_n_heads, i.e. multi-head "
+    "attention).")
+  ci_d_mlp: int = _setting(256, "Transformer CI: MLP width of each block.")
+  ci_attention: str = _setting(
+    "reference",
+    "Transformer CI attention: the portable einsum reference, or "
+    "jax.nn.dot_product_attention with that implementation (auto: JAX picks).",
+    choices=_ATTENTIONS)
+  ci_remat: bool = _setting(
+    False,
+    "Transformer CI: recompute every block activation in the backward pass "
+    "instead of keeping the matmul outputs.")
+  faithfulness_coeff: float = _setting(
+    1.0,
+    "Coefficient of the faithfulness loss.")
+  faithfulness_form: str = _setting(
+    "global",
+    "Faithfulness as the mean squared delta over every entry (global, the "
+    "SPD paper's) or the mean over sites of ‖W − VU‖²/‖W‖² (relative: every "
+    "site weighs the same whatever its size).",
+    choices=("global", "relative"))
+  importance_coeff: float = _setting(
+    0.003,
+    "Coefficient of importance minimality.")
+  p_start: float = _setting(
+    1.0,
+    "Exponent p of importance minimality at step 0.")
+  p_schedule: str = _setting(
+    "constant",
+    "Anneal of p (no warmup: the p-anneal refuses one).",
+    choices=_SCHEDULES)
+  p_final_frac: float = _setting(1.0, "Final p as a fraction of --p_start.")
+  p_knots: str = _setting(
+    "",
+    "Knot form of the p anneal instead of --p_schedule: `at:frac[:shape],…` "
+    "from at=0 to at=1, p = --p_start·frac, shape linear|cosine|hold for the "
+    "segment a knot starts (e.g. 0:1:cosine,0.5:0.4,1:0.4).")
+  importance_penalty: str = _setting(
+    "lp",
+    "What minimality raises CI to: lp, (c + ε)^p; smooth_l0, c²/(c² + γ²) "
+    "with γ on its own schedule (p is then unused).",
+    choices=("lp", "smooth_l0"))
+  smooth_l0_gamma: float = _setting(1.0, "γ of smooth-L0 at step 0 (> 0).")
+  smooth_l0_gamma_schedule: str = _setting(
+    "linear",
+    "Anneal of γ (no warmup).",
+    choices=_SCHEDULES)
+  smooth_l0_gamma_final_frac: float = _setting(
+    0.01,
+    "Final γ as a fraction of --smooth_l0_gamma (ignored when constant).")
+  smooth_l0_normalized: bool = _setting(
+    False,
+    "Scale smooth-L0 by 1 + γ², so a fully active component counts 1 at any "
+    "γ.")
+  importance_eps: float = _setting(
+    1e-12,
+    "ε inside the power of importance minimality.")
+  frequency_coeff: float = _setting(
+    0.0,
+    "Coefficient of frequency minimality (0: off).")
+  reference_token_count: float | None = _setting(
+    None,
+    "a' of frequency minimality (default: the batch's token count).")
+  stochastic_coeff: float = _setting(
+    1.0,
+    "Stochastic recon with all sites live (0: off).")
+  stochastic_routing: str = _setting(
+    "all",
+    "Routing of the all-sites stochastic term.",
+    choices=ROUTINGS)
+  per_site_coeff: float = _setting(
+    1.0,
+    "Stochastic recon with one site live at a time (the SPD layerwise loss; "
+    "0: off).")
+  subset_coeff: float = _setting(
+    0.0,
+    "Stochastic recon over consecutive site chunks (0: off).")
+  subset_size: int = _setting(2, "Sites per chunk of the subset term.")
+  subset_routing: str = _setting(
+    "uniform_k",
+    "Routing within each chunk of the subset term.",
+    choices=ROUTINGS)
+  n_mask_samples: int = _setting(1, "Stochastic draws per plan entry per step.")
+  sampling: str = _setting(
+    "continuous",
+    "Stochastic source distribution.",
+    choices=("continuous", "binomial"))
+  use_delta_component: bool = _setting(
+    False,
+    "Add the maskable delta channel W − VU.")
+  lr: float = _setting(0.001, "Peak learning rate of the components.")
+  lr_schedule: str = _setting(
+    "cosine",
+    "Learning-rate decay of both optimizers.",
+    choices=_SCHEDULES)
+  lr_final_frac: float = _setting(
+    0.0,
+    "Final learning rate as a fraction of the peak.")
+  lr_warmup_pct: float = _setting(
+    0.0,
+    "Fraction of steps of linear learning-rate warmup.")
+  lr_knots: str = _setting(
+    "",
+    "Knot form of the learning-rate schedule instead of --lr_schedule, "
+    "--lr_final_frac and --lr_warmup_pct: `at:frac[:shape],…` from at=0 to "
+    "at=1 (at = step/(num_steps − 1)), lr = --lr·frac, shape "
+    "linear|cosine|hold for the segment a knot starts; e.g. a 5% warmup then "
+    "cosine to 0: 0:0,0.05:1:cosine,1:0.")
+  route_probability: float = _setting(
+    0.5,
+    "p of static_probability routing (any *_routing flag): each position "
+    "routes to each live site independently with probability p (SPEC §5.4).")
+  weight_decay: float = _setting(
+    0.0,
+    "AdamW weight decay of components and CI function.")
+  clip_max_norm: float = _setting(
+    0.0,
+    "Global-norm clip of component gradients (0: off).")
+  ci_lr: float | None = _setting(
+    None,
+    "Peak learning rate of the CI function (default: --lr).")
+  num_steps: int = _setting(40000, "Training steps.")
+  batch_size: int = _setting(4096, "Batch size.")
+  seed: int = _setting(
+    2,
+    "Seed of init, masks and data. TMS 5-2 recovers on any seed measured "
+    "with the --restarts of flags/tms_5-2.flags (README).")
+  eval_seed: int | None = _setting(
+    None,
+    "Seed of the held-out eval batches (default: --seed). Runs compared by "
+    "their held-out losses, e.g. restarts with different --seed, share one.")
+  restarts: int = _setting(
+    1,
+    "Candidate runs to choose among (1: none). Candidate j trains with seed "
+    "--seed + 1000·j in <output_dir>/candidates/r<j> up to --select_at; the "
+    "one with the lowest held-out total loss there (all scored on the "
+    "held-out batches of --eval_seed, default --seed) continues to "
+    "--num_steps. The choice reads the loss only, never a recovery metric.")
+  select_at: int = _setting(
+    0,
+    "Step at which --restarts candidates are compared; a multiple of "
+    "--save_every and --eval_every inside the schedule.")
+  faithfulness_warmup_steps: int = _setting(
+    0,
+    "Faithfulness-only AdamW steps first (the SPD paper's recipes take none).")
+  faithfulness_warmup_lr: float = _setting(0.01, "Learning rate of the warmup.")
+  faithfulness_warmup_weight_decay: float = _setting(
+    0.1,
+    "Weight decay of the warmup.")
+  output_dir: str | None = _setting(
+    None,
+    "Run directory (default: runs/<target>). Its parent must exist.")
+  overwrite: bool = _setting(
+    False,
+    "Replace a run in --output_dir made with other flags.")
+  log_every: int = _setting(
+    500,
+    "Steps between progress lines and metrics records.")
+  figures_every: int = _setting(
+    0,
+    "Steps between figure refreshes (0: at the end only).")
+  ci_alive_threshold: float = _setting(
+    0.1,
+    "CI above which a component counts in CI-L0.")
+  eval_every: int = _setting(
+    1000,
+    "Steps between fast evals on held-out batches (CI-L0, alive counts, "
+    "masked recon family, loss terms); a multiple of --log_every; also at "
+    "the last step, and at step 0 of a fresh run (0: no eval).")
+  slow_eval_every: int = _setting(
+    10000,
+    "Steps between slow evals (CI histograms and densities, "
+    "hidden-activation recon, figures, report); a multiple of --eval_every; "
+    "also at the last step (0: none).")
+  figure_cpu_share: float = _setting(
+    0.05,
+    "Most of one CPU core that drawing the slow evals' figures may take over "
+    "a run; at a shorter cadence some slow evals are not drawn, the last one "
+    "always is (1: draw each as soon as the last is done).")
+  eval_batches: int = _setting(4, "Held-out batches of --batch_size per eval.")
+  slow_on_first_step: bool = _setting(
+    True,
+    "Run the slow eval at step 0 of a fresh run.")
+  eval_pgd_steps: int = _setting(
+    20,
+    "Sign-PGD ascents of the fast eval's fresh-PGD probe (eval/recon/pgd: "
+    "every site routed, random sources per site; 0: off).")
+  eval_pgd_lr: float = _setting(0.1, "Step size of the eval's fresh-PGD probe.")
+  eval_attention_kl: bool = _setting(
+    False,
+    "Fast evals also score attention patterns: per block with a decomposed "
+    "q_proj or k_proj, eval/attn_kl/{ci_masked,stochastic}/layers.<i> is "
+    "KL(clean || masked) of its attention rows, averaged over query heads, "
+    "positions and eval batches (/all: over the blocks). LM targets only "
+    "(hf, induction).")
+  groups_coeff: float = _setting(
+    0.0,
+    "Stochastic recon over --recon_groups (0: off).")
+  recon_groups: str = _setting(
+    "",
+    "Site groups for plans of kind `groups`: sites joined by '+', groups by "
+    "';' (e.g. 'linear1+linear2;linear2').")
+  groups_routing: str = _setting(
+    "uniform_k",
+    "Routing within each group of the groups term.",
+    choices=ROUTINGS)
+  ema_halflife_steps: float = _setting(
+    0.0,
+    "Half-life (steps) of the running firing estimate of frequency "
+    "minimality (0: per-batch estimate).")
+  pgd_coeff: float = _setting(0.0, "Persistent PGD recon term (0: off).")
+  pgd_plan: str = _setting(
+    "all_sites",
+    "Plan of the persistent PGD term.",
+    choices=_PLANS)
+  pgd_routing: str = _setting(
+    "all",
+    "Routing of the PGD plan.",
+    choices=ROUTINGS)
+  pgd_scope: str = _setting(
+    "c",
+    "Axes a persistent source keeps: c (shared over batch), bc (per "
+    "example); sc/bsc need positions.",
+    choices=("c", "bc", "sc", "bsc"))
+  pgd_parametrization: str = _setting(
+    "clamp",
+    "Persistent source storage: clamped to [0,1] or raw through a sigmoid.",
+    choices=("clamp", "sigmoid"))
+  pgd_step_rule: str = _setting(
+    "adam",
+    "Persistent source ascent rule.",
+    choices=("adam", "sign"))
+  pgd_lr: float = _setting(0.01, "Persistent source step size.")
+  pgd_lr_warmup_pct: float = _setting(
+    0.0,
+    "Fraction of steps of source LR warmup.")
+  pgd_betas: tuple[str, ...] = _setting(
+    ('0.5', '0.99'),
+    "Source Adam betas b1,b2.",
+    numbers="plain")
+  pgd_eps: float = _setting(1e-08, "Source Adam eps (after the root).")
+  pgd_n_warmup: int = _setting(0, "Supplemental all-site ascents per step.")
+  pgd_objective: str = _setting(
+    "e2e",
+    "What the adversary ascends.",
+    choices=("e2e", "term"))
+  pgd_start_frac: float = _setting(
+    0.0,
+    "Fraction of steps before the PGD term starts.")
+  merged_coeff: float = _setting(
+    0.0,
+    "Merged stochastic/persistent recon term (SPEC §5.8; 0: off). Its "
+    "sources step with the --pgd_* settings.")
+  merged_plan: str = _setting(
+    "all_sites",
+    "Plan of the merged term.",
+    choices=_PLANS)
+  merged_routing: str = _setting(
+    "uniform_k",
+    "Routing of the merged term's stochastic rows.",
+    choices=ROUTINGS)
+  merged_adv_fraction: float = _setting(
+    0.5,
+    "Probability that a batch row of the merged term uses the persistent "
+    "sources, at step 0.")
+  merged_adv_fraction_final_frac: float = _setting(
+    1.0,
+    "Final adversarial fraction as a fraction of the first (linear anneal "
+    "when ≠ 1).")
+  hidden_coeff: float = _setting(
+    0.0,
+    "Hidden-activation reconstruction rider (SPEC §5.9) on the "
+    "--hidden_terms (0: off).")
+  hidden_points: tuple[str, ...] = _setting(
+    (),
+    "Activations the rider matches (tap keys; default: every decomposed "
+    "site's output, <site>.out).")
+  hidden_terms: tuple[str, ...] = _setting(
+    (),
+    "Recon terms the rider rides on: stochastic_recon, "
+    "stochastic_recon_per_site, stochastic_recon_subset, "
+    "stochastic_recon_groups, persistent_pgd_recon, merged_recon.")
+  fresh_pgd_coeff: float = _setting(
+    0.0,
+    "Fresh (per-step) PGD recon term (0: off).")
+  fresh_pgd_init: str = _setting(
+    "random",
+    "Initial fresh PGD sources.",
+    choices=("random", "ones", "zeroes"))
+  fresh_pgd_scope: str = _setting(
+    "c",
+    "Fresh PGD source scope.",
+    choices=("c", "bc", "bsc"))
+  fresh_pgd_steps: int = _setting(1, "Sign ascents of fresh PGD per step.")
+  fresh_pgd_step_size: float = _setting(0.1, "Fresh PGD ascent step size.")
+  fresh_pgd_routing: str = _setting(
+    "all",
+    "Fresh PGD routing.",
+    choices=ROUTINGS)
+  nonlinearity_coeff: float = _setting(
+    0.0,
+    "Nonlinearity locality loss (0: off).")
+  nonlinearity_threshold: float = _setting(
+    1.0,
+    "Soft-count threshold t at step 0.")
+  nonlinearity_threshold_final_frac: float = _setting(
+    1.0,
+    "Final threshold as a fraction of the first (linear anneal when ≠ 1).")
+  nonlinearity_weights: tuple[str, ...] = _setting(
+    (),
+    "Per unit kind weight, kind:weight or kind:none (default: weight 1 for "
+    "every kind the target has).",
+    numbers="keyed")
+  components_optimizer: str = _setting(
+    "adamw",
+    "Optimizer of the components (the CI function always uses AdamW).",
+    choices=("adamw", "muon"))
+  components_init: str = _setting(
+    "normal",
+    "V/U init: normal (V ~ N/√d_in, U ~ N/√C; SPEC §6.1) or projected (unit "
+    "vectors scaled by their overlap with W; the SPD paper's).",
+    choices=("normal", "projected"))
+  checkpointing: str = _setting(
+    "periodic",
+    "periodic: save to <output_dir>/checkpoints after warmup, every "
+    "--save_every steps, at the end and on SIGTERM/SIGINT (then exit 75, "
+    "EX_TEMPFAIL, for a requeue); the same command resumes. none: save "
+    "nothing; the run directory then cannot be re-entered.",
+    choices=("periodic", "none"))
+  save_every: int = _setting(1000, "Steps between periodic checkpoints.")
+  stop_after_step: int = _setting(
+    0,
+    "Train only up to this step of the --num_steps schedule, save and exit "
+    "0; rerun without it (or with a later step) to continue. A multiple of "
+    "--save_every and --eval_every, so the stop is saved and evaluated. 0: "
+    "off. May change between launches.")
+  keep_last: int = _setting(
+    3,
+    "Checkpoints kept, newest first (the final one is never pruned).")
+  keep_all: bool = _setting(
+    False,
+    "Keep every checkpoint (overrides --keep_last).")
+  on_nonfinite: str = _setting(
+    "stop",
+    "A step whose losses or updated state hold NaN or infinity. stop: save "
+    "nothing from it and exit 3 at the next log step or save, naming the "
+    "step, its first non-finite term and the newest good checkpoint. skip: "
+    "drop that update (the step counter still moves on) and count it in the "
+    "metrics as nonfinite/steps. May differ between launches of a run.",
+    choices=("stop", "skip"))
+  max_skipped_in_a_row: int = _setting(
+    100,
+    "With --on_nonfinite=skip: stop as a diverged run once this many updates "
+    "in a row were non-finite (a run that cannot recover). May differ "
+    "between launches of a run.")
+  max_skipped_share: float = _setting(
+    0.1,
+    "With --on_nonfinite=skip: stop as a diverged run once more than this "
+    "share of --num_steps updates were non-finite, in a row or not (a run "
+    "that mostly trained nothing; 1: no limit). May differ between launches "
+    "of a run.")
+  init_from: str | None = _setting(
+    None,
+    "Fine-tune init: <run_dir>/<step> or <run_dir>/latest. Starts from that "
+    "run's decomposition with fresh optimizers, adversaries, EMA and step 0, "
+    "no warmup; its sites, C and CI function must match.")
+  profile_steps: str = _setting(
+    "",
+    "START:END writes a jax.profiler trace of steps [START, END) to "
+    "<output_dir>/profile (empty: no trace).")
+  target_task: str = _setting(
+    "",
+    "Targeted decomposition: the built-in task of the target stream (addsub: "
+    "two-operand a±b mod P prompts), whose mechanism is wanted.")
+  target_data_path: str | None = _setting(
+    None,
+    "Targeted decomposition: a token file as the target stream (instead of "
+    "--target_task).")
+  target_batch_size: int = _setting(
+    0,
+    "Target stream's batch size (0: --batch_size).")
+  target_seq_len: int = _setting(
+    0,
+    "Sequence length of a token-file target stream (0: --seq_len); a task "
+    "fixes its own.")
+  target_loss_positions: str = _setting(
+    "answer",
+    "Where the target stream's output divergence is scored: the task's "
+    "answer positions, or every position.",
+    choices=("answer", "all"))
+  nontarget_task: str = _setting(
+    "",
+    "Targeted decomposition: the built-in task of the non-target stream "
+    "(copy: induction copying over the task model's vocabulary); its masked "
+    "forwards pin the delta path on (δ ≡ 1).")
+  nontarget_data_path: str | None = _setting(
+    None,
+    "Targeted decomposition: a token file as the non-target stream.")
+  nontarget_batch_size: int = _setting(
+    0,
+    "Non-target stream's batch size (0: --batch_size).")
+  nontarget_seq_len: int = _setting(
+    0,
+    "Sequence length of a token-file non-target stream (0: --seq_len).")
+  nontarget_recon_coeff: float = _setting(
+    0.0,
+    "Non-target stream's delta-pinned reconstruction (required above 0 in a "
+    "targeted run).")
+  nontarget_sources: str = _setting(
+    "stochastic",
+    "Non-target masks: ci + (1 − ci)·U[0,1] (stochastic) or the lower CI "
+    "itself (constant source 0).",
+    choices=("stochastic", "constant"))
+  nontarget_unmasked_coeff: float = _setting(
+    0.0,
+    "Non-target unmasked-no-delta reconstruction: every mask 1, delta off "
+    "(0: off).")
+  nontarget_importance_coeff: float = _setting(
+    0.0,
+    "Importance minimality on the non-target stream's CI (0: off).")
+  nontarget_pgd_coeff: float = _setting(
+    0.0,
+    "Non-target persistent PGD recon, its own sources, settings of --pgd_* "
+    "(0: off).")
+  nontarget_merged_coeff: float = _setting(
+    0.0,
+    "Non-target merged stochastic/persistent recon, its own sources, "
+    "settings of --merged_* (0: off).")
+  ci_scaled_decay: float = _setting(
+    0.0,
+    "Targeted decomposition: after each update V[:,c], U[c,:] *= 1 − "
+    "lr·decay·(1 − max CI of c over both streams' batches) (0: off).")
+  ci_roles: tuple[str, ...] = _setting(
+    ('output',),
+    "CI readouts: output, or output,hidden for dual-role CI (one shared "
+    "trunk, two heads; every recon and importance term also runs in each "
+    "stream's hidden pass on the hidden role's masks).")
+  hidden_pass_points: tuple[str, ...] = _setting(
+    (),
+    "Activations a hidden pass reconstructs, each as MSE relative to its own "
+    "clean scale (default: the MLP outputs from the first decomposed layer "
+    "to the last; a toy's site outputs).")
+  hidden_pass_coeff: float = _setting(
+    1.0,
+    "The hidden passes' recon terms run at their term's coefficient times "
+    "this.")
+  sequential_passes: bool = _setting(
+    False,
+    "Score the step's passes (stream × CI role) one at a time behind an "
+    "optimization barrier and add their gradients: the same objective, with "
+    "one pass's masked forwards in memory at a time.")
+  ab_grid: str = _setting(
+    "auto",
+    "Targeted decomposition: the A/B grid page of each slow eval (auto: when "
+    "the target stream is a two-operand task; on: refuse a run where it is "
+    "not; off: never).",
+    choices=("auto", "on", "off"))
 
 
 DEFAULTS = TrainConfig()
@@ -196,6 +606,27 @@ _TRUE, _FALSE = ("true", "t", "1"), ("false", "f", "0")
 @functools.cache
 def _types() -> dict[str, typing.Any]:
   return typing.get_type_hints(TrainConfig)
+
+
+@functools.cache
+def _docs() -> dict[str, Doc]:
+  return {f.name: doc(f) for f in dataclasses.fields(TrainConfig)}
+
+
+def check_numbers(items: Sequence[str], keyed: bool) -> None:
+  """Raise ValueError unless each entry of a `numbers` list setting is a
+  finite number or, `keyed`, a `kind:number` pair (`kind:none` and an entry
+  without a colon are left to the setting's reader)."""
+  for item in items:
+    number = item.partition(":")[2] if keyed else item
+    if keyed and number in ("", "none"):
+      continue
+    try:
+      finite = math.isfinite(float(number))
+    except ValueError:
+      finite = False
+    if not finite:
+      raise ValueError(f"{number!r} is not a finite number")
 
 
 def _flagfile_args(path: str) -> list[str]:
@@ -238,7 +669,7 @@ def _convert(kind: typing.Any, text: str) -> typing.Any:
   return value
 
 
-def _setting(arg: str) -> tuple[str, typing.Any]:
+def _read_arg(arg: str) -> tuple[str, typing.Any]:
   """Return the field and value one `--name=value` argument sets."""
   name, sep, text = arg.removeprefix("--").partition("=")
   fields = _types()
@@ -250,10 +681,16 @@ def _setting(arg: str) -> tuple[str, typing.Any]:
     if fields[name] is not bool:
       raise ValueError(f"{arg!r} needs a value, --{name}=value")
     return name, True
+  about = _docs()[name]
   try:
-    return name, _convert(fields[name], text)
+    value = _convert(fields[name], text)
+    if about.numbers:
+      check_numbers(value, keyed=about.numbers == "keyed")
   except ValueError as e:
     raise ValueError(f"{arg!r}: {e}") from None
+  if about.choices is not None and value not in about.choices:
+    raise ValueError(f"{arg!r}: takes one of {', '.join(about.choices)}")
+  return name, value
 
 
 def read_args(args: Sequence[str],
@@ -263,9 +700,24 @@ def read_args(args: Sequence[str],
   `--flagfile=PATH` stands for PATH's lines (nested flagfiles too, paths
   relative to the working directory); later settings override earlier
   ones, as on `bin/train`'s command line. Raises ValueError naming an
-  argument that sets no field or whose value does not convert.
+  argument that sets no field or whose value does not convert, or the
+  first setting of the result that `recipe.checks.check` refuses.
   """
-  return dataclasses.replace(config, **dict(map(_setting, _expand(args))))
+  # checks reads the term table, whose module reads this one.
+  from decompax.recipe import checks
+  read = dataclasses.replace(config, **dict(map(_read_arg, _expand(args))))
+  checks.check(read)
+  return read
+
+
+# `--restarts` candidate seeds step by this much, far apart from a grid's
+# own seeds.
+SEED_STRIDE = 1000
+
+
+def candidate_seed(seed: int, index: int) -> int:
+  """Return the seed of `--restarts` candidate `index`."""
+  return seed + SEED_STRIDE * index
 
 
 def held_out_seed(config: TrainConfig) -> int:

@@ -99,11 +99,12 @@ def load_run(path: str) -> LoadedRun:
   """Return the run at `path`: its target (a toy from the run's cached
   `target.npz`, or the language model in its `--model_dir`), the frozen
   weights and the latest decomposition (the final one, else the newest
-  checkpoint).
+  checkpoint). A `--restarts` run is its chosen candidate.
 
   Raises FileNotFoundError when `path` is not a run directory, and
   CheckpointError when it holds no readable decomposition.
   """
+  path = run_dir.chosen_run(path)
   config = run_config(path)
   decomposition = _decomposition(path)
   sites = decomposition.sites

@@ -93,3 +93,22 @@ def test_an_unknown_verb_is_one_line_naming_it(verb, suggestion):
   assert suggestion in lines[0]
   assert ("did you mean" in lines[0]) == bool(suggestion)
   assert "./dev help lists the verbs" in lines[0]
+
+
+def test_train_without_a_flagfile_runs_the_shipped_tms_recipe():
+  """`./dev train` alone is flags/tms_5-2.flags, restarts included: a
+  schedule too short for its selection step is refused by that."""
+  done = _dev("train", "--num_steps=100", "--output_dir=/nonexistent/run")
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert done.stderr.splitlines() == [
+    "train: error: --restarts=3 needs --select_at in (0, --num_steps=100), "
+    "the step at which the candidates are compared; for one run, set "
+    "--restarts=1 --select_at=0"]
+
+
+def test_train_with_a_flagfile_reads_only_that_one():
+  # Restarts are not inherited: here --select_at has nothing to compare.
+  done = _dev("train", "--flagfile=flags/resid_mlp1.flags", "--select_at=100",
+              "--output_dir=/nonexistent/run")
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert "--select_at=100 compares restart candidates" in done.stderr

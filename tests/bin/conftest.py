@@ -97,10 +97,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOT_CPU_SIZED = {"l18", "l18_addsub_tpd", "brown_s", "brown_m"}
 PNG = b"\x89PNG\r\n\x1a\n"
 # Small C and CI widths: compile time grows with them, code paths do not.
+# One run: a recipe's restarts (tms_5-2) have their own tests
+# (test_restarts.py).
 SMOKE_OVERRIDES = (
   "--num_steps=1", "--batch_size=8", "--log_every=1", "--eval_every=1",
   "--slow_eval_every=1", "--eval_batches=2", "--noslow_on_first_step",
-  "--save_every=1", "--c=8", "--ci_hidden=4", "--eval_pgd_steps=2")
+  "--save_every=1", "--c=8", "--ci_hidden=4", "--eval_pgd_steps=2",
+  "--restarts=1", "--select_at=0")
 
 
 def cpu_flagfiles() -> list[pathlib.Path]:

@@ -544,6 +544,16 @@ ROWS = (
     "--save_every=10", "--log_every=10", "--eval_every=10",
     "--slow_eval_every=10", OUT),
     "--restarts=2 gives candidate seeds up to 4294968000, past 2**32 - 1"),
+  # The shipped TMS 5-2 recipe selects at 12k: a shorter schedule is told
+  # how to run one candidate instead.
+  Row("restarts_recipe_cut_short", "train", (
+    "--flagfile={ROOT}/flags/tms_5-2.flags", "--num_steps=1000", OUT),
+    "--restarts=3 needs --select_at in (0, --num_steps=1000), the step at "
+    "which the candidates are compared; for one run, set --restarts=1 "
+    "--select_at=0", untouched=True),
+  Row("select_at_without_restarts", "train", ("--select_at=100", OUT),
+      "--select_at=100 compares restart candidates; set --restarts above 1 "
+      "or drop --select_at (--select_at=0)", untouched=True),
   Row("restarts_choice_not_json", "train", (*RESTARTS, "--output_dir={T}/r"),
       "restarts.json is not JSON", setup=_choice_file("{"), untouched=True),
   Row("restarts_choice_without_chosen", "train", (

@@ -33,7 +33,8 @@ ARGS = (
   f"--flagfile={ROOT / 'flags' / 'tms_5-2.flags'}", "--c=8", "--ci_hidden=4",
   "--batch_size=8", f"--num_steps={STEPS}", "--log_every=1",
   "--eval_every=2", "--slow_eval_every=4", "--eval_batches=1",
-  "--eval_pgd_steps=0", "--per_site_coeff=0", "--save_every=2", "--keep_all")
+  "--eval_pgd_steps=0", "--per_site_coeff=0", "--save_every=2", "--keep_all",
+  "--restarts=1", "--select_at=0")
 # Written by the slow tier alone (hidden-activation recon, SPEC §5.9).
 SLOW_KEY = "eval/hidden_acts/ci_masked/all"
 FAST_KEY = "eval/recon/ci_masked"

@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # decomposition itself: no slow tier to compile or draw.
 SHORT = ["--num_steps=40", "--log_every=20", "--eval_every=20",
          "--batch_size=64", "--eval_batches=1", "--c=8",
-         "--noslow_on_first_step", "--slow_eval_every=0"]
+         "--noslow_on_first_step", "--slow_eval_every=0",
+         "--restarts=1", "--select_at=0"]
 
 
 @pytest.fixture(scope="module")

@@ -110,6 +110,16 @@ def test_every_config_field_is_a_flag_with_the_field_default():
   assert train_flags.parse_config() == config_lib.DEFAULTS
 
 
+def test_every_flag_shows_its_settings_help_and_takes_its_choices():
+  """The flags are generated from the settings: a help text or a choice
+  written on the field is what `--helpfull` shows and the flag accepts."""
+  for field in dataclasses.fields(config_lib.TrainConfig):
+    doc, flag = config_lib.doc(field), flags.FLAGS[field.name]
+    assert flag.help.endswith(doc.help), field.name  # enums: "<a|b>: "
+    assert getattr(flag.parser, "enum_values", None) == (
+      None if doc.choices is None else list(doc.choices)), field.name
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "flags").glob("*.flags")),
                          ids=lambda p: p.stem)
 def test_the_library_reads_every_flagfile_as_the_flags_do(path):

@@ -3,11 +3,17 @@ loss continues, and a rerun resumes the selection."""
 
 import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from decompax.bin import checkpointing, placement_setup, restarts, train
 from decompax.io import load_decomposition, run_dir
+from decompax.recipe import explore
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 TINY = ("--target=tms_5-2", "--batch_size=16", "--c=6", "--ci_hidden=4",
         "--num_steps=4", "--eval_every=2", "--save_every=2", "--log_every=1",
@@ -82,6 +88,16 @@ def test_the_lowest_held_out_loss_continues_and_a_rerun_resumes(
   chosen = run_dir.candidate_dir(str(out), choice["chosen"])
   assert run_dir.chosen_run(out) == chosen
   assert load_decomposition(out).step == load_decomposition(chosen).step == 4
+  # So do the finished-run tools (explore, harvest, browse; tensorboard).
+  loaded = explore.load_run(str(out))
+  assert loaded.config.restarts == 1
+  assert loaded.config.seed == config.seed + 1000 * choice["chosen"]
+  done = subprocess.run(
+    [sys.executable, "-P", str(ROOT / "bin" / "tensorboard"),
+     f"--run_dir={out}"], cwd=ROOT, capture_output=True, text=True,
+    timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert os.listdir(os.path.join(chosen, "tensorboard"))
   # The finished selection is refused on a rerun, naming --overwrite.
   with pytest.raises(restarts.SelectionError, match="--overwrite"):
     _launch(parse, tms_target, out)

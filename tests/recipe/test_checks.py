@@ -1,0 +1,59 @@
+"""recipe/checks: the settings' checks run for every caller, not only for
+bin/train's flags, and each setting is written once."""
+
+import dataclasses
+
+import pytest
+
+from decompax.recipe import checks, terms
+from decompax.recipe import config as config_lib
+from decompax.recipe.config import DEFAULTS, TrainConfig, read_args
+
+
+def test_the_defaults_pass():
+  checks.check(DEFAULTS)
+
+
+@pytest.mark.parametrize("args,message", [
+  (("--log_every=5", "--eval_every=7"),
+   "--eval_every=7 must be a multiple of --log_every=5"),
+  (("--select_at=100",), "--select_at=100 compares restart candidates"),
+  (("--stochastic_coeff=0", "--per_site_coeff=0"), "no reconstruction term"),
+  (("--c=0",), "--c must be a positive number of components, got 0"),
+])
+def test_read_args_refuses_what_bin_train_refuses(args, message):
+  """A library caller (a benchmark, a notebook) gets bin/train's refusal,
+  cross-field checks included, instead of a run that does nothing."""
+  with pytest.raises(ValueError, match=message):
+    read_args(args)
+
+
+def test_a_config_built_in_code_is_checked_alike():
+  bad = dataclasses.replace(DEFAULTS, restarts=2, select_at=0)
+  with pytest.raises(ValueError, match="--restarts=2 needs --select_at"):
+    checks.check(bad)
+
+
+@pytest.mark.parametrize("arg,message", [
+  ("--attention=bogus", "takes one of reference, xla, cudnn, auto"),
+  ("--pgd_betas=0.5,nan", "'nan' is not a finite number"),
+  ("--nonlinearity_weights=relu:inf", "'inf' is not a finite number"),
+])
+def test_read_args_takes_the_flags_choices_and_numbers(arg, message):
+  with pytest.raises(ValueError, match=message):
+    read_args([arg])
+
+
+def test_every_setting_has_its_help_text():
+  for field in dataclasses.fields(TrainConfig):
+    doc = config_lib.doc(field)
+    assert doc.help.strip(), field.name
+    if doc.choices is not None:
+      assert field.default in doc.choices, field.name
+
+
+def test_the_rider_help_names_every_term_that_takes_the_rider():
+  fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+  help_text = config_lib.doc(fields["hidden_terms"]).help
+  named = help_text.partition(":")[2].strip(" .").split(", ")
+  assert named == list(terms.RIDER_TERMS)
