@@ -1,7 +1,6 @@
 """Compile time of the language-model train step on this machine.
 
-Run: `./dev bench compile_time` (or `.venv/bin/python -P
-bench/compile_time.py`). For each `--compile_recipes` entry (default: the
+Run: `./dev bench compile_time`. For each `--compile_recipes` entry (default: the
 tiny random Llama, `flags/tiny_llama.flags`, and the induction toy,
 `flags/induction.flags`) it builds the run exactly as `bin/train` does
 (`recipe.assembly`; the tiny Llama from its committed checkpoint, the

@@ -1,6 +1,6 @@
 """What in-loop evaluation costs the training loop, as ratios.
 
-Run: `./dev bench eval_cost` (or `.venv/bin/python -P bench/eval_cost.py`).
+Run: `./dev bench eval_cost`.
 For each recipe it builds the run as `bin/train` does (untrained target
 weights), compiles the step and both eval passes, then runs `--rounds`
 rounds. A round first times, each right after `--every` steps and in turn

@@ -1,6 +1,6 @@
 """Static per-device memory of the Llama-3.1-8B layer-18 train step (SPEC §8).
 
-Run: `./dev bench memory` (or `.venv/bin/python -P bench/memory.py`).
+Run: `./dev bench memory`.
 Everything is abstract (`jax.ShapeDtypeStruct`s, no weights): the step of
 the reference recipe exactly as `flags/l18.flags` builds it (SPEC §6.7:
 sites `layers.18.mlp.{gate,up,down}_proj`, C = 24576, bf16 frozen weights
