@@ -40,8 +40,8 @@ from absl import flags, logging
 from decompax.bin import cli
 from decompax.core import sites as sites_lib
 from decompax.io import ab_grid, hf_checkpoint, report, tensor_store
-from decompax.recipe import explore
-from decompax.recipe import harvest as harvest_lib
+from decompax.analysis import explore
+from decompax.analysis import harvesting as harvest_lib
 
 # Not `required`: tests import this module beside other binaries' flags,
 # and a required flag would fail their parses; main checks it instead.

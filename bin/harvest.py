@@ -1,6 +1,6 @@
 """Harvest a finished run's components: `bin/harvest --run_dir=DIR`.
 
-Writes `<run_dir>/harvest/` (see `recipe/harvest.py`): per component its
+Writes `<run_dir>/harvest/` (see `analysis/harvesting.py`): per component its
 firing density, mean CI, CI histogram, co-activations, top contexts and
 ablation effect. Rerun the same command to resume an interrupted harvest:
 SIGTERM or SIGINT saves at the next batch boundary and exits with
@@ -33,8 +33,8 @@ from decompax.bin import cli, placement_flags, placement_setup
 from decompax.io import run_dir
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
-from decompax.recipe import explore
-from decompax.recipe import harvest as harvest_lib
+from decompax.analysis import explore
+from decompax.analysis import harvesting as harvest_lib
 
 HARVEST_FLAGS = flags.FlagValues()
 

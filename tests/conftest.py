@@ -397,7 +397,7 @@ def finished_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def harvested(finished_run):
   """Return `path(name, **request)`: this process's finished run `name`,
-  harvested once (`recipe.harvest.Request(**request)`; later calls return
+  harvested once (`analysis.harvesting.Request(**request)`; later calls return
   the same harvest)."""
   from decompax.recipe import explore  # noqa: PLC0415
   from decompax.recipe import harvest as harvest_lib  # noqa: PLC0415

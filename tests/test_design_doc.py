@@ -17,7 +17,7 @@ import tokenize
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "design.md"
 SCANNED_DIRS = ("core", "targets", "losses", "placement", "io", "recipe",
-                "bin", "tests", "bench")
+                "analysis", "bin", "tests", "bench")
 SCANNED_FILES = ("README.md", "WORKSPACE.md", "docs/design.md")
 
 _NUM = r"\d+(?:\.\d+)*"

@@ -6,7 +6,8 @@ import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "targets", "losses", "placement", "io", "recipe", "bin")
+PACKAGES = ("core", "targets", "losses", "placement", "io", "recipe",
+            "analysis", "bin")
 LIBRARY = set(PACKAGES) - {"bin"}
 ALLOWED = {
   "core": set(),
@@ -14,7 +15,8 @@ ALLOWED = {
   "losses": {"core"},
   "placement": {"core"},
   "io": {"core", "placement"},
-  "recipe": LIBRARY - {"recipe"},
+  "recipe": LIBRARY - {"recipe", "analysis"},
+  "analysis": LIBRARY - {"analysis"},
   "bin": LIBRARY,
 }
 

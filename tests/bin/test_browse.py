@@ -20,7 +20,7 @@ import pytest
 
 from decompax.bin import browse, browse_server
 from decompax.io import ab_grid, hf_checkpoint, report
-from decompax.recipe import explore
+from decompax.analysis import explore
 
 
 # A tiny A/B grid: two operators over a 3 x 4 grid of operands.

@@ -19,8 +19,8 @@ from absl import flags
 from decompax.bin import harvest, placement_flags, placement_setup
 from decompax.bin import train, train_flags
 from decompax.io import run_dir
-from decompax.recipe import explore
-from decompax.recipe import harvest as harvest_lib
+from decompax.analysis import explore
+from decompax.analysis import harvesting as harvest_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""recipe/harvest: statistics of every component over a stream of batches,
+"""analysis/harvesting: statistics of every component over a stream of batches,
 checked against direct computation, resumed after an interruption, written
 as a zarr store with a manifest, and the same when sharded over devices."""
 
@@ -17,8 +17,8 @@ from jax.sharding import AxisType
 from decompax.losses import evals
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
-from decompax.recipe import explore
-from decompax.recipe import harvest as harvest_lib
+from decompax.analysis import explore
+from decompax.analysis import harvesting as harvest_lib
 
 REQUEST = harvest_lib.Request(positions=4 * 8 * 32, batch_size=8, top_k=5,
                               window_before=3, window_after=2,

@@ -1,4 +1,4 @@
-"""recipe/explore: a finished run opened from its directory, its components'
+"""analysis/explore: a finished run opened from its directory, its components'
 CI, masked forwards with components ablated or kept, and batched ablation
 effects on a prompt."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from decompax.core import probe
-from decompax.recipe import explore
+from decompax.analysis import explore
 
 
 @pytest.fixture(scope="module")

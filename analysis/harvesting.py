@@ -47,11 +47,12 @@ from decompax.core import train_step
 from decompax.io import run_dir, tensor_store
 from decompax.io import tokens as tokens_lib
 from decompax.losses import evals
-from decompax.losses import harvest as stats_lib
+from decompax.losses import component_stats as stats_lib
 from decompax.losses import tag_profile, unit_activity
 from decompax.placement import shardings, transfer
 from decompax.placement import table as table_lib
-from decompax.recipe import assembly, explore, lm
+from decompax.analysis import explore
+from decompax.recipe import assembly, lm
 from decompax.targets import brown, brown_tags, glu_lm, registry
 
 class HarvestConflict(ValueError):

@@ -31,7 +31,7 @@ from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns
 from decompax.io import decomposition as decomposition_lib
 from decompax.io import run_dir
-from decompax.losses import harvest as harvest_stats
+from decompax.losses import component_stats as harvest_stats
 from decompax.recipe import assembly, lm
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import registry
