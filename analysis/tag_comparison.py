@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from decompax.losses import tag_metrics, tag_profile
 from decompax.analysis import harvesting as harvest_lib
+from decompax.losses import tag_metrics, tag_profile
 from decompax.targets import glu_lm
 
 TOTAL = "total"

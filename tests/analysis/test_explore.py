@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import probe
 from decompax.analysis import explore
+from decompax.core import probe
 
 
 @pytest.fixture(scope="module")
