@@ -26,7 +26,7 @@ Reported per recipe, as medians over the rounds with their range:
     1 means the loop pays for the calls and nothing after them (no slower
     steps, no waiting for figures).
 The slow tier's figures are drawn in a child process, held to
-`--figure_cpu_share` of one core (`recipe/evaluation.start_figure_worker`), so
+`--figure_cpu_share` of one core (`bin/figure_worker.py`), so
 they are not in the windows; `render s` is the CPU time of one render
 (median of three, in this process) and `figures, core share` the part of
 one core the renders take at this cadence and at the default one. The last
@@ -141,6 +141,11 @@ def _spread(values: list[float]) -> tuple[float, float, float]:
   return statistics.median(values), min(values), max(values)
 
 
+def _say(line: str) -> None:
+  # The eval line, printed as bin/train prints it: part of a call's cost.
+  print(line, flush=True)
+
+
 def make_evaluators(config, run, target, out: str, steps: int, every: int,
                     slow_every: int) -> dict[str, evaluation.Evaluator]:
   """Return the evaluators of the fast and the fast+slow windows. They draw
@@ -152,7 +157,7 @@ def make_evaluators(config, run, target, out: str, steps: int, every: int,
            "fast+slow": timed}
   return {way: evaluation.make_evaluator(
     tier, target, run.ci_fn, run.terms, run.sample_inputs, run.weights, out,
-    render=False) for way, tier in tiers.items()}
+    say=_say) for way, tier in tiers.items()}
 
 
 def bench_recipe(name: str, steps: int, every: int, slow_every: int,

@@ -145,7 +145,7 @@ def test_the_run_evaluator_logs_and_prints_the_attention_scalars(
     eval_attention_kl=True)
   evaluator = evaluation.make_evaluator(
     config, target, ci_fn, loss_terms, _sample, weights, str(tmp_path),
-    render=False)
+    say=print)
   knocked = state._replace(ci_params={"knock": jnp.array(True)})
   record = evaluator.evaluate(knocked, 5)
   evaluator.close()
