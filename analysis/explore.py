@@ -95,17 +95,21 @@ def _decomposition(path: str) -> decomposition_lib.Decomposition:
   return decomposition_lib.load_decomposition(path)
 
 
-def load_run(path: str) -> LoadedRun:
+def load_run(path: str,
+             decomposition: Optional[decomposition_lib.Decomposition] = None
+             ) -> LoadedRun:
   """Return the run at `path`: its target (a toy from the run's cached
   `target.npz`, or the language model in its `--model_dir`), the frozen
   weights and the latest decomposition (the final one, else the newest
-  checkpoint).
+  checkpoint), or `decomposition` where the caller read one itself (a
+  chosen checkpoint).
 
   Raises FileNotFoundError when `path` is not a run directory, and
   CheckpointError when it holds no readable decomposition.
   """
   config = run_config(path)
-  decomposition = _decomposition(path)
+  if decomposition is None:
+    decomposition = _decomposition(path)
   sites = decomposition.sites
   if lm.is_lm(config):
     _, target, load = assembly.resolve_target(config)
