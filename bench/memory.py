@@ -104,7 +104,7 @@ def measure(preset: str, mesh_sizes, parts, weights,
   from decompax.placement import table as table_lib
   from decompax.recipe import assembly
 
-  # Meshes are the binaries' to build (STYLE §6), as bin/train does.
+  # Meshes are the binaries' to build, as bin/train does.
   mesh = jax.make_mesh(mesh_sizes, table_lib.MESH_AXES,
                        axis_types=(AxisType.Auto,) * len(mesh_sizes),
                        devices=jax.devices()[:math.prod(mesh_sizes)])
