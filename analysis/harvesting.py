@@ -551,6 +551,15 @@ def add_ablation(totals: dict, run: explore.LoadedRun,
     start += site.c
 
 
+def _window_layout(placed: Optional[Placed]) -> tuple[Callable, dict]:
+  """Return the CI's constraint and the window's jit options on `placed`."""
+  if placed is None or placed.statistics is None:
+    return train_step.no_constraint, {}
+  # A fixed layout, so the donated window is reused in place and each
+  # flush reads it from one device.
+  return placed.constrain, {"out_shardings": (placed.statistics, None)}
+
+
 def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
            placed: Optional[Placed] = None,
            coarse_of: Optional[np.ndarray] = None,
@@ -567,12 +576,7 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
   the baselines of `layers` and `heads` too (what they read besides the
   forward, `baseline_weights`, an argument)."""
   target, ci_fn = run.target, run.ci_fn
-  constrain, kept = train_step.no_constraint, {}
-  if placed is not None and placed.statistics is not None:
-    # A fixed layout, so the donated window is reused in place and each
-    # flush reads it from one device.
-    constrain = placed.constrain
-    kept = {"out_shardings": (placed.statistics, None)}
+  constrain, kept = _window_layout(placed)
 
   def stats(weights, components, ci_params, inputs, positions=None,
             extra=None):
@@ -639,6 +643,43 @@ def _never() -> bool:
   return False
 
 
+class _Pipeline(NamedTuple):
+  """A harvest's batches, tag positions, baseline weights and jitted
+  functions (`jitted`), set up once; `shapes` are its window's."""
+
+  batch: Callable[[int], Any]
+  positions: Callable[[int], Any]
+  extra: dict[str, jax.Array]
+  accumulate: Any
+  ablation: Any
+  clean: Any
+  shapes: tuple[dict, dict]
+  tag_record: dict
+
+
+def _pipeline(run: explore.LoadedRun, settings: Settings, chunk: int,
+              placed: Placed) -> _Pipeline:
+  batch = batch_source(run, settings, placed.inputs)
+  tags = tag_source(settings, placed.inputs)
+  positions = (lambda i: None) if tags is None else tags.read
+  layers = () if tags is None else baseline_layers(run)
+  heads = () if tags is None else head_layers(run)
+  extra = baseline_weights(run, settings, layers, heads)
+  if placed.statistics is not None:
+    extra = transfer.put(extra, jax.tree.map(lambda _: placed.statistics,
+                                             extra))
+  stats_fn, accumulate, ablation_fn, clean_fn = jitted(
+    run, settings, chunk, placed,
+    None if tags is None else tags.coarse_of, layers, heads,
+    n_heads(run) if heads else 0)
+  shapes, _ = jax.eval_shape(stats_fn, placed.weights, placed.components,
+                             placed.ci_params, batch(0), positions(0), extra)
+  tag_record = {} if tags is None else {"tags": {
+    **tags.record, "baselines": list(baseline_keys(layers, heads))}}
+  return _Pipeline(batch, positions, extra, accumulate, ablation_fn,
+                   clean_fn, shapes, tag_record)
+
+
 def harvest(run: explore.LoadedRun, settings: Settings, out: str,
             save_every_s: float = 60.0, ablation_chunk: int = 16,
             overwrite: bool = False,
@@ -658,26 +699,8 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   check_cadence(save_every_s, ablation_chunk)
   placed = place(run, settings, placement)
   harvest_store.prepare(out, say)
-  batch = batch_source(run, settings, placed.inputs)
-  tags = tag_source(settings, placed.inputs)
-  positions = (lambda i: None) if tags is None else tags.read
-  layers = () if tags is None else baseline_layers(run)
-  heads = () if tags is None else head_layers(run)
-  extra = baseline_weights(run, settings, layers, heads)
-  if placed.statistics is not None:
-    extra = transfer.put(extra, jax.tree.map(lambda _: placed.statistics,
-                                             extra))
-  stats_fn, accumulate, ablation_fn, clean_fn = jitted(
-    run, settings, ablation_chunk, placed,
-    None if tags is None else tags.coarse_of, layers, heads,
-    n_heads(run) if heads else 0)
-  weights, components, ci_params = (placed.weights, placed.components,
-                                    placed.ci_params)
-  shapes, _ = jax.eval_shape(stats_fn, weights, components, ci_params,
-                             batch(0), positions(0), extra)
-  totals = empty_totals(*shapes)
-  tag_record = {} if tags is None else {"tags": {
-    **tags.record, "baselines": list(baseline_keys(layers, heads))}}
+  pipe = _pipeline(run, settings, ablation_chunk, placed)
+  totals = empty_totals(*pipe.shapes)
   done = harvest_store.resume(out, totals, dataclasses.asdict(settings),
                               overwrite)
   if done < 0:
@@ -685,7 +708,26 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
     return {}
   if done:
     say(f"[harvest] resuming after batch {done}")
-  fresh_window = _fresh_window(shapes, placed)
+  harvest_seconds, timed_start = _run_batches(
+    run, settings, out, placed, pipe, totals, done, save_every_s, say, stop)
+  written = harvest_store.write_store(out, totals, FIELDS + TAG_FIELDS)
+  if stop():  # timing the clean forward is all that is left
+    return {"arrays": written, **pipe.tag_record}
+  return {"arrays": written, **pipe.tag_record, **throughput(
+    pipe.clean, placed.weights, pipe.batch, harvest_seconds,
+    settings.n_batches - timed_start)}
+
+
+def _run_batches(run: explore.LoadedRun, settings: Settings, out: str,
+                 placed: Placed, pipe: _Pipeline, totals: dict, done: int,
+                 save_every_s: float, say: Callable[[str], None],
+                 stop: Callable[[], bool]) -> tuple[float, int]:
+  """Add batches `done`… to `totals`, saving the state by the clock and
+  when stopped (`Stopped`); return the seconds the timed batches took and
+  the first of them."""
+  weights, components, ci_params = (placed.weights, placed.components,
+                                    placed.ci_params)
+  fresh_window = _fresh_window(pipe.shapes, placed)
   # Batches accumulate on the device, with no host sync, until the next
   # save or the end fetches the window into the host totals.
   window = fresh_window()
@@ -704,11 +746,11 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
     if i == timed_start:
       jax.block_until_ready(window)
       timed_from = time.time()
-    inputs = batch(i)
-    window, ci = accumulate(window, weights, components, ci_params, inputs,
-                            positions(i), extra)
+    inputs = pipe.batch(i)
+    window, ci = pipe.accumulate(window, weights, components, ci_params,
+                                 inputs, pipe.positions(i), pipe.extra)
     if i < settings.ablation_batches:
-      divergence = ablation_fn(weights, components, inputs)
+      divergence = pipe.ablation(weights, components, inputs)
       add_ablation(totals, run, transfer.fetch(divergence),
                    transfer.fetch(ci), settings.threshold)
     # Saves go by the clock: a fixed batch count would, on a small model,
@@ -725,12 +767,7 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   jax.block_until_ready(window)
   harvest_seconds = time.time() - timed_from if timed_from else 0.0
   add_window(totals, window)
-  written = harvest_store.write_store(out, totals, FIELDS + TAG_FIELDS)
-  if stop():  # timing the clean forward is all that is left
-    return {"arrays": written, **tag_record}
-  return {"arrays": written, **tag_record, **throughput(
-    clean_fn, weights, batch, harvest_seconds,
-    settings.n_batches - timed_start)}
+  return harvest_seconds, timed_start
 
 
 def throughput(clean_fn, weights, batch, harvest_seconds: float,
