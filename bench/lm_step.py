@@ -7,7 +7,7 @@ Run: `./dev bench lm_step` on a machine with an accelerator. The step is
 transformer CI, the full VPD recipe) at `--sequences_per_step` ×
 `--tokens_per_sequence` tokens, built exactly as `bin/train` builds it
 (`recipe.assembly`) around random weights of Llama-3.1-8B's shapes
-(`recipe.random_lm`; the config is the committed
+(`bench.random_lm`; the config is the committed
 `tests/fixtures/hf_configs/llama-3.1-8b/config.json`), so no checkpoint is
 needed. `--model_config` and `--recipe_settings` shrink it to CPU sizes,
 which is how `tests/bench/test_lm_step.py` keeps it running. It
@@ -19,8 +19,8 @@ reports:
   * step time (median of `--measured_steps` after `--warmup_steps`) and
     tokens/s;
   * matmul FLOPs per step counted in the compiled program (every loop body
-    times its trip count, `recipe.hlo_flops`) and from the recipe
-    (`recipe.lm_flops`), and their ratio, which must lie within 10%
+    times its trip count, `bench.hlo_flops`) and from the recipe
+    (`bench.lm_flops`), and their ratio, which must lie within 10%
     (the exit status says); XLA's `cost_analysis()` figure is printed
     beside: it counts each loop body once;
   * MFU: the recipe's model FLOPs (rematerialisation left out) per second

@@ -2,7 +2,7 @@
 
 Run: `./dev bench prefix`.
 The model is Llama-shaped (32 layers, GQA, SwiGLU) but narrow, with random
-weights (`recipe.random_lm`): step cost does not depend on them. For each
+weights (`bench.random_lm`): step cost does not depend on them. For each
 `--layers` entry it decomposes that whole block (all 7 sites q, k, v, o,
 gate, up, down) with the reference LM recipe (`flags/l18.flags`:
 faithfulness, importance and frequency minimality, stochastic recon,
