@@ -41,7 +41,8 @@ from decompax.analysis import explore
 from decompax.analysis import harvesting as harvest_lib
 from decompax.bin import cli
 from decompax.core import sites as sites_lib
-from decompax.io import ab_grid, harvest_store, hf_checkpoint, report
+from decompax.io import ab_grid, harvest_store, hf_checkpoint
+from decompax.io import run_report as report
 from decompax.io import tensor_store
 
 # Not `required`: tests import this module beside other binaries' flags,

@@ -8,7 +8,7 @@ time, also while the run trains, to refresh the conversion.
 from absl import flags, logging
 
 from decompax.bin import cli
-from decompax.io import tensorboard
+from decompax.io import tensorboard_events as tensorboard
 
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "Run directory (the --output_dir of bin/train).",

@@ -24,7 +24,8 @@ from decompax.core.ci_fns import OUTPUT
 from decompax.core.target import Expected, TargetFns
 from decompax.core.train_step import (
   LossTerm, StreamSpec, TrainState, no_constraint)
-from decompax.io import ab_grid, figures, report, run_dir
+from decompax.io import ab_grid, figures, run_dir
+from decompax.io import run_report as report
 from decompax.losses import eval_step, evals, task_eval
 from decompax.placement import transfer
 from decompax.recipe import engine, streams

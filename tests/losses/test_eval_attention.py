@@ -17,7 +17,8 @@ import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core.schedules import Schedule
-from decompax.losses import eval_step, recon, terms
+from decompax.losses import eval_step, recon
+from decompax.losses import loss_terms as terms
 from decompax.recipe import config as config_lib
 from decompax.recipe import evaluation
 from decompax.targets import glu_config, glu_lm, glu_target, tms

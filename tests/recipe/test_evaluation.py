@@ -15,8 +15,10 @@ from decompax.recipe.config import TrainConfig
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core.schedules import Schedule
 from decompax.core.target import Expected
-from decompax.io import report, run_dir
-from decompax.losses import eval_step, evals, recon, terms
+from decompax.io import run_dir
+from decompax.io import run_report as report
+from decompax.losses import eval_step, evals, recon
+from decompax.losses import loss_terms as terms
 from decompax.targets import tms
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -1,6 +1,6 @@
 """Checkpoint save and restore throughput beside the disk's own speed.
 
-Run: `./dev bench checkpoint` (`--size_mb=1024`). Builds a decomposition
+Run: `./dev bench checkpoint_speed` (`--size_mb=1024`). Builds a decomposition
 item of `--size_mb` MB (fp32 V/U of four LM-like kinds, C chosen to fit,
 plus a small CI-MLP), then measures, all in this one process and in one
 directory on one disk:
