@@ -1,7 +1,7 @@
 """Compile time of the language-model train step on this machine.
 
-Run: `./dev bench compile_time`. For each `--compile_recipes` entry (default: the
-tiny random Llama, `flags/tiny_llama.flags`, and the induction toy,
+Run: `./dev bench compile_time`. For each `--compile_recipes` entry
+(default: the tiny random Llama, `flags/tiny_llama.flags`, and the induction toy,
 `flags/induction.flags`) it builds the run exactly as `bin/train` does
 (`recipe.assembly`; the tiny Llama from its committed checkpoint, the
 induction toy untrained: compile time depends on shapes, not values) and

@@ -149,7 +149,8 @@ def _say(line: str) -> None:
 def make_evaluators(config, run, target, out: str, steps: int, every: int,
                     slow_every: int) -> dict[str, evaluation.Evaluator]:
   """Return the evaluators of the fast and the fast+slow windows. They draw
-  no figures: the renders run in a child process, apart from the loop."""
+  no figures (no renderer): bin/train draws them in a child process, apart
+  from the loop."""
   timed = dataclasses.replace(
     config, num_steps=steps + 1, eval_every=every, slow_eval_every=slow_every,
     slow_on_first_step=False)
