@@ -93,3 +93,13 @@ def test_an_unknown_verb_is_one_line_naming_it(verb, suggestion):
   assert suggestion in lines[0]
   assert ("did you mean" in lines[0]) == bool(suggestion)
   assert "./dev help lists the verbs" in lines[0]
+
+
+@pytest.mark.parametrize("name", ["nope", "hlo_flops", "__init__"])
+def test_a_name_that_is_no_benchmark_is_one_line_listing_them(name):
+  done = _dev("bench", name)
+  assert done.returncode == 2
+  (line,) = done.stderr.splitlines()
+  assert line.startswith(f"dev: error: no benchmark '{name}'; known: ")
+  known = line.split("known: ")[1].split()
+  assert "step_time" in known and "hlo_flops" not in known
