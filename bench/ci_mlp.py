@@ -1,6 +1,6 @@
 """Median jitted time of the component-MLP CI function, reference vs fast.
 
-Run: `.venv/bin/python -P bench/ci_mlp.py` (or `./dev bench ci_mlp`).
+Run: `./dev bench ci_mlp`.
 For each `(B, C, d_gate)` it times, in this one process, the forward alone
 and `value_and_grad` with respect to the parameters and the input `h` (the
 training step's use: `h = x @ V`), for `component_mlp.reference_pre` and

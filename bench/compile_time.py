@@ -1,16 +1,15 @@
 """Compile time of the language-model train step on this machine.
 
-Run: `./dev bench compile_time` (or `.venv/bin/python -P
-bench/compile_time.py`). For each `--compile_recipes` entry (default: the
-tiny random Llama, `flags/tiny_llama.flags`, and the induction toy,
+Run: `./dev bench compile_time`. For each `--compile_recipes` entry (default:
+the tiny random Llama, `flags/tiny_llama.flags`, and the induction toy,
 `flags/induction.flags`) it builds the run exactly as `bin/train` does
 (`recipe.assembly`; the tiny Llama from its committed checkpoint, the
 induction toy untrained: compile time depends on shapes, not values) and
 lowers and compiles its step `--compile_repeats` times, each after clearing
 JAX's in-memory caches and with no persistent cache, so that every repeat
-traces, lowers and compiles from nothing, as a new process does. It
-reports per recipe the median [min, max] over repeats of the lowering
-(trace to StableHLO), of XLA's compile, and of the two together.
+traces, lowers and compiles from nothing, as a new process does. It reports
+per recipe the median [min, max] over repeats of the lowering (trace to
+StableHLO), of XLA's compile, and of the two together.
 """
 
 import dataclasses

@@ -1,6 +1,6 @@
 """What in-loop evaluation costs the training loop, as ratios.
 
-Run: `./dev bench eval_cost` (or `.venv/bin/python -P bench/eval_cost.py`).
+Run: `./dev bench eval_cost`.
 For each recipe it builds the run as `bin/train` does (untrained target
 weights), compiles the step and both eval passes, then runs `--rounds`
 rounds. A round first times, each right after `--every` steps and in turn
@@ -26,7 +26,7 @@ Reported per recipe, as medians over the rounds with their range:
     1 means the loop pays for the calls and nothing after them (no slower
     steps, no waiting for figures).
 The slow tier's figures are drawn in a child process, held to
-`--figure_cpu_share` of one core (`recipe/evaluation.start_figure_worker`), so
+`--figure_cpu_share` of one core (`bin/figure_worker.py`), so
 they are not in the windows; `render s` is the CPU time of one render
 (median of three, in this process) and `figures, core share` the part of
 one core the renders take at this cadence and at the default one. The last
@@ -141,10 +141,16 @@ def _spread(values: list[float]) -> tuple[float, float, float]:
   return statistics.median(values), min(values), max(values)
 
 
+def _say(line: str) -> None:
+  # The eval line, printed as bin/train prints it: part of a call's cost.
+  print(line, flush=True)
+
+
 def make_evaluators(config, run, target, out: str, steps: int, every: int,
                     slow_every: int) -> dict[str, evaluation.Evaluator]:
   """Return the evaluators of the fast and the fast+slow windows. They draw
-  no figures: the renders run in a child process, apart from the loop."""
+  no figures (no renderer): bin/train draws them in a child process, apart
+  from the loop."""
   timed = dataclasses.replace(
     config, num_steps=steps + 1, eval_every=every, slow_eval_every=slow_every,
     slow_on_first_step=False)
@@ -152,7 +158,7 @@ def make_evaluators(config, run, target, out: str, steps: int, every: int,
            "fast+slow": timed}
   return {way: evaluation.make_evaluator(
     tier, target, run.ci_fn, run.terms, run.sample_inputs, run.weights, out,
-    render=False) for way, tier in tiers.items()}
+    say=_say) for way, tier in tiers.items()}
 
 
 def bench_recipe(name: str, steps: int, every: int, slow_every: int,

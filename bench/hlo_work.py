@@ -21,7 +21,8 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from decompax.recipe import hlo_flops
+from bench import hlo_flops
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MATMUL_OPS = {"dot", "convolution"}

@@ -7,10 +7,10 @@ Run: `./dev bench lm_step` on a machine with an accelerator. The step is
 transformer CI, the full VPD recipe) at `--sequences_per_step` ×
 `--tokens_per_sequence` tokens, built exactly as `bin/train` builds it
 (`recipe.assembly`) around random weights of Llama-3.1-8B's shapes
-(`recipe.random_lm`; the config is the committed
+(`bench.random_lm`; the config is the committed
 `tests/fixtures/hf_configs/llama-3.1-8b/config.json`), so no checkpoint is
 needed. `--model_config` and `--recipe_settings` shrink it to CPU sizes,
-which is how `tests/bin/test_bench_lm_step.py` keeps it running. It
+which is how `tests/bench/test_lm_step.py` keeps it running. It
 reports:
   * compile time, lower + compile wall; with `--compile_cache_dir` (as
     bin/train's `--compilation_cache_dir`) the step is lowered and compiled
@@ -19,8 +19,8 @@ reports:
   * step time (median of `--measured_steps` after `--warmup_steps`) and
     tokens/s;
   * matmul FLOPs per step counted in the compiled program (every loop body
-    times its trip count, `recipe.hlo_flops`) and from the recipe
-    (`recipe.lm_flops`), and their ratio, which must lie within 10%
+    times its trip count, `bench.hlo_flops`) and from the recipe
+    (`bench.lm_flops`), and their ratio, which must lie within 10%
     (the exit status says); XLA's `cost_analysis()` figure is printed
     beside: it counts each loop body once;
   * MFU: the recipe's model FLOPs (rematerialisation left out) per second
@@ -63,7 +63,6 @@ import dataclasses
 import gc
 import glob
 import gzip
-import importlib.util
 import json
 import os
 import pathlib
@@ -72,7 +71,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from typing import Any
 
 import jax
@@ -80,29 +78,15 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from decompax.core.sites import SiteSpec
-from decompax.recipe import assembly, hlo_flops, lm_flops, random_lm
+from decompax.recipe import assembly
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import glu_config, glu_lm, glu_target
 
-
-def _load_sibling(name: str) -> types.ModuleType:
-  # Under the name the tests' loader registers, so that both share one copy
-  # (and one set of flags).
-  module_name = f"bench_{name}"
-  if module_name not in sys.modules:
-    spec = importlib.util.spec_from_file_location(
-      module_name, pathlib.Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-  return sys.modules[module_name]
-
-
-# Its variants are compiled, stepped and timed as bench/prefix.py does.
-prefix = _load_sibling("prefix")
-# The trace is reduced as bench/profile.py reduces a toy step's.
-profile = _load_sibling("profile")
-hlo_work = _load_sibling("hlo_work")
+import bench
+from bench import hlo_flops, hlo_work, lm_flops, random_lm
+# Its variants are compiled, stepped and timed as bench/prefix.py does; the
+# trace is reduced as bench/profile.py reduces a toy step's.
+from bench import prefix, profile
 
 _SEQUENCES = flags.DEFINE_integer(
   "sequences_per_step", 4, "Sequences per step (the per-device batch).")
@@ -625,14 +609,14 @@ def child_argv() -> list[str]:
   own = ("sequences_per_step", "tokens_per_sequence", "decomposed_layer",
          "model_config", "recipe_settings", "measured_steps", "warmup_steps",
          "ratio_layers")
-  return [sys.executable, "-P", __file__, "--ratios_only",
-          *(flags.FLAGS[name].serialize() for name in own)]
+  return bench.child_command("lm_step", "--ratios_only",
+                             *(flags.FLAGS[name].serialize() for name in own))
 
 
 def run_ratio_child() -> tuple[str, bool]:
   """Return the child's ratio table and whether its checks held, measured
   with XLA's CSE off (read when the child's backend starts)."""
-  env = dict(os.environ)
+  env = bench.child_environment(dict(os.environ))
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + NO_CSE).strip()
   done = subprocess.run(child_argv(), env=env, capture_output=True,
                         text=True)

@@ -1,6 +1,6 @@
 """Static per-device memory of the Llama-3.1-8B layer-18 train step (SPEC §8).
 
-Run: `./dev bench memory` (or `.venv/bin/python -P bench/memory.py`).
+Run: `./dev bench memory`.
 Everything is abstract (`jax.ShapeDtypeStruct`s, no weights): the step of
 the reference recipe exactly as `flags/l18.flags` builds it (SPEC §6.7:
 sites `layers.18.mlp.{gate,up,down}_proj`, C = 24576, bf16 frozen weights
@@ -104,7 +104,7 @@ def measure(preset: str, mesh_sizes, parts, weights,
   from decompax.placement import table as table_lib
   from decompax.recipe import assembly
 
-  # Meshes are the binaries' to build (STYLE §6), as bin/train does.
+  # Meshes are the binaries' to build, as bin/train does.
   mesh = jax.make_mesh(mesh_sizes, table_lib.MESH_AXES,
                        axis_types=(AxisType.Auto,) * len(mesh_sizes),
                        devices=jax.devices()[:math.prod(mesh_sizes)])

@@ -23,8 +23,7 @@ from decompax.core import train_step
 from decompax.recipe import assembly
 from decompax.targets import registry
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import step_time  # noqa: E402  (bench/ is a folder of scripts)
+from bench import step_time
 
 _STEPS = flags.DEFINE_integer("guard_steps", 100, "Timed steps per build "
                               "and round.")

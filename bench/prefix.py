@@ -1,8 +1,8 @@
 """What prefix sharing saves on a deep, narrow Llama (SPEC §3.5, §9.3).
 
-Run: `./dev bench prefix` (or `.venv/bin/python -P bench/prefix.py`).
+Run: `./dev bench prefix`.
 The model is Llama-shaped (32 layers, GQA, SwiGLU) but narrow, with random
-weights (`recipe.random_lm`): step cost does not depend on them. For each
+weights (`bench.random_lm`): step cost does not depend on them. For each
 `--layers` entry it decomposes that whole block (all 7 sites q, k, v, o,
 gate, up, down) with the reference LM recipe (`flags/l18.flags`:
 faithfulness, importance and frequency minimality, stochastic recon,
@@ -41,9 +41,12 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from decompax.core.sites import SiteSpec
-from decompax.recipe import assembly, hlo_flops, random_lm
+from decompax.recipe import assembly
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import glu_config, glu_lm, glu_target
+
+import bench
+from bench import hlo_flops, random_lm
 
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per variant.")
 _WARMUP = flags.DEFINE_integer(
@@ -186,9 +189,9 @@ def without_cse_argv() -> list[str]:
   """Return the command rerunning this bench with XLA's CSE off."""
   own = ("steps", "warmup", "layers", "global_batch", "seq_length",
          "components")
-  return [sys.executable, "-P", __file__, "--noxla_cse",
-          "--nocompare_without_cse", *(
-            flags.FLAGS[name].serialize() for name in own)]
+  return bench.child_command("prefix", "--noxla_cse",
+                             "--nocompare_without_cse", *(
+                               flags.FLAGS[name].serialize() for name in own))
 
 
 def main(argv):
@@ -213,7 +216,8 @@ def main(argv):
   if child is not None:
     print("\nThe same without XLA's CSE, which otherwise merges the OFF "
           "variant's identical prefix scans into one:", flush=True)
-    ok &= subprocess.run(child).returncode == 0
+    ok &= subprocess.run(
+      child, env=bench.child_environment(dict(os.environ))).returncode == 0
   sys.exit(0 if ok else 1)
 
 

@@ -44,7 +44,6 @@ import collections
 import datetime
 import glob
 import gzip
-import importlib.util
 import json
 import os
 import pathlib
@@ -52,30 +51,13 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from typing import NamedTuple
 
 import jax
 from absl import app, flags
 
 
-def _load_sibling(name: str) -> types.ModuleType:
-  # Loaded by path under the name the tests' loader uses, so both share one
-  # copy (and step_time one set of flags); putting bench/ on sys.path would
-  # let this file shadow the standard library's `profile` module.
-  module_name = f"bench_{name}"
-  if module_name not in sys.modules:
-    spec = importlib.util.spec_from_file_location(
-      module_name, pathlib.Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-  return sys.modules[module_name]
-
-
-step_time = _load_sibling("step_time")
-hlo_work = _load_sibling("hlo_work")
-machine_rates = _load_sibling("machine_rates")
+from bench import hlo_work, machine_rates, step_time
 
 FLAGS = flags.FLAGS
 PROFILED_RECIPES = ["tms_5-2", "tms_40-10", "resid_mlp1"]

@@ -56,11 +56,11 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from decompax.core import ci_fns, probe
+from decompax.analysis import explore
+from decompax.core import probe
 from decompax.io import decomposition as decomposition_lib
 from decompax.io import run_dir
 from decompax.losses import eval_step
-from decompax.targets import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -241,15 +241,11 @@ def measure_cell(cell: pathlib.Path, name: str, snapshot: bool = False
   # Whether it is final is read once: a run that finishes while it is
   # measured keeps the label of the decomposition that was loaded.
   decomposition, final = _decomposition(directory, snapshot)
-  arrays, meta = run_dir.load_arrays(directory / "target.npz")
-  toy = registry.get(meta["target"])
-  sites = decomposition.sites
-  c = {s.name: s.c for s in sites}
-  target = registry.fns_for(toy, c, sites)
-  weights = registry.weights_for(toy, toy.weights_from_arrays(arrays), sites)
-  ci_fn = ci_fns.make_ci_fn(decomposition.ci_config, sites)
+  run = explore.load_run(str(directory), decomposition)
+  target, weights, sites = run.target, run.weights, decomposition.sites
   ci = jax.device_get(probe.probe_ci(
-    target, ci_fn, weights, decomposition.components, decomposition.ci_params))
+    target, run.ci_fn, weights, decomposition.components,
+    decomposition.ci_params))
   reads = jax.device_get(probe.probe_reads(target, weights))
   # The eval's own recovery scalars, so the bench and the run's log agree.
   scalars = eval_step.probe_scalars(ci, jax.device_get(

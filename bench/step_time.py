@@ -1,6 +1,6 @@
 """Jitted step time of the toy recipes, beside this machine's matmul rate.
 
-Run: `./dev bench step_time` (or `.venv/bin/python -P bench/step_time.py`).
+Run: `./dev bench step_time`.
 For each flagfile it builds the run exactly as `bin/train` does
 (`recipe.assembly`; untrained target weights: step cost does not depend on
 them) and compiles once. Each of `--timing_rounds` rounds first calibrates
@@ -54,9 +54,11 @@ from decompax.placement import compiler
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
-from decompax.recipe import assembly, hlo_flops
+from decompax.recipe import assembly
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import registry
+
+from bench import hlo_flops
 
 # Flag names distinct from the other benches' (nonfinite_guard imports this
 # module, and tests load several benches into one process).

@@ -37,11 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
+from decompax.analysis import explore
+from decompax.analysis import harvesting as harvest_lib
 from decompax.bin import cli
 from decompax.core import sites as sites_lib
-from decompax.io import ab_grid, hf_checkpoint, report, tensor_store
-from decompax.recipe import explore
-from decompax.recipe import harvest as harvest_lib
+from decompax.io import ab_grid, harvest_store, hf_checkpoint
+from decompax.io import run_report as report
+from decompax.io import tensor_store
 
 # Not `required`: tests import this module beside other binaries' flags,
 # and a required flag would fail their parses; main checks it instead.
@@ -136,7 +138,7 @@ def serve_run(path: str) -> Served:
 def load_harvest(path: str) -> harvest_lib.Harvest:
   """Return the finished harvest of the run at `path`; ValueError naming
   what is missing or damaged, and how to harvest again."""
-  out = os.path.join(path, harvest_lib.HARVEST_DIR)
+  out = os.path.join(path, harvest_store.HARVEST_DIR)
   again = f"rerun bin/harvest --run_dir={path} --overwrite to harvest again"
   try:
     return harvest_lib.load_harvest(path)
@@ -144,10 +146,10 @@ def load_harvest(path: str) -> harvest_lib.Harvest:
     raise ValueError(f"a harvest array in {out} cannot be read ({e}); "
                      f"{again}") from None
   except json.JSONDecodeError as e:
-    raise ValueError(f"{out}/{harvest_lib.MANIFEST} is not JSON ({e}); "
+    raise ValueError(f"{out}/{harvest_store.MANIFEST} is not JSON ({e}); "
                      f"{again}") from None
   except (KeyError, TypeError) as e:
-    raise ValueError(f"{out}/{harvest_lib.MANIFEST} lacks {_one_line(e)}; "
+    raise ValueError(f"{out}/{harvest_store.MANIFEST} lacks {_one_line(e)}; "
                      f"{again}") from None
 
 

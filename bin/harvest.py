@@ -1,6 +1,6 @@
 """Harvest a finished run's components: `bin/harvest --run_dir=DIR`.
 
-Writes `<run_dir>/harvest/` (see `recipe/harvest.py`): per component its
+Writes `<run_dir>/harvest/` (see `analysis/harvesting.py`): per component its
 firing density, mean CI, CI histogram, co-activations, top contexts and
 ablation effect. Rerun the same command to resume an interrupted harvest:
 SIGTERM or SIGINT saves at the next batch boundary and exits with
@@ -29,12 +29,12 @@ from typing import Any
 
 from absl import flags, logging
 
+from decompax.analysis import explore
+from decompax.analysis import harvesting as harvest_lib
 from decompax.bin import cli, placement_flags, placement_setup
-from decompax.io import run_dir
+from decompax.io import harvest_store, run_dir
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
-from decompax.recipe import explore
-from decompax.recipe import harvest as harvest_lib
 
 HARVEST_FLAGS = flags.FlagValues()
 
@@ -191,7 +191,7 @@ def _main(argv: list[str], stop: threading.Event) -> None:
     run = explore.load_run(_RUN_DIR.value)
   except (OSError, ValueError) as e:
     fail(f"--run_dir: {e}")
-  out = os.path.join(_RUN_DIR.value, harvest_lib.HARVEST_DIR)
+  out = os.path.join(_RUN_DIR.value, harvest_store.HARVEST_DIR)
   try:
     settings = harvest_lib.resolve(run, request())
     # Held until the process ends: through the manifest's write.
@@ -200,7 +200,7 @@ def _main(argv: list[str], stop: threading.Event) -> None:
       run, settings, out, _SAVE_EVERY_S.value, _ABLATION_CHUNK.value,
       _OVERWRITE.value, say=lambda line: print(line, flush=True),
       placement=placement, stop=stop.is_set)
-  except harvest_lib.HarvestConflict as e:
+  except harvest_store.HarvestConflict as e:
     fail(f"{e} (--overwrite)")
   except table_lib.LayoutError as e:
     fail(f"--place: {e}")

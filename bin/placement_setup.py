@@ -7,7 +7,7 @@ device (simulated CPU devices, compilation cache, `jax.distributed`);
 `make_placement` builds the mesh over every device of every process and
 checks it; `fallback_lines` reports where the preset's layouts keep what
 does not tile replicated, and `flag_named` names the flag of a placement
-error (`recipe.assembly.plan` places a run, `recipe.harvest` a harvest).
+error (`recipe.assembly.plan` places a run, `analysis.harvesting` a harvest).
 Only process 0 writes files (`is_writer`).
 """
 

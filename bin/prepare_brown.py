@@ -28,7 +28,7 @@ import numpy as np
 from absl import flags, logging
 
 from decompax.bin import cli
-from decompax.io import brown as brown_io
+from decompax.io import brown_files as brown_io
 from decompax.io import hf_checkpoint, run_dir
 from decompax.io import tokens as tokens_lib
 from decompax.targets import brown

@@ -7,7 +7,8 @@ a finished or a running run; open it in any browser.
 from absl import flags, logging
 
 from decompax.bin import cli
-from decompax.io import report, run_dir
+from decompax.io import run_dir
+from decompax.io import run_report as report
 
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "Run directory (the --output_dir of bin/train).",

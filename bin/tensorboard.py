@@ -9,7 +9,8 @@ trains, to refresh the conversion.
 from absl import flags, logging
 
 from decompax.bin import cli
-from decompax.io import run_dir, tensorboard
+from decompax.io import run_dir
+from decompax.io import tensorboard_events as tensorboard
 
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "Run directory (the --output_dir of bin/train).",

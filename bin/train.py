@@ -18,7 +18,8 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from decompax.bin import checkpointing, cli, device_memory, placement_setup
+from decompax.bin import checkpointing, cli, device_memory, figure_worker
+from decompax.bin import placement_setup
 from decompax.bin import restarts
 from decompax.bin import run_records, tokens_text, train_flags, wandb_sink
 from decompax.core import health, probe, sites as sites_lib, slots
@@ -357,7 +358,7 @@ def train(prepared: Prepared):
   if writer:
     finish(config, parts.target, run.ci_fn, session.ci_config,
            prepared.weights, state, output_dir, loop.metrics_path)
-    evaluation.write_final_report(output_dir)
+    evaluation.write_final_report(output_dir, say)
     sink.close(os.path.join(output_dir, "figures"))
 
 
@@ -470,6 +471,19 @@ def compile_step(run: assembly.Run, first: int,
   return compiled
 
 
+def say(line: str) -> None:
+  """Print a console line of the run at once."""
+  print(line, flush=True)
+
+
+def renderer_of(config: TrainConfig, draws: bool = True
+                ) -> evaluation.Renderer:
+  """Return the renderer of an evaluator's figures: process 0 draws them
+  off the loop (`figure_worker`) where the evaluator `draws` any."""
+  enabled = jax.process_index() == 0 and draws and bool(config.eval_every)
+  return figure_worker.renderer(enabled, config.figure_cpu_share)
+
+
 def evaluator_of(config: TrainConfig, target, run: assembly.Run,
                  output_dir: str) -> evaluation.Evaluator:
   """Return the run's in-loop evaluator (`evaluation.make_evaluator`); a
@@ -486,18 +500,21 @@ def evaluator_of(config: TrainConfig, target, run: assembly.Run,
         constrain=run.constrain, compute_dtype=dtype,
         eval_batches=run.stream_eval_batches(spec.name,
                                              config.eval_batches),
-        render=spec.name == streams.TARGET, stream=spec)
+        renderer=renderer_of(config, spec.name == streams.TARGET), say=say,
+        stream=spec)
       for spec in parts.step_config.streams),
       evaluation.make_task_evaluator(
         config, target, run.ci_fn, run.weights, output_dir, dtype,
-        run.stream_eval_batches(streams.NONTARGET, config.eval_batches))))
+        run.stream_eval_batches(streams.NONTARGET, config.eval_batches),
+        say=say)))
   return evaluation.make_evaluator(
     config, target, run.ci_fn, run.terms, run.sample_inputs, run.weights,
     output_dir, constrain=run.constrain,
     eval_batches=run.eval_batches(config.eval_batches),
     compute_dtype=engine.compute_dtype(config),
     decode=(tokens_text.token_decoder(config.model_dir)
-            if lm.is_lm(config) else None))
+            if lm.is_lm(config) else None),
+    renderer=renderer_of(config), say=say)
 
 
 class Loop(NamedTuple):

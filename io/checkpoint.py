@@ -9,7 +9,7 @@ A checkpoint directory holds one directory per saved step, named by its label
   000000100/decomposition/arrays/components/mlp_in/v/   one zarr v3 array
   000000100/training/...
 
-Array directories are the leaves' slash-joined tree paths (STYLE §9). A step
+Array directories are the leaves' slash-joined tree paths. A step
 is written under `.tmp-000000100` and renamed when complete, so a directory
 with a step name is whole unless the disk damaged it afterwards; checksums
 (see `tensor_store`) make such damage an error on read, and

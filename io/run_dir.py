@@ -15,8 +15,8 @@ browsable `figures/` and `report/` only when each file in them is listed in
 their `.run_files`, the record `write_run_file` keeps of what it wrote.
 Anything else there makes the replacement a one-line refusal.
 
-Array files map slash-joined tree paths (`components/mlp_up/v`) to arrays
-(STYLE §9), so files stay readable when record classes are renamed.
+Array files map slash-joined tree paths (`components/mlp_up/v`) to arrays,
+so files stay readable when record classes are renamed.
 """
 
 import contextlib

@@ -349,7 +349,7 @@ def sharded_init(
 ) -> Callable[..., Any]:
   """Return `init` jitted to build its result straight into `shardings` (a
   tree matching its output), so no device ever holds a whole copy of what
-  it builds (STYLE §6); without shardings, `init` itself."""
+  it builds; without shardings, `init` itself."""
   if shardings is None:
     return init
   return jax.jit(init, out_shardings=shardings)

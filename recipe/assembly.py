@@ -1,7 +1,7 @@
 """Assemble a run from its config, once: the one way `bin/train`, the
 benchmarks and the tests build a ready-to-step run.
 
-The stages follow the best JAX trainers (STYLE §6), each building its
+The stages follow the best JAX trainers, each building its
 objects once and handing them on:
 
   `parts`  config → target sites, CI function, loss terms, step settings;

@@ -1,20 +1,17 @@
 """In-loop evaluation of a training run (SPEC §11, I44).
 
 Which tiers run after a step, the jitted eval passes on the held-out stream,
-the `eval/` scalars for `metrics.jsonl`, and the slow tier's figures and
-report, drawn by a niced child process that one background thread of
-process 0 feeds, so that the training loop never waits for matplotlib.
-Rendering is held to `--figure_cpu_share` of one core (`start_figure_worker`).
+the `eval/` scalars for `metrics.jsonl` and their console lines, and the
+render of the slow tier's figures and report: a picklable job the evaluator
+hands to its `Renderer`. Where and when jobs are drawn, and where lines go,
+is the caller's (`bin/figure_worker.py` draws them off the loop); with the
+defaults an evaluator draws nothing and says nothing, which is how a
+benchmark times the evaluation alone.
 """
 
 import functools
-import math
 import os
-import sys
-import threading
 import time
-import traceback
-import types
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -27,10 +24,11 @@ from decompax.core.ci_fns import OUTPUT
 from decompax.core.target import Expected, TargetFns
 from decompax.core.train_step import (
   LossTerm, StreamSpec, TrainState, no_constraint)
-from decompax.io import ab_grid, figures, report, run_dir
+from decompax.io import ab_grid, figures, run_dir
+from decompax.io import run_report as report
 from decompax.losses import eval_step, evals, task_eval
 from decompax.placement import transfer
-from decompax.recipe import engine, render_process, streams
+from decompax.recipe import engine, streams
 from decompax.recipe.config import held_out_seed
 
 # Components drawn per site in the U/V figure (alive ones first).
@@ -56,114 +54,22 @@ def due(config, done: int) -> tuple[bool, bool]:
   return fast, slow
 
 
-class FigureWorker(NamedTuple):
-  """`submit(job)` hands a render over without waiting; `close()` draws the
-  waiting job and stops; `drain()` draws it and keeps the worker."""
+class Renderer(NamedTuple):
+  """Where an evaluator hands the render of each slow eval (a picklable
+  call, `render_job`): `submit(job)` without waiting; `close()` draws what
+  waits and stops; `drain()` draws it and goes on. The binaries' figure
+  worker is one (`bin/figure_worker.py`); `NO_RENDERER` drops the jobs."""
 
   submit: Callable[[Callable[[], Any]], None]
   close: Callable[[], None]
-  drain: Callable[[], None] = lambda: None
+  drain: Callable[[], None]
 
 
-def start_figure_worker(enabled: bool, cpu_share: float = 1.0,
-                        clock: Callable[[], float] = time.monotonic
-                        ) -> FigureWorker:
-  """Return a one-thread render queue (a no-op one when not `enabled`).
-
-  At most one render runs and one waits; a newer job replaces the waiting
-  one. After a render of `t` seconds the worker rests until `t / cpu_share`
-  have passed since it began, so over a run rendering takes at most
-  `cpu_share` of one core: where the step keeps every core busy (training
-  on CPU) slow evals at a short cadence would otherwise take that time from
-  the step. `drain()` and `close()` skip the rest, so the newest figures are
-  always drawn.
-  """
-  if not enabled:
-    return FigureWorker(lambda job: None, lambda: None)
-  if not 0.0 < cpu_share <= 1.0:
-    raise ValueError(f"the figures' CPU share must lie in (0, 1], got "
-                     f"{cpu_share}")
-  # Shared by the thread and its callers, guarded by `changed`: the job
-  # waiting (at most one), whether one is being drawn, how many callers
-  # are draining, and whether the worker is closing.
-  queue = types.SimpleNamespace(changed=threading.Condition(), waiting=None,
-                                busy=False, flushing=0, closing=False)
-  thread = threading.Thread(target=_work, args=(queue, cpu_share, clock),
-                            name="decompax-figures", daemon=True)
-  thread.start()
-  return FigureWorker(functools.partial(_submit, queue),
-                      functools.partial(_close, queue, thread),
-                      functools.partial(_drain, queue))
+NO_RENDERER = Renderer(lambda job: None, lambda: None, lambda: None)
 
 
-def _next_job(queue: types.SimpleNamespace, rest_until: float,
-              clock: Callable[[], float]) -> Optional[Callable[[], Any]]:
-  """Wait for a job and the end of the rest (skipped when draining or
-  closing); return it, marked busy, or None once closed with none left."""
-  with queue.changed:
-    while queue.waiting is None or not (queue.flushing or queue.closing
-                                        or clock() >= rest_until):
-      if queue.waiting is None and queue.closing:
-        return None
-      queue.changed.wait(
-        None if queue.waiting is None else rest_until - clock())
-    job, queue.waiting, queue.busy = queue.waiting, None, True
-    return job
-
-
-def _work(queue: types.SimpleNamespace, cpu_share: float,
-          clock: Callable[[], float]) -> None:
-  rest_until = -math.inf
-  while (job := _next_job(queue, rest_until, clock)) is not None:
-    began = clock()
-    try:
-      job()
-    except Exception:  # a failed figure must not end the run
-      print("[eval] figure rendering failed:\n" + traceback.format_exc(),
-            file=sys.stderr, flush=True)
-    rest_until = began + (clock() - began) / cpu_share
-    with queue.changed:
-      queue.busy = False
-      queue.changed.notify_all()
-
-
-def _submit(queue: types.SimpleNamespace, job: Callable[[], Any]) -> None:
-  with queue.changed:
-    queue.waiting = job  # the one it replaces is stale
-    queue.changed.notify_all()
-
-
-def _drain(queue: types.SimpleNamespace) -> None:
-  with queue.changed:
-    queue.flushing += 1
-    queue.changed.notify_all()
-    while queue.waiting is not None or queue.busy:
-      queue.changed.wait()
-    queue.flushing -= 1
-
-
-def _close(queue: types.SimpleNamespace, thread: threading.Thread) -> None:
-  with queue.changed:
-    queue.closing = True
-    queue.changed.notify_all()
-  thread.join()
-
-
-def lazy_render_process() -> render_process.RenderProcess:
-  """Return a render process started at its first job (runs without slow
-  evals never start one)."""
-  started: list[render_process.RenderProcess] = []
-
-  def run(job):
-    if not started:
-      started.append(render_process.start())
-    started[0].run(job)
-
-  def close():
-    if started:
-      started[0].close()
-
-  return render_process.RenderProcess(run, close)
+def _quiet(line: str) -> None:
+  del line
 
 
 @functools.partial(jax.jit, static_argnames="sites")
@@ -389,7 +295,8 @@ def make_evaluator(
   constrain: Callable = no_constraint,
   eval_batches: Any = None,
   compute_dtype: Optional[str] = None,
-  render: bool = True,
+  renderer: Renderer = NO_RENDERER,
+  say: Callable[[str], None] = _quiet,
   stream: StreamSpec = StreamSpec(""),
 ) -> Evaluator:
   """Return the evaluator of one run (see `Evaluator`).
@@ -402,8 +309,9 @@ def make_evaluator(
   `eval_batches` (stacked `[eval_batches, ...]`, e.g. read from a token
   file) replace the sampled held-out batches. `compute_dtype` is the train
   step's (`recipe.compute_dtype`), so evals compute as training does.
-  `render=False` skips figures and report (bench/eval_cost.py isolates the
-  loop's own cost of an eval that way). `stream` is the stream of a
+  Each slow eval's render goes to `renderer` (default: dropped, which is
+  how bench/eval_cost.py isolates the loop's own cost of an eval) and
+  each eval line, on process 0, to `say`. `stream` is the stream of a
   targeted run the batches come from: its pin and loss positions hold in
   every pass, and its scalars read `eval/<stream>/…`.
   """
@@ -421,21 +329,16 @@ def make_evaluator(
     target, ci_fn, terms, eval_config,
     sample_inputs if eval_batches is None else None, constrain, stream)
   writer = jax.process_index() == 0
-  worker = start_figure_worker(writer and render, config.figure_cpu_share)
-  off_loop = lazy_render_process()
 
   def submit_render(state, output, summary):
-    worker.submit(functools.partial(off_loop.run, render_job(
+    renderer.submit(render_job(
       output_dir, state, output, summary, target.sites, decode or str,
-      config.ci_alive_threshold, eval_config.top_contexts, target.expected)))
-
-  def close():
-    worker.close()
-    off_loop.close()
+      config.ci_alive_threshold, eval_config.top_contexts, target.expected))
 
   evaluate = _evaluate_fn(config, fns, weights, eval_batches, target,
-                          submit_render, writer, stream.name)
-  return Evaluator(evaluate, close, worker.drain)
+                          submit_render, say if writer else _quiet,
+                          stream.name)
+  return Evaluator(evaluate, renderer.close, renderer.drain)
 
 
 def combined(evaluators: tuple[Evaluator, ...]) -> Evaluator:
@@ -462,6 +365,7 @@ def combined(evaluators: tuple[Evaluator, ...]) -> Evaluator:
 def make_task_evaluator(
   config, target: TargetFns, ci_fn, weights, output_dir: str,
   compute_dtype: Optional[str] = None, nontarget_batches: Any = None,
+  say: Callable[[str], None] = _quiet,
 ) -> Evaluator:
   """Return the task evaluator of a targeted run whose target stream is a
   built-in two-operand task (`losses.task_eval`): at every fast eval the
@@ -469,7 +373,7 @@ def make_task_evaluator(
   non-target batches; at every slow eval the A/B grid page
   (`report/ab_grid.html`). `nontarget_batches` (`[n, B, T]`) are a
   token-file non-target stream's held-out batches; a task stream's are
-  drawn."""
+  drawn. Each eval line goes, on process 0, to `say`."""
   task = streams.target_task(config)
   if not config.eval_every or task is None or task.grid is None:
     return Evaluator(lambda state, done, abandon=None: {}, lambda: None)
@@ -495,7 +399,7 @@ def make_task_evaluator(
                             prompts, other))
     scalars = {k: float(v) for k, v in out.scalars.items()}
     if writer:
-      print(_task_line(done, scalars, target.sites), flush=True)
+      say(_task_line(done, scalars, target.sites))
       if slow and config.ab_grid != "off":
         ab_grid.write(os.path.join(output_dir, report.REPORT_DIR),
                       ab_grid.snapshot(
@@ -526,13 +430,13 @@ def _task_line(done: int, scalars: dict[str, float], sites) -> str:
 
 def _evaluate_fn(
   config, fns: eval_step.EvalFns, weights, eval_batches: Any,
-  target: TargetFns, submit_render: Callable[..., None], writer: bool,
-  stream: str = "",
+  target: TargetFns, submit_render: Callable[..., None],
+  say: Callable[[str], None], stream: str = "",
 ) -> Callable[..., dict[str, float]]:
   """Return `evaluate(state, done, abandon)` of `Evaluator`: run the tiers
   due, hand a slow pass's render to `submit_render(state, output,
-  summary)`, print the eval line (when `writer`) and return the scalars,
-  under `eval/<stream>/` for a targeted run's stream."""
+  summary)`, hand the eval line to `say` and return the scalars, under
+  `eval/<stream>/` for a targeted run's stream."""
   key = eval_step.eval_data_key(held_out_seed(config))
   prefix = f"eval/{stream}/" if stream else "eval/"
 
@@ -555,10 +459,8 @@ def _evaluate_fn(
     if slow:
       submit_render(state, output, summary)
     seconds = time.time() - start
-    if writer:
-      line = _eval_line(done, summary.scalars, target.sites, seconds, slow)
-      print(line.replace("[eval]", f"[eval {stream}]" if stream else "[eval]",
-                         1), flush=True)
+    line = _eval_line(done, summary.scalars, target.sites, seconds, slow)
+    say(line.replace("[eval]", f"[eval {stream}]" if stream else "[eval]", 1))
     record = {f"{prefix}{k}": v for k, v in summary.scalars.items()}
     record[f"{prefix}time_s"] = seconds
     return record
@@ -577,8 +479,10 @@ def log_baseline(evaluator: Evaluator, state: TrainState,
     run_dir.append_metrics(metrics_path, {"step": 0, **record})
 
 
-def write_final_report(output_dir: str) -> None:
-  """Rewrite the report once the run's last figures exist (process 0)."""
+def write_final_report(output_dir: str,
+                       say: Callable[[str], None] = _quiet) -> None:
+  """Rewrite the report once the run's last figures exist (process 0),
+  saying where."""
   if jax.process_index() == 0:
     path = report.write_report(output_dir)
-    print(f"[report] wrote {path}")
+    say(f"[report] wrote {path}")

@@ -85,29 +85,44 @@ def check(config: TrainConfig) -> None:
   a non-target setting of a run that is not targeted)."""
   check_ab_grid(config)
   if not is_targeted(config):
-    for name in ("nontarget_recon_coeff", "nontarget_unmasked_coeff",
-                 "nontarget_importance_coeff", "nontarget_pgd_coeff",
-                 "nontarget_merged_coeff", "ci_scaled_decay"):
-      if getattr(config, name):
-        raise ValueError(f"--{name} belongs to a targeted decomposition; "
-                         "name its streams (--target_task or "
-                         "--target_data_path, and --nontarget_task or "
-                         "--nontarget_data_path) or drop it")
+    _check_untargeted(config)
     return
   known = tasks()
   for stream in (TARGET, NONTARGET):
-    task, path = _source(config, stream)
-    if bool(task) == bool(path):
-      raise ValueError(
-        f"the {stream} stream needs exactly one source: --{stream}_task "
-        f"(one of {', '.join(known)}) or --{stream}_data_path")
-    if task and task not in known:
-      raise ValueError(f"--{stream}_task={task} is no built-in task; use "
-                       f"one of {', '.join(known)}")
-    if path and config.target not in (lm.HF, *TOKEN_TOYS):
-      raise ValueError(f"--{stream}_data_path reads token ids, and "
-                       f"--target={config.target} takes none; decompose a "
-                       "language model")
+    _check_source(config, stream, known)
+  _check_targeted_settings(config, known)
+  _check_recon_terms(config)
+
+
+def _check_untargeted(config: TrainConfig) -> None:
+  for name in ("nontarget_recon_coeff", "nontarget_unmasked_coeff",
+               "nontarget_importance_coeff", "nontarget_pgd_coeff",
+               "nontarget_merged_coeff", "ci_scaled_decay"):
+    if getattr(config, name):
+      raise ValueError(f"--{name} belongs to a targeted decomposition; "
+                       "name its streams (--target_task or "
+                       "--target_data_path, and --nontarget_task or "
+                       "--nontarget_data_path) or drop it")
+
+
+def _check_source(config: TrainConfig, stream: str,
+                  known: dict[str, Task]) -> None:
+  task, path = _source(config, stream)
+  if bool(task) == bool(path):
+    raise ValueError(
+      f"the {stream} stream needs exactly one source: --{stream}_task "
+      f"(one of {', '.join(known)}) or --{stream}_data_path")
+  if task and task not in known:
+    raise ValueError(f"--{stream}_task={task} is no built-in task; use "
+                     f"one of {', '.join(known)}")
+  if path and config.target not in (lm.HF, *TOKEN_TOYS):
+    raise ValueError(f"--{stream}_data_path reads token ids, and "
+                     f"--target={config.target} takes none; decompose a "
+                     "language model")
+
+
+def _check_targeted_settings(config: TrainConfig,
+                             known: dict[str, Task]) -> None:
   if config.faithfulness_coeff or config.faithfulness_warmup_steps:
     raise ValueError(
       "a targeted decomposition has no faithfulness term and no warmup (the "
@@ -135,6 +150,9 @@ def check(config: TrainConfig) -> None:
               else "a token-file target stream")
     raise ValueError(f"{source} has no answer positions; set "
                      "--target_loss_positions=all")
+
+
+def _check_recon_terms(config: TrainConfig) -> None:
   target_recon = [t for t in terms.TERMS if t.recon and not t.stream]
   if not any(terms.coeff_of(config, t) for t in target_recon):
     raise ValueError("the target stream needs a reconstruction term: set "

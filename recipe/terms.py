@@ -26,7 +26,7 @@ from decompax.core import sites as sites_lib
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
 from decompax.losses import adversarial, hidden, locality, minimality, recon
-from decompax.losses import terms as loss_terms
+from decompax.losses import loss_terms
 from decompax.recipe.config import TrainConfig, setting
 
 # The streams of a targeted decomposition (`recipe.streams`).

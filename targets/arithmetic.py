@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int, Key
 
 from decompax.core import sites, target
 from decompax.targets import glu_config, glu_lm, glu_target, induction
-from decompax.targets import train as train_lib
+from decompax.targets import toy_training as train_lib
 
 OPERATORS = ("+", "-")
 PROMPT_LENGTH = 5

@@ -20,7 +20,7 @@ from jaxtyping import Array, Bool, Float, Int, Key
 
 from decompax.core import sites, target
 from decompax.targets import glu_config, glu_lm, glu_target
-from decompax.targets import train as train_lib
+from decompax.targets import toy_training as train_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from jaxtyping import Array, Float, Key
 from decompax.core import sites, target
 from decompax.targets import (
   arithmetic, induction, resid_mlp, simple_mlp, tms, toy_sites)
-from decompax.targets import train as train_lib
+from decompax.targets import toy_training as train_lib
 
 Weights = Any
 

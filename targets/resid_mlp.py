@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int, Key
 from decompax.core import factored, sites, target
 from decompax.core.masks import SiteMask
 from decompax.targets import sparse_data, toy_sites
-from decompax.targets import train as train_lib
+from decompax.targets import toy_training as train_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Key
 
 from decompax.core import sites, target
 from decompax.targets import toy_sites
-from decompax.targets import train as train_lib
+from decompax.targets import toy_training as train_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ Code, tests and READMEs cite the design document as `SPEC §6.1`,
 `(SPEC §12)`, `§5.6-§5.8`, `(I23)`, `I36:`, `SPEC I44`, `N4`, `SPEC D5`.
 A section resolves to a heading carrying its number (`### §6.1 …`); an id
 (families I, N, R, D) to a list item starting with it in bold
-(`- **I23** …`). `STYLE §n` cites the style guide and is skipped. Ids are
+(`- **I23** …`). A section cited after `STYLE` (the style guide, a
+document outside the repository) resolves nowhere: cite this one. Ids are
 read from comments and string literals of `.py` files (never from
 identifiers) and from the whole text of `.md` files.
 """
@@ -17,12 +18,13 @@ import tokenize
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "design.md"
 SCANNED_DIRS = ("core", "targets", "losses", "placement", "io", "recipe",
-                "bin", "tests", "bench")
+                "analysis", "bin", "tests", "bench")
 SCANNED_FILES = ("README.md", "WORKSPACE.md", "docs/design.md")
 
 _NUM = r"\d+(?:\.\d+)*"
 # One citation of a section, or a run of them: `§6.1`, `§1, §2, §6.1`,
-# `§5.6-§5.8`, `§3.2-3.3`. A run after `STYLE` cites the style guide.
+# `§5.6-§5.8`, `§3.2-3.3`. A run after `STYLE` cites the style guide,
+# which never resolves.
 _SECTIONS = re.compile(
   rf"(?:\b(STYLE)\s+)?§({_NUM})((?:\s*[-–]\s*§?{_NUM}|\s*,\s*§{_NUM})*)")
 _ID = re.compile(r"(?<![\w])([IDNR]\d{1,2})\b")
@@ -37,6 +39,7 @@ def cited_sections(text: str) -> list[tuple[str, int]]:
   found = []
   for m in _SECTIONS.finditer(text):
     if m.group(1):
+      found.append((f"{m.group(1)} §{m.group(2)}", m.start(1)))
       continue
     found.append(("§" + m.group(2), m.start(2)))
     for n in re.finditer(_NUM, m.group(3)):
@@ -110,19 +113,21 @@ def _report(missing: dict[str, list[str]]) -> str:
 
 
 def test_parser_on_a_synthetic_file():
-  source = '''"""Steps (SPEC §6.1, §6.3, I30, I31); STYLE §9; SPEC §5.6-§5.8."""
+  source = '''"""Steps (SPEC §6.1, §6.3, I30, I31); STYLE_9; SPEC §5.6-§5.8."""
 header = {"dtype": "I8"}  # I23: resolves; the dtype code is no citation
 N4 = 1  # a variable, not a citation
 """(SPEC §3.2-3.3) SPEC I44, N2, R3 and SPEC §3.5 D5; I17-I24."""
 '''
+  source = source.replace("STYLE_9", "STYLE " + "§9")
   doc = "## §6 Step\n### §6.1 Order\n- **I30** x\n- **I23** y\n"
   found = [name for name, _ in citations(source, python=True)]
-  assert found == ["§6.1", "§6.3", "I30", "I31", "§5.6", "§5.8", "I23",
-                   "§3.2", "§3.3", "I44", "N2", "R3", "§3.5", "D5",
-                   "I17", "I24"]
+  assert found == ["§6.1", "§6.3", "I30", "I31", "STYLE " + "§9", "§5.6",
+                   "§5.8", "I23", "§3.2", "§3.3", "I44", "N2", "R3", "§3.5",
+                   "D5", "I17", "I24"]
   missing = unresolved({"m.py": source}, doc)
   assert "§6.1" not in missing and "I30" not in missing
   assert missing["I31"] == ["m.py:1"] and missing["D5"] == ["m.py:4"]
+  assert missing["STYLE " + "§9"] == ["m.py:1"]
   assert "§9" not in missing and "N4" not in missing
   assert defined(doc + "- **I23** again\n")[1] == ["I23"]
 

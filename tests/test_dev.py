@@ -112,3 +112,13 @@ def test_train_with_a_flagfile_reads_only_that_one():
               "--output_dir=/nonexistent/run")
   assert done.returncode == 2, done.stderr[-2000:]
   assert "--select_at=100 compares restart candidates" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["nope", "hlo_flops", "__init__"])
+def test_a_name_that_is_no_benchmark_is_one_line_listing_them(name):
+  done = _dev("bench", name)
+  assert done.returncode == 2
+  (line,) = done.stderr.splitlines()
+  assert line.startswith(f"dev: error: no benchmark '{name}'; known: ")
+  known = line.split("known: ")[1].split()
+  assert "step_time" in known and "hlo_flops" not in known

@@ -5,8 +5,11 @@ import pathlib
 import sys
 import tomllib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "targets", "losses", "placement", "io", "recipe", "bin")
+PACKAGES = ("core", "targets", "losses", "placement", "io", "recipe",
+            "analysis", "bin")
 LIBRARY = set(PACKAGES) - {"bin"}
 ALLOWED = {
   "core": set(),
@@ -14,7 +17,8 @@ ALLOWED = {
   "losses": {"core"},
   "placement": {"core"},
   "io": {"core", "placement"},
-  "recipe": LIBRARY - {"recipe"},
+  "recipe": LIBRARY - {"recipe", "analysis"},
+  "analysis": LIBRARY - {"analysis"},
   "bin": LIBRARY,
 }
 
@@ -109,3 +113,148 @@ def test_no_binary_module_shadows_the_standard_library():
   # import, the interpreter's own included.
   names = {p.stem for p in (ROOT / "bin").glob("*.py")}
   assert sorted(names & sys.stdlib_module_names) == []
+
+
+# The rules of WORKSPACE.md's "Rules" that a scan of the source can hold.
+# File-system writes: a call that creates, changes or removes a file or a
+# directory. `Path.replace` is left out: its name is `str.replace`'s too.
+_WRITING_CALLS = {
+  "os": {"remove", "unlink", "rmdir", "removedirs", "replace", "rename",
+         "renames", "makedirs", "mkdir", "truncate", "link", "symlink"},
+  "shutil": {"rmtree", "move", "copy", "copy2", "copyfile", "copytree"},
+  "tempfile": {"mkdtemp", "mkstemp", "NamedTemporaryFile",
+               "TemporaryDirectory"},
+  "np": {"save", "savez", "savez_compressed"},
+}
+_WRITING_METHODS = {"write_text", "write_bytes", "unlink", "rmdir", "mkdir",
+                    "touch", "rename", "symlink_to", "hardlink_to",
+                    "savefig"}
+# Process control: signals, child processes, threads, priorities.
+_PROCESS_MODULES = {"signal", "subprocess", "threading", "multiprocessing",
+                    "concurrent", "ctypes"}
+_PROCESS_CALLS = {"os": {"nice", "kill", "killpg", "fork", "_exit", "system",
+                         "popen", "setpgrp", "setsid", "execv", "execvp"}}
+
+
+def _called(node: ast.Call, calls: dict[str, set[str]]) -> str | None:
+  func = node.func
+  if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+      and func.attr in calls.get(func.value.id, ())):
+    return f"{func.value.id}.{func.attr}"
+  return None
+
+
+def _writes_a_file(node: ast.AST) -> str | None:
+  """Return what `node` does that writes the file system, if anything."""
+  if isinstance(node, ast.ImportFrom) and node.module in _WRITING_CALLS:
+    names = {a.name for a in node.names} & _WRITING_CALLS[node.module]
+    return f"from {node.module} import {sorted(names)}" if names else None
+  if not isinstance(node, ast.Call):
+    return None
+  if (called := _called(node, _WRITING_CALLS)) is not None:
+    return called
+  func = node.func
+  if isinstance(func, ast.Attribute) and func.attr in _WRITING_METHODS:
+    return f".{func.attr}()"
+  if isinstance(func, ast.Name) and func.id == "open":
+    modes = node.args[1:2] + [k.value for k in node.keywords
+                              if k.arg == "mode"]
+    for mode in modes:
+      if not (isinstance(mode, ast.Constant) and isinstance(mode.value, str)
+              and set(mode.value) <= set("rbt")):
+        return f"open(mode={ast.unparse(mode)})"
+  return None
+
+
+def _controls_the_process(node: ast.AST) -> str | None:
+  """Return what `node` does that is process policy, if anything."""
+  if isinstance(node, ast.Import):
+    names = [a.name for a in node.names
+             if a.name.split(".")[0] in _PROCESS_MODULES]
+    return f"import {', '.join(names)}" if names else None
+  if isinstance(node, ast.ImportFrom) and node.module:
+    if node.module.split(".")[0] in _PROCESS_MODULES:
+      return f"from {node.module} import"
+    if node.module == "os":
+      names = {a.name for a in node.names} & _PROCESS_CALLS["os"]
+      return f"from os import {sorted(names)}" if names else None
+  if isinstance(node, ast.Call):
+    return _called(node, _PROCESS_CALLS)
+  return None
+
+
+def _offences(packages, rule) -> list[str]:
+  found = []
+  for package in packages:
+    for module in _modules(package):
+      tree = ast.parse(module.read_text(), filename=str(module))
+      for node in ast.walk(tree):
+        if (what := rule(node)) is not None:
+          found.append(f"{module.relative_to(ROOT)}:{node.lineno}: {what}")
+  return found
+
+
+def test_only_io_writes_the_file_system_in_the_library():
+  offences = _offences(sorted(LIBRARY - {"io"}), _writes_a_file)
+  assert not offences, "write through decompax.io:\n" + "\n".join(offences)
+
+
+def test_only_bin_controls_the_process():
+  offences = _offences(sorted(LIBRARY), _controls_the_process)
+  assert not offences, "process policy is bin's:\n" + "\n".join(offences)
+
+
+@pytest.mark.parametrize("rule, source", [
+  (_writes_a_file, "open(path, 'w')"),
+  (_writes_a_file, "open(path, mode=m)"),
+  (_writes_a_file, "os.replace(a, b)"),
+  (_writes_a_file, "shutil.rmtree(a)"),
+  (_writes_a_file, "pathlib.Path(a).write_text('x')"),
+  (_writes_a_file, "from os import remove"),
+  (_controls_the_process, "import threading"),
+  (_controls_the_process, "from concurrent import futures"),
+  (_controls_the_process, "os.nice(19)"),
+  (_controls_the_process, "import subprocess as sp"),
+])
+def test_the_scans_catch_each_kind_of_offence(rule, source):
+  assert any(rule(node) for node in ast.walk(ast.parse(source)))
+
+
+@pytest.mark.parametrize("rule, source", [
+  (_writes_a_file, "open(path)"),
+  (_writes_a_file, "open(path, 'rb')"),
+  (_writes_a_file, "text.replace('a', 'b')"),
+  (_writes_a_file, "os.path.join(a, b)"),
+  (_controls_the_process, "import os, time"),
+  (_controls_the_process, "os.getpid()"),
+])
+def test_the_scans_pass_what_is_no_offence(rule, source):
+  assert not any(rule(node) for node in ast.walk(ast.parse(source)))
+
+
+def test_no_two_modules_share_a_name():
+  owners: dict[str, list[str]] = {}
+  for package in (*PACKAGES, "bench"):
+    for module in _modules(package):
+      if module.stem != "__init__":
+        owners.setdefault(module.stem, []).append(package)
+  shared = {name: where for name, where in owners.items() if len(where) > 1}
+  assert not shared, shared
+
+
+def test_tests_mirror_the_packages():
+  folders = {p.name for p in (ROOT / "tests").iterdir()
+             if p.is_dir() and p.name not in ("fixtures", "__pycache__")}
+  assert folders == {*PACKAGES, "bench"}
+
+
+def test_bench_is_a_package_of_the_repository_not_of_the_wheel():
+  config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  assert (ROOT / "bench" / "__init__.py").exists()
+  assert not [p for p in config["tool"]["setuptools"]["packages"]
+              if "bench" in p]
+  # Benches import each other as modules, never by a file's path.
+  loaders = [str(m.relative_to(ROOT)) for m in _modules("bench")
+             if "spec_from_file_location" in m.read_text()
+             or "sys.path" in m.read_text()]
+  assert not loaders, loaders

@@ -1,7 +1,5 @@
 """Fixtures shared by the bin tests."""
 
-import functools
-import importlib.util
 import math
 import os
 import pathlib
@@ -18,28 +16,6 @@ from decompax.bin import train, train_flags
 from decompax.io import run_dir
 from decompax.targets import registry
 
-
-@functools.cache
-def _bench_module(name: str):
-  # Each script defines its absl flags at import: load it once per process,
-  # registered under the name a bench that loads a sibling looks for
-  # (bench/profile.py loads step_time), so both share one copy.
-  module_name = f"bench_{name}"
-  if module_name in sys.modules:
-    return sys.modules[module_name]
-  root = pathlib.Path(__file__).resolve().parents[2]
-  spec = importlib.util.spec_from_file_location(
-    module_name, root / "bench" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[module_name] = module
-  spec.loader.exec_module(module)
-  return module
-
-
-@pytest.fixture(scope="session")
-def load_bench():
-  """Return a loader of `bench/<name>.py` as a module."""
-  return _bench_module
 
 
 def _output_lines(process):

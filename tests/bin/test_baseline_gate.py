@@ -7,12 +7,11 @@ choice and the checkpoint session's metrics truncation are the real ones.
 A launch is "killed" by an exception, raised from the loop's profiler hook
 before a given step or from inside the baseline before its record is
 written, leaving on disk what a SIGKILL there would. Off the path of I44 and
-stubbed for speed: the slow tier's figure rendering (`render=False`) and the
-final decomposition and report; the launches share compiled programs
+stubbed for speed: the slow tier's figure rendering (`evaluation.NO_RENDERER`)
+and the final decomposition and report; the launches share compiled programs
 through a persistent compilation cache (~15 s of CPU for the file).
 """
 
-import functools
 import pathlib
 import signal
 import types
@@ -21,9 +20,9 @@ import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from decompax.bin import checkpointing, run_records, train
-from decompax.recipe import evaluation
+from decompax.bin import checkpointing, figure_worker, run_records, train
 from decompax.bin import train_flags
+from decompax.recipe import evaluation
 from decompax.io import checkpoint, run_dir
 from decompax.targets import registry
 
@@ -69,8 +68,8 @@ def launch(monkeypatch, tmp_path, compile_cache):
   after; `kill` is a 0-based step the launch dies before, or "baseline"
   (it dies once the step-0 eval has run, before its record is written,
   which `baseline` then holds). `config_of(*args)` parses the run's flags."""
-  monkeypatch.setattr(evaluation, "make_evaluator", functools.partial(
-    evaluation.make_evaluator, render=False))
+  monkeypatch.setattr(figure_worker, "renderer",
+                      lambda *args: evaluation.NO_RENDERER)
   monkeypatch.setattr(train, "finish", lambda *args: None)
   monkeypatch.setattr(evaluation, "write_final_report", lambda *args: None)
   launcher = types.SimpleNamespace(kill=None, baseline=None)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.io import brown as brown_io
+from decompax.io import brown_files as brown_io
 from decompax.io import tokens, tree_npz
 from decompax.recipe import config as config_lib
 from decompax.recipe import lm

@@ -18,9 +18,10 @@ import urllib.request
 import numpy as np
 import pytest
 
+from decompax.analysis import explore
 from decompax.bin import browse, browse_server
-from decompax.io import ab_grid, hf_checkpoint, report
-from decompax.recipe import explore
+from decompax.io import ab_grid, hf_checkpoint
+from decompax.io import run_report as report
 
 
 # A tiny A/B grid: two operators over a 3 x 4 grid of operands.

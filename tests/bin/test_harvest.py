@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from absl import flags
 
+from decompax.analysis import explore
+from decompax.analysis import harvesting as harvest_lib
 from decompax.bin import harvest, placement_flags, placement_setup
 from decompax.bin import train, train_flags
-from decompax.io import run_dir
-from decompax.recipe import explore
-from decompax.recipe import harvest as harvest_lib
+from decompax.io import harvest_store, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -74,12 +74,12 @@ def test_a_harvest_sharded_by_the_flags_equals_the_one_device_harvest(
   run_path = tmp_path / "run"  # the harvest writes inside the run
   # Other tests may have harvested the shared run already: not this one.
   shutil.copytree(finished_run("tms"), run_path,
-                  ignore=shutil.ignore_patterns(harvest_lib.HARVEST_DIR))
+                  ignore=shutil.ignore_patterns(harvest_store.HARVEST_DIR))
   run = explore.load_run(str(run_path))
   settings = harvest_lib.resolve(run, harvest_lib.Request(
     positions=32, batch_size=8, top_k=5, ablation_batches=1))
   reference = tmp_path / "reference"
-  out = str(reference / harvest_lib.HARVEST_DIR)
+  out = str(reference / harvest_store.HARVEST_DIR)
   record = harvest_lib.harvest(run, settings, out, save_every_s=0.0,
                                ablation_chunk=5, say=lambda _: None)
   harvest_lib.write_manifest(out, str(run_path), run, settings, record)
@@ -117,8 +117,8 @@ def test_a_stop_signal_saves_the_harvest_and_exits_for_a_requeue(
     finished_run, tmp_path):
   run_path = tmp_path / "run"
   shutil.copytree(finished_run("tms"), run_path,
-                  ignore=shutil.ignore_patterns(harvest_lib.HARVEST_DIR))
-  out = run_path / harvest_lib.HARVEST_DIR
+                  ignore=shutil.ignore_patterns(harvest_store.HARVEST_DIR))
+  out = run_path / harvest_store.HARVEST_DIR
   # 1.25M batches, saved after each: it is mid-harvest when signalled.
   process = subprocess.Popen(
     [sys.executable, "-P", str(ROOT / "bin" / "harvest"),
@@ -126,7 +126,7 @@ def test_a_stop_signal_saves_the_harvest_and_exits_for_a_requeue(
      "--top_k=5", "--ablation_batches=0", "--save_every_s=0"],
     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  state = out / harvest_lib.STATE_FILE
+  state = out / harvest_store.STATE_FILE
   deadline = time.time() + 240
   while not state.exists():
     assert process.poll() is None and time.time() < deadline
@@ -141,5 +141,5 @@ def test_a_stop_signal_saves_the_harvest_and_exits_for_a_requeue(
     stdout.splitlines()[-1])
   assert said, stdout
   assert sorted(os.listdir(out)) == [run_dir.LOCK_FILE,
-                                     harvest_lib.STATE_FILE]
+                                     harvest_store.STATE_FILE]
   assert run_dir.load_arrays(state)[1]["done"] == int(said[1])

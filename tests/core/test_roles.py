@@ -10,7 +10,8 @@ from decompax.core import train_step
 from decompax.core.masks import SiteMask
 from decompax.core.schedules import Schedule
 from decompax.core.train_step import StreamSpec
-from decompax.losses import hidden, recon, terms as loss_terms
+from decompax.losses import hidden, recon
+from decompax.losses import loss_terms
 
 SITES = (sites_lib.SiteSpec("a", "a", 0, 3, 4, 5),
          sites_lib.SiteSpec("b", "b", 0, 4, 2, 3))

@@ -363,7 +363,8 @@ def test_token_target_vpd_state_resumes_bitwise(
   freshly built state, 2 steps."""
   from decompax.core import adversary, optim, train_step
   from decompax.core.schedules import Schedule
-  from decompax.losses import adversarial, recon, terms
+  from decompax.losses import adversarial, recon
+  from decompax.losses import loss_terms as terms
 
   target, weights = token_target
   lead = (3, 5)

@@ -12,7 +12,8 @@ import pytest
 from decompax.core import adversary, ci_fns, optim, sites as sites_lib
 from decompax.core import squash, train_step
 from decompax.core.schedules import Schedule
-from decompax.losses import adversarial, hidden, recon, terms
+from decompax.losses import adversarial, hidden, recon
+from decompax.losses import loss_terms as terms
 
 B = 8
 

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.losses import minimality, terms
+from decompax.losses import minimality
+from decompax.losses import loss_terms as terms
 
 
 def test_i13_first_observation_equals_batch_estimate_and_gradient():

@@ -17,7 +17,8 @@ import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core.schedules import Schedule
-from decompax.losses import eval_step, recon, terms
+from decompax.losses import eval_step, recon
+from decompax.losses import loss_terms as terms
 from decompax.recipe import config as config_lib
 from decompax.recipe import evaluation
 from decompax.targets import glu_config, glu_lm, glu_target, tms
@@ -145,7 +146,7 @@ def test_the_run_evaluator_logs_and_prints_the_attention_scalars(
     eval_attention_kl=True)
   evaluator = evaluation.make_evaluator(
     config, target, ci_fn, loss_terms, _sample, weights, str(tmp_path),
-    render=False)
+    say=print)
   knocked = state._replace(ci_params={"knock": jnp.array(True)})
   record = evaluator.evaluate(knocked, 5)
   evaluator.close()

@@ -19,7 +19,7 @@ from decompax.core import train_step
 from decompax.core.masks import VARIANTS, SiteMask
 from decompax.core.schedules import Schedule
 from decompax.losses import eval_step, evals as evals_lib, hidden, recon
-from decompax.losses import terms
+from decompax.losses import loss_terms as terms
 
 BATCH = 8
 POINTS = ("l1.out",)

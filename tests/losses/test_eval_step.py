@@ -16,7 +16,8 @@ from decompax.core import ci_fns, optim, sites as sites_lib, squash
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
 from decompax.core.target import Expected
-from decompax.losses import adversarial, eval_step, recon, terms
+from decompax.losses import adversarial, eval_step, recon
+from decompax.losses import loss_terms as terms
 from decompax.targets import sparse_data, tms, toy_sites
 
 N = 5

@@ -7,7 +7,8 @@ import pytest
 
 from decompax.core import ci_fns, masks, sites as sites_lib, squash
 from decompax.core import train_step
-from decompax.losses import hidden, recon, terms
+from decompax.losses import hidden, recon
+from decompax.losses import loss_terms as terms
 
 
 def test_relative_error_known_answer():

@@ -7,7 +7,8 @@ import pytest
 
 from decompax.core import schedules, squash
 from decompax.core.train_step import StepContext
-from decompax.losses import minimality, terms
+from decompax.losses import minimality
+from decompax.losses import loss_terms as terms
 
 
 def test_frequencies_are_batch_means_of_powered_ci():

@@ -12,7 +12,8 @@ from decompax.core import train_step
 from decompax.core.schedules import Schedule
 from decompax.core.masks import SiteMask
 from decompax.core.train_step import StreamSpec
-from decompax.losses import eval_step, recon, terms
+from decompax.losses import eval_step, recon
+from decompax.losses import loss_terms as terms
 
 
 @pytest.fixture(scope="module")

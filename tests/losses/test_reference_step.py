@@ -31,7 +31,8 @@ from decompax.core import sites as sites_lib
 from decompax.core import train_step
 from decompax.core.schedules import Schedule
 from decompax.core.masks import SiteMask
-from decompax.losses import adversarial, recon, terms
+from decompax.losses import adversarial, recon
+from decompax.losses import loss_terms as terms
 
 B, C, TOTAL, N_STEPS = 8, 5, 10, 3
 P, N_WARMUP = 1.5, 1

@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from decompax.core import squash, train_step
-from decompax.losses import minimality, terms
+from decompax.losses import minimality
+from decompax.losses import loss_terms as terms
 
 pytestmark = pytest.mark.multidevice
 

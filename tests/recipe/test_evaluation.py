@@ -1,9 +1,8 @@
-"""recipe/evaluation: eval cadence, the figure worker, an LM-shaped eval."""
+"""recipe/evaluation: eval cadence, an LM-shaped eval, its lines and
+renders."""
 
 import os
 import re
-import threading
-import time
 import types
 
 import jax
@@ -16,8 +15,10 @@ from decompax.recipe.config import TrainConfig
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core.schedules import Schedule
 from decompax.core.target import Expected
-from decompax.io import report, run_dir
-from decompax.losses import eval_step, evals, recon, terms
+from decompax.io import run_dir
+from decompax.io import run_report as report
+from decompax.losses import eval_step, evals, recon
+from decompax.losses import loss_terms as terms
 from decompax.targets import tms
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -47,97 +48,6 @@ def test_last_step_evaluates_off_cadence_and_zero_disables():
   assert evaluation.due(_cadence(slow_eval_every=0), 0) == (True, False)
   off = _cadence(eval_every=0, slow_eval_every=0)
   assert not any(any(evaluation.due(off, d)) for d in range(11))
-
-
-def test_figure_worker_never_blocks_and_renders_the_newest():
-  worker = evaluation.start_figure_worker(True)
-  started, release, ran = threading.Event(), threading.Event(), []
-
-  def slow_job():
-    started.set()
-    release.wait(5)
-    ran.append("slow")
-
-  worker.submit(slow_job)
-  started.wait(5)
-  begin = time.perf_counter()
-  for i in range(5):
-    worker.submit(lambda i=i: ran.append(i))
-  assert time.perf_counter() - begin < 0.5
-  release.set()
-  worker.close()
-  assert ran == ["slow", 4]  # stale waiting renders were replaced
-
-
-def test_figure_worker_rests_to_hold_its_cpu_share():
-  now = [0.0]
-  worker = evaluation.start_figure_worker(True, cpu_share=0.25,
-                                          clock=lambda: now[0])
-  drawn, finished = [], threading.Event()
-
-  def render(label):
-    now[0] += 1.0  # each render takes one (fake) second
-    drawn.append(label)
-    finished.set()
-
-  worker.submit(lambda: render("first"))
-  assert finished.wait(5)
-  finished.clear()
-  worker.submit(lambda: render("stale"))
-  worker.submit(lambda: render("second"))
-  time.sleep(0.2)  # inside the rest: 1 s of work allows 4 s per render
-  assert drawn == ["first"]
-  now[0] = 3.9
-  time.sleep(0.2)
-  assert drawn == ["first"]
-  now[0] = 4.0
-  worker.submit(lambda: render("third"))  # wakes the worker; replaces second
-  assert finished.wait(5)
-  assert drawn == ["first", "third"]
-
-
-def test_figure_worker_drains_and_closes_without_resting():
-  now = [0.0]
-  worker = evaluation.start_figure_worker(True, cpu_share=0.01,
-                                          clock=lambda: now[0])
-  drawn = []
-
-  def render(label):
-    now[0] += 1.0
-    drawn.append(label)
-
-  worker.submit(lambda: render("first"))
-  worker.drain()
-  worker.submit(lambda: render("drained"))
-  worker.drain()  # the rest would last 99 fake seconds
-  worker.submit(lambda: render("last"))
-  worker.close()
-  assert drawn == ["first", "drained", "last"]
-
-
-def test_figure_worker_rejects_a_share_outside_one_core():
-  for share in (0.0, 1.5):
-    with pytest.raises(ValueError, match="CPU share"):
-      evaluation.start_figure_worker(True, cpu_share=share)
-
-
-def test_failed_render_is_reported_and_the_worker_continues(capsys):
-  worker = evaluation.start_figure_worker(True)
-  ran = []
-  worker.submit(lambda: 1 / 0)
-  time.sleep(0.2)
-  worker.submit(lambda: ran.append(True))
-  worker.close()
-  assert ran == [True]
-  assert "ZeroDivisionError" in capsys.readouterr().err
-
-
-def test_disabled_worker_does_nothing():
-  worker = evaluation.start_figure_worker(False)
-  ran = []
-  worker.submit(lambda: ran.append(True))
-  worker.close()
-  assert ran == []
 
 
 def test_uv_columns_picks_the_ordered_columns_with_one_compiled_gather():
@@ -182,7 +92,8 @@ def test_lm_eval_writes_component_table_figures_and_report(
   evaluator = evaluation.make_evaluator(
     config, target, ci_fn, loss_terms,
     lambda key: jax.random.randint(key, (3, 5), 0, 6), weights,
-    str(tmp_path), decode=vocab.__getitem__)
+    str(tmp_path), decode=vocab.__getitem__, renderer=evaluation.Renderer(
+      lambda job: job(), lambda: None, lambda: None), say=print)
   evaluation.log_baseline(evaluator, state, metrics)
   assert evaluator.evaluate(state, 1) == {}
   # A stop signal pending during a due pass abandons it (SPEC §12).
@@ -351,6 +262,6 @@ def test_the_evaluator_reconstructs_the_runs_hidden_pass_points(
   monkeypatch.setattr(eval_step, "make_eval_step", make_eval_step)
   config = TrainConfig(ci_roles=roles, eval_every=1)
   evaluation.make_evaluator(config, target, None, (), lambda key: None,
-                            weights, str(tmp_path), render=False)
+                            weights, str(tmp_path))
   want = tuple(f"{s.name}.out" for s in target.sites) if len(roles) > 1 else ()
   assert built[0].hidden_points == want

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from decompax.targets import arithmetic, glu_config, registry
-from decompax.targets import train as train_lib
+from decompax.targets import toy_training as train_lib
 
 CONFIG = arithmetic.ArithmeticConfig()
 P = CONFIG.modulus

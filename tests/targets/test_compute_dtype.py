@@ -11,7 +11,8 @@ import pytest
 from decompax.core import ci_fns, ci_transformer, optim, train_step
 from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
-from decompax.losses import faithfulness, recon, terms
+from decompax.losses import faithfulness, recon
+from decompax.losses import loss_terms as terms
 from decompax.targets import glu_config, glu_lm, glu_target
 
 CONFIG = glu_config.GluConfig(

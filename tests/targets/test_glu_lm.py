@@ -12,7 +12,8 @@ from decompax.core import ci_fns, optim, train_step
 from decompax.core import masks as masks_lib
 from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
-from decompax.losses import faithfulness, recon, terms
+from decompax.losses import faithfulness, recon
+from decompax.losses import loss_terms as terms
 from decompax.targets import glu_config, glu_lm, glu_target
 
 CONFIG = glu_config.GluConfig(

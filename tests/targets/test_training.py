@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from decompax.targets import registry, resid_mlp, simple_mlp, tms
-from decompax.targets import train as train_lib
+from decompax.targets import toy_training as train_lib
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@
 Streams batches through the decomposition (token windows of a token file
 for language models, the toy's own input distribution for toys), jitted
 one batch at a time so memory does not grow with the harvest, and writes
-`<run_dir>/harvest/`: one zarr array per site and statistic, and
-`manifest.json` last, which marks the harvest complete. Per component:
+`<run_dir>/harvest/` through `io/harvest_store.py`: one zarr array per
+site and statistic, and `manifest.json` last, which marks the harvest
+complete. Per component:
 firing density and mean CI, a log-spaced CI histogram, co-activation counts
 with every component of its site, the top-k contexts by CI (token windows
 with the component's CI on each token, or a toy's input rows), and the
@@ -32,7 +33,6 @@ harvest's exactly, sums up to the order of the additions.
 """
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
@@ -43,21 +43,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from decompax.analysis import explore
 from decompax.core import train_step
-from decompax.io import run_dir, tensor_store
+from decompax.io import harvest_store
 from decompax.io import tokens as tokens_lib
+from decompax.losses import component_stats as stats_lib
 from decompax.losses import evals
-from decompax.losses import harvest as stats_lib
 from decompax.losses import tag_profile, unit_activity
 from decompax.placement import shardings, transfer
 from decompax.placement import table as table_lib
-from decompax.recipe import assembly, explore, lm
+from decompax.recipe import assembly, lm
 from decompax.targets import brown, brown_tags, glu_lm, registry
-
-class HarvestConflict(ValueError):
-  """The output directory holds a harvest made with other settings (or
-  one whose record cannot be read)."""
-
 
 class Stopped(Exception):
   """The harvest stopped when asked, its progress saved: `done` batches
@@ -68,9 +64,6 @@ class Stopped(Exception):
     self.done, self.total = done, total
 
 
-HARVEST_DIR = "harvest"
-STATE_FILE = "state.npz"
-MANIFEST = "manifest.json"
 FIELDS = ("fired", "ci_sum", "histogram", "coactive", "top_ci", "top_context",
           "top_context_ci", "ablation_sum", "ablation_count")
 TAG_FIELDS = tuple(f"tag_{name}" for name in tag_profile.TagStats._fields)
@@ -558,6 +551,15 @@ def add_ablation(totals: dict, run: explore.LoadedRun,
     start += site.c
 
 
+def _window_layout(placed: Optional[Placed]) -> tuple[Callable, dict]:
+  """Return the CI's constraint and the window's jit options on `placed`."""
+  if placed is None or placed.statistics is None:
+    return train_step.no_constraint, {}
+  # A fixed layout, so the donated window is reused in place and each
+  # flush reads it from one device.
+  return placed.constrain, {"out_shardings": (placed.statistics, None)}
+
+
 def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
            placed: Optional[Placed] = None,
            coarse_of: Optional[np.ndarray] = None,
@@ -574,12 +576,7 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
   the baselines of `layers` and `heads` too (what they read besides the
   forward, `baseline_weights`, an argument)."""
   target, ci_fn = run.target, run.ci_fn
-  constrain, kept = train_step.no_constraint, {}
-  if placed is not None and placed.statistics is not None:
-    # A fixed layout, so the donated window is reused in place and each
-    # flush reads it from one device.
-    constrain = placed.constrain
-    kept = {"out_shardings": (placed.statistics, None)}
+  constrain, kept = _window_layout(placed)
 
   def stats(weights, components, ci_params, inputs, positions=None,
             extra=None):
@@ -622,109 +619,6 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
           jax.jit(ablation), jax.jit(clean))
 
 
-def _state_path(out: str) -> str:
-  return os.path.join(out, STATE_FILE)
-
-
-def _flat(totals: dict) -> dict[str, np.ndarray]:
-  return {f"{site}/{field}": value for site, fields in totals.items()
-          for field, value in fields.items()}
-
-
-def save_state(out: str, totals: dict, done: int, settings: Settings) -> None:
-  """Write the running totals and the next batch atomically."""
-  meta = {"done": done, "settings": dataclasses.asdict(settings)}
-  run_dir.save_arrays(_state_path(out), _flat(totals), meta)
-
-
-def _unreadable(path: str, why: str) -> HarvestConflict:
-  return HarvestConflict(f"{path} {why}; delete {os.path.dirname(path)} or "
-                         "overwrite it to harvest again")
-
-
-def _record(path: str) -> dict:
-  """Return what `path` (the manifest or the state) records: a dict holding
-  at least its `settings` dict (and the state's `done`); HarvestConflict
-  naming the file and the key where it cannot be read."""
-  if path.endswith(".json"):
-    try:
-      with open(path, encoding="utf-8") as f:
-        record = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise _unreadable(path, f"cannot be read ({e})") from None
-    keys = ("settings",)
-  else:
-    try:
-      record = run_dir.load_arrays(path)[1]
-    except ValueError as e:
-      raise _unreadable(path, f"cannot be read ({e})") from None
-    keys = ("settings", "done")
-  if not isinstance(record, dict):
-    raise _unreadable(path, "holds no JSON object")
-  for key in keys:
-    if key not in record:
-      raise _unreadable(path, f"lacks the key {key!r}")
-  if not isinstance(record["settings"], dict):
-    raise _unreadable(path, "has 'settings' that is not a JSON object")
-  return record
-
-
-def resume(out: str, totals: dict, settings: Settings,
-           overwrite: bool) -> int:
-  """Return the batches already harvested (0 for a fresh harvest), after
-  loading their totals; -1 when `out` holds this harvest, complete. Refuse
-  (HarvestConflict) a harvest made with other settings, or one whose
-  manifest or state cannot be read, unless `overwrite` (then removed)."""
-  path = _state_path(out)
-  manifest = os.path.join(out, MANIFEST)
-  existing = [p for p in (path, manifest) if os.path.exists(p)]
-  if not existing:
-    return 0
-  wanted = dataclasses.asdict(settings)
-  try:
-    record = _record(manifest if os.path.exists(manifest) else path)
-    # Harvests from before tag statistics record no `tag_groups`: none.
-    recorded = {"tag_groups": 0, **record["settings"]}
-    if recorded != wanted:
-      changed = sorted(k for k in recorded.keys() | wanted.keys()
-                       if recorded.get(k) != wanted.get(k))
-      raise HarvestConflict(
-        f"{out} holds a harvest with other settings ({', '.join(changed)}); "
-        "rerun with its settings to continue it, or overwrite it")
-  except HarvestConflict:
-    if not overwrite:
-      raise
-    for p in existing:
-      run_dir.remove_path(p)
-    return 0
-  if os.path.exists(manifest):
-    return -1
-  arrays, meta = run_dir.load_arrays(path)
-  for key, value in arrays.items():
-    site, field = key.rsplit("/", 1)
-    totals[site][field] = value
-  return int(meta["done"])
-
-
-def write_store(out: str, totals: dict) -> list[str]:
-  """Write every site's statistics as zarr arrays under `out`; return their
-  relative paths."""
-  ctx = tensor_store.context()
-  written, futures = [], []
-  for site, fields in totals.items():
-    for field in [f for f in FIELDS + TAG_FIELDS if f in fields]:
-      value = np.asarray(fields[field])
-      relative = os.path.join(site, field)
-      path = os.path.join(out, relative)
-      run_dir.remove_path(path)  # a half-written store of a killed harvest
-      store = tensor_store.created(tensor_store.start_create(
-        path, value.shape, value.dtype, value.shape, ctx), path)
-      futures += tensor_store.start_write(store, value)
-      written.append(relative)
-  tensor_store.wait(futures)
-  return written
-
-
 def _progress(done: int, total: int, started: float, first: int) -> str:
   rate = (done - first) / max(time.time() - started, 1e-9)
   eta = (total - done) / rate if rate > 0 else float("inf")
@@ -749,11 +643,41 @@ def _never() -> bool:
   return False
 
 
-def remove_stale(out: str, say: Callable[[str], None]) -> None:
-  """Remove the temporaries killed harvests left in `out`, saying so."""
-  for name in (STATE_FILE, MANIFEST):
-    for stale in run_dir.remove_stale_temporaries(os.path.join(out, name)):
-      say(f"[harvest] removed {stale}, left by a killed harvest")
+class _Pipeline(NamedTuple):
+  """A harvest's batches, tag positions, baseline weights and jitted
+  functions (`jitted`), set up once; `shapes` are its window's."""
+
+  batch: Callable[[int], Any]
+  positions: Callable[[int], Any]
+  extra: dict[str, jax.Array]
+  accumulate: Any
+  ablation: Any
+  clean: Any
+  shapes: tuple[dict, dict]
+  tag_record: dict
+
+
+def _pipeline(run: explore.LoadedRun, settings: Settings, chunk: int,
+              placed: Placed) -> _Pipeline:
+  batch = batch_source(run, settings, placed.inputs)
+  tags = tag_source(settings, placed.inputs)
+  positions = (lambda i: None) if tags is None else tags.read
+  layers = () if tags is None else baseline_layers(run)
+  heads = () if tags is None else head_layers(run)
+  extra = baseline_weights(run, settings, layers, heads)
+  if placed.statistics is not None:
+    extra = transfer.put(extra, jax.tree.map(lambda _: placed.statistics,
+                                             extra))
+  stats_fn, accumulate, ablation_fn, clean_fn = jitted(
+    run, settings, chunk, placed,
+    None if tags is None else tags.coarse_of, layers, heads,
+    n_heads(run) if heads else 0)
+  shapes, _ = jax.eval_shape(stats_fn, placed.weights, placed.components,
+                             placed.ci_params, batch(0), positions(0), extra)
+  tag_record = {} if tags is None else {"tags": {
+    **tags.record, "baselines": list(baseline_keys(layers, heads))}}
+  return _Pipeline(batch, positions, extra, accumulate, ablation_fn,
+                   clean_fn, shapes, tag_record)
 
 
 def harvest(run: explore.LoadedRun, settings: Settings, out: str,
@@ -774,35 +698,36 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   """
   check_cadence(save_every_s, ablation_chunk)
   placed = place(run, settings, placement)
-  os.makedirs(out, exist_ok=True)
-  remove_stale(out, say)
-  batch = batch_source(run, settings, placed.inputs)
-  tags = tag_source(settings, placed.inputs)
-  positions = (lambda i: None) if tags is None else tags.read
-  layers = () if tags is None else baseline_layers(run)
-  heads = () if tags is None else head_layers(run)
-  extra = baseline_weights(run, settings, layers, heads)
-  if placed.statistics is not None:
-    extra = transfer.put(extra, jax.tree.map(lambda _: placed.statistics,
-                                             extra))
-  stats_fn, accumulate, ablation_fn, clean_fn = jitted(
-    run, settings, ablation_chunk, placed,
-    None if tags is None else tags.coarse_of, layers, heads,
-    n_heads(run) if heads else 0)
-  weights, components, ci_params = (placed.weights, placed.components,
-                                    placed.ci_params)
-  shapes, _ = jax.eval_shape(stats_fn, weights, components, ci_params,
-                             batch(0), positions(0), extra)
-  totals = empty_totals(*shapes)
-  tag_record = {} if tags is None else {"tags": {
-    **tags.record, "baselines": list(baseline_keys(layers, heads))}}
-  done = resume(out, totals, settings, overwrite)
+  harvest_store.prepare(out, say)
+  pipe = _pipeline(run, settings, ablation_chunk, placed)
+  totals = empty_totals(*pipe.shapes)
+  done = harvest_store.resume(out, totals, dataclasses.asdict(settings),
+                              overwrite)
   if done < 0:
     say(f"[harvest] {out} is complete; nothing to do")
     return {}
   if done:
     say(f"[harvest] resuming after batch {done}")
-  fresh_window = _fresh_window(shapes, placed)
+  harvest_seconds, timed_start = _run_batches(
+    run, settings, out, placed, pipe, totals, done, save_every_s, say, stop)
+  written = harvest_store.write_store(out, totals, FIELDS + TAG_FIELDS)
+  if stop():  # timing the clean forward is all that is left
+    return {"arrays": written, **pipe.tag_record}
+  return {"arrays": written, **pipe.tag_record, **throughput(
+    pipe.clean, placed.weights, pipe.batch, harvest_seconds,
+    settings.n_batches - timed_start)}
+
+
+def _run_batches(run: explore.LoadedRun, settings: Settings, out: str,
+                 placed: Placed, pipe: _Pipeline, totals: dict, done: int,
+                 save_every_s: float, say: Callable[[str], None],
+                 stop: Callable[[], bool]) -> tuple[float, int]:
+  """Add batches `done`… to `totals`, saving the state by the clock and
+  when stopped (`Stopped`); return the seconds the timed batches took and
+  the first of them."""
+  weights, components, ci_params = (placed.weights, placed.components,
+                                    placed.ci_params)
+  fresh_window = _fresh_window(pipe.shapes, placed)
   # Batches accumulate on the device, with no host sync, until the next
   # save or the end fetches the window into the host totals.
   window = fresh_window()
@@ -813,18 +738,19 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
     if stop():
       if i > saved_done:
         add_window(totals, window)
-        save_state(out, totals, i, settings)
+        harvest_store.save_state(out, totals, i,
+                                 dataclasses.asdict(settings))
       raise Stopped(i, settings.n_batches)
     # Timed from the first batch after the compile and the ablations,
     # which a clean forward does not do.
     if i == timed_start:
       jax.block_until_ready(window)
       timed_from = time.time()
-    inputs = batch(i)
-    window, ci = accumulate(window, weights, components, ci_params, inputs,
-                            positions(i), extra)
+    inputs = pipe.batch(i)
+    window, ci = pipe.accumulate(window, weights, components, ci_params,
+                                 inputs, pipe.positions(i), pipe.extra)
     if i < settings.ablation_batches:
-      divergence = ablation_fn(weights, components, inputs)
+      divergence = pipe.ablation(weights, components, inputs)
       add_ablation(totals, run, transfer.fetch(divergence),
                    transfer.fetch(ci), settings.threshold)
     # Saves go by the clock: a fixed batch count would, on a small model,
@@ -833,19 +759,15 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
         and i + 1 < settings.n_batches):
       add_window(totals, window)
       window = fresh_window()
-      save_state(out, totals, i + 1, settings)
+      harvest_store.save_state(out, totals, i + 1,
+                               dataclasses.asdict(settings))
       saved, saved_done = time.time(), i + 1
     if (i + 1) % max(1, settings.n_batches // 10) == 0:
       say(_progress(i + 1, settings.n_batches, started, first))
   jax.block_until_ready(window)
   harvest_seconds = time.time() - timed_from if timed_from else 0.0
   add_window(totals, window)
-  written = write_store(out, totals)
-  if stop():  # timing the clean forward is all that is left
-    return {"arrays": written, **tag_record}
-  return {"arrays": written, **tag_record, **throughput(
-    clean_fn, weights, batch, harvest_seconds,
-    settings.n_batches - timed_start)}
+  return harvest_seconds, timed_start
 
 
 def throughput(clean_fn, weights, batch, harvest_seconds: float,
@@ -879,11 +801,7 @@ def write_manifest(out: str, run_path: str, run: explore.LoadedRun,
                         "bins": evals.LOG_DENSITY_BINS},
     **record,
   }
-  path = os.path.join(out, MANIFEST)
-  run_dir.atomic_write(path, lambda f: f.write(
-    (json.dumps(manifest, indent=1) + "\n").encode()))
-  run_dir.remove_path(_state_path(out))
-  return path
+  return harvest_store.write_manifest(out, manifest)
 
 
 class Harvest(NamedTuple):
@@ -899,26 +817,12 @@ class Harvest(NamedTuple):
 def load_harvest(run_path: str) -> Harvest:
   """Return the harvest of the run at `run_path`; ValueError when it has
   none, or an unfinished one (no manifest yet)."""
-  out = os.path.join(run_path, HARVEST_DIR)
-  manifest_path = os.path.join(out, MANIFEST)
-  if not os.path.isfile(manifest_path):
-    raise ValueError(f"{run_path} has no finished harvest; run bin/harvest "
-                     f"--run_dir={run_path} first")
-  with open(manifest_path) as f:
-    manifest = json.load(f)
-  ctx = tensor_store.context()
+  manifest = harvest_store.read_manifest(run_path)
   tagged = "tags" in manifest
-
-  def read(key, fields):
-    arrays = {}
-    for field in fields:
-      path = os.path.join(out, key, field)
-      store = tensor_store.opened(tensor_store.start_open(path, ctx), path)
-      arrays[field] = np.asarray(tensor_store.wait_value(store.read()))
-    return arrays
-
-  sites = {site: read(site, FIELDS + (TAG_FIELDS if tagged else ()))
+  sites = {site: harvest_store.read_arrays(
+    run_path, site, FIELDS + (TAG_FIELDS if tagged else ()))
            for site in manifest["sites"]}
-  baselines = {key: read(key, TAG_FIELDS) for key in
-               (manifest["tags"].get("baselines", []) if tagged else [])}
+  baselines = {key: harvest_store.read_arrays(run_path, key, TAG_FIELDS)
+               for key in (manifest["tags"].get("baselines", [])
+                           if tagged else [])}
   return Harvest(manifest, sites, baselines)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from decompax.recipe import render_process
+from decompax.bin import render_process
 
 
 def _framed(*jobs) -> io.BytesIO:
@@ -50,7 +50,7 @@ def test_child_renders_at_lower_priority_and_reports_its_death(tmp_path):
 # Hands the child a job that outlives this parent, then ends as `how` says.
 _PARENT = """
 import functools, os, sys, threading, time
-from decompax.recipe import render_process
+from decompax.bin import render_process
 started, late, how = sys.argv[1:]
 job = functools.partial(exec, f"open({started!r}, 'w').close(); "
   f"import os, time; time.sleep(5); os.makedirs(os.path.dirname({late!r}));"
@@ -96,7 +96,7 @@ def test_child_dies_with_its_parent_and_never_writes_after(tmp_path, how):
 def test_an_orphaned_child_exits_before_it_writes(tmp_path):
   allowed, refused = tmp_path / "allowed", tmp_path / "refused"
   child = _python(
-    "import os, sys; from decompax.recipe import render_process as r; "
+    "import os, sys; from decompax.bin import render_process as r; "
     "sys.addaudithook(r._write_guard(os.getppid())); "
     "open(sys.argv[1], 'w').close(); "
     "sys.addaudithook(r._write_guard(-1)); open(sys.argv[1]).close(); "
@@ -109,7 +109,7 @@ def test_an_orphaned_child_exits_before_it_writes(tmp_path):
 
 def test_the_parent_watch_ends_an_orphan():
   child = _python(
-    "from decompax.recipe import render_process as r; r._watch_parent(-1); "
+    "from decompax.bin import render_process as r; r._watch_parent(-1); "
     "print('survived')", stdout=subprocess.PIPE, text=True)
   assert child.communicate(timeout=30) == ("", None)
   assert child.returncode == 0

@@ -4,9 +4,9 @@ statistics, on a harvest written by hand."""
 import numpy as np
 import pytest
 
+from decompax.analysis import harvesting as harvest_lib
+from decompax.analysis import tag_comparison
 from decompax.losses import tag_metrics
-from decompax.recipe import harvest as harvest_lib
-from decompax.recipe import tag_comparison
 
 BASE = np.asarray([[10, 10, 10], [20, 0, 10]])  # 2 documents, 3 classes
 

@@ -12,11 +12,19 @@ import numpy as np
 import pytest
 
 from decompax.recipe import assembly
+from decompax.recipe.config import read_args
 from decompax.core import probe
 from decompax.losses import eval_step
 from decompax.targets import registry
 
 FLAGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "flags"
+
+
+def _config(*args: str):
+  """Return the run `bin/train` would build from `args`, read by the
+  library's own reader (`read_args`, which tests/bin/test_flag_values.py
+  holds equal to the flags')."""
+  return read_args(args)
 
 
 @functools.cache
@@ -51,10 +59,10 @@ def _run(config):
 
 
 @pytest.mark.slow
-def test_tms_5_2_embedding_becomes_one_component_per_feature(parse):
+def test_tms_5_2_embedding_becomes_one_component_per_feature():
   """TMS 5-2, paper recipe after a faithfulness warmup, 10k of its 40k steps
   (seed 1): linear1 shows the identity CI pattern with five alive components."""
-  config = parse("--seed=1", "--num_steps=10000",
+  config = _config("--seed=1", "--num_steps=10000",
                      "--faithfulness_warmup_steps=200")
   ci, metrics = _run(config)
   assert len(probe.alive_components(ci["linear1"])) == 5
@@ -65,10 +73,10 @@ def test_tms_5_2_embedding_becomes_one_component_per_feature(parse):
 
 
 @pytest.mark.slow
-def test_tms_5_2_vpd_flagfile_recovers_one_component_per_feature(parse):
+def test_tms_5_2_vpd_flagfile_recovers_one_component_per_feature():
   """The full VPD flagfile (40k steps): five alive components per matrix,
   each serving one feature."""
-  config = parse(f"--flagfile={FLAGS_DIR / 'tms_5-2_vpd.flags'}")
+  config = _config(f"--flagfile={FLAGS_DIR / 'tms_5-2_vpd.flags'}")
   ci, metrics = _run(config)
   for site in ("linear1", "linear2"):
     active = probe.active_features(ci[site])
@@ -78,14 +86,14 @@ def test_tms_5_2_vpd_flagfile_recovers_one_component_per_feature(parse):
 
 
 @pytest.mark.slow
-def test_tms_5_2_flagfile_recovers_the_paper_table(parse):
+def test_tms_5_2_flagfile_recovers_the_paper_table():
   """The TMS family's full recovery: the shipped flagfile's recipe as one
   run at its default seed (the README's one-run table, seed 2) ends with
   the paper's Table 1 result, five alive components per embedding matrix
   in the identity CI pattern, MMCS 1.000 and ML2R near 1 (README: 1.010 /
   0.984 measured)."""
-  config = parse(f"--flagfile={FLAGS_DIR / 'tms_5-2.flags'}", "--restarts=1",
-                 "--select_at=0")
+  config = _config(f"--flagfile={FLAGS_DIR / 'tms_5-2.flags'}", "--restarts=1",
+                  "--select_at=0")
   target, weights, ci_fn, state, metrics = _train(config)
   ci = _probe(target, weights, ci_fn, state)
   scalars = eval_step.probe_scalars(ci, jax.device_get(
@@ -100,13 +108,13 @@ def test_tms_5_2_flagfile_recovers_the_paper_table(parse):
 
 
 @pytest.mark.slow
-def test_resid_mlp1_flagfile_recovers_the_paper_pattern(parse):
+def test_resid_mlp1_flagfile_recovers_the_paper_pattern():
   """The residual-MLP family's full run: the shipped flagfile at its default
   seed, all 30k steps, on the paper's target. It ends with the expected
   pattern (docs/recovery.md, seed 0: `mlp_in` 100 alive / identity error 0,
   `mlp_out` 50 / dense error 0): one `mlp_in` component per feature and an
   `mlp_out` block of d_mlp = 50 components with nothing beside it."""
-  config = parse(f"--flagfile={FLAGS_DIR / 'resid_mlp1.flags'}")
+  config = _config(f"--flagfile={FLAGS_DIR / 'resid_mlp1.flags'}")
   ci, metrics = _run(config)
   mlp_in, mlp_out = ci["layers.0.mlp_in"], ci["layers.0.mlp_out"]
   assert len(probe.alive_components(mlp_in)) == 100
@@ -121,8 +129,7 @@ def _copy(tree):
   return jax.tree.map(lambda x: x.copy(), tree)
 
 
-def test_tms_5_2_vpd_terms_learn_and_the_adversary_outgrows_fresh_sources(
-    parse):
+def test_tms_5_2_vpd_terms_learn_and_the_adversary_outgrows_fresh_sources():
   """Fast variant of the slow VPD recovery above: 200 steps of the VPD
   flagfile at batch 256 on the trained TMS 5-2 (~1 s of steps after the
   compile). It shows that the VPD terms train: faithfulness, importance
@@ -133,7 +140,7 @@ def test_tms_5_2_vpd_terms_learn_and_the_adversary_outgrows_fresh_sources(
   with the same ascents, and above the stochastic recon. It does not show
   recovery (five alive components each serving one feature, which takes
   thousands of steps), nor that the adversary stays ahead all run long."""
-  config = parse(f"--flagfile={FLAGS_DIR / 'tms_5-2_vpd.flags'}",
+  config = _config(f"--flagfile={FLAGS_DIR / 'tms_5-2_vpd.flags'}",
                  "--num_steps=200", "--batch_size=256")
   toy, weights = _trained(config.target)
   target = toy.fns(config.c)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.io import brown as brown_io
+from decompax.io import brown_files as brown_io
 from decompax.io import tokens, tree_npz
 
 NAMES = ("ca01", "ca02", "cb01")

@@ -108,9 +108,10 @@ def test_a_stopped_bench_names_its_cells_and_exits_for_a_requeue(tmp_path):
   long_run = [f for f in SHORT if not f.startswith("--num_steps")] + [
     "--num_steps=1000000"]
   bench_run = subprocess.Popen(
-    [sys.executable, "-P", str(ROOT / "bench" / "recovery.py"),
+    [sys.executable, "-P", "-m", "bench.recovery",
      "--grid=tms_5-2:0+1", "--jobs=1", f"--out_dir={tmp_path}",
      "--variant=v", "--extra=" + ",".join(long_run)],
+    env={**os.environ, "PYTHONPATH": str(ROOT)},
     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   log = tmp_path / "v" / "tms_5-2_s0.log"
   deadline = time.time() + 240

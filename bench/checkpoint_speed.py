@@ -1,9 +1,9 @@
 """Checkpoint save and restore throughput beside the disk's own speed.
 
-Run: `./dev bench checkpoint` (or `.venv/bin/python -P bench/checkpoint.py
---size_mb=1024`). Builds a decomposition item of `--size_mb` MB (fp32 V/U of
-four LM-like kinds, C chosen to fit, plus a small CI-MLP), then measures, all
-in this one process and in one directory on one disk:
+Run: `./dev bench checkpoint_speed` (`--size_mb=1024`). Builds a decomposition
+item of `--size_mb` MB (fp32 V/U of four LM-like kinds, C chosen to fit,
+plus a small CI-MLP), then measures, all in this one process and in one
+directory on one disk:
   * raw sequential write: one file of the same size in 16 MiB writes, fsync,
   * raw sequential read of that file with its pages evicted from the cache,
   * `checkpoint.save` of the item (device-to-host copies, zarr v3 writes,

@@ -1,4 +1,4 @@
-"""io/tensorboard: metrics.jsonl converted to TensorBoard event files."""
+"""io/tensorboard_events: metrics.jsonl converted to TensorBoard event files."""
 
 import glob
 import json
@@ -8,7 +8,8 @@ import struct
 import pytest
 from tensorboardX.proto import event_pb2
 
-from decompax.io import run_dir, tensorboard
+from decompax.io import run_dir
+from decompax.io import tensorboard_events as tensorboard
 
 
 def _events(directory):

@@ -1,4 +1,4 @@
-"""recipe/hlo_flops.py: a compiled program's matmul count takes loops
+"""bench/hlo_flops.py: a compiled program's matmul count takes loops
 times their trips, the costliest branch and GPU library calls."""
 
 import pathlib
@@ -6,7 +6,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from decompax.recipe import hlo_flops
+from bench import hlo_flops
 
 
 def _compiled(fn, *args):

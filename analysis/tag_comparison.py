@@ -4,7 +4,7 @@
 A harvest over a tagged token file holds every site's tag statistics of
 its components and, per layer whose MLP has a decomposed site, those of
 the MLP's neurons, gates and rotated neurons, and per layer with a
-decomposed attention site, those of its heads (`recipe/harvest.py`). Here
+decomposed attention site, those of its heads (`analysis/harvesting.py`). Here
 a site's alive components (those that fired over the harvest) are
 compared with each baseline of the site's layer, and, per baseline kind,
 all those sites' components together with all those layers' units (the
@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from decompax.analysis import harvesting as harvest_lib
 from decompax.losses import tag_metrics, tag_profile
-from decompax.recipe import harvest as harvest_lib
 from decompax.targets import glu_lm
 
 TOTAL = "total"

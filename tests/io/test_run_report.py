@@ -7,7 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from decompax.io import figures, report, run_dir
+from decompax.io import figures, run_dir
+from decompax.io import run_report as report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

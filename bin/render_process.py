@@ -4,7 +4,7 @@ Matplotlib holds the GIL for most of a render; in a thread of the training
 process it slows the loop's dispatch, and at normal priority it competes
 for the same cores as the step. The child runs at the lowest priority
 (`NICENESS`), so it mostly takes the cycles the step leaves idle; where the
-step keeps every core busy, `recipe/evaluation.start_figure_worker` also caps
+step keeps every core busy, `bin/figure_worker.start_figure_worker` also caps
 the renders' share of a core. Jobs are pickled
 callables sent over the child's stdin, one at a time; the child answers one
 status byte per job and prints a failed job's traceback to the shared
@@ -16,7 +16,7 @@ orphaned. An audit hook also checks for the parent before every file the
 child creates, renames or removes, so a killed run's directory is never
 written, or recreated, after the kill. Ctrl-C is left to the parent.
 
-`python -m decompax.recipe.render_process <parent pid>` is the child's entry
+`python -m decompax.bin.render_process <parent pid>` is the child's entry
 point.
 """
 
@@ -63,7 +63,7 @@ def start() -> RenderProcess:
   thread that runs its jobs.
   """
   child = subprocess.Popen(
-    [sys.executable, "-P", "-m", "decompax.recipe.render_process",
+    [sys.executable, "-P", "-m", "decompax.bin.render_process",
      str(os.getpid())],
     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 

@@ -1,4 +1,4 @@
-"""recipe/explore: a finished run opened from its directory, its components'
+"""analysis/explore: a finished run opened from its directory, its components'
 CI, masked forwards with components ablated or kept, and batched ablation
 effects on a prompt."""
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from decompax.analysis import explore
 from decompax.core import probe
-from decompax.recipe import explore
 
 
 @pytest.fixture(scope="module")

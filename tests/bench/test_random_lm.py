@@ -1,11 +1,11 @@
-"""recipe/random_lm.py: random weights stored around the sites' span, in
+"""bench/random_lm.py: random weights stored around the sites' span, in
 the asked dtype, at the model's shapes and scales."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from decompax.recipe import random_lm
+from bench import random_lm
 from decompax.targets import glu_config, glu_lm, glu_target
 
 MODEL = glu_config.GluConfig(

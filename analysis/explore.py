@@ -31,7 +31,7 @@ from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns
 from decompax.io import decomposition as decomposition_lib
 from decompax.io import run_dir
-from decompax.losses import harvest as harvest_stats
+from decompax.losses import component_stats as harvest_stats
 from decompax.recipe import assembly, lm
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import registry
@@ -95,18 +95,22 @@ def _decomposition(path: str) -> decomposition_lib.Decomposition:
   return decomposition_lib.load_decomposition(path)
 
 
-def load_run(path: str) -> LoadedRun:
+def load_run(path: str,
+             decomposition: Optional[decomposition_lib.Decomposition] = None
+             ) -> LoadedRun:
   """Return the run at `path`: its target (a toy from the run's cached
   `target.npz`, or the language model in its `--model_dir`), the frozen
   weights and the latest decomposition (the final one, else the newest
-  checkpoint). A `--restarts` run is its chosen candidate.
+  checkpoint), or `decomposition` where the caller read one itself (a
+  chosen checkpoint). A `--restarts` run is its chosen candidate.
 
   Raises FileNotFoundError when `path` is not a run directory, and
   CheckpointError when it holds no readable decomposition.
   """
   path = run_dir.chosen_run(path)
   config = run_config(path)
-  decomposition = _decomposition(path)
+  if decomposition is None:
+    decomposition = _decomposition(path)
   sites = decomposition.sites
   if lm.is_lm(config):
     _, target, load = assembly.resolve_target(config)

@@ -1,4 +1,4 @@
-"""recipe/lm_flops.py: the recipe's matmul count is the one its compiled
+"""bench/lm_flops.py: the recipe's matmul count is the one its compiled
 step runs (`hlo_flops`), and it refuses what it does not follow."""
 
 import pathlib
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from decompax.recipe import hlo_flops, lm_flops, random_lm
+from bench import hlo_flops, lm_flops, random_lm
 from decompax.recipe.config import read_args
 from decompax.targets import glu_config, glu_lm, glu_target
 
@@ -54,7 +54,7 @@ def _both_counts(config, sites):
   return lm_flops.lm_step_flops(config, MODEL, sites), counted
 
 
-# The default suite checks the l18 sites (tests/bin/test_bench_lm_step.py);
+# The default suite checks the l18 sites (tests/bench/test_lm_step.py);
 # these take the other paths of the count.
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, roles, layer", [

@@ -1,4 +1,4 @@
-"""recipe/harvest: statistics of every component over a stream of batches,
+"""analysis/harvesting: statistics of every component over a stream of batches,
 checked against direct computation, resumed after an interruption, written
 as a zarr store with a manifest, and the same when sharded over devices."""
 
@@ -14,11 +14,12 @@ import pytest
 import tensorstore as ts
 from jax.sharding import AxisType
 
+from decompax.analysis import explore
+from decompax.analysis import harvesting as harvest_lib
+from decompax.io import harvest_store
 from decompax.losses import evals
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
-from decompax.recipe import explore
-from decompax.recipe import harvest as harvest_lib
 
 REQUEST = harvest_lib.Request(positions=4 * 8 * 32, batch_size=8, top_k=5,
                               window_before=3, window_after=2,
@@ -118,11 +119,11 @@ def test_ablation_effect_sums_the_divergence_where_a_component_fires(
 def test_manifest_records_the_settings_and_the_throughput(
     induction, harvested):
   settings, out, record = harvested
-  manifest = json.load(open(os.path.join(out, harvest_lib.MANIFEST)))
+  manifest = json.load(open(os.path.join(out, harvest_store.MANIFEST)))
   assert manifest["settings"]["n_batches"] == settings.n_batches
   assert manifest["positions"] == 4 * 8 * 32
   assert manifest["ratio_to_clean"] == record["ratio_to_clean"] > 0
-  assert not os.path.exists(os.path.join(out, harvest_lib.STATE_FILE))
+  assert not os.path.exists(os.path.join(out, harvest_store.STATE_FILE))
   # A rerun of a complete harvest does nothing.
   said = []
   assert harvest_lib.harvest(induction, settings, out, say=said.append) == {}
@@ -148,7 +149,7 @@ def test_an_interrupted_harvest_resumes_to_the_same_result(
   with pytest.raises(KeyboardInterrupt):
     harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
                         ablation_chunk=5, say=lambda _: None)
-  assert os.path.exists(os.path.join(out, harvest_lib.STATE_FILE))
+  assert os.path.exists(os.path.join(out, harvest_store.STATE_FILE))
   monkeypatch.setattr(harvest_lib, "batch_source", source)
   said = []
   harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
@@ -175,7 +176,7 @@ def test_a_stopped_harvest_saves_and_resumes_to_the_same_result(
   with pytest.raises(harvest_lib.Stopped, match="after batch 2 of 4"):
     harvest_lib.harvest(induction, settings, out, save_every_s=60.0,
                         ablation_chunk=5, say=lambda _: None, stop=stop)
-  assert sorted(os.listdir(out)) == [harvest_lib.STATE_FILE]
+  assert sorted(os.listdir(out)) == [harvest_store.STATE_FILE]
   (tmp_path / ".state.npz.k1ll3d00.tmp").write_bytes(b"PK")
   said = []
   harvest_lib.harvest(induction, settings, out, save_every_s=60.0,
@@ -186,48 +187,6 @@ def test_a_stopped_harvest_saves_and_resumes_to_the_same_result(
   assert not (tmp_path / ".state.npz.k1ll3d00.tmp").exists()
   # `whole` saved after every batch: its sums were added in another order.
   _assert_same_harvest(induction, out, whole)
-
-
-@pytest.mark.parametrize("manifest, why", [
-  ("{}", "lacks the key 'settings'"),
-  ('{"settings": [1]}', "has 'settings' that is not a JSON object"),
-  ("{", "cannot be read (Expecting"),
-])
-def test_an_unreadable_manifest_is_named_and_overwritten_only_if_asked(
-    induction, tmp_path, manifest, why):
-  settings = harvest_lib.resolve(induction, REQUEST)
-  path = tmp_path / harvest_lib.MANIFEST
-  path.write_text(manifest)
-  with pytest.raises(harvest_lib.HarvestConflict) as error:
-    harvest_lib.resume(str(tmp_path), {}, settings, overwrite=False)
-  assert str(error.value).startswith(f"{path} {why}")
-  assert path.read_text() == manifest
-  assert harvest_lib.resume(str(tmp_path), {}, settings, overwrite=True) == 0
-  assert not path.exists()
-
-
-def test_a_recorded_harvest_lacking_a_setting_names_it(induction, harvested,
-                                                      tmp_path):
-  settings, whole, _ = harvested
-  record = json.loads(open(os.path.join(whole, harvest_lib.MANIFEST)).read())
-  del record["settings"]["top_k"]
-  (tmp_path / harvest_lib.MANIFEST).write_text(json.dumps(record))
-  with pytest.raises(harvest_lib.HarvestConflict, match=r"settings \(top_k\)"):
-    harvest_lib.resume(str(tmp_path), {}, settings, overwrite=False)
-
-
-def test_a_harvest_from_before_tag_statistics_is_still_this_harvest(
-    induction, harvested, tmp_path):
-  """A record without `tag_groups` had none: complete, not a conflict; a
-  tagged harvest of the same settings is another one."""
-  settings, whole, _ = harvested
-  record = json.loads(open(os.path.join(whole, harvest_lib.MANIFEST)).read())
-  assert record["settings"].pop("tag_groups") == 0
-  (tmp_path / harvest_lib.MANIFEST).write_text(json.dumps(record))
-  assert harvest_lib.resume(str(tmp_path), {}, settings, False) == -1
-  tagged = dataclasses.replace(settings, tag_groups=3)
-  with pytest.raises(harvest_lib.HarvestConflict, match="tag_groups"):
-    harvest_lib.resume(str(tmp_path), {}, tagged, overwrite=False)
 
 
 def test_windows_stay_inside_the_sequence(induction, tmp_path):
@@ -250,7 +209,7 @@ def test_other_settings_are_refused_unless_overwritten(induction, harvested):
   settings, out, _ = harvested
   other = harvest_lib.resolve(induction, harvest_lib.Request(
     positions=REQUEST.positions, batch_size=8, top_k=4))
-  with pytest.raises(harvest_lib.HarvestConflict, match="top_k"):
+  with pytest.raises(harvest_store.HarvestConflict, match="top_k"):
     harvest_lib.harvest(induction, other, out, say=lambda _: None)
 
 
@@ -538,7 +497,7 @@ def test_an_interrupted_tag_harvest_resumes_to_the_same_result(
 
 def test_load_harvest_reads_the_tag_statistics(induction, tagged, tmp_path):
   settings, out, _ = tagged
-  shutil.copytree(out, tmp_path / harvest_lib.HARVEST_DIR)
+  shutil.copytree(out, tmp_path / harvest_store.HARVEST_DIR)
   loaded = harvest_lib.load_harvest(str(tmp_path))
   assert loaded.manifest["tags"]["classes"][0] == "noun"
   site = induction.target.sites[0]

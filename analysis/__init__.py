@@ -1,0 +1,1 @@
+"""decompax.analysis."""
