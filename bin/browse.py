@@ -40,8 +40,13 @@ from absl import flags, logging
 from decompax.bin import cli
 from decompax.core import sites as sites_lib
 from decompax.io import ab_grid, hf_checkpoint, report, tensor_store
+from decompax.io import tokens as tokens_lib
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
+from decompax.recipe import unit_contexts, unit_labels
+
+# A row's label fields in the tables (the rest show on a unit's page).
+LABEL_FIELDS = ("class", "tag", "purity", "lift")
 
 # Not `required`: tests import this module beside other binaries' flags,
 # and a required flag would fail their parses; main checks it instead.
@@ -78,6 +83,21 @@ NO_TOKENIZER = ("this run has no tokenizer: type whitespace-separated token "
 Encoder = Callable[[str], list[int]]
 
 
+class Tagged(NamedTuple):
+  """A tagged harvest's part-of-speech view: every unit set's labels by
+  store key (sites and baselines), and the token file and tag stream its
+  contexts are read from."""
+
+  classes: list[str]
+  tags: list[str]
+  coarse_of: list[int]  # each tag's class
+  labels: dict[str, list[dict]]
+  baselines: list[str]
+  settings: harvest_lib.Settings
+  ids: np.ndarray
+  tag_ids: np.ndarray
+
+
 class Served(NamedTuple):
   """One run as the browser serves it."""
 
@@ -92,6 +112,8 @@ class Served(NamedTuple):
   vocab: int | None
   # Models with a tokenizer: how typed text becomes token ids.
   encode: Encoder | None
+  # Harvests of a token file with a tag stream: labels and tagged contexts.
+  tagged: Tagged | None = None
 
 
 class AbGrid(NamedTuple):
@@ -129,8 +151,88 @@ def serve_run(path: str) -> Served:
       run, run.target.feature_probe()).items()}
   vocab = (explore.vocab_size(run) if run.target.token_labels is not None
            else None)
+  tagged = tag_view(harvest)
+  if tagged is not None:
+    rows = [{**r, **{f: tagged.labels[r["site"]][r["component"]][f]
+                     for f in LABEL_FIELDS}} for r in rows]
   return Served(path, run, harvest, rows, token_decoder(run), probe, vocab,
-                text_encoder(run.config.model_dir))
+                text_encoder(run.config.model_dir), tagged)
+
+
+def tag_view(harvest: harvest_lib.Harvest) -> Tagged | None:
+  """Return a tagged harvest's labels and tagged token stream (None for a
+  harvest without tag statistics); ValueError when its token file or tag
+  stream cannot be opened."""
+  if not unit_labels.tagged(harvest):
+    return None
+  settings = unit_contexts.settings_of(harvest.manifest)
+  try:
+    opened = tokens_lib.open_tokens(settings.data_path)
+    stream = tokens_lib.open_tags(opened)
+  except OSError as e:
+    raise ValueError(f"the harvest's token file cannot be read ({e}); "
+                     "restore it or harvest again") from None
+  record = harvest.manifest["tags"]
+  return Tagged(
+    list(record["classes"]), list(record["tags"]),
+    list(record["coarse_of"]),
+    {key: unit_labels.labels(harvest, key)
+     for key in unit_labels.unit_sets(harvest)},
+    list(record.get("baselines", [])), settings, opened.ids, stream.ids)
+
+
+def tag_note(tagged: Tagged, tag: int) -> str:
+  """Return a token's tag as its hover note reads it: `tag (class)`."""
+  return f"tag {tagged.tags[tag]} ({tagged.classes[tagged.coarse_of[tag]]})"
+
+
+def tagged_contexts(served: Served, top: unit_contexts.Top, unit: int,
+                    what: str) -> list[dict]:
+  """Return a unit's contexts over the tagged sample as the page draws
+  them: tokens as text, the position where it is most active shaded, and
+  per token its tag (and the activity, `what`, at that position) on
+  hover."""
+  tagged = served.tagged
+  settings = tagged.settings
+  out = []
+  for x in unit_contexts.contexts(top, unit, tagged.ids, tagged.tag_ids,
+                                  settings.seq_len, settings.before,
+                                  settings.after)[:CONTEXTS_SHOWN]:
+    notes = [tag_note(tagged, t) for t in x.tags]
+    notes[x.focus] += f" · {what} {x.activity:.3g}"
+    out.append({"ci": x.activity,
+                "tokens": [served.decode(i) for i in x.ids],
+                "tags": [tagged.tags[t] for t in x.tags],
+                "shade": [float(i == x.focus) for i in range(len(x.ids))],
+                "notes": notes, "focus": x.focus})
+  return out
+
+
+def unit_rows(served: Served, key: str) -> list[dict]:
+  """Return the table of a baseline's units: their labels and their share
+  of the set's activity."""
+  tagged = served.tagged
+  if tagged is None:
+    raise BadRequest(404, "this run's harvest has no tag statistics: "
+                     "harvest a token file with a tag stream")
+  if key not in tagged.baselines:
+    raise BadRequest(404, f"no baseline {key!r} in this harvest; it has "
+                     f"{', '.join(tagged.baselines) or 'none'}")
+  return [{"key": key, **{f: r[f] for f in ("unit", "activity",
+                                             *LABEL_FIELDS)}}
+          for r in tagged.labels[key]]
+
+
+def unit_page(served: Served, key: str, unit: int,
+              top: dict[str, unit_contexts.Top]) -> dict:
+  """Return what a baseline unit's page shows: its label, heaviest tags
+  and bigrams, and its contexts over the tagged sample."""
+  rows = unit_rows(served, key)
+  if not 0 <= unit < len(rows):
+    raise BadRequest(404, f"{key} has no unit {unit}")
+  label = served.tagged.labels[key][unit]
+  return {"key": key, **label,
+          "contexts": tagged_contexts(served, top[key], unit, "activity")}
 
 
 def load_harvest(path: str) -> harvest_lib.Harvest:
@@ -296,8 +398,11 @@ def alive_ci(ci: dict, length: int, threshold: float) -> dict:
   return out
 
 
-def component_page(served: Served, site: str, component: int) -> dict:
-  """Return what the component page shows."""
+def component_page(served: Served, site: str, component: int,
+                   top: dict[str, unit_contexts.Top] | None = None) -> dict:
+  """Return what the component page shows. A tagged run's page has the
+  component's label, and its contexts are those of the tagged sample
+  (`top`, from `unit_contexts.top_positions`), as a baseline unit's."""
   stats = served.harvest.sites.get(site)
   if stats is None:
     raise BadRequest(404, f"no site {site!r} in this run")
@@ -316,6 +421,12 @@ def component_page(served: Served, site: str, component: int) -> dict:
     if not np.isfinite(values) or values <= threshold:
       continue
     contexts.append(context_item(served.decode, float(values), context, ci))
+  label = {}
+  if served.tagged is not None:
+    label = {"label": served.tagged.labels[site][component]}
+    if top is not None:
+      contexts = [] if dead else tagged_contexts(served, top[site],
+                                                 component, "CI")
   toy = {}
   if site in served.probe:
     spec = sites_lib.site_by_name(served.run.target.sites)[site]
@@ -325,7 +436,7 @@ def component_page(served: Served, site: str, component: int) -> dict:
            "v": [float(x) for x in v[:, component]],
            "u": [float(x) for x in u[component]]}
   return {
-    **row, **toy, "dead": dead, "threshold": threshold,
+    **row, **toy, **label, "dead": dead, "threshold": threshold,
     "contexts": contexts[:CONTEXTS_SHOWN],
     "histogram": {"floor": served.harvest.manifest["histogram_bands"]["floor"],
                   "counts": [int(x) for x in stats["histogram"][component]]},
@@ -450,6 +561,10 @@ def make_app(runs: list[Served]):
          endpoint="ab_grid", methods=["GET"]),
     Rule("/api/runs/<int:run>/predict", endpoint="predict",
          methods=["POST"]),
+    Rule("/api/runs/<int:run>/units/<key>", endpoint="units",
+         methods=["GET"]),
+    Rule("/api/runs/<int:run>/units/<key>/<int:unit>", endpoint="unit",
+         methods=["GET"]),
   ])
   # Per run index, its A/B grid or why it has none: read on the first
   # request, then kept, so a request costs a lookup and never a parse.
@@ -458,6 +573,19 @@ def make_app(runs: list[Served]):
   # Requests run on threads; predictions take turns, so that concurrent
   # prompts do not each compile or hold a forward's memory at once.
   model_lock = threading.Lock()
+  # Per tagged run index, every unit's top positions over the sample:
+  # computed on the first request that shows contexts, then kept.
+  samples: dict[int, dict[str, unit_contexts.Top]] = {}
+
+  def sample_of(index: int) -> dict[str, unit_contexts.Top] | None:
+    s = runs[index]
+    if s.tagged is None:
+      return None
+    with model_lock:
+      if index not in samples:
+        samples[index] = unit_contexts.top_positions(
+          s.run, s.tagged.settings, CONTEXTS_SHOWN)
+      return samples[index]
 
   def ab_grid_of(index: int) -> AbGrid | str:
     with grids_lock:
@@ -502,13 +630,23 @@ def make_app(runs: list[Served]):
                "tokens": s.run.target.token_labels is not None,
                "divergence": divergence_name(s.run),
                "tokenizer": s.encode is not None,
+               "classes": s.tagged.classes if s.tagged else None,
+               "baselines": s.tagged.baselines if s.tagged else [],
                "ab_grid": os.path.isfile(ab_grid_file(s.name))}
               for i, s in enumerate(runs)]
     s = served(args["run"])
     if endpoint == "components":
       return s.rows
     if endpoint == "component":
-      return component_page(s, args["site"], args["component"])
+      if args["site"] not in s.harvest.sites:
+        raise BadRequest(404, f"no site {args['site']!r} in this run")
+      return component_page(s, args["site"], args["component"],
+                            sample_of(args["run"]))
+    if endpoint == "units":
+      return unit_rows(s, args["key"])
+    if endpoint == "unit":
+      unit_rows(s, args["key"])   # refuses an unknown key before the sample
+      return unit_page(s, args["key"], args["unit"], sample_of(args["run"]))
     if endpoint == "ab_grid":
       return ab_grid_page(ab_grid_of(args["run"]),
                           {x.name: x.c for x in s.run.target.sites},
