@@ -362,7 +362,6 @@ def _text_model(directory: pathlib.Path) -> dict[str, str]:
   trained on `TEXT_SENTENCES`, a tiny Llama of random weights beside it
   (`text_lm`'s `tiny` preset), and a tagged token file of 24 documents of
   those sentences; return the paths as `RECIPES`' fields."""
-  from decompax.bin import prepare_brown  # noqa: PLC0415
   from decompax.io import hf_checkpoint, tokens  # noqa: PLC0415
   from decompax.targets import brown, glu_target, text_lm  # noqa: PLC0415
   rng = np.random.default_rng(0)
@@ -382,12 +381,18 @@ def _text_model(directory: pathlib.Path) -> dict[str, str]:
   hf_checkpoint.write_tokenizer_json(str(model), tokenizer.to_str(),
                                      brown.EOS_TOKEN)
   tags = brown.tag_vocabulary(documents.values())
+  tag_ids = {t: i for i, t in enumerate(tags)}
+  tagged = []
+  for name, document in documents.items():
+    text = brown.document_text(document)
+    encoded = tokenizer.encode(text.text, add_special_tokens=False)
+    starts = np.asarray([start for start, _ in encoded.offsets], np.int64)
+    tagged.append(tokens.TaggedDocument(
+      name, np.asarray(encoded.ids), brown.token_tags(text, starts, tag_ids),
+      brown.sentence_tokens(text, starts)))
   path = directory / "text.bin"
   tokens.write_tagged_tokens(
-    path, prepare_brown.tagged_documents(
-      tokenizer, documents, sorted(documents),
-      {t: i for i, t in enumerate(tags)}),
-    tags, brown.EOS_TAG, tokenizer.get_vocab_size(),
+    path, tagged, tags, brown.EOS_TAG, tokenizer.get_vocab_size(),
     tokenizer.token_to_id(brown.EOS_TOKEN), str(model))
   return {"model": str(model), "tokens": str(path)}
 
