@@ -30,11 +30,12 @@ from typing import Any
 from absl import flags, logging
 
 from decompax.bin import cli, placement_flags, placement_setup
-from decompax.io import run_dir
+from decompax.io import report, run_dir
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 from decompax.recipe import explore
 from decompax.recipe import harvest as harvest_lib
+from decompax.recipe import tag_report
 
 HARVEST_FLAGS = flags.FlagValues()
 
@@ -215,6 +216,10 @@ def _main(argv: list[str], stop: threading.Event) -> None:
           f"forward ({record['harvest_batches_per_s']:.1f} against "
           f"{record['clean_batches_per_s']:.1f} batches/s)")
   print(f"[harvest] wrote {path}")
+  if "tags" in record:
+    # The run's report gains the comparison with the neurons.
+    tag_report.write(_RUN_DIR.value)
+    print(f"[harvest] wrote {report.write_report(_RUN_DIR.value)}")
 
 
 def _share_with_absl() -> None:

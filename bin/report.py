@@ -8,6 +8,7 @@ from absl import flags, logging
 
 from decompax.bin import cli
 from decompax.io import report, run_dir
+from decompax.recipe import tag_report
 
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "Run directory (the --output_dir of bin/train).",
@@ -25,7 +26,11 @@ def main(argv: list[str]) -> None:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
   try:
     # A --restarts run reports on its chosen candidate.
-    path = report.write_report(run_dir.chosen_run(_RUN_DIR.value))
+    chosen = run_dir.chosen_run(_RUN_DIR.value)
+    # A harvest with tag statistics adds its comparison with the neurons.
+    if tag_report.write(chosen):
+      print("[report] compared components with neurons by part of speech")
+    path = report.write_report(chosen)
   except ValueError as e:
     fail(f"--run_dir: {e}; pass a directory bin/train wrote (its "
          "--output_dir)")
