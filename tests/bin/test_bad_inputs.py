@@ -797,6 +797,16 @@ ROWS = (
       "rerun bin/harvest --run_dir={T}/r --overwrite to harvest again",
       setup=lambda t: shutil.rmtree(t / "r/harvest/linear1/fired"),
       harvested=True),
+  Row("gallery_no_run_dir", "gallery", (), "Flag --run_dir must have a value"),
+  Row("gallery_not_a_run", "gallery", ("--run_dir={T}/nowhere",),
+      "has no flags.txt: pass the output directory of a bin/train run"),
+  Row("gallery_positional", "gallery", ("--run_dir={T}", "extra"),
+      "unexpected argument 'extra'"),
+  Row("gallery_harvest_without_tags", "gallery", ("--run_dir={T}/r",),
+      "the harvest has no tag statistics: harvest a token file with a tag "
+      "stream", harvested=True, untouched=True),
+  Row("gallery_count_zero", "gallery", ("--run_dir={T}/r", "--count=0"),
+      "--count=0", harvested=True),
   Row("tensorboard_not_a_run", "tensorboard", ("--run_dir={T}/nowhere",),
       "holds no metrics.jsonl; pass the output directory of a bin/train run"),
   Row("tokenizer_not_a_dir", "tokenize", (
