@@ -867,6 +867,15 @@ def test_a_tagged_run_labels_components_and_baseline_units(text_server):
     assert status == 404 and reason in answer["error"]
 
 
+def test_a_run_without_tag_statistics_has_no_labels_or_neurons(server):
+  run = json.loads(_get(server + "/api/runs")[1])[0]
+  assert run["classes"] is None and run["baselines"] == []
+  rows = json.loads(_get(f"{server}/api/runs/0/components")[1])
+  assert "purity" not in rows[0]
+  status, answer = _get_json(f"{server}/api/runs/0/units/layers.1.mlp.neurons")
+  assert status == 404 and "no tag statistics" in answer["error"]
+
+
 def test_a_text_run_in_a_real_browser(text_server, chromium):
   """A typed sentence is answered in text; the component table shows and
   filters by labels; a component's contexts are text with each token's
