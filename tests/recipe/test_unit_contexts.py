@@ -18,14 +18,16 @@ def text_run(harvested):
   path = harvested("text_llama", positions=2 * 8 * 16, batch_size=8,
                    top_k=4, ablation_batches=1)
   harvest = harvest_lib.load_harvest(path)
-  return explore.load_run(path), harvest, unit_contexts.settings_of(
-    harvest.manifest)
+  run = explore.load_run(path)
+  settings = unit_contexts.settings_of(harvest.manifest)
+  # One sample for every test: its two batches compile once.
+  return run, harvest, settings, unit_contexts.top_positions(
+    run, settings, k=3, batches=2)
 
 
 def test_top_positions_are_the_highest_ci_of_the_harvested_batches(
     text_run):
-  run, _, settings = text_run
-  top = unit_contexts.top_positions(run, settings, k=3, batches=2)
+  run, _, settings, top = text_run
   assert set(top) == {s.name for s in run.target.sites} | set(
     harvest_lib.baseline_keys((1,), (1,)))
   n = tokens.open_tokens(settings.data_path).header.num_tokens
@@ -50,8 +52,7 @@ def test_top_positions_are_the_highest_ci_of_the_harvested_batches(
 
 
 def test_contexts_are_windows_of_the_token_file_and_its_tags(text_run):
-  run, _, settings = text_run
-  top = unit_contexts.top_positions(run, settings, k=4, batches=1)
+  _, _, settings, top = text_run
   opened = tokens.open_tokens(settings.data_path)
   stream = tokens.open_tags(opened)
   found = unit_contexts.contexts(top[SITE], 1, opened.ids, stream.ids,
@@ -67,7 +68,7 @@ def test_contexts_are_windows_of_the_token_file_and_its_tags(text_run):
 
 
 def test_labels_are_the_profiles_of_the_harvested_counts(text_run):
-  _, harvest, _ = text_run
+  _, harvest, _, _ = text_run
   fields = harvest.sites[SITE]
   counts = fields["tag_coarse"].sum(axis=0)
   base = fields["tag_base_coarse"].sum(axis=0)
