@@ -13,6 +13,15 @@ targeted run's component page also shows the component's A/B grid: its CI
 at the answer position over every operand pair, from the run's snapshot
 (`report/ab_grid_data.js`, read on its first request, then kept).
 
+A run harvested over a token file with a tag stream is labelled by part of
+speech (`recipe/unit_labels.py`): the table gains each component's top
+class, top tag, purity and lift (sort and filter by them), its page its
+label and contexts as text with each token's tag on hover, and a
+"neurons" view lists the baselines' units (neurons, gates, rotated
+neurons, heads) alike, a unit's page beside the component's. Those
+contexts come from the harvest's first batches streamed again
+(`recipe/unit_contexts.py`), on the first request that needs them.
+
 Requests name runs by their index in `--run_dir` and sites by name; no
 path from a request reaches the file system, and the one file read while
 serving (the A/B grid) is opened only as a regular file of bounded size.

@@ -881,7 +881,10 @@ def test_a_text_run_in_a_real_browser(text_server, chromium):
   filters by labels; a component's contexts are text with each token's
   tag on hover; the neurons view shows a neuron beside the component."""
   from selenium.webdriver.common.by import By  # noqa: PLC0415
-  from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: PLC0415,I001
+  from selenium.webdriver.support.ui import (  # noqa: PLC0415
+    Select,
+    WebDriverWait,
+  )
   wait = WebDriverWait(chromium, 120)
   chromium.get(text_server + "/")
   rows = "#table tbody tr"
