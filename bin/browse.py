@@ -64,6 +64,10 @@ _RUN_DIRS = flags.DEFINE_list(
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to serve on.")
 _PORT = flags.DEFINE_integer("port", 8470, "Port to serve on (0: any free).",
                              lower_bound=0, upper_bound=65535)
+_CONTEXT_BATCHES = flags.DEFINE_integer(
+  "context_batches", unit_contexts.SAMPLE_BATCHES,
+  "A tagged run's contexts with tags come from this many of its harvest's "
+  "first batches, streamed again on the first request.", lower_bound=1)
 
 # Prompts pad to the first of these lengths that holds them.
 BUCKETS = (16, 32, 64, 128, 256)
@@ -550,8 +554,10 @@ def page_html() -> bytes:
     "browse.html").read_bytes()
 
 
-def make_app(runs: list[Served]):
-  """Return the WSGI application serving `runs`."""
+def make_app(runs: list[Served],
+             context_batches: int = unit_contexts.SAMPLE_BATCHES):
+  """Return the WSGI application serving `runs` (a tagged run's contexts
+  from its harvest's first `context_batches` batches)."""
   from werkzeug.exceptions import (  # noqa: PLC0415
     ClientDisconnected,
     HTTPException,
@@ -593,7 +599,7 @@ def make_app(runs: list[Served]):
     with model_lock:
       if index not in samples:
         samples[index] = unit_contexts.top_positions(
-          s.run, s.tagged.settings, CONTEXTS_SHOWN)
+          s.run, s.tagged.settings, CONTEXTS_SHOWN, context_batches)
       return samples[index]
 
   def ab_grid_of(index: int) -> AbGrid | str:
@@ -691,7 +697,8 @@ def make_app(runs: list[Served]):
 def make_server(runs: list[Served], host: str, port: int,
                 listening: socket.socket | None = None,
                 timeout: float = SOCKET_TIMEOUT_S,
-                max_connections: int = MAX_CONNECTIONS):
+                max_connections: int = MAX_CONNECTIONS,
+                context_batches: int = unit_contexts.SAMPLE_BATCHES):
   """Return a threaded server of `runs` on `listening`, or on a socket it
   binds to `host:port` (port 0: any free port; OSError where it cannot).
   Its `port` is the port it serves on."""
@@ -700,8 +707,8 @@ def make_server(runs: list[Served], host: str, port: int,
   if own:
     listening = browse_server.listen(host, port)
   try:
-    return browse_server.make_server(make_app(runs), host, listening,
-                                     timeout, max_connections)
+    return browse_server.make_server(make_app(runs, context_batches), host,
+                                     listening, timeout, max_connections)
   finally:
     if own:
       listening.close()   # the server holds its own copy
@@ -737,7 +744,8 @@ def main(argv: list[str]) -> None:
       runs.append(serve_run(path))
     except (OSError, ValueError) as e:
       fail(f"--run_dir: {e}")
-  server = make_server(runs, host, port, listening)
+  server = make_server(runs, host, port, listening,
+                       context_batches=_CONTEXT_BATCHES.value)
   listening.close()
   shown = f"[{host}]" if ":" in host else host
   print(f"[browse] serving {len(runs)} run(s) on "

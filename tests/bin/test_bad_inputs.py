@@ -797,6 +797,9 @@ ROWS = (
       "rerun bin/harvest --run_dir={T}/r --overwrite to harvest again",
       setup=lambda t: shutil.rmtree(t / "r/harvest/linear1/fired"),
       harvested=True),
+  Row("browse_context_batches_zero", "browse", (
+    "--run_dir={T}/r", "--context_batches=0"), "--context_batches=0",
+    harvested=True),
   Row("gallery_no_run_dir", "gallery", (), "Flag --run_dir must have a value"),
   Row("gallery_not_a_run", "gallery", ("--run_dir={T}/nowhere",),
       "has no flags.txt: pass the output directory of a bin/train run"),
