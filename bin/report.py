@@ -24,16 +24,22 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
+  why = "pass a directory bin/train wrote (its --output_dir)"
   try:
     # A --restarts run reports on its chosen candidate.
     chosen = run_dir.chosen_run(_RUN_DIR.value)
-    # A harvest with tag statistics adds its comparison with the neurons.
+  except ValueError as e:
+    fail(f"--run_dir: {e}; {why}")
+  # A harvest with tag statistics adds its comparison with the neurons.
+  try:
     if tag_report.write(chosen):
       print("[report] compared components with neurons by part of speech")
+  except ValueError as e:
+    fail(f"--run_dir: {e}")
+  try:
     path = report.write_report(chosen)
   except ValueError as e:
-    fail(f"--run_dir: {e}; pass a directory bin/train wrote (its "
-         "--output_dir)")
+    fail(f"--run_dir: {e}; {why}")
   print(f"[report] wrote {path}")
 
 

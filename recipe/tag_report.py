@@ -10,11 +10,12 @@ every unit's purity per site and baseline, which the purity figure draws.
 statistics exists.
 """
 
+import json
 import os
 
 import numpy as np
 
-from decompax.io import report
+from decompax.io import report, tensor_store
 from decompax.io import tag_report as tag_page
 from decompax.losses import tag_metrics
 from decompax.recipe import harvest as harvest_lib
@@ -83,14 +84,25 @@ def record(harvest: harvest_lib.Harvest, seed: int = 0,
 
 def write(run_path: str, n_boot: int = N_BOOT) -> str | None:
   """Return the path of the comparison written beside the run's report
-  (and its figure), or None where the run has no harvest with tag
-  statistics."""
+  (and its figure), or None where the run has no finished harvest with
+  tag statistics; ValueError naming a damaged one."""
+  manifest = os.path.join(run_path, harvest_lib.HARVEST_DIR,
+                          harvest_lib.MANIFEST)
+  # Only a finished harvest with tag statistics is read: another one, even
+  # a damaged one, is no concern of the comparison.
+  try:
+    with open(manifest, encoding="utf-8") as f:
+      tagged = "tags" in json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not tagged:
+    return None
+  again = f"rerun bin/harvest --run_dir={run_path} --overwrite"
   try:
     harvest = harvest_lib.load_harvest(run_path)
-  except ValueError:   # no finished harvest
-    return None
-  if "tags" not in harvest.manifest:
-    return None
+  except tensor_store.StoreError as e:
+    raise ValueError(f"a harvest array cannot be read ({e}); {again}"
+                     ) from None
   directory = os.path.join(run_path, report.REPORT_DIR)
   value = record(harvest, n_boot=n_boot)
   tag_page.plot_purities(value, os.path.join(directory, tag_page.FIGURE))
