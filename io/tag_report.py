@@ -34,6 +34,7 @@ MEASURES = (("median_purity", "median purity"),
 COLOURS = {"components": "#c0392b", "neurons": "#2471a3", "gates": "#7d3c98",
            "rotated": "#7f8c8d", "heads": "#229954"}
 BINS = 20
+PANELS_PER_ROW = 4
 
 
 def write(directory: str, record: Mapping[str, Any]) -> str:
@@ -158,13 +159,14 @@ STYLE = """
 def plot_purities(record: Mapping[str, Any], path: str) -> str:
   """Draw the purity distribution of each unit set per site, components
   beside the baselines (a histogram each, as a share of its units), one
-  panel per site; return the PNG's path."""
+  panel per site, four to a row; return the PNG's path."""
   sites = list(record["purities"])
-  n = max(len(sites), 1)
-  fig = Figure(figsize=(min(4.0 * n, 16.0), 3.2))
+  cols = min(max(len(sites), 1), PANELS_PER_ROW)
+  rows = max(-(-len(sites) // cols), 1)
+  fig = Figure(figsize=(4.0 * cols, 3.2 * rows))
   edges = np.linspace(0, 1, BINS + 1)
   for i, site in enumerate(sites):
-    ax = fig.add_subplot(1, n, i + 1)
+    ax = fig.add_subplot(rows, cols, i + 1)
     sets = record["purities"][site]
     width = (edges[1] - edges[0]) / (len(sets) + 0.5)
     for j, (name, values) in enumerate(sets.items()):
@@ -176,7 +178,7 @@ def plot_purities(record: Mapping[str, Any], path: str) -> str:
     ax.set_title(site, fontsize=8)
     ax.set_xlabel("purity (top class's share)")
     ax.set_xlim(0, 1)
-    if i == 0:
+    if i % cols == 0:
       ax.set_ylabel("share of units")
     ax.legend(fontsize=6)
   fig.tight_layout()
