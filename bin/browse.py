@@ -13,6 +13,15 @@ targeted run's component page also shows the component's A/B grid: its CI
 at the answer position over every operand pair, from the run's snapshot
 (`report/ab_grid_data.js`, read on its first request, then kept).
 
+A run harvested over a token file with a tag stream is labelled by part of
+speech (`analysis/unit_labels.py`): the table gains each component's top
+class, top tag, purity and lift (sort and filter by them), its page its
+label and contexts as text with each token's tag on hover, and a
+"neurons" view lists the baselines' units (neurons, gates, rotated
+neurons, heads) alike, a unit's page beside the component's. Those
+contexts come from the harvest's first batches streamed again
+(`analysis/unit_contexts.py`), on the first request that needs them.
+
 Requests name runs by their index in `--run_dir` and sites by name; no
 path from a request reaches the file system, and the one file read while
 serving (the A/B grid) is opened only as a regular file of bounded size.
@@ -39,11 +48,16 @@ from absl import flags, logging
 
 from decompax.analysis import explore
 from decompax.analysis import harvesting as harvest_lib
+from decompax.analysis import unit_contexts, unit_labels
 from decompax.bin import cli
 from decompax.core import sites as sites_lib
 from decompax.io import ab_grid, harvest_store, hf_checkpoint
 from decompax.io import run_report as report
 from decompax.io import tensor_store
+from decompax.io import tokens as tokens_lib
+
+# A row's label fields in the tables (the rest show on a unit's page).
+LABEL_FIELDS = ("class", "tag", "purity", "lift")
 
 # Not `required`: tests import this module beside other binaries' flags,
 # and a required flag would fail their parses; main checks it instead.
@@ -52,6 +66,10 @@ _RUN_DIRS = flags.DEFINE_list(
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to serve on.")
 _PORT = flags.DEFINE_integer("port", 8470, "Port to serve on (0: any free).",
                              lower_bound=0, upper_bound=65535)
+_CONTEXT_BATCHES = flags.DEFINE_integer(
+  "context_batches", unit_contexts.SAMPLE_BATCHES,
+  "A tagged run's contexts with tags come from this many of its harvest's "
+  "first batches, streamed again on the first request.", lower_bound=1)
 
 # Prompts pad to the first of these lengths that holds them.
 BUCKETS = (16, 32, 64, 128, 256)
@@ -80,6 +98,21 @@ NO_TOKENIZER = ("this run has no tokenizer: type whitespace-separated token "
 Encoder = Callable[[str], list[int]]
 
 
+class Tagged(NamedTuple):
+  """A tagged harvest's part-of-speech view: every unit set's labels by
+  store key (sites and baselines), and the token file and tag stream its
+  contexts are read from."""
+
+  classes: list[str]
+  tags: list[str]
+  coarse_of: list[int]  # each tag's class
+  labels: dict[str, list[dict]]
+  baselines: list[str]
+  settings: harvest_lib.Settings
+  ids: np.ndarray
+  tag_ids: np.ndarray
+
+
 class Served(NamedTuple):
   """One run as the browser serves it."""
 
@@ -94,6 +127,8 @@ class Served(NamedTuple):
   vocab: int | None
   # Models with a tokenizer: how typed text becomes token ids.
   encode: Encoder | None
+  # Harvests of a token file with a tag stream: labels and tagged contexts.
+  tagged: Tagged | None = None
 
 
 class AbGrid(NamedTuple):
@@ -131,8 +166,88 @@ def serve_run(path: str) -> Served:
       run, run.target.feature_probe()).items()}
   vocab = (explore.vocab_size(run) if run.target.token_labels is not None
            else None)
+  tagged = tag_view(harvest)
+  if tagged is not None:
+    rows = [{**r, **{f: tagged.labels[r["site"]][r["component"]][f]
+                     for f in LABEL_FIELDS}} for r in rows]
   return Served(path, run, harvest, rows, token_decoder(run), probe, vocab,
-                text_encoder(run.config.model_dir))
+                text_encoder(run.config.model_dir), tagged)
+
+
+def tag_view(harvest: harvest_lib.Harvest) -> Tagged | None:
+  """Return a tagged harvest's labels and tagged token stream (None for a
+  harvest without tag statistics); ValueError when its token file or tag
+  stream cannot be opened."""
+  if not unit_labels.tagged(harvest):
+    return None
+  settings = unit_contexts.settings_of(harvest.manifest)
+  try:
+    opened = tokens_lib.open_tokens(settings.data_path)
+    stream = tokens_lib.open_tags(opened)
+  except OSError as e:
+    raise ValueError(f"the harvest's token file cannot be read ({e}); "
+                     "restore it or harvest again") from None
+  record = harvest.manifest["tags"]
+  return Tagged(
+    list(record["classes"]), list(record["tags"]),
+    list(record["coarse_of"]),
+    {key: unit_labels.labels(harvest, key)
+     for key in unit_labels.unit_sets(harvest)},
+    list(record.get("baselines", [])), settings, opened.ids, stream.ids)
+
+
+def tag_note(tagged: Tagged, tag: int) -> str:
+  """Return a token's tag as its hover note reads it: `tag (class)`."""
+  return f"tag {tagged.tags[tag]} ({tagged.classes[tagged.coarse_of[tag]]})"
+
+
+def tagged_contexts(served: Served, top: unit_contexts.Top, unit: int,
+                    what: str) -> list[dict]:
+  """Return a unit's contexts over the tagged sample as the page draws
+  them: tokens as text, the position where it is most active shaded, and
+  per token its tag (and the activity, `what`, at that position) on
+  hover."""
+  tagged = served.tagged
+  settings = tagged.settings
+  out = []
+  for x in unit_contexts.contexts(top, unit, tagged.ids, tagged.tag_ids,
+                                  settings.seq_len, settings.before,
+                                  settings.after)[:CONTEXTS_SHOWN]:
+    notes = [tag_note(tagged, t) for t in x.tags]
+    notes[x.focus] += f" · {what} {x.activity:.3g}"
+    out.append({"ci": x.activity,
+                "tokens": [served.decode(i) for i in x.ids],
+                "tags": [tagged.tags[t] for t in x.tags],
+                "shade": [float(i == x.focus) for i in range(len(x.ids))],
+                "notes": notes, "focus": x.focus})
+  return out
+
+
+def unit_rows(served: Served, key: str) -> list[dict]:
+  """Return the table of a baseline's units: their labels and their share
+  of the set's activity."""
+  tagged = served.tagged
+  if tagged is None:
+    raise BadRequest(404, "this run's harvest has no tag statistics: "
+                     "harvest a token file with a tag stream")
+  if key not in tagged.baselines:
+    raise BadRequest(404, f"no baseline {key!r} in this harvest; it has "
+                     f"{', '.join(tagged.baselines) or 'none'}")
+  return [{"key": key, **{f: r[f] for f in ("unit", "activity",
+                                             *LABEL_FIELDS)}}
+          for r in tagged.labels[key]]
+
+
+def unit_page(served: Served, key: str, unit: int,
+              top: dict[str, unit_contexts.Top]) -> dict:
+  """Return what a baseline unit's page shows: its label, heaviest tags
+  and bigrams, and its contexts over the tagged sample."""
+  rows = unit_rows(served, key)
+  if not 0 <= unit < len(rows):
+    raise BadRequest(404, f"{key} has no unit {unit}")
+  label = served.tagged.labels[key][unit]
+  return {"key": key, **label,
+          "contexts": tagged_contexts(served, top[key], unit, "activity")}
 
 
 def load_harvest(path: str) -> harvest_lib.Harvest:
@@ -298,8 +413,11 @@ def alive_ci(ci: dict, length: int, threshold: float) -> dict:
   return out
 
 
-def component_page(served: Served, site: str, component: int) -> dict:
-  """Return what the component page shows."""
+def component_page(served: Served, site: str, component: int,
+                   top: dict[str, unit_contexts.Top] | None = None) -> dict:
+  """Return what the component page shows. A tagged run's page has the
+  component's label, and its contexts are those of the tagged sample
+  (`top`, from `unit_contexts.top_positions`), as a baseline unit's."""
   stats = served.harvest.sites.get(site)
   if stats is None:
     raise BadRequest(404, f"no site {site!r} in this run")
@@ -318,6 +436,12 @@ def component_page(served: Served, site: str, component: int) -> dict:
     if not np.isfinite(values) or values <= threshold:
       continue
     contexts.append(context_item(served.decode, float(values), context, ci))
+  label = {}
+  if served.tagged is not None:
+    label = {"label": served.tagged.labels[site][component]}
+    if top is not None:
+      contexts = [] if dead else tagged_contexts(served, top[site],
+                                                 component, "CI")
   toy = {}
   if site in served.probe:
     spec = sites_lib.site_by_name(served.run.target.sites)[site]
@@ -327,7 +451,7 @@ def component_page(served: Served, site: str, component: int) -> dict:
            "v": [float(x) for x in v[:, component]],
            "u": [float(x) for x in u[component]]}
   return {
-    **row, **toy, "dead": dead, "threshold": threshold,
+    **row, **toy, **label, "dead": dead, "threshold": threshold,
     "contexts": contexts[:CONTEXTS_SHOWN],
     "histogram": {"floor": served.harvest.manifest["histogram_bands"]["floor"],
                   "counts": [int(x) for x in stats["histogram"][component]]},
@@ -432,8 +556,10 @@ def page_html() -> bytes:
     "browse.html").read_bytes()
 
 
-def make_app(runs: list[Served]):
-  """Return the WSGI application serving `runs`."""
+def make_app(runs: list[Served],
+             context_batches: int = unit_contexts.SAMPLE_BATCHES):
+  """Return the WSGI application serving `runs` (a tagged run's contexts
+  from its harvest's first `context_batches` batches)."""
   from werkzeug.exceptions import (  # noqa: PLC0415
     ClientDisconnected,
     HTTPException,
@@ -452,6 +578,10 @@ def make_app(runs: list[Served]):
          endpoint="ab_grid", methods=["GET"]),
     Rule("/api/runs/<int:run>/predict", endpoint="predict",
          methods=["POST"]),
+    Rule("/api/runs/<int:run>/units/<key>", endpoint="units",
+         methods=["GET"]),
+    Rule("/api/runs/<int:run>/units/<key>/<int:unit>", endpoint="unit",
+         methods=["GET"]),
   ])
   # Per run index, its A/B grid or why it has none: read on the first
   # request, then kept, so a request costs a lookup and never a parse.
@@ -460,6 +590,19 @@ def make_app(runs: list[Served]):
   # Requests run on threads; predictions take turns, so that concurrent
   # prompts do not each compile or hold a forward's memory at once.
   model_lock = threading.Lock()
+  # Per tagged run index, every unit's top positions over the sample:
+  # computed on the first request that shows contexts, then kept.
+  samples: dict[int, dict[str, unit_contexts.Top]] = {}
+
+  def sample_of(index: int) -> dict[str, unit_contexts.Top] | None:
+    s = runs[index]
+    if s.tagged is None:
+      return None
+    with model_lock:
+      if index not in samples:
+        samples[index] = unit_contexts.top_positions(
+          s.run, s.tagged.settings, CONTEXTS_SHOWN, context_batches)
+      return samples[index]
 
   def ab_grid_of(index: int) -> AbGrid | str:
     with grids_lock:
@@ -504,13 +647,23 @@ def make_app(runs: list[Served]):
                "tokens": s.run.target.token_labels is not None,
                "divergence": divergence_name(s.run),
                "tokenizer": s.encode is not None,
+               "classes": s.tagged.classes if s.tagged else None,
+               "baselines": s.tagged.baselines if s.tagged else [],
                "ab_grid": os.path.isfile(ab_grid_file(s.name))}
               for i, s in enumerate(runs)]
     s = served(args["run"])
     if endpoint == "components":
       return s.rows
     if endpoint == "component":
-      return component_page(s, args["site"], args["component"])
+      if args["site"] not in s.harvest.sites:
+        raise BadRequest(404, f"no site {args['site']!r} in this run")
+      return component_page(s, args["site"], args["component"],
+                            sample_of(args["run"]))
+    if endpoint == "units":
+      return unit_rows(s, args["key"])
+    if endpoint == "unit":
+      unit_rows(s, args["key"])   # refuses an unknown key before the sample
+      return unit_page(s, args["key"], args["unit"], sample_of(args["run"]))
     if endpoint == "ab_grid":
       return ab_grid_page(ab_grid_of(args["run"]),
                           {x.name: x.c for x in s.run.target.sites},
@@ -546,7 +699,8 @@ def make_app(runs: list[Served]):
 def make_server(runs: list[Served], host: str, port: int,
                 listening: socket.socket | None = None,
                 timeout: float = SOCKET_TIMEOUT_S,
-                max_connections: int = MAX_CONNECTIONS):
+                max_connections: int = MAX_CONNECTIONS,
+                context_batches: int = unit_contexts.SAMPLE_BATCHES):
   """Return a threaded server of `runs` on `listening`, or on a socket it
   binds to `host:port` (port 0: any free port; OSError where it cannot).
   Its `port` is the port it serves on."""
@@ -555,8 +709,8 @@ def make_server(runs: list[Served], host: str, port: int,
   if own:
     listening = browse_server.listen(host, port)
   try:
-    return browse_server.make_server(make_app(runs), host, listening,
-                                     timeout, max_connections)
+    return browse_server.make_server(make_app(runs, context_batches), host,
+                                     listening, timeout, max_connections)
   finally:
     if own:
       listening.close()   # the server holds its own copy
@@ -592,7 +746,8 @@ def main(argv: list[str]) -> None:
       runs.append(serve_run(path))
     except (OSError, ValueError) as e:
       fail(f"--run_dir: {e}")
-  server = make_server(runs, host, port, listening)
+  server = make_server(runs, host, port, listening,
+                       context_batches=_CONTEXT_BATCHES.value)
   listening.close()
   shown = f"[{host}]" if ":" in host else host
   print(f"[browse] serving {len(runs)} run(s) on "

@@ -31,8 +31,10 @@ from absl import flags, logging
 
 from decompax.analysis import explore
 from decompax.analysis import harvesting as harvest_lib
+from decompax.analysis import tag_summary
 from decompax.bin import cli, placement_flags, placement_setup
 from decompax.io import harvest_store, run_dir
+from decompax.io import run_report as report
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 
@@ -215,6 +217,10 @@ def _main(argv: list[str], stop: threading.Event) -> None:
           f"forward ({record['harvest_batches_per_s']:.1f} against "
           f"{record['clean_batches_per_s']:.1f} batches/s)")
   print(f"[harvest] wrote {path}")
+  if "tags" in record:
+    # The run's report gains the comparison with the neurons.
+    tag_summary.write(_RUN_DIR.value)
+    print(f"[harvest] wrote {report.write_report(_RUN_DIR.value)}")
 
 
 def _share_with_absl() -> None:

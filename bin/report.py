@@ -6,6 +6,7 @@ a finished or a running run; open it in any browser.
 
 from absl import flags, logging
 
+from decompax.analysis import tag_summary
 from decompax.bin import cli
 from decompax.io import run_dir
 from decompax.io import run_report as report
@@ -24,12 +25,22 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
+  why = "pass a directory bin/train wrote (its --output_dir)"
   try:
     # A --restarts run reports on its chosen candidate.
-    path = report.write_report(run_dir.chosen_run(_RUN_DIR.value))
+    chosen = run_dir.chosen_run(_RUN_DIR.value)
   except ValueError as e:
-    fail(f"--run_dir: {e}; pass a directory bin/train wrote (its "
-         "--output_dir)")
+    fail(f"--run_dir: {e}; {why}")
+  # A harvest with tag statistics adds its comparison with the neurons.
+  try:
+    if tag_summary.write(chosen):
+      print("[report] compared components with neurons by part of speech")
+  except ValueError as e:
+    fail(f"--run_dir: {e}")
+  try:
+    path = report.write_report(chosen)
+  except ValueError as e:
+    fail(f"--run_dir: {e}; {why}")
   print(f"[report] wrote {path}")
 
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from decompax.io import figures, run_dir
+from decompax.io import figures, run_dir, tag_report
 
 REPORT_DIR = "report"
 INDEX = "index.html"
@@ -420,11 +420,13 @@ def render_html(
   generated: str,
   hidden_figures: Sequence[tuple[str, str]] = (),
   ab_grid_page: bool = True,
+  tag_section: str = "",
 ) -> str:
   """Return the page: `latest` as `(title, record)` scalar tables, `curves`,
   `figure_list` and a dual-role CI function's `hidden_figures` as
   `(relative src, caption)`, the optional LM table; `ab_grid_page`: a
-  targeted run's A/B grid page is there to link to."""
+  targeted run's A/B grid page is there to link to; `tag_section` the
+  part-of-speech comparison's HTML (`io/tag_report`), if any."""
   sections = [f"<h1>{_esc(title)}</h1><p>Generated {_esc(generated)}.</p>"]
   if latest:
     name, record = latest[0]
@@ -448,10 +450,12 @@ def render_html(
         _figure(src, caption) for src, caption in hidden_figures) + "</div>")
   if table:
     sections.append(_component_section(table))
+  if tag_section:
+    sections.append(tag_section)
   sections.append(f"<h2>Flags</h2><pre>{_esc(flags_text)}</pre>")
   return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
           f"<title>{_esc(title)}</title><link rel=\"icon\" href=\"data:,\">"
-          f"<style>{_STYLE}</style></head>"
+          f"<style>{_STYLE}{tag_report.STYLE}</style></head>"
           f"<body>{''.join(sections)}</body></html>\n")
 
 
@@ -518,9 +522,14 @@ def write_report(run: run_dir.Path) -> str:
   if target:
     title += f" ({target[0]})"
   figure_list, hidden_figures = _figure_files(run)
+  tags = tag_report.read(directory)
   page = render_html(title, flags_text,
                      _latest(records), curves, figure_list, table,
                      generated, hidden_figures,
-                     os.path.isfile(os.path.join(directory, "ab_grid.html")))
+                     os.path.isfile(os.path.join(directory, "ab_grid.html")),
+                     "" if tags is None else tag_report.section_html(
+                       tags, tag_report.FIGURE if os.path.isfile(
+                         os.path.join(directory, tag_report.FIGURE))
+                       else None))
   return run_dir.write_run_file(os.path.join(directory, INDEX),
                                 lambda f: f.write(page.encode("utf-8")))

@@ -329,7 +329,23 @@ RECIPES = {
                  f"--model_dir={RUN_ROOT / 'tests' / 'fixtures' / 'tiny_llama'}",
                  "--batch_size=8", "--seq_len=16", "--c=8",
                  "--data_path={tokens}"),
+  # `{model}`, `{tokens}`: a tiny Llama with a BPE tokenizer and a tagged
+  # token file of English-like sentences (`_text_model`): a text run with
+  # part-of-speech statistics, its MLP and attention output decomposed.
+  "text_llama": (f"--flagfile={RUN_ROOT / 'flags' / 'tiny_llama.flags'}",
+                 "--model_dir={model}", "--data_path={tokens}",
+                 "--sites=layers.1.mlp.*,layers.1.self_attn.o_proj",
+                 "--batch_size=8", "--seq_len=16", "--c=8"),
 }
+# Each word of the text run's sentences has one Brown tag.
+TEXT_LEXICON = {"the": "at", "a": "at", "dog": "nn", "cat": "nn",
+                "house": "nn", "runs": "vbz", "saw": "vbd", "sleeps": "vbz",
+                "quickly": "rb", "big": "jj", "red": "jj", "she": "pps",
+                "and": "cc", "in": "in", "two": "cd", "dogs": "nns", ".": "."}
+TEXT_SENTENCES = (("the", "big", "dog", "runs", "quickly", "."),
+                  ("she", "saw", "a", "red", "cat", "in", "the", "house", "."),
+                  ("the", "cat", "sleeps", "and", "the", "dog", "runs", "."),
+                  ("two", "red", "dogs", "saw", "she", "."))
 
 
 def _token_file(path) -> str:
@@ -341,10 +357,51 @@ def _token_file(path) -> str:
   return str(path)
 
 
-def _train_short_run(name: str, home: pathlib.Path, tokens: str) -> None:
+def _text_model(directory: pathlib.Path) -> dict[str, str]:
+  """Write a text model into `directory`: a byte-level BPE tokenizer
+  trained on `TEXT_SENTENCES`, a tiny Llama of random weights beside it
+  (`text_lm`'s `tiny` preset), and a tagged token file of 24 documents of
+  those sentences; return the paths as `RECIPES`' fields."""
+  from decompax.io import hf_checkpoint, tokens  # noqa: PLC0415
+  from decompax.targets import brown, glu_target, text_lm  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  documents = {
+    f"d{i:02d}": [[(w, TEXT_LEXICON[w]) for w in TEXT_SENTENCES[j]]
+                  for j in rng.integers(0, len(TEXT_SENTENCES), 4)]
+    for i in range(24)}
+  texts = [brown.document_text(d).text for d in documents.values()]
+  tokenizer = brown.train_bpe(texts * 4, 300)
+  model = directory / "model"
+  preset = text_lm.PRESETS["tiny"]
+  weights = text_lm.init(jax.random.key(0), preset)
+  hf_checkpoint.write_llama_checkpoint(
+    str(model), glu_target.weights_to_arrays(jax.device_get(weights)),
+    text_lm.model_config(preset), {"bos_token_id": None,
+                                   "pad_token_id": None, "eos_token_id": 0})
+  hf_checkpoint.write_tokenizer_json(str(model), tokenizer.to_str(),
+                                     brown.EOS_TOKEN)
+  tags = brown.tag_vocabulary(documents.values())
+  tag_ids = {t: i for i, t in enumerate(tags)}
+  tagged = []
+  for name, document in documents.items():
+    text = brown.document_text(document)
+    encoded = tokenizer.encode(text.text, add_special_tokens=False)
+    starts = np.asarray([start for start, _ in encoded.offsets], np.int64)
+    tagged.append(tokens.TaggedDocument(
+      name, np.asarray(encoded.ids), brown.token_tags(text, starts, tag_ids),
+      brown.sentence_tokens(text, starts)))
+  path = directory / "text.bin"
+  tokens.write_tagged_tokens(
+    path, tagged, tags, brown.EOS_TAG, tokenizer.get_vocab_size(),
+    tokenizer.token_to_id(brown.EOS_TOKEN), str(model))
+  return {"model": str(model), "tokens": str(path)}
+
+
+def _train_short_run(name: str, home: pathlib.Path, tokens: str,
+                     **paths: str) -> None:
   """Train `RECIPES[name]` into `home/name` on the token file `tokens`."""
   home.mkdir()
-  args = [a.format(tokens=tokens) for a in RECIPES[name]]
+  args = [a.format(tokens=tokens, **paths) for a in RECIPES[name]]
   done = subprocess.run(
     [sys.executable, "-P", str(RUN_ROOT / "bin" / "train"), *args, *SHORT,
      f"--output_dir={home / name}"], cwd=RUN_ROOT, capture_output=True,
@@ -367,8 +424,14 @@ def _shared_short_run(name: str) -> pathlib.Path:
     if not home.is_dir():
       scratch = shared / f"{name}.{os.getpid()}"
       shutil.rmtree(scratch, ignore_errors=True)
-      tokens = _token_file(shared / f"{name}.tokens.bin")
-      _train_short_run(name, scratch, tokens)
+      if name == "text_llama":
+        made = shared / f"{name}.data"
+        shutil.rmtree(made, ignore_errors=True)
+        made.mkdir()
+        paths = _text_model(made)
+      else:
+        paths = {"tokens": _token_file(shared / f"{name}.tokens.bin")}
+      _train_short_run(name, scratch, **paths)
       scratch.rename(home)
   return home
 

@@ -216,6 +216,17 @@ def _run_copy(name: str, then: Callable[[pathlib.Path], object] = None):
   return setup
 
 
+def _tagged_without_tag_arrays(t):
+  """Mark {T}/r's finished harvest as one with tag statistics, which it
+  lacks the arrays of."""
+  path = t / "r" / "harvest" / "manifest.json"
+  manifest = json.loads(path.read_text())
+  manifest["tags"] = {"tags": ["<eos>"], "classes": ["boundary"],
+                      "coarse_of": [0], "groups": 1, "documents": ["d"],
+                      "baselines": []}
+  path.write_text(json.dumps(manifest))
+
+
 def _tags_of_another_file(t):
   """Leave {T}/k.bin (21 ids) beside the tag stream of an earlier k.bin
   (11 ids)."""
@@ -750,6 +761,9 @@ ROWS = (
       "is not a run directory (no flags.txt)"),
   Row("report_positional", "report", ("--run_dir={T}", "extra"),
       "unexpected argument 'extra'"),
+  Row("report_tagged_harvest_array_deleted", "report", ("--run_dir={T}/r",),
+      "a harvest array cannot be read", setup=_tagged_without_tag_arrays,
+      harvested=True),
   Row("harvest_no_run_dir", "harvest", (), "Flag --run_dir must have a value"),
   Row("harvest_not_a_run", "harvest", ("--run_dir={T}/nowhere",),
       "has no flags.txt: pass the output directory of a bin/train run"),
@@ -807,6 +821,19 @@ ROWS = (
       "rerun bin/harvest --run_dir={T}/r --overwrite to harvest again",
       setup=lambda t: shutil.rmtree(t / "r/harvest/linear1/fired"),
       harvested=True),
+  Row("browse_context_batches_zero", "browse", (
+    "--run_dir={T}/r", "--context_batches=0"), "--context_batches=0",
+    harvested=True),
+  Row("gallery_no_run_dir", "gallery", (), "Flag --run_dir must have a value"),
+  Row("gallery_not_a_run", "gallery", ("--run_dir={T}/nowhere",),
+      "has no flags.txt: pass the output directory of a bin/train run"),
+  Row("gallery_positional", "gallery", ("--run_dir={T}", "extra"),
+      "unexpected argument 'extra'"),
+  Row("gallery_harvest_without_tags", "gallery", ("--run_dir={T}/r",),
+      "the harvest has no tag statistics: harvest a token file with a tag "
+      "stream", harvested=True, untouched=True),
+  Row("gallery_count_zero", "gallery", ("--run_dir={T}/r", "--count=0"),
+      "--count=0", harvested=True),
   Row("tensorboard_not_a_run", "tensorboard", ("--run_dir={T}/nowhere",),
       "holds no metrics.jsonl; pass the output directory of a bin/train run"),
   Row("tokenizer_not_a_dir", "tokenize", (

@@ -821,3 +821,120 @@ def test_a_run_without_a_tokenizer_refuses_text(tmp_path):
   assert browse.text_encoder(str(tmp_path)) is None   # no tokenizer files
   assert browse.parse_prompt("0 4", VOCAB, None) == [0, 4]
   assert _refusal("the cat", None) == (400, browse.NO_TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def text_server(harvested):
+  """Serve the text run: a tiny Llama with a BPE tokenizer, harvested over
+  a tagged token file (part-of-speech labels, neurons and heads)."""
+  path = harvested("text_llama", positions=2 * 8 * 16, batch_size=8,
+                   top_k=4, ablation_batches=1)
+  with _serving(browse.serve_run(path)) as httpd:
+    yield f"http://127.0.0.1:{httpd.port}"
+
+
+def test_a_tagged_run_labels_components_and_baseline_units(text_server):
+  """Every component row carries its label; the baselines' tables and
+  pages give the same labels, with tagged contexts; an unknown set or unit
+  is a 404 naming what there is."""
+  run = json.loads(_get(text_server + "/api/runs")[1])[0]
+  assert run["classes"][0] == "noun" and run["tokenizer"]
+  assert run["baselines"] == [
+    "layers.1.mlp.neurons", "layers.1.mlp.gates", "layers.1.mlp.rotated",
+    "layers.1.self_attn.heads"]
+  rows = json.loads(_get(f"{text_server}/api/runs/0/components")[1])
+  alive = [r for r in rows if r["class"] is not None]
+  assert alive and all(r["class"] in run["classes"] for r in alive)
+  assert all(0 < r["purity"] <= 1 and r["lift"] > 0 for r in alive)
+  heads = json.loads(_get(
+    f"{text_server}/api/runs/0/units/layers.1.self_attn.heads")[1])
+  assert [r["unit"] for r in heads] == [0, 1]   # the tiny preset's 2 heads
+  assert sum(r["activity"] for r in heads) == pytest.approx(1.0)
+  neurons = json.loads(_get(
+    f"{text_server}/api/runs/0/units/layers.1.mlp.neurons")[1])
+  busiest = max(neurons, key=lambda r: r["activity"])
+  page = json.loads(_get(f"{text_server}/api/runs/0/units/"
+                         f"layers.1.mlp.neurons/{busiest['unit']}")[1])
+  assert page["class"] == busiest["class"] and page["top_tags"]
+  assert page["contexts"]
+  for x in page["contexts"]:
+    assert len(x["tokens"]) == len(x["tags"]) == len(x["notes"])
+    assert all(note.startswith("tag ") for note in x["notes"])
+    assert "activity" in x["notes"][x["focus"]]
+    assert "".join(x["tokens"]).strip()   # text, not ids
+  for url, reason in (("units/layers.9.mlp.neurons", "no baseline"),
+                      ("units/layers.1.mlp.neurons/100000", "has no unit")):
+    status, answer = _get_json(f"{text_server}/api/runs/0/{url}")
+    assert status == 404 and reason in answer["error"]
+
+
+def test_a_run_without_tag_statistics_has_no_labels_or_neurons(server):
+  run = json.loads(_get(server + "/api/runs")[1])[0]
+  assert run["classes"] is None and run["baselines"] == []
+  rows = json.loads(_get(f"{server}/api/runs/0/components")[1])
+  assert "purity" not in rows[0]
+  status, answer = _get_json(f"{server}/api/runs/0/units/layers.1.mlp.neurons")
+  assert status == 404 and "no tag statistics" in answer["error"]
+
+
+def test_a_text_run_in_a_real_browser(text_server, chromium):
+  """A typed sentence is answered in text; the component table shows and
+  filters by labels; a component's contexts are text with each token's
+  tag on hover; the neurons view shows a neuron beside the component."""
+  from selenium.webdriver.common.by import By  # noqa: PLC0415
+  from selenium.webdriver.support.ui import (  # noqa: PLC0415
+    Select,
+    WebDriverWait,
+  )
+  wait = WebDriverWait(chromium, 120)
+  chromium.get(text_server + "/")
+  rows = "#table tbody tr"
+  wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, rows))
+  total = len(chromium.find_elements(By.CSS_SELECTOR, rows))
+
+  def cells(index):
+    return [r.find_elements(By.TAG_NAME, "td")[index].text
+            for r in chromium.find_elements(By.CSS_SELECTOR, rows)]
+
+  Select(chromium.find_element(By.ID, "class")).select_by_visible_text(
+    "noun")
+  assert set(cells(5)) == {"noun"} and len(cells(5)) < total
+  purity = chromium.find_element(By.ID, "min-purity")
+  purity.clear()
+  purity.send_keys("0.3")
+  assert all(float(p) >= 0.3 for p in cells(7))
+  Select(chromium.find_element(By.ID, "class")).select_by_index(0)
+  purity.clear()
+  chromium.find_element(By.CSS_SELECTOR, 'th[data-key="purity"]').click()
+  shown = [float(p) for p in cells(7) if p != "–"]
+  assert shown == sorted(shown, reverse=True)
+  site = chromium.find_elements(By.CSS_SELECTOR, rows)[0]
+  box = _open_component(chromium, site.get_attribute("data-site"),
+                        int(site.get_attribute("data-c")))
+  assert "purity" in box.find_element(By.CLASS_NAME, "label").text
+  wait.until(lambda d: box.find_elements(By.CSS_SELECTOR, "td.token"))
+  token = box.find_elements(By.CSS_SELECTOR, "td.token")[0]
+  assert token.get_attribute("title").startswith(
+    f"tag {token.get_attribute('data-tag')} (")
+  Select(chromium.find_element(By.ID, "view")).select_by_value("units")
+  unit_rows = "#units-table tbody tr"
+  wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, unit_rows))
+  assert not chromium.find_element(By.ID, "table").is_displayed()
+  chromium.find_elements(By.CSS_SELECTOR, unit_rows)[0].click()
+  unit = wait.until(lambda d: d.execute_script(
+    "const b = document.getElementById('unit');"
+    "return b.querySelector('td.token') ? b : null;"))
+  assert "layers.1.mlp.neurons u" in unit.text and "purity" in unit.text
+  assert unit.find_elements(By.CSS_SELECTOR, "td.token[data-tag]")
+  # Side by side: the component's page stays beside the neuron's.
+  assert chromium.execute_script(
+    "const c = document.getElementById('component').getBoundingClientRect();"
+    "const u = document.getElementById('unit').getBoundingClientRect();"
+    "return u.left >= c.right && c.width > 0;")
+  prompt = chromium.find_element(By.ID, "prompt")
+  assert prompt.get_attribute("placeholder").startswith("text")
+  prompt.send_keys("the big dog runs")
+  chromium.find_element(By.ID, "run-prompt").click()
+  table = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
+                                               ".predictions"))[0]
+  assert "dog" in table.text and "258" not in table.text

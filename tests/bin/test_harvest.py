@@ -143,3 +143,22 @@ def test_a_stop_signal_saves_the_harvest_and_exits_for_a_requeue(
   assert sorted(os.listdir(out)) == [run_dir.LOCK_FILE,
                                      harvest_store.STATE_FILE]
   assert run_dir.load_arrays(state)[1]["done"] == int(said[1])
+
+
+def test_a_tagged_harvest_adds_the_comparison_to_the_report(
+    finished_run, parse, tmp_path, capsys):
+  """Over a token file with a tag stream, the run's report gains the
+  comparison of components with neurons, and its figure."""
+  from decompax.io import tag_report  # noqa: PLC0415
+  run_path = tmp_path / "run"
+  shutil.copytree(finished_run("text_llama"), run_path,
+                  ignore=shutil.ignore_patterns(harvest_store.HARVEST_DIR,
+                                                "report"))
+  parse(f"--run_dir={run_path}", "--positions=128", "--batch_size=8",
+        "--top_k=2", "--ablation_batches=0", "--save_every_s=0")
+  harvest.main(["harvest"])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[-1] == f"[harvest] wrote {run_path}/report/index.html"
+  page = (run_path / "report" / "index.html").read_text()
+  assert "Part of speech: components against neurons" in page
+  assert (run_path / "report" / tag_report.FIGURE).is_file()

@@ -11,7 +11,7 @@ import pytest
 
 from decompax.bin import checkpointing, placement_setup, restarts, train
 from decompax.io import load_decomposition, run_dir
-from decompax.recipe import explore
+from decompax.analysis import explore
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,110 @@
+"""The report's part-of-speech comparison of components with neurons, from
+a run's tagged harvest (`docs/tag_profiles.md`).
+
+`record(harvest)` turns `tag_comparison.comparisons` into the JSON the
+report page reads (`io/tag_report.py`): per site and for the total, per
+baseline, both unit sets' summaries, weighted by activity and unweighted,
+and the bootstrap interval of each difference components − baseline; and
+every unit's purity per site and baseline, which the purity figure draws.
+`write(run_path)` stores both beside the report, where a harvest with tag
+statistics exists.
+"""
+
+import json
+import os
+
+import numpy as np
+
+from decompax.analysis import harvesting as harvest_lib
+from decompax.analysis import tag_comparison
+from decompax.io import run_report as report
+from decompax.io import tag_report as tag_page
+from decompax.io import tensor_store
+from decompax.losses import tag_metrics
+
+# Bootstrap resamples of the report's intervals.
+N_BOOT = 1000
+WEIGHTINGS = ("weighted", "unweighted")
+
+
+def _value(x: float) -> float | None:
+  return float(x) if np.isfinite(x) else None
+
+
+def _summary(summary: tag_metrics.Summary) -> dict:
+  return {"units": summary.units,
+          **{name: _value(getattr(summary, name))
+             for name in tag_metrics.SCALARS},
+          "coverage": [int(x) for x in summary.coverage]}
+
+
+def _interval(interval: tag_metrics.Interval) -> list:
+  return [_value(interval.estimate), _value(interval.low),
+          _value(interval.high)]
+
+
+def _purities(coarse: np.ndarray) -> list[float]:
+  """Return the purity of each unit with activity (from its per-group
+  class counts `[g, u, k]`), rounded for the page."""
+  share, _ = tag_metrics.purity(np.asarray(coarse).sum(axis=0))
+  return [round(float(x), 4) for x in share[np.isfinite(share)]]
+
+
+def record(harvest: harvest_lib.Harvest, seed: int = 0,
+           n_boot: int = N_BOOT) -> dict:
+  """Return the comparison as the report stores it (ValueError for a
+  harvest without tag statistics)."""
+  rows = []
+  for row in tag_comparison.comparisons(harvest, seed, n_boot):
+    c = row.comparison
+    rows.append({
+      "site": row.site, "baseline": row.baseline,
+      "components": {w: _summary(c.a[w]) for w in WEIGHTINGS},
+      "units": {w: _summary(c.b[w]) for w in WEIGHTINGS},
+      "difference": {w: {name: _interval(c.difference[w][name])
+                         for name in tag_metrics.SCALARS}
+                     for w in WEIGHTINGS}})
+  purities: dict[str, dict[str, list[float]]] = {}
+  for site, fields in harvest.sites.items():
+    pairs = [(kind, key) for kind, key in tag_comparison.baselines_of(site)
+             if key in harvest.baselines]
+    if not pairs:
+      continue
+    # The components the comparison counts: those that fired.
+    alive = fields["tag_coarse"][:, fields["fired"] > 0]
+    purities[site] = {"components": _purities(alive), **{
+      kind: _purities(harvest.baselines[key]["tag_coarse"])
+      for kind, key in pairs}}
+  tags = harvest.manifest["tags"]
+  return {"classes": list(tags["classes"]), "n_boot": n_boot,
+          "documents": len(tags["documents"]),
+          "groups": int(tags["groups"]),
+          "positions": int(harvest.manifest["positions"]),
+          "rows": rows, "purities": purities}
+
+
+def write(run_path: str, n_boot: int = N_BOOT) -> str | None:
+  """Return the path of the comparison written beside the run's report
+  (and its figure), or None where the run has no finished harvest with
+  tag statistics; ValueError naming a damaged one."""
+  manifest = os.path.join(run_path, harvest_store.HARVEST_DIR,
+                          harvest_store.MANIFEST)
+  # Only a finished harvest with tag statistics is read: another one, even
+  # a damaged one, is no concern of the comparison.
+  try:
+    with open(manifest, encoding="utf-8") as f:
+      tagged = "tags" in json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not tagged:
+    return None
+  again = f"rerun bin/harvest --run_dir={run_path} --overwrite"
+  try:
+    harvest = harvest_lib.load_harvest(run_path)
+  except tensor_store.StoreError as e:
+    raise ValueError(f"a harvest array cannot be read ({e}); {again}"
+                     ) from None
+  directory = os.path.join(run_path, report.REPORT_DIR)
+  value = record(harvest, n_boot=n_boot)
+  tag_page.plot_purities(value, os.path.join(directory, tag_page.FIGURE))
+  return tag_page.write(directory, value)

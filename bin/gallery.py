@@ -1,0 +1,77 @@
+"""Write a README gallery of a run's components: `bin/gallery --run_dir=D`.
+
+Picks components from the run's tagged harvest by the rule of
+`analysis/gallery_picks.py` (stated at the gallery's head) and prints each as a
+markdown entry: its label (top coarse class and tag, purity, lift) and
+three top contexts as text, decoded by the run's tokenizer. `--output`
+writes the markdown to a file instead.
+"""
+
+import os
+
+from absl import flags, logging
+
+from decompax.analysis import explore
+from decompax.analysis import gallery_picks as gallery_lib
+from decompax.analysis import harvesting as harvest_lib
+from decompax.bin import cli, tokens_text
+from decompax.io import run_dir
+
+_RUN_DIR = flags.DEFINE_string(
+  "run_dir", None, "Run directory with a finished harvest of a token file "
+  "with a tag stream (bin/harvest).", required=True)
+_OUTPUT = flags.DEFINE_string(
+  "output", None, "Write the markdown here (default: print it).")
+_COUNT = flags.DEFINE_integer("count", gallery_lib.COUNT,
+                              "Components in the gallery.", lower_bound=1)
+_PER_CLASS = flags.DEFINE_integer(
+  "per_class", gallery_lib.PER_CLASS,
+  "At most this many components of one coarse class.", lower_bound=1)
+_ACTIVE = flags.DEFINE_float(
+  "active", gallery_lib.ACTIVE, "Candidates hold at least this multiple of "
+  "their site's mean share of its CI.", lower_bound=0.0)
+_CONTEXTS = flags.DEFINE_integer("contexts", gallery_lib.CONTEXTS,
+                                 "Top contexts per entry.", lower_bound=1)
+
+
+def fail(message: str) -> None:
+  """Print a one-line error and exit non-zero."""
+  cli.fail("gallery", message)
+
+
+def main(argv: list[str]) -> None:
+  logging.set_verbosity(logging.WARNING)
+  if len(argv) > 1:
+    fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
+  path = _RUN_DIR.value
+  try:
+    # The flags first: a directory that is no run is said as such.
+    model_dir = explore.run_config(path).model_dir
+    harvest = harvest_lib.load_harvest(path)
+  except (OSError, ValueError) as e:
+    fail(f"--run_dir: {e}")
+  decode = tokens_text.token_decoder(model_dir) if model_dir else str
+  try:
+    text = gallery_lib.gallery_markdown(
+      harvest, os.path.basename(os.path.abspath(path)), decode,
+      _COUNT.value, _PER_CLASS.value, _ACTIVE.value, _CONTEXTS.value)
+  except ValueError as e:
+    fail(f"--run_dir: {e}")
+  if _OUTPUT.value is None:
+    print(text, end="")
+    return
+  try:
+    run_dir.atomic_write(_OUTPUT.value,
+                         lambda f: f.write(text.encode("utf-8")))
+  except OSError as e:
+    fail(f"--output: {e}")
+  print(f"[gallery] wrote {_OUTPUT.value}")
+
+
+def entry() -> None:
+  """Launch the absl app (used by the `bin/gallery` launcher)."""
+  cli.launch("gallery", main)
+
+
+if __name__ == "__main__":
+  entry()
