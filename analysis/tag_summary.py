@@ -17,6 +17,7 @@ import numpy as np
 
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import tag_comparison
+from decompax.io import harvest_store
 from decompax.io import run_report as report
 from decompax.io import tag_report as tag_page
 from decompax.io import tensor_store
