@@ -382,6 +382,35 @@ def _run_segment(
   return h, ys
 
 
+def _parsed_taps(wanted: tuple[str, ...], n_layers: int,
+                 first: int) -> dict[str, tuple[str, int]]:
+  """Return each wanted tap's `(stream, layer)`; ValueError for one below
+  the residual start at block `first` (I28)."""
+  parsed = {key: parse_tap(key, n_layers) for key in wanted}
+  below = [k for k, (_, layer) in parsed.items() if layer < first]
+  if below:
+    raise ValueError(f"taps {below} lie below the residual start at block "
+                     f"{first} (I28)")
+  return parsed
+
+
+def _gathered_taps(
+  parsed: dict[str, tuple[str, int]], boundary: dict[int, Array],
+  stream_values: dict[tuple[int, int], dict[str, Array]],
+) -> dict[str, Array]:
+  """Return each parsed tap: a residual at a segment boundary as it is,
+  any other stream from its segment's stacked scan outputs."""
+  taps = {}
+  for key, (stream, layer) in parsed.items():
+    if stream == "resid" and layer in boundary:
+      taps[key] = boundary[layer]
+      continue
+    for (lo, hi), ys in stream_values.items():
+      if lo <= layer < hi:
+        taps[key] = ys[stream][layer - lo]
+  return taps
+
+
 def forward(
   weights: GluWeights,
   tokens: Int[Array, "b t"],
@@ -400,12 +429,8 @@ def forward(
   """
   config, seg = spec.config, spec.segments
   check_segments(weights, seg)
-  parsed = {key: parse_tap(key, config.n_layers) for key in wanted}
   first = 0 if start is None else seg.split
-  below = [k for k, (_, layer) in parsed.items() if layer < first]
-  if below:
-    raise ValueError(f"taps {below} lie below the residual start at block "
-                     f"{first} (I28)")
+  parsed = _parsed_taps(wanted, config.n_layers, first)
   rope = rope_tables(config, tokens.shape[1])
   boundary = {}
   if start is None:
@@ -436,14 +461,7 @@ def forward(
       tuple(layer for _, layer in emitted))
     boundary[hi] = h
     stream_values[(lo, hi)] = ys
-  taps = {}
-  for key, (stream, layer) in parsed.items():
-    if stream == "resid" and layer in boundary:
-      taps[key] = boundary[layer]
-      continue
-    for (lo, hi), ys in stream_values.items():
-      if lo <= layer < hi:
-        taps[key] = ys[stream][layer - lo]
+  taps = _gathered_taps(parsed, boundary, stream_values)
   head = weights.embed if weights.head is None else weights.head
   x = rms_norm(h, weights.norm, config.rms_eps)
   logits = jnp.einsum("btd,vd->btv", x, head)
