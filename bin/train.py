@@ -298,7 +298,7 @@ def open_token_data(config, toy):
   """Return an LM run's token files, or a targeted run's streams' (None:
   batches sampled in the step)."""
   if streams.is_targeted(config):
-    return streams.open_data(config, lm.token_model(config, toy).vocab_size)
+    return streams.open_data(config, toy.token_model.vocab_size)
   if not lm.is_lm(config):
     return None
   return token_data.open_data(config, toy.config.vocab_size)
