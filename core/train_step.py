@@ -12,6 +12,9 @@ on stop-gradient copies (adversary warmup ascents, fresh PGD); ONE backward of
 the coefficiented objective with respect to the prepared values and the
 terms' inputs; the VJP pulls the prepared cotangents back to θ; each term's
 `finish` consumes its input gradients (the final ascent); then the updates.
+Each stage is a top-level function over the step's `StepPlan` (what
+`make_train_step` derives once from its settings), composed by `run_step`,
+so each can be run and tested alone.
 
 Targeted decomposition (SPEC §6.6) runs several named *streams* in the one
 step: each has its own batch, clean pass, CI and terms (`LossTerm.stream`),
