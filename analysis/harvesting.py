@@ -350,8 +350,7 @@ def _layer_o(weights: glu_lm.GluWeights, layer: int) -> jax.Array:
 
 def n_heads(run: explore.LoadedRun) -> int:
   """Return the attention heads of a GLU run's model."""
-  toy = assembly.resolve_target(run.config)[0]
-  return lm.token_model(run.config, toy).n_heads
+  return assembly.resolve_target(run.config).record.token_model.n_heads
 
 
 def _mlp_taps(layers: tuple[int, ...]) -> tuple[str, ...]:

@@ -60,8 +60,9 @@ def build(config, layer: int):
   terms), built once, and its abstract frozen weights."""
   import jax
   import jax.numpy as jnp
-  from decompax.recipe import assembly, lm
+  from decompax.recipe import assembly
   from decompax.targets import glu_config, glu_lm, glu_target
+  from decompax.targets import record as target_record
 
   glu = glu_config.config_from_hf(json.loads(CONFIG_JSON.read_text()))
   names = tuple(glu_lm.site_name(layer, r) for r in ("gate", "up", "down"))
@@ -81,7 +82,8 @@ def build(config, layer: int):
     return jax.random.randint(key, (batch_size, config.seq_len), 0,
                               glu.vocab_size, jnp.int32)
 
-  toy = lm.LmTarget("llama-3.1-8b", glu, sample_inputs)
+  toy = target_record.Target(name="llama-3.1-8b",
+                             sample_inputs=sample_inputs, token_model=glu)
   return assembly.parts(config, toy, target), weights
 
 

@@ -21,9 +21,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Key
 
 from decompax.core.sites import SiteSpec
-from decompax.recipe import assembly, lm
+from decompax.recipe import assembly
 from decompax.recipe.config import TrainConfig
 from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import record as target_record
 
 
 def random_weights(key: Key[Array, ""], model: glu_config.GluConfig,
@@ -74,5 +75,7 @@ def build_run(config: TrainConfig, model: glu_config.GluConfig,
     return jax.random.randint(key, (batch_size, config.seq_len), 0,
                               model.vocab_size, jnp.int32)
 
-  record = lm.LmTarget(f"random_{model.family}", model, sample_inputs)
+  record = target_record.Target(name=f"random_{model.family}",
+                                sample_inputs=sample_inputs,
+                                token_model=model)
   return assembly.build_run(config, record, target, weights)

@@ -301,10 +301,10 @@ def open_token_data(config, toy):
   """Return an LM run's token files, or a targeted run's streams' (None:
   batches sampled in the step)."""
   if streams.is_targeted(config):
-    return streams.open_data(config, lm.token_model(config, toy).vocab_size)
+    return streams.open_data(config, toy.token_model.vocab_size)
   if not lm.is_lm(config):
     return None
-  return token_data.open_data(config, toy.config.vocab_size)
+  return token_data.open_data(config, toy.token_model.vocab_size)
 
 
 def train(prepared: Prepared):
@@ -325,7 +325,7 @@ def train(prepared: Prepared):
                        checkpointing.warmup_between(session))
   checkpointing.after_warmup(session, run.state)
   print_warmup(config, run.warmup_losses)
-  print(f"[train] {parts.toy.name}: sites "
+  print(f"[train] {parts.record.name}: sites "
         f"{', '.join(s.name for s in parts.target.sites)}; C={config.c}; "
         f"terms {', '.join(parts.term_names)}")
   first = int(jax.device_get(run.state.step))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Key
 
+from decompax.core import attention as attention_lib
 from decompax.core.sites import SiteSpec
 
 RMS_EPS = 2.0**-23
@@ -188,20 +189,7 @@ def rope_inv_freq(head_dim: int) -> Float[Array, " half"]:
 
 def rms(x: Float[Array, "*s d"]) -> Float[Array, "*s d"]:
   """Return weightless RMS normalisation over the last axis, in fp32."""
-  x = x.astype(jnp.float32)
-  return x * lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-                       + RMS_EPS)
-
-
-def apply_rope(
-  x: Float[Array, "b t heads hd"], inv_freq: Float[Array, " half"]
-) -> Float[Array, "b t heads hd"]:
-  """Rotate-half RoPE at positions `0..t−1`."""
-  angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq
-  angle = jnp.concatenate([angle, angle], axis=-1)[:, None, :]
-  cos, sin = jnp.cos(angle).astype(x.dtype), jnp.sin(angle).astype(x.dtype)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  return x * cos + jnp.concatenate([-x2, x1], -1) * sin
+  return attention_lib.rms_normalize(x, RMS_EPS)
 
 
 def reference_attention(
@@ -211,12 +199,9 @@ def reference_attention(
 ) -> Float[Array, "b t heads hd"]:
   """Return bidirectional softmax attention; kv head j serves query heads
   `j·r .. j·r + r − 1`."""
-  b, t, heads, hd = q.shape
-  groups = q.reshape(b, t, k.shape[2], heads // k.shape[2], hd)
-  logits = jnp.einsum("bqkrh,bskh->bkrqs", groups, k) / math.sqrt(hd)
+  logits = attention_lib.grouped_logits(q, k) / math.sqrt(q.shape[-1])
   weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  out = jnp.einsum("bkrqs,bskh->bqkrh", weights.astype(v.dtype), v)
-  return out.reshape(b, t, heads, hd)
+  return attention_lib.grouped_values(weights.astype(v.dtype), v)
 
 
 def attention(
@@ -298,8 +283,12 @@ def _block(
   b, t, _ = h.shape
   hd = config.head_dim
   x = rms(h).astype(h.dtype)
-  q = apply_rope((x @ p.wq).reshape(b, t, config.n_heads, hd), inv_freq)
-  k = apply_rope((x @ p.wk).reshape(b, t, config.kv_heads, hd), inv_freq)
+  q = attention_lib.apply_rope(
+    (x @ p.wq).reshape(b, t, config.n_heads, hd),
+    *attention_lib.rope_tables(inv_freq, t), split=True)
+  k = attention_lib.apply_rope(
+    (x @ p.wk).reshape(b, t, config.kv_heads, hd),
+    *attention_lib.rope_tables(inv_freq, t), split=True)
   v = (x @ p.wv).reshape(b, t, config.kv_heads, hd)
   o = attention(q, k, v, config.attention).reshape(b, t, -1)
   h = h + o @ p.wo

@@ -12,6 +12,9 @@ on stop-gradient copies (adversary warmup ascents, fresh PGD); ONE backward of
 the coefficiented objective with respect to the prepared values and the
 terms' inputs; the VJP pulls the prepared cotangents back to θ; each term's
 `finish` consumes its input gradients (the final ascent); then the updates.
+Each stage is a top-level function over the step's `StepPlan` (what
+`make_train_step` derives once from its settings), composed by `run_step`,
+so each can be run and tested alone.
 
 Targeted decomposition (SPEC §6.6) runs several named *streams* in the one
 step: each has its own batch, clean pass, CI and terms (`LossTerm.stream`),
@@ -32,9 +35,11 @@ pass's masked forwards alive at a time.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -632,6 +637,281 @@ def check_term_names(terms: tuple[LossTerm, ...]) -> None:
                      f"{[t.name for t in terms]}")
 
 
+def check_step(terms: tuple[LossTerm, ...], config: StepConfig) -> None:
+  """Raise ValueError for settings no step can run: an unknown non-finite
+  policy, clashing term names, a finish without a state, a negative decay,
+  or streams without distinct names."""
+  if config.on_nonfinite not in ("stop", "skip"):
+    raise ValueError(f"on_nonfinite must be stop or skip, got "
+                     f"{config.on_nonfinite!r}")
+  check_term_names(terms)
+  for term in terms:
+    if term.finish is not None and term.init_state is None:
+      raise ValueError(f"loss term {term.name} has a finish but no "
+                       "init_state; finish returns the term's state")
+  if config.ci_scaled_decay < 0:
+    raise ValueError(f"the CI-scaled decay must be >= 0, got "
+                     f"{config.ci_scaled_decay}")
+  check_streams(config)
+
+
+class StepPlan(NamedTuple):
+  """What a step derives once from its settings, before any array: the
+  static half of every phase below.
+
+  `passes[j]` is the pass term `j` scores (`term_passes`); `clean_taps[k]`
+  the taps stream `k`'s clean forward keeps; the two optimizers update the
+  components and the CI parameters.
+  """
+
+  target: TargetFns
+  ci_fn: CIFn
+  terms: tuple[LossTerm, ...]
+  config: StepConfig
+  streams: tuple[StreamSpec, ...]
+  passes: tuple[int, ...]
+  clean_taps: tuple[tuple[str, ...], ...]
+  components_tx: optax.GradientTransformation
+  ci_tx: optax.GradientTransformation
+  constrain: Constrain = no_constraint
+
+  @property
+  def roles(self) -> tuple[str, ...]:
+    return self.ci_fn.roles
+
+
+def stream_clean_taps(
+  target: TargetFns, ci_fn: CIFn, terms: tuple[LossTerm, ...],
+  config: StepConfig,
+) -> tuple[tuple[str, ...], ...]:
+  """Return per stream the taps its clean forward keeps: its terms' and the
+  CI's, and the hidden points where one of its terms runs a hidden pass."""
+  owners = term_streams(terms, config)
+  wanted = []
+  for k in range(len(stream_specs(config))):
+    own_terms = tuple(t for t, i in zip(terms, owners) if i == k)
+    hidden = any(t.role != OUTPUT for t in own_terms)
+    wanted.append(tuple(dict.fromkeys((
+      *clean_tap_keys(ci_fn, target, own_terms),
+      *(config.hidden_points if hidden else ())))))
+  return tuple(wanted)
+
+
+def step_plan(
+  target: TargetFns, ci_fn: CIFn, terms: tuple[LossTerm, ...],
+  config: StepConfig, constrain: Constrain = no_constraint,
+) -> StepPlan:
+  """Return the step's `StepPlan`; ValueError for a term naming a stream or
+  CI role the step does not have."""
+  return StepPlan(
+    target, ci_fn, terms, config, stream_specs(config),
+    term_passes(terms, config, ci_fn.roles),
+    stream_clean_taps(target, ci_fn, terms, config),
+    optim.make_optimizer(config.components_opt, config.total_steps,
+                         constrain, slots.real_matrix_dims(target.sites)),
+    optim.adamw(config.ci_opt, config.total_steps), constrain)
+
+
+Clean = tuple[Float[Array, "..."], dict]
+
+
+def clean_passes(plan: StepPlan, weights: Weights,
+                 batches: dict[str, Batch]) -> tuple[Clean, ...]:
+  """Return per stream its stop-gradient clean `(output, taps)`."""
+  return tuple(plan.constrain("activations", jax.tree.map(
+    jax.lax.stop_gradient,
+    plan.target.clean_forward(weights, batches[spec.name],
+                              plan.clean_taps[k])))
+    for k, spec in enumerate(plan.streams))
+
+
+def prepare_passes(plan: StepPlan, cleans: tuple[Clean, ...],
+                   theta: tuple[Components, Any]) -> tuple:
+  """Return `prepare`'s tuple for every pass from `theta = (components,
+  CI parameters)`: pass `k · len(roles) + r` is stream k's CI role r."""
+  # Pad slots (the owner preset's) end here: nothing computes on them.
+  real = slots.real_components(theta[0], plan.target.sites)
+  return tuple(own for _, taps in cleans for own in prepare_roles(
+    real, theta[1], taps, plan.ci_fn, plan.config.compute_dtype,
+    plan.constrain))
+
+
+def pass_contexts(
+  plan: StepPlan, step: Int[Array, ""], weights: Weights,
+  batches: dict[str, Batch], cleans: tuple[Clean, ...], frozen: tuple,
+) -> tuple[StepContext, ...]:
+  """Return one context per pass, reading its stop-gradient `frozen`
+  components and CI; a hidden role's reconstructs the hidden points."""
+  config, roles, ctxs = plan.config, plan.roles, []
+  for k, (spec, (clean_output, taps)) in enumerate(zip(plan.streams, cleans)):
+    for r, role in enumerate(roles):
+      own = frozen[k * len(roles) + r]
+      ctxs.append(with_prepared(StepContext(
+        step, config.total_steps, plan.target, weights,
+        batches[spec.name], clean_output, *own[:2], clean_taps=taps,
+        constrain=plan.constrain, delta_pin=spec.delta_pin,
+        loss_positions=spec.loss_positions,
+        hidden_points=() if role == OUTPUT else config.hidden_points),
+        own))
+  return tuple(ctxs)
+
+
+def prepare_terms(
+  terms: tuple[LossTerm, ...], ctxs: tuple[StepContext, ...], keys: list,
+  passes: tuple[int, ...], term_states: dict[str, Any],
+) -> tuple[dict[str, Any], tuple]:
+  """Return the term states after every `prepare` and each term's inputs
+  (None for a term without one), term `j` prepared on `ctxs[passes[j]]`."""
+  term_states, term_inputs = dict(term_states), []
+  for term, key, i in zip(terms, keys, passes):
+    if term.prepare is None:
+      term_inputs.append(None)
+      continue
+    new_state, inputs_j = term.prepare(ctxs[i], key,
+                                       term_states.get(term.name))
+    if term.name in term_states:
+      term_states[term.name] = new_state
+    term_inputs.append(inputs_j)
+  return term_states, tuple(term_inputs)
+
+
+def objective_grads(
+  plan: StepPlan, prepared: tuple, term_inputs: tuple,
+  ctxs: tuple[StepContext, ...], keys: list,
+) -> tuple[dict[str, Array], tuple, tuple, tuple]:
+  """Return `(values, auxes, g_prepared, g_inputs)`: the objective's one
+  backward, or the passes' in turn (`StepConfig.sequential_passes`)."""
+  args = (prepared, term_inputs, ctxs, plan.terms, keys, plan.passes)
+  if plan.config.sequential_passes:
+    return sequential_objective_grads(*args)
+  grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True,
+                               allow_int=True)
+  (_, (values, _, auxes)), (g_prepared, g_inputs) = grad_fn(*args)
+  return values, auxes, g_prepared, g_inputs
+
+
+def finish_terms(
+  terms: tuple[LossTerm, ...], ctxs: tuple[StepContext, ...], keys: list,
+  passes: tuple[int, ...], term_states: dict[str, Any], term_inputs: tuple,
+  g_inputs: tuple, auxes: tuple,
+) -> dict[str, Any]:
+  """Return the term states after every `finish`, each handed its
+  prepared state, inputs, their gradient and its aux."""
+  finished = dict(term_states)
+  for term, key, inputs_j, g_j, aux, i in zip(
+      terms, keys, term_inputs, g_inputs, auxes, passes):
+    if term.finish is not None:
+      finished[term.name] = term.finish(
+        ctxs[i], key, term_states[term.name], inputs_j, g_j, aux)
+  return finished
+
+
+class Updated(NamedTuple):
+  """The parameters and optimizer states after one update, and its LR."""
+
+  components: Components
+  ci_params: Any
+  components_opt: optax.OptState
+  ci_opt: optax.OptState
+  lr: Float[Array, ""]
+
+
+def apply_updates(
+  plan: StepPlan, state: TrainState, g_components: Components, g_ci: Any,
+  frozen: tuple,
+) -> Updated:
+  """Return the components and CI parameters after their optimizers'
+  update (and the CI-scaled decay, reading every pass's CI in `frozen`)."""
+  config = plan.config
+  updates, components_opt = plan.components_tx.update(
+    g_components, state.components_opt, state.components)
+  components = optax.apply_updates(state.components, updates)
+  lr = schedules.schedule_value(
+    config.components_opt.lr, state.step, config.total_steps)
+  if config.ci_scaled_decay:
+    components = ci_scaled_decay(
+      components,
+      max_ci_per_component(plan.target.sites, [own[1].lower for own in frozen]),
+      lr, config.ci_scaled_decay)
+  ci_updates, ci_opt = plan.ci_tx.update(g_ci, state.ci_opt, state.ci_params)
+  ci_params = optax.apply_updates(state.ci_params, ci_updates)
+  return Updated(components, ci_params, components_opt, ci_opt, lr)
+
+
+def step_metrics(
+  plan: StepPlan, total: Float[Array, ""], values: dict[str, Array],
+  auxes: tuple, frozen: tuple, g_components: Components,
+  lr: Float[Array, ""],
+) -> dict[str, Array]:
+  """Return the step's metrics: the total and every term's value and
+  report, each pass's CI-L0 per site, the gradient norm and the LR."""
+  terms, roles = plan.terms, plan.roles
+  metrics = {"loss/total": total}
+  metrics.update({t.metric(): values[t.name] for t in terms})
+  for term, aux in zip(terms, auxes):
+    if term.report is not None:
+      metrics.update({term.metric(k): v
+                      for k, v in term.report(aux).items()})
+  for p, own in enumerate(frozen):
+    spec, role = plan.streams[p // len(roles)], roles[p % len(roles)]
+    prefix = f"{spec.name}/" if spec.name else ""
+    for site, l0 in ci_l0(own[1].lower,
+                          plan.config.ci_alive_threshold).items():
+      metrics[f"{prefix}ci_l0{role_suffix(role)}/{site}"] = l0
+  metrics["grad_norm/components"] = optax.tree.norm(g_components)
+  metrics["lr/components"] = lr
+  return metrics
+
+
+def next_state(
+  plan: StepPlan, state: TrainState, values: dict[str, Array],
+  updated: tuple, term_states: dict[str, Any],
+) -> TrainState:
+  """Return the state after the step: `updated` (components, CI
+  parameters, their optimizer states) and `term_states` with the health
+  record, or under `on_nonfinite="skip"` the old ones when a value or an
+  update is not finite (only the counter moves on)."""
+  updated = (*updated, term_states)
+  finite, health = health_lib.record(
+    state.health, (*(values[t.name] for t in plan.terms), *updated),
+    state.step + 1)
+  if plan.config.on_nonfinite == "skip":
+    updated = health_lib.keep_if(finite, updated, (
+      state.components, state.ci_params, state.components_opt,
+      state.ci_opt, state.term_states))
+  return TrainState(*updated, state.step + 1, state.rng, health)
+
+
+def run_step(plan: StepPlan, state: TrainState, weights: Weights,
+             inputs: Batch) -> tuple[TrainState, dict[str, Array]]:
+  """Return the state and metrics after one step (the module docstring's
+  order), its phases composed: unjitted, as `make_train_step` jits it."""
+  step_key = jax.random.fold_in(state.rng, state.step)
+  batches = by_stream(plan.config, inputs)
+  cleans = clean_passes(plan, weights, batches)
+  prepared, prep_vjp = jax.vjp(
+    functools.partial(prepare_passes, plan, cleans),
+    (state.components, state.ci_params))
+  frozen = jax.lax.stop_gradient(prepared)
+  ctxs = pass_contexts(plan, state.step, weights, batches, cleans, frozen)
+  keys = _term_keys(step_key, len(plan.terms))
+  term_states, term_inputs = prepare_terms(
+    plan.terms, ctxs, keys, plan.passes, state.term_states)
+  values, auxes, g_prepared, g_inputs = objective_grads(
+    plan, prepared, term_inputs, ctxs, keys)
+  total = reported_total(plan.terms, values, state.step,
+                         plan.config.total_steps)
+  ((g_components, g_ci),) = prep_vjp(g_prepared)
+  finished = finish_terms(plan.terms, ctxs, keys, plan.passes, term_states,
+                          term_inputs, g_inputs, auxes)
+  updated = apply_updates(plan, state, g_components, g_ci, frozen)
+  metrics = step_metrics(plan, total, values, auxes, frozen, g_components,
+                         updated.lr)
+  new_state = next_state(plan, state, values, updated[:4], finished)
+  metrics["nonfinite/steps"] = new_state.health.nonfinite_steps
+  return new_state, metrics
+
+
 def make_train_step(
   target: TargetFns,
   ci_fn: CIFn,
@@ -640,6 +920,7 @@ def make_train_step(
   sample_inputs: Optional[Callable[[Key[Array, ""]], Batch]] = None,
   shardings: Optional[StepShardings] = None,
   constrain: Constrain = no_constraint,
+  max_traces: Optional[int] = None,
 ) -> TrainStep:
   """Return the initial-state builder and the ONE jitted training step.
 
@@ -655,147 +936,39 @@ def make_train_step(
   multi-stream step (`config.streams`) takes, and samples, a dict of
   batches by stream name. `shardings`
   and `constrain` (from `decompax.placement`) place the step on a mesh;
-  without them it runs where its arguments live.
+  without them it runs where its arguments live. With `max_traces` the
+  step raises AssertionError when traced more often
+  (`chex.assert_max_traces`): how the tests hold a run to one compile.
   """
-  names = [t.name for t in terms]
-  if config.on_nonfinite not in ("stop", "skip"):
-    raise ValueError(f"on_nonfinite must be stop or skip, got "
-                     f"{config.on_nonfinite!r}")
-  check_term_names(terms)
-  for term in terms:
-    if term.finish is not None and term.init_state is None:
-      raise ValueError(f"loss term {term.name} has a finish but no "
-                       "init_state; finish returns the term's state")
-  if config.ci_scaled_decay < 0:
-    raise ValueError(f"the CI-scaled decay must be >= 0, got "
-                     f"{config.ci_scaled_decay}")
-  check_streams(config)
-  streams = stream_specs(config)
-  roles = ci_fn.roles
-  owners = term_streams(terms, config)
-  passes = term_passes(terms, config, roles)
-  wanted_taps = []
-  for k in range(len(streams)):
-    own_terms = tuple(t for t, i in zip(terms, owners) if i == k)
-    hidden = any(t.role != OUTPUT for t in own_terms)
-    wanted_taps.append(tuple(dict.fromkeys((
-      *clean_tap_keys(ci_fn, target, own_terms),
-      *(config.hidden_points if hidden else ())))))
-  components_tx = optim.make_optimizer(
-    config.components_opt, config.total_steps, constrain,
-    slots.real_matrix_dims(target.sites))
-  ci_tx = optim.adamw(config.ci_opt, config.total_steps)
-
+  check_step(terms, config)
+  plan = step_plan(target, ci_fn, terms, config, constrain)
   init = make_init(terms, config)
+  if sample_inputs is None:
 
-  def train_step(state: TrainState, weights: Weights, inputs: Batch):
-    step_key = jax.random.fold_in(state.rng, state.step)
-    batches = by_stream(config, inputs)
-    cleans = [constrain("activations", jax.tree.map(
-      jax.lax.stop_gradient,
-      target.clean_forward(weights, batches[spec.name], wanted_taps[k])))
-      for k, spec in enumerate(streams)]
+    def train_step(state, weights, inputs):
+      return run_step(plan, state, weights, inputs)
+  else:
 
-    def prep(theta):
-      # Pass `k · len(roles) + r` is stream k's CI role r.
-      # Pad slots (the owner preset's) end here: nothing computes on them.
-      real = slots.real_components(theta[0], target.sites)
-      return tuple(own for _, taps in cleans for own in prepare_roles(
-        real, theta[1], taps, ci_fn, config.compute_dtype, constrain))
+    def train_step(state, weights, data_key):
+      return sampled_step(plan, sample_inputs, state, weights, data_key)
 
-    prepared, prep_vjp = jax.vjp(
-      prep, (state.components, state.ci_params))
-    frozen = jax.lax.stop_gradient(prepared)
-    ctxs = []
-    for k, (spec, (clean_output, taps)) in enumerate(zip(streams, cleans)):
-      for r, role in enumerate(roles):
-        own = frozen[k * len(roles) + r]
-        ctxs.append(with_prepared(StepContext(
-          state.step, config.total_steps, target, weights,
-          batches[spec.name], clean_output, *own[:2], clean_taps=taps,
-          constrain=constrain, delta_pin=spec.delta_pin,
-          loss_positions=spec.loss_positions,
-          hidden_points=() if role == OUTPUT else config.hidden_points),
-          own))
-    ctxs = tuple(ctxs)
-    keys = _term_keys(step_key, len(terms))
-    term_states, term_inputs = dict(state.term_states), []
-    for term, key, i in zip(terms, keys, passes):
-      if term.prepare is None:
-        term_inputs.append(None)
-        continue
-      new_state, inputs_j = term.prepare(ctxs[i], key,
-                                         term_states.get(term.name))
-      if term.name in term_states:
-        term_states[term.name] = new_state
-      term_inputs.append(inputs_j)
-    if config.sequential_passes:
-      values, auxes, g_prepared, g_inputs = sequential_objective_grads(
-        prepared, tuple(term_inputs), ctxs, terms, keys, passes)
-    else:
-      grad_fn = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True,
-                                   allow_int=True)
-      (_, (values, _, auxes)), (g_prepared, g_inputs) = grad_fn(
-        prepared, tuple(term_inputs), ctxs, terms, keys, passes)
-    total = reported_total(terms, values, state.step, config.total_steps)
-    ((g_components, g_ci),) = prep_vjp(g_prepared)
-    finished = dict(term_states)
-    for term, key, inputs_j, g_j, aux, i in zip(
-        terms, keys, term_inputs, g_inputs, auxes, passes):
-      if term.finish is not None:
-        finished[term.name] = term.finish(
-          ctxs[i], key, term_states[term.name], inputs_j, g_j, aux)
-    updates, components_opt = components_tx.update(
-      g_components, state.components_opt, state.components)
-    components = optax.apply_updates(state.components, updates)
-    lr = schedules.schedule_value(
-      config.components_opt.lr, state.step, config.total_steps)
-    if config.ci_scaled_decay:
-      components = ci_scaled_decay(
-        components,
-        max_ci_per_component(target.sites, [own[1].lower for own in frozen]),
-        lr, config.ci_scaled_decay)
-    ci_updates, ci_opt = ci_tx.update(g_ci, state.ci_opt, state.ci_params)
-    ci_params = optax.apply_updates(state.ci_params, ci_updates)
-    metrics = {"loss/total": total}
-    metrics.update({t.metric(): values[t.name] for t in terms})
-    for term, aux in zip(terms, auxes):
-      if term.report is not None:
-        metrics.update({term.metric(k): v
-                        for k, v in term.report(aux).items()})
-    for p, own in enumerate(frozen):
-      spec, role = streams[p // len(roles)], roles[p % len(roles)]
-      prefix = f"{spec.name}/" if spec.name else ""
-      for site, l0 in ci_l0(own[1].lower, config.ci_alive_threshold).items():
-        metrics[f"{prefix}ci_l0{role_suffix(role)}/{site}"] = l0
-    metrics["grad_norm/components"] = optax.tree.norm(g_components)
-    metrics["lr/components"] = lr
-    updated = (components, ci_params, components_opt, ci_opt, finished)
-    finite, health = health_lib.record(
-      state.health, (*(values[n] for n in names), *updated), state.step + 1)
-    if config.on_nonfinite == "skip":
-      updated = health_lib.keep_if(finite, updated, (
-        state.components, state.ci_params, state.components_opt,
-        state.ci_opt, state.term_states))
-    metrics["nonfinite/steps"] = health.nonfinite_steps
-    new_state = TrainState(*updated, state.step + 1, state.rng, health)
-    return new_state, metrics
-
+  if max_traces is not None:
+    train_step = chex.assert_max_traces(train_step, max_traces)
   placed = {}
   if shardings is not None:
     placed = dict(
       in_shardings=(shardings.state, shardings.weights, shardings.inputs),
       out_shardings=(shardings.state, shardings.metrics))
-  if sample_inputs is None:
-    step = jax.jit(train_step, donate_argnums=0, **placed)
-  else:
+  return TrainStep(init=init, step=jax.jit(train_step, donate_argnums=0, **placed))
 
-    def sampled_step(state, weights, data_key):
-      # Pinned to the batch layout, a counter-based sampler draws only each
-      # device's slice.
-      inputs = constrain("inputs", sample_inputs(
-        jax.random.fold_in(data_key, state.step)))
-      return train_step(state, weights, inputs)
 
-    step = jax.jit(sampled_step, donate_argnums=0, **placed)
-  return TrainStep(init=init, step=step)
+def sampled_step(
+  plan: StepPlan, sample_inputs: Callable[[Key[Array, ""]], Batch],
+  state: TrainState, weights: Weights, data_key: Key[Array, ""],
+) -> tuple[TrainState, dict[str, Array]]:
+  """Return `run_step` on the batch drawn from `fold_in(data_key, step)`."""
+  # Pinned to the batch layout, a counter-based sampler draws only each
+  # device's slice.
+  inputs = plan.constrain("inputs", sample_inputs(
+    jax.random.fold_in(data_key, state.step)))
+  return run_step(plan, state, weights, inputs)

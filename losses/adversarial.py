@@ -7,11 +7,12 @@ always see stop-gradient components and CI (I21, I24).
 """
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Key
+from jaxtyping import Array, Bool, Float, Int, Key
 
 from decompax.core import adversary, schedules
 from decompax.core import masks as masks_lib
@@ -159,6 +160,133 @@ class Merged:
   sampling: str = "continuous"
 
 
+@dataclasses.dataclass(frozen=True)
+class PersistentTerm:
+  """The static settings a persistent-PGD term's hooks read: the recon
+  plan it scores, its adversary, the sites and delta slot its sources
+  cover, its hidden rider and the merged setting (None: every row
+  adversarial)."""
+
+  plan: recon.Plan
+  config: PersistentConfig
+  sites: tuple
+  with_delta: bool
+  rider: hidden.HiddenRider | None = None
+  merged: Merged | None = None
+
+  @property
+  def ascent_rider(self) -> hidden.HiddenRider | None:
+    """The rider ascents maximize too: the term's under the `term`
+    objective, none under `e2e` (I23)."""
+    return self.rider if self.config.objective == "term" else None
+
+
+def persistent_init(term: PersistentTerm, key: Key[Array, ""],
+                    lead_shape: tuple[int, ...]) -> PersistentSources:
+  """Return fresh sources per site and a zero ascent count."""
+  # Keyed by site name: `--sites` subsets leave the other sites' starts.
+  source = term.config.source
+  states = {}
+  for site in term.sites:
+    shape = adversary.scope_shape(
+      source.scope, lead_shape, site.c + int(term.with_delta))
+    states[site.name] = adversary.init_source(
+      adversary.site_key(key, site.name), shape, source.parametrization)
+  return PersistentSources(states, jnp.zeros((), jnp.int32))
+
+
+def _effective(term: PersistentTerm, raw: dict[str, Array]
+               ) -> dict[str, Array]:
+  return {k: adversary.effective(v, term.config.source.parametrization)
+          for k, v in raw.items()}
+
+
+def _ascend_all(term: PersistentTerm, states, grads, count, lr):
+  return {k: adversary.ascend(states[k], grads[k], count, lr,
+                              term.config.source)
+          for k in states}
+
+
+def persistent_active(term: PersistentTerm, ctx: StepContext
+                      ) -> Bool[Array, ""]:
+  """Return whether the adversary runs at this step (`start_frac`)."""
+  return ctx.step >= int(term.config.start_frac * ctx.total_steps)
+
+
+def persistent_loss(term: PersistentTerm, ctx: StepContext,
+                    raw: dict[str, Array], key: Key[Array, ""],
+                    rider: hidden.HiddenRider | None) -> Float[Array, ""]:
+  """Return the term's loss with masks from the raw sources `raw`."""
+  forward = hidden.forward_loss(ctx, rider)
+  if term.merged is None:
+    return plan_loss(ctx, _effective(term, raw), term.plan, key,
+                     forward_loss=forward)
+  fraction = schedules.schedule_value(term.merged.adv_fraction, ctx.step,
+                                      ctx.total_steps)
+  return merged_plan_loss(ctx, _effective(term, raw), term.plan, key,
+                          fraction, term.with_delta, term.merged.sampling,
+                          forward)
+
+
+def persistent_prepare(
+  term: PersistentTerm, ctx: StepContext, key: Key[Array, ""],
+  state: PersistentSources,
+) -> tuple[PersistentSources, dict[str, Array]]:
+  """Return the state after `n_warmup` ascents, every site live and routed
+  (I21), and its stop-gradient raw sources: the term's inputs."""
+  del key
+  lr = schedules.schedule_value(term.config.lr, ctx.step, ctx.total_steps)
+  states, count = state.sources, state.count
+  warm_plan = _all_sites_plan(ctx)
+  warm_loss = hidden.forward_loss(ctx, term.ascent_rider)
+
+  def adv_loss(raw):
+    return plan_loss(ctx, _effective(term, raw), warm_plan,
+                     jax.random.key(0), forward_loss=warm_loss)
+
+  active = persistent_active(term, ctx)
+  for _ in range(term.config.n_warmup):
+    raw = {k: s.source for k, s in states.items()}
+    grads = jax.grad(adv_loss)(raw)
+    stepped = _ascend_all(term, states, grads, count, lr)
+    states = jax.tree.map(
+      lambda new, old: jnp.where(active, new, old), stepped, states)
+    count = count + active.astype(jnp.int32)
+  raw = jax.lax.stop_gradient({k: s.source for k, s in states.items()})
+  return PersistentSources(states, count), raw
+
+
+def persistent_value(term: PersistentTerm, ctx: StepContext,
+                     key: Key[Array, ""], raw: dict[str, Array]
+                     ) -> tuple[Float[Array, ""], None]:
+  """Return the term's value (0 before `start_frac`)."""
+  _, loss_key = split_pair(key)
+  value = persistent_loss(term, ctx, raw, loss_key, term.rider)
+  return jnp.where(persistent_active(term, ctx), value, 0.0), None
+
+
+def persistent_finish(
+  term: PersistentTerm, ctx: StepContext, key: Key[Array, ""],
+  state: PersistentSources, raw: dict[str, Array],
+  grads: dict[str, Array], aux: None,
+) -> PersistentSources:
+  """Return the state after the final ascent along the term's input
+  gradient (I17), retaken without the rider under `e2e` (I23)."""
+  del aux
+  if term.rider is not None and term.ascent_rider is None:
+    # The main loss's own draws; `ctx` holds the pre-update parameters and
+    # stop-gradient CI.
+    _, loss_key = split_pair(key)
+    grads = jax.grad(
+      lambda r: persistent_loss(term, ctx, r, loss_key, None))(raw)
+  lr = schedules.schedule_value(term.config.lr, ctx.step, ctx.total_steps)
+  stepped = _ascend_all(term, state.sources, grads, state.count, lr)
+  on = persistent_active(term, ctx)
+  states = jax.tree.map(lambda new, old: jnp.where(on, new, old),
+                        stepped, state.sources)
+  return PersistentSources(states, state.count + on.astype(jnp.int32))
+
+
 def persistent_pgd_term(
   name: str,
   coeff: schedules.Coefficient,
@@ -178,79 +306,11 @@ def persistent_pgd_term(
   final gradient is retaken without it, on the same draws (I23). With
   `merged`, rows mix persistent and fresh stochastic sources (§5.8).
   """
-  parametrization = config.source.parametrization
-  ascent_rider = rider if config.objective == "term" else None
-
-  def init_state(key, lead_shape):
-    # Keyed by site name: `--sites` subsets leave the other sites' starts.
-    states = {}
-    for site in sites:
-      shape = adversary.scope_shape(
-        config.source.scope, lead_shape, site.c + int(with_delta))
-      states[site.name] = adversary.init_source(
-        adversary.site_key(key, site.name), shape, parametrization)
-    return PersistentSources(states, jnp.zeros((), jnp.int32))
-
-  def effective(raw):
-    return {k: adversary.effective(v, parametrization) for k, v in raw.items()}
-
-  def ascend_all(states, grads, count, lr):
-    return {k: adversary.ascend(states[k], grads[k], count, lr, config.source)
-            for k in states}
-
-  def active(ctx):
-    return ctx.step >= int(config.start_frac * ctx.total_steps)
-
-  def term_loss(ctx, raw, key, term_rider):
-    forward = hidden.forward_loss(ctx, term_rider)
-    if merged is None:
-      return plan_loss(ctx, effective(raw), plan, key, forward_loss=forward)
-    fraction = schedules.schedule_value(merged.adv_fraction, ctx.step,
-                                        ctx.total_steps)
-    return merged_plan_loss(ctx, effective(raw), plan, key, fraction,
-                            with_delta, merged.sampling, forward)
-
-  def prepare(ctx, key, state):
-    del key
-    lr = schedules.schedule_value(config.lr, ctx.step, ctx.total_steps)
-    states, count = state.sources, state.count
-    warm_plan = _all_sites_plan(ctx)
-    warm_loss = hidden.forward_loss(ctx, ascent_rider)
-
-    def adv_loss(raw):
-      return plan_loss(ctx, effective(raw), warm_plan, jax.random.key(0),
-                       forward_loss=warm_loss)
-
-    for _ in range(config.n_warmup):
-      raw = {k: s.source for k, s in states.items()}
-      grads = jax.grad(adv_loss)(raw)
-      stepped = ascend_all(states, grads, count, lr)
-      states = jax.tree.map(
-        lambda new, old: jnp.where(active(ctx), new, old), stepped, states)
-      count = count + active(ctx).astype(jnp.int32)
-    raw = jax.lax.stop_gradient({k: s.source for k, s in states.items()})
-    return PersistentSources(states, count), raw
-
-  def fn(ctx, key, raw):
-    _, loss_key = split_pair(key)
-    value = term_loss(ctx, raw, loss_key, rider)
-    return jnp.where(active(ctx), value, 0.0), None
-
-  def finish(ctx, key, state, raw, grads, aux):
-    del aux
-    if rider is not None and ascent_rider is None:
-      # The main loss's own draws; `ctx` holds the pre-update parameters and
-      # stop-gradient CI.
-      _, loss_key = split_pair(key)
-      grads = jax.grad(lambda r: term_loss(ctx, r, loss_key, None))(raw)
-    lr = schedules.schedule_value(config.lr, ctx.step, ctx.total_steps)
-    stepped = ascend_all(state.sources, grads, state.count, lr)
-    on = active(ctx)
-    states = jax.tree.map(lambda new, old: jnp.where(on, new, old),
-                          stepped, state.sources)
-    return PersistentSources(states, state.count + on.astype(jnp.int32))
-
-  return LossTerm(name, coeff, fn, init_state, prepare, finish,
+  term = PersistentTerm(plan, config, sites, with_delta, rider, merged)
+  return LossTerm(name, coeff, functools.partial(persistent_value, term),
+                  functools.partial(persistent_init, term),
+                  functools.partial(persistent_prepare, term),
+                  functools.partial(persistent_finish, term),
                   coeff_on_model_side=True,
                   clean_taps=() if rider is None else rider.points)
 

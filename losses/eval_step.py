@@ -329,6 +329,175 @@ class EvalFns(NamedTuple):
   slow: Callable[..., dict[str, Array]]
 
 
+class EvalPlan(NamedTuple):
+  """What an eval pass derives once from its settings, before any array.
+
+  `passes[j]` is the CI role's pass term `j` is scored on; `fast_taps` and
+  `slow_taps` the taps each tier's clean forward keeps; `hidden_points`
+  the activations a hidden pass reconstructs (none for a one-role CI).
+  """
+
+  target: TargetFns
+  ci_fn: CIFn
+  terms: tuple[LossTerm, ...]
+  config: EvalConfig
+  sample_inputs: Callable[[Key[Array, ""]], Batch] | None
+  constrain: Constrain
+  stream: StreamSpec
+  hidden_points: tuple[str, ...]
+  passes: tuple[int, ...]
+  fast_taps: tuple[str, ...]
+  slow_taps: tuple[str, ...]
+
+  @property
+  def roles(self) -> tuple[str, ...]:
+    return self.ci_fn.roles
+
+
+def eval_plan(
+  target: TargetFns, ci_fn: CIFn, terms: tuple[LossTerm, ...],
+  config: EvalConfig, sample_inputs: Callable[[Key[Array, ""]], Batch] | None,
+  constrain: Constrain = no_constraint, stream: StreamSpec = StreamSpec(""),
+) -> EvalPlan:
+  """Return the eval's `EvalPlan`; ValueError for no batches, a term's
+  unknown role, or an attention eval the target cannot score."""
+  if config.n_batches < 1:
+    raise ValueError(f"eval needs at least one batch, got {config.n_batches}")
+  roles = ci_fn.roles
+  hidden_points = config.hidden_points if HIDDEN in roles else ()
+  passes = tuple(role_index(t, roles, hidden_points) for t in terms)
+  fast_taps = clean_tap_keys(ci_fn, target, terms)
+  # The hidden pass compares its masked activations with the clean ones.
+  fast_taps = tuple(dict.fromkeys((*fast_taps, *hidden_points)))
+  if config.attention_kl:
+    _check_attention(target)
+    fast_taps = tuple(dict.fromkeys((*fast_taps, *target.attention_taps)))
+  slow_taps = (*ci_fn.input_taps, *target.start_taps)
+  if target.masked_forward_taps is not None:
+    slow_taps += _site_out_keys(target)
+  return EvalPlan(target, ci_fn, terms, config, sample_inputs, constrain,
+                  stream, hidden_points, passes, fast_taps,
+                  tuple(dict.fromkeys(slow_taps)))
+
+
+def real_state(sites: tuple[sites_lib.SiteSpec, ...],
+               state: TrainState) -> TrainState:
+  """Return `state` without the owner preset's pad slots (`core.slots`),
+  which metrics never see."""
+  return state._replace(
+    components=slots.real_components(state.components, sites))
+
+
+def eval_contexts(
+  plan: EvalPlan, state: TrainState, weights: Weights, inputs: Batch,
+  wanted: tuple[str, ...], every_role: bool,
+) -> tuple[StepContext, ...]:
+  """Return one context per CI role (`every_role`), or the output role's
+  alone; a hidden role's is a hidden pass."""
+  target, config, constrain = plan.target, plan.config, plan.constrain
+  clean_out, taps = constrain("activations", jax.lax.stop_gradient(
+    target.clean_forward(weights, inputs, wanted)))
+  # The same V/U and CI as the train step computes with (N4).
+  args = (state.components, state.ci_params, taps, plan.ci_fn,
+          config.compute_dtype, constrain)
+  prepared = prepare_roles(*args) if every_role else (prepare(*args),)
+  return tuple(with_prepared(
+    StepContext(state.step, config.total_steps, target, weights, inputs,
+                clean_out, *own[:2], clean_taps=taps,
+                constrain=constrain, delta_pin=plan.stream.delta_pin,
+                loss_positions=plan.stream.loss_positions,
+                hidden_points=() if role == OUTPUT else plan.hidden_points),
+    own) for role, own in zip(plan.roles, prepared))
+
+
+def _fast_ctx_scalars(ctxs: tuple[StepContext, ...], key: Key[Array, ""],
+                      mask_key: Key[Array, ""], config: EvalConfig
+                      ) -> dict[str, Array]:
+  """Return one batch's CI-L0 of every role, each mask variant's
+  divergence, the attention recon, the PGD probe and the CE metrics."""
+  ctx = ctxs[0]
+  scalars = {f"ci_l0/{k}": v
+             for k, v in ci_l0(ctx.ci.lower, config.ci_alive_threshold).items()}
+  for own in ctxs[1:]:
+    scalars.update(_hidden_role_scalars(own, config.ci_alive_threshold))
+  outputs, attention = _variant_outputs(ctx, mask_key, config)
+  scalars.update(attention)
+  for variant, out in outputs.items():
+    scalars[f"recon/{variant}"] = ctx.output_divergence(out)
+  if config.pgd_steps:
+    # Index 4: disjoint from the data, mask and term keys (and slow's 3).
+    scalars["recon/pgd"] = adversarial.pgd_probe(
+      ctx, jax.random.fold_in(key, 4), config.pgd_steps, config.pgd_lr)
+  if ctx.target.token_labels is not None:
+    scalars.update(evals.ce_metrics(
+      outputs, ctx.clean_output, ctx.target.token_labels(ctx.inputs)))
+  return scalars
+
+
+def fast_batch(
+  plan: EvalPlan, state: TrainState, weights: Weights, key: Key[Array, ""],
+  inputs: Batch | None,
+) -> tuple[dict[str, Array], dict[str, Array], Batch]:
+  """Return one held-out batch's fast-tier scalars and stats, and the
+  batch (drawn from `key` when `inputs` is None)."""
+  config, target = plan.config, plan.target
+  data_key, mask_key, term_key = (jax.random.fold_in(key, j)
+                                  for j in range(3))
+  if inputs is None:
+    inputs = plan.sample_inputs(data_key)
+  else:
+    inputs = plan.constrain("inputs", inputs)
+  ctxs = eval_contexts(plan, state, weights, inputs, plan.fast_taps, True)
+  scalars = _fast_ctx_scalars(ctxs, key, mask_key, config)
+  scalars.update(_term_values(ctxs, plan.terms, plan.passes,
+                              state.term_states, term_key))
+  lead = tuple(target.batch_lead_shape(inputs))
+  lower = ctxs[0].ci.lower
+  stats = {f"fired/{s.name}": evals.firing_counts(
+    lower[s.name], config.ci_alive_threshold) for s in target.sites}
+  stats["positions"] = jnp.asarray(int(np.prod(lead)), jnp.int32)
+  return scalars, stats, inputs
+
+
+def fast_pass(plan: EvalPlan, state: TrainState, weights: Weights,
+              key: Key[Array, ""], batches: Batch | None = None
+              ) -> tuple[EvalOutput, Batch]:
+  """Return the fast tier over the held-out batches and the batches."""
+  target = plan.target
+  state = real_state(target.sites, state)
+  if batches is None and plan.sample_inputs is None:
+    raise ValueError("this eval step reads no data: pass its batches")
+  if batches is not None:
+    _check_batch_count(batches, plan.config.n_batches)
+  scalars, stats, batches = jax.lax.map(
+    lambda args: fast_batch(plan, state, weights,
+                            jax.random.fold_in(key, args[0]), args[1]),
+    (jnp.arange(plan.config.n_batches), batches))
+  ci_probe = {}
+  if target.feature_probe is not None:
+    ci_probe = probe.probe_ci(target, plan.ci_fn, weights, state.components,
+                              state.ci_params)
+  features = feature_factors(target, weights, state.components)
+  return EvalOutput(scalars, stats, ci_probe, features), batches
+
+
+def slow_pass(plan: EvalPlan, state: TrainState, weights: Weights,
+              key: Key[Array, ""], batches: Batch) -> dict[str, Array]:
+  """Return the slow tier's stats over the fast tier's batches."""
+  state = real_state(plan.target.sites, state)
+  roles = plan.roles
+
+  def one(args):
+    i, inputs = args
+    ctxs = eval_contexts(plan, state, weights, inputs, plan.slow_taps,
+                         len(roles) > 1)
+    hidden_key = jax.random.fold_in(jax.random.fold_in(key, i), 3)
+    return _slow_stats(ctxs, roles, hidden_key, plan.config)
+
+  per_batch = jax.lax.map(one, (jnp.arange(plan.config.n_batches), batches))
+  return {**per_batch, **_unit_stats(plan.target, state.components)}
+
+
 def make_eval_step(
   target: TargetFns,
   ci_fn: CIFn,
@@ -347,109 +516,16 @@ def make_eval_step(
   runs with the delta path off (SPEC §6.6), and divergences average over
   its loss positions.
   """
-  if config.n_batches < 1:
-    raise ValueError(f"eval needs at least one batch, got {config.n_batches}")
-  roles = ci_fn.roles
-  hidden_points = config.hidden_points if HIDDEN in roles else ()
-  passes = tuple(role_index(t, roles, hidden_points) for t in terms)
-  fast_taps = clean_tap_keys(ci_fn, target, terms)
-  # The hidden pass compares its masked activations with the clean ones.
-  fast_taps = tuple(dict.fromkeys((*fast_taps, *hidden_points)))
-  if config.attention_kl:
-    _check_attention(target)
-    fast_taps = tuple(dict.fromkeys((*fast_taps, *target.attention_taps)))
-  slow_taps = (*ci_fn.input_taps, *target.start_taps)
-  if target.masked_forward_taps is not None:
-    slow_taps += _site_out_keys(target)
-  slow_taps = tuple(dict.fromkeys(slow_taps))
-
-  def real_state(state: TrainState) -> TrainState:
-    # Metrics never see the owner preset's pad slots (`core.slots`).
-    return state._replace(
-      components=slots.real_components(state.components, target.sites))
-
-  def contexts(state, weights, inputs, wanted, every_role
-               ) -> tuple[StepContext, ...]:
-    """Return one context per CI role (`every_role`), or the output
-    role's alone; a hidden role's is a hidden pass."""
-    clean_out, taps = constrain("activations", jax.lax.stop_gradient(
-      target.clean_forward(weights, inputs, wanted)))
-    # The same V/U and CI as the train step computes with (N4).
-    args = (state.components, state.ci_params, taps, ci_fn,
-            config.compute_dtype, constrain)
-    prepared = prepare_roles(*args) if every_role else (prepare(*args),)
-    return tuple(with_prepared(
-      StepContext(state.step, config.total_steps, target, weights, inputs,
-                  clean_out, *own[:2], clean_taps=taps,
-                  constrain=constrain, delta_pin=stream.delta_pin,
-                  loss_positions=stream.loss_positions,
-                  hidden_points=() if role == OUTPUT else hidden_points),
-      own) for role, own in zip(roles, prepared))
-
-  def fast_batch(state: TrainState, weights: Weights, key: Key[Array, ""],
-                 inputs: Batch | None):
-    data_key, mask_key, term_key = (jax.random.fold_in(key, j)
-                                    for j in range(3))
-    if inputs is None:
-      inputs = sample_inputs(data_key)
-    else:
-      inputs = constrain("inputs", inputs)
-    ctxs = contexts(state, weights, inputs, fast_taps, True)
-    ctx = ctxs[0]
-    lower = ctx.ci.lower
-    scalars = {f"ci_l0/{k}": v
-               for k, v in ci_l0(lower, config.ci_alive_threshold).items()}
-    for own in ctxs[1:]:
-      scalars.update(_hidden_role_scalars(own, config.ci_alive_threshold))
-    outputs, attention = _variant_outputs(ctx, mask_key, config)
-    scalars.update(attention)
-    for variant, out in outputs.items():
-      scalars[f"recon/{variant}"] = ctx.output_divergence(out)
-    if config.pgd_steps:
-      # Index 4: disjoint from the data, mask and term keys (and slow's 3).
-      scalars["recon/pgd"] = adversarial.pgd_probe(
-        ctx, jax.random.fold_in(key, 4), config.pgd_steps, config.pgd_lr)
-    if target.token_labels is not None:
-      scalars.update(evals.ce_metrics(
-        outputs, ctx.clean_output, target.token_labels(inputs)))
-    scalars.update(_term_values(ctxs, terms, passes, state.term_states,
-                                term_key))
-    lead = tuple(target.batch_lead_shape(inputs))
-    stats = {f"fired/{s.name}": evals.firing_counts(
-      lower[s.name], config.ci_alive_threshold) for s in target.sites}
-    stats["positions"] = jnp.asarray(int(np.prod(lead)), jnp.int32)
-    return scalars, stats, inputs
+  plan = eval_plan(target, ci_fn, terms, config, sample_inputs, constrain,
+                   stream)
 
   def fast(state: TrainState, weights: Weights, key: Key[Array, ""],
            batches: Batch | None = None):
-    state = real_state(state)
-    if batches is None and sample_inputs is None:
-      raise ValueError("this eval step reads no data: pass its batches")
-    if batches is not None:
-      _check_batch_count(batches, config.n_batches)
-    scalars, stats, batches = jax.lax.map(
-      lambda args: fast_batch(state, weights,
-                              jax.random.fold_in(key, args[0]), args[1]),
-      (jnp.arange(config.n_batches), batches))
-    ci_probe = {}
-    if target.feature_probe is not None:
-      ci_probe = probe.probe_ci(target, ci_fn, weights, state.components,
-                                state.ci_params)
-    features = feature_factors(target, weights, state.components)
-    return EvalOutput(scalars, stats, ci_probe, features), batches
+    return fast_pass(plan, state, weights, key, batches)
 
   def slow(state: TrainState, weights: Weights, key: Key[Array, ""],
            batches: Batch) -> dict[str, Array]:
-    state = real_state(state)
-
-    def one(args):
-      i, inputs = args
-      ctxs = contexts(state, weights, inputs, slow_taps, len(roles) > 1)
-      hidden_key = jax.random.fold_in(jax.random.fold_in(key, i), 3)
-      return _slow_stats(ctxs, roles, hidden_key, config)
-
-    per_batch = jax.lax.map(one, (jnp.arange(config.n_batches), batches))
-    return {**per_batch, **_unit_stats(target, state.components)}
+    return slow_pass(plan, state, weights, key, batches)
 
   return EvalFns(jax.jit(fast), jax.jit(slow))
 

@@ -70,6 +70,115 @@ def _operands(prepared: tuple) -> Components:
   return prepared[2] if len(prepared) == 3 else prepared[0]
 
 
+class TaskSpec(NamedTuple):
+  """A task pass's static settings: the target and CI function, the
+  answer positions prompts are scored at, the alive threshold and the
+  step's compute dtype (N4)."""
+
+  target: TargetFns
+  ci_fn: CIFn
+  positions: tuple[int, ...]
+  threshold: float
+  compute_dtype: str | None = None
+
+
+class PromptResults(NamedTuple):
+  """The prompt half of a task pass: its scalars, the target-alive
+  components, every role's lower CI and the V/U masked forwards read."""
+
+  scalars: dict[str, Float[Array, ""]]
+  alive: dict[str, Bool[Array, " c"]]
+  role_lower: dict[str, dict[str, Float[Array, "n t c"]]]
+  operands: Components
+
+
+def prompt_results(spec: TaskSpec, components: Components, ci_params: Any,
+                   weights: Weights, prompts: Int[Array, "n t"]
+                   ) -> PromptResults:
+  """Return the answer accuracy and CE of the clean, CI-masked and
+  ablated forwards on `prompts`, with what the non-target half reads."""
+  target, ci_fn, positions = spec.target, spec.ci_fn, spec.positions
+  clean, taps = target.clean_forward(weights, prompts, ci_fn.input_taps)
+  # Every role's CI as the train step computes it, the trunk run once.
+  by_role = dict(zip(ci_fn.roles, prepare_roles(
+    components, ci_params, taps, ci_fn, spec.compute_dtype)))
+  comps = _operands(by_role[OUTPUT])
+  role_lower = {r: own[1].lower for r, own in by_role.items()}
+  lower = role_lower[OUTPUT]
+  picked = jnp.asarray(positions)
+  alive = {s: jnp.any(ci[:, picked] > spec.threshold, axis=(0, 1))
+           for s, ci in lower.items()}
+  labels = answer_labels(target.token_labels(prompts), positions)
+  logits = {
+    "clean": clean,
+    "ci_masked": target.masked_forward(
+      weights, comps, prompts,
+      {s: SiteMask(ci) for s, ci in lower.items()}),
+    "ablated": target.masked_forward(
+      weights, comps, prompts,
+      masks_lib.component_site_masks(
+        target.sites, {s: 1.0 - a for s, a in alive.items()},
+        prompts.shape)),
+  }
+  scalars = {}
+  for name, out in logits.items():
+    scalars[f"task/answer_accuracy/{name}"] = accuracy(out, labels)
+    scalars[f"task/answer_ce/{name}"] = evals.cross_entropy(out, labels)
+  return PromptResults(scalars, alive, role_lower, comps)
+
+
+def nontarget_results(
+  spec: TaskSpec, components: Components, ci_params: Any, weights: Weights,
+  other: Int[Array, "b s"], prompts: PromptResults,
+) -> tuple[dict[str, Float[Array, ""]], dict[str, Float[Array, " c"]]]:
+  """Return the clean and ablated next-token CE of the non-target batch
+  (the prompts' target-alive components ablated) and each component's
+  firing density on it."""
+  target, ci_fn = spec.target, spec.ci_fn
+  other_labels = target.token_labels(other)
+  other_clean, other_taps = target.clean_forward(weights, other,
+                                                 ci_fn.input_taps)
+  other_lower = prepare(components, ci_params, other_taps, ci_fn,
+                        spec.compute_dtype)[1].lower
+  density = {
+    s: jnp.mean((ci > spec.threshold).reshape(-1, ci.shape[-1]), axis=0,
+                dtype=jnp.float32)
+    for s, ci in other_lower.items()}
+  other_ablated = target.masked_forward(
+    weights, prompts.operands, other,
+    masks_lib.component_site_masks(
+      target.sites, {s: 1.0 - a for s, a in prompts.alive.items()},
+      other.shape))
+  scalars = {
+    "task/nontarget_ce/clean": evals.cross_entropy(other_clean, other_labels),
+    "task/nontarget_ce/ablated": evals.cross_entropy(other_ablated,
+                                                     other_labels)}
+  return scalars, density
+
+
+def task_pass(spec: TaskSpec, components: Components, ci_params: Any,
+              weights: Weights, prompts: Int[Array, "n t"],
+              other: Int[Array, "b s"]) -> TaskOutput:
+  """Return the task metrics (see the module docstring), unjitted."""
+  # Metrics never see the owner preset's pad slots (`core.slots`).
+  components = slots.real_components(components, spec.target.sites)
+  own = prompt_results(spec, components, ci_params, weights, prompts)
+  other_scalars, density = nontarget_results(
+    spec, components, ci_params, weights, other, own)
+  scalars = {**own.scalars, **other_scalars}
+  for s, mask in own.alive.items():
+    scalars[f"task/alive/{s}"] = jnp.sum(mask, dtype=jnp.int32)
+  picked = jnp.asarray(spec.positions)
+  for role, lower in own.role_lower.items():
+    for s, ci in lower.items():
+      # Components active where the answer is computed, per prompt.
+      scalars[f"task/answer_l0{role_suffix(role)}/{s}"] = jnp.mean(jnp.sum(
+        ci[:, picked] > spec.threshold, axis=-1, dtype=jnp.float32))
+  answer_ci = {role: {s: ci[:, spec.positions[0]] for s, ci in lower.items()}
+               for role, lower in own.role_lower.items()}
+  return TaskOutput(scalars, own.alive, answer_ci, density)
+
+
 def make_task_eval(
   target: TargetFns, ci_fn: CIFn, positions: tuple[int, ...],
   threshold: float, compute_dtype: str | None = None,
@@ -81,64 +190,11 @@ def make_task_eval(
   if target.token_labels is None:
     raise ValueError("task metrics score next-token answers; this target "
                      "has no token labels")
+  spec = TaskSpec(target, ci_fn, positions, threshold, compute_dtype)
 
   def task(components: Components, ci_params: Any, weights: Weights,
            prompts: Int[Array, "n t"], other: Int[Array, "b s"]
            ) -> TaskOutput:
-    # Metrics never see the owner preset's pad slots (`core.slots`).
-    components = slots.real_components(components, target.sites)
-    clean, taps = target.clean_forward(weights, prompts, ci_fn.input_taps)
-    # Every role's CI as the train step computes it, the trunk run once.
-    by_role = dict(zip(ci_fn.roles, prepare_roles(
-      components, ci_params, taps, ci_fn, compute_dtype)))
-    comps = _operands(by_role[OUTPUT])
-    role_lower = {r: own[1].lower for r, own in by_role.items()}
-    lower = role_lower[OUTPUT]
-    picked = jnp.asarray(positions)
-    alive = {s: jnp.any(ci[:, picked] > threshold, axis=(0, 1))
-             for s, ci in lower.items()}
-    labels = answer_labels(target.token_labels(prompts), positions)
-    logits = {
-      "clean": clean,
-      "ci_masked": target.masked_forward(
-        weights, comps, prompts,
-        {s: SiteMask(ci) for s, ci in lower.items()}),
-      "ablated": target.masked_forward(
-        weights, comps, prompts,
-        masks_lib.component_site_masks(
-          target.sites, {s: 1.0 - a for s, a in alive.items()},
-          prompts.shape)),
-    }
-    scalars = {}
-    for name, out in logits.items():
-      scalars[f"task/answer_accuracy/{name}"] = accuracy(out, labels)
-      scalars[f"task/answer_ce/{name}"] = evals.cross_entropy(out, labels)
-    other_labels = target.token_labels(other)
-    other_clean, other_taps = target.clean_forward(weights, other,
-                                                   ci_fn.input_taps)
-    other_lower = prepare(components, ci_params, other_taps, ci_fn,
-                          compute_dtype)[1].lower
-    density = {
-      s: jnp.mean((ci > threshold).reshape(-1, ci.shape[-1]), axis=0,
-                  dtype=jnp.float32)
-      for s, ci in other_lower.items()}
-    other_ablated = target.masked_forward(
-      weights, comps, other,
-      masks_lib.component_site_masks(
-        target.sites, {s: 1.0 - a for s, a in alive.items()}, other.shape))
-    scalars["task/nontarget_ce/clean"] = evals.cross_entropy(
-      other_clean, other_labels)
-    scalars["task/nontarget_ce/ablated"] = evals.cross_entropy(
-      other_ablated, other_labels)
-    for s, mask in alive.items():
-      scalars[f"task/alive/{s}"] = jnp.sum(mask, dtype=jnp.int32)
-    for role, own in role_lower.items():
-      for s, ci in own.items():
-        # Components active where the answer is computed, per prompt.
-        scalars[f"task/answer_l0{role_suffix(role)}/{s}"] = jnp.mean(jnp.sum(
-          ci[:, picked] > threshold, axis=-1, dtype=jnp.float32))
-    answer_ci = {role: {s: ci[:, positions[0]] for s, ci in own.items()}
-                 for role, own in role_lower.items()}
-    return TaskOutput(scalars, alive, answer_ci, density)
+    return task_pass(spec, components, ci_params, weights, prompts, other)
 
   return jax.jit(task)

@@ -32,6 +32,7 @@ from decompax.placement import table as table_lib
 from decompax.placement import transfer
 from decompax.recipe import engine, lm, streams, token_data
 from decompax.recipe.config import TrainConfig
+from decompax.targets import record as target_record
 from decompax.targets import registry
 
 # restore(template, reinit, shardings, term_names) -> the restored state;
@@ -43,12 +44,13 @@ Restore = Callable[..., train_step.TrainState]
 class Parts(NamedTuple):
   """A run's engine objects, built from its config before any weight.
 
-  `toy` is the target record (`name`, `sample_inputs`; a language model's
-  also its `config`); `lead_shape` is one batch's activation lead shape.
+  `record` is the target's (`targets.record.Target`: a toy's, a checkpoint
+  LM's or a task model's); `lead_shape` is one batch's activation lead
+  shape.
   """
 
   config: TrainConfig
-  toy: Any
+  record: target_record.Target
   target: TargetFns
   ci_config: ci_fns.CIConfig
   ci_fn: ci_fns.CIFn
@@ -70,7 +72,7 @@ class Parts(NamedTuple):
     dict by stream)."""
     if self.targeted:
       return streams.sampler(self.config)(key)
-    return self.toy.sample_inputs(key, self.config.batch_size)
+    return self.record.sample_inputs(key, self.config.batch_size)
 
   def stream_inputs(self, stream: str) -> Callable[[jax.Array], Any]:
     """Return `sample(key)` drawing one stream's batch alone."""
@@ -184,42 +186,46 @@ def keys_of(seed: int) -> Keys:
   return Keys(vu_key, ci_key, run_key, data_key)
 
 
-def resolve_target(config: TrainConfig) -> tuple[Any, TargetFns, Any]:
+def resolve_target(config: TrainConfig) -> target_record.Resolved:
   """Return the target record, its function table over the selected sites
-  and, for checkpoint LMs, the weight loader (None: toys train theirs)."""
+  and, for checkpoint LMs and task models, the weight loader (None: toys
+  train theirs)."""
   if lm.is_lm(config):
     return lm.hf_target(config)
   toy = registry.get(config.target)
   sites = engine.select_sites(toy.sites(config.c), config.sites, toy.name)
-  return toy, registry.fns_for(toy, config.c, sites), None
+  return target_record.Resolved(toy, registry.fns_for(toy, config.c, sites))
 
 
-def parts(config: TrainConfig, toy: Any, target: TargetFns) -> Parts:
+def parts(config: TrainConfig, record: target_record.Target,
+          target: TargetFns) -> Parts:
   """Return the run's CI function, loss terms and step settings, each built
   once. Raises ValueError for a setting a term or config refuses."""
   streams.check(config)
   if streams.is_targeted(config):
-    lead = stream_leads(config, toy, target)
+    lead = stream_leads(config, record, target)
     tokens = 0  # each stream's terms count their own
   else:
-    lead = lm.lead_shape(target, toy.sample_inputs, config.batch_size)
+    lead = lm.lead_shape(target, record.sample_inputs, config.batch_size)
     tokens = lm.tokens_per_batch(lead)
-  model = toy.config if lm.is_lm(config) else None
+  # A checkpoint's CI function may be sized from its model; a token toy's
+  # is not.
+  model = record.token_model if lm.is_lm(config) else None
   ci_config = engine.ci_config(config, target.sites, model)
   terms = engine.loss_terms(config, target.sites, tokens,
                             target.nonlinear_units, lead)
-  return Parts(config, toy, target, ci_config,
+  return Parts(config, record, target, ci_config,
                ci_fns.make_ci_fn(ci_config, target.sites), terms,
                engine.step_config(
                  config, engine.hidden_pass_points(config, target)), lead)
 
 
-def stream_leads(config: TrainConfig, toy: Any,
+def stream_leads(config: TrainConfig, record: target_record.Target,
                  target: TargetFns) -> dict[str, tuple[int, ...]]:
   """Return each stream's activation lead shape; ValueError for streams the
   target cannot read (a target without token inputs, token ids past its
   vocabulary)."""
-  model = lm.token_model(config, toy)
+  model = record.token_model
   if target.token_labels is None or model is None:
     raise ValueError(f"--target={config.target} takes no token ids; a "
                      "targeted decomposition's streams are token tasks, so "
@@ -259,7 +265,7 @@ def plan(p: Parts, weights: Any,
   placed or compiled.
   """
   engine.check_rider_points(p.config, p.target, weights,
-                            p.toy.sample_inputs(jax.random.key(0), 2))
+                            p.record.sample_inputs(jax.random.key(0), 2))
   pads = slots.NO_PADS
   if placement is not None:
     pads = table_lib.slot_pads(placement.table, dict(placement.mesh.shape))
@@ -347,11 +353,12 @@ def start(planned: Plan, weights: Any, restore: Restore | None = None,
   return Run(planned, state, weights, keys.data, warmup_losses)
 
 
-def build_run(config: TrainConfig, toy: Any, target: TargetFns,
-              weights: Any, restore: Restore | None = None,
+def build_run(config: TrainConfig, record: target_record.Target,
+              target: TargetFns, weights: Any,
+              restore: Restore | None = None,
               placement: shardings_lib.Placement | None = None,
               data: token_data.TokenData | streams.StreamData | None = None
               ) -> Run:
   """Return the ready-to-step run of `config` (`parts`, `plan`, `start`)."""
-  return start(plan(parts(config, toy, target), weights, placement, data),
+  return start(plan(parts(config, record, target), weights, placement, data),
                weights, restore)

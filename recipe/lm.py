@@ -10,7 +10,7 @@ import fnmatch
 import math
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,33 +20,16 @@ import numpy as np
 from decompax.core import target as target_lib
 from decompax.io import hf_checkpoint
 from decompax.recipe.config import setting
-from decompax.targets import glu_config, glu_target
+from decompax.targets import glu_config, glu_target, record
 
 HF = "hf"
 _DTYPES = {"bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
            "float32": (jnp.float32, np.float32)}
 
 
-class LmTarget(NamedTuple):
-  """What a run reads of a language-model target (as of a toy's)."""
-
-  name: str
-  config: glu_config.GluConfig
-  sample_inputs: Callable[[jax.Array, int], jax.Array]
-
-
 def is_lm(config) -> bool:
   """Return whether the run decomposes a checkpoint language model."""
   return config.target == HF
-
-
-def token_model(config, toy) -> glu_config.GluConfig | None:
-  """Return the GLU model config a run's token ids feed: a checkpoint
-  LM's, or a token toy's (`toy.config.model`); None for toys without token
-  inputs."""
-  if is_lm(config):
-    return toy.config
-  return getattr(toy.config, "model", None)
 
 
 def expand_sites(
@@ -67,10 +50,10 @@ def expand_sites(
                if any(fnmatch.fnmatchcase(n, p) for p in patterns))
 
 
-def hf_target(config) -> tuple[LmTarget, target_lib.TargetFns,
-                               Callable[[], Any]]:
+def hf_target(config) -> record.Resolved:
   """Return the record, the function table and a weight loader of
-  `--model_dir`; ValueError on an unusable checkpoint or flags."""
+  `--model_dir` (a checkpoint LM or an exported task model); ValueError on
+  an unusable checkpoint or flags."""
   if not config.model_dir:
     raise ValueError("--target=hf needs --model_dir=<local Hugging Face "
                      "checkpoint directory>")
@@ -99,7 +82,9 @@ def hf_target(config) -> tuple[LmTarget, target_lib.TargetFns,
                               glu.vocab_size, jnp.int32)
 
   name = os.path.basename(os.path.normpath(model_dir))
-  return LmTarget(name, glu, sample_inputs), fns, load
+  return record.Resolved(
+    record.Target(name=name, sample_inputs=sample_inputs, token_model=glu),
+    fns, load)
 
 
 def lead_shape(

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from decompax.core import attention as attention_lib
 from decompax.targets import glu_config
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -131,31 +132,15 @@ def rms_norm(
   x: Float[Array, "*l d"], w: Float[Array, " d"], eps: float
 ) -> Float[Array, "*l d"]:
   """Return `x·rsqrt(mean(x²)+eps)·w`, the statistic in fp32 (N4)."""
-  xf = x.astype(jnp.float32)
-  var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-  return w * (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+  return w * attention_lib.rms_normalize(x, eps).astype(x.dtype)
 
 
 def rope_tables(
   config: glu_config.GluConfig, t: int
 ) -> tuple[Float[Array, "t hd"], Float[Array, "t hd"]]:
   """Return fp32 `cos, sin` of `pos·inv_freq`, repeated over both halves."""
-  freqs = jnp.arange(t, dtype=jnp.float32)[:, None] * jnp.asarray(
-    glu_config.inv_freq(config))[None, :]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(
-  x: Float[Array, "b t h hd"], cos: Float[Array, "t hd"],
-  sin: Float[Array, "t hd"],
-) -> Float[Array, "b t h hd"]:
-  """Return `x·cos + rot(x)·sin`, `rot(x) = [−x₂, x₁]` (rotate-half)."""
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  cos = cos.astype(x.dtype)[:, None, :]
-  sin = sin.astype(x.dtype)[:, None, :]
-  return x * cos + rotated * sin
+  return attention_lib.rope_tables(
+    jnp.asarray(glu_config.inv_freq(config)), t)
 
 
 def reference_attention(
@@ -166,15 +151,12 @@ def reference_attention(
 
   kv head `j` serves query heads `j·r … j·r+r−1`, `r = nh/nkv`.
   """
-  b, t, nh, hd = q.shape
-  nkv = k.shape[2]
-  qg = q.reshape(b, t, nkv, nh // nkv, hd)
-  scores = jnp.einsum("btgrh,bsgh->bgrts", qg, k) * (hd ** -0.5)
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
+  t, hd = q.shape[1], q.shape[-1]
+  scores = attention_lib.grouped_logits(q, k) * (hd ** -0.5)
+  scores = jnp.where(attention_lib.causal_mask(t), scores.astype(jnp.float32),
+                     -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  out = jnp.einsum("bgrts,bsgh->btgrh", probs, v)
-  return out.reshape(b, t, nh, hd)
+  return attention_lib.grouped_values(probs, v)
 
 
 def attention_scores(
@@ -187,11 +169,10 @@ def attention_scores(
   own q and k, so a bf16 forward's pattern carries no bf16 matmul rounding.
   """
   b, t, nh, hd = q.shape
-  nkv = k.shape[2]
-  qg = q.astype(jnp.float32).reshape(b, t, nkv, nh // nkv, hd)
-  scores = jnp.einsum("btgrh,bsgh->bgrts", qg, k.astype(jnp.float32))
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  scores = jnp.where(causal, scores * (hd ** -0.5), -jnp.inf)
+  scores = attention_lib.grouped_logits(q.astype(jnp.float32),
+                                        k.astype(jnp.float32))
+  scores = jnp.where(attention_lib.causal_mask(t), scores * (hd ** -0.5),
+                     -jnp.inf)
   return scores.reshape(b, nh, t, t)
 
 
@@ -210,7 +191,7 @@ def _group_row_kl(
   log_q = jax.nn.log_softmax(attention_scores(q_masked, k_masked), axis=-1)
   t = q_clean.shape[1]
   # Above the diagonal both rows are −inf: 0·(−inf + inf) would be NaN.
-  causal = jnp.tril(jnp.ones((t, t), bool))
+  causal = attention_lib.causal_mask(t)
   return jnp.sum(jnp.where(causal, jnp.exp(log_p) * (log_p - log_q), 0.0))
 
 
@@ -281,7 +262,8 @@ def query_key_heads(
   if q_norm is not None:
     qh = rms_norm(qh, q_norm, config.rms_eps)
     kh = rms_norm(kh, k_norm, config.rms_eps)
-  return apply_rope(qh, *rope), apply_rope(kh, *rope)
+  return (attention_lib.apply_rope(qh, *rope),
+          attention_lib.apply_rope(kh, *rope))
 
 
 def block(
@@ -400,6 +382,35 @@ def _run_segment(
   return h, ys
 
 
+def _parsed_taps(wanted: tuple[str, ...], n_layers: int,
+                 first: int) -> dict[str, tuple[str, int]]:
+  """Return each wanted tap's `(stream, layer)`; ValueError for one below
+  the residual start at block `first` (I28)."""
+  parsed = {key: parse_tap(key, n_layers) for key in wanted}
+  below = [k for k, (_, layer) in parsed.items() if layer < first]
+  if below:
+    raise ValueError(f"taps {below} lie below the residual start at block "
+                     f"{first} (I28)")
+  return parsed
+
+
+def _gathered_taps(
+  parsed: dict[str, tuple[str, int]], boundary: dict[int, Array],
+  stream_values: dict[tuple[int, int], dict[str, Array]],
+) -> dict[str, Array]:
+  """Return each parsed tap: a residual at a segment boundary as it is,
+  any other stream from its segment's stacked scan outputs."""
+  taps = {}
+  for key, (stream, layer) in parsed.items():
+    if stream == "resid" and layer in boundary:
+      taps[key] = boundary[layer]
+      continue
+    for (lo, hi), ys in stream_values.items():
+      if lo <= layer < hi:
+        taps[key] = ys[stream][layer - lo]
+  return taps
+
+
 def forward(
   weights: GluWeights,
   tokens: Int[Array, "b t"],
@@ -418,12 +429,8 @@ def forward(
   """
   config, seg = spec.config, spec.segments
   check_segments(weights, seg)
-  parsed = {key: parse_tap(key, config.n_layers) for key in wanted}
   first = 0 if start is None else seg.split
-  below = [k for k, (_, layer) in parsed.items() if layer < first]
-  if below:
-    raise ValueError(f"taps {below} lie below the residual start at block "
-                     f"{first} (I28)")
+  parsed = _parsed_taps(wanted, config.n_layers, first)
   rope = rope_tables(config, tokens.shape[1])
   boundary = {}
   if start is None:
@@ -454,14 +461,7 @@ def forward(
       tuple(layer for _, layer in emitted))
     boundary[hi] = h
     stream_values[(lo, hi)] = ys
-  taps = {}
-  for key, (stream, layer) in parsed.items():
-    if stream == "resid" and layer in boundary:
-      taps[key] = boundary[layer]
-      continue
-    for (lo, hi), ys in stream_values.items():
-      if lo <= layer < hi:
-        taps[key] = ys[stream][layer - lo]
+  taps = _gathered_taps(parsed, boundary, stream_values)
   head = weights.embed if weights.head is None else weights.head
   x = rms_norm(h, weights.norm, config.rms_eps)
   logits = jnp.einsum("btd,vd->btv", x, head)

@@ -361,6 +361,22 @@ def hidden_pass_points(config: glu_config.GluConfig,
                for i in range(first, config.n_layers))
 
 
+def live_extras(
+  sites: tuple[SiteSpec, ...], layouts: dict[str, KindLayout],
+  seg: glu_lm.Segments, weights: glu_lm.GluWeights, components: Components,
+  site_masks: dict[str, SiteMask],
+) -> dict[str, LiveKind]:
+  """Return what the span's scan carries beside its weights for a masked
+  forward (`live_kinds`); ValueError for a mask naming no site."""
+  names = {s.name for s in sites}
+  unknown = sorted(set(site_masks) - names)
+  if unknown:
+    raise ValueError(f"unknown live sites {unknown}; sites are "
+                     f"{sorted(names)}")
+  return live_kinds(components, site_masks, layouts, seg,
+                    weights.embed.dtype)
+
+
 def target_fns(
   config: glu_config.GluConfig,
   sites: tuple[SiteSpec, ...],
@@ -380,17 +396,11 @@ def target_fns(
   spec = glu_lm.ForwardSpec(config, seg, attention, remat)
   glu_lm.attention_fn(attention)  # refuses an unknown name up front
   site = live_site_fn(layouts)
-  names = {s.name for s in sites}
   resume = start_key(seg) if prefix_sharing else None
   blocks = attention_blocks(sites)
 
   def extras(weights, components, site_masks):
-    unknown = sorted(set(site_masks) - names)
-    if unknown:
-      raise ValueError(f"unknown live sites {unknown}; sites are "
-                       f"{sorted(names)}")
-    return live_kinds(components, site_masks, layouts, seg,
-                      weights.embed.dtype)
+    return live_extras(sites, layouts, seg, weights, components, site_masks)
 
   def clean_forward(weights, tokens, wanted):
     weights = jax.lax.stop_gradient(weights)

@@ -15,26 +15,27 @@ from typing import Any, Optional, Union
 
 import jax
 import numpy as np
-from jaxtyping import Array, Float, Key
+from jaxtyping import Array, Key
 
 from decompax.core import sites, target
 from decompax.targets import (
-  arithmetic, induction, resid_mlp, simple_mlp, tms, toy_sites)
+  arithmetic, induction, record, resid_mlp, simple_mlp, tms, toy_sites)
 from decompax.targets import toy_training as train_lib
 
 Weights = Any
 
 
-@dataclasses.dataclass(frozen=True)
-class ToyTarget:
-  """One registered toy: its config and the functions the engine calls.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToyTarget(record.Target):
+  """One registered toy: the run's `Target` record (its name, sampler and,
+  for token toys, the decoder they run on), its config and the functions
+  the engine calls.
 
   `train(key_or_seed, progress=None)` trains from an int seed (preferred: the
   error names it) or a typed key, and raises ValueError when the result does
   not represent every feature (see `missing_features`).
   """
 
-  name: str
   config: Any
   default_seed: int
   sites: Callable[[toy_sites.CPerSite], tuple[sites.SiteSpec, ...]]
@@ -42,7 +43,6 @@ class ToyTarget:
   init: Callable[[Key[Array, ""]], Weights]
   train: Callable[..., Weights]
   missing_features: Callable[[Weights], tuple[int, ...]]
-  sample_inputs: Callable[[Key[Array, ""], int], Float[Array, "b n"]]
   weights_to_arrays: Callable[[Weights], dict[str, np.ndarray]]
   weights_from_arrays: Callable[[dict[str, np.ndarray]], Weights]
   # Targets whose function table and weight layout depend on the decomposed
@@ -160,6 +160,7 @@ def build_token_toy(name: str, module: ModuleType, config: Any,
     missing_features=bound.missing_features,
     fns_for_sites=lambda s: module.fns_for_sites(config, s),
     weights_for_sites=lambda w, s: module.weights_for_sites(w, config, s),
+    token_model=config.model,
   )
 
 

@@ -164,11 +164,11 @@ def test_hf_directory_reproduces_the_trainers_logits(model, data):
     "--target=hf", f"--model_dir={out}", "--compute_dtype=float32",
     f"--seq_len={preset.seq_len}"])
   record, fns, load = lm.hf_target(run_config)
-  assert record.config == text_lm.model_config(preset)
+  assert record.token_model == text_lm.model_config(preset)
   opened = tokens.open_tokens(data[0] / "bpe-300" / "held_out.bin")
   batch = jnp.asarray(tokens.read_batch(opened, 1, 0, 4, preset.seq_len))
   got = jax.jit(lambda w: fns.clean_forward(w, batch, ())[0])(load())
-  want = jax.jit(lambda w: text_lm.logits(w, batch, record.config))(weights)
+  want = jax.jit(lambda w: text_lm.logits(w, batch, record.token_model))(weights)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

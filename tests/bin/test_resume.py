@@ -79,7 +79,7 @@ def straight(tmp_path_factory):
   config = train_flags.parse_config(*VPD_ARGS, f"--output_dir={root / 'straight'}",
                    f"--target_path={target_path}")
   prepared = train.setup(config)
-  toy, target = prepared.plan.parts.toy, prepared.target
+  toy, target = prepared.plan.parts.record, prepared.target
   weights, output_dir = prepared.weights, prepared.output_dir
   session = _session(config, target)
   try:

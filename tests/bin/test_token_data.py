@@ -44,7 +44,7 @@ def built(files):
     f"--data_path={files[0]}", f"--eval_data_path={files[1]}")
   toy, target, load = assembly.resolve_target(config)
   weights = load()
-  data = token_data.open_data(config, toy.config.vocab_size)
+  data = token_data.open_data(config, toy.token_model.vocab_size)
   return config, toy, target, weights, assembly.build_run(
     config, toy, target, weights, data=data)
 

@@ -77,7 +77,7 @@ def test_hf_target_gives_the_toy_logits(exported):
   run = config_lib.read_args(["--target=hf", f"--model_dir={path}",
                               "--compute_dtype=float32", "--seq_len=5"])
   record, fns, load = lm.hf_target(run)
-  assert record.config.vocab_size == CONFIG.model.vocab_size
+  assert record.token_model.vocab_size == CONFIG.model.vocab_size
   tokens = arithmetic.task_batch(jax.random.key(1), CONFIG, 8)
   n = CONFIG.model.n_layers
   spec = glu_lm.ForwardSpec(CONFIG.model, glu_lm.Segments(n, 0, n))

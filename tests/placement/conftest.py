@@ -25,6 +25,7 @@ from decompax.recipe import lm as lm_lib
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import table as table_lib
 from decompax.targets import glu_config, glu_lm, glu_target, registry
+from decompax.targets import record as target_record
 
 FLAGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "flags"
 
@@ -99,7 +100,8 @@ def lm_problem(*args: str) -> Problem:
     return jax.random.randint(key, (batch_size, config.seq_len), 0,
                               LM_CONFIG.vocab_size, jnp.int32)
 
-  lm = lm_lib.LmTarget("glu_2block", LM_CONFIG, sample_inputs)
+  lm = target_record.Target(name="glu_2block", sample_inputs=sample_inputs,
+                            token_model=LM_CONFIG)
   return Problem(config, lm, fns, weights)
 
 
