@@ -34,7 +34,6 @@ from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import tag_summary
 from decompax.bin import cli, placement_flags, placement_setup
 from decompax.io import harvest_store, run_dir
-from decompax.io import run_report as report
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 
@@ -219,8 +218,11 @@ def _main(argv: list[str], stop: threading.Event) -> None:
   print(f"[harvest] wrote {path}")
   if "tags" in record:
     # The run's report gains the comparison with the neurons.
-    tag_summary.write(_RUN_DIR.value)
-    print(f"[harvest] wrote {report.write_report(_RUN_DIR.value)}")
+    try:
+      page = tag_summary.rebuild_report(_RUN_DIR.value).page
+    except ValueError as e:
+      fail(f"--run_dir: {e}")
+    print(f"[harvest] wrote {page}")
 
 
 def _share_with_absl() -> None:
