@@ -10,7 +10,10 @@ firing density and mean CI, a log-spaced CI histogram, co-activation counts
 with every component of its site, the top-k contexts by CI (token windows
 with the component's CI on each token, or a toy's input rows), and the
 divergence from the clean model when it alone is ablated, summed over the
-positions where it fires (measured on the first `ablation_batches`). When
+positions where it fires (measured on the first `ablation_batches`, each
+ablating only the components that fired in it, with progress lines: one
+forward of a whole batch per component, the harvest's dominant cost on a
+language model, whose default is therefore none). When
 the token file has a tag stream, also every component's part-of-speech
 statistics, its CI as the activity (`losses/tag_profile.py`, fields
 `TAG_FIELDS`; `docs/tag_profiles.md`) and those of the baselines, the
@@ -98,6 +101,9 @@ class Settings:
   tag_groups: int = 0  # 0: no tag stream, no tag statistics
 
 
+# Seconds between the ablations' progress lines.
+ABLATION_PROGRESS_S = 5.0
+
 # Context windows by default; shorter where a sequence is (a window never
 # reaches past its sequence).
 WINDOW_BEFORE, WINDOW_AFTER = 8, 4
@@ -108,8 +114,9 @@ class Request:
   """What a harvest is asked for; `resolve` checks it against a run.
 
   None means the run's own value (`seq_len`, `threshold` as
-  `ci_alive_threshold`, `data_path`), and for the windows
-  `WINDOW_BEFORE`/`WINDOW_AFTER`, cut to the sequence.
+  `ci_alive_threshold`, `data_path`), for the windows
+  `WINDOW_BEFORE`/`WINDOW_AFTER`, cut to the sequence, and for
+  `ablation_batches` `default_ablation_batches`.
   """
 
   positions: int = 65536
@@ -119,7 +126,7 @@ class Request:
   window_before: Optional[int] = None
   window_after: Optional[int] = None
   threshold: Optional[float] = None
-  ablation_batches: int = 2
+  ablation_batches: Optional[int] = None
   seed: int = 0
   data_path: Optional[str] = None
 
@@ -188,8 +195,23 @@ def resolve(run: explore.LoadedRun, request: Request) -> Settings:
     os.path.abspath(data_path) if data_path else "",
     -(-request.positions // per_batch), request.batch_size, seq_len,
     request.top_k, before, after,
-    float(threshold), request.ablation_batches, request.seed,
+    float(threshold), default_ablation_batches(run)
+    if request.ablation_batches is None else request.ablation_batches,
+    request.seed,
     run.decomposition.step, tag_groups=groups)
+
+
+# Ablation batches by default: a toy's ablations cost little, a language
+# model's hours (one forward of a whole batch per component that fired:
+# `brown_s`, 3072 components, about 20 minutes per batch of 8 x 64 tokens
+# on two CPU cores, 3 hours per batch of 64 x 64), so it asks for them.
+TOY_ABLATION_BATCHES, LM_ABLATION_BATCHES = 2, 0
+
+
+def default_ablation_batches(run: explore.LoadedRun) -> int:
+  """Return the ablation batches of a harvest that names none."""
+  return (LM_ABLATION_BATCHES if lm.is_lm(run.config)
+          else TOY_ABLATION_BATCHES)
 
 
 def tag_groups(data_path: str) -> int:
@@ -536,18 +558,44 @@ def add_window(totals: dict,
     t["top_ci"], t["top_context"], t["top_context_ci"] = map(np.asarray, top)
 
 
-def add_ablation(totals: dict, run: explore.LoadedRun,
-                 divergence: np.ndarray, ci: dict[str, np.ndarray],
-                 threshold: float) -> None:
-  """Add the divergence of each component's ablation, summed over the
-  positions where that component fires."""
-  start = 0
-  for site in run.target.sites:
-    rows = divergence[start:start + site.c].reshape(site.c, -1)
-    fired = (ci[site.name] > threshold).reshape(-1, site.c).T
-    totals[site.name]["ablation_sum"] += np.sum(rows * fired, axis=1)
-    totals[site.name]["ablation_count"] += np.sum(fired, axis=1)
-    start += site.c
+def fired_components(run: explore.LoadedRun, ci: dict[str, np.ndarray],
+                     threshold: float) -> tuple[np.ndarray, np.ndarray]:
+  """Return `(site_of, index_of)` of every component that fired on a batch
+  (CI above `threshold` at some position), in the run's site order: the
+  only ones whose ablation adds to the harvest, summed where they fire."""
+  site_of, index_of = [], []
+  for k, site in enumerate(run.target.sites):
+    fired = np.flatnonzero(
+      (ci[site.name] > threshold).reshape(-1, site.c).any(axis=0))
+    site_of.append(np.full(len(fired), k, np.int32))
+    index_of.append(fired.astype(np.int32))
+  return np.concatenate(site_of), np.concatenate(index_of)
+
+
+def empty_ablation(run: explore.LoadedRun) -> dict[str, dict]:
+  """Return one batch's ablation sums and counts per site, zero."""
+  return {s.name: {"ablation_sum": np.zeros(s.c, np.float64),
+                   "ablation_count": np.zeros(s.c, np.int64)}
+          for s in run.target.sites}
+
+
+def add_ablation(sums: dict, run: explore.LoadedRun, site_of: np.ndarray,
+                 index_of: np.ndarray, divergence: np.ndarray,
+                 ci: dict[str, np.ndarray], threshold: float) -> None:
+  """Add the divergence of each listed component's ablation (`divergence[j]`
+  that of component `index_of[j]` of site `site_of[j]`), summed over the
+  positions where that component fires, and those positions' count."""
+  names = [s.name for s in run.target.sites]
+  for j, (k, c) in enumerate(zip(site_of, index_of)):
+    fired = ci[names[k]][..., c] > threshold
+    sums[names[k]]["ablation_sum"][c] += np.sum(divergence[j] * fired)
+    sums[names[k]]["ablation_count"][c] += np.sum(fired)
+
+
+def _padded(x: np.ndarray, size: int) -> np.ndarray:
+  """Return `x` (not empty) padded to `size` with its last entry, so every
+  chunk of components runs one compiled program."""
+  return np.concatenate([x, np.repeat(x[-1:], size - len(x))])
 
 
 def _window_layout(placed: Optional[Placed]) -> tuple[Callable, dict]:
@@ -565,8 +613,9 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
            layers: tuple[int, ...] = (), heads: tuple[int, ...] = (),
            n_head: int = 0):
   """Return the jitted batch statistics, the accumulation of one batch
-  into the device's window of statistics, the ablation pass, and the plain
-  clean forward the throughput is compared with. With `placed`, the CI
+  into the device's window of statistics, the ablation of `chunk`
+  components (site and index each, beside the clean output) and the plain
+  clean forward, which the throughput is compared with. With `placed`, the CI
   keeps its layout and the window stays replicated.
 
   The window is `(statistics, tag statistics)` per site; the second is
@@ -606,10 +655,12 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
             {site: add(window[1][site], tags[site]) for site in window[1]}
             ), ci
 
-  def ablation(weights, components, inputs):
+  def ablation(weights, components, inputs, clean_output, site_of,
+               index_of):
     lead = tuple(target.batch_lead_shape(inputs))
     return stats_lib.ablation_divergence(
-      target, weights, components, inputs, lead, chunk)
+      target, weights, components, inputs, clean_output, lead, site_of,
+      index_of, chunk)
 
   def clean(weights, inputs):
     return target.clean_forward(weights, inputs, ci_fn.input_taps)[0]
@@ -654,6 +705,7 @@ class _Pipeline(NamedTuple):
   clean: Any
   shapes: tuple[dict, dict]
   tag_record: dict
+  chunk: int
 
 
 def _pipeline(run: explore.LoadedRun, settings: Settings, chunk: int,
@@ -676,7 +728,7 @@ def _pipeline(run: explore.LoadedRun, settings: Settings, chunk: int,
   tag_record = {} if tags is None else {"tags": {
     **tags.record, "baselines": list(baseline_keys(layers, heads))}}
   return _Pipeline(batch, positions, extra, accumulate, ablation_fn,
-                   clean_fn, shapes, tag_record)
+                   clean_fn, shapes, tag_record, chunk)
 
 
 def harvest(run: explore.LoadedRun, settings: Settings, out: str,
@@ -684,16 +736,20 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
             overwrite: bool = False,
             say: Callable[[str], None] = print,
             placement: Optional[shardings.Placement] = None,
-            stop: Callable[[], bool] = _never) -> dict:
+            stop: Callable[[], bool] = _never,
+            progress_every_s: float = ABLATION_PROGRESS_S) -> dict:
   """Run the harvest into `out` (resuming a saved one, or replacing one
   made with other settings when `overwrite`) and return its record: the
   arrays written and the throughput beside a clean forward ({} when `out`
   already holds this harvest, complete). With `placement`, on its mesh
   (`place`; ValueError when the batch does not split over it).
 
-  `stop()` is asked before each batch: when true, the progress since the
-  last save is saved and `Stopped` raised (once every batch is done, the
-  harvest finishes instead, without timing the clean forward).
+  `stop()` is asked before each batch and each chunk of ablations: when
+  true, the progress since the last save is saved and `Stopped` raised (a
+  batch whose ablations were cut short is left for the resumed harvest;
+  once every batch is done, the harvest finishes instead, without timing
+  the clean forward). The ablations say their progress every
+  `progress_every_s` seconds.
   """
   check_cadence(save_every_s, ablation_chunk)
   placed = place(run, settings, placement)
@@ -708,7 +764,8 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   if done:
     say(f"[harvest] resuming after batch {done}")
   harvest_seconds, timed_start = _run_batches(
-    run, settings, out, placed, pipe, totals, done, save_every_s, say, stop)
+    run, settings, out, placed, pipe, totals, done, save_every_s,
+    _Ablating(say, stop, progress_every_s))
   written = harvest_store.write_store(out, totals, FIELDS + TAG_FIELDS)
   if stop():  # timing the clean forward is all that is left
     return {"arrays": written, **pipe.tag_record}
@@ -717,52 +774,129 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
     settings.n_batches - timed_start)}
 
 
+class _Ablating(NamedTuple):
+  """How a harvest talks and stops: `say` its lines, `stop()` asked
+  between batches and chunks of ablations, `every_s` the seconds between
+  the ablations' progress lines."""
+
+  say: Callable[[str], None]
+  stop: Callable[[], bool]
+  every_s: float
+
+
+def _ablation_progress(batch: int, batches: int, done: int, total: int,
+                       since: tuple[float, int]) -> str:
+  """Return a progress line, the rate counted from `since` (a time and the
+  components done then)."""
+  rate = (done - since[1]) / max(time.time() - since[0], 1e-9)
+  eta = (total - done) / rate if rate > 0 else float("inf")
+  return (f"[harvest] ablation batch {batch}/{batches}: component "
+          f"{done}/{total}  {rate:.1f} components/s  ETA {eta:.0f}s")
+
+
+def _ablate(run: explore.LoadedRun, settings: Settings, placed: Placed,
+            pipe: _Pipeline, i: int, inputs: Any, ci: Any,
+            talk: _Ablating) -> Optional[dict]:
+  """Return batch `i`'s ablation sums per site (`empty_ablation`), one
+  chunk of the components that fired at a time, saying the progress by
+  the clock; None when `talk.stop()` came first."""
+  ci = transfer.fetch(ci)
+  site_of, index_of = fired_components(run, ci, settings.threshold)
+  n, chunk = len(site_of), pipe.chunk
+  talk.say(f"[harvest] ablation batch {i + 1}/{settings.ablation_batches}: "
+           f"the {n} of {sum(s.c for s in run.target.sites)} components "
+           f"that fired, {chunk} at a time")
+  sums = empty_ablation(run)
+  clean = pipe.clean(placed.weights, inputs)
+  # The rate from the end of the first chunk, which compiles.
+  said = time.time()
+  since = said, 0
+  for at in range(0, n, chunk):
+    if talk.stop():
+      return None
+    block = slice(at, at + chunk)
+    divergence = transfer.fetch(pipe.ablation(
+      placed.weights, placed.components, inputs, clean,
+      *(jnp.asarray(_padded(x[block], chunk)) for x in (site_of, index_of))))
+    add_ablation(sums, run, site_of[block], index_of[block], divergence, ci,
+                 settings.threshold)
+    done = min(at + chunk, n)
+    if time.time() - said >= talk.every_s or done == n:
+      talk.say(_ablation_progress(i + 1, settings.ablation_batches, done, n,
+                                  since))
+      said = time.time()
+    if at == 0 and done < n:
+      since = time.time(), done
+  return sums
+
+
+def _add_ablations(run: explore.LoadedRun, settings: Settings, out: str,
+                   placed: Placed, pipe: _Pipeline, totals: dict, i: int,
+                   inputs: Any, ci: Any, talk: _Ablating,
+                   saved_done: int) -> None:
+  """Add batch `i`'s ablations to `totals` (which hold the batches before
+  it); stopped before they end, save those totals and raise `Stopped`:
+  the resumed harvest redoes batch `i`."""
+  sums = _ablate(run, settings, placed, pipe, i, inputs, ci, talk)
+  if sums is None:
+    if i > saved_done:
+      harvest_store.save_state(out, totals, i, dataclasses.asdict(settings))
+    raise Stopped(i, settings.n_batches)
+  for site, t in sums.items():
+    for name, value in t.items():
+      totals[site][name] += value
+
+
+def _save(out: str, totals: dict, window: Any, i: int,
+          settings: Settings) -> None:
+  add_window(totals, window)
+  harvest_store.save_state(out, totals, i, dataclasses.asdict(settings))
+
+
 def _run_batches(run: explore.LoadedRun, settings: Settings, out: str,
                  placed: Placed, pipe: _Pipeline, totals: dict, done: int,
-                 save_every_s: float, say: Callable[[str], None],
-                 stop: Callable[[], bool]) -> tuple[float, int]:
+                 save_every_s: float, talk: _Ablating) -> tuple[float, int]:
   """Add batches `done`… to `totals`, saving the state by the clock and
   when stopped (`Stopped`); return the seconds the timed batches took and
   the first of them."""
-  weights, components, ci_params = (placed.weights, placed.components,
-                                    placed.ci_params)
   fresh_window = _fresh_window(pipe.shapes, placed)
   # Batches accumulate on the device, with no host sync, until the next
-  # save or the end fetches the window into the host totals.
-  window = fresh_window()
+  # save, ablation batch or the end fetches the window into the host
+  # totals; `held` is the window's first batch.
+  window, held = fresh_window(), done
   started, first, timed_from = time.time(), done, None
   saved, saved_done = started, done
   timed_start = max(first + 1, settings.ablation_batches)
   for i in range(done, settings.n_batches):
-    if stop():
+    if talk.stop():
       if i > saved_done:
-        add_window(totals, window)
-        harvest_store.save_state(out, totals, i,
-                                 dataclasses.asdict(settings))
+        _save(out, totals, window, i, settings)
       raise Stopped(i, settings.n_batches)
     # Timed from the first batch after the compile and the ablations,
     # which a clean forward does not do.
     if i == timed_start:
       jax.block_until_ready(window)
       timed_from = time.time()
+    ablating = i < settings.ablation_batches
+    if ablating and i > held:  # the totals before batch i, should it stop
+      add_window(totals, window)
+      window, held = fresh_window(), i
     inputs = pipe.batch(i)
-    window, ci = pipe.accumulate(window, weights, components, ci_params,
-                                 inputs, pipe.positions(i), pipe.extra)
-    if i < settings.ablation_batches:
-      divergence = pipe.ablation(weights, components, inputs)
-      add_ablation(totals, run, transfer.fetch(divergence),
-                   transfer.fetch(ci), settings.threshold)
+    window, ci = pipe.accumulate(window, placed.weights, placed.components,
+                                 placed.ci_params, inputs, pipe.positions(i),
+                                 pipe.extra)
+    if ablating:
+      _add_ablations(run, settings, out, placed, pipe, totals, i, inputs, ci,
+                     talk, saved_done)
     # Saves go by the clock: a fixed batch count would, on a small model,
     # spend most of the harvest writing state.
     if (time.time() - saved >= save_every_s
         and i + 1 < settings.n_batches):
-      add_window(totals, window)
-      window = fresh_window()
-      harvest_store.save_state(out, totals, i + 1,
-                               dataclasses.asdict(settings))
+      _save(out, totals, window, i + 1, settings)
+      window, held = fresh_window(), i + 1
       saved, saved_done = time.time(), i + 1
     if (i + 1) % max(1, settings.n_batches // 10) == 0:
-      say(_progress(i + 1, settings.n_batches, started, first))
+      talk.say(_progress(i + 1, settings.n_batches, started, first))
   jax.block_until_ready(window)
   harvest_seconds = time.time() - timed_from if timed_from else 0.0
   add_window(totals, window)

@@ -7,11 +7,13 @@ baseline, both unit sets' summaries, weighted by activity and unweighted,
 and the bootstrap interval of each difference components − baseline; and
 every unit's purity per site and baseline, which the purity figure draws.
 `write(run_path)` stores both beside the report, where a harvest with tag
-statistics exists.
+statistics exists; `rebuild_report(run_path)` writes that and then the
+report itself, the one sequence `bin/harvest` and `bin/report` both run.
 """
 
 import json
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -109,3 +111,20 @@ def write(run_path: str, n_boot: int = N_BOOT) -> str | None:
   value = record(harvest, n_boot=n_boot)
   tag_page.plot_purities(value, os.path.join(directory, tag_page.FIGURE))
   return tag_page.write(directory, value)
+
+
+class Rebuilt(NamedTuple):
+  """The files `rebuild_report` wrote: the comparison (None where the run
+  has no tagged harvest) and the report's page."""
+
+  comparison: str | None
+  page: str
+
+
+def rebuild_report(run_path: str, n_boot: int = N_BOOT) -> Rebuilt:
+  """Rewrite the run's report with its part-of-speech comparison, where a
+  finished harvest with tag statistics exists: the comparison first, since
+  the page reads it. ValueError naming a damaged harvest, and
+  `run_report.NotARun` for a directory no run wrote."""
+  comparison = write(run_path, n_boot)
+  return Rebuilt(comparison, report.write_report(run_path))

@@ -34,7 +34,6 @@ from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import tag_summary
 from decompax.bin import cli, placement_flags, placement_setup
 from decompax.io import harvest_store, run_dir
-from decompax.io import run_report as report
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 
@@ -80,12 +79,17 @@ _THRESHOLD = _define_float(
   "threshold", _D.threshold, "CI above which a component fires "
   "(default: the run's --ci_alive_threshold).")
 _ABLATION_BATCHES = flags.DEFINE_integer(
-  "ablation_batches", _D.ablation_batches, "Batches on which every "
-  "component is ablated in turn (0: no ablation effects).",
-  flag_values=HARVEST_FLAGS)
+  "ablation_batches", _D.ablation_batches, "First batches on which each "
+  "component that fired in the batch is ablated in turn, one forward of "
+  "the whole batch each, with a progress line every "
+  f"{harvest_lib.ABLATION_PROGRESS_S:g} s (0: no ablation effects; "
+  f"default: {harvest_lib.TOY_ABLATION_BATCHES} for a toy, "
+  f"{harvest_lib.LM_ABLATION_BATCHES} for a language model, where they "
+  "cost hours: brown_s's 3072 components take about 20 minutes per batch "
+  "of 8 x 64 tokens on two CPU cores).", flag_values=HARVEST_FLAGS)
 _ABLATION_CHUNK = flags.DEFINE_integer(
-  "ablation_chunk", 16, "Ablated forwards run at once (memory: that many "
-  "forwards of one batch).", flag_values=HARVEST_FLAGS)
+  "ablation_chunk", 16, "Ablated forwards run at once, one compiled call "
+  "(memory: that many forwards of one batch).", flag_values=HARVEST_FLAGS)
 _SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of the "
                              "harvested batches.", flag_values=HARVEST_FLAGS)
 _SAVE_EVERY_S = _define_float(
@@ -196,6 +200,10 @@ def _main(argv: list[str], stop: threading.Event) -> None:
   out = os.path.join(_RUN_DIR.value, harvest_store.HARVEST_DIR)
   try:
     settings = harvest_lib.resolve(run, request())
+    if _ABLATION_BATCHES.value is None and not settings.ablation_batches:
+      print("[harvest] no ablation effects, a language model's default "
+            "(each batch costs a forward of it per component that fired); "
+            "--ablation_batches=N measures them on N batches", flush=True)
     # Held until the process ends: through the manifest's write.
     run_dir.lock_dir(out, "harvest", "wait for that harvest to end")
     record = harvest_lib.harvest(
@@ -219,8 +227,11 @@ def _main(argv: list[str], stop: threading.Event) -> None:
   print(f"[harvest] wrote {path}")
   if "tags" in record:
     # The run's report gains the comparison with the neurons.
-    tag_summary.write(_RUN_DIR.value)
-    print(f"[harvest] wrote {report.write_report(_RUN_DIR.value)}")
+    try:
+      page = tag_summary.rebuild_report(_RUN_DIR.value).page
+    except ValueError as e:
+      fail(f"--run_dir: {e}")
+    print(f"[harvest] wrote {page}")
 
 
 def _share_with_absl() -> None:

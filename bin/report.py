@@ -33,14 +33,14 @@ def main(argv: list[str]) -> None:
     fail(f"--run_dir: {e}; {why}")
   # A harvest with tag statistics adds its comparison with the neurons.
   try:
-    if tag_summary.write(chosen):
-      print("[report] compared components with neurons by part of speech")
+    written = tag_summary.rebuild_report(chosen)
+  except report.NotARun as e:
+    fail(f"--run_dir: {e}; {why}")
   except ValueError as e:
     fail(f"--run_dir: {e}")
-  try:
-    path = report.write_report(chosen)
-  except ValueError as e:
-    fail(f"--run_dir: {e}; {why}")
+  if written.comparison:
+    print("[report] compared components with neurons by part of speech")
+  path = written.page
   print(f"[report] wrote {path}")
 
 

@@ -491,14 +491,18 @@ def _figure_files(run: str) -> tuple[list[tuple[str, str]],
           [(f"../figures/{n}", HIDDEN_FIGURE_CAPTIONS[n]) for n in hidden])
 
 
+class NotARun(ValueError):
+  """The directory asked for holds no run (no flags file)."""
+
+
 def write_report(run: run_dir.Path) -> str:
   """Return the path of `<run>/report/index.html` after (re)writing it and
   its curve PNGs from the run directory's files."""
   run = os.path.abspath(os.fspath(run))
   flags_path = os.path.join(run, run_dir.FLAGS_FILE)
   if not os.path.isfile(flags_path):
-    raise ValueError(f"{run} is not a run directory (no "
-                     f"{run_dir.FLAGS_FILE})")
+    raise NotARun(f"{run} is not a run directory (no "
+                  f"{run_dir.FLAGS_FILE})")
   with open(flags_path, encoding="utf-8") as f:
     flags_text = f.read()
   records = run_dir.read_metrics(os.path.join(run, run_dir.METRICS_FILE))

@@ -151,21 +151,19 @@ def position_divergence(
 
 
 def ablation_divergence(
-  target: TargetFns, weights, components, inputs, lead: tuple[int, ...],
+  target: TargetFns, weights, components, inputs, clean,
+  lead: tuple[int, ...], site_of: Int[Array, " n"], index_of: Int[Array, " n"],
   chunk: int,
 ) -> Float[Array, "n *l"]:
-  """Return, for every component of every site in order, the divergence at
-  each position when that component alone is ablated (mask 0, every other
-  mask 1, delta path on: the unablated forward is the target).
+  """Return, for each component `index_of[j]` of site `site_of[j]` (the
+  site's place in `target.sites`), the divergence at each position from
+  `clean` (the clean forward's output) when that component alone is
+  ablated (mask 0, every other mask 1, delta path on: the unablated
+  forward is the target).
 
   Components go through `lax.map` in batches of `chunk`, so memory stays
   that of `chunk` forwards however many components there are.
   """
-  clean, _ = target.clean_forward(weights, inputs, ())
-  sizes = [s.c for s in target.sites]
-  site_of = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes), jnp.int32)
-  index_of = jnp.asarray(np.concatenate([np.arange(c) for c in sizes]),
-                         jnp.int32)
 
   def one(pair):
     masks = masks_lib.one_ablated_site_masks(target.sites, *pair, lead)

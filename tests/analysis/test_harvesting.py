@@ -17,6 +17,7 @@ from jax.sharding import AxisType
 from decompax.analysis import explore
 from decompax.analysis import harvesting as harvest_lib
 from decompax.io import harvest_store
+from decompax.losses import component_stats as stats_lib
 from decompax.losses import evals
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -167,15 +168,14 @@ def test_a_stopped_harvest_saves_and_resumes_to_the_same_result(
   and raises; a temporary a killed save left goes on the rerun."""
   settings, whole, _ = harvested
   out = str(tmp_path)
-  asked = []
+  lines = []
 
-  def stop():
-    asked.append(True)
-    return len(asked) > 2
+  def stop():  # once batch 1's progress line is out
+    return any(line.startswith("[harvest] batch 2/4") for line in lines)
 
   with pytest.raises(harvest_lib.Stopped, match="after batch 2 of 4"):
     harvest_lib.harvest(induction, settings, out, save_every_s=60.0,
-                        ablation_chunk=5, say=lambda _: None, stop=stop)
+                        ablation_chunk=5, say=lines.append, stop=stop)
   assert sorted(os.listdir(out)) == [harvest_store.STATE_FILE]
   (tmp_path / ".state.npz.k1ll3d00.tmp").write_bytes(b"PK")
   said = []
@@ -187,6 +187,106 @@ def test_a_stopped_harvest_saves_and_resumes_to_the_same_result(
   assert not (tmp_path / ".state.npz.k1ll3d00.tmp").exists()
   # `whole` saved after every batch: its sums were added in another order.
   _assert_same_harvest(induction, out, whole)
+
+
+def test_only_the_components_that_fired_are_ablated_to_the_same_sums(
+    induction, tmp_path):
+  """Each batch ablates only what fired in it, one chunk at a time: the
+  sums equal those of every component's ablated forward, one pass."""
+  one = dataclasses.replace(REQUEST, positions=8 * 32)
+  inputs, cis = _direct(induction, harvest_lib.resolve(induction, one))
+  # A threshold only the components with the highest CI pass on the batch.
+  peaks = np.concatenate([ci.reshape(-1, ci.shape[-1]).max(0)
+                          for ci in cis[0].values()])
+  settings = harvest_lib.resolve(induction, dataclasses.replace(
+    one, threshold=float(peaks[peaks < peaks.max()].max())))
+  harvest_lib.harvest(induction, settings, str(tmp_path), ablation_chunk=5,
+                      say=lambda _: None)
+  target, sites = induction.target, induction.target.sites
+  clean = target.clean_forward(induction.weights, inputs[0], ())[0]
+  site_of = np.repeat(np.arange(len(sites)), [s.c for s in sites])
+  every = np.asarray(stats_lib.ablation_divergence(
+    target, induction.weights, induction.decomposition.components,
+    inputs[0], clean, tuple(target.batch_lead_shape(inputs[0])),
+    jax.numpy.asarray(site_of, np.int32),
+    jax.numpy.asarray(np.concatenate([np.arange(s.c) for s in sites]),
+                      np.int32), 7))
+  fired_of = harvest_lib.fired_components(induction, cis[0],
+                                          settings.threshold)
+  assert 0 < len(fired_of[0]) < len(site_of)   # some are skipped
+  at = 0
+  for site in sites:
+    fired = cis[0][site.name] > settings.threshold
+    want = [np.sum(every[at + c] * fired[..., c]) for c in range(site.c)]
+    np.testing.assert_allclose(_read(str(tmp_path), site.name,
+                                     "ablation_sum"), want,
+                               rtol=1e-4, atol=1e-7)
+    at += site.c
+
+
+def test_the_ablations_say_their_progress(induction, tmp_path):
+  """Before its first ablated forward the harvest says how many it will
+  run, then every `progress_every_s` how many are done, the rate and the
+  time left."""
+  settings = harvest_lib.resolve(induction, dataclasses.replace(
+    REQUEST, positions=8 * 32, ablation_batches=1))
+  said = []
+  harvest_lib.harvest(induction, settings, str(tmp_path), ablation_chunk=5,
+                      say=said.append, progress_every_s=0.0)
+  _, cis = _direct(induction, settings)
+  n = len(harvest_lib.fired_components(induction, cis[0],
+                                       settings.threshold)[0])
+  total = sum(s.c for s in induction.target.sites)
+  assert said[0] == (f"[harvest] ablation batch 1/1: the {n} of {total} "
+                     "components that fired, 5 at a time")
+  progress = [line for line in said if " component " in line]
+  done = [int(line.split(" component ")[1].split("/")[0])
+          for line in progress]
+  assert done == [min(k, n) for k in range(5, n + 5, 5)]
+  assert all(line.startswith("[harvest] ablation batch 1/1: component ")
+             and f"/{n}  " in line and " components/s  ETA " in line
+             for line in progress)
+  batch_line = [line.startswith("[harvest] batch 1/1") for line in said]
+  assert said.index(progress[-1]) < batch_line.index(True)
+
+
+def test_a_harvest_stopped_in_its_ablations_resumes_to_the_same_result(
+    induction, tmp_path):
+  """Stopped between two chunks of batch 1's ablations, it saves the
+  batches before and redoes batch 1 on resuming."""
+  settings = harvest_lib.resolve(induction, dataclasses.replace(
+    REQUEST, ablation_batches=2))
+  whole, out = str(tmp_path / "whole"), str(tmp_path / "stopped")
+  harvest_lib.harvest(induction, settings, whole, save_every_s=60.0,
+                      ablation_chunk=5, say=lambda _: None)
+  lines = []
+
+  def stop():  # once batch 1's first chunk is ablated
+    return any(line.startswith("[harvest] ablation batch 2/2: component ")
+               for line in lines)
+
+  with pytest.raises(harvest_lib.Stopped, match="after batch 1 of 4"):
+    harvest_lib.harvest(induction, settings, out, save_every_s=60.0,
+                        ablation_chunk=5, say=lines.append, stop=stop,
+                        progress_every_s=0.0)
+  assert lines[-1].startswith("[harvest] ablation batch 2/2: component 5/")
+  said = []
+  harvest_lib.harvest(induction, settings, out, save_every_s=60.0,
+                      ablation_chunk=5, say=said.append)
+  assert "[harvest] resuming after batch 1" in said
+  _assert_same_harvest(induction, out, whole)
+
+
+def test_a_language_model_ablates_only_when_asked(induction, finished_run):
+  """A toy's ablations cost little, a language model's a forward of the
+  whole batch per component: by default only the toy ablates."""
+  assert harvest_lib.resolve(induction, harvest_lib.Request()
+                             ).ablation_batches == 2
+  llama = explore.load_run(finished_run("tiny_llama"))
+  assert harvest_lib.resolve(llama, harvest_lib.Request()
+                             ).ablation_batches == 0
+  assert harvest_lib.resolve(llama, harvest_lib.Request(
+    ablation_batches=1)).ablation_batches == 1
 
 
 def test_windows_stay_inside_the_sequence(induction, tmp_path):

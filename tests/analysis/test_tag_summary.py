@@ -63,3 +63,25 @@ def test_the_report_shows_the_table_and_the_figure(text_run):
 def test_a_run_without_a_tagged_harvest_gets_no_comparison(tmp_path):
   assert tag_record.write(str(tmp_path)) is None
   assert not np.any([n.startswith("tag_") for n in os.listdir(tmp_path)])
+
+
+def test_rebuild_report_writes_the_comparison_then_the_page(text_run):
+  """The one sequence bin/harvest and bin/report run: the page it writes
+  shows the comparison it wrote just before."""
+  os.remove(os.path.join(text_run, "report", tag_report.FILE))
+  written = tag_record.rebuild_report(text_run, n_boot=20)
+  assert written.comparison.endswith(tag_report.FILE)
+  assert os.path.isfile(written.comparison)
+  with open(written.page, encoding="utf-8") as f:
+    assert "Part of speech: components against neurons" in f.read()
+
+
+def test_rebuild_report_without_a_tagged_harvest_writes_the_page_alone(
+    tmp_path):
+  (tmp_path / "flags.txt").write_text("--target=tms\n")
+  written = tag_record.rebuild_report(str(tmp_path))
+  assert written.comparison is None
+  with open(written.page, encoding="utf-8") as f:
+    assert "Part of speech" not in f.read()
+  with pytest.raises(report.NotARun, match="is not a run directory"):
+    tag_record.rebuild_report(str(tmp_path / "nowhere"))

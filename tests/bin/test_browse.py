@@ -938,3 +938,30 @@ def test_a_text_run_in_a_real_browser(text_server, chromium):
   table = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
                                                ".predictions"))[0]
   assert "dog" in table.text and "258" not in table.text
+
+
+def test_a_link_opens_a_component_and_runs_a_prompt_with_it_chosen(
+    text_server, chromium):
+  """`#site=..&c=..&prompt=..` (the README's screenshot of a text run):
+  the component's page with its label, the prompt's predictions with the
+  component ablated."""
+  from urllib.parse import quote  # noqa: PLC0415
+
+  from selenium.webdriver.common.by import By  # noqa: PLC0415
+  from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
+  rows = json.loads(_get(f"{text_server}/api/runs/0/components")[1])
+  row = next(r for r in rows if r["class"] is not None)
+  site, c = row["site"], row["component"]
+  chromium.get("about:blank")  # a fresh load, not a jump within the page
+  chromium.get(f"{text_server}/#site={quote(site)}&c={c}&prompt="
+               f"{quote('the big dog runs')}")
+  wait = WebDriverWait(chromium, 120)
+  table = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
+                                               ".predictions"))[0]
+  assert "dog" in table.text
+  box = chromium.find_element(By.ID, "component")
+  assert box.find_element(By.TAG_NAME, "h3").text == f"{site} c{c}"
+  assert "purity" in box.find_element(By.CLASS_NAME, "label").text
+  assert chromium.find_element(By.ID, "ablated").text == f"{site}:{c}"
+  assert chromium.find_element(By.ID, "prompt").get_attribute(
+    "value") == "the big dog runs"
