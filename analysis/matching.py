@@ -90,9 +90,6 @@ def ci_cosines(ci_a: Float[np.ndarray, "n ca"], ci_b: Float[np.ndarray, "n cb"]
                ) -> Float[np.ndarray, "ca cb"]:
   """Return the cosine of every pair's CI over the same `n` inputs."""
   ci_a, ci_b = np.asarray(ci_a, np.float64), np.asarray(ci_b, np.float64)
-  if ci_a.shape[0] != ci_b.shape[0]:
-    raise ValueError(f"CI over {ci_a.shape[0]} and {ci_b.shape[0]} inputs: "
-                     "compare CI over the same inputs")
   norms = np.outer(np.linalg.norm(ci_a, axis=0), np.linalg.norm(ci_b, axis=0))
   return (ci_a.T @ ci_b) / np.maximum(norms, _TINY)
 
