@@ -135,3 +135,17 @@ def test_runs_of_different_sites_are_refused(tms):
     config=dataclasses.replace(tms.config, target="tms_40-10"))
   with pytest.raises(ValueError, match="different targets"):
     matching.check_comparable(tms, other_target)
+
+
+def test_a_token_model_against_itself_over_token_windows(finished_run):
+  run = explore.load_run(finished_run("induction"))
+  inputs = matching.shared_inputs(run, batch_size=4)
+  assert inputs.ndim == 2 and inputs.shape[0] == 4
+  matches = matching.match_runs(run, run, inputs)
+  assert list(matches) == [s.name for s in run.decomposition.sites]
+  alive = [m for m in matches.values() if len(m.alive_a)]
+  assert alive
+  for m in alive:
+    np.testing.assert_array_equal(m.a, m.b)
+    np.testing.assert_allclose(m.similarity, 1.0, atol=1e-6)
+    assert m.stability == 1.0
