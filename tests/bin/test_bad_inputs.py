@@ -216,6 +216,14 @@ def _run_copy(name: str, then: Callable[[pathlib.Path], object] = None):
   return setup
 
 
+def _second_run(name: str):
+  """Leave {T}/s holding a finished run of `name` beside {T}/r."""
+
+  def setup(t):
+    shutil.copytree(_FINISHED["run"](name), t / "s")
+  return setup
+
+
 def _tagged_without_tag_arrays(t):
   """Mark {T}/r's finished harvest as one with tag statistics, which it
   lacks the arrays of."""
@@ -834,6 +842,24 @@ ROWS = (
       "stream", harvested=True, untouched=True),
   Row("gallery_count_zero", "gallery", ("--run_dir={T}/r", "--count=0"),
       "--count=0", harvested=True),
+  Row("match_no_run_a", "match", ("--run_b={T}/nowhere",),
+      "Flag --run_a must have a value"),
+  Row("match_positional", "match", (
+    "--run_a={T}/r", "--run_b={T}/r", "extra"), "unexpected argument 'extra'"),
+  Row("match_run_a_not_a_run", "match", (
+    "--run_a={T}/nowhere", "--run_b={T}/nowhere"),
+    "--run_a: {T}/nowhere has no flags.txt: pass the output directory"),
+  Row("match_run_b_not_a_run", "match", (
+    "--run_a={T}/r", "--run_b={T}/nowhere"),
+    "--run_b: {T}/nowhere has no flags.txt: pass the output directory",
+    setup=_run_copy("tms")),
+  Row("match_threshold_beyond_one", "match", (
+    "--run_a={T}/nowhere", "--run_b={T}/nowhere", "--threshold=1.5"),
+    "--threshold=1.5 is no similarity; give one in [-1, 1]"),
+  Row("match_different_targets", "match", (
+    "--run_a={T}/r", "--run_b={T}/s"),
+    "the runs decompose different targets (tms_5-2 and ",
+    setup=_run_copy("tms", _second_run("induction")), untouched=True),
   Row("tensorboard_not_a_run", "tensorboard", ("--run_dir={T}/nowhere",),
       "holds no metrics.jsonl; pass the output directory of a bin/train run"),
   Row("tokenizer_not_a_dir", "tokenize", (
