@@ -31,6 +31,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -120,22 +122,35 @@ def build_run(config: TrainConfig, random: bool = False) -> assembly.Run:
   return assembly.build_run(config, toy, target, weights)
 
 
-def time_compile(run: assembly.Run) -> tuple[float, float]:
-  """Return the wall times of lowering and of compiling the run's step,
-  from cleared in-memory caches."""
+def lower_compile(lower: Callable[[], Any], options: Any = None
+                  ) -> tuple[Any, float, float, float]:
+  """Return the program `lower()` lowers, the wall times of lowering and of
+  compiling it from cleared in-memory caches, and the process CPU time of
+  both: on a shared machine the CPU time follows the work, the wall time
+  the load too."""
   jax.clear_caches()
-  start = time.perf_counter()
-  lowered = run.built.step.lower(run.state, run.weights, run.data_key)
+  cpu, start = time.process_time(), time.perf_counter()
+  lowered = lower()
   lowered_at = time.perf_counter()
-  lowered.compile(compiler.options(compiler.DEFAULT))  # as bin/train does
-  return lowered_at - start, time.perf_counter() - lowered_at
+  lowered.compile(options)
+  return (lowered, lowered_at - start, time.perf_counter() - lowered_at,
+          time.process_time() - cpu)
+
+
+def time_compile(run: assembly.Run) -> tuple[float, float, float]:
+  """Return the wall times of lowering and of compiling the run's step,
+  from cleared in-memory caches, and the CPU time of both."""
+  _, *times = lower_compile(
+    lambda: run.built.step.lower(run.state, run.weights, run.data_key),
+    compiler.options(compiler.DEFAULT))  # as bin/train does
+  return tuple(times)
 
 
 def measure(config: TrainConfig, repeats: int, random: bool = False
             ) -> dict[str, list[float]]:
   """Return one recipe's lower, compile and total times per repeat."""
   run = build_run(config, random)
-  times = [time_compile(run) for _ in range(repeats)]
+  times = [time_compile(run)[:2] for _ in range(repeats)]
   return {"lower": [t[0] for t in times], "compile": [t[1] for t in times],
           "total": [t[0] + t[1] for t in times]}
 
@@ -158,41 +173,33 @@ def eval_fns(config: TrainConfig, run: assembly.Run
 
 
 def time_eval_compile(config: TrainConfig, run: assembly.Run
-                      ) -> dict[str, tuple[float, float]]:
+                      ) -> dict[str, tuple[float, float, float]]:
   """Return per eval program (`fast`, `slow`) the wall times of lowering
-  and compiling it, each from cleared in-memory caches."""
+  and compiling it, each from cleared in-memory caches, and the CPU time
+  of both."""
   fns, batches = eval_fns(config, run)
   key = eval_step.eval_data_key(held_out_seed(config))
-  times = {}
-  jax.clear_caches()
-  start = time.perf_counter()
-  lowered = fns.fast.lower(run.state, run.weights, key, batches)
-  lowered_at = time.perf_counter()
-  lowered.compile()
-  times["fast"] = (lowered_at - start, time.perf_counter() - lowered_at)
-  held_out = lowered.out_info[1]
-  jax.clear_caches()
-  start = time.perf_counter()
-  lowered = fns.slow.lower(run.state, run.weights, key, held_out)
-  lowered_at = time.perf_counter()
-  lowered.compile()
-  times["slow"] = (lowered_at - start, time.perf_counter() - lowered_at)
-  return times
+  lowered, *fast = lower_compile(
+    lambda: fns.fast.lower(run.state, run.weights, key, batches))
+  _, *slow = lower_compile(
+    lambda: fns.slow.lower(run.state, run.weights, key, lowered.out_info[1]))
+  return {"fast": tuple(fast), "slow": tuple(slow)}
 
 
 def measure_all(config: TrainConfig, repeats: int, random: bool = False
                 ) -> dict[str, dict[str, list[float]]]:
   """Return per program (`step`, `fast`, `slow`) its lower, compile and
-  total times per repeat."""
+  total wall times and the CPU time of both per repeat."""
   run = build_run(config, random)
-  out = {p: {"lower": [], "compile": [], "total": []}
+  out = {p: {"lower": [], "compile": [], "total": [], "cpu": []}
          for p in ("step", "fast", "slow")}
   for _ in range(repeats):
     times = {"step": time_compile(run), **time_eval_compile(config, run)}
-    for program, (lower, compiled) in times.items():
+    for program, (lower, compiled, cpu) in times.items():
       out[program]["lower"].append(lower)
       out[program]["compile"].append(compiled)
       out[program]["total"].append(lower + compiled)
+      out[program]["cpu"].append(cpu)
   return out
 
 
@@ -206,8 +213,9 @@ def report(name: str, times: dict[str, dict[str, list[float]]]) -> None:
   """Print one recipe's rows: one per program timed."""
   for program, spans in times.items():
     label = name if program == "step" else f"{name} ({program} eval)"
+    cpu = f" {spread(spans['cpu'])} |" if "cpu" in spans else ""
     print(f"| {label} | {spread(spans['lower'])} | "
-          f"{spread(spans['compile'])} | {spread(spans['total'])} |",
+          f"{spread(spans['compile'])} | {spread(spans['total'])} |{cpu}",
           flush=True)
 
 
@@ -230,8 +238,9 @@ def main(argv):
   print(f"machine: {jax.devices()[0].device_kind}, {jax.device_count()} "
         f"device(s); seconds, median [min, max] of {_REPEATS.value} "
         "compiles from cleared caches")
-  print("| recipe | lower s | compile s | total s |")
-  print("|---|---|---|---|")
+  cpu = " CPU s |" if _EVAL.value else ""
+  print(f"| recipe | lower s | compile s | total s |{cpu}")
+  print("|---|---|---|---|" + "---|" * bool(cpu))
   random = bool(_MODEL.value)
   for name, config in configs.items():
     if _EVAL.value:

@@ -49,6 +49,7 @@ def test_eval_programs_report_positive_compile_times(bench):
   assert set(times) == {"step", "fast", "slow"}
   for program in times.values():
     assert program["lower"][0] > 0 and program["compile"][0] > 0
+    assert program["cpu"][0] > 0
 
 
 def test_compile_model_stands_a_random_preset_model_in(bench, tmp_path):
