@@ -288,6 +288,19 @@ class Evaluator(NamedTuple):
   drain: Callable[[], None] = lambda: None
 
 
+def make_eval_config(config, target, compute_dtype: str | None = None
+                     ) -> eval_step.EvalConfig:
+  """Return the eval pass's settings of a run (`make_evaluator`'s)."""
+  return eval_step.EvalConfig(
+    n_batches=config.eval_batches, total_steps=config.num_steps,
+    ci_alive_threshold=config.ci_alive_threshold,
+    with_delta=config.use_delta_component,
+    n_mask_samples=config.n_mask_samples,
+    pgd_steps=config.eval_pgd_steps, pgd_lr=config.eval_pgd_lr,
+    compute_dtype=compute_dtype, attention_kl=config.eval_attention_kl,
+    hidden_points=engine.hidden_pass_points(config, target))
+
+
 def make_evaluator(
   config, target: TargetFns, ci_fn, terms: tuple[LossTerm, ...],
   sample_inputs: Callable, weights, output_dir: str,
@@ -317,14 +330,7 @@ def make_evaluator(
   """
   if not config.eval_every:
     return Evaluator(lambda state, done, abandon=None: {}, lambda: None)
-  eval_config = eval_step.EvalConfig(
-    n_batches=config.eval_batches, total_steps=config.num_steps,
-    ci_alive_threshold=config.ci_alive_threshold,
-    with_delta=config.use_delta_component,
-    n_mask_samples=config.n_mask_samples,
-    pgd_steps=config.eval_pgd_steps, pgd_lr=config.eval_pgd_lr,
-    compute_dtype=compute_dtype, attention_kl=config.eval_attention_kl,
-    hidden_points=engine.hidden_pass_points(config, target))
+  eval_config = make_eval_config(config, target, compute_dtype)
   fns = eval_step.make_eval_step(
     target, ci_fn, terms, eval_config,
     sample_inputs if eval_batches is None else None, constrain, stream)

@@ -42,3 +42,25 @@ def test_the_lm_step_compiles_within_twice_todays_time(bench, name):
   times = bench.measure(bench.load_recipe(name), 3)
   median = sorted(times["total"])[1]
   assert median <= 2 * TODAY_S[name], times
+
+
+def test_eval_programs_report_positive_compile_times(bench):
+  times = bench.measure_all(bench.load_recipe("tms_5-2+--batch_size=8"), 1)
+  assert set(times) == {"step", "fast", "slow"}
+  for program in times.values():
+    assert program["lower"][0] > 0 and program["compile"][0] > 0
+    assert program["cpu"][0] > 0
+
+
+def test_compile_model_stands_a_random_preset_model_in(bench, tmp_path):
+  preset = bench.random_model("brown-m:d_model=64,d_ff=256,n_layers=2")
+  assert (preset.n_layers, preset.d_model, preset.d_ff) == (2, 64, 256)
+  assert preset.vocab_size == 8192  # the rest is brown-m's
+  config = bench.with_model_dir(bench.load_recipe("brown_m+--c=16"), preset,
+                                str(tmp_path))
+  _, target, _ = bench.assembly.resolve_target(config)
+  assert len(target.sites) == 14  # the recipe's 7 matrices per layer
+  for bad, match in (("brown-x", "names preset"),
+                     ("brown-m:width=3", "no field")):
+    with pytest.raises(ValueError, match=match):
+      bench.random_model(bad)
