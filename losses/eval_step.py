@@ -152,58 +152,33 @@ def _check_attention(target: TargetFns) -> None:
                      "one to the sites or turn the eval off")
 
 
-def _variant_scalars(
+def _variant_outputs(
   ctx: StepContext, key: Key[Array, ""], config: EvalConfig
-) -> dict[str, Array]:
-  """Return every mask variant's `recon/<variant>` divergence, its CE
-  metrics for targets with token labels and, with the attention-pattern
-  recon on, its `attn_kl/<variant>/<block>` scalars (and `/all`, their
-  mean: every block has as many rows), each from the variant's forward.
-
-  The variants that run the same forward share one mapped forward
-  (`evals.variant_forwards`); each returns scalars, so no variant's output
-  or taps outlive it.
-  """
+) -> tuple[dict[str, Array], dict[str, Array]]:
+  """Return every mask variant's output and, with the attention-pattern
+  recon on, its `attn_kl/<variant>/<block>` scalars (and `/all`, their mean:
+  every block has as many rows), from the same forwards."""
   target = ctx.target
   wanted = target.attention_taps if config.attention_kl else ()
-  labels = (None if target.token_labels is None
-            else target.token_labels(ctx.inputs))
 
-  def kind_of(variant):
+  def forward(variant, site_masks):
     # A delta-pinned stream's `unmasked` forward is the components alone.
-    return (variant == "unmasked" and ctx.delta_pin,
-            variant in ATTENTION_VARIANTS and bool(wanted))
-
-  def forward(kind, site_masks):
-    unpinned, with_taps = kind
-    own = ctx._replace(delta_pin=False) if unpinned else ctx
-    out = {}
-    if with_taps:
-      logits, taps = own.masked_forward_with_taps(site_masks, wanted)
-      out["attn_kl"] = target.attention_divergence(ctx.weights, taps,
-                                                   ctx.clean_taps)
-    else:
-      logits = own.masked_forward(site_masks)
-    out["recon"] = ctx.output_divergence(logits)
-    if labels is not None:
-      out["ce"] = evals.cross_entropy(logits, labels)
-    return out
+    own = ctx._replace(delta_pin=False) if variant == "unmasked" else ctx
+    if variant not in ATTENTION_VARIANTS or not wanted:
+      return own.masked_forward(site_masks), {}
+    return own.masked_forward_with_taps(site_masks, wanted)
 
   runs = evals.variant_forwards(
     forward, key, ctx.ci.lower, target.sites, config.with_delta,
-    config.ci_alive_threshold, kind_of)
+    config.ci_alive_threshold)
   scalars = {}
   for variant in ATTENTION_VARIANTS if wanted else ():
-    kl = runs[variant]["attn_kl"]
+    kl = target.attention_divergence(ctx.weights, runs[variant][1],
+                                     ctx.clean_taps)
     for block, value in kl.items():
       scalars[f"attn_kl/{variant}/{block}"] = value
     scalars[f"attn_kl/{variant}/all"] = jnp.mean(jnp.stack(list(kl.values())))
-  scalars.update({f"recon/{v}": r["recon"] for v, r in runs.items()})
-  if labels is not None:
-    scalars.update(evals.ce_metrics(
-      {v: r["ce"] for v, r in runs.items()},
-      evals.cross_entropy(ctx.clean_output, labels)))
-  return scalars
+  return {v: out for v, (out, _) in runs.items()}, scalars
 
 
 def _term_values(ctxs: tuple[StepContext, ...], terms: tuple[LossTerm, ...],
@@ -244,37 +219,29 @@ def _hidden_role_scalars(ctx: StepContext, threshold: float
 def _hidden_act_stats(ctx: StepContext, key: Key[Array, ""],
                       config: EvalConfig) -> dict[str, Array]:
   """Return per site `Σ(masked − clean)²` and its element count at the
-  site's output: CI-masked forward, and summed over stochastic draws.
-
-  The draws (and the CI-masked forward, where its masks stack with
-  theirs) share one mapped forward (`evals.mapped_runs`), each returning
-  its per-site sums, so no draw's taps outlive it.
-  """
+  site's output: CI-masked forward, and summed over stochastic draws."""
   wanted = _site_out_keys(ctx.target)
+  ci_masks = masks_lib.variant_site_masks(
+    "ci_masked", key, ctx.ci.lower, ctx.target.sites, False, 0.0)
+  draws = {"ci_masked": [ci_masks]}
   entry = recon.all_sites_plan(ctx.target.sites)[0]
   index = sites_lib.draw_paths(ctx.target.sites)
-  draws = {("ci_masked", 0): masks_lib.variant_site_masks(
-    "ci_masked", key, ctx.ci.lower, ctx.target.sites, False, 0.0)}
-  for d in range(config.n_mask_samples):
-    draws[("stochastic", d)] = masks_lib.stochastic_site_masks(
+  draws["stochastic"] = [
+    masks_lib.stochastic_site_masks(
       jax.random.fold_in(key, 1 + d), entry.live_sites, ctx.ci.lower, index,
       config.with_delta, "continuous", None)
-
-  def errors(_, site_masks):
-    _, taps = ctx.masked_forward_with_taps(site_masks, wanted)
-    return {tap: (err, jnp.asarray(numel, jnp.int32)) for tap, (err, numel)
-            in hidden.site_squared_errors(taps, ctx.clean_taps,
-                                          wanted).items()}
-
+    for d in range(config.n_mask_samples)]
   stats = {}
-  for (variant, _), per_tap in evals.mapped_runs(
-      errors, draws, lambda _: None).items():
-    for tap, (err, numel) in per_tap.items():
-      site = tap[:-len(".out")]
-      err_key = f"hidden_err/{variant}/{site}"
-      n_key = f"hidden_n/{variant}/{site}"
-      stats[err_key] = stats.get(err_key, 0.0) + err
-      stats[n_key] = stats.get(n_key, 0) + numel
+  for variant, site_masks_list in draws.items():
+    for site_masks in site_masks_list:
+      _, taps = ctx.masked_forward_with_taps(site_masks, wanted)
+      errors = hidden.site_squared_errors(taps, ctx.clean_taps, wanted)
+      for tap, (err, numel) in errors.items():
+        site = tap[:-len(".out")]
+        err_key = f"hidden_err/{variant}/{site}"
+        n_key = f"hidden_n/{variant}/{site}"
+        stats[err_key] = stats.get(err_key, 0.0) + err
+        stats[n_key] = stats.get(n_key, 0) + jnp.asarray(numel, jnp.int32)
   return stats
 
 
@@ -453,11 +420,17 @@ def _fast_ctx_scalars(ctxs: tuple[StepContext, ...], key: Key[Array, ""],
              for k, v in ci_l0(ctx.ci.lower, config.ci_alive_threshold).items()}
   for own in ctxs[1:]:
     scalars.update(_hidden_role_scalars(own, config.ci_alive_threshold))
-  scalars.update(_variant_scalars(ctx, mask_key, config))
+  outputs, attention = _variant_outputs(ctx, mask_key, config)
+  scalars.update(attention)
+  for variant, out in outputs.items():
+    scalars[f"recon/{variant}"] = ctx.output_divergence(out)
   if config.pgd_steps:
     # Index 4: disjoint from the data, mask and term keys (and slow's 3).
     scalars["recon/pgd"] = adversarial.pgd_probe(
       ctx, jax.random.fold_in(key, 4), config.pgd_steps, config.pgd_lr)
+  if ctx.target.token_labels is not None:
+    scalars.update(evals.ce_metrics(
+      outputs, ctx.clean_output, ctx.target.token_labels(ctx.inputs)))
   return scalars
 
 

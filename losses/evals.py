@@ -11,7 +11,7 @@ zero and random), each with every site live and routed, are compared with
 the clean output through the target's divergence (KL for LMs, MSE for toys).
 """
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,66 +31,23 @@ LOG_DENSITY_MIN = 1e-9
 LOG_DENSITY_BINS = 18
 
 
-def _stack_key(tree: Any) -> Hashable:
-  """Return what trees must share to be stacked: their structure (a
-  `SiteMask` without a delta path differs from one with) and every leaf's
-  shape and dtype."""
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves)
-
-
-def mapped_runs(
-  run: Callable[[Hashable, Any], Any],
-  masks_of: dict[Hashable, Any],
-  kind_of: Callable[[Hashable], Hashable],
-) -> dict[Hashable, Any]:
-  """Return `run(kind_of(name), masks)` for every `name, masks` of
-  `masks_of`, in its order.
-
-  Entries of one kind whose masks stack are run by one `jax.lax.map` over
-  their masks stacked on a leading axis: the program traces and compiles
-  the run once per group rather than once per entry, and the sequential
-  map holds one run's intermediates at a time. `run`'s results must be
-  arrays; entries alone in their group are run directly.
-  """
-  groups: dict[Hashable, list[Hashable]] = {}
-  for name, masks in masks_of.items():
-    groups.setdefault((kind_of(name), _stack_key(masks)), []).append(name)
-  out = {}
-  for (kind, _), names in groups.items():
-    if len(names) == 1:
-      out[names[0]] = run(kind, masks_of[names[0]])
-      continue
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
-                           *(masks_of[name] for name in names))
-    results = jax.lax.map(lambda masks, kind=kind: run(kind, masks), stacked)
-    for i, name in enumerate(names):
-      out[name] = jax.tree.map(lambda x, i=i: x[i], results)
-  return {name: out[name] for name in masks_of}
-
-
 def variant_forwards(
-  forward: Callable[[Hashable, dict[str, SiteMask]], Any],
+  forward: Callable[[str, dict[str, SiteMask]], Any],
   key: Key[Array, ""],
   ci_lower: dict[str, Float[Array, "*l c"]],
   sites: tuple[SiteSpec, ...],
   with_delta: bool,
   rounding_threshold: float,
-  kind_of: Callable[[str], Hashable] = lambda variant: None,
 ) -> dict[str, Any]:
-  """Return `forward(kind_of(variant), masks)` under every mask variant,
-  each drawn on its own key, so a caller that also wants activations of
-  some variants takes them from the very forwards whose outputs it scores.
-
-  `kind_of` says which variants run the same forward (the default: all);
-  those whose masks stack run through one mapped forward (`mapped_runs`).
-  """
-  masks_of = {
-    variant: masks_lib.variant_site_masks(
+  """Return `forward(variant, masks)` under every mask variant, each drawn
+  on its own key, so a caller that also wants activations of some variants
+  takes them from the very forwards whose outputs it scores."""
+  return {
+    variant: forward(variant, masks_lib.variant_site_masks(
       variant, jax.random.fold_in(key, v), ci_lower, sites, with_delta,
-      rounding_threshold)
-    for v, variant in enumerate(masks_lib.VARIANTS)}
-  return mapped_runs(forward, masks_of, kind_of)
+      rounding_threshold))
+    for v, variant in enumerate(masks_lib.VARIANTS)
+  }
 
 
 def variant_outputs(
@@ -122,19 +79,21 @@ def cross_entropy(
 
 
 def ce_metrics(
-  variant_ce: dict[str, Float[Array, ""]], clean: Float[Array, ""],
+  outputs: dict[str, Float[Array, "*l v"]],
+  clean_logits: Float[Array, "*l v"],
+  labels: Int[Array, "*l"],
 ) -> dict[str, Float[Array, ""]]:
-  """Return CE of the clean model and, per variant, its CE difference, from
-  the CE (`cross_entropy`) of the clean output and of every variant's.
+  """Return CE of the clean model and, per variant, its CE difference.
 
   `ce_diff/<v> = CE(v) − CE(clean)`; `ce_unrecovered/<v>` divides that by
   the zero-ablation difference `CE(zero) − CE(clean)` (0: as good as clean,
   1: as bad as ablating every decomposed matrix).
   """
-  zero_gap = variant_ce["zero"] - clean
+  clean = cross_entropy(clean_logits, labels)
+  zero_gap = cross_entropy(outputs["zero"], labels) - clean
   out = {"ce/clean": clean}
-  for variant, ce in variant_ce.items():
-    diff = ce - clean
+  for variant, logits in outputs.items():
+    diff = cross_entropy(logits, labels) - clean
     out[f"ce_diff/{variant}"] = diff
     out[f"ce_unrecovered/{variant}"] = diff / jnp.where(
       zero_gap == 0, 1.0, zero_gap)

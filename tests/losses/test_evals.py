@@ -53,9 +53,7 @@ def test_ce_metrics_are_zero_for_clean_and_relative_to_zero_ablation():
   outputs = {"unmasked": clean, "zero": zero,
              "random": clean + jax.random.normal(key_mid, (4, 6, 7))}
   labels = labels.at[:, -1].set(-1)  # the last position predicts nothing
-  out = evals.ce_metrics(
-    {k: evals.cross_entropy(v, labels) for k, v in outputs.items()},
-    evals.cross_entropy(clean, labels))
+  out = evals.ce_metrics(outputs, clean, labels)
   assert float(out["ce_diff/unmasked"]) == 0.0
   assert float(out["ce_unrecovered/unmasked"]) == 0.0
   # Against a float64 cross-entropy written out here (`ce_unrecovered/zero`
