@@ -493,23 +493,17 @@ def mask_values(values: MaskValues) -> Float[Array, " n"]:
   return jnp.asarray(array, jnp.float32)
 
 
-def _sweep_target(run: LoadedRun, tokens: Int[Array, " t"], position: int,
-                  token: Optional[int]) -> tuple[int, int]:
-  """Return the checked `(position, token)` of a sweep on `tokens`: a
-  negative position counts from the end, the default token is the clean
-  model's top prediction there."""
+def _sweep_position(tokens: Int[Array, " t"], position: int) -> int:
+  """Return a sweep's checked position on `tokens`, a negative one counted
+  from the end."""
+  if tokens.ndim != 1 or tokens.shape[0] == 0:
+    raise ValueError("a language model's sweep takes one prompt of token "
+                     f"ids [T], got shape {tokens.shape}")
   t = tokens.shape[0]
   if not -t <= position < t:
     raise ValueError(f"position {position} is outside a prompt of {t} "
                      "tokens")
-  position %= t
-  clean, _ = run.target.clean_forward(run.weights, tokens[None], ())
-  if token is None:
-    return position, int(jnp.argmax(clean[0, position]))
-  if not 0 <= token < clean.shape[-1]:
-    raise ValueError(f"token {token} is outside the vocabulary "
-                     f"[0, {clean.shape[-1]})")
-  return position, int(token)
+  return position % t
 
 
 def mask_sweep(run: LoadedRun, inputs: Any, site: str, component: int,
@@ -535,11 +529,13 @@ def mask_sweep(run: LoadedRun, inputs: Any, site: str, component: int,
                                       values)
     return Sweep(values, output, None, None)
   tokens = jnp.asarray(inputs, jnp.int32)
-  if tokens.ndim != 1 or tokens.shape[0] == 0:
-    raise ValueError("a language model's sweep takes one prompt of token "
-                     f"ids [T], got shape {tokens.shape}")
-  position, token = _sweep_target(run, tokens, position, token)
-  log_probs = run.jitted.sweep_log_probs(
+  position = _sweep_position(tokens, position)
+  if token is not None and not 0 <= token < 2 ** 31:
+    raise ValueError(f"token {token} is outside the vocabulary")
+  log_probs, chosen, vocab = run.jitted.sweep_log_probs(
     *args, tokens, jnp.int32(index), jnp.int32(component), values,
-    jnp.int32(position), jnp.int32(token))
-  return Sweep(values, log_probs, token, position)
+    jnp.int32(position), jnp.int32(-1 if token is None else token))
+  if token is not None and token >= int(vocab):
+    raise ValueError(f"token {token} is outside the vocabulary "
+                     f"[0, {int(vocab)})")
+  return Sweep(values, log_probs, int(chosen), position)

@@ -76,13 +76,18 @@ def sweep_log_probs(target: TargetFns, weights, components,
                     tokens: Int[Array, " t"], site_index: Int[Array, ""],
                     component: Int[Array, ""], values: Float[Array, " n"],
                     position: Int[Array, ""], token: Int[Array, ""]
-                    ) -> Float[Array, " n"]:
+                    ) -> tuple[Float[Array, " n"], Int[Array, ""],
+                               Int[Array, ""]]:
   """Return, per value, the log-probability of `token` at `position` (the
-  next-token prediction after `tokens[: position + 1]`)."""
+  next-token prediction after `tokens[: position + 1]`), with the token
+  (a negative `token` picks the clean model's top prediction there) and
+  the vocabulary size, for the caller to check the token against."""
+  clean, _ = target.clean_forward(weights, tokens[None], ())
+  chosen = jnp.where(token < 0, jnp.argmax(clean[0, position]), token)
   logits = sweep_outputs(target, weights, components, tokens, site_index,
                          component, values)
   rows = jax.nn.log_softmax(logits[:, position].astype(jnp.float32), axis=-1)
-  return rows[:, token]
+  return rows[:, chosen], chosen, jnp.int32(clean.shape[-1])
 
 
 def adversarial_site_masks(target: TargetFns, weights, components,
