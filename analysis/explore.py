@@ -6,12 +6,16 @@ Each function stands alone, for notebooks and research code:
     ci = explore.component_ci(run, inputs)             # {site: [*lead, C]}
     out = explore.ablated_forward(run, inputs, ablate={"linear1": [3]})
     effects = explore.ablation_effects(run, tokens)    # LM targets
+    curve = explore.mask_sweep(run, tokens, "linear1", 3, [0, 0.5, 1, 2])
+    out = explore.intervened_forward(run, inputs, "adversarial", seed=0)
 
 A masked forward here is the decomposed model with every component at mask 1
 and the delta path `W − V·U` on, which equals the target exactly; ablating a
 component sets its mask to 0, keeping only some sets the others' to 0. The
 divergence is the target's own (KL for language models, MSE for toys),
-mean over positions.
+mean over positions. Graded interventions (a component's mask at any
+value in [0, 2], the evaluation's mask variants as modes) are described in
+`analysis/interventions.py`.
 """
 
 import dataclasses
@@ -25,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from decompax.analysis import interventions
 from decompax.core import ci_fns, sites as sites_lib, squash
 from decompax.core import masks as masks_lib
 from decompax.core.masks import SiteMask
@@ -38,6 +43,8 @@ from decompax.targets import registry
 
 # Component choices per site: {site name: component indices}.
 Choice = Mapping[str, Sequence[int]]
+# Mask values of a sweep: a list or a one-dimensional array.
+MaskValues = Sequence[float] | np.ndarray | Array
 
 
 class Jitted(NamedTuple):
@@ -47,6 +54,9 @@ class Jitted(NamedTuple):
   lower_ci: Any
   masked_and_clean: Any
   ablated_log_probs: Any
+  sweep_outputs: Any
+  sweep_log_probs: Any
+  intervened: Any
 
 
 class LoadedRun(NamedTuple):
@@ -163,10 +173,26 @@ def jit_functions(target: TargetFns, ci_fn: ci_fns.CIFn) -> Jitted:
     output = target.masked_forward(weights, components, inputs, masks)
     return AblatedOutput(output, clean, target.divergence(output, clean))
 
+  def intervened(mode, with_delta, step_size, weights, components, ci_params,
+                 inputs, key, n_steps):
+    ci, _ = lower_ci_and_taps(target, ci_fn, weights, components, ci_params,
+                              inputs, ())
+    clean, _ = target.clean_forward(weights, inputs, ())
+    masks = interventions.mode_site_masks(
+      target, weights, components, ci, inputs, clean, mode, key, with_delta,
+      n_steps, step_size)
+    output = target.masked_forward(weights, components, inputs, masks)
+    return AblatedOutput(output, clean, target.divergence(output, clean))
+
   return Jitted(jax.jit(functools.partial(lower_ci, target, ci_fn)),
                 jax.jit(masked_and_clean),
                 jax.jit(functools.partial(_ablated_log_probs, target),
-                        static_argnums=0))
+                        static_argnums=0),
+                jax.jit(functools.partial(interventions.sweep_outputs,
+                                          target)),
+                jax.jit(functools.partial(interventions.sweep_log_probs,
+                                          target)),
+                jax.jit(intervened, static_argnums=(0, 1, 2)))
 
 
 def component_ci(run: LoadedRun, inputs: Any
@@ -366,6 +392,12 @@ def predict(run: LoadedRun, tokens: Int[Array, " t"], ablate: Optional[Choice],
   """
   out = ablated_forward(run, jnp.asarray(tokens, jnp.int32)[None], ablate,
                         keep)
+  return _prediction(run, out, top)
+
+
+def _prediction(run: LoadedRun, out: AblatedOutput, top: int) -> Prediction:
+  """Return the top-`top` predictions of one prompt's clean and masked
+  outputs, and their KL per position."""
   clean = jax.nn.log_softmax(out.clean[0].astype(jnp.float32), axis=-1)
   ablated = jax.nn.log_softmax(out.output[0].astype(jnp.float32), axis=-1)
   kl = harvest_stats.position_divergence(
@@ -374,3 +406,136 @@ def predict(run: LoadedRun, tokens: Int[Array, " t"], ablate: Optional[Choice],
   ablated_top, ablated_ids = jax.lax.top_k(ablated, top)
   return Prediction(clean_ids, jnp.exp(clean_top), ablated_ids,
                     jnp.exp(ablated_top), kl)
+
+
+def intervened_prediction(run: LoadedRun, tokens: Int[Array, " t"],
+                          mode: str, top: int = 5, seed: int = 0,
+                          pgd_steps: Optional[int] = None,
+                          pgd_step_size: Optional[float] = None
+                          ) -> Prediction:
+  """Return `predict`'s comparison with the masked model under an
+  intervention mode (`intervened_forward`) in place of an ablation."""
+  out = intervened_forward(run, jnp.asarray(tokens, jnp.int32)[None], mode,
+                           seed, pgd_steps, pgd_step_size)
+  return _prediction(run, out, top)
+
+
+def intervened_forward(run: LoadedRun, inputs: Any, mode: str, seed: int = 0,
+                       pgd_steps: Optional[int] = None,
+                       pgd_step_size: Optional[float] = None
+                       ) -> AblatedOutput:
+  """Return the model's output on `inputs` with every component masked as
+  the evaluation masks it under `mode` (`interventions.MODES`: CI-masked,
+  stochastic, adversarial; see `analysis/interventions.py`), beside the
+  clean output and their divergence.
+
+  `seed` draws the stochastic masks and the adversary's start; the
+  adversary takes `pgd_steps` sign-PGD ascents of `pgd_step_size`
+  (default: the run's `--eval_pgd_steps` and `--eval_pgd_lr`).
+  """
+  if mode not in interventions.MODES:
+    raise ValueError(f"unknown intervention mode {mode!r}; use one of "
+                     f"{interventions.MODES}")
+  config = run.config
+  steps = config.eval_pgd_steps if pgd_steps is None else pgd_steps
+  size = config.eval_pgd_lr if pgd_step_size is None else pgd_step_size
+  if type(steps) is not int or steps < 0:
+    raise ValueError(f"pgd_steps must be an integer >= 0, got {steps!r}")
+  if not size > 0:
+    raise ValueError(f"pgd_step_size must be > 0, got {size!r}")
+  d = run.decomposition
+  return run.jitted.intervened(
+    mode, bool(config.use_delta_component), float(size), run.weights,
+    d.components, d.ci_params, inputs, jax.random.key(seed),
+    jnp.int32(steps))
+
+
+class Sweep(NamedTuple):
+  """One component's mask swept over `values`. For a language model,
+  `output` is the log-probability of `token` at `position` per value; for
+  a toy, the model's output for the one input per value (`token` and
+  `position` None)."""
+
+  values: Float[Array, " n"]
+  output: Float[Array, "n ..."]
+  token: Optional[int]
+  position: Optional[int]
+
+
+def _site_index(run: LoadedRun, site: str, component: int) -> int:
+  """Return the index of `site` among the run's sites, refusing an unknown
+  site or a component it does not have."""
+  names = [s.name for s in run.target.sites]
+  if site not in names:
+    raise ValueError(f"no decomposed site {site!r}; the run's sites are "
+                     f"{names}")
+  c = run.target.sites[names.index(site)].c
+  if (isinstance(component, bool)
+      or not isinstance(component, (int, np.integer))
+      or not 0 <= component < c):
+    raise ValueError(f"site {site!r} has components 0..{c - 1}; got "
+                     f"{component!r}")
+  return names.index(site)
+
+
+def mask_values(values: MaskValues) -> Float[Array, " n"]:
+  """Return `values` as mask values, refusing an empty list or a value
+  outside [0, 2] (NaN included)."""
+  array = np.asarray(values, np.float64)
+  if array.ndim != 1 or array.size == 0:
+    raise ValueError("mask values must be a non-empty list of numbers")
+  low, high = interventions.MASK_RANGE
+  outside = array[~((array >= low) & (array <= high))]
+  if outside.size:
+    raise ValueError(f"mask value {outside[0]} is outside [{low:g}, "
+                     f"{high:g}]; a mask scales a component from off (0) "
+                     "through the target's (1) to doubled (2)")
+  return jnp.asarray(array, jnp.float32)
+
+
+def _sweep_position(tokens: Int[Array, " t"], position: int) -> int:
+  """Return a sweep's checked position on `tokens`, a negative one counted
+  from the end."""
+  if tokens.ndim != 1 or tokens.shape[0] == 0:
+    raise ValueError("a language model's sweep takes one prompt of token "
+                     f"ids [T], got shape {tokens.shape}")
+  t = tokens.shape[0]
+  if not -t <= position < t:
+    raise ValueError(f"position {position} is outside a prompt of {t} "
+                     "tokens")
+  return position % t
+
+
+def mask_sweep(run: LoadedRun, inputs: Any, site: str, component: int,
+               values: MaskValues, position: int = -1,
+               token: Optional[int] = None) -> Sweep:
+  """Return the model's response to component `component` of `site` at
+  each mask value of `values` (in [0, 2]), every other component at 1 with
+  the delta path on: value 1 is the target, 0 the component's ablation.
+
+  `inputs` is one example without a batch axis: a prompt's token ids `[T]`
+  for a language model, whose sweep is the log-probability of `token`
+  (default: the clean top prediction) at `position` (the prediction after
+  `inputs[: position + 1]`; default the last); a toy's input vector
+  otherwise, whose sweep is its output. The values run as one batch
+  through one compiled forward, whatever the component.
+  """
+  index = _site_index(run, site, component)
+  values = mask_values(values)
+  args = (run.weights, run.decomposition.components)
+  if run.target.token_labels is None:
+    output = run.jitted.sweep_outputs(*args, jnp.asarray(inputs),
+                                      jnp.int32(index), jnp.int32(component),
+                                      values)
+    return Sweep(values, output, None, None)
+  tokens = jnp.asarray(inputs, jnp.int32)
+  position = _sweep_position(tokens, position)
+  if token is not None and not 0 <= token < 2 ** 31:
+    raise ValueError(f"token {token} is outside the vocabulary")
+  log_probs, chosen, vocab = run.jitted.sweep_log_probs(
+    *args, tokens, jnp.int32(index), jnp.int32(component), values,
+    jnp.int32(position), jnp.int32(-1 if token is None else token))
+  if token is not None and token >= int(vocab):
+    raise ValueError(f"token {token} is outside the vocabulary "
+                     f"[0, {int(vocab)})")
+  return Sweep(values, log_probs, int(chosen), position)

@@ -7,7 +7,12 @@ component's page (top contexts shaded by CI, none for a dead component,
 CI histogram, V/U norms, the components it fires with), and, for
 language models, a prompt box that shows the next token predictions with
 chosen components ablated, beside the clean model's, with the KL per
-position (a toy's inputs are feature vectors: it gets no prompt box). Each run needs a finished harvest (`bin/harvest`).
+position (a toy's inputs are feature vectors: it gets no prompt box).
+Its mode selector also masks every component as the evaluation does
+(CI-masked, stochastic, adversarial PGD: `/intervene`), and a component's
+page sweeps its mask over [0, 2] on the prompt and draws the clean top
+token's log-probability against the mask value (`/sweep`,
+`explore.mask_sweep`). Each run needs a finished harvest (`bin/harvest`).
 A prompt is token ids, or text where the run's model has a tokenizer. A
 targeted run's component page also shows the component's A/B grid: its CI
 at the answer position over every operand pair, from the run's snapshot
@@ -46,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
-from decompax.analysis import explore
+from decompax.analysis import explore, interventions
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import unit_contexts, unit_labels
 from decompax.bin import cli
@@ -87,6 +92,9 @@ SOCKET_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64
 MAX_ABLATED = 4096
 TOP_PREDICTIONS = 5
+# A mask sweep's default points, evenly over [0, 2], and its most.
+SWEEP_POINTS = 21
+MAX_SWEEP_POINTS = 101
 CONTEXTS_SHOWN = 20
 # A snapshot is parsed whole into Python lists; past this the server
 # refuses it rather than hold many times its size in memory.
@@ -375,14 +383,19 @@ def bucket(length: int) -> int:
 
 
 def predictions(served: Served, ids: list[int], ablate: dict[str, list[int]],
-                keep: dict[str, list[int]] | None = None) -> dict:
+                keep: dict[str, list[int]] | None = None,
+                predict: Callable | None = None) -> dict:
   """Return the prompt's clean and ablated predictions per position, and
-  the CI of every component alive on the prompt, per site and position."""
+  the CI of every component alive on the prompt, per site and position.
+  `predict(run, tokens, top)` replaces the ablation where given."""
   padded = np.zeros(bucket(len(ids)), np.int32)
   padded[:len(ids)] = ids
   start = time.perf_counter()
-  p = explore.predict(served.run, jnp.asarray(padded), ablate,
-                      TOP_PREDICTIONS, keep or None)
+  if predict is None:
+    p = explore.predict(served.run, jnp.asarray(padded), ablate,
+                        TOP_PREDICTIONS, keep or None)
+  else:
+    p = predict(served.run, jnp.asarray(padded), TOP_PREDICTIONS)
   p = [np.asarray(a)[:len(ids)] for a in p]
   seconds = time.perf_counter() - start
   ci = explore.component_ci(served.run, jnp.asarray(padded)[None])
@@ -399,6 +412,84 @@ def predictions(served: Served, ids: list[int], ablate: dict[str, list[int]],
     "seconds": seconds,
     "ci": alive_ci(ci, len(ids), served.run.config.ci_alive_threshold),
   }
+
+
+def mode_predictions(served: Served, ids: list[int], mode: str,
+                     seed: int) -> dict:
+  """Return `predictions`' answer with the masked model under an
+  intervention mode (`explore.intervened_forward`) in place of ablation."""
+  return predictions(served, ids, {}, None, lambda run, tokens, top:
+                     explore.intervened_prediction(run, tokens, mode, top,
+                                                   seed))
+
+
+def parse_mode(value: Any) -> str:
+  """Return the request's intervention mode, checked."""
+  if value not in interventions.MODES:
+    raise BadRequest(400, f"mode must be one of {list(interventions.MODES)}")
+  return value
+
+
+def parse_int(value: Any, field: str, low: int, high: int) -> int:
+  """Return the request's integer `field`, checked to lie in [low, high)."""
+  # A JSON true is a Python int, but no index.
+  if type(value) is not int or not low <= value < high:
+    raise BadRequest(400, f"{field} must be an integer in [{low}, {high})")
+  return value
+
+
+def parse_values(value: Any) -> list[float]:
+  """Return a sweep's mask values: by default `SWEEP_POINTS` evenly over
+  [0, 2], else a list of at most `MAX_SWEEP_POINTS` numbers in [0, 2]."""
+  low, high = interventions.MASK_RANGE
+  if value is None:
+    return list(np.linspace(low, high, SWEEP_POINTS))
+  if (not isinstance(value, list) or not 0 < len(value) <= MAX_SWEEP_POINTS
+      or not all(type(v) in (int, float) for v in value)):
+    raise BadRequest(400, f"values must list 1 to {MAX_SWEEP_POINTS} "
+                     "numbers")
+  outside = [v for v in value if not low <= v <= high]
+  if outside:
+    raise BadRequest(400, f"mask value {outside[0]} is outside [{low:g}, "
+                     f"{high:g}]")
+  return [float(v) for v in value]
+
+
+def parse_sweep(request: dict, served: Served) -> dict:
+  """Return a sweep request's checked arguments for `sweep`."""
+  sizes = {s.name: s.c for s in served.run.target.sites}
+  site = request.get("site")
+  if not isinstance(site, str) or site not in sizes:
+    raise BadRequest(400, f"no site {site!r} in this run")
+  ids = parse_prompt(request.get("prompt"), served.vocab, served.encode)
+  position = request.get("position", len(ids) - 1)
+  token = request.get("token")
+  return {
+    "ids": ids, "site": site,
+    "component": parse_int(request.get("component"), "component", 0,
+                           sizes[site]),
+    "position": parse_int(position, "position", 0, len(ids)),
+    "token": None if token is None else parse_int(token, "token", 0,
+                                                  served.vocab),
+    "values": parse_values(request.get("values")),
+  }
+
+
+def sweep(served: Served, ids: list[int], site: str, component: int,
+          position: int, token: int | None, values: list[float]) -> dict:
+  """Return the log-probability of `token` (default: the clean top
+  prediction) at `position` of the prompt with the component's mask at
+  each of `values` (`explore.mask_sweep`)."""
+  padded = np.zeros(bucket(len(ids)), np.int32)
+  padded[:len(ids)] = ids
+  start = time.perf_counter()
+  result = explore.mask_sweep(served.run, jnp.asarray(padded), site,
+                              component, values, position, token)
+  log_probs = [float(x) for x in np.asarray(result.output)]
+  return {"site": site, "component": component, "position": position,
+          "token": served.decode(result.token), "token_id": result.token,
+          "values": values, "log_probs": log_probs,
+          "seconds": time.perf_counter() - start}
 
 
 def alive_ci(ci: dict, length: int, threshold: float) -> dict:
@@ -550,6 +641,26 @@ def nesting(raw: bytes) -> int:
   return int(np.cumsum(opens - closes).max(initial=0))
 
 
+def model_request(served: Served, endpoint: str, request: dict,
+                  lock: threading.Lock) -> dict:
+  """Answer a request that runs the model (`predict`, `sweep` or
+  `intervene`), checked before it takes its turn under `lock`."""
+  if endpoint == "sweep":
+    args = parse_sweep(request, served)
+    with lock:
+      return sweep(served, **args)
+  ids = parse_prompt(request.get("prompt"), served.vocab, served.encode)
+  if endpoint == "intervene":
+    mode = parse_mode(request.get("mode"))
+    seed = parse_int(request.get("seed", 0), "seed", 0, 2 ** 31)
+    with lock:
+      return {**mode_predictions(served, ids, mode, seed), "mode": mode}
+  ablate = parse_choice(request.get("ablate"), served, "ablate")
+  keep = parse_choice(request.get("keep"), served, "keep")
+  with lock:
+    return predictions(served, ids, ablate, keep)
+
+
 def page_html() -> bytes:
   """Return the browser's single page."""
   return importlib.resources.files("decompax.bin").joinpath(
@@ -577,6 +688,9 @@ def make_app(runs: list[Served],
     Rule("/api/runs/<int:run>/ab_grid/<site>/<int:component>",
          endpoint="ab_grid", methods=["GET"]),
     Rule("/api/runs/<int:run>/predict", endpoint="predict",
+         methods=["POST"]),
+    Rule("/api/runs/<int:run>/sweep", endpoint="sweep", methods=["POST"]),
+    Rule("/api/runs/<int:run>/intervene", endpoint="intervene",
          methods=["POST"]),
     Rule("/api/runs/<int:run>/units/<key>", endpoint="units",
          methods=["GET"]),
@@ -670,12 +784,7 @@ def make_app(runs: list[Served],
                           args["site"], args["component"])
     if s.run.target.token_labels is None:
       raise BadRequest(400, "predictions need a language-model run")
-    request_body = body(request)
-    ids = parse_prompt(request_body.get("prompt"), s.vocab, s.encode)
-    ablate = parse_choice(request_body.get("ablate"), s, "ablate")
-    keep = parse_choice(request_body.get("keep"), s, "keep")
-    with model_lock:
-      return predictions(s, ids, ablate, keep)
+    return model_request(s, endpoint, body(request), model_lock)
 
   def app(environ, start_response):
     request = Request(environ)
