@@ -11,16 +11,6 @@ from decompax.analysis import explore
 from decompax.core import probe
 
 
-@pytest.fixture(scope="module")
-def tms(finished_run):
-  return explore.load_run(finished_run("tms"))
-
-
-@pytest.fixture(scope="module")
-def induction(finished_run):
-  return explore.load_run(finished_run("induction"))
-
-
 def test_load_run_rebuilds_the_run_from_its_directory(tms):
   assert tms.config.target == "tms_5-2" and tms.config.c == 6
   assert [s.name for s in tms.target.sites] == ["linear1", "linear2"]

@@ -28,11 +28,6 @@ REQUEST = harvest_lib.Request(positions=4 * 8 * 32, batch_size=8, top_k=5,
 
 
 @pytest.fixture(scope="module")
-def induction(finished_run):
-  return explore.load_run(finished_run("induction"))
-
-
-@pytest.fixture(scope="module")
 def harvested(induction, tmp_path_factory):
   settings = harvest_lib.resolve(induction, REQUEST)
   out = str(tmp_path_factory.mktemp("harvest"))
@@ -384,11 +379,6 @@ def _placement(preset: str, shape: tuple[int, int, int]):
                        axis_types=(AxisType.Auto,) * 3,
                        devices=jax.devices()[:math.prod(shape)])
   return shardings.Placement(mesh, table_lib.make_table(preset))
-
-
-@pytest.fixture(scope="module")
-def tms(finished_run):
-  return explore.load_run(finished_run("tms"))
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,6 @@ from decompax.core import sites as sites_lib
 PROMPT = (0, 3, 5, 7, 3, 5)
 
 
-@pytest.fixture(scope="module")
-def tms(finished_run):
-  return explore.load_run(finished_run("tms"))
-
-
-@pytest.fixture(scope="module")
-def induction(finished_run):
-  return explore.load_run(finished_run("induction"))
-
-
 def _log_prob(logits, position, token):
   return float(jax.nn.log_softmax(logits[0, position])[token])
 

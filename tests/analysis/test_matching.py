@@ -104,11 +104,6 @@ def test_sites_must_agree():
     matching.match_arrays({"linear1": _site()}, {"linear2": _site()})
 
 
-@pytest.fixture(scope="module")
-def tms(finished_run):
-  return explore.load_run(finished_run("tms"))
-
-
 def test_a_run_against_itself(tms):
   inputs = matching.shared_inputs(tms, batch_size=64)
   # The five one-feature probe rows come first.
