@@ -11,8 +11,9 @@ the median and the fastest.
 By default the model is a small Llama of random weights (`bench.random_lm`:
 a curve's cost does not depend on the weights' values) with one block's
 MLP decomposed and an untrained CI function, as `bin/train` builds it;
-`--run_dir` times a finished run instead (its first site), on a prompt of
-random token ids.
+`--intervention_run_dir` times a finished run instead (its first site), on
+a prompt of random token ids. (Flag names apart from the other binaries':
+tests load several into one process.)
 """
 
 import statistics
@@ -36,8 +37,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed curves after the "
                                 "first.", lower_bound=1)
 _PROMPT = flags.DEFINE_integer("prompt_len", 64, "Tokens in the prompt.",
                                lower_bound=1)
-_RUN_DIR = flags.DEFINE_string("run_dir", None, "A finished run to time "
-                               "instead of the random model.")
+_RUN_DIR = flags.DEFINE_string(
+  "intervention_run_dir", None, "A finished run to time instead of the "
+  "random model.")
 
 # A small Llama: four blocks, block 2's MLP decomposed.
 MODEL = glu_config.GluConfig(
