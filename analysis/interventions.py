@@ -24,12 +24,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key
 
-from decompax.core import adversary
 from decompax.core import masks as masks_lib
-from decompax.core import sites as sites_lib
 from decompax.core.masks import SiteMask
 from decompax.core.sites import SiteSpec
 from decompax.core.target import TargetFns
+from decompax.losses import adversarial
 
 # A mask value is a component's scale: 0 removes it, 1 is the target's, 2
 # doubles it.
@@ -95,29 +94,20 @@ def adversarial_site_masks(target: TargetFns, weights, components,
                            clean: Float[Array, "..."], key: Key[Array, ""],
                            n_steps: Int[Array, ""], step_size: float
                            ) -> dict[str, SiteMask]:
-  """Return the masks at sign-PGD sources that raise the divergence of the
-  masked output from `clean` (the eval probe's recipe, SPEC §5.7): scope
-  `c`, no delta channel, site `s` drawn from `fold_path(key, path[s])`."""
+  """Return the masks at the eval probe's sign-PGD sources
+  (`adversarial.probe_sources`, SPEC §5.7) against the divergence of the
+  masked output from `clean`."""
   names = tuple(s.name for s in target.sites)
-  lead = tuple(target.batch_lead_shape(inputs))
-  paths = sites_lib.draw_paths(target.sites)
-  sources = {
-    s.name: jax.random.uniform(sites_lib.fold_path(key, paths[s.name]),
-                               adversary.scope_shape("c", lead, s.c))
-    for s in target.sites}
 
   def divergence(s):
     masks = masks_lib.source_site_masks(ci, s, names, None)
     return target.divergence(
       target.masked_forward(weights, components, inputs, masks), clean)
 
-  def ascend(_, s):
-    grads = jax.grad(divergence)(s)
-    return {k: adversary.sign_pgd_step(s[k], grads[k], step_size) for k in s}
-
-  sources = jax.lax.fori_loop(0, n_steps, ascend, sources)
-  return masks_lib.source_site_masks(ci, jax.lax.stop_gradient(sources),
-                                     names, None)
+  sources = adversarial.probe_sources(
+    target.sites, tuple(target.batch_lead_shape(inputs)), key, divergence,
+    n_steps, step_size)
+  return masks_lib.source_site_masks(ci, sources, names, None)
 
 
 def mode_site_masks(target: TargetFns, weights, components,

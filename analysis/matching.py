@@ -35,6 +35,7 @@ import scipy.optimize
 from jaxtyping import Float
 
 from decompax.analysis import explore
+from decompax.core import probe
 from decompax.core import sites as sites_lib
 from decompax.recipe import assembly
 
@@ -94,12 +95,6 @@ def ci_cosines(ci_a: Float[np.ndarray, "n ca"], ci_b: Float[np.ndarray, "n cb"]
   return (ci_a.T @ ci_b) / np.maximum(norms, _TINY)
 
 
-def alive_components(ci: Float[np.ndarray, "n c"], threshold: float
-                     ) -> np.ndarray:
-  """Return the components whose CI exceeds `threshold` on some input."""
-  return np.flatnonzero(np.asarray(ci).max(axis=0) > threshold)
-
-
 def assign(similarity: Float[np.ndarray, "ra rb"]
            ) -> tuple[np.ndarray, np.ndarray]:
   """Return the one-to-one pairing `(rows, cols)` of largest total
@@ -113,8 +108,9 @@ def match_site(a: SiteArrays, b: SiteArrays, threshold: float = THRESHOLD
                ) -> SiteMatch:
   """Return the pairing of `a`'s and `b`'s alive components (see the
   module docstring for the similarity and the stability)."""
-  alive_a = alive_components(a.ci, a.alive_threshold)
-  alive_b = alive_components(b.ci, b.alive_threshold)
+  alive_a, alive_b = (np.asarray(probe.alive_components(x.ci,
+                                                          x.alive_threshold),
+                                  np.int64) for x in (a, b))
   weight = weight_cosines(a.v[:, alive_a], a.u[alive_a],
                           b.v[:, alive_b], b.u[alive_b])
   ci = ci_cosines(a.ci[:, alive_a], b.ci[:, alive_b])

@@ -382,14 +382,20 @@ def bucket(length: int) -> int:
   return next(b for b in BUCKETS if b >= length)
 
 
+def padded_prompt(ids: list[int]) -> np.ndarray:
+  """Return the prompt's ids zero-padded to its bucket's length."""
+  padded = np.zeros(bucket(len(ids)), np.int32)
+  padded[:len(ids)] = ids
+  return padded
+
+
 def predictions(served: Served, ids: list[int], ablate: dict[str, list[int]],
                 keep: dict[str, list[int]] | None = None,
                 predict: Callable | None = None) -> dict:
   """Return the prompt's clean and ablated predictions per position, and
   the CI of every component alive on the prompt, per site and position.
   `predict(run, tokens, top)` replaces the ablation where given."""
-  padded = np.zeros(bucket(len(ids)), np.int32)
-  padded[:len(ids)] = ids
+  padded = padded_prompt(ids)
   start = time.perf_counter()
   if predict is None:
     p = explore.predict(served.run, jnp.asarray(padded), ablate,
@@ -480,8 +486,7 @@ def sweep(served: Served, ids: list[int], site: str, component: int,
   """Return the log-probability of `token` (default: the clean top
   prediction) at `position` of the prompt with the component's mask at
   each of `values` (`explore.mask_sweep`)."""
-  padded = np.zeros(bucket(len(ids)), np.int32)
-  padded[:len(ids)] = ids
+  padded = padded_prompt(ids)
   start = time.perf_counter()
   result = explore.mask_sweep(served.run, jnp.asarray(padded), site,
                               component, values, position, token)

@@ -8,6 +8,7 @@ always see stop-gradient components and CI (I21, I24).
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -400,6 +401,34 @@ def fresh_pgd_term(
   return LossTerm(name, coeff, fn, prepare=prepare)
 
 
+def probe_sources(
+  sites: tuple[sites_lib.SiteSpec, ...],
+  lead: tuple[int, ...],
+  key: Key[Array, ""],
+  divergence: Callable[[dict[str, Array]], Float[Array, ""]],
+  n_steps: int | Array,
+  step_size: float,
+) -> dict[str, Array]:
+  """Return the eval probe's sources (SPEC §5.7) after `n_steps` sign-PGD
+  ascents of `divergence(sources)`, stop-gradient: `U[0,1]` at scope `c`
+  (one `[C]` vector per site, shared by every position, no delta channel;
+  site `s` draws from `fold_path(key, draw_paths[s])`), each ascent
+  `clip(S + step_size·sign(∂D/∂S), 0, 1)`."""
+  paths = sites_lib.draw_paths(sites)
+  sources = {
+    s.name: jax.random.uniform(sites_lib.fold_path(key, paths[s.name]),
+                               adversary.scope_shape("c", lead, s.c))
+    for s in sites}
+
+  def ascend(_, s):
+    grads = jax.grad(divergence)(s)
+    return {k: adversary.sign_pgd_step(s[k], grads[k], step_size) for k in s}
+
+  # A loop, not an unrolled chain: compile time stays that of one ascent.
+  return jax.lax.stop_gradient(
+    jax.lax.fori_loop(0, n_steps, ascend, sources))
+
+
 def pgd_probe(
   ctx: StepContext,
   key: Key[Array, ""],
@@ -407,29 +436,15 @@ def pgd_probe(
   step_size: float,
 ) -> Float[Array, ""]:
   """Return the output divergence at fresh sign-PGD sources (SPEC §5.7 eval
-  probe): every site live and routed, sources `U[0,1]` at scope `c` (one
-  `[C]` vector per site, shared by every position, no delta channel; site
-  `s` draws from `fold_path(key, draw_paths[s])`), then `n_steps` of
-  `clip(S + step_size·sign(∂D/∂S), 0, 1)` against stop-gradient components
-  and CI.
+  probe, `probe_sources`): every site live and routed, against
+  stop-gradient components and CI.
   """
   frozen = ctx._replace(components=jax.lax.stop_gradient(ctx.components),
                         ci=jax.lax.stop_gradient(ctx.ci))
   plan = recon.all_sites_plan(ctx.target.sites)
-  lead = ctx.lead_shape()
-  paths = sites_lib.draw_paths(ctx.target.sites)
-  sources = {
-    s.name: jax.random.uniform(sites_lib.fold_path(key, paths[s.name]),
-                               adversary.scope_shape("c", lead, s.c))
-    for s in ctx.target.sites}
 
   def divergence(s):
     return plan_loss(frozen, s, plan, key)
 
-  def ascend(_, s):
-    grads = jax.grad(divergence)(s)
-    return {k: adversary.sign_pgd_step(s[k], grads[k], step_size) for k in s}
-
-  # A loop, not an unrolled chain: compile time stays that of one ascent.
-  sources = jax.lax.fori_loop(0, n_steps, ascend, sources)
-  return divergence(jax.lax.stop_gradient(sources))
+  return divergence(probe_sources(ctx.target.sites, ctx.lead_shape(), key,
+                                  divergence, n_steps, step_size))
