@@ -14,7 +14,10 @@ The child dies with the training process, whatever ends it: on Linux through
 a parent-death signal, elsewhere within `_POLL_S` of noticing it was
 orphaned. An audit hook also checks for the parent before every file the
 child creates, renames or removes, so a killed run's directory is never
-written, or recreated, after the kill. Ctrl-C is left to the parent.
+written, or recreated, after the kill. Ctrl-C and SIGTERM are left to the
+parent: both reach a whole process group (a terminal's Ctrl-C, `timeout`, a
+scheduler's requeue), and the parent answers them by finishing its step,
+saving and drawing its last figures, which need the child alive.
 
 `python -m decompax.bin.render_process <parent pid>` is the child's entry
 point.
@@ -161,7 +164,8 @@ def main(parent: int) -> None:
   # Jobs are arbitrary callables: a hook is the one place that sees every
   # write they make.
   sys.addaudithook(_write_guard(parent))
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  for stop in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(stop, signal.SIG_IGN)
   os.nice(NICENESS)
   with contextlib.suppress(BrokenPipeError):  # stderr gone with the parent
     serve(sys.stdin.buffer, sys.stdout.buffer)

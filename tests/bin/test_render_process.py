@@ -47,6 +47,20 @@ def test_child_renders_at_lower_priority_and_reports_its_death(tmp_path):
   child.close()
 
 
+def test_child_outlives_a_stop_signal_sent_to_its_process_group(tmp_path):
+  # `timeout`, a scheduler's requeue and Ctrl-C signal the whole group; the
+  # parent saves and draws its last figures after one, so the child stays.
+  out = tmp_path / "after.txt"
+  child = render_process.start()
+  for stop in ("SIGTERM", "SIGINT"):
+    child.run(functools.partial(
+      exec, f"import os, signal; os.kill(os.getpid(), signal.{stop})"))
+  child.run(functools.partial(
+    exec, f"open({str(out)!r}, 'w').write('drawn')"))
+  child.close()
+  assert out.read_text() == "drawn"
+
+
 # Hands the child a job that outlives this parent, then ends as `how` says.
 _PARENT = """
 import functools, os, sys, threading, time
