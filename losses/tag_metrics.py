@@ -181,6 +181,55 @@ def group_resamples(seed: int, n_boot: int, n_groups: int
                          size=n_boot)
 
 
+def _weighted_medians(values: Float[np.ndarray, "d u"],
+                      weights: Float[np.ndarray, "d u"]
+                      ) -> Float[np.ndarray, " d"]:
+  """`weighted_median` of each row, units of zero weight left out."""
+  # Left-out units sort last at +inf, so the rest keep `weighted_median`'s
+  # stable order and its cumulative weights.
+  n_in = (weights > 0).sum(axis=1)
+  order = np.argsort(np.where(weights > 0, values, np.inf), axis=1,
+                     kind="stable")
+  v = np.take_along_axis(values, order, 1)
+  c = np.cumsum(np.take_along_axis(weights, order, 1), axis=1)
+  half = c[:, -1] / 2
+  rows = np.arange(len(v))
+  i = np.minimum((c < (half * (1 - 1e-12))[:, None]).sum(axis=1),
+                 v.shape[1] - 1)
+  between = np.isclose(c[rows, i], half, rtol=1e-12, atol=0) & (i + 1 < n_in)
+  after = v[rows, np.minimum(i + 1, v.shape[1] - 1)]
+  median = np.where(between, (v[rows, i] + after) / 2, v[rows, i])
+  return np.where((n_in > 0) & (c[:, -1] > 0), median, np.nan)
+
+
+def _scalars_of_draws(counts: Float[np.ndarray, "d u k"],
+                      base: Float[np.ndarray, "d k"], weighted: bool
+                      ) -> Float[np.ndarray, "d s"]:
+  """`_scalars` of many resampled unit sets at once, one per row."""
+  mass = counts.sum(axis=2)
+  alive = mass > 0
+  top = np.argmax(counts, axis=2)
+  share = np.take_along_axis(counts, top[..., None], 2)[..., 0] / np.where(
+    alive, mass, 1.0)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    # A draw with no positions has no rates; its row is NaN below.
+    rate = base / base.sum(axis=1, keepdims=True)
+    top_rate = np.take_along_axis(rate, top, 1)
+    lifted = np.where(top_rate > 0, share / top_rate, np.nan)
+  w = np.where(alive, mass if weighted else 1.0, 0.0)
+  total = w.sum(axis=1, keepdims=True)
+  w = w / np.where(total > 0, total, 1.0)
+  scalars = np.stack([
+    _weighted_medians(share, w), (w * (share >= PURE)).sum(axis=1),
+    (w * (share >= MOSTLY_PURE)).sum(axis=1),
+    (w * np.where(alive, lifted, 0.0)).sum(axis=1)], axis=1)
+  return np.where(alive.any(axis=1)[:, None], scalars, np.nan)
+
+
+# Resampled `[u, k]` count sets held at once by the bootstrap.
+_DRAW_BYTES = 64 << 20
+
+
 def bootstrap_difference(
   a: Float[np.ndarray, "g ua k"], b: Float[np.ndarray, "g ub k"],
   base: Real[np.ndarray, "g k"], seed: int, weighted: bool,
@@ -193,15 +242,22 @@ def bootstrap_difference(
   present = np.asarray(base).sum(axis=1) > 0
   a, b = np.asarray(a, np.float64)[present], np.asarray(b, np.float64)[present]
   base = np.asarray(base, np.float64)[present]
+  flat = lambda x: x.reshape(len(x), -1)
 
-  def difference(w):
-    fold = lambda x: np.tensordot(w, x, axes=1)
-    return (_scalars(fold(a), fold(base), weighted)
-            - _scalars(fold(b), fold(base), weighted))
+  def difference(draws: np.ndarray) -> np.ndarray:
+    # One product folds every draw's groups; the summaries then run over
+    # the draws as rows, not in a Python loop.
+    fold = lambda x: (draws @ flat(x)).reshape(len(draws), *x.shape[1:])
+    folded_base = draws @ base
+    return (_scalars_of_draws(fold(a), folded_base, weighted)
+            - _scalars_of_draws(fold(b), folded_base, weighted))
 
-  estimate = difference(np.ones(len(base)))
-  draws = np.stack([difference(w) for w in
-                    group_resamples(seed, n_boot, len(base))])
+  estimate = difference(np.ones((1, len(base))))[0]
+  resamples = group_resamples(seed, n_boot, len(base)).astype(np.float64)
+  per_chunk = max(1, _DRAW_BYTES // (8 * (a[0].size + b[0].size)))
+  draws = np.concatenate([
+    difference(resamples[i:i + per_chunk])
+    for i in range(0, n_boot, per_chunk)])
   tail = (1 - level) / 2
   low, high = np.nanquantile(draws, [tail, 1 - tail], axis=0)
   return {name: Interval(float(e), float(lo), float(hi))

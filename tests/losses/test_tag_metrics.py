@@ -164,3 +164,31 @@ def test_compare_summarizes_both_sets_and_bootstraps_their_difference():
   moved = stats(b)._replace(base_coarse=base + 1)
   with pytest.raises(ValueError, match="different positions"):
     tag_metrics.compare(stats(a), moved, seed=0)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_draws_at_once_match_one_draw_at_a_time(weighted):
+  # Units alive in one group only die in the draws that skip it, and equal
+  # weights (unweighted) put the median between two units.
+  a, base = _groups(4, g=5, u=6, k=3)
+  a[1:, :2] = 0
+  a[:, 5] = 0  # dead in every draw
+  draws = tag_metrics.group_resamples(3, 40, len(base)).astype(float)
+  draws[0] = 0  # no unit alive
+  draws[1, 0] = 0  # the one-group units dead
+  counts = np.einsum("dg,guk->duk", draws, a)
+  folded = draws @ base
+  got = tag_metrics._scalars_of_draws(counts, folded, weighted)
+  want = np.stack([tag_metrics._scalars(c, f, weighted)
+                   for c, f in zip(counts, folded)])
+  np.testing.assert_allclose(got, want, rtol=1e-12, equal_nan=True)
+  assert np.isnan(got[0]).all() and np.isfinite(got[1:]).all()
+
+
+def test_weighted_medians_leave_out_zero_weights_wherever_they_sort():
+  rng = np.random.default_rng(5)
+  values = rng.random((30, 7))
+  weights = rng.integers(0, 3, size=(30, 7)).astype(float)
+  want = [tag_metrics.weighted_median(v, w) for v, w in zip(values, weights)]
+  np.testing.assert_allclose(tag_metrics._weighted_medians(values, weights),
+                             want, rtol=1e-12, equal_nan=True)
