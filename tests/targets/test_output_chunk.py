@@ -119,14 +119,17 @@ def _first_step(lm, output_chunk):
   state = built.init(jax.tree.map(jnp.copy, components),
                      ci_fn.init(jax.random.key(3)),
                      jax.random.key(4), (B, T))
-  return jax.device_get(built.step(state, weights, jax.random.key(5))[1])
+  text = built.step.lower(state, weights, jax.random.key(5)).as_text()
+  return jax.device_get(built.step(state, weights, jax.random.key(5))[1]), text
 
 
 def test_a_step_with_chunked_output_matches_whole_logits(lm):
   # The stochastic and the persistent PGD recon share the output path; the
   # gradient norm covers every term's gradient through the head.
-  whole = _first_step(lm, 0)
-  chunked = _first_step(lm, 4)
+  whole, whole_text = _first_step(lm, 0)
+  chunked, chunked_text = _first_step(lm, 4)
+  logits = f"tensor<{B}x{T}x{CONFIG.vocab_size}xf32>"
+  assert logits in whole_text and logits not in chunked_text
   for name in ("loss/stochastic_recon", "loss/pgd_recon", "loss/total",
                "grad_norm/components"):
     np.testing.assert_allclose(chunked[name], whole[name], rtol=RTOL,
