@@ -26,7 +26,15 @@ that the two counts check each other. It follows how the step runs (SPEC
   * the CI transformer runs forward and backward once, recomputing its
     blocks (less `w2`) under `--ci_remat`;
   * faithfulness forms `V·U` per site twice (forward, and again in its
-    rematerialised backward) and both factor gradients.
+    rematerialised backward) and both factor gradients;
+  * with `--output_chunk` the head runs inside each masked forward's
+    chunked KL (`glu_target.chunked_head_kl`), on the positions padded to
+    whole chunks: the clean and the masked logits forward and again in
+    the backward, and the backward's product, five products a forward; an
+    ascent's forward value is never read, so XLA keeps only its backward's
+    three. The clean forward stops before the head. The count follows
+    three or more chunks: over fewer, XLA may unroll the loop and share a
+    chunk's clean logits between forwards.
 `StepFlops.model` leaves rematerialisation out (the MFU numerator);
 `StepFlops.executed` is what the program runs.
 """
@@ -216,4 +224,13 @@ def lm_step_flops(config: TrainConfig, model: glu_config.GluConfig,
     "CI blocks": tokens * ci_remat,
     "faithfulness": faithfulness,
   }
+  if config.output_chunk and passes:
+    recompute["output head (chunked)"] = head * (
+      _padded(tokens, config.output_chunk) * (5 * full + 3 * ascents)
+      - tokens * (1 + 2 * passes))
   return StepFlops(work, recompute)
+
+
+def _padded(tokens: int, chunk: int) -> int:
+  """Return `tokens` rounded up to whole chunks of `chunk` positions."""
+  return -(-tokens // chunk) * chunk

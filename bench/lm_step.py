@@ -102,7 +102,7 @@ _MODEL_CONFIG = flags.DEFINE_list(
   "smaller model of the same kind.")
 _RECIPE = flags.DEFINE_list(
   "recipe_settings", [], "name=value settings over flags/l18.flags (c, "
-  "ci_d_model, ci_n_blocks, compute_dtype, ...).")
+  "ci_d_model, ci_n_blocks, compute_dtype, output_chunk, ...).")
 _MEASURED = flags.DEFINE_integer("measured_steps", 5, "Timed steps.")
 _WARMUP = flags.DEFINE_integer(
   "warmup_steps", 2, "Untimed steps first (at least 1: the first step's "

@@ -67,7 +67,8 @@ def build(config, layer: int):
   glu = glu_config.config_from_hf(json.loads(CONFIG_JSON.read_text()))
   names = tuple(glu_lm.site_name(layer, r) for r in ("gate", "up", "down"))
   sites = glu_target.site_specs(glu, names, config.c)
-  target = glu_target.target_fns(glu, sites, config.attention, remat=True)
+  target = glu_target.target_fns(glu, sites, config.attention, remat=True,
+                                 output_chunk=config.output_chunk)
   seg = glu_target.span_segments(glu, sites)
   shapes = {"embed": (glu.vocab_size, glu.d_model), "norm": (glu.d_model,),
             "head": (glu.vocab_size, glu.d_model)}

@@ -69,7 +69,8 @@ def build_run(config: TrainConfig, model: glu_config.GluConfig,
   masked forwards rerun the frozen prefix (SPEC §3.5, to measure what
   sharing saves)."""
   target = glu_target.target_fns(model, sites, config.attention, remat=True,
-                                 prefix_sharing=prefix_sharing)
+                                 prefix_sharing=prefix_sharing,
+                                 output_chunk=config.output_chunk)
 
   def sample_inputs(key, batch_size):
     return jax.random.randint(key, (batch_size, config.seq_len), 0,

@@ -51,6 +51,26 @@ Divergence = Callable[
 ]
 
 
+# (weights, masked forward's head input, clean forward's) -> the head's
+# outputs' `Divergence`, computed without ever holding a whole output.
+HeadDivergence = Callable[
+  [Weights, Float[Array, "..."], Float[Array, "..."]], Float[Array, ""]
+]
+
+
+class SplitHead(NamedTuple):
+  """A target's forwards stopped at the input of its output head, and the
+  head fused with the divergence: what a train step runs instead of the
+  full outputs when those are large (an LM's `[tokens, vocab]` logits;
+  `--output_chunk`). The forwards are `clean_forward` and
+  `masked_forward_taps` with the head left out; `divergence` equals
+  `TargetFns.divergence` of the head's outputs, values and gradients."""
+
+  clean_forward: CleanForward
+  masked_forward_taps: MaskedForwardTaps
+  divergence: HeadDivergence
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitSpec:
   """How a site's output axis splits into `n_units` contiguous nonlinear
@@ -126,3 +146,7 @@ class TargetFns(NamedTuple):
   # a given tap at all (None: only the sites' own outputs are known to).
   hidden_pass_points: tuple[str, ...] = ()
   masking_reaches: Optional[Callable[[str], bool]] = None
+  # The train step's forwards without the output head, the head fused with
+  # the divergence (`SplitHead`); None: the step computes whole outputs.
+  # Evaluation always reads whole outputs.
+  split_head: Optional[SplitHead] = None

@@ -130,6 +130,10 @@ class StepContext(NamedTuple):
   # A hidden pass: its recon terms score the relative error of these
   # activations, never the output (`losses.hidden.forward_loss`).
   hidden_points: tuple[str, ...] = ()
+  # The forwards stop at the target's output head (`TargetFns.split_head`):
+  # `clean_output` and masked outputs are the head's input, and
+  # `output_divergence` runs the head fused with the divergence.
+  split_head: bool = False
 
   def operands(self) -> Components:
     """Return V/U as a masked forward consumes them."""
@@ -146,7 +150,7 @@ class StepContext(NamedTuple):
 
   def masked_forward(self, site_masks) -> Float[Array, "..."]:
     """Run the target with `site_masks` on the step's inputs and components."""
-    if self.target.masked_forward_taps is not None:
+    if self.split_head or self.target.masked_forward_taps is not None:
       return self.masked_forward_with_taps(site_masks, ())[0]
     return self.target.masked_forward(
       self.weights, self.operands(), self.inputs, self.pinned(site_masks)
@@ -159,16 +163,20 @@ class StepContext(NamedTuple):
     if self.loss_positions is not None:
       picked = jnp.asarray(self.loss_positions)
       output, clean = output[:, picked], clean[:, picked]
+    if self.split_head:
+      return self.target.split_head.divergence(self.weights, output, clean)
     return self.target.divergence(output, clean)
 
   def masked_forward_with_taps(
     self, site_masks, wanted: tuple[str, ...]
   ) -> tuple[Float[Array, "..."], dict[str, Float[Array, "..."]]]:
     """Run the masked forward and return the `wanted` activations too."""
-    if self.target.masked_forward_taps is None:
+    forward = (self.target.split_head.masked_forward_taps if self.split_head
+               else self.target.masked_forward_taps)
+    if forward is None:
       raise ValueError("this target's masked forward returns no activations; "
                        "drop the hidden-activation terms")
-    return self.target.masked_forward_taps(
+    return forward(
       self.weights, self.operands(), self.inputs,
       self.pinned(site_masks), self.clean_taps or {}, wanted)
 
@@ -717,11 +725,13 @@ Clean = tuple[Float[Array, "..."], dict]
 
 def clean_passes(plan: StepPlan, weights: Weights,
                  batches: dict[str, Batch]) -> tuple[Clean, ...]:
-  """Return per stream its stop-gradient clean `(output, taps)`."""
+  """Return per stream its stop-gradient clean `(output, taps)`; with a
+  split head (`TargetFns.split_head`) the output is the head's input."""
+  split = plan.target.split_head
+  forward = plan.target.clean_forward if split is None else split.clean_forward
   return tuple(plan.constrain("activations", jax.tree.map(
     jax.lax.stop_gradient,
-    plan.target.clean_forward(weights, batches[spec.name],
-                              plan.clean_taps[k])))
+    forward(weights, batches[spec.name], plan.clean_taps[k])))
     for k, spec in enumerate(plan.streams))
 
 
@@ -751,7 +761,8 @@ def pass_contexts(
         batches[spec.name], clean_output, *own[:2], clean_taps=taps,
         constrain=plan.constrain, delta_pin=spec.delta_pin,
         loss_positions=spec.loss_positions,
-        hidden_points=() if role == OUTPUT else config.hidden_points),
+        hidden_points=() if role == OUTPUT else config.hidden_points,
+        split_head=plan.target.split_head is not None),
         own))
   return tuple(ctxs)
 

@@ -103,8 +103,12 @@ def _validate_sizes(config: TrainConfig) -> None:
     _positive(name, getattr(config, name))
   _validate_eval_cadence(config)
   _validate_eval_attention(config)
+  if config.output_chunk and config.target != "hf":
+    raise ValueError(f"--output_chunk chunks an LM head, and --target="
+                     f"{config.target} has none; drop --output_chunk or use "
+                     "--target=hf")
   for name in ("weight_decay", "clip_max_norm", "faithfulness_warmup_steps",
-               "figures_every", "importance_eps"):
+               "figures_every", "importance_eps", "output_chunk"):
     _non_negative(name, getattr(config, name))
   if config.ci_lr is not None:
     _positive("ci_lr", config.ci_lr)

@@ -92,6 +92,12 @@ class TrainConfig:
     "Attention of LM targets: plain einsums, or jax.nn.dot_product_attention "
     "with implementation xla, cudnn or JAX's choice (auto).",
     choices=_ATTENTIONS)
+  output_chunk: int = _setting(
+    0,
+    "--target=hf: the train step's output KL runs the LM head over chunks "
+    "of this many positions, each recomputed in the backward, so the whole "
+    "[tokens, vocab] logits never exist (same values and gradients); 0: "
+    "whole logits. Evals always read whole logits.")
   compute_dtype: str = _setting(
     "bfloat16",
     "Dtype of --target=hf frozen weights and activations (SPEC N4).",

@@ -68,7 +68,8 @@ def hf_target(config) -> record.Resolved:
   names = (expand_sites(everything, config.sites) if config.sites
            else everything)
   sites = glu_target.site_specs(glu, names, config.c)
-  fns = glu_target.target_fns(glu, sites, config.attention, remat=True)
+  fns = glu_target.target_fns(glu, sites, config.attention, remat=True,
+                               output_chunk=config.output_chunk)
   seg = glu_target.span_segments(glu, sites)
   jnp_dtype, np_dtype = _DTYPES[config.compute_dtype]
 

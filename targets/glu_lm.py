@@ -411,6 +411,18 @@ def _gathered_taps(
   return taps
 
 
+def head_matrix(weights: GluWeights) -> Float[Array, "vocab d"]:
+  """Return the output head, the embedding when tied."""
+  return weights.embed if weights.head is None else weights.head
+
+
+def head_logits(
+  weights: GluWeights, x: Float[Array, "*l d"]
+) -> Float[Array, "*l vocab"]:
+  """Return the logits of final hidden states `x` (after the final norm)."""
+  return jnp.einsum("...d,vd->...v", x, head_matrix(weights))
+
+
 def forward(
   weights: GluWeights,
   tokens: Int[Array, "b t"],
@@ -427,6 +439,22 @@ def forward(
   start at block `split` (SPEC §3.5): the prefix is not run, a tap below
   `split` fails and `resid.{split}` is the start value (I28).
   """
+  x, taps = final_hidden(weights, tokens, wanted, spec, span_site,
+                         span_extra, start)
+  return head_logits(weights, x), taps
+
+
+def final_hidden(
+  weights: GluWeights,
+  tokens: Int[Array, "b t"],
+  wanted: tuple[str, ...],
+  spec: ForwardSpec,
+  span_site: SiteFn = frozen_site,
+  span_extra: Any = None,
+  start: Optional[Float[Array, "b t d"]] = None,
+) -> tuple[Float[Array, "b t d"], dict[str, Array]]:
+  """Return `forward`'s final hidden state (after the final norm, what the
+  head reads) and its `wanted` taps."""
   config, seg = spec.config, spec.segments
   check_segments(weights, seg)
   first = 0 if start is None else seg.split
@@ -462,10 +490,7 @@ def forward(
     boundary[hi] = h
     stream_values[(lo, hi)] = ys
   taps = _gathered_taps(parsed, boundary, stream_values)
-  head = weights.embed if weights.head is None else weights.head
-  x = rms_norm(h, weights.norm, config.rms_eps)
-  logits = jnp.einsum("btd,vd->btv", x, head)
-  return logits, taps
+  return rms_norm(h, weights.norm, config.rms_eps), taps
 
 
 def all_tap_keys(config: glu_config.GluConfig) -> tuple[str, ...]:

@@ -18,6 +18,8 @@ the frozen prefix is never recomputed (SPEC §3.5, exact: I27).
 """
 
 import dataclasses
+import math
+from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -267,6 +269,75 @@ def kl_clean_to_masked(
   return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
 
 
+def _position_chunks(
+  x: Float[Array, "*l d"], chunk: int
+) -> Float[Array, "n chunk d"]:
+  """Return `x`'s positions flattened and cut into `chunk`-long rows, the
+  last padded with zeros."""
+  flat = x.reshape(-1, x.shape[-1])
+  pad = -flat.shape[0] % chunk
+  return jnp.pad(flat, ((0, pad), (0, 0))).reshape(-1, chunk, x.shape[-1])
+
+
+def chunked_head_kl(
+  head: Float[Array, "vocab d"], masked_x: Float[Array, "*l d"],
+  clean_x: Float[Array, "*l d"], chunk: int,
+) -> Float[Array, ""]:
+  """Return `kl_clean_to_masked` of the logits `x·headᵀ` of both final
+  hidden states, `chunk` positions at a time (I14): each chunk's logits,
+  log-softmaxes and KL exist only inside one step of a `lax.map`, and its
+  backward recomputes them (`jax.checkpoint`), so no `[positions, vocab]`
+  array is ever whole. A last chunk shorter than `chunk` is padded and its
+  padding left out of the sum; the mean divides by the true count."""
+  n = math.prod(masked_x.shape[:-1])
+  keep = (jnp.arange(-(-n // chunk) * chunk) < n).reshape(-1, chunk)
+
+  @jax.checkpoint
+  def chunk_sum(args):
+    xm, xc, kept = args
+    log_p = jax.nn.log_softmax(
+      jnp.einsum("nd,vd->nv", xc, head).astype(jnp.float32), axis=-1)
+    log_q = jax.nn.log_softmax(
+      jnp.einsum("nd,vd->nv", xm, head).astype(jnp.float32), axis=-1)
+    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    return jnp.sum(jnp.where(kept, kl, 0.0))
+
+  sums = jax.lax.map(chunk_sum, (_position_chunks(masked_x, chunk),
+                                 _position_chunks(clean_x, chunk), keep))
+  return jnp.sum(sums) / n
+
+
+def split_head(
+  spec: glu_lm.ForwardSpec, site: glu_lm.SiteFn, resume: Optional[str],
+  extras: Callable, chunk: int,
+) -> Optional[target.SplitHead]:
+  """Return the train step's forwards to the final hidden state and the
+  head's KL over chunks of `chunk` positions (`chunked_head_kl`); None for
+  `chunk` 0 (whole logits), ValueError for a negative one."""
+  if chunk < 0:
+    raise ValueError(f"output_chunk must be >= 0 (0: whole logits), got "
+                     f"{chunk}")
+  if chunk == 0:
+    return None
+
+  def clean_forward(weights, tokens, wanted):
+    weights = jax.lax.stop_gradient(weights)
+    return glu_lm.final_hidden(weights, tokens, tuple(wanted), spec)
+
+  def masked_forward_taps(weights, components, tokens, site_masks,
+                          clean_taps, wanted):
+    start = None if resume is None else clean_taps.get(resume)
+    return glu_lm.final_hidden(
+      weights, tokens, tuple(wanted), spec, site,
+      extras(weights, components, site_masks), start)
+
+  def divergence(weights, masked_x, clean_x):
+    return chunked_head_kl(glu_lm.head_matrix(weights), masked_x, clean_x,
+                           chunk)
+
+  return target.SplitHead(clean_forward, masked_forward_taps, divergence)
+
+
 def attention_blocks(sites: tuple[SiteSpec, ...]) -> tuple[int, ...]:
   """Return the layers with a decomposed q_proj or k_proj, ascending: the
   blocks whose attention pattern the eval compares (SPEC §11)."""
@@ -383,13 +454,16 @@ def target_fns(
   attention: str = "reference",
   remat: bool = True,
   prefix_sharing: bool = True,
+  output_chunk: int = 0,
 ) -> target.TargetFns:
   """Return the engine's function table for decomposing `sites`.
 
   With `prefix_sharing` off, masked forwards ignore the clean pass's
   boundary and rerun the frozen prefix from the tokens (SPEC §3.5 D5: equal
   up to reassociation); it exists to measure what sharing saves.
+  `output_chunk` > 0: the step's KL over head chunks (`split_head`).
   """
+
   validate_sites(sites)
   seg = span_segments(config, sites)
   layouts = kind_layouts(sites)
@@ -432,6 +506,7 @@ def target_fns(
     attention_divergence=attention_divergence(config, seg, blocks),
     hidden_pass_points=hidden_pass_points(config, sites),
     masking_reaches=masking_reaches(config, sites),
+    split_head=split_head(spec, site, resume, extras, output_chunk),
   )
 
 

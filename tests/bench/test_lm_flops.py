@@ -64,6 +64,10 @@ def _both_counts(config, sites):
   (("--stochastic_coeff=0", "--pgd_coeff=0"), ("down",), 1),
   (("--n_mask_samples=2", "--pgd_n_warmup=1", "--c=16"), ("o", "up"), 1),
   (("--seq_len=16", "--batch_size=1"), ("gate", "up", "down"), 3),
+  # The head chunked over positions: 8 in chunks of 3, the last ragged.
+  (("--output_chunk=3",), ("gate", "up", "down"), 2),
+  (("--output_chunk=2", "--n_mask_samples=2", "--pgd_n_warmup=1"),
+   ("o", "up"), 1),
 ])
 def test_the_recipe_count_is_the_compiled_one(overrides, roles, layer):
   predicted, counted = _both_counts(recipe(*overrides),

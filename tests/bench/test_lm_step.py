@@ -41,9 +41,14 @@ def tiny(bench, recipe=TINY_RECIPE + FAST, **changes):
   return bench.Settings(**(fields | changes))
 
 
-def test_the_report_has_every_field_and_its_flop_counts_agree(bench):
-  settings = tiny(bench)
-  report = bench.measure_step(settings, profile_steps=2)
+@pytest.fixture(scope="module")
+def plain(bench):
+  """The tiny step's report, with two traced steps."""
+  return bench.measure_step(tiny(bench), profile_steps=2)
+
+
+def test_the_report_has_every_field_and_its_flop_counts_agree(bench, plain):
+  settings, report = tiny(bench), plain
   assert set(report) == REPORT_KEYS
   assert report["compile_s"] > 0 and report["step_s"] > 0
   assert report["warm_compile_s"] is None
@@ -71,6 +76,20 @@ def test_the_report_has_every_field_and_its_flop_counts_agree(bench):
              if t.category == "matmul") == pytest.approx(
                report["flops_compiled"])
   assert bench.slowest_rows(report)
+
+
+def test_a_chunked_head_takes_the_same_first_step_and_is_counted(
+    bench, plain):
+  # 16 positions in chunks of 4: the recipe setting the chip run compares.
+  chunked = bench.measure_step(
+    tiny(bench, recipe=TINY_RECIPE + FAST + ("output_chunk=4",)))
+  assert chunked["flops_agree"]
+  assert chunked["flops_executed"] == pytest.approx(
+    chunked["flops_compiled"], rel=1e-9)
+  assert chunked["flops_model"] == plain["flops_model"]
+  assert chunked["flops_executed"] > plain["flops_executed"]
+  for name, loss in plain["first_losses"].items():
+    assert chunked["first_losses"][name] == pytest.approx(loss, rel=1e-5)
 
 
 def test_bad_flags_are_refused_in_one_line(bench):

@@ -708,6 +708,10 @@ ROWS = (
     *LLAMA, "--eval_attention_kl", OUT),
     "--eval_attention_kl scores blocks with a decomposed q_proj or k_proj, "
     "and --sites names none; add one"),
+  Row("output_chunk_on_a_toy", "train", ("--output_chunk=64", OUT),
+      "--output_chunk chunks an LM head, and --target=tms_5-2 has none"),
+  Row("output_chunk_negative", "train", (*LLAMA, "--output_chunk=-1", OUT),
+      "--output_chunk must be"),
   Row("figure_share_zero", "train", ("--figure_cpu_share=0", OUT),
       "--figure_cpu_share must lie in (0, 1]"),
   Row("ci_hidden_words", "train", ("--ci_hidden=a", OUT),
