@@ -44,6 +44,7 @@ divergences of ablating each alone; all these forwards run as one batch
 of mask rows through `lax.map`.
 """
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -52,10 +53,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decompax.analysis import explore
+from decompax.analysis import explore, harvesting
 from decompax.core import masks as masks_lib
 from decompax.core.sites import SiteSpec
 from decompax.core.target import TargetFns
+from decompax.io import harvest_store
 
 # Bits and counts: arrays, or numpy's float64 scalars (a `float`) that
 # arithmetic on 0-d arrays gives; shapes that broadcast together.
@@ -248,6 +250,33 @@ def site_counts(stats: Mapping[str, Any], positions: int) -> SiteCounts:
   return SiteCounts(int(positions), np.asarray(stats["coactive"], np.int64))
 
 
+def harvest_counts(run_path: str) -> tuple[dict, dict[str, SiteCounts]]:
+  """Return the manifest of the finished harvest of the run at `run_path`
+  and each site's counts (its `coactive` alone is read); ValueError when
+  the run has no finished harvest."""
+  manifest = harvest_store.read_manifest(run_path)
+  n = int(manifest["positions"])
+  return manifest, {site: site_counts(harvest_store.read_arrays(
+    run_path, site, ("coactive",)), n) for site in manifest["sites"]}
+
+
+def cluster_harvest(counts: Mapping[str, SiteCounts]
+                    ) -> dict[str, SiteClusters]:
+  """Return every site's clusters (`cluster_site`)."""
+  return {site: cluster_site(c) for site, c in counts.items()}
+
+
+def effect_inputs(run: explore.LoadedRun, manifest: Mapping[str, Any],
+                  seed: int, batch_size: int) -> Any:
+  """Return the batch the ablation effects are measured on: the first
+  batch the harvest's own source (its token file, or the toy's inputs)
+  draws with `seed` and `batch_size`."""
+  settings = dataclasses.replace(
+    harvesting.Settings(**manifest["settings"]), seed=seed,
+    batch_size=batch_size)
+  return harvesting.batch_source(run, settings)(0)
+
+
 def _ablation_rows(sites: tuple[SiteSpec, ...],
                    chosen: Sequence[tuple[str, tuple[int, ...]]]
                    ) -> dict[str, Float[Array, "n c"]]:
@@ -285,7 +314,7 @@ class ClusterEffect(NamedTuple):
   members: tuple[float, ...]
 
 
-def _effect_jobs(found: Mapping[str, SiteClusters]
+def effect_jobs(found: Mapping[str, SiteClusters]
                  ) -> list[tuple[str, tuple[int, ...]]]:
   """Return the ablations the multi-member clusters need: per cluster,
   all members at once, then each alone."""
@@ -303,7 +332,7 @@ def cluster_effects(run: explore.LoadedRun, inputs: Any,
   """Return, per site and cluster (in `found`'s order), its joint and
   summed ablation effects on `inputs`; None for a singleton (joint and
   summed are one ablation there, not measured)."""
-  jobs = _effect_jobs(found)
+  jobs = effect_jobs(found)
   values = np.zeros(0)
   if jobs:
     rows = _ablation_rows(run.target.sites, jobs)
