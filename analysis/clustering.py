@@ -58,12 +58,17 @@ from decompax.core import masks as masks_lib
 from decompax.core.sites import SiteSpec
 from decompax.core.target import TargetFns
 from decompax.io import harvest_store
+from decompax.recipe import lm
 
 # Bits and counts: arrays, or numpy's float64 scalars (a `float`) that
 # arithmetic on 0-d arrays gives; shapes that broadcast together.
 Real = Float[np.ndarray, "*#s"] | float
 # Forwards per `lax.map` batch of the ablation effects.
 CHUNK = 16
+# Inputs of the ablation effects by default: a toy's forwards cost little;
+# a language model's cost a forward of every window per cluster and member
+# (brown_s: about 0.4 s per forward of 8 x 64 tokens on two CPU cores).
+TOY_EFFECT_BATCH, LM_EFFECT_BATCH = 1024, 8
 # The clusters file's format.
 VERSION = 1
 
@@ -264,6 +269,11 @@ def cluster_harvest(counts: Mapping[str, SiteCounts]
                     ) -> dict[str, SiteClusters]:
   """Return every site's clusters (`cluster_site`)."""
   return {site: cluster_site(c) for site, c in counts.items()}
+
+
+def default_effect_batch(run: explore.LoadedRun) -> int:
+  """Return the inputs the ablation effects are measured on by default."""
+  return LM_EFFECT_BATCH if lm.is_lm(run.config) else TOY_EFFECT_BATCH
 
 
 def effect_inputs(run: explore.LoadedRun, manifest: Mapping[str, Any],

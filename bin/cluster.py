@@ -26,8 +26,11 @@ _SEED = flags.DEFINE_integer(
   "seed", 0, "Seed of the batch the ablation effects are measured on (the "
   "clustering itself draws nothing).")
 _BATCH_SIZE = flags.DEFINE_integer(
-  "batch_size", 64, "Inputs (token windows of the harvest's length for a "
-  "language model) of that batch.", lower_bound=1)
+  "batch_size", None, "Inputs of that batch (token windows of the "
+  "harvest's length for a language model); default "
+  f"{clustering.TOY_EFFECT_BATCH} for a toy, "
+  f"{clustering.LM_EFFECT_BATCH} for a language model, whose every cluster "
+  "and member costs a forward of the whole batch.", lower_bound=1)
 _EFFECTS = flags.DEFINE_bool(
   "effects", True, "Measure the clusters' ablation effects (one forward "
   "per cluster and per member of a cluster of two or more).")
@@ -38,18 +41,27 @@ def fail(message: str) -> None:
   cli.fail("cluster", message)
 
 
-def _effects(run_path: str, manifest: dict, found: dict) -> dict:
-  """Return the clusters' ablation effects (None each without them)."""
+def _batch_size(run: explore.LoadedRun) -> int:
+  if _BATCH_SIZE.value is not None:
+    return _BATCH_SIZE.value
+  return clustering.default_effect_batch(run)
+
+
+def _effects(run_path: str, manifest: dict, found: dict
+             ) -> tuple[dict, int | None]:
+  """Return the clusters' ablation effects (None each without them) and
+  the inputs they were measured on (None: not measured)."""
   none = {site: [None] * len(c.clusters) for site, c in found.items()}
   if not _EFFECTS.value or not clustering.effect_jobs(found):
-    return none
+    return none, None
   try:
     run = explore.load_run(run_path)
     inputs = clustering.effect_inputs(run, manifest, _SEED.value,
-                                      _BATCH_SIZE.value)
+                                      _batch_size(run))
   except (OSError, ValueError) as e:
     fail(str(e))
-  return clustering.cluster_effects(run, inputs, found)
+  return (clustering.cluster_effects(run, inputs, found),
+          _batch_size(run))
 
 
 def _counts(run_path: str) -> tuple[dict, dict]:
@@ -87,9 +99,9 @@ def main(argv: list[str]) -> None:
   start = time.perf_counter()
   found = clustering.cluster_harvest(counts)
   seconds = time.perf_counter() - start
-  effects = _effects(run_path, manifest, found)
+  effects, batch_size = _effects(run_path, manifest, found)
   record = clustering.clusters_record(found, effects, {
-    "seed": _SEED.value, "batch_size": _BATCH_SIZE.value,
+    "seed": _SEED.value, "batch_size": batch_size,
     "threshold": manifest["settings"]["threshold"],
     "positions": manifest["positions"],
     "decomposition_step": manifest["settings"]["decomposition_step"]})

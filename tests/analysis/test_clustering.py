@@ -156,7 +156,9 @@ def _recovered_tms(path: str) -> explore.LoadedRun:
 def recovered_tms(finished_run, tmp_path_factory):
   """A copy of the TMS run with the recovered decomposition, harvested."""
   path = str(tmp_path_factory.mktemp("cluster") / "tms")
-  shutil.copytree(finished_run("tms"), path)
+  # Another test may have harvested the shared run: not this harvest.
+  shutil.copytree(finished_run("tms"), path,
+                  ignore=shutil.ignore_patterns(harvest_store.HARVEST_DIR))
   run = _recovered_tms(path)
   settings = harvesting.resolve(run, harvesting.Request(
     positions=4096, batch_size=512, top_k=2, ablation_batches=0))

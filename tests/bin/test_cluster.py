@@ -26,6 +26,9 @@ def _cluster(run: str, *args: str) -> dict:
 def test_clusters_cover_each_site_and_repeat_for_a_seed(harvested_tms):
   first = _cluster(harvested_tms, "--seed=3")
   assert first["seed"] == 3 and first["version"] == 1
+  multi = [c for r in first["sites"].values() for c in r["clusters"]
+           if len(c["members"]) > 1]
+  assert first["batch_size"] == (32 if multi else None)
   for site, record in first["sites"].items():
     members = [m for c in record["clusters"] for m in c["members"]]
     assert sorted(members + record["never_fired"]) == list(range(6)), site
