@@ -103,6 +103,7 @@ def counts_from_firing(fired: Any) -> SiteCounts:
 
 def _xlx(x: Real) -> Real:
   """Return x·log2 x, 0 at 0."""
+  # Counts are whole numbers: the maximum only keeps log2 off 0.
   x = np.asarray(x, np.float64)
   return np.where(x > 0, x * np.log2(np.maximum(x, 1.0)), 0.0)
 

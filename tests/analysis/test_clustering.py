@@ -128,10 +128,11 @@ def test_residmlp1_mlp_out_components_form_one_cluster():
 
 
 def _recovered_tms(path: str) -> explore.LoadedRun:
-  """Return the TMS 5-2 run (C = 6) at `path` with the decomposition a recovered run
-  has on `linear1`: component c < 5 writes feature c's row of `W` and its
-  CI is 1 wherever feature c is active (its CI MLP reads `x·V[:, c] = x_c`
-  through one steep unit), component 5 is empty; `linear2`'s CI is 0."""
+  """Return the TMS 5-2 run (C = 6) at `path` with the decomposition a
+  recovered run has on `linear1`: component c < 5 writes feature c's row
+  of `W` and its CI is 1 wherever feature c is active (its CI MLP reads
+  `x·V[:, c] = x_c` through one steep unit), component 5 is empty;
+  `linear2`'s CI is 0."""
   run = explore.load_run(path)
   d, w = run.decomposition, run.weights.w
   v1 = jnp.zeros((1, 5, 6)).at[0, :, :5].set(jnp.eye(5))

@@ -1103,7 +1103,10 @@ def test_clusters_show_as_units_in_a_real_browser(toy_served, chromium,
   the joint beside the summed effect (MSE on a toy), none for singletons;
   a member opens its component; all sites hide the list."""
   from selenium.webdriver.common.by import By  # noqa: PLC0415
-  from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: PLC0415
+  from selenium.webdriver.support.ui import (  # noqa: PLC0415
+    Select,
+    WebDriverWait,
+  )
   wait = WebDriverWait(chromium, 60)
   with _serving(_clustered(toy_served, tmp_path)) as httpd:
     chromium.get(f"http://127.0.0.1:{httpd.port}/")
