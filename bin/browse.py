@@ -16,7 +16,11 @@ token's log-probability against the mask value (`/sweep`,
 A prompt is token ids, or text where the run's model has a tokenizer. A
 targeted run's component page also shows the component's A/B grid: its CI
 at the answer position over every operand pair, from the run's snapshot
-(`report/ab_grid_data.js`, read on its first request, then kept).
+(`report/ab_grid_data.js`, read on its first request, then kept). Where
+`bin/cluster` left clusters beside the harvest, a chosen site lists its
+clusters as units (members, the positions the cluster fires, its joint
+ablation effect beside the sum of its members'); a member opens its
+component.
 
 A run harvested over a token file with a tag stream is labelled by part of
 speech (`analysis/unit_labels.py`): the table gains each component's top
@@ -137,6 +141,8 @@ class Served(NamedTuple):
   encode: Encoder | None
   # Harvests of a token file with a tag stream: labels and tagged contexts.
   tagged: Tagged | None = None
+  # Clusters `bin/cluster` wrote beside the harvest (`clusters.json`).
+  clusters: dict | None = None
 
 
 class AbGrid(NamedTuple):
@@ -179,7 +185,37 @@ def serve_run(path: str) -> Served:
     rows = [{**r, **{f: tagged.labels[r["site"]][r["component"]][f]
                      for f in LABEL_FIELDS}} for r in rows]
   return Served(path, run, harvest, rows, token_decoder(run), probe, vocab,
-                text_encoder(run.config.model_dir), tagged)
+                text_encoder(run.config.model_dir), tagged,
+                harvest_clusters(path, harvest.manifest))
+
+
+# What a clusters file shares with the harvest it was made from.
+CLUSTER_KEYS = ("positions", "threshold", "decomposition_step")
+
+
+def harvest_clusters(path: str, manifest: dict) -> dict | None:
+  """Return the clusters beside the harvest of the run at `path` (None
+  without); ValueError for a file made from another harvest."""
+  record = harvest_store.read_clusters(path)
+  if record is None:
+    return None
+  made = {"positions": manifest["positions"],
+          "threshold": manifest["settings"]["threshold"],
+          "decomposition_step": manifest["settings"]["decomposition_step"]}
+  if any(record.get(k) != made[k] for k in CLUSTER_KEYS):
+    raise ValueError(f"{harvest_store.clusters_path(path)} was made from "
+                     f"another harvest; rerun bin/cluster --run_dir={path}")
+  return record
+
+
+def site_clusters(served: Served, site: str) -> dict:
+  """Return a site's clusters; BadRequest where the run has none."""
+  if served.clusters is None:
+    raise BadRequest(404, "this run has no clusters; run bin/cluster "
+                     "--run_dir=<run> and serve it again")
+  if site not in served.clusters["sites"]:
+    raise BadRequest(404, f"no site {site!r} in this run's clusters")
+  return served.clusters["sites"][site]
 
 
 def tag_view(harvest: harvest_lib.Harvest) -> Tagged | None:
@@ -697,6 +733,8 @@ def make_app(runs: list[Served],
     Rule("/api/runs/<int:run>/sweep", endpoint="sweep", methods=["POST"]),
     Rule("/api/runs/<int:run>/intervene", endpoint="intervene",
          methods=["POST"]),
+    Rule("/api/runs/<int:run>/clusters/<site>", endpoint="clusters",
+         methods=["GET"]),
     Rule("/api/runs/<int:run>/units/<key>", endpoint="units",
          methods=["GET"]),
     Rule("/api/runs/<int:run>/units/<key>/<int:unit>", endpoint="unit",
@@ -768,7 +806,8 @@ def make_app(runs: list[Served],
                "tokenizer": s.encode is not None,
                "classes": s.tagged.classes if s.tagged else None,
                "baselines": s.tagged.baselines if s.tagged else [],
-               "ab_grid": os.path.isfile(ab_grid_file(s.name))}
+               "ab_grid": os.path.isfile(ab_grid_file(s.name)),
+               "clusters": s.clusters is not None}
               for i, s in enumerate(runs)]
     s = served(args["run"])
     if endpoint == "components":
@@ -778,6 +817,8 @@ def make_app(runs: list[Served],
         raise BadRequest(404, f"no site {args['site']!r} in this run")
       return component_page(s, args["site"], args["component"],
                             sample_of(args["run"]))
+    if endpoint == "clusters":
+      return site_clusters(s, args["site"])
     if endpoint == "units":
       return unit_rows(s, args["key"])
     if endpoint == "unit":

@@ -7,7 +7,8 @@ the settings that make two harvests the same harvest (a dict: resuming
 compares them). Every file is written atomically, and every removal is one
 this module makes: a state a finished harvest no longer needs, a
 half-written array of a killed harvest, a harvest replaced on `overwrite`,
-a killed writer's temporaries.
+a killed writer's temporaries. `clusters.json`, the clusters of a finished
+harvest's components, is written beside them, also atomically.
 """
 
 import json
@@ -21,6 +22,9 @@ from decompax.io import run_dir, tensor_store
 HARVEST_DIR = "harvest"
 STATE_FILE = "state.npz"
 MANIFEST = "manifest.json"
+# Clusters of the harvest's components (`analysis/clustering.py`), beside
+# it: a harvest's own files never depend on it.
+CLUSTERS = "clusters.json"
 
 
 class HarvestConflict(ValueError):
@@ -176,3 +180,35 @@ def read_arrays(run_path: str, key: str, fields: tuple[str, ...]
     store = tensor_store.opened(tensor_store.start_open(path, ctx), path)
     arrays[field] = np.asarray(tensor_store.wait_value(store.read()))
   return arrays
+
+
+def clusters_path(run_path: str) -> str:
+  return os.path.join(run_path, HARVEST_DIR, CLUSTERS)
+
+
+def write_clusters(run_path: str, record: dict) -> str:
+  """Write the clusters of the harvest of the run at `run_path` atomically
+  (replacing any earlier ones); return the file's path."""
+  path = clusters_path(run_path)
+  run_dir.atomic_write(path, lambda f: f.write(
+    (json.dumps(record, indent=1) + "\n").encode()))
+  return path
+
+
+def read_clusters(run_path: str) -> dict | None:
+  """Return the clusters written beside the harvest of the run at
+  `run_path`, None when there are none; ValueError for a file that cannot
+  be read."""
+  path = clusters_path(run_path)
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      record = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path} cannot be read ({e}); rerun bin/cluster "
+                     f"--run_dir={run_path}") from None
+  if not isinstance(record, dict) or not isinstance(record.get("sites"), dict):
+    raise ValueError(f"{path} holds no clusters; rerun bin/cluster "
+                     f"--run_dir={run_path}")
+  return record

@@ -1050,3 +1050,85 @@ def test_a_link_opens_a_component_and_runs_a_prompt_with_it_chosen(
   assert chromium.find_element(By.ID, "ablated").text == f"{site}:{c}"
   assert chromium.find_element(By.ID, "prompt").get_attribute(
     "value") == "the big dog runs"
+
+
+def _clustered(served, tmp_path):
+  """Return `served` with clusters of linear1 as `bin/cluster` writes them:
+  components 0 and 1 one cluster (its effects measured), the rest alone."""
+  from decompax.analysis import clustering  # noqa: PLC0415
+  found = {"linear1": clustering.SiteClusters(
+    ((0, 1), (2,), (3,), (4,)), (9.0, 4.0, 5.0, 6.0), (5,), 10.0, 12.0)}
+  effects = {"linear1": [clustering.ClusterEffect(0.5, 0.75, (0.25, 0.5)),
+                         None, None, None]}
+  manifest = served.harvest.manifest
+  record = clustering.clusters_record(found, effects, {
+    "seed": 0, "positions": manifest["positions"],
+    "threshold": manifest["settings"]["threshold"],
+    "decomposition_step": manifest["settings"]["decomposition_step"]})
+  return served._replace(clusters=json.loads(json.dumps(record)))
+
+
+def test_clusters_are_served_per_site(toy_served, tmp_path):
+  with _serving(_clustered(toy_served, tmp_path)) as httpd:
+    url = f"http://127.0.0.1:{httpd.port}"
+    assert _get_json(url + "/api/runs")[1][0]["clusters"] is True
+    status, site = _get_json(url + "/api/runs/0/clusters/linear1")
+    assert status == 200 and site["clusters"][0]["members"] == [0, 1]
+    assert site["clusters"][0]["joint"] == 0.5 and site["never_fired"] == [5]
+    status, error = _get_json(url + "/api/runs/0/clusters/nowhere")
+    assert status == 404 and "no site 'nowhere'" in error["error"]
+  with _serving(toy_served._replace(clusters=None)) as httpd:
+    status, error = _get_json(
+      f"http://127.0.0.1:{httpd.port}/api/runs/0/clusters/linear1")
+    assert status == 404 and "run bin/cluster" in error["error"]
+
+
+def test_clusters_of_another_harvest_are_refused(harvested_tms, tmp_path):
+  import shutil  # noqa: PLC0415
+  from decompax.io import harvest_store  # noqa: PLC0415
+  path = str(tmp_path / "r")
+  shutil.copytree(harvested_tms, path)
+  manifest = harvest_store.read_manifest(path)
+  harvest_store.write_clusters(path, {
+    "positions": manifest["positions"] + 1, "sites": {}, "threshold": 0.0,
+    "decomposition_step": 0})
+  with pytest.raises(ValueError, match="made from another harvest; rerun "
+                     "bin/cluster"):
+    browse.serve_run(path)
+
+
+def test_clusters_show_as_units_in_a_real_browser(toy_served, chromium,
+                                                  tmp_path):
+  """Choosing a site lists its clusters: members as links, the fires and
+  the joint beside the summed effect (MSE on a toy), none for singletons;
+  a member opens its component; all sites hide the list."""
+  from selenium.webdriver.common.by import By  # noqa: PLC0415
+  from selenium.webdriver.support.ui import (  # noqa: PLC0415
+    Select,
+    WebDriverWait,
+  )
+  wait = WebDriverWait(chromium, 60)
+  with _serving(_clustered(toy_served, tmp_path)) as httpd:
+    chromium.get(f"http://127.0.0.1:{httpd.port}/")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#table tbody tr"))
+    box = chromium.find_element(By.ID, "clusters")
+    assert not box.is_displayed()
+    Select(chromium.find_element(By.ID, "site")).select_by_visible_text(
+      "linear1")
+    rows = "#clusters-table tbody tr"
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, rows)) == 4)
+    assert box.is_displayed()
+    assert chromium.find_element(By.ID, "clusters-title").text == (
+      "4 clusters of linear1 (1 components never fire)")
+    assert chromium.find_element(By.ID, "joint-header").text == "joint MSE"
+    cells = [[td.text for td in r.find_elements(By.TAG_NAME, "td")]
+             for r in chromium.find_elements(By.CSS_SELECTOR, rows)]
+    assert cells[0] == ["0", "0 1", "9", "0.500", "0.750"]
+    assert cells[1] == ["1", "2", "4", "–", "–"]
+    chromium.find_element(
+      By.CSS_SELECTOR, '#clusters-table a.member[data-c="1"]').click()
+    wait.until(lambda d: d.execute_script(
+      "const h = document.querySelector('#component h3');"
+      "return h && h.textContent.endsWith(' c1');"))
+    Select(chromium.find_element(By.ID, "site")).select_by_visible_text("all")
+    wait.until(lambda d: not box.is_displayed())

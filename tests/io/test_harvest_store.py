@@ -76,3 +76,20 @@ def test_a_harvest_from_before_tag_statistics_is_still_this_harvest(
   tagged = {**SETTINGS, "tag_groups": 3}
   with pytest.raises(harvest_store.HarvestConflict, match="tag_groups"):
     harvest_store.resume(str(tmp_path), {}, tagged, overwrite=False)
+
+
+def test_clusters_round_trip_and_a_damaged_file_is_named(tmp_path):
+  run = str(tmp_path)
+  os.makedirs(os.path.join(run, harvest_store.HARVEST_DIR))
+  assert harvest_store.read_clusters(run) is None
+  record = {"version": 1, "sites": {"a": {"clusters": [{"members": [0, 2]}]}}}
+  path = harvest_store.write_clusters(run, record)
+  assert harvest_store.read_clusters(run) == record
+  with open(path, "w") as f:
+    f.write("{not json")
+  with pytest.raises(ValueError, match="cannot be read .*rerun bin/cluster"):
+    harvest_store.read_clusters(run)
+  with open(path, "w") as f:
+    json.dump([1, 2], f)
+  with pytest.raises(ValueError, match="holds no clusters; rerun bin/cluster"):
+    harvest_store.read_clusters(run)
