@@ -14,9 +14,9 @@ at every mask 1 with the delta path on, which is the target exactly
 `m_s` the mask of component `c` of site `i` at position `p` alone (masks
 are per position, so one component at two positions is two nodes).
 
-Targets are expanded best first in batches of `chunk`: one batched
-backward pass (`jax.vmap` of one `jax.vjp` pullback over one-hot
-cotangents) gives every target of a batch its incoming attribution from
+Targets are expanded best first in batches of `chunk` (the output alone
+first): one batched backward pass (`jax.vmap` of one `jax.vjp` pullback
+over one-hot cotangents) gives every target of a batch its incoming attribution from
 every component at every position, with no Python loop over components.
 Each target keeps the smallest set of its incoming edges whose |weight|
 carries `share` of its total incoming |weight| (at most `max_edges`);
@@ -306,8 +306,10 @@ def grow_graph(edges_fn: EdgesFn, sites: tuple[SiteSpec, ...],
   expanded, logit = set(), float("nan")
   while todo := _next_targets(growth, expanded, max_targets - len(expanded),
                               chunk):
-    # Padding repeats a target, so every batch has one shape (one compile).
-    padded = todo + [todo[0]] * (chunk - len(todo))
+    # Padding repeats a target, so every batch has one of two shapes (two
+    # compiles): a lone target (the output's first batch) runs alone
+    # rather than as `chunk` backward passes.
+    padded = todo + [todo[0]] * ((1 if len(todo) == 1 else chunk) - len(todo))
     batch = Batch(*(np.asarray(a) for a in edges_fn(
       *(jnp.asarray([growth.where[i][f] for i in padded], jnp.int32)
         for f in (2, 0, 1)))))
