@@ -1,5 +1,5 @@
 """Subcomponents grouped into components by the description length of
-their firing (SPEC §15.1, invariant I50).
+their firing (design §15.1, invariant I50).
 
     harvest = harvesting.load_harvest("runs/tms")
     site = clustering.site_counts(harvest, "linear1")
@@ -215,7 +215,7 @@ def _merge(state: _State, n: int, a: int, b: int) -> None:
 
 
 def _greedy(n: int, coactive: Float[np.ndarray, "a a"]) -> _State:
-  """Return the state after every merge that lowers L (SPEC §15.1)."""
+  """Return the state after every merge that lowers L (design §15.1)."""
   state = _initial(n, coactive)
   alive = groups = len(state.f)
   while groups > 1:
@@ -232,7 +232,7 @@ def _greedy(n: int, coactive: Float[np.ndarray, "a a"]) -> _State:
 
 def cluster_site(counts: SiteCounts) -> SiteClusters:
   """Return the partition of one site's firing components that greedy
-  merging finds for the description length of SPEC §15.1 (I50)."""
+  merging finds for the description length of design §15.1 (I50)."""
   n = counts.positions
   fired = np.diag(counts.coactive)
   alive = np.flatnonzero(fired > 0)

@@ -8,6 +8,7 @@ Each function stands alone, for notebooks and research code:
     effects = explore.ablation_effects(run, tokens)    # LM targets
     curve = explore.mask_sweep(run, tokens, "linear1", 3, [0, 0.5, 1, 2])
     out = explore.intervened_forward(run, inputs, "adversarial", seed=0)
+    graph = explore.attribution_graph(run, tokens, share=0.9)
 
 A masked forward here is the decomposed model with every component at mask 1
 and the delta path `W − V·U` on, which equals the target exactly; ablating a
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decompax.analysis import interventions
+from decompax.analysis import attribution, interventions
 from decompax.core import ci_fns, sites as sites_lib, squash
 from decompax.core import masks as masks_lib
 from decompax.core.masks import SiteMask
@@ -57,6 +58,8 @@ class Jitted(NamedTuple):
   sweep_outputs: Any
   sweep_log_probs: Any
   intervened: Any
+  attribution_pullback: Any
+  attribution_edges: Any
 
 
 class LoadedRun(NamedTuple):
@@ -192,7 +195,11 @@ def jit_functions(target: TargetFns, ci_fn: ci_fns.CIFn) -> Jitted:
                                           target)),
                 jax.jit(functools.partial(interventions.sweep_log_probs,
                                           target)),
-                jax.jit(intervened, static_argnums=(0, 1, 2)))
+                jax.jit(intervened, static_argnums=(0, 1, 2)),
+                jax.jit(functools.partial(attribution.pullback, target,
+                                          ci_fn)),
+                jax.jit(functools.partial(attribution.batch_edges,
+                                          target.sites), static_argnums=0))
 
 
 def component_ci(run: LoadedRun, inputs: Any
@@ -539,3 +546,73 @@ def mask_sweep(run: LoadedRun, inputs: Any, site: str, component: int,
     raise ValueError(f"token {token} is outside the vocabulary "
                      f"[0, {int(vocab)})")
   return Sweep(values, log_probs, int(chosen), position)
+
+
+def _count(name: str, value: Any) -> int:
+  """Return `value` checked as a positive integer named `name`."""
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+      or value < 1):
+    raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+  return int(value)
+
+
+def _graph_arguments(run: LoadedRun, tokens: Any, position: int,
+                     share: float, threshold: float) -> Int[Array, " t"]:
+  """Return the prompt of an attribution graph, refusing what the graph
+  cannot be built for."""
+  if run.target.token_labels is None:
+    raise ValueError("an attribution graph attributes a token's logit; "
+                     "this run's target is not a language model")
+  if run.target.masked_forward_taps is None:
+    raise ValueError("this run's target returns no taps from its masked "
+                     "forward, which the later components' CI reads")
+  tokens = jnp.asarray(tokens, jnp.int32)
+  _sweep_position(tokens, position)
+  if not 0.0 < share <= 1.0:
+    raise ValueError(f"share must be in (0, 1], got {share!r}")
+  if not 0.0 <= threshold < 1.0:
+    raise ValueError(f"threshold must be in [0, 1), got {threshold!r}")
+  return tokens
+
+
+def attribution_graph(run: LoadedRun, tokens: Any, token: Optional[int] = None,
+                      position: int = -1, share: float = 0.9,
+                      threshold: Optional[float] = None,
+                      max_targets: int = 64, chunk: int = 16,
+                      max_edges: int = 64) -> attribution.AttributionGraph:
+  """Return the attribution graph of one prompt (`analysis/attribution.py`,
+  design §15.2): the components alive on `tokens` (lower CI above
+  `threshold`, default the run's `--ci_alive_threshold`) and the output
+  logit of `token` (default the clean top prediction) at `position` (the
+  prediction after `tokens[: position + 1]`; default the last), joined by
+  gradient × mask edges pruned to `share` of each target's incoming
+  |attribution|.
+
+  At most `max_targets` nodes are expanded (the output first, then by
+  influence), `chunk` per batched backward pass, each keeping at most
+  `max_edges` incoming edges.
+  """
+  threshold = (run.config.ci_alive_threshold if threshold is None
+               else threshold)
+  tokens = _graph_arguments(run, tokens, position, share, threshold)
+  position = _sweep_position(tokens, position)
+  sizes = [_count(n, v) for n, v in (("max_targets", max_targets),
+                                     ("chunk", chunk),
+                                     ("max_edges", max_edges))]
+  clean = ablated_forward(run, tokens[None]).clean[0, position]
+  if token is None:
+    token = int(jnp.argmax(clean))
+  if not 0 <= token < clean.shape[-1]:
+    raise ValueError(f"token {token} is outside the vocabulary "
+                     f"[0, {clean.shape[-1]})")
+  ci = component_ci(run, tokens[None])
+  ci = np.concatenate([np.asarray(ci[s.name][0]) for s in run.target.sites],
+                      axis=-1)
+  d = run.decomposition
+  values, pull = run.jitted.attribution_pullback(
+    run.weights, d.components, d.ci_params, tokens, jnp.int32(position),
+    jnp.int32(token))
+  edges = functools.partial(run.jitted.attribution_edges, sizes[2], pull,
+                            values, jnp.asarray(ci > threshold))
+  return attribution.grow_graph(edges, run.target.sites, ci, position,
+                                int(token), float(share), sizes[0], sizes[1])

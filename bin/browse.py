@@ -12,7 +12,11 @@ Its mode selector also masks every component as the evaluation does
 (CI-masked, stochastic, adversarial PGD: `/intervene`), and a component's
 page sweeps its mask over [0, 2] on the prompt and draws the clean top
 token's log-probability against the mask value (`/sweep`,
-`explore.mask_sweep`). Each run needs a finished harvest (`bin/harvest`).
+`explore.mask_sweep`). The graph button draws the prompt's attribution
+graph (`/graph`, `explore.attribution_graph`): the alive components by site
+and position, edges by gradient × mask weight to the clean top token's
+logit after the prompt; a node opens its component. Each run needs a
+finished harvest (`bin/harvest`).
 A prompt is token ids, or text where the run's model has a tokenizer. A
 targeted run's component page also shows the component's A/B grid: its CI
 at the answer position over every operand pair, from the run's snapshot
@@ -55,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
-from decompax.analysis import explore, interventions
+from decompax.analysis import attribution, explore, interventions
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import unit_contexts, unit_labels
 from decompax.bin import cli
@@ -100,6 +104,10 @@ TOP_PREDICTIONS = 5
 SWEEP_POINTS = 21
 MAX_SWEEP_POINTS = 101
 CONTEXTS_SHOWN = 20
+# An attribution graph's default share of each target's incoming
+# attribution, and its most expanded targets (one backward pass each).
+GRAPH_SHARE = 0.9
+GRAPH_TARGETS = 32
 # A snapshot is parsed whole into Python lists; past this the server
 # refuses it rather than hold many times its size in memory.
 MAX_AB_GRID_BYTES = 1 << 28
@@ -533,6 +541,46 @@ def sweep(served: Served, ids: list[int], site: str, component: int,
           "seconds": time.perf_counter() - start}
 
 
+def parse_share(value: Any) -> float:
+  """Return a graph request's share of attribution kept, in (0, 1]."""
+  if value is None:
+    return GRAPH_SHARE
+  if type(value) not in (int, float) or not 0 < value <= 1:
+    raise BadRequest(400, "share must be a number in (0, 1]")
+  return float(value)
+
+
+def parse_graph(request: dict, served: Served) -> dict:
+  """Return a graph request's checked arguments for `graph`."""
+  ids = parse_prompt(request.get("prompt"), served.vocab, served.encode)
+  position = request.get("position", len(ids) - 1)
+  token = request.get("token")
+  return {
+    "ids": ids,
+    "position": parse_int(position, "position", 0, len(ids)),
+    "token": None if token is None else parse_int(token, "token", 0,
+                                                  served.vocab),
+    "share": parse_share(request.get("share")),
+  }
+
+
+def graph(served: Served, ids: list[int], position: int, token: int | None,
+          share: float) -> dict:
+  """Return the prompt's attribution graph to the logit of `token`
+  (default: the clean top prediction) at `position`, with the prompt's
+  tokens and the sites in forward order for drawing it."""
+  start = time.perf_counter()
+  result = explore.attribution_graph(served.run,
+                                     jnp.asarray(padded_prompt(ids)), token,
+                                     position, share,
+                                     max_targets=GRAPH_TARGETS)
+  return {**attribution.graph_json(result),
+          "tokens": [served.decode(i) for i in ids],
+          "token_text": served.decode(result.token),
+          "sites": [s.name for s in served.run.target.sites],
+          "seconds": time.perf_counter() - start}
+
+
 def alive_ci(ci: dict, length: int, threshold: float) -> dict:
   """Return per site `[[component, [CI per position]], …]` of the
   components whose CI exceeds `threshold` somewhere in the prompt."""
@@ -684,8 +732,12 @@ def nesting(raw: bytes) -> int:
 
 def model_request(served: Served, endpoint: str, request: dict,
                   lock: threading.Lock) -> dict:
-  """Answer a request that runs the model (`predict`, `sweep` or
+  """Answer a request that runs the model (`predict`, `sweep`, `graph` or
   `intervene`), checked before it takes its turn under `lock`."""
+  if endpoint == "graph":
+    args = parse_graph(request, served)
+    with lock:
+      return graph(served, **args)
   if endpoint == "sweep":
     args = parse_sweep(request, served)
     with lock:
@@ -731,6 +783,7 @@ def make_app(runs: list[Served],
     Rule("/api/runs/<int:run>/predict", endpoint="predict",
          methods=["POST"]),
     Rule("/api/runs/<int:run>/sweep", endpoint="sweep", methods=["POST"]),
+    Rule("/api/runs/<int:run>/graph", endpoint="graph", methods=["POST"]),
     Rule("/api/runs/<int:run>/intervene", endpoint="intervene",
          methods=["POST"]),
     Rule("/api/runs/<int:run>/clusters/<site>", endpoint="clusters",

@@ -1,4 +1,4 @@
-"""Clustering by description length (SPEC §15.1, I50) against known
+"""Clustering by description length (design §15.1, I50) against known
 answers: synthetic firing whose optimum is known, a TMS 5-2 decomposition
 built to be the recovered one, and the firing of ResidMLP-1's `mlp_out`."""
 
@@ -20,7 +20,7 @@ def _entropy(p: float) -> float:
 
 
 def _exact_bits(fired: np.ndarray, partition) -> float:
-  """Return L of SPEC §15.1 written out from the firing matrix itself
+  """Return L of design §15.1 written out from the firing matrix itself
   (each cluster's firing by OR, no pairwise estimate)."""
   n = fired.shape[0]
   alive = int((fired.sum(0) > 0).sum())

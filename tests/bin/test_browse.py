@@ -177,6 +177,26 @@ def test_a_mask_sweep_runs_from_the_ablation_through_the_target(server):
   assert sweep["log_probs"][10] == pytest.approx(np.log(prob), abs=1e-4)
 
 
+def test_an_attribution_graph_of_a_prompt(server):
+  """The graph's output is the clean top token's logit after the prompt;
+  its edges join its nodes, earlier sites and positions to later ones."""
+  prompt = "0 3 5 7 3"
+  _, clean = _post(server + "/api/runs/0/predict",
+                   json.dumps({"prompt": prompt}).encode())
+  status, graph = _post(server + "/api/runs/0/graph", json.dumps(
+    {"prompt": prompt, "share": 0.8}).encode())
+  assert status == 200 and graph["share"] == 0.8
+  assert graph["tokens"] == prompt.split() and graph["position"] == 4
+  assert graph["nodes"][0]["site"] == "logit"
+  assert graph["token_text"] == clean["positions"][-1]["clean"][0][0]
+  order = {site: i for i, site in enumerate(graph["sites"] + ["logit"])}
+  assert graph["edges"]
+  for edge in graph["edges"]:
+    source, target = (graph["nodes"][edge[k]] for k in ("source", "target"))
+    assert order[source["site"]] < order[target["site"]]
+    assert source["position"] <= target["position"] <= 4
+
+
 def test_an_intervention_mode_masks_every_component(server):
   status, answer = _post(server + "/api/runs/0/intervene", json.dumps(
     {"prompt": "0 3 5 7 3", "mode": "stochastic", "seed": 4}).encode())
@@ -311,6 +331,17 @@ def test_the_ab_grid_is_read_once_per_run(served, tmp_path):
     ({"component": True}, "component must be an integer in [0, 8)"),
     ({"position": 2}, "position must be an integer in [0, 2)"),
     ({"token": 99999}, "token must be an integer in [0, "),
+  ]
+] + [
+  ("/api/runs/0/graph", json.dumps({"prompt": "1 2", **extra}).encode(), 400,
+   reason)
+  for extra, reason in [
+    ({"share": 0}, "share must be a number in (0, 1]"),
+    ({"share": 1.5}, "share must be a number in (0, 1]"),
+    ({"share": True}, "share must be a number in (0, 1]"),
+    ({"position": 2}, "position must be an integer in [0, 2)"),
+    ({"token": -1}, "token must be an integer in [0, "),
+    ({"prompt": ""}, "prompt must be a non-empty string"),
   ]
 ])
 def test_bad_requests_get_a_status_and_a_one_line_reason(
@@ -1132,3 +1163,37 @@ def test_clusters_show_as_units_in_a_real_browser(toy_served, chromium,
       "return h && h.textContent.endsWith(' c1');"))
     Select(chromium.find_element(By.ID, "site")).select_by_visible_text("all")
     wait.until(lambda d: not box.is_displayed())
+
+
+def test_an_attribution_graph_draws_in_a_real_browser(server, chromium):
+  """The graph of the typed prompt draws one circle per node, the logit's
+  column last; clicking a component's node opens its page."""
+  from selenium.webdriver.common.by import By  # noqa: PLC0415
+  from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
+  wait = WebDriverWait(chromium, 120)
+  chromium.get_log("browser")                     # drop earlier entries
+  chromium.get(server + "/")
+  wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#table tbody tr"))
+  chromium.find_element(By.ID, "prompt").send_keys("0 3 5 7 3")
+  chromium.find_element(By.ID, "graph-prompt").click()
+  svg = 'svg[data-chart="graph"]'
+  wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, svg))
+  _, graph = _post(server + "/api/runs/0/graph",
+                   json.dumps({"prompt": "0 3 5 7 3"}).encode())
+  drawn = chromium.find_elements(By.CSS_SELECTOR, svg + " circle.node")
+  assert len(drawn) == len(graph["nodes"])
+  assert len(chromium.find_elements(By.CSS_SELECTOR, svg + " line.edge")) \
+    == len(graph["edges"])
+  sites = [t.text for t in chromium.find_elements(By.CSS_SELECTOR,
+                                                  svg + " text.site")]
+  assert sites == graph["sites"] + ["logit"]
+  node = chromium.find_elements(By.CSS_SELECTOR,
+                                svg + " circle.node[data-site]")[0]
+  site, c = node.get_attribute("data-site"), node.get_attribute("data-c")
+  node.click()
+  wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#component h3")
+             .text.endswith(f" c{c}"))
+  assert site in chromium.find_element(By.CSS_SELECTOR, "#component h3").text
+  missing = [e["message"] for e in chromium.get_log("browser")
+             if e["level"] == "SEVERE" and "/ab_grid/" not in e["message"]]
+  assert not missing, missing
