@@ -320,22 +320,35 @@ def split_head(
   if chunk == 0:
     return None
 
-  def clean_forward(weights, tokens, wanted):
-    weights = jax.lax.stop_gradient(weights)
-    return glu_lm.final_hidden(weights, tokens, tuple(wanted), spec)
-
-  def masked_forward_taps(weights, components, tokens, site_masks,
-                          clean_taps, wanted):
-    start = None if resume is None else clean_taps.get(resume)
-    return glu_lm.final_hidden(
-      weights, tokens, tuple(wanted), spec, site,
-      extras(weights, components, site_masks), start)
-
   def divergence(weights, masked_x, clean_x):
     return chunked_head_kl(glu_lm.head_matrix(weights), masked_x, clean_x,
                            chunk)
 
-  return target.SplitHead(clean_forward, masked_forward_taps, divergence)
+  return target.SplitHead(
+    *tapped_forwards(glu_lm.final_hidden, spec, site, resume, extras),
+    divergence)
+
+
+def tapped_forwards(
+  run: Callable, spec: glu_lm.ForwardSpec, site: glu_lm.SiteFn,
+  resume: Optional[str], extras: Callable,
+) -> tuple[target.CleanForward, target.MaskedForwardTaps]:
+  """Return the clean and the masked forward with taps that `run`
+  (`glu_lm.forward`, or `glu_lm.final_hidden` to stop before the head)
+  computes; a masked forward starts at the clean pass's `resume` tap where
+  there is one (prefix sharing)."""
+
+  def clean_forward(weights, tokens, wanted):
+    weights = jax.lax.stop_gradient(weights)
+    return run(weights, tokens, tuple(wanted), spec)
+
+  def masked_forward_taps(weights, components, tokens, site_masks,
+                          clean_taps, wanted):
+    start = None if resume is None else clean_taps.get(resume)
+    return run(weights, tokens, tuple(wanted), spec, site,
+               extras(weights, components, site_masks), start)
+
+  return clean_forward, masked_forward_taps
 
 
 def attention_blocks(sites: tuple[SiteSpec, ...]) -> tuple[int, ...]:
@@ -476,16 +489,8 @@ def target_fns(
   def extras(weights, components, site_masks):
     return live_extras(sites, layouts, seg, weights, components, site_masks)
 
-  def clean_forward(weights, tokens, wanted):
-    weights = jax.lax.stop_gradient(weights)
-    return glu_lm.forward(weights, tokens, tuple(wanted), spec)
-
-  def masked_forward_taps(weights, components, tokens, site_masks,
-                          clean_taps, wanted):
-    start = None if resume is None else clean_taps.get(resume)
-    return glu_lm.forward(
-      weights, tokens, tuple(wanted), spec, site,
-      extras(weights, components, site_masks), start)
+  clean_forward, masked_forward_taps = tapped_forwards(
+    glu_lm.forward, spec, site, resume, extras)
 
   def masked_forward(weights, components, tokens, site_masks):
     return glu_lm.forward(weights, tokens, (), spec, site,

@@ -6,12 +6,6 @@ import numpy as np
 import pytest
 
 from decompax.analysis import attribution
-from decompax.targets import glu_config
-
-TINY = glu_config.GluConfig(
-  n_layers=2, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=8,
-  vocab_size=16, rope_theta=500000.0, rms_eps=1e-5, tied=False,
-  qk_norm=False)
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +13,11 @@ def intervention(load_bench):
   return load_bench("intervention")
 
 
-def test_graphs_of_the_random_model_are_timed(load_bench, intervention):
+def test_graphs_of_the_random_model_are_timed(load_bench, intervention,
+                                              tiny_lm):
   bench = load_bench("attribution_graph")
-  run = intervention.random_run(TINY, 1, 4, 6)
-  result = bench.time_graphs(run, TINY.vocab_size, 6, 2, max_targets=4,
+  run = intervention.random_run(tiny_lm, 1, 4, 6)
+  result = bench.time_graphs(run, tiny_lm.vocab_size, 6, 2, max_targets=4,
                              chunk=2, threshold=0.0)
   assert result["first_s"] > 0 and 0 < result["min_s"] <= result["median_s"]
   graph = result["graph"]

@@ -7,12 +7,6 @@ import numpy as np
 import pytest
 
 from decompax.analysis import explore
-from decompax.targets import glu_config
-
-TINY = glu_config.GluConfig(
-  n_layers=2, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=8,
-  vocab_size=16, rope_theta=500000.0, rms_eps=1e-5, tied=False,
-  qk_norm=False)
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +14,8 @@ def bench(load_bench):
   return load_bench("intervention")
 
 
-def test_a_curve_of_the_random_model_is_timed(bench):
-  run = bench.random_run(TINY, 1, 4, 6)
+def test_a_curve_of_the_random_model_is_timed(bench, tiny_lm):
+  run = bench.random_run(tiny_lm, 1, 4, 6)
   tokens = jnp.asarray([1, 5, 2, 7, 3, 9], jnp.int32)
   result = bench.time_curves(run, tokens, 5, 2)
   assert result["site"] == "layers.1.mlp.gate_proj" and result["points"] == 5
