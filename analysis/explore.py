@@ -557,9 +557,10 @@ def _count(name: str, value: Any) -> int:
 
 
 def _graph_arguments(run: LoadedRun, tokens: Any, position: int,
-                     share: float, threshold: float) -> Int[Array, " t"]:
-  """Return the prompt of an attribution graph, refusing what the graph
-  cannot be built for."""
+                     share: float, threshold: float
+                     ) -> tuple[Int[Array, " t"], int]:
+  """Return the prompt of an attribution graph and its checked position,
+  refusing what the graph cannot be built for."""
   if run.target.token_labels is None:
     raise ValueError("an attribution graph attributes a token's logit; "
                      "this run's target is not a language model")
@@ -567,12 +568,12 @@ def _graph_arguments(run: LoadedRun, tokens: Any, position: int,
     raise ValueError("this run's target returns no taps from its masked "
                      "forward, which the later components' CI reads")
   tokens = jnp.asarray(tokens, jnp.int32)
-  _sweep_position(tokens, position)
+  position = _sweep_position(tokens, position)
   if not 0.0 < share <= 1.0:
     raise ValueError(f"share must be in (0, 1], got {share!r}")
   if not 0.0 <= threshold < 1.0:
     raise ValueError(f"threshold must be in [0, 1), got {threshold!r}")
-  return tokens
+  return tokens, position
 
 
 def attribution_graph(run: LoadedRun, tokens: Any, token: Optional[int] = None,
@@ -594,8 +595,8 @@ def attribution_graph(run: LoadedRun, tokens: Any, token: Optional[int] = None,
   """
   threshold = (run.config.ci_alive_threshold if threshold is None
                else threshold)
-  tokens = _graph_arguments(run, tokens, position, share, threshold)
-  position = _sweep_position(tokens, position)
+  tokens, position = _graph_arguments(run, tokens, position, share,
+                                      threshold)
   sizes = [_count(n, v) for n, v in (("max_targets", max_targets),
                                      ("chunk", chunk),
                                      ("max_edges", max_edges))]
