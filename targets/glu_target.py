@@ -264,9 +264,17 @@ def kl_clean_to_masked(
   The same function as `losses.recon.kl_clean_to_masked`, which targets may
   not import (WORKSPACE.md); a test holds the two equal.
   """
+  return jnp.mean(position_kl(masked_logits, clean_logits))
+
+
+def position_kl(
+  masked_logits: Float[Array, "*l v"], clean_logits: Float[Array, "*l v"]
+) -> Float[Array, "*l"]:
+  """Return `KL(softmax(clean) ‖ softmax(masked))` at each position, in
+  fp32: what `kl_clean_to_masked` averages and `chunked_head_kl` sums."""
   log_p = jax.nn.log_softmax(clean_logits.astype(jnp.float32), axis=-1)
   log_q = jax.nn.log_softmax(masked_logits.astype(jnp.float32), axis=-1)
-  return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
+  return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
 
 
 def _position_chunks(
@@ -295,11 +303,8 @@ def chunked_head_kl(
   @jax.checkpoint
   def chunk_sum(args):
     xm, xc, kept = args
-    log_p = jax.nn.log_softmax(
-      jnp.einsum("nd,vd->nv", xc, head).astype(jnp.float32), axis=-1)
-    log_q = jax.nn.log_softmax(
-      jnp.einsum("nd,vd->nv", xm, head).astype(jnp.float32), axis=-1)
-    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    kl = position_kl(jnp.einsum("nd,vd->nv", xm, head),
+                     jnp.einsum("nd,vd->nv", xc, head))
     return jnp.sum(jnp.where(kept, kl, 0.0))
 
   sums = jax.lax.map(chunk_sum, (_position_chunks(masked_x, chunk),
