@@ -91,18 +91,8 @@ def weighted_median(values: Float[np.ndarray, " n"],
   """Return the value where the sorted values' cumulative weight reaches
   half the total (the mean of two values when it lands exactly between
   them); NaN for no weight."""
-  weights = np.asarray(weights, np.float64)
-  values = np.asarray(values, np.float64)[weights > 0]
-  weights = weights[weights > 0]
-  order = np.argsort(values, kind="stable")
-  v, c = values[order], np.cumsum(weights[order])
-  if not len(v) or c[-1] <= 0:
-    return float("nan")
-  half = c[-1] / 2
-  i = int(np.searchsorted(c, half * (1 - 1e-12), side="left"))
-  if np.isclose(c[i], half, rtol=1e-12, atol=0) and i + 1 < len(v):
-    return float((v[i] + v[i + 1]) / 2)
-  return float(v[i])
+  return float(_weighted_medians(np.asarray(values, np.float64)[None],
+                                 np.asarray(weights, np.float64)[None])[0])
 
 
 def coverage(counts: Float[np.ndarray, "u k"], share: float = COVERED_SHARE
@@ -117,26 +107,14 @@ def coverage(counts: Float[np.ndarray, "u k"], share: float = COVERED_SHARE
   return np.where(total > 0, needed, 0).astype(np.int64)
 
 
-def _scalars(counts: np.ndarray, base: np.ndarray, weighted: bool
-             ) -> np.ndarray:
-  share, _ = purity(counts)
-  alive = ~np.isnan(share)
-  if not alive.any():
-    return np.full(len(SCALARS), np.nan)
-  p, lifted = share[alive], lift(counts, base)[alive]
-  w = counts.sum(axis=1)[alive] if weighted else np.ones(len(p))
-  w = w / w.sum()
-  return np.asarray([weighted_median(p, w), w @ (p >= PURE),
-                     w @ (p >= MOSTLY_PURE), w @ lifted])
-
-
 def summarize(counts: Float[np.ndarray, "u k"],
               base: Real[np.ndarray, " k"], weighted: bool) -> Summary:
   """Return a unit set's summary (see the module docstring)."""
   counts = np.asarray(counts, np.float64)
   alive = int((counts.sum(axis=1) > 0).sum())
-  return Summary(alive, *map(float, _scalars(counts, base, weighted)),
-                 coverage(counts))
+  scalars = _scalars(counts[None], np.asarray(base, np.float64)[None],
+                     weighted)[0]
+  return Summary(alive, *map(float, scalars), coverage(counts))
 
 
 def profiles(stats: tag_profile.TagStats) -> Profiles:
@@ -184,9 +162,12 @@ def group_resamples(seed: int, n_boot: int, n_groups: int
 def _weighted_medians(values: Float[np.ndarray, "d u"],
                       weights: Float[np.ndarray, "d u"]
                       ) -> Float[np.ndarray, " d"]:
-  """`weighted_median` of each row, units of zero weight left out."""
-  # Left-out units sort last at +inf, so the rest keep `weighted_median`'s
-  # stable order and its cumulative weights.
+  """`weighted_median` of each row: units of weight ≤ 0 are left out."""
+  if values.shape[1] == 0:
+    return np.full(len(values), np.nan)
+  # Left-out units sort last at +inf and add no weight, so the others keep
+  # their stable order and cumulative weights.
+  weights = np.where(weights > 0, weights, 0.0)
   n_in = (weights > 0).sum(axis=1)
   order = np.argsort(np.where(weights > 0, values, np.inf), axis=1,
                      kind="stable")
@@ -202,10 +183,10 @@ def _weighted_medians(values: Float[np.ndarray, "d u"],
   return np.where((n_in > 0) & (c[:, -1] > 0), median, np.nan)
 
 
-def _scalars_of_draws(counts: Float[np.ndarray, "d u k"],
-                      base: Float[np.ndarray, "d k"], weighted: bool
-                      ) -> Float[np.ndarray, "d s"]:
-  """`_scalars` of many resampled unit sets at once, one per row."""
+def _scalars(counts: Float[np.ndarray, "d u k"], base: Float[np.ndarray, "d k"],
+             weighted: bool) -> Float[np.ndarray, "d s"]:
+  """Return the `SCALARS` of each of `d` unit sets (one, or a bootstrap's
+  resamples), one row each; NaN for a set with no alive unit."""
   mass = counts.sum(axis=2)
   alive = mass > 0
   top = np.argmax(counts, axis=2)
@@ -249,8 +230,8 @@ def bootstrap_difference(
     # the draws as rows, not in a Python loop.
     fold = lambda x: (draws @ flat(x)).reshape(len(draws), *x.shape[1:])
     folded_base = draws @ base
-    return (_scalars_of_draws(fold(a), folded_base, weighted)
-            - _scalars_of_draws(fold(b), folded_base, weighted))
+    return (_scalars(fold(a), folded_base, weighted)
+            - _scalars(fold(b), folded_base, weighted))
 
   estimate = difference(np.ones((1, len(base))))[0]
   resamples = group_resamples(seed, n_boot, len(base)).astype(np.float64)
