@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import subprocess
 import sys
 import tomllib
 
@@ -258,3 +259,23 @@ def test_bench_is_a_package_of_the_repository_not_of_the_wheel():
              if "spec_from_file_location" in m.read_text()
              or "sys.path" in m.read_text()]
   assert not loaders, loaders
+
+
+def _tracked_text_files():
+  listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
+                          capture_output=True).stdout.decode().split("\0")
+  suffixes = {".py", ".md", ".toml", ".flags", ".cfg", ".txt", ".sh"}
+  return [ROOT / name for name in listed
+          if name and pathlib.Path(name).suffix in suffixes
+          and (ROOT / name).is_file()]
+
+
+def test_no_merge_conflict_markers_are_committed():
+  # A half-resolved merge once left both sides of a paragraph in a doc.
+  markers = ("<<<<<<< ", ">>>>>>> ")
+  offenders = [
+    f"{path.relative_to(ROOT)}:{number}"
+    for path in _tracked_text_files()
+    for number, line in enumerate(path.read_text().splitlines(), 1)
+    if line.startswith(markers)]
+  assert not offenders
