@@ -27,7 +27,7 @@ from typing import Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Key
+from jaxtyping import Array, Float, Int, Key
 
 from decompax.core import ci_transformer, factored, site_forward
 # PerComponentMLP is re-exported: the component- and vector-MLP share it.
@@ -210,7 +210,7 @@ def ci_input_width(site: SiteSpec) -> int:
   return site.c if is_embedding(site) else site.d_in
 
 
-def ci_input(site: SiteSpec, tap: factored.Activation,
+def ci_input(site: SiteSpec, tap: factored.Activation | Int[Array, "*l"],
              components: Components) -> Float[Array, "*l w"]:
   """Return the site's input as a CI function reads it: the activation
   itself, or an embedding's component activations `V[t]` (its token ids'

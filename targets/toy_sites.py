@@ -207,9 +207,10 @@ def sequential_target_fns(
 
 
 def forward_with_outputs(
-  forward: Callable, weights, x: Float[Array, "*l d"], matmul: SiteMatmul,
+  forward: Callable, weights, x: Float[Array, "*l d"] | Int[Array, "*l"],
+  matmul: SiteMatmul,
   wanted: tuple[str, ...],
-) -> tuple[Float[Array, "..."], dict[str, Float[Array, "..."]]]:
+) -> tuple[Float[Array, "..."], dict[str, factored.Activation]]:
   """Run `forward` and return its `wanted` taps, where `<site>.out` is the
   output of that site's matmul (SPEC §5.9 hidden activations)."""
   outputs = {}
