@@ -62,10 +62,11 @@ def rows(
 
   Inside a traced step an id cannot be refused, and a gather would clamp it
   to a valid row silently; a NaN row reaches the outputs and the losses,
-  which the step's finiteness record stops on (I46). Ids are checked where
-  they enter (`check_token_ids`).
+  which the step's finiteness record stops on (I46). Concrete ids, as an
+  eager call gets them, are checked (`check_token_ids`).
   """
   vocab = table.shape[0]
+  check_token_ids(tokens, vocab, "token ids")
   # Negative ids would wrap numpy-style: send them out of range too.
   index = jnp.where(tokens < 0, vocab, tokens)
   return jnp.take(table, index, axis=0, mode="fill", fill_value=jnp.nan)
