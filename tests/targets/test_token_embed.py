@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import sites
+from decompax.core import probe, sites
 from decompax.core.masks import SiteMask
 from decompax.targets import registry, token_embed, toy_sites
 
@@ -59,6 +59,14 @@ def test_masked_forward_without_live_sites_is_the_clean_forward():
   np.testing.assert_allclose(
     fns.masked_forward(weights, components, tokens, {"embed": ones}), clean,
     atol=1e-5)
+
+
+def test_probe_reads_every_token_including_id_zero():
+  """Each token moves the site's output by its unit row; token 0 is no
+  zero input."""
+  _, weights, fns = _toy()
+  reads = probe.probe_reads(fns, weights)["embed"]
+  np.testing.assert_allclose(reads, np.ones(16), rtol=1e-6)
 
 
 def test_weights_round_trip():
