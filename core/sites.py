@@ -17,6 +17,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Key
 
 
+# How a site reads its input (`SiteSpec.op`).
+LINEAR, EMBEDDING = "linear", "embedding"
+SITE_OPS = (LINEAR, EMBEDDING)
+
+
 @dataclasses.dataclass(frozen=True)
 class SiteSpec:
   """One decomposed matrix: its name, kind, row in the kind's stack, shape.
@@ -38,11 +43,7 @@ class SiteSpec:
   d_out: int
   c: int
   draw_path: tuple[int, ...] = ()
-  op: str = "linear"
-
-
-LINEAR, EMBEDDING = "linear", "embedding"
-SITE_OPS = (LINEAR, EMBEDDING)
+  op: str = LINEAR
 
 
 def is_embedding(site: SiteSpec) -> bool:
