@@ -7,6 +7,10 @@ activations are exact-erf GELU; weights are `N(0,1)·gain/√fan_in` with gain
 `i` (canonical order) initialises from `fold_in(key, i)`. `make_ci_fn` also
 builds the LM chunkwise transformer of `ci_transformer` (SPEC §4.3).
 
+An embedding site's input is token ids, whose one-hot is never formed: the
+MLP forms read its component activations `V[t]` (width `C`) where they read
+a linear site's input (SPEC §3.7).
+
 Dual-role CI (SPEC §6.6): every kind splits into a trunk (everything up to
 its last linear map) and a readout head. With the roles `output,hidden` the
 parameters are `RoleHeads(shared, hidden_head)`: `shared` is exactly the
@@ -23,12 +27,13 @@ from typing import Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Key
+from jaxtyping import Array, Float, Int, Key
 
-from decompax.core import ci_transformer, factored
+from decompax.core import ci_transformer, factored, site_forward
 # PerComponentMLP is re-exported: the component- and vector-MLP share it.
 from decompax.core.component_mlp import PerComponentMLP, component_mlp_pre
-from decompax.core.sites import Components, SiteSpec, site_factors
+from decompax.core.sites import (
+  Components, SiteSpec, is_embedding, site_factors)
 
 CIKind = Literal[
   "component_mlp", "vector_mlp", "site_mlp", "global_mlp", "transformer"]
@@ -199,6 +204,23 @@ def _site_keys(key, sites):
   return [jax.random.fold_in(key, i) for i in range(len(sites))]
 
 
+def ci_input_width(site: SiteSpec) -> int:
+  """Return the width of what a site-reading CI function reads: `d_in`, or
+  `C` for an embedding (SPEC §3.7)."""
+  return site.c if is_embedding(site) else site.d_in
+
+
+def ci_input(site: SiteSpec, tap: factored.Activation | Int[Array, "*l"],
+             components: Components) -> Float[Array, "*l w"]:
+  """Return the site's input as a CI function reads it: the activation
+  itself, or an embedding's component activations `V[t]` (its token ids'
+  one-hot is never formed)."""
+  if is_embedding(site):
+    return site_forward.component_acts(site, tap,
+                                       site_factors(components, site)[0])
+  return factored.dense(tap)
+
+
 class _Parts(NamedTuple):
   """One CI kind split at its readout: `features(params, taps, components)`
   runs the trunk, `readout(params, head, features)` the last linear map
@@ -233,17 +255,19 @@ def _component_parts(sites, width: int, vector: bool) -> _Parts:
 
   def init(key):
     return {
-      s.name: (init_vector_mlp(k, s.d_in, s.c, width) if vector
+      s.name: (init_vector_mlp(k, ci_input_width(s), s.c, width) if vector
                else init_component_mlp(k, s.c, width))
       for s, k in zip(sites, _site_keys(key, sites))}
 
   def features(params, tap_values, components):
     del params
     if vector:
-      return {s.name: factored.dense(tap_values[s.name]) for s in sites}
-    # A factored tap is projected without being formed (`core.factored`).
-    return {s.name: factored.project(tap_values[s.name],
-                                     site_factors(components, s)[0])
+      return {s.name: ci_input(s, tap_values[s.name], components)
+              for s in sites}
+    # A factored tap is projected without being formed (`core.factored`),
+    # an embedding's rows gathered.
+    return {s.name: site_forward.component_acts(
+              s, tap_values[s.name], site_factors(components, s)[0])
             for s in sites}
 
   def readout(params, head, feats):
@@ -269,16 +293,15 @@ def _hidden_layers(layers, x):
 
 def _site_parts(sites, hidden: tuple[int, ...]) -> _Parts:
   """Return one MLP per site; its last layer is the head."""
-  widths = {s.name: (s.d_in, *hidden, s.c) for s in sites}
+  widths = {s.name: (ci_input_width(s), *hidden, s.c) for s in sites}
 
   def init(key):
     return {s.name: init_mlp(k, widths[s.name])
             for s, k in zip(sites, _site_keys(key, sites))}
 
   def features(params, tap_values, components):
-    del components
-    return {s.name: _hidden_layers(params[s.name],
-                                   factored.dense(tap_values[s.name]))
+    return {s.name: _hidden_layers(
+              params[s.name], ci_input(s, tap_values[s.name], components))
             for s in sites}
 
   def readout(params, head, feats):
@@ -297,16 +320,16 @@ def _site_parts(sites, hidden: tuple[int, ...]) -> _Parts:
 
 def _global_parts(sites, hidden: tuple[int, ...]) -> _Parts:
   """Return one MLP over every site's input; its last layer is the head."""
-  widths = (sum(s.d_in for s in sites), *hidden, sum(s.c for s in sites))
+  widths = (sum(ci_input_width(s) for s in sites), *hidden,
+            sum(s.c for s in sites))
   bounds = list(itertools.accumulate(s.c for s in sites))[:-1]
 
   def init(key):
     return init_mlp(key, widths)
 
   def features(params, tap_values, components):
-    del components
-    x = jnp.concatenate([factored.dense(tap_values[s.name]) for s in sites],
-                        axis=-1)
+    x = jnp.concatenate(
+      [ci_input(s, tap_values[s.name], components) for s in sites], axis=-1)
     return _hidden_layers(params, x)
 
   def readout(params, head, feats):
@@ -325,6 +348,11 @@ def _transformer_parts(
 ) -> tuple[_Parts, tuple[str, ...]]:
   """Return the chunkwise transformer (its blocks are the trunk, `w_out`/
   `b_out` the head) and the taps it reads."""
+  embeddings = [s.name for s in sites if is_embedding(s)]
+  if embeddings:
+    raise ValueError(
+      f"the transformer CI function reads residual taps and has no input "
+      f"for the embedding sites {embeddings}; use an MLP CI function")
   # Chunks are resolved and checked here, before any parameter exists (I7).
   plan = ci_transformer.plan_chunks(config, sites)
 

@@ -10,7 +10,7 @@ gradient. Readers that need the values themselves call `dense`.
 
 from typing import Any, NamedTuple, Optional
 
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 
 class Factored(NamedTuple):
@@ -21,8 +21,9 @@ class Factored(NamedTuple):
   const: Optional[Float[Array, " d"]] = None
 
 
-# What a target may hand over as a tap.
-Activation = Float[Array, "..."] | Factored
+# What a target may hand over as a tap: an embedding site's input tap is its
+# token ids (SPEC §3.7).
+Activation = Float[Array, "..."] | Int[Array, "..."] | Factored
 
 
 def project(x: Any, m: Float[Array, "d d_out"]) -> Float[Array, "*b d_out"]:

@@ -45,11 +45,16 @@ def probe_reads(target: TargetFns, weights: Weights
                 ) -> dict[str, Float[Array, " n"]]:
   """Return, per site, how far each one-feature probe moves the site's
   output from its output on a zero input: how much of the feature the
-  site's target weight carries."""
+  site's target weight carries. Token ids have no zero input: their reads
+  are taken from a zero output, what the zero one-hot gives at an
+  embedding site (SPEC §3.7)."""
   inputs = _probe_inputs(target)
   outs = tuple(f"{s.name}.out" for s in target.sites)
   _, taps = target.clean_forward(weights, inputs, outs)
-  _, zero_taps = target.clean_forward(weights, inputs * 0, outs)
+  if jnp.issubdtype(inputs.dtype, jnp.integer):
+    zero_taps = {k: jnp.zeros_like(v) for k, v in taps.items()}
+  else:
+    _, zero_taps = target.clean_forward(weights, inputs * 0, outs)
   return {s.name: jnp.linalg.norm(taps[f"{s.name}.out"]
                                   - zero_taps[f"{s.name}.out"], axis=-1)
           for s in target.sites}

@@ -1,6 +1,9 @@
 """Decomposition sites and their rank-1 component factors (SPEC §1, §2, §6.1).
 
-Math is right-multiplication, `y = x @ W` with `W: [d_in, d_out]`. A *kind* is
+Math is right-multiplication, `y = x @ W` with `W: [d_in, d_out]`. An
+embedding site (`op == "embedding"`, SPEC §3.7) is the same map read off
+one-hot tokens: `W` is the table `E: [vocab, d]`, its input token ids, and
+its component activations are rows `V[t]`, gathered. A *kind* is
 a group of same-shaped sites (one matrix role across layers); its factors are
 stacked on a leading `layer` axis whose row `r` belongs to the kind's site
 with `row == r`. Canonical site order is the order of the `sites` tuple.
@@ -14,6 +17,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Key
 
 
+# How a site reads its input (`SiteSpec.op`).
+LINEAR, EMBEDDING = "linear", "embedding"
+SITE_OPS = (LINEAR, EMBEDDING)
+
+
 @dataclasses.dataclass(frozen=True)
 class SiteSpec:
   """One decomposed matrix: its name, kind, row in the kind's stack, shape.
@@ -22,6 +30,10 @@ class SiteSpec:
   SPEC §3.6): layered targets give `(kind_index, absolute_layer)`, so a
   site's draws do not depend on which other sites are decomposed; empty
   means the site's canonical index (positionless toys).
+
+  `op` is how the site reads its input (SPEC §3.7): `linear`, `x @ W` on
+  activations `[*L, d_in]`; `embedding`, the rows `W[t]` of token ids
+  `t: [*L]` in `[0, d_in)`, `d_in` being the vocabulary.
   """
 
   name: str
@@ -31,6 +43,12 @@ class SiteSpec:
   d_out: int
   c: int
   draw_path: tuple[int, ...] = ()
+  op: str = LINEAR
+
+
+def is_embedding(site: SiteSpec) -> bool:
+  """Return whether the site reads token ids (SPEC §3.7)."""
+  return site.op == EMBEDDING
 
 
 class Factors(NamedTuple):
@@ -62,6 +80,9 @@ def validate_sites(sites: tuple[SiteSpec, ...]) -> None:
   for site in sites:
     if site.c <= 0:
       raise ValueError(f"site {site.name}: C must be positive, got {site.c}")
+    if site.op not in SITE_OPS:
+      raise ValueError(f"site {site.name}: op must be one of {SITE_OPS}, "
+                       f"got {site.op!r}")
   with_path = [s for s in sites if s.draw_path]
   if with_path and len(with_path) != len(sites):
     raise ValueError("either every site has a draw_path or none has: mixed "
@@ -93,6 +114,9 @@ def kind_specs(sites: tuple[SiteSpec, ...]) -> dict[str, KindSpec]:
   for kind, members in by_kind.items():
     first = members[0]
     for m in members:
+      if m.op != first.op:
+        raise ValueError(f"kind {kind}: site {m.name} is {m.op} but "
+                         f"{first.name} is {first.op}; a kind has one op")
       if (m.d_in, m.d_out, m.c) != (first.d_in, first.d_out, first.c):
         raise ValueError(
           f"kind {kind}: site {m.name} has shape/C {(m.d_in, m.d_out, m.c)},"

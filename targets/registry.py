@@ -19,7 +19,8 @@ from jaxtyping import Array, Key
 
 from decompax.core import sites, target
 from decompax.targets import (
-  arithmetic, induction, record, resid_mlp, simple_mlp, tms, toy_sites)
+  arithmetic, induction, record, resid_mlp, simple_mlp, tms, token_embed,
+  toy_sites)
 from decompax.targets import toy_training as train_lib
 
 Weights = Any
@@ -77,6 +78,8 @@ _TOYS: dict[str, tuple[ModuleType, Any, int]] = {
     0,
   ),
   "simple_mlp": (simple_mlp, simple_mlp.SimpleMlpConfig(), 0),
+  # Token ids through one embedding site (SPEC §3.7), vocab 16, width 8.
+  "embed_16-8": (token_embed, token_embed.TokenEmbedConfig(16, 8), 0),
 }
 
 

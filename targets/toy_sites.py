@@ -4,6 +4,8 @@ Toy forwards are written once against a `SiteMatmul(name, x, w)`; the clean
 forward passes the frozen `x @ w`, the masked forward a dispatcher that runs
 live sites through `site_forward.site_matmul` and every other site through the
 very same `x @ w` (SPEC I2: no live site ⇒ bit-identical to the clean forward).
+An integer `x` is a batch of token ids, the one-hot rows of `x @ w`, which
+every path takes as the row gather `w[x]` (an embedding site, SPEC §3.7).
 """
 
 from collections.abc import Callable
@@ -12,7 +14,7 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Key
+from jaxtyping import Array, Float, Int, Key
 
 from decompax.core import factored, site_forward, sites, target
 from decompax.core.masks import SiteMask
@@ -22,11 +24,20 @@ SiteMatmul = Callable[[str, Array, Array], Array]
 CPerSite = Union[int, dict[str, int]]
 
 
+def is_token_ids(x: Array) -> bool:
+  """Return whether `x` holds token ids (an embedding's input)."""
+  return jnp.issubdtype(x.dtype, jnp.integer)
+
+
 def frozen_matmul(
-  name: str, x: Float[Array, "*l d_in"], w: Float[Array, "d_in d_out"]
+  name: str, x: Float[Array, "*l d_in"] | Int[Array, "*l"],
+  w: Float[Array, "d_in d_out"],
 ) -> Float[Array, "*l d_out"]:
-  """Return the frozen `x @ w` (the clean forward's matmul at every site)."""
+  """Return the frozen `x @ w` (the clean forward's matmul at every site):
+  the rows `w[x]` for token ids."""
   del name
+  if is_token_ids(x):
+    return site_forward.rows(w, x)
   return x @ w
 
 
@@ -55,15 +66,29 @@ def masked_matmul(
   by_name = site_specs_by_name(site_specs, site_masks)
 
   def matmul(
-    name: str, x: Float[Array, "*l d_in"], w: Float[Array, "d_in d_out"]
+    name: str, x: Float[Array, "*l d_in"] | Int[Array, "*l"],
+    w: Float[Array, "d_in d_out"],
   ) -> Float[Array, "*l d_out"]:
     site_mask = site_masks.get(name)
     if site_mask is None:
       return frozen_matmul(name, x, w)
-    v, u = sites.site_factors(components, by_name[name])
+    site = by_name[name]
+    check_site_input(site, x)
+    v, u = sites.site_factors(components, site)
+    if sites.is_embedding(site):
+      return site_forward.site_embedding(x, w, v, u, site_mask)
     return site_forward.site_matmul(x, w, v, u, site_mask)
 
   return matmul
+
+
+def check_site_input(site: sites.SiteSpec, x: Array) -> None:
+  """Raise ValueError (at trace time) unless an embedding site gets token
+  ids and any other site activations."""
+  if sites.is_embedding(site) != is_token_ids(x):
+    raise ValueError(
+      f"site {site.name} is {site.op} but its input has dtype {x.dtype}; an "
+      "embedding site reads integer token ids, a linear site activations")
 
 
 def select_taps(
@@ -139,12 +164,15 @@ def sequential_target_fns(
   n_features: int,
   nonlinear_units: dict | None = None,
   expected: dict[str, target.Expected] | None = None,
+  token_inputs: bool = False,
 ) -> target.TargetFns:
   """Return the function table of a toy whose `forward(weights, x, matmul)`
   runs every site through `matmul(name, x, w)` and returns `(y, taps)`.
 
   The clean forward and the non-live sites of the masked forward share one
   op sequence, so a masked forward with no live site is the clean forward.
+  `token_inputs`: the batch is token ids `[*L]` in `[0, n_features)`, and
+  the probe each id once; otherwise sparse features `[*L, n_features]`.
   """
 
   def clean_forward(weights, x, wanted):
@@ -167,8 +195,11 @@ def sequential_target_fns(
     masked_forward=masked_forward,
     frozen_stacks=frozen_stacks,
     divergence=mse,
-    batch_lead_shape=lambda x: x.shape[:-1],
-    feature_probe=lambda: sparse_data.feature_probe(n_features),
+    batch_lead_shape=(
+      (lambda x: x.shape) if token_inputs else (lambda x: x.shape[:-1])),
+    feature_probe=(
+      (lambda: jnp.arange(n_features, dtype=jnp.int32)) if token_inputs
+      else (lambda: sparse_data.feature_probe(n_features))),
     nonlinear_units=nonlinear_units,
     masked_forward_taps=masked_forward_taps,
     expected=expected,
@@ -176,9 +207,10 @@ def sequential_target_fns(
 
 
 def forward_with_outputs(
-  forward: Callable, weights, x: Float[Array, "*l d"], matmul: SiteMatmul,
+  forward: Callable, weights, x: Float[Array, "*l d"] | Int[Array, "*l"],
+  matmul: SiteMatmul,
   wanted: tuple[str, ...],
-) -> tuple[Float[Array, "..."], dict[str, Float[Array, "..."]]]:
+) -> tuple[Float[Array, "..."], dict[str, factored.Activation]]:
   """Run `forward` and return its `wanted` taps, where `<site>.out` is the
   output of that site's matmul (SPEC §5.9 hidden activations)."""
   outputs = {}

@@ -90,8 +90,9 @@ def cpu_flagfiles() -> list[pathlib.Path]:
 
 # The flagfiles whose whole smoke run is in the default suite: one per code
 # path (the TMS recipe; the hidden identity with its locality term and
-# smooth-L0 minimality; the VPD terms; the residual MLP; the toy
-# transformer's attention sites and the LM eval tiers). The others take
+# smooth-L0 minimality; the VPD terms; the residual MLP; the token
+# embedding site; the toy transformer's attention sites and the LM eval
+# tiers). The others take
 # those paths at other sizes or with other settings: their smoke runs are
 # slow, and `test_flagfiles_lower.py` still builds and lowers each of their
 # steps in the default suite. The tiny Llama checkpoint with the
@@ -99,7 +100,7 @@ def cpu_flagfiles() -> list[pathlib.Path]:
 # tests/bin/test_lm_train.py; a targeted recipe's short run is
 # tests/bin/test_targeted.py's.
 SMOKE_IN_DEFAULT = frozenset({"tms_5-2", "tms_5-2-id", "tms_5-2_vpd",
-                              "resid_mlp1", "induction"})
+                              "resid_mlp1", "embed_16-8", "induction"})
 
 
 def pytest_generate_tests(metafunc):

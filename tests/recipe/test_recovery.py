@@ -179,3 +179,32 @@ def test_tms_5_2_vpd_terms_learn_and_the_adversary_outgrows_fresh_sources():
   pgd = f"loss/{name}"
   assert learned[pgd] > 1.25 * max(m[pgd] for m in fresh)  # measured: 1.5
   assert learned[pgd] > learned["loss/stochastic_recon_subset"]
+
+
+def test_embed_16_8_flagfile_gives_each_token_its_own_component():
+  """The embedding site's known answer (SPEC §3.7): the shipped flagfile's
+  whole run (8k steps at batch 256, about 10 s of steps) ends with each
+  token CI-active on exactly one component of its own, whose piece
+  `V[t, c]·U[c]` is that token's row `E[t]` (MMCS and ML2R near 1)."""
+  config = _config(f"--flagfile={FLAGS_DIR / 'embed_16-8.flags'}")
+  target, weights, ci_fn, state, metrics = _train(config)
+  ci = _probe(target, weights, ci_fn, state)["embed"]
+  active = probe.active_features(ci)
+  assert len(active) == 16
+  assert sorted(t for ts in active.values() for t in ts) == list(range(16))
+  assert probe.identity_ci_error(ci) == 0
+  v, u = (np.asarray(a[0]) for a in state.components["embed"])
+  embed = np.asarray(weights.embed)
+  for c, (t,) in active.items():
+    piece = v[t, c] * u[c]
+    cos = piece @ embed[t] / (np.linalg.norm(piece) * np.linalg.norm(embed[t]))
+    assert cos > 0.999, (t, c, cos)
+    # A little longer than the row: its CI stays under 1 (about 0.92), so
+    # the masked forwards keep a piece of it off (SPEC §10's ML2R > 1).
+    assert 0.95 < np.linalg.norm(piece) / np.linalg.norm(embed[t]) < 1.15
+  scalars = eval_step.probe_scalars({"embed": ci}, jax.device_get(
+    eval_step.feature_factors(target, weights, state.components)),
+    target.expected)
+  assert scalars["mmcs/embed"] > 0.999
+  assert 0.95 < scalars["ml2r/embed"] < 1.15
+  assert metrics["loss/faithfulness"] < 1e-6

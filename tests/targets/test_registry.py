@@ -29,9 +29,10 @@ def _init(name):
 
 
 def test_toy_names():
-  # The induction toy takes tokens, not features; tests/targets/
-  # test_induction.py covers it.
-  assert registry.toy_names() == (*NAMES, "induction", "addsub")
+  # The token toys take token ids, not features; tests/targets/
+  # test_induction.py and test_token_embed.py cover them.
+  assert registry.toy_names() == (*NAMES, "embed_16-8", "induction",
+                                  "addsub")
 
 
 def test_unknown_name_lists_known_names():
