@@ -1,9 +1,10 @@
 """Language-model targets of a run: `--target=hf --model_dir=DIR`.
 
 The model is a local Hugging Face checkpoint (Llama-3.x, dense Qwen3,
-GPT-2 or GPT-NeoX/Pythia; `targets/glu_config.py` says what is refused); `--sites` names its matrices
-or shell patterns over them (`layers.18.mlp.*`). Batches are uniform random
-token ids `[batch_size, seq_len]`, a pure function of the step's key.
+GPT-2 or GPT-NeoX/Pythia; `targets/glu_config.py` says what is refused);
+`--sites` names its matrices or shell patterns over them
+(`layers.18.mlp.*`). Batches are uniform random token ids `[batch_size,
+seq_len]`, a pure function of the step's key.
 """
 
 import fnmatch

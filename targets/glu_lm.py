@@ -436,7 +436,8 @@ class ForwardSpec:
 def _run_segment(
   h: Array, stack: LayerStack, extra: Any, lo: int, hi: int,
   site: SiteFn, streams: tuple[str, ...], spec: ForwardSpec,
-  rope: Optional[tuple[Array, Array]], remat: bool, emit_layers: tuple[int, ...] = (),
+  rope: Optional[tuple[Array, Array]], remat: bool,
+  emit_layers: tuple[int, ...] = (),
 ) -> tuple[Array, dict[str, Array]]:
   """Run layers `[lo, hi)`; `ys` stacks `streams` of layers `lo` up to the
   deepest of `emit_layers` (all layers when it is empty)."""

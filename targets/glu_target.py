@@ -2,10 +2,11 @@
 
 Sites are any subset of `layers.{i}.self_attn.{q,k,v,o}_proj` and
 `layers.{i}.mlp.{gate,up,down}_proj` (SPEC §9.2; no `gate` in a plain MLP,
-design §9.4). A projection's bias stays frozen, outside its factors (I52). The decomposed span is
-`[split, tail)`, the first and one past the last decomposed layer. A role's
-sites form one kind `<role>_proj` (rows layer-ascending) when they share
-`C`; sites of one role with different `C` form kinds `<role>_proj.c<C>`.
+design §9.4); a projection's bias stays frozen, outside its factors (I52).
+The decomposed span is `[split, tail)`, the first and one past the last
+decomposed layer. A role's sites form one kind `<role>_proj` (rows
+layer-ascending) when they share `C`; sites of one role with different `C`
+form kinds `<role>_proj.c<C>`.
 
 Masked forwards scan the span once with every kind that has a live site:
 per span layer the kind carries factors, mask, delta and an `active` flag.

@@ -266,3 +266,30 @@ def test_gpt2_defaults_and_transformers_4_neox_spelling():
   old = {k: v for k, v in new.items() if k != "rope_parameters"}
   old.update(rotary_pct=0.25, rotary_emb_base=10000)
   assert glu_config.config_from_hf(old) == glu_config.config_from_hf(new)
+
+
+# name -> (layers, d, heads, head_dim, d_ff, vocab, rotary dims, max
+# position, tied, parallel)
+REAL = {
+  "gpt2": (12, 768, 12, 64, 3072, 50257, None, 1024, True, False),
+  "pythia-1.4b": (24, 2048, 16, 128, 8192, 50304, 32, 2048, False, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_family_configs_resolve(name):
+  # Released configs in transformers 4 spelling (GPT-2's n_* keys and no
+  # n_inner, Pythia's rotary_pct and rotary_emb_base).
+  config = glu_config.config_from_hf(hf_checkpoint.read_config(
+    str(FIXTURES / "hf_configs" / name), glu_config.check_fields))
+  got = (config.n_layers, config.d_model, config.n_heads, config.head_dim,
+         config.d_ff, config.vocab_size, config.rotary_dims,
+         config.max_position, config.tied, config.parallel_residual)
+  assert got == REAL[name]
+  names = glu_target.all_site_names(config)
+  assert len(names) == 6 * config.n_layers
+  sites = glu_target.site_specs(config, names[-6:], 8)
+  d, f = config.d_model, config.d_ff
+  assert {s.kind: (s.d_in, s.d_out) for s in sites} == {
+    "q_proj": (d, d), "k_proj": (d, d), "v_proj": (d, d), "o_proj": (d, d),
+    "up_proj": (d, f), "down_proj": (f, d)}
