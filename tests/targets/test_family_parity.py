@@ -293,3 +293,27 @@ def test_real_family_configs_resolve(name):
   assert {s.kind: (s.d_in, s.d_out) for s in sites} == {
     "q_proj": (d, d), "k_proj": (d, d), "v_proj": (d, d), "o_proj": (d, d),
     "up_proj": (d, f), "down_proj": (f, d)}
+
+
+def test_attention_eval_rebuilds_the_blocks_queries_and_keys(model):
+  # The attention eval rebuilds queries and keys from the tapped q/k
+  # outputs (bias included) with the family's positions: the clean pass
+  # scores 0 against itself, and its pattern is the forward's own.
+  _, config, arrays, ref = model
+  tokens = jnp.asarray(ref["tokens"])
+  names = (glu_lm.site_name(1, "q"),)
+  sites, weights, fns = _fns(config, arrays, names)
+  wanted = (*fns.attention_taps, "attn.1")
+  _, clean = fns.clean_forward(weights, tokens, wanted)
+  masks = {names[0]: SiteMask(jnp.zeros((*tokens.shape, 4)))}
+  _, masked = fns.masked_forward_taps(weights, {sites[0].kind: (
+    sites_lib.Factors(jnp.ones((1, 64, 4)), jnp.ones((1, 4, 64))))},
+    tokens, masks, clean, wanted)
+  same = fns.attention_divergence(weights, clean, clean)["layers.1"]
+  moved = fns.attention_divergence(weights, masked, clean)["layers.1"]
+  assert abs(float(same)) < 1e-6 < float(moved)
+  q, k = (clean[f"layers.1.self_attn.{r}_proj.out"] for r in "qk")
+  rope = glu_lm.rope_tables(config, tokens.shape[1])
+  np.testing.assert_allclose(
+    clean["attn.1"], glu_lm.attention_probs(*glu_lm.query_key_heads(
+      q, k, None, None, config, rope)), atol=1e-6)
