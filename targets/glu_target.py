@@ -559,21 +559,11 @@ def layer_array_shapes(
 _MODEL_ARRAYS = ("embed", "norm", "head", "pos", "norm_bias")
 
 
-def weights_from_arrays(
-  arrays: dict[str, np.ndarray],
-  config: glu_config.GluConfig,
-  seg: glu_lm.Segments,
-  dtype=jnp.float32,
-) -> glu_lm.GluWeights:
-  """Return device weights split into the three stacks of `seg`.
-
-  `arrays` holds `embed`, `norm`, `head` (untied models only), `pos`
-  (learned positions only), `norm_bias` (LayerNorm only) and every
-  per-layer array stacked `[n_layers, ...]` in `x @ W` orientation.
-
-  Raises:
-    ValueError: a name or shape does not match `config`.
-  """
+def array_shapes(config: glu_config.GluConfig) -> dict[str, tuple[int, ...]]:
+  """Return the shape of every array `weights_from_arrays` takes: `embed`,
+  `norm`, `head` (untied models only), `pos` (learned positions only),
+  `norm_bias` (LayerNorm only) and each per-layer array stacked
+  `[n_layers, ...]`."""
   want = {"embed": (config.vocab_size, config.d_model),
           "norm": (config.d_model,)}
   if not config.tied:
@@ -584,6 +574,24 @@ def weights_from_arrays(
     want["norm_bias"] = (config.d_model,)
   for name, shape in layer_array_shapes(config).items():
     want[name] = (config.n_layers, *shape)
+  return want
+
+
+def weights_from_arrays(
+  arrays: dict[str, np.ndarray],
+  config: glu_config.GluConfig,
+  seg: glu_lm.Segments,
+  dtype=jnp.float32,
+) -> glu_lm.GluWeights:
+  """Return device weights split into the three stacks of `seg`.
+
+  `arrays` holds the arrays of `array_shapes`, per-layer ones in `x @ W`
+  orientation.
+
+  Raises:
+    ValueError: a name or shape does not match `config`.
+  """
+  want = array_shapes(config)
   if set(arrays) != set(want):
     raise ValueError(f"weight arrays {sorted(arrays)} do not match the "
                      f"model's {sorted(want)}")
