@@ -578,7 +578,7 @@ def array_shapes(config: glu_config.GluConfig) -> dict[str, tuple[int, ...]]:
 
 
 def weights_from_arrays(
-  arrays: dict[str, np.ndarray],
+  arrays: dict[str, np.ndarray | Array],
   config: glu_config.GluConfig,
   seg: glu_lm.Segments,
   dtype=jnp.float32,
@@ -586,7 +586,8 @@ def weights_from_arrays(
   """Return device weights split into the three stacks of `seg`.
 
   `arrays` holds the arrays of `array_shapes`, per-layer ones in `x @ W`
-  orientation.
+  orientation: host arrays, or abstract ones under `jax.eval_shape` (the
+  memory bench's).
 
   Raises:
     ValueError: a name or shape does not match `config`.
