@@ -317,3 +317,18 @@ def test_attention_eval_rebuilds_the_blocks_queries_and_keys(model):
   np.testing.assert_allclose(
     clean["attn.1"], glu_lm.attention_probs(*glu_lm.query_key_heads(
       q, k, None, None, config, rope)), atol=1e-6)
+
+
+@pytest.mark.parametrize("change,message", [
+  ({"norm": "batch"}, "unknown model norm 'batch'; use one of"),
+  ({"activation": "relu"}, "unknown model activation 'relu'"),
+  ({"positions": "alibi"}, "unknown model positions 'alibi'"),
+  ({"rotary_dims": 3}, r"rotary dims 3 must be even and in \(0, head_dim"),
+  ({"rotary_dims": 32}, r"rotary dims 32 must be even and in \(0, head_dim "
+   "16]"),
+])
+def test_bad_family_options_are_refused(change, message):
+  pythia = glu_config.config_from_hf(
+    hf_checkpoint.read_config(str(FIXTURES / "tiny_pythia")))
+  with pytest.raises(ValueError, match=message):
+    dataclasses.replace(pythia, **change)
