@@ -1,4 +1,5 @@
-"""Static per-device memory of the Llama-3.1-8B layer-18 train step (SPEC §8).
+"""Static per-device memory of the Llama-3.1-8B layer-18 train step (SPEC §8),
+or of a Pythia-1.4B-shaped one (`--model=pythia-1.4b`).
 
 Run: `./dev bench memory`.
 Everything is abstract (`jax.ShapeDtypeStruct`s, no weights): the step of
@@ -20,6 +21,11 @@ resolves to XLA's attention, which materialises fp32 `[b, heads, t, t]`
 probabilities (cuDNN's fused kernel does not), bf16 collectives are staged
 through fp32 copies, and gradient reductions are full-size all-reduces
 rather than reduce-scatters.
+
+`--model=pythia-1.4b` builds the same recipe on Pythia-1.4B's config
+(`tests/fixtures/hf_configs/pythia-1.4b`, design §9.4): its layer-12 MLP,
+`up_proj` and `down_proj` (a plain MLP has no gate), C = 16384 (2·d_ff),
+with the frozen biases and untied head among the bf16 weights.
 """
 
 import json
@@ -36,15 +42,22 @@ _PRESETS = flags.DEFINE_list("presets", ["ddp", "zero1", "owner"],
 # Named apart from bin/train's flags, which the recipe's flagfile sets.
 _BATCH = flags.DEFINE_integer("global_batch", 8, "Global batch (sequences).")
 _SEQ_LEN = flags.DEFINE_integer("seq_length", 2048, "Tokens per sequence.")
-_C = flags.DEFINE_integer("components", 24576, "Components per matrix.")
-_LAYER = flags.DEFINE_integer("layer", 18, "Decomposed MLP's layer.")
+_MODEL = flags.DEFINE_enum("model", "llama-3.1-8b",
+                           ["llama-3.1-8b", "pythia-1.4b"],
+                           "Model config (tests/fixtures/hf_configs/).")
+_C = flags.DEFINE_integer("components", None, "Components per matrix "
+                          "(default: the model's, MODELS).")
+_LAYER = flags.DEFINE_integer("layer", None, "Decomposed MLP's layer "
+                              "(default: the model's, MODELS).")
 _PLACE = flags.DEFINE_list(
   "place", [], "Per-category overrides of every preset, as bin/train's "
   "--place (category:layout,...).")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIG_JSON = ROOT / "tests" / "fixtures" / "hf_configs" / "llama-3.1-8b" / \
-  "config.json"
+CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
+# model -> (title, default layer, default C)
+MODELS = {"llama-3.1-8b": ("Llama-3.1-8B", 18, 24576),
+          "pythia-1.4b": ("Pythia-1.4B", 12, 16384)}
 GIB = 2.0**30
 
 
@@ -55,27 +68,26 @@ def _recipe(batch: int, seq_len: int, c: int):
                     f"--c={c}"])
 
 
-def build(config, layer: int):
+def build(config, layer: int, model: str = "llama-3.1-8b"):
   """Return the run's parts (`recipe.assembly.parts`: target, CI function,
-  terms), built once, and its abstract frozen weights."""
+  terms), built once, and its abstract frozen weights: `model`'s MLP at
+  `layer`."""
   import jax
   import jax.numpy as jnp
   from decompax.recipe import assembly
   from decompax.targets import glu_config, glu_lm, glu_target
   from decompax.targets import record as target_record
 
-  glu = glu_config.config_from_hf(json.loads(CONFIG_JSON.read_text()))
-  names = tuple(glu_lm.site_name(layer, r) for r in ("gate", "up", "down"))
+  glu = glu_config.config_from_hf(json.loads(
+    (CONFIGS / model / "config.json").read_text()))
+  names = tuple(glu_lm.site_name(layer, r) for r in ("gate", "up", "down")
+                if r in glu_lm.model_roles(glu))
   sites = glu_target.site_specs(glu, names, config.c)
   target = glu_target.target_fns(glu, sites, config.attention, remat=True,
                                  output_chunk=config.output_chunk)
   seg = glu_target.span_segments(glu, sites)
-  shapes = {"embed": (glu.vocab_size, glu.d_model), "norm": (glu.d_model,),
-            "head": (glu.vocab_size, glu.d_model)}
-  for name, shape in glu_target.layer_array_shapes(glu).items():
-    shapes[name] = (glu.n_layers, *shape)
   arrays = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-            for k, s in shapes.items()}
+            for k, s in glu_target.array_shapes(glu).items()}
   weights = jax.eval_shape(lambda a: glu_target.weights_from_arrays(
     a, glu, seg, jnp.bfloat16), arrays)
 
@@ -83,7 +95,7 @@ def build(config, layer: int):
     return jax.random.randint(key, (batch_size, config.seq_len), 0,
                               glu.vocab_size, jnp.int32)
 
-  toy = target_record.Target(name="llama-3.1-8b",
+  toy = target_record.Target(name=model,
                              sample_inputs=sample_inputs, token_model=glu)
   return assembly.parts(config, toy, target), weights
 
@@ -139,15 +151,18 @@ def main(argv):
   del argv
   mesh_sizes = tuple(int(n) for n in _MESH.value.split(","))
   presets = list(_PRESETS.value)
-  layer = _LAYER.value
+  model = _MODEL.value
+  title, default_layer, default_c = MODELS[model]
+  layer = default_layer if _LAYER.value is None else _LAYER.value
   overrides = tuple(_PLACE.value)
   import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", math.prod(mesh_sizes))
-  config = _recipe(_BATCH.value, _SEQ_LEN.value, _C.value)
-  parts, weights = build(config, layer)
+  config = _recipe(_BATCH.value, _SEQ_LEN.value,
+                   default_c if _C.value is None else _C.value)
+  parts, weights = build(config, layer, model)
   lead = parts.lead_shape
-  print(f"Llama-3.1-8B layer {layer} MLP, C={config.c}, batch "
+  print(f"{title} layer {layer} MLP, C={config.c}, batch "
         f"{lead[0]}x{lead[1]}, mesh replicate,fsdp,tp = "
         f"{','.join(map(str, mesh_sizes))}"
         f"{'; --place=' + ','.join(overrides) if overrides else ''}; "

@@ -9,8 +9,10 @@ requested tensors are read.
 
 Arrays come back in the stacked layout of decompax's GLU target: per-layer
 matrices `[n_layers, d_in, d_out]` (HF stores `Linear` weights `[d_out,
-d_in]`, transposed here), norms `[n_layers, d]`, and `embed`, `norm`,
-`head` (untied models only) as stored.
+d_in]`, transposed here; GPT-2's Conv1D `[d_in, d_out]` as stored; fused
+q/k/v split), norms and biases `[n_layers, d]`, and `embed`, `norm`,
+`head` (untied models only), `pos` and `norm_bias` (where the family has
+them) as stored.
 
 The writers invert that read for models trained here: `write_safetensors`
 writes the same file layout, `write_llama_checkpoint` a Llama directory
@@ -249,44 +251,173 @@ def read_tensor(path: str, name: str) -> np.ndarray:
                    shape=shape)
 
 
+class _Tensors:
+  """The tensors of one checkpoint directory, read by name."""
+
+  def __init__(self, model_dir: str, dtype: Any):
+    self.model_dir, self.dtype = model_dir, dtype
+    self.files = tensor_files(model_dir)
+
+  def get(self, name: str) -> np.ndarray:
+    if name not in self.files:
+      raise ValueError(f"checkpoint {self.model_dir} lacks tensor {name!r}")
+    return read_tensor(self.files[name], name)
+
+  def array(self, name: str) -> np.ndarray:
+    return np.asarray(self.get(name), self.dtype)
+
+  def stack(self, names: Sequence[str],
+            per_layer: Callable[[np.ndarray], np.ndarray] = lambda a: a
+            ) -> np.ndarray:
+    """Return the named per-layer tensors, each through `per_layer`,
+    stacked on a new leading axis; ValueError unless their shapes agree."""
+    layers = [self.get(name) for name in names]
+    for name, layer in zip(names[1:], layers[1:]):
+      if layer.shape != layers[0].shape:
+        raise ValueError(
+          f"tensor {name} in {self.files[name]} has shape {layer.shape}, but "
+          f"{names[0]} has {layers[0].shape}; every layer's must match "
+          f"({_REFETCH})")
+    return np.stack([per_layer(np.asarray(layer, self.dtype))
+                     for layer in layers])
+
+
 def load_decoder_arrays(
   model_dir: str, n_layers: int, qk_norm: bool, tied: bool,
   dtype: Any = np.float32,
 ) -> dict[str, np.ndarray]:
-  """Return the decoder's weights stacked per kind, cast to `dtype`.
+  """Return a Llama or Qwen3 decoder's weights stacked per kind, cast to
+  `dtype`.
 
   Raises:
     ValueError: a tensor is missing or unreadable.
   """
-  files = tensor_files(model_dir)
-
-  def get(name):
-    if name not in files:
-      raise ValueError(f"checkpoint {model_dir} lacks tensor {name!r}")
-    return read_tensor(files[name], name)
+  ts = _Tensors(model_dir, dtype)
 
   def stack(hf, transpose=False):
-    names = [f"model.layers.{i}.{hf}.weight" for i in range(n_layers)]
-    layers = [get(name) for name in names]
-    for name, layer in zip(names[1:], layers[1:]):
-      if layer.shape != layers[0].shape:
-        raise ValueError(
-          f"tensor {name} in {files[name]} has shape {layer.shape}, but "
-          f"{names[0]} has {layers[0].shape}; every layer's must match "
-          f"({_REFETCH})")
-    return np.stack([np.asarray(layer, dtype).T if transpose
-                     else np.asarray(layer, dtype) for layer in layers])
+    return ts.stack([f"model.layers.{i}.{hf}.weight" for i in range(n_layers)],
+                    np.transpose if transpose else (lambda a: a))
 
-  out = {"embed": np.asarray(get("model.embed_tokens.weight"), dtype),
-         "norm": np.asarray(get("model.norm.weight"), dtype)}
+  out = {"embed": ts.array("model.embed_tokens.weight"),
+         "norm": ts.array("model.norm.weight")}
   if not tied:
-    out["head"] = np.asarray(get("lm_head.weight"), dtype)
+    out["head"] = ts.array("lm_head.weight")
   norms = dict(_NORMS) if qk_norm else {k: _NORMS[k] for k in ("ln1", "ln2")}
   for key, hf in norms.items():
     out[key] = stack(hf)
   for key, hf in _MATRICES.items():
     out[key] = stack(hf, transpose=True)
   return out
+
+
+def _columns(part: int, n: int) -> Callable[[np.ndarray], np.ndarray]:
+  """Return the function taking part `part` of `n` equal column blocks."""
+  def take(a: np.ndarray) -> np.ndarray:
+    width = a.shape[-1] // n
+    return a[..., part * width:(part + 1) * width]
+  return take
+
+
+def load_gpt2_arrays(
+  model_dir: str, n_layers: int, tied: bool, dtype: Any = np.float32,
+) -> dict[str, np.ndarray]:
+  """Return a GPT2LMHeadModel's weights in the stacked `x @ W` layout.
+
+  Conv1D stores `[in, out]`, already that orientation; the fused
+  `attn.c_attn` `[d, 3d]` (and its bias) splits by columns into q, k, v
+  (design §9.4). Tensor names with or without the `transformer.` prefix.
+  """
+  ts = _Tensors(model_dir, dtype)
+  pre = "transformer." if "transformer.wte.weight" in ts.files else ""
+
+  def stack(hf, per_layer=lambda a: a):
+    return ts.stack([f"{pre}h.{i}.{hf}" for i in range(n_layers)], per_layer)
+
+  out = {"embed": ts.array(f"{pre}wte.weight"),
+         "pos": ts.array(f"{pre}wpe.weight"),
+         "norm": ts.array(f"{pre}ln_f.weight"),
+         "norm_bias": ts.array(f"{pre}ln_f.bias")}
+  if not tied:
+    out["head"] = ts.array("lm_head.weight")
+  for key, hf in (("ln1", "ln_1"), ("ln2", "ln_2")):
+    out[key] = stack(f"{hf}.weight")
+    out[f"{key}_bias"] = stack(f"{hf}.bias")
+  for part, role in enumerate("qkv"):
+    out[role] = stack("attn.c_attn.weight", _columns(part, 3))
+    out[f"{role}_bias"] = stack("attn.c_attn.bias", _columns(part, 3))
+  for role, hf in (("o", "attn.c_proj"), ("up", "mlp.c_fc"),
+                   ("down", "mlp.c_proj")):
+    out[role] = stack(f"{hf}.weight")
+    out[f"{role}_bias"] = stack(f"{hf}.bias")
+  return out
+
+
+def _neox_part(part: int, n_heads: int) -> Callable[[np.ndarray], np.ndarray]:
+  """Return the function taking q (0), k (1) or v (2) out of a fused
+  `query_key_value` weight `[nh·3·hd, d]` or bias `[nh·3·hd]`, whose output
+  axis is `[nh, 3, hd]`; a weight comes back as `x @ W`'s `[d, nh·hd]`."""
+  def take(a: np.ndarray) -> np.ndarray:
+    heads = a.reshape(n_heads, 3, -1, *a.shape[1:])[:, part]
+    return heads.reshape(-1, *a.shape[1:]).T
+  return take
+
+
+def load_neox_arrays(
+  model_dir: str, n_layers: int, n_heads: int, tied: bool,
+  dtype: Any = np.float32,
+) -> dict[str, np.ndarray]:
+  """Return a GPTNeoXForCausalLM's (Pythia's) weights in the stacked
+  `x @ W` layout: `nn.Linear` weights transposed, the fused
+  `attention.query_key_value` split per head into q, k, v (design §9.4),
+  the untied head read from `embed_out` (or `lm_head`)."""
+  ts = _Tensors(model_dir, dtype)
+
+  def stack(hf, per_layer=lambda a: a):
+    return ts.stack([f"gpt_neox.layers.{i}.{hf}" for i in range(n_layers)],
+                    per_layer)
+
+  out = {"embed": ts.array("gpt_neox.embed_in.weight"),
+         "norm": ts.array("gpt_neox.final_layer_norm.weight"),
+         "norm_bias": ts.array("gpt_neox.final_layer_norm.bias")}
+  if not tied:
+    head = "lm_head.weight" if "lm_head.weight" in ts.files else (
+      "embed_out.weight")
+    out["head"] = ts.array(head)
+  for key, hf in (("ln1", "input_layernorm"),
+                  ("ln2", "post_attention_layernorm")):
+    out[key] = stack(f"{hf}.weight")
+    out[f"{key}_bias"] = stack(f"{hf}.bias")
+  for part, role in enumerate("qkv"):
+    out[role] = stack("attention.query_key_value.weight",
+                      _neox_part(part, n_heads))
+    out[f"{role}_bias"] = stack("attention.query_key_value.bias",
+                                _neox_part(part, n_heads))
+  for role, hf in (("o", "attention.dense"), ("up", "mlp.dense_h_to_4h"),
+                   ("down", "mlp.dense_4h_to_h")):
+    out[role] = stack(f"{hf}.weight", np.transpose)
+    out[f"{role}_bias"] = stack(f"{hf}.bias")
+  return out
+
+
+def load_model_arrays(glu: Any, model_dir: str,
+                      dtype: Any = np.float32) -> dict[str, np.ndarray]:
+  """Return the stacked weights of a checkpoint of `glu`'s family (a
+  `targets.glu_config.GluConfig`, read by attribute).
+
+  Raises:
+    ValueError: a tensor is missing or unreadable, or a family with no
+      checkpoint layout.
+  """
+  if glu.family in ("llama", "qwen3"):
+    return load_decoder_arrays(model_dir, glu.n_layers, glu.qk_norm,
+                               glu.tied, dtype)
+  if glu.family == "gpt2":
+    return load_gpt2_arrays(model_dir, glu.n_layers, glu.tied, dtype)
+  if glu.family == "gpt_neox":
+    return load_neox_arrays(model_dir, glu.n_layers, glu.n_heads, glu.tied,
+                            dtype)
+  raise ValueError(f"no checkpoint layout for model family {glu.family!r}; "
+                   "supported: llama, qwen3, gpt2, gpt_neox")
 
 
 # Safetensors data offsets need no alignment, but readers that map tensors

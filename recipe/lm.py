@@ -1,9 +1,10 @@
 """Language-model targets of a run: `--target=hf --model_dir=DIR`.
 
-The model is a local Hugging Face checkpoint (Llama-3.x or dense Qwen3,
-`targets/glu_config.py` says what is refused); `--sites` names its matrices
-or shell patterns over them (`layers.18.mlp.*`). Batches are uniform random
-token ids `[batch_size, seq_len]`, a pure function of the step's key.
+The model is a local Hugging Face checkpoint (Llama-3.x, dense Qwen3,
+GPT-2 or GPT-NeoX/Pythia; `targets/glu_config.py` says what is refused);
+`--sites` names its matrices or shell patterns over them
+(`layers.18.mlp.*`). Batches are uniform random token ids `[batch_size,
+seq_len]`, a pure function of the step's key.
 """
 
 import fnmatch
@@ -20,7 +21,7 @@ import numpy as np
 from decompax.core import target as target_lib
 from decompax.io import hf_checkpoint
 from decompax.recipe.config import setting
-from decompax.targets import glu_config, glu_target, record
+from decompax.targets import glu_config, glu_lm, glu_target, record
 
 HF = "hf"
 _DTYPES = {"bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
@@ -42,10 +43,13 @@ def expand_sites(
   """
   for pattern in patterns:
     if not fnmatch.filter(names, pattern):
+      parsed = [glu_lm.parse_site(n) for n in names]
+      mlp = ",".join(r for r in glu_lm.ROLES[4:]
+                     if any(p[1] == r for p in parsed))
       raise ValueError(f"--sites entry {pattern!r} matches no site; sites "
                        "are layers.<i>.self_attn.{q,k,v,o}_proj and "
-                       f"layers.<i>.mlp.{{gate,up,down}}_proj, i < "
-                       f"{len(names) // 7}")
+                       f"layers.<i>.mlp.{{{mlp}}}_proj, i < "
+                       f"{1 + max(p[0] for p in parsed)}")
   return tuple(n for n in names
                if any(fnmatch.fnmatchcase(n, p) for p in patterns))
 
@@ -74,8 +78,7 @@ def hf_target(config) -> record.Resolved:
   jnp_dtype, np_dtype = _DTYPES[config.compute_dtype]
 
   def load():
-    arrays = hf_checkpoint.load_decoder_arrays(
-      model_dir, glu.n_layers, glu.qk_norm, glu.tied, np_dtype)
+    arrays = hf_checkpoint.load_model_arrays(glu, model_dir, np_dtype)
     return glu_target.weights_from_arrays(arrays, glu, seg, jnp_dtype)
 
   def sample_inputs(key, batch_size):

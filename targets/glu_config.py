@@ -1,10 +1,13 @@
-"""Static shape of a GLU language model, and its check against a HF config.
+"""Static shape of a decoder language model, and its check against a HF
+config.
 
 A `GluConfig` describes the decoder of SPEC §9.1: Llama-3.x (optionally with
-Llama-3 RoPE scaling) and Qwen3 dense (QK-norm). `config_from_hf` reads the
-plain dict of a Hugging Face config (`AutoConfig.to_dict()`, transformers 5
-or 4 spelling) and refuses anything this forward would silently compute
-differently, with a one-line reason.
+Llama-3 RoPE scaling) and Qwen3 dense (QK-norm), and through its family
+options (design §9.4) GPT-2 (LayerNorm, learned positions, biases, a plain
+GELU MLP) and GPT-NeoX/Pythia (parallel residual, partial rotary).
+`config_from_hf` reads the plain dict of a Hugging Face config
+(`AutoConfig.to_dict()`, transformers 5 or 4 spelling) and refuses anything
+this forward would silently compute differently, with a one-line reason.
 """
 
 import dataclasses
@@ -13,8 +16,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen3", "toy")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILIES = ("llama", "qwen3", "gpt2", "gpt_neox", "toy")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gpt2": "GPT2LMHeadModel",
+                  "gpt_neox": "GPTNeoXForCausalLM"}
+_SUPPORTED = ("supported: llama (Llama-3.x), qwen3 (dense Qwen3), gpt2 "
+              "(GPT2LMHeadModel), gpt_neox (GPT-NeoX/Pythia)")
+NORMS = ("rms", "layer")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+POSITIONS = ("rope", "learned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +39,17 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class GluConfig:
-  """Sizes and options of one GLU decoder (hashable, static)."""
+  """Sizes and options of one decoder (hashable, static).
+
+  The defaults are the Llama block; the family options (design §9.4):
+  `norm` RMSNorm or LayerNorm (with a bias; `rms_eps` is either norm's
+  epsilon), `gated` MLP `down(act(gate)·up)` or plain `down(act(up))`,
+  `activation` silu, gelu_tanh or gelu (exact), `positions` RoPE or a
+  learned table added to the embeddings, `parallel_residual` (attention and
+  MLP both read the block input), `rotary_dims` (RoPE on the first that
+  many dims of each head, None for all) and `bias` (every projection adds
+  a frozen bias, I52).
+  """
 
   n_layers: int
   d_model: int
@@ -45,11 +65,21 @@ class GluConfig:
   rope_scaling: Optional[RopeScaling] = None
   family: str = "llama"
   max_position: int = 8192
+  norm: str = "rms"
+  gated: bool = True
+  activation: str = "silu"
+  positions: str = "rope"
+  parallel_residual: bool = False
+  rotary_dims: Optional[int] = None
+  bias: bool = False
 
   def __post_init__(self):
-    if self.family not in FAMILIES:
-      raise ValueError(f"unknown model family {self.family!r}; use one of "
-                       f"{FAMILIES}")
+    for name, allowed in (("family", FAMILIES), ("norm", NORMS),
+                          ("activation", ACTIVATIONS),
+                          ("positions", POSITIONS)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"unknown model {name} {getattr(self, name)!r}; "
+                         f"use one of {allowed}")
     for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim",
                  "d_ff", "vocab_size"):
       if getattr(self, name) <= 0:
@@ -58,8 +88,10 @@ class GluConfig:
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads {self.n_heads} must be a multiple of "
                        f"n_kv_heads {self.n_kv_heads}")
-    if self.head_dim % 2:
-      raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates "
+    if self.positions == "rope" and (
+        self.rope_dims % 2 or not 0 < self.rope_dims <= self.head_dim):
+      raise ValueError(f"rotary dims {self.rope_dims} must be even and in "
+                       f"(0, head_dim {self.head_dim}] (RoPE rotates "
                        "halves)")
 
   @property
@@ -70,14 +102,19 @@ class GluConfig:
   def kv_width(self) -> int:
     return self.n_kv_heads * self.head_dim
 
+  @property
+  def rope_dims(self) -> int:
+    """Leading dims of each head that RoPE rotates (all by default)."""
+    return self.head_dim if self.rotary_dims is None else self.rotary_dims
+
 
 def inv_freq(config: GluConfig) -> np.ndarray:
-  """Return RoPE inverse frequencies `[head_dim/2]` in fp32 (SPEC §9.1).
+  """Return RoPE inverse frequencies `[rope_dims/2]` in fp32 (SPEC §9.1).
 
   Computed in fp32 in the same op order as transformers' reference, so the
   tables agree bit for bit where the two libraries' `pow` and `cos` do.
   """
-  dim = config.head_dim
+  dim = config.rope_dims
   exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
   freq = (np.float32(1.0) / np.float32(config.rope_theta) ** exponents)
   freq = freq.astype(np.float32)
@@ -117,8 +154,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, Optional[RopeScaling]]:
   partial = params.get("partial_rotary_factor",
                        _get(hf, "partial_rotary_factor", 1.0))
   if float(partial) != 1.0:
-    _refuse(hf, "partial_rotary_factor != 1", "only full-width RoPE is "
-            "implemented")
+    _refuse(hf, "partial_rotary_factor != 1", "partial RoPE is implemented "
+            "for gpt_neox only")
   if rope_type == "default":
     return float(theta), None
   if rope_type != "llama3":
@@ -158,6 +195,9 @@ _SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers",
           "intermediate_size", "vocab_size")
 _OPTIONAL_SIZES = ("num_key_value_heads", "head_dim",
                    "max_position_embeddings")
+# GPT-2 spells them its own way; its MLP width defaults to 4·n_embd.
+_GPT2_SIZES = ("n_embd", "n_head", "n_layer", "vocab_size")
+_GPT2_OPTIONAL_SIZES = ("n_inner", "n_positions")
 
 
 def _is_size(value: Any) -> bool:
@@ -170,23 +210,96 @@ def check_fields(hf: dict[str, Any]) -> None:
   (a string "64" included), or heads that do not divide their widths.
   Checked before transformers reads the file, whose own refusals of these
   name no key."""
-  for key in _SIZES + _OPTIONAL_SIZES:
-    if key not in hf or (key in _OPTIONAL_SIZES and hf[key] is None):
-      if key in _SIZES:
+  gpt2 = hf.get("model_type") == "gpt2"
+  sizes, optional = ((_GPT2_SIZES, _GPT2_OPTIONAL_SIZES) if gpt2
+                     else (_SIZES, _OPTIONAL_SIZES))
+  for key in sizes + optional:
+    if key not in hf or (key in optional and hf[key] is None):
+      if key in sizes:
         raise ValueError(f"key {key!r} is missing; a decoder config gives "
                          "it as a positive integer")
       continue
     if not _is_size(hf[key]):
       raise ValueError(f"key {key!r} must be a positive integer, got "
                        f"{hf[key]!r} ({type(hf[key]).__name__})")
-  heads, width = hf["num_attention_heads"], hf["hidden_size"]
+  heads_key, width_key = (("n_head", "n_embd") if gpt2
+                          else ("num_attention_heads", "hidden_size"))
+  heads, width = hf[heads_key], hf[width_key]
   if hf.get("head_dim") is None and width % heads:
-    raise ValueError(f"key 'num_attention_heads': {heads} heads do not "
-                     f"divide hidden_size {width} (and no head_dim is given)")
+    raise ValueError(f"key {heads_key!r}: {heads} heads do not divide "
+                     f"{width_key} {width} (and no head_dim is given)")
   kv_heads = hf.get("num_key_value_heads") or heads
   if heads % kv_heads:
     raise ValueError(f"key 'num_key_value_heads': {kv_heads} key/value "
                      f"heads do not divide num_attention_heads {heads}")
+
+
+# HF activation names -> this forward's; gelu_new is GPT-2's tanh form.
+_GELUS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+          "gelu": "gelu"}
+
+
+def _gelu(hf: dict[str, Any], key: str) -> str:
+  name = _get(hf, key, "")
+  if name not in _GELUS:
+    _refuse(hf, f"{key} {name!r}", f"supported: {sorted(_GELUS)}")
+  return _GELUS[name]
+
+
+def _gpt2_config(hf: dict[str, Any]) -> GluConfig:
+  """GPT2LMHeadModel: LayerNorm with bias, learned positions, biased
+  Conv1D projections, a plain gelu_new MLP, scores scaled by 1/√hd."""
+  for key, want in (("scale_attn_weights", True),
+                    ("scale_attn_by_inverse_layer_idx", False),
+                    ("reorder_and_upcast_attn", False),
+                    ("add_cross_attention", False)):
+    if bool(_get(hf, key, want)) != want:
+      _refuse(hf, f"{key}={not want}", f"only {key}={want} is implemented")
+  d, n_heads = int(hf["n_embd"]), int(hf["n_head"])
+  return GluConfig(
+    n_layers=int(hf["n_layer"]), d_model=d, n_heads=n_heads,
+    n_kv_heads=n_heads, head_dim=d // n_heads,
+    d_ff=int(_get(hf, "n_inner", 4 * d)), vocab_size=int(hf["vocab_size"]),
+    rope_theta=0.0, rms_eps=float(hf["layer_norm_epsilon"]),
+    tied=bool(_get(hf, "tie_word_embeddings", True)), qk_norm=False,
+    family="gpt2", max_position=int(_get(hf, "n_positions", 1024)),
+    norm="layer", gated=False,
+    activation=_gelu(hf, "activation_function"), positions="learned",
+    bias=True)
+
+
+def _neox_rope(hf: dict[str, Any]) -> tuple[float, float]:
+  # transformers 5 folds rotary_pct / rotary_emb_base into rope_parameters.
+  params = dict(_get(hf, "rope_scaling", {}))
+  params.update(_get(hf, "rope_parameters", {}))
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  if rope_type != "default":
+    _refuse(hf, f"rope scaling type {rope_type!r}", "supported: default")
+  theta = params.get("rope_theta", _get(hf, "rotary_emb_base", 10000.0))
+  partial = params.get("partial_rotary_factor", _get(hf, "rotary_pct", 1.0))
+  return float(theta), float(partial)
+
+
+def _neox_config(hf: dict[str, Any]) -> GluConfig:
+  """GPTNeoXForCausalLM (Pythia): LayerNorm with bias, biased projections,
+  a plain GELU MLP, partial rotary, parallel or sequential residual."""
+  if not _get(hf, "attention_bias", True):
+    _refuse(hf, "attention_bias=False", "only GPT-NeoX with biases on "
+            "every projection (attention_bias=True) is implemented")
+  theta, partial = _neox_rope(hf)
+  d, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+  head_dim = d // n_heads
+  return GluConfig(
+    n_layers=int(hf["num_hidden_layers"]), d_model=d, n_heads=n_heads,
+    n_kv_heads=n_heads, head_dim=head_dim, d_ff=int(hf["intermediate_size"]),
+    vocab_size=int(hf["vocab_size"]), rope_theta=theta,
+    rms_eps=float(hf["layer_norm_eps"]),
+    tied=bool(_get(hf, "tie_word_embeddings", False)), qk_norm=False,
+    family="gpt_neox",
+    max_position=int(_get(hf, "max_position_embeddings", 2048)),
+    norm="layer", gated=False, activation=_gelu(hf, "hidden_act"),
+    parallel_residual=bool(_get(hf, "use_parallel_residual", True)),
+    rotary_dims=int(head_dim * partial), bias=True)
 
 
 def config_from_hf(hf: dict[str, Any]) -> GluConfig:
@@ -194,12 +307,15 @@ def config_from_hf(hf: dict[str, Any]) -> GluConfig:
   family = hf.get("model_type")
   if family not in _ARCHITECTURES:
     _refuse(hf, f"model_type {family!r} (architectures "
-            f"{hf.get('architectures')})", "supported: llama (Llama-3.x), "
-            "qwen3 (dense Qwen3)")
+            f"{hf.get('architectures')})", _SUPPORTED)
   archs = _get(hf, "architectures", [_ARCHITECTURES[family]])
   if list(archs) != [_ARCHITECTURES[family]]:
     _refuse(hf, f"architectures {archs}", f"expected "
             f"[{_ARCHITECTURES[family]}]")
+  if family == "gpt2":
+    return _gpt2_config(hf)
+  if family == "gpt_neox":
+    return _neox_config(hf)
   _check_options(hf, family)
   theta, scaling = _rope(hf)
   n_heads = int(hf["num_attention_heads"])

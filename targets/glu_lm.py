@@ -1,4 +1,10 @@
-"""Pure forward of a GLU decoder LM over three stored layer stacks (SPEC §9).
+"""Pure forward of a decoder LM over three stored layer stacks (SPEC §9).
+
+The block is Llama's (GLU MLP, RMSNorm, RoPE) or, by the config's family
+options, GPT-2's or GPT-NeoX's (design §9.4): LayerNorm with bias, a plain
+MLP, learned positions, partial rotary, parallel residual, and biases that
+every projection adds after its site matmul, outside the decomposition
+(I52).
 
 Frozen weights are stacked per kind on a leading `layer` axis, in the
 orientation `y = x @ W` (`W: [d_in, d_out]`), and stored as three stacks:
@@ -60,10 +66,32 @@ class LayerStack(NamedTuple):
   down: Float[Array, "layer f d"]
   q_norm: Optional[Float[Array, "layer hd"]] = None
   k_norm: Optional[Float[Array, "layer hd"]] = None
+  # Frozen biases (I52) of models that have them, else None: one per
+  # projection role (`<role>_bias`, `[layer, d_out]`) and LayerNorm's.
+  q_bias: Optional[Float[Array, "layer q"]] = None
+  k_bias: Optional[Float[Array, "layer kv"]] = None
+  v_bias: Optional[Float[Array, "layer kv"]] = None
+  o_bias: Optional[Float[Array, "layer d"]] = None
+  gate_bias: Optional[Float[Array, "layer f"]] = None
+  up_bias: Optional[Float[Array, "layer f"]] = None
+  down_bias: Optional[Float[Array, "layer d"]] = None
+  ln1_bias: Optional[Float[Array, "layer d"]] = None
+  ln2_bias: Optional[Float[Array, "layer d"]] = None
+
+
+def layer_stack(**leaves: Any) -> LayerStack:
+  """Return a `LayerStack` of the given leaves, every other one None (a
+  plain MLP has no `gate`)."""
+  return LayerStack(**{name: leaves.get(name) for name in LayerStack._fields})
 
 
 class GluWeights(NamedTuple):
-  """A decoder's frozen weights; `head` None means tied to `embed`."""
+  """A decoder's frozen weights; `head` None means tied to `embed`.
+
+  `pos` is a learned position table `[max_position, d]` added to the
+  embeddings (GPT-2), `norm_bias` the final LayerNorm's bias; None where
+  the model has none.
+  """
 
   embed: Float[Array, "vocab d"]
   prefix: Optional[LayerStack]
@@ -71,6 +99,8 @@ class GluWeights(NamedTuple):
   tail: Optional[LayerStack]
   norm: Float[Array, " d"]
   head: Optional[Float[Array, "vocab d"]] = None
+  pos: Optional[Float[Array, "p d"]] = None
+  norm_bias: Optional[Float[Array, " d"]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +119,12 @@ class Segments:
   def bounds(self) -> tuple[tuple[str, int, int], ...]:
     return (("prefix", 0, self.split), ("span", self.split, self.tail),
             ("tail", self.tail, self.n_layers))
+
+
+def model_roles(config: glu_config.GluConfig) -> tuple[str, ...]:
+  """Return the model's projection roles: `ROLES`, less `gate` for a plain
+  (ungated) MLP."""
+  return ROLES if config.gated else tuple(r for r in ROLES if r != "gate")
 
 
 def site_name(layer: int, role: str) -> str:
@@ -135,12 +171,53 @@ def rms_norm(
   return w * attention_lib.rms_normalize(x, eps).astype(x.dtype)
 
 
+def layer_norm(
+  x: Float[Array, "*l d"], w: Float[Array, " d"], b: Float[Array, " d"],
+  eps: float,
+) -> Float[Array, "*l d"]:
+  """Return `(x − mean)·rsqrt(var + eps)·w + b` (biased variance), the
+  statistics in fp32 (N4)."""
+  xf = x.astype(jnp.float32)
+  centered = xf - jnp.mean(xf, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+  return w * (centered * jax.lax.rsqrt(var + eps)).astype(x.dtype) + b
+
+
+def norm(
+  x: Float[Array, "*l d"], w: Float[Array, " d"],
+  b: Optional[Float[Array, " d"]], config: glu_config.GluConfig,
+) -> Float[Array, "*l d"]:
+  """Return the model's norm of `x`: RMSNorm, or LayerNorm with bias `b`."""
+  if config.norm == "layer":
+    return layer_norm(x, w, b, config.rms_eps)
+  return rms_norm(x, w, config.rms_eps)
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu,
+                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+                "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+
+
 def rope_tables(
   config: glu_config.GluConfig, t: int
-) -> tuple[Float[Array, "t hd"], Float[Array, "t hd"]]:
-  """Return fp32 `cos, sin` of `pos·inv_freq`, repeated over both halves."""
+) -> Optional[tuple[Float[Array, "t r"], Float[Array, "t r"]]]:
+  """Return fp32 `cos, sin` of `pos·inv_freq` over the rotated dims,
+  repeated over both halves; None for learned positions."""
+  if config.positions != "rope":
+    return None
   return attention_lib.rope_tables(
     jnp.asarray(glu_config.inv_freq(config)), t)
+
+
+def _rotate(
+  x: Float[Array, "b t h hd"], rope: tuple[Array, Array], dims: int
+) -> Float[Array, "b t h hd"]:
+  """Return `x` with RoPE on its first `dims` dims, the rest passed through
+  (GPT-NeoX's partial rotary)."""
+  if dims == x.shape[-1]:
+    return attention_lib.apply_rope(x, *rope)
+  return jnp.concatenate(
+    [attention_lib.apply_rope(x[..., :dims], *rope), x[..., dims:]], axis=-1)
 
 
 def reference_attention(
@@ -252,18 +329,21 @@ def frozen_site(role: str, x: Array, w: Array, extra: Any) -> Array:
 def query_key_heads(
   q: Float[Array, "b t q"], k: Float[Array, "b t kv"],
   q_norm: Optional[Float[Array, " hd"]], k_norm: Optional[Float[Array, " hd"]],
-  config: glu_config.GluConfig, rope: tuple[Array, Array],
+  config: glu_config.GluConfig, rope: Optional[tuple[Array, Array]],
 ) -> tuple[Float[Array, "b t nh hd"], Float[Array, "b t nkv hd"]]:
   """Return a block's attention queries and keys from its q_proj and k_proj
-  outputs: split into heads, QK-normed (Qwen3) and rotated (SPEC §9.1)."""
+  outputs: split into heads, QK-normed (Qwen3) and rotated (SPEC §9.1;
+  not with learned positions, `rope` None)."""
   b, t, _ = q.shape
   qh = q.reshape(b, t, config.n_heads, config.head_dim)
   kh = k.reshape(b, t, config.n_kv_heads, config.head_dim)
   if q_norm is not None:
     qh = rms_norm(qh, q_norm, config.rms_eps)
     kh = rms_norm(kh, k_norm, config.rms_eps)
-  return (attention_lib.apply_rope(qh, *rope),
-          attention_lib.apply_rope(kh, *rope))
+  if rope is None:
+    return qh, kh
+  return (_rotate(qh, rope, config.rope_dims),
+          _rotate(kh, rope, config.rope_dims))
 
 
 def block(
@@ -271,32 +351,44 @@ def block(
   lw: LayerStack,
   site: Callable[[str, Array, Array], Array],
   config: glu_config.GluConfig,
-  rope: tuple[Array, Array],
+  rope: Optional[tuple[Array, Array]],
   attend: Callable[..., Array],
   streams: tuple[str, ...] = (),
 ) -> tuple[Float[Array, "b t d"], dict[str, Array]]:
-  """Run one decoder block (SPEC §9.1) on one layer's weights.
+  """Run one decoder block (SPEC §9.1, design §9.4) on one layer's weights.
 
   Returns the block output and the `streams` asked for: `resid` (the
   input), each role's input under the role and its output under
-  `<role>.out`, and the attention pattern `attn`.
+  `<role>.out` (its bias added, I52), and the attention pattern `attn`.
   """
   b, t, _ = h.shape
-  eps = config.rms_eps
-  xa = rms_norm(h, lw.ln1, eps)
-  q, k, v = site("q", xa, lw.q), site("k", xa, lw.k), site("v", xa, lw.v)
+
+  def project(role, x):
+    y = site(role, x, getattr(lw, role))
+    bias = getattr(lw, f"{role}_bias")
+    return y if bias is None else y + bias
+
+  xa = norm(h, lw.ln1, lw.ln1_bias, config)
+  q, k, v = project("q", xa), project("k", xa), project("v", xa)
   qh, kh = query_key_heads(q, k, lw.q_norm, lw.k_norm, config, rope)
   vh = v.reshape(b, t, config.n_kv_heads, config.head_dim)
   o_in = attend(qh, kh, vh).reshape(b, t, config.q_width)
-  o = site("o", o_in, lw.o)
+  o = project("o", o_in)
   h1 = h + o
-  xm = rms_norm(h1, lw.ln2, eps)
-  gate, up = site("gate", xm, lw.gate), site("up", xm, lw.up)
-  act = jax.nn.silu(gate) * up
-  down = site("down", act, lw.down)
-  values = {"resid": h, "q": xa, "k": xa, "v": xa, "o": o_in, "gate": xm,
-            "up": xm, "down": act, "q.out": q, "k.out": k, "v.out": v,
-            "o.out": o, "gate.out": gate, "up.out": up, "down.out": down}
+  # A parallel block's MLP reads the block input, not h + attention.
+  xm = norm(h if config.parallel_residual else h1, lw.ln2, lw.ln2_bias,
+            config)
+  values = {"resid": h, "q": xa, "k": xa, "v": xa, "o": o_in, "q.out": q,
+            "k.out": k, "v.out": v, "o.out": o}
+  if config.gated:
+    gate, up = project("gate", xm), project("up", xm)
+    act = jax.nn.silu(gate) * up
+    values.update({"gate": xm, "gate.out": gate})
+  else:
+    up = project("up", xm)
+    act = _ACTIVATIONS[config.activation](up)
+  down = project("down", act)
+  values.update({"up": xm, "up.out": up, "down": act, "down.out": down})
   out = {s: values[s] for s in streams if s != "attn"}
   if "attn" in streams:
     # Built only when tapped: `[b, nh, t, t]` outweighs the whole block.
@@ -344,7 +436,8 @@ class ForwardSpec:
 def _run_segment(
   h: Array, stack: LayerStack, extra: Any, lo: int, hi: int,
   site: SiteFn, streams: tuple[str, ...], spec: ForwardSpec,
-  rope: tuple[Array, Array], remat: bool, emit_layers: tuple[int, ...] = (),
+  rope: Optional[tuple[Array, Array]], remat: bool,
+  emit_layers: tuple[int, ...] = (),
 ) -> tuple[Array, dict[str, Array]]:
   """Run layers `[lo, hi)`; `ys` stacks `streams` of layers `lo` up to the
   deepest of `emit_layers` (all layers when it is empty)."""
@@ -382,11 +475,18 @@ def _run_segment(
   return h, ys
 
 
-def _parsed_taps(wanted: tuple[str, ...], n_layers: int,
+def _parsed_taps(wanted: tuple[str, ...], config: glu_config.GluConfig,
                  first: int) -> dict[str, tuple[str, int]]:
   """Return each wanted tap's `(stream, layer)`; ValueError for one below
-  the residual start at block `first` (I28)."""
-  parsed = {key: parse_tap(key, n_layers) for key in wanted}
+  the residual start at block `first` (I28) or of a role the model lacks."""
+  parsed = {key: parse_tap(key, config.n_layers) for key in wanted}
+  roles = model_roles(config)
+  absent = [k for k, (s, _) in parsed.items()
+            if s.removesuffix(".out") in ROLES
+            and s.removesuffix(".out") not in roles]
+  if absent:
+    raise ValueError(f"taps {absent} name a projection this model lacks; "
+                     f"its roles are {roles}")
   below = [k for k, (_, layer) in parsed.items() if layer < first]
   if below:
     raise ValueError(f"taps {below} lie below the residual start at block "
@@ -458,11 +558,13 @@ def final_hidden(
   config, seg = spec.config, spec.segments
   check_segments(weights, seg)
   first = 0 if start is None else seg.split
-  parsed = _parsed_taps(wanted, config.n_layers, first)
+  parsed = _parsed_taps(wanted, config, first)
   rope = rope_tables(config, tokens.shape[1])
   boundary = {}
   if start is None:
     h = jnp.take(weights.embed, tokens, axis=0)
+    if weights.pos is not None:
+      h = h + weights.pos[:tokens.shape[1]]
   else:
     h = start
   boundary[first] = h
@@ -490,14 +592,14 @@ def final_hidden(
     boundary[hi] = h
     stream_values[(lo, hi)] = ys
   taps = _gathered_taps(parsed, boundary, stream_values)
-  return rms_norm(h, weights.norm, config.rms_eps), taps
+  return norm(h, weights.norm, weights.norm_bias, config), taps
 
 
 def all_tap_keys(config: glu_config.GluConfig) -> tuple[str, ...]:
   """Return every tap key of a model, in layer order."""
   keys = [f"resid.{i}" for i in range(config.n_layers + 1)]
   for i in range(config.n_layers):
-    for role in ROLES:
+    for role in model_roles(config):
       keys += [site_name(i, role), f"{site_name(i, role)}.out"]
     keys.append(f"attn.{i}")
   return tuple(keys)
@@ -507,7 +609,8 @@ def init_stack(
   key: jax.Array, config: glu_config.GluConfig, n: int,
   dtype: Any = jnp.float32,
 ) -> LayerStack:
-  """Return `n` random layers: matrices `N(0, 1/d_in)`, norms near 1."""
+  """Return `n` random layers: matrices `N(0, 1/d_in)`, norms near 1,
+  biases (of models with them) `N(0, 0.1²)`."""
   d, f, hd = config.d_model, config.d_ff, config.head_dim
   shapes = {"q": (d, config.q_width), "k": (d, config.kv_width),
             "v": (d, config.kv_width), "o": (config.q_width, d),
@@ -515,12 +618,19 @@ def init_stack(
   keys = dict(zip([*shapes, "ln1", "ln2", "q_norm", "k_norm"],
                   jax.random.split(key, len(shapes) + 4)))
   mats = {r: jax.random.normal(keys[r], (n, *s), jnp.float32) / np.sqrt(s[0])
-          for r, s in shapes.items()}
+          for r, s in shapes.items() if r in model_roles(config)}
 
-  def norm(name, width):
+  def near_one(name, width):
     return 1.0 + 0.1 * jax.random.normal(keys[name], (n, width), jnp.float32)
 
-  qk = ({"q_norm": norm("q_norm", hd), "k_norm": norm("k_norm", hd)}
-        if config.qk_norm else {})
-  stack = LayerStack(ln1=norm("ln1", d), ln2=norm("ln2", d), **mats, **qk)
-  return jax.tree.map(lambda a: a.astype(dtype), stack)
+  leaves = {"ln1": near_one("ln1", d), "ln2": near_one("ln2", d), **mats}
+  if config.qk_norm:
+    leaves.update(q_norm=near_one("q_norm", hd), k_norm=near_one("k_norm", hd))
+  # Drawn from a key of their own, so models without them draw as before.
+  widths = {f"{r}_bias": shapes[r][1] for r in mats} if config.bias else {}
+  if config.norm == "layer":
+    widths.update(ln1_bias=d, ln2_bias=d)
+  bias_keys = jax.random.split(jax.random.fold_in(key, 1), len(widths) or 1)
+  for k, (name, width) in zip(bias_keys, sorted(widths.items())):
+    leaves[name] = 0.1 * jax.random.normal(k, (n, width), jnp.float32)
+  return jax.tree.map(lambda a: a.astype(dtype), layer_stack(**leaves))

@@ -1,10 +1,12 @@
-"""Decomposition sites of a GLU decoder and its engine function table.
+"""Decomposition sites of a decoder LM and its engine function table.
 
 Sites are any subset of `layers.{i}.self_attn.{q,k,v,o}_proj` and
-`layers.{i}.mlp.{gate,up,down}_proj` (SPEC §9.2). The decomposed span is
-`[split, tail)`, the first and one past the last decomposed layer. A role's
-sites form one kind `<role>_proj` (rows layer-ascending) when they share
-`C`; sites of one role with different `C` form kinds `<role>_proj.c<C>`.
+`layers.{i}.mlp.{gate,up,down}_proj` (SPEC §9.2; no `gate` in a plain MLP,
+design §9.4); a projection's bias stays frozen, outside its factors (I52).
+The decomposed span is `[split, tail)`, the first and one past the last
+decomposed layer. A role's sites form one kind `<role>_proj` (rows
+layer-ascending) when they share `C`; sites of one role with different `C`
+form kinds `<role>_proj.c<C>`.
 
 Masked forwards scan the span once with every kind that has a live site:
 per span layer the kind carries factors, mask, delta and an `active` flag.
@@ -46,7 +48,8 @@ def role_dims(config: glu_config.GluConfig, role: str) -> tuple[int, int]:
 def all_site_names(config: glu_config.GluConfig) -> tuple[str, ...]:
   """Return every decomposable matrix in canonical order."""
   return tuple(glu_lm.site_name(i, r)
-               for i in range(config.n_layers) for r in glu_lm.ROLES)
+               for i in range(config.n_layers)
+               for r in glu_lm.model_roles(config))
 
 
 def site_specs(
@@ -54,11 +57,14 @@ def site_specs(
 ) -> tuple[SiteSpec, ...]:
   """Return the named sites in canonical order (layer, then q…down)."""
   parsed = {}
+  roles = glu_lm.model_roles(config)
   for name in names:
     p = glu_lm.parse_site(name)
-    if p is None or p[2] or p[0] >= config.n_layers:
+    if (p is None or p[2] or p[0] >= config.n_layers
+        or p[1] not in roles):
+      mlp = ",".join(r for r in roles if r in ("gate", "up", "down"))
       raise ValueError(f"unknown site {name!r}; sites are layers.<i>.self_attn"
-                       ".{q,k,v,o}_proj and layers.<i>.mlp.{gate,up,down}_proj"
+                       f".{{q,k,v,o}}_proj and layers.<i>.mlp.{{{mlp}}}_proj"
                        f" for i < {config.n_layers}")
     parsed[name] = p[:2]
   if not parsed:
@@ -413,7 +419,7 @@ def start_key(seg: glu_lm.Segments) -> Optional[str]:
 # stream): q, k and v read the block's normed input, the pattern reads q and
 # k, o reads the attention output, the MLP the attention-updated stream.
 _ATTENTION_ROLES = frozenset("qkvo")
-_MOVED_BY = {
+_MOVED_BY: dict[str, frozenset] = {
   "q": frozenset(), "k": frozenset(), "v": frozenset(),
   "q.out": frozenset("q"), "k.out": frozenset("k"), "v.out": frozenset("v"),
   "attn": frozenset("qk"), "o": frozenset("qkv"), "o.out": _ATTENTION_ROLES,
@@ -422,6 +428,17 @@ _MOVED_BY = {
   "down": _ATTENTION_ROLES | {"gate", "up"},
   "down.out": _ATTENTION_ROLES | {"gate", "up", "down"},
 }
+_MLP_STREAMS = ("gate", "up", "gate.out", "up.out", "down", "down.out")
+
+
+def moved_by(config: glu_config.GluConfig) -> dict[str, frozenset]:
+  """Return, per tap stream, the roles of its own block that move it: a
+  parallel block's MLP reads the block input, which its attention does not
+  touch."""
+  if not config.parallel_residual:
+    return _MOVED_BY
+  return {s: (r - _ATTENTION_ROLES if s in _MLP_STREAMS else r)
+          for s, r in _MOVED_BY.items()}
 
 
 def masking_reaches(config: glu_config.GluConfig,
@@ -430,12 +447,13 @@ def masking_reaches(config: glu_config.GluConfig,
   later layer's anything; in the site's own layer, what reads it). Unknown
   taps raise `parse_tap`'s ValueError."""
   placed = [glu_lm.parse_site(s.name)[:2] for s in sites]
+  moving = moved_by(config)
 
   def reaches(tap: str) -> bool:
     stream, layer = glu_lm.parse_tap(tap, config.n_layers)
     if stream == "resid":
       return any(l < layer for l, _ in placed)
-    return any(l < layer or (l == layer and role in _MOVED_BY[stream])
+    return any(l < layer or (l == layer and role in moving[stream])
                for l, role in placed)
 
   return reaches
@@ -523,34 +541,58 @@ def target_fns(
 def layer_array_shapes(
   config: glu_config.GluConfig,
 ) -> dict[str, tuple[int, ...]]:
-  """Return the per-layer shape of every stacked weight array."""
-  shapes = {r: role_dims(config, r) for r in glu_lm.ROLES}
+  """Return the per-layer shape of every stacked weight array: matrices,
+  norms and (of models with them) biases `<role>_bias`, `ln{1,2}_bias`."""
+  roles = glu_lm.model_roles(config)
+  shapes = {r: role_dims(config, r) for r in roles}
   shapes.update(ln1=(config.d_model,), ln2=(config.d_model,))
   if config.qk_norm:
     shapes.update(q_norm=(config.head_dim,), k_norm=(config.head_dim,))
+  if config.bias:
+    shapes.update({f"{r}_bias": role_dims(config, r)[1:] for r in roles})
+  if config.norm == "layer":
+    shapes.update(ln1_bias=(config.d_model,), ln2_bias=(config.d_model,))
   return shapes
 
 
+# Whole-model arrays beside the layer stacks.
+_MODEL_ARRAYS = ("embed", "norm", "head", "pos", "norm_bias")
+
+
+def array_shapes(config: glu_config.GluConfig) -> dict[str, tuple[int, ...]]:
+  """Return the shape of every array `weights_from_arrays` takes: `embed`,
+  `norm`, `head` (untied models only), `pos` (learned positions only),
+  `norm_bias` (LayerNorm only) and each per-layer array stacked
+  `[n_layers, ...]`."""
+  want = {"embed": (config.vocab_size, config.d_model),
+          "norm": (config.d_model,)}
+  if not config.tied:
+    want["head"] = (config.vocab_size, config.d_model)
+  if config.positions == "learned":
+    want["pos"] = (config.max_position, config.d_model)
+  if config.norm == "layer":
+    want["norm_bias"] = (config.d_model,)
+  for name, shape in layer_array_shapes(config).items():
+    want[name] = (config.n_layers, *shape)
+  return want
+
+
 def weights_from_arrays(
-  arrays: dict[str, np.ndarray],
+  arrays: dict[str, np.ndarray | Array],
   config: glu_config.GluConfig,
   seg: glu_lm.Segments,
   dtype=jnp.float32,
 ) -> glu_lm.GluWeights:
   """Return device weights split into the three stacks of `seg`.
 
-  `arrays` holds `embed`, `norm`, `head` (untied models only) and every
-  per-layer array stacked `[n_layers, ...]` in `x @ W` orientation.
+  `arrays` holds the arrays of `array_shapes`, per-layer ones in `x @ W`
+  orientation: host arrays, or abstract ones under `jax.eval_shape` (the
+  memory bench's).
 
   Raises:
     ValueError: a name or shape does not match `config`.
   """
-  want = {"embed": (config.vocab_size, config.d_model),
-          "norm": (config.d_model,)}
-  if not config.tied:
-    want["head"] = (config.vocab_size, config.d_model)
-  for name, shape in layer_array_shapes(config).items():
-    want[name] = (config.n_layers, *shape)
+  want = array_shapes(config)
   if set(arrays) != set(want):
     raise ValueError(f"weight arrays {sorted(arrays)} do not match the "
                      f"model's {sorted(want)}")
@@ -559,8 +601,8 @@ def weights_from_arrays(
       raise ValueError(f"weight {name}: shape {tuple(arrays[name].shape)}, "
                        f"expected {shape}")
   stacks = glu_lm.split_stacks(
-    glu_lm.LayerStack(**{n: arrays[n] for n in want
-                         if n not in ("embed", "norm", "head")}), seg)
+    glu_lm.layer_stack(**{n: arrays[n] for n in want
+                          if n not in _MODEL_ARRAYS}), seg)
 
   def put(a):
     return jnp.asarray(a, dtype)
@@ -571,7 +613,8 @@ def weights_from_arrays(
     span=None if stacks[1] is None else jax.tree.map(put, stacks[1]),
     tail=None if stacks[2] is None else jax.tree.map(put, stacks[2]),
     norm=put(arrays["norm"]),
-    head=None if config.tied else put(arrays["head"]))
+    head=None if config.tied else put(arrays["head"]),
+    **{n: put(arrays[n]) for n in ("pos", "norm_bias") if n in want})
 
 
 def weights_to_arrays(weights: glu_lm.GluWeights) -> dict[str, np.ndarray]:
@@ -579,8 +622,9 @@ def weights_to_arrays(weights: glu_lm.GluWeights) -> dict[str, np.ndarray]:
   stacks = [s for s in (weights.prefix, weights.span, weights.tail)
             if s is not None]
   out = {"embed": np.asarray(weights.embed), "norm": np.asarray(weights.norm)}
-  if weights.head is not None:
-    out["head"] = np.asarray(weights.head)
+  for name in ("head", "pos", "norm_bias"):
+    if getattr(weights, name) is not None:
+      out[name] = np.asarray(getattr(weights, name))
   for name in glu_lm.LayerStack._fields:
     parts = [getattr(s, name) for s in stacks]
     if parts[0] is not None:

@@ -606,6 +606,18 @@ ROWS = (
       "m/config.json: key 'hidden_size' must be a positive integer, got "
       "'64' (str)", setup=_model_copy("tiny_llama",
                                       _config_json(hidden_size="64"))),
+  Row("gpt2_layer_scaled_attention", "train", (
+    "--flagfile={ROOT}/flags/tiny_gpt2.flags", "--model_dir={T}/m", OUT),
+    "scale_attn_by_inverse_layer_idx=True; only "
+    "scale_attn_by_inverse_layer_idx=False is implemented",
+    setup=_model_copy("tiny_gpt2", _config_json(
+      scale_attn_by_inverse_layer_idx=True))),
+  Row("gpt2_gate_site", "train", (
+    "--flagfile={ROOT}/flags/tiny_gpt2.flags",
+    "--sites=layers.1.mlp.gate_proj", OUT),
+    "--sites entry 'layers.1.mlp.gate_proj' matches no site; sites are "
+    "layers.<i>.self_attn.{q,k,v,o}_proj and layers.<i>.mlp.{up,down}_proj, "
+    "i < 3"),
   Row("config_not_json", "train", (*LLAMA, "--model_dir={T}/m", OUT),
       "m/config.json is not valid JSON (Expecting value",
       setup=_model_copy("tiny_llama", _config_text("{\"a\": }"))),

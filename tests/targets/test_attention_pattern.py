@@ -25,7 +25,9 @@ QK_SITES = ("layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj")
 def _weights(sites):
   seg = glu_target.span_segments(CONFIG, sites)
   stack = glu_lm.init_stack(jax.random.key(0), CONFIG, CONFIG.n_layers)
-  arrays = {k: np.asarray(v) for k, v in stack._asdict().items()}
+  # Leaves this model lacks (biases) are None.
+  arrays = {k: np.asarray(v) for k, v in stack._asdict().items()
+            if v is not None}
   rng = np.random.default_rng(1)
   arrays["embed"] = rng.standard_normal((16, 8)).astype(np.float32)
   arrays["norm"] = np.ones(8, np.float32)

@@ -9,6 +9,7 @@ from decompax.targets import glu_config
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 CONFIGS = sorted([FIXTURES / "tiny_llama", FIXTURES / "tiny_qwen3",
+                  FIXTURES / "tiny_gpt2", FIXTURES / "tiny_pythia",
                   *(FIXTURES / "hf_configs").iterdir()])
 
 
@@ -52,3 +53,18 @@ def test_heads_need_not_divide_the_width_given_a_head_dim():
   glu_config.check_fields(_raw(FIXTURES / "tiny_llama")
                           | {"num_attention_heads": 3, "head_dim": 16,
                              "num_key_value_heads": 1})
+
+
+@pytest.mark.parametrize("changes, message", [
+  ({"n_embd": "64"}, "key 'n_embd' must be a positive integer"),
+  ({"n_inner": 0}, "key 'n_inner' must be a positive integer"),
+  ({"n_head": 3}, "key 'n_head': 3 heads do not divide n_embd 64"),
+])
+def test_gpt2_sizes_are_named_by_gpt2_keys(changes, message):
+  raw = _raw(FIXTURES / "tiny_gpt2")
+  glu_config.check_fields(raw | {"n_inner": None})  # 4·n_embd by default
+  with pytest.raises(ValueError, match=message):
+    glu_config.check_fields(raw | changes)
+  del raw["n_layer"]
+  with pytest.raises(ValueError, match="key 'n_layer' is missing"):
+    glu_config.check_fields(raw)

@@ -1,0 +1,37 @@
+"""The GPT-2 and Pythia flagfiles decompose their tiny fixtures for a few
+steps (design §9.4), in-process on CPU."""
+
+import math
+import pathlib
+
+import pytest
+
+from decompax.bin import train
+from decompax.io import run_dir
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SITES = {
+  "tiny_gpt2": ("layers.1.mlp.up_proj", "layers.1.mlp.down_proj"),
+  "tiny_pythia": tuple(f"layers.1.{m}_proj" for m in (
+    "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "mlp.up",
+    "mlp.down")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SITES))
+def test_family_flagfile_decomposes_a_few_steps(name, parse, tmp_path,
+                                                monkeypatch):
+  monkeypatch.chdir(ROOT)  # the flagfile's --model_dir is repo-relative
+  out = tmp_path / "run"
+  prepared = train.setup(parse(
+    f"--flagfile={ROOT / 'flags' / f'{name}.flags'}", "--num_steps=3",
+    "--log_every=1", "--eval_every=0", "--slow_eval_every=0",
+    "--save_every=3", "--faithfulness_warmup_steps=1", "--c=8",
+    "--batch_size=4", "--ci_d_model=8", "--ci_d_mlp=16",
+    f"--output_dir={out}"))
+  assert tuple(s.name for s in prepared.target.sites) == SITES[name]
+  train.train(prepared)
+  records = run_dir.read_metrics(out / "metrics.jsonl")
+  losses = [r["loss/total"] for r in records if "loss/total" in r]
+  assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+  assert (out / "decomposition.npz").is_file()
