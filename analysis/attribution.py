@@ -328,3 +328,23 @@ def graph_json(graph: AttributionGraph) -> dict[str, Any]:
           "share": graph.share, "logit": graph.logit,
           "nodes": [n._asdict() for n in graph.nodes],
           "edges": [e._asdict() for e in graph.edges]}
+
+
+class SummedEdge(NamedTuple):
+  """The edges between two (site, position) places, their weights summed."""
+
+  source: tuple[str, int]
+  target: tuple[str, int]
+  weight: float
+
+
+def summed_edges(graph: AttributionGraph) -> list[SummedEdge]:
+  """Return the graph's edges summed per source and target site and
+  position (components apart), largest |sum| first."""
+  sums: dict[tuple, float] = {}
+  for e in graph.edges:
+    s, t = graph.nodes[e.source], graph.nodes[e.target]
+    key = ((s.site, s.position), (t.site, t.position))
+    sums[key] = sums.get(key, 0.0) + e.weight
+  return sorted((SummedEdge(*k, w) for k, w in sums.items()),
+                key=lambda e: -abs(e.weight))
