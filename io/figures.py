@@ -23,7 +23,9 @@ import matplotlib
 import numpy as np
 from jaxtyping import Float
 from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
 from matplotlib.collections import LineCollection, PathCollection
+from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
@@ -406,7 +408,7 @@ def draw_attribution_graph(
          xlabel="position")
   ax.legend(handles=[Line2D([], [], color=_RAISES, label="raises"),
                      Line2D([], [], color=_LOWERS, label="lowers")],
-            loc="lower right", fontsize="small")
+            loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
   return GraphArtists(markers, lines)
 
 
@@ -422,6 +424,8 @@ def plot_attribution_graph(
                         1.5 + 0.5 * (len(sites) + 1)), layout="constrained")
   ax = fig.subplots()
   draw_attribution_graph(ax, graph, sites, labels)
+  fig.colorbar(ScalarMappable(Normalize(0, 1), "viridis"), ax=ax,
+               label="node CI", shrink=0.6, location="right")
   ax.set_title(title or f"attribution graph: {len(graph['nodes'])} nodes, "
                f"{len(graph['edges'])} edges")
   return run_dir.atomic_write(
