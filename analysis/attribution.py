@@ -348,3 +348,15 @@ def summed_edges(graph: AttributionGraph) -> list[SummedEdge]:
     sums[key] = sums.get(key, 0.0) + e.weight
   return sorted((SummedEdge(*k, w) for k, w in sums.items()),
                 key=lambda e: -abs(e.weight))
+
+
+def node_masks(graph: AttributionGraph, sites: tuple[SiteSpec, ...],
+               t: int) -> dict[str, np.ndarray]:
+  """Return per site a `[t, c]` mask, 1 at each component node of the
+  graph (at its position) and 0 elsewhere: keeping only the graph's
+  components, or with `1 - mask` removing only them."""
+  masks = {s.name: np.zeros((t, s.c), np.float32) for s in sites}
+  for node in graph.nodes:
+    if node.site != LOGIT:
+      masks[node.site][node.position, node.component] = 1.0
+  return masks
