@@ -198,6 +198,17 @@ def test_summed_edges_add_up_per_site_and_position(linear):
   assert len(into) == 1 and into[0].weight == pytest.approx(want)
 
 
+def test_node_masks_mark_each_component_node_at_its_position(linear):
+  graph = _linear_graph(linear, share=0.5)
+  masks = attribution.node_masks(graph, SITES, T)
+  assert {k: v.shape for k, v in masks.items()} == {"a": (T, CA),
+                                                    "b": (T, CB)}
+  marked = {(site, int(p), int(c)) for site, m in masks.items()
+            for p, c in zip(*np.nonzero(m))}
+  assert marked == {n[:3] for n in graph.nodes[1:]}
+  assert all(set(np.unique(m)) <= {0.0, 1.0} for m in masks.values())
+
+
 def test_the_drawn_graph_has_its_nodes_and_edges(linear, tmp_path):
   graph = _linear_graph(linear, share=0.5)
   data = attribution.graph_json(graph)
