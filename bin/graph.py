@@ -98,12 +98,15 @@ def main(argv: list[str]) -> None:
   except (OSError, ValueError) as e:
     fail(str(e))
   data = attribution.graph_json(graph)
-  figures.plot_attribution_graph(
-    data, [s.name for s in run.target.sites], _OUTPUT.value,
-    labels=[str(t) for t in tokens])
-  if _JSON.value:
-    run_dir.atomic_write(_JSON.value,
-                         lambda f: f.write(json.dumps(data).encode()))
+  try:
+    figures.plot_attribution_graph(
+      data, [s.name for s in run.target.sites], _OUTPUT.value,
+      labels=[str(t) for t in tokens])
+    if _JSON.value:
+      run_dir.atomic_write(_JSON.value,
+                           lambda f: f.write(json.dumps(data).encode()))
+  except OSError as e:
+    fail(f"cannot write {e.filename or 'the output'}: {e.strerror}")
   print(summary(graph, _TOP.value))
   print(f"wrote {', '.join(outputs)}")
 
