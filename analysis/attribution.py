@@ -328,3 +328,35 @@ def graph_json(graph: AttributionGraph) -> dict[str, Any]:
           "share": graph.share, "logit": graph.logit,
           "nodes": [n._asdict() for n in graph.nodes],
           "edges": [e._asdict() for e in graph.edges]}
+
+
+class SummedEdge(NamedTuple):
+  """The edges between two (site, position) places, their weights summed."""
+
+  source: tuple[str, int]
+  target: tuple[str, int]
+  weight: float
+
+
+def summed_edges(graph: AttributionGraph) -> list[SummedEdge]:
+  """Return the graph's edges summed per source and target site and
+  position (components apart), largest |sum| first."""
+  sums: dict[tuple, float] = {}
+  for e in graph.edges:
+    s, t = graph.nodes[e.source], graph.nodes[e.target]
+    key = ((s.site, s.position), (t.site, t.position))
+    sums[key] = sums.get(key, 0.0) + e.weight
+  return sorted((SummedEdge(*k, w) for k, w in sums.items()),
+                key=lambda e: -abs(e.weight))
+
+
+def node_masks(graph: AttributionGraph, sites: tuple[SiteSpec, ...],
+               t: int) -> dict[str, np.ndarray]:
+  """Return per site a `[t, c]` mask, 1 at each component node of the
+  graph (at its position) and 0 elsewhere: keeping only the graph's
+  components, or with `1 - mask` removing only them."""
+  masks = {s.name: np.zeros((t, s.c), np.float32) for s in sites}
+  for node in graph.nodes:
+    if node.site != LOGIT:
+      masks[node.site][node.position, node.component] = 1.0
+  return masks

@@ -1,4 +1,5 @@
-"""Run figures: CI patterns on one-hot features, U/V factors, loss curves.
+"""Run figures: CI patterns on one-hot features, U/V factors, loss curves,
+and a prompt's attribution graph.
 
 Figures are built on `matplotlib.figure.Figure` directly, never pyplot, so no
 GUI backend or global figure registry is involved and plotting is safe from
@@ -16,12 +17,17 @@ import contextlib
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import matplotlib
 import numpy as np
 from jaxtyping import Float
 from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
+from matplotlib.collections import LineCollection, PathCollection
+from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from decompax.core import probe
@@ -320,3 +326,107 @@ def plot_metric_curves(
     ax.text(0.5, 0.5, f"no {' or '.join(prefixes)} metrics yet", ha="center",
             transform=ax.transAxes)
   return _save_png(fig, path)
+
+
+# Attribution graphs, as `analysis.attribution.graph_json` gives them: node 0
+# the output logit, `site == "logit"`; edges name their nodes by index.
+_LOGIT = "logit"
+# Edge colours by sign (raises the target, lowers it) and the widest edge.
+_RAISES, _LOWERS, _MAX_EDGE_WIDTH = "#2166ac", "#b2182b", 4.0
+# Share of a position's width its nodes of one site spread over.
+_CELL = 0.8
+
+
+class GraphArtists(NamedTuple):
+  """What `draw_attribution_graph` drew: one marker per node (offsets in
+  node order) and one line per edge (drawn by |weight|, weakest first)."""
+
+  nodes: PathCollection
+  edges: LineCollection
+
+
+def graph_layout(nodes: Sequence[Mapping[str, Any]], sites: Sequence[str]
+                 ) -> Float[np.ndarray, "n 2"]:
+  """Return each node's (x, y): x its position, y its site's index in
+  `sites` (the output one above the last), nodes sharing a site and
+  position spread over `_CELL` of the position in component order."""
+  row = {site: i for i, site in enumerate(sites)} | {_LOGIT: len(sites)}
+  cells: dict[tuple[int, int], list[int]] = {}
+  for i, node in enumerate(nodes):
+    if node["site"] not in row:
+      raise ValueError(f"node {i}'s site {node['site']!r} is not one of "
+                       f"the sites given ({list(sites)})")
+    cells.setdefault((row[node["site"]], node["position"]), []).append(i)
+  xy = np.zeros((len(nodes), 2))
+  for (y, position), members in cells.items():
+    members.sort(key=lambda i: nodes[i]["component"])
+    step = _CELL / len(members)
+    for k, i in enumerate(members):
+      xy[i] = (position + (k - (len(members) - 1) / 2) * step, y)
+  return xy
+
+
+def _edge_lines(edges: Sequence[Mapping[str, Any]],
+                xy: Float[np.ndarray, "n 2"]) -> LineCollection:
+  """Return the edges as lines, width ∝ |weight| (the widest
+  `_MAX_EDGE_WIDTH`), coloured by sign, weakest first so the strong lie
+  on top."""
+  weight = np.asarray([e["weight"] for e in edges], np.float64)
+  order = np.argsort(np.abs(weight), kind="stable")
+  largest = float(np.max(np.abs(weight), initial=0.0)) or 1.0
+  segments = [(xy[edges[i]["source"]], xy[edges[i]["target"]])
+              for i in order]
+  return LineCollection(
+    segments, linewidths=_MAX_EDGE_WIDTH * np.abs(weight[order]) / largest,
+    colors=[_RAISES if weight[i] > 0 else _LOWERS for i in order],
+    alpha=0.7, zorder=1)
+
+
+def draw_attribution_graph(
+  ax: Axes, graph: Mapping[str, Any], sites: Sequence[str],
+  labels: Sequence[str] | None = None,
+) -> GraphArtists:
+  """Draw an attribution graph on `ax` and return its artists: positions
+  on x (ticks `labels[p]` under each position where given), `sites` in
+  forward order up y with the output logit at the top, a node per alive
+  component (coloured by its CI) and an edge per graph edge."""
+  nodes, edges = graph["nodes"], graph["edges"]
+  xy = graph_layout(nodes, sites)
+  lines = ax.add_collection(_edge_lines(edges, xy))
+  ci = [n["ci"] if n["ci"] is not None else 1.0 for n in nodes]
+  colours = [(0, 0, 0, 1) if n["site"] == _LOGIT else c for n, c in
+             zip(nodes, matplotlib.colormaps["viridis"](np.clip(ci, 0, 1)))]
+  markers = ax.scatter(xy[:, 0], xy[:, 1], s=14, c=colours, zorder=2,
+                       linewidths=0)
+  positions = range(max([n["position"] for n in nodes], default=0) + 1)
+  ax.set_xticks(list(positions), labels=[
+    f"{p}\n{labels[p]}" if labels is not None else str(p)
+    for p in positions])
+  ax.set_yticks(range(len(sites) + 1),
+                labels=[*sites, f"logit of {graph['token']}"])
+  ax.set(xlim=(-0.6, len(positions) - 0.4), ylim=(-0.6, len(sites) + 0.6),
+         xlabel="position")
+  ax.legend(handles=[Line2D([], [], color=_RAISES, label="raises"),
+                     Line2D([], [], color=_LOWERS, label="lowers")],
+            loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+  return GraphArtists(markers, lines)
+
+
+def plot_attribution_graph(
+  graph: Mapping[str, Any], sites: Sequence[str], path: run_dir.Path,
+  labels: Sequence[str] | None = None, title: str = "",
+) -> str:
+  """Return `path` after drawing `graph` (`draw_attribution_graph`), sized
+  to its positions and sites, written atomically into an existing
+  directory (any, not only a run's: nothing is recorded beside it)."""
+  n_positions = max([n["position"] for n in graph["nodes"]], default=0) + 1
+  fig = Figure(figsize=(max(6.0, 2.5 + 0.45 * n_positions),
+                        1.5 + 0.5 * (len(sites) + 1)), layout="constrained")
+  ax = fig.subplots()
+  draw_attribution_graph(ax, graph, sites, labels)
+  fig.colorbar(ScalarMappable(Normalize(0, 1), "viridis"), ax=ax,
+               label="node CI", shrink=0.6, location="right")
+  ax.set_title(title or f"attribution graph: {len(graph['nodes'])} nodes, "
+               f"{len(graph['edges'])} edges")
+  return run_dir.atomic_write(
+    path, lambda f: fig.savefig(f, format="png", dpi=_DPI))

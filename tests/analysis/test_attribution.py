@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matplotlib.figure import Figure
 
 from decompax.analysis import attribution, explore
 from decompax.core import ci_fns, site_forward
@@ -18,6 +19,7 @@ from decompax.core import sites as sites_lib
 from decompax.core.masks import SiteMask
 from decompax.core.sites import Factors, SiteSpec
 from decompax.core.target import TargetFns
+from decompax.io import figures
 from decompax.io.decomposition import Decomposition
 from decompax.recipe.config import TrainConfig
 from decompax.targets import arithmetic, glu_target, registry
@@ -179,6 +181,50 @@ def test_graph_converts_to_json(linear):
                               "component": 0, "ci": None}
   assert len(data["edges"]) == len(graph.edges)
   assert data["edges"][0] == graph.edges[0]._asdict()
+
+
+def test_summed_edges_add_up_per_site_and_position(linear):
+  graph = _linear_graph(linear, share=1.0)
+  sums = attribution.summed_edges(graph)
+  assert sum(e.weight for e in sums) == pytest.approx(
+    sum(e.weight for e in graph.edges))
+  assert len({(e.source, e.target) for e in sums}) == len(sums)
+  assert [abs(e.weight) for e in sums] == sorted(
+    (abs(e.weight) for e in sums), reverse=True)
+  into = [e for e in sums if e.source == ("b", 2)
+          and e.target == (attribution.LOGIT, 2)]
+  want = sum(e.weight for e in graph.edges if e.target == 0
+             and graph.nodes[e.source][:2] == ("b", 2))
+  assert len(into) == 1 and into[0].weight == pytest.approx(want)
+
+
+def test_node_masks_mark_each_component_node_at_its_position(linear):
+  graph = _linear_graph(linear, share=0.5)
+  masks = attribution.node_masks(graph, SITES, T)
+  assert {k: v.shape for k, v in masks.items()} == {"a": (T, CA),
+                                                    "b": (T, CB)}
+  marked = {(site, int(p), int(c)) for site, m in masks.items()
+            for p, c in zip(*np.nonzero(m))}
+  assert marked == {n[:3] for n in graph.nodes[1:]}
+  assert all(set(np.unique(m)) <= {0.0, 1.0} for m in masks.values())
+
+
+def test_the_drawn_graph_has_its_nodes_and_edges(linear, tmp_path):
+  graph = _linear_graph(linear, share=0.5)
+  data = attribution.graph_json(graph)
+  ax = Figure().subplots()
+  drawn = figures.draw_attribution_graph(ax, data, [s.name for s in SITES])
+  assert len(drawn.nodes.get_offsets()) == len(graph.nodes)
+  assert len(drawn.edges.get_segments()) == len(graph.edges)
+  np.testing.assert_allclose(
+    np.sort(drawn.edges.get_linewidths()),
+    np.sort([abs(e.weight) for e in graph.edges])
+    / max(abs(e.weight) for e in graph.edges) * 4.0, rtol=1e-6)
+  top = drawn.nodes.get_offsets()[0]  # the output, above every site
+  assert top[1] == len(SITES) and top[0] == graph.position
+  path = figures.plot_attribution_graph(data, [s.name for s in SITES],
+                                        tmp_path / "g.png")
+  assert open(path, "rb").read(4) == b"\x89PNG"
 
 
 # The induction toy: a random prompt whose positions 4..11 repeat at

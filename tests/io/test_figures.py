@@ -101,3 +101,50 @@ def test_plot_ci_on_features_takes_each_sites_expected_pattern(tmp_path):
   assert figures.plot_ci_on_features(
     ci, path, "CI", expected={"hidden": Expected("dense", 2)}) == str(path)
   assert _is_png(path)
+
+
+# An attribution graph as `attribution.graph_json` gives it.
+GRAPH = {"token": 3, "position": 2, "share": 0.9, "logit": 1.0,
+         "nodes": [{"site": "logit", "position": 2, "component": 3,
+                    "ci": None},
+                   {"site": "b", "position": 2, "component": 1, "ci": 0.9},
+                   {"site": "a", "position": 0, "component": 4, "ci": 0.5},
+                   {"site": "a", "position": 0, "component": 2, "ci": 1.0}],
+         "edges": [{"source": 1, "target": 0, "weight": 2.0},
+                   {"source": 2, "target": 1, "weight": -0.5},
+                   {"source": 3, "target": 0, "weight": 1.0}]}
+
+
+def test_graph_layout_puts_sites_up_and_positions_across():
+  xy = figures.graph_layout(GRAPH["nodes"], ["a", "b"])
+  assert xy[0].tolist() == [2, 2] and xy[1].tolist() == [2, 1]
+  # Two nodes of one site and position: side by side, in component order.
+  assert xy[3, 0] < 0 < xy[2, 0] and xy[2, 1] == xy[3, 1] == 0
+  with pytest.raises(ValueError, match="'b' is not one of"):
+    figures.graph_layout(GRAPH["nodes"], ["a"])
+
+
+def test_draw_attribution_graph_draws_every_node_and_edge():
+  from matplotlib.figure import Figure  # noqa: PLC0415
+  ax = Figure().subplots()
+  drawn = figures.draw_attribution_graph(ax, GRAPH, ["a", "b"],
+                                         labels=["x", "y", "z"])
+  assert len(drawn.nodes.get_offsets()) == 4
+  segments = drawn.edges.get_segments()
+  assert len(segments) == 3
+  # Weakest first; width ∝ |weight|, the strongest the widest.
+  np.testing.assert_allclose(drawn.edges.get_linewidths(),
+                             [1.0, 2.0, 4.0])
+  np.testing.assert_allclose(segments[-1], [[2, 1], [2, 2]])
+  colours = [tuple(c[:3]) for c in drawn.edges.get_colors()]
+  assert colours[0] != colours[1] == colours[2]  # the negative edge differs
+  assert ax.get_yticklabels()[-1].get_text() == "logit of 3"
+  assert ax.get_xticklabels()[1].get_text() == "1\ny"
+
+
+def test_plot_attribution_graph_writes_png(tmp_path):
+  path = tmp_path / "graph.png"
+  assert figures.plot_attribution_graph(GRAPH, ["a", "b"], path) == str(path)
+  assert _is_png(path)
+  # Written anywhere, not as a run's file: nothing else beside it.
+  assert [p.name for p in tmp_path.iterdir()] == ["graph.png"]

@@ -1,0 +1,120 @@
+"""A prompt's attribution graph: `bin/graph --run_dir=D --tokens=1,2,3`.
+
+Builds `explore.attribution_graph` (analysis/attribution.py, docs/design.md
+§15.2) of a finished language-model run on one prompt of token ids, prints
+its size and its edges summed per site and position (largest first,
+`--top`), and writes the figure (`--output`, a PNG: positions across,
+sites up, the logit on top) and, with `--json`, the graph's JSON.
+"""
+
+import json
+import os
+
+from absl import flags, logging
+
+from decompax.analysis import attribution, explore
+from decompax.bin import cli
+from decompax.io import figures, run_dir
+
+_RUN_DIR = flags.DEFINE_string(
+  "run_dir", None, "A finished bin/train run of a language model (a token "
+  "toy or --target=hf).", required=True)
+_TOKENS = flags.DEFINE_string(
+  "tokens", None, "The prompt: token ids separated by commas.",
+  required=True)
+_POSITION = flags.DEFINE_integer(
+  "position", -1, "The position whose prediction is explained (negative "
+  "counts from the end).")
+_TOKEN = flags.DEFINE_integer(
+  "token", None, "The token whose logit is the output node; default the "
+  "clean model's top prediction there.")
+_SHARE = cli.define_float(
+  "share", 0.9, "Share of each target's incoming |attribution| its kept "
+  "edges carry, in (0, 1].", __name__)
+_THRESHOLD = cli.define_float(
+  "threshold", None, "CI above which a component is alive; default the "
+  "run's --ci_alive_threshold.", __name__)
+_MAX_TARGETS = flags.DEFINE_integer(
+  "max_targets", 64, "Nodes expanded (the output first, then by influence).",
+  lower_bound=1)
+_OUTPUT = flags.DEFINE_string("output", "attribution_graph.png",
+                              "The figure (PNG).")
+_JSON = flags.DEFINE_string("json", None, "Also write the graph's JSON here.")
+_TOP = flags.DEFINE_integer("top", 10, "Summed edges printed.",
+                            lower_bound=0)
+
+
+def fail(message: str) -> None:
+  """Print a one-line error and exit non-zero."""
+  cli.fail("graph", message)
+
+
+def prompt_tokens(text: str) -> list[int]:
+  """Return the token ids of `--tokens`; ValueError names a bad one."""
+  ids = []
+  for part in text.split(","):
+    try:
+      ids.append(int(part))
+    except ValueError:
+      raise ValueError(f"--tokens: {part.strip()!r} is no token id; give "
+                       "integers separated by commas") from None
+  return ids
+
+
+def _place(where: tuple[str, int]) -> str:
+  return f"{where[0]} @{where[1]}"
+
+
+def summary(graph: attribution.AttributionGraph, top: int) -> str:
+  """Return the graph's size and its `top` summed edges, one a line."""
+  lines = [f"logit of token {graph.token} at position {graph.position}: "
+           f"{graph.logit:.4g}; share {graph.share:g}, "
+           f"{len(graph.nodes)} nodes, {len(graph.edges)} edges"]
+  lines += [f"  {_place(e.source)} -> {_place(e.target)}: {e.weight:+.3g}"
+            for e in attribution.summed_edges(graph)[:top]]
+  return "\n".join(lines)
+
+
+def _check_outputs(paths: list[str]) -> None:
+  for path in paths:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+      fail(f"cannot write {path}: its directory {parent} does not exist")
+
+
+def main(argv: list[str]) -> None:
+  logging.set_verbosity(logging.WARNING)
+  if len(argv) > 1:
+    fail(f"unexpected argument {argv[1]!r}; use --tokens=ID,ID,...")
+  outputs = [_OUTPUT.value] + ([_JSON.value] if _JSON.value else [])
+  _check_outputs(outputs)
+  try:
+    tokens = prompt_tokens(_TOKENS.value)
+    run = explore.load_run(_RUN_DIR.value)
+    graph = explore.attribution_graph(
+      run, tokens, token=_TOKEN.value, position=_POSITION.value,
+      share=_SHARE.value, threshold=_THRESHOLD.value,
+      max_targets=_MAX_TARGETS.value)
+  except (OSError, ValueError) as e:
+    fail(str(e))
+  data = attribution.graph_json(graph)
+  try:
+    figures.plot_attribution_graph(
+      data, [s.name for s in run.target.sites], _OUTPUT.value,
+      labels=[str(t) for t in tokens])
+    if _JSON.value:
+      run_dir.atomic_write(_JSON.value,
+                           lambda f: f.write(json.dumps(data).encode()))
+  except OSError as e:
+    fail(f"cannot write {e.filename or 'the output'}: {e.strerror}")
+  print(summary(graph, _TOP.value))
+  print(f"wrote {', '.join(outputs)}")
+
+
+def entry() -> None:
+  """Launch the absl app (used by the `bin/graph` launcher)."""
+  cli.launch("graph", main)
+
+
+if __name__ == "__main__":
+  entry()
