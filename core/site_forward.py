@@ -10,6 +10,7 @@ frozen output is the row `W[t]`, a component's activation the entry
 `V[t, c]`, both gathered (I53).
 """
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
@@ -30,14 +31,25 @@ def decomposed_matmul(
   site_mask: SiteMask,
 ) -> Float[Array, "*l d_out"]:
   """Return `(x·V ⊙ m)·U + δ·(x·W − x·V·U)`, or `x·W` where unrouted."""
-  a = x @ v
+  return _masked_pieces(x @ v, lambda: x @ w, u, site_mask)
+
+
+def _masked_pieces(
+  a: Float[Array, "*l c"],
+  frozen: Callable[[], Float[Array, "*l d_out"]],
+  u: Float[Array, "c d_out"],
+  site_mask: SiteMask,
+) -> Float[Array, "*l d_out"]:
+  """Return `(a ⊙ m)·U + δ·(frozen − a·U)`, or `frozen` where unrouted,
+  from the component activations `a` and the frozen output, which is only
+  formed when the delta or the route needs it."""
   y = (a * site_mask.mask) @ u
   if site_mask.delta is not None:
-    # The delta path is x·(W − VU) formed without the [d_in, d_out] delta;
-    # its a·U term is deliberately unmasked.
-    y = y + site_mask.delta[..., None] * (x @ w - a @ u)
+    # The delta path is the frozen output less a·U, formed without the
+    # [d_in, d_out] delta; its a·U term is deliberately unmasked.
+    y = y + site_mask.delta[..., None] * (frozen() - a @ u)
   if site_mask.route is not None:
-    y = jnp.where(site_mask.route[..., None], y, x @ w)
+    y = jnp.where(site_mask.route[..., None], y, frozen())
   return y
 
 
@@ -107,15 +119,10 @@ def decomposed_embedding(
   site_mask: SiteMask,
 ) -> Float[Array, "*l d_out"]:
   """Return `(V[t] ⊙ m)·U + δ·(W[t] − V[t]·U)`, or `W[t]` where unrouted:
-  `decomposed_matmul` of `onehot(t)`, with rows gathered."""
-  a = rows(v, tokens)
-  y = (a * site_mask.mask) @ u
-  if site_mask.delta is not None:
-    # The delta component's row Δ[t] = W[t] − V[t]·U, never the whole Δ.
-    y = y + site_mask.delta[..., None] * (rows(w, tokens) - a @ u)
-  if site_mask.route is not None:
-    y = jnp.where(site_mask.route[..., None], y, rows(w, tokens))
-  return y
+  `decomposed_matmul` of `onehot(t)`, with rows gathered: the delta
+  component's row is `W[t] − V[t]·U`, never the whole `Δ`."""
+  return _masked_pieces(rows(v, tokens), lambda: rows(w, tokens), u,
+                        site_mask)
 
 
 def site_embedding(
