@@ -542,7 +542,8 @@ def layer_array_shapes(
   config: glu_config.GluConfig,
 ) -> dict[str, tuple[int, ...]]:
   """Return the per-layer shape of every stacked weight array: matrices,
-  norms and (of models with them) biases `<role>_bias`, `ln{1,2}_bias`."""
+  norms and (of models with them) biases `<role>_bias`, `ln{1,2}_bias`
+  and sandwich norms `post_{attn,mlp}_norm`."""
   roles = glu_lm.model_roles(config)
   shapes = {r: role_dims(config, r) for r in roles}
   shapes.update(ln1=(config.d_model,), ln2=(config.d_model,))
@@ -552,6 +553,9 @@ def layer_array_shapes(
     shapes.update({f"{r}_bias": role_dims(config, r)[1:] for r in roles})
   if config.norm == "layer":
     shapes.update(ln1_bias=(config.d_model,), ln2_bias=(config.d_model,))
+  if config.sandwich:
+    shapes.update(post_attn_norm=(config.d_model,),
+                  post_mlp_norm=(config.d_model,))
   return shapes
 
 
