@@ -5,7 +5,7 @@ layers in the scanned stacks, and refusals.
 sliding-window and full layers (window shorter than the 16 reference
 tokens), and the fp32 logits and taps transformers' eager PyTorch model
 gave for fixed tokens (`make_lm_fixtures.py` writes them, in an
-environment with torch); nothing here needs torch. Design §9.4.
+environment with torch); nothing here needs torch. Design §9.4, I54.
 """
 
 import dataclasses
@@ -105,7 +105,7 @@ def test_each_option_moves_the_logits(model):
     assert np.max(np.abs(logits - ref["logits"])) > 100 * PARITY_TOL, change
 
 
-def test_sliding_window_layers_see_only_their_window(model):
+def test_sliding_window_layers_see_only_their_window(model):  # I54
   # The `attn.<i>` pattern of a local layer is zero outside the window,
   # a global layer's is not; every row sums to 1.
   _, config, arrays, ref = model
@@ -148,7 +148,7 @@ def test_masked_forward_shares_the_prefix_and_matches_the_clean_one(model):
   np.testing.assert_allclose(out[True], out[False], atol=1e-5)
 
 
-def test_attention_eval_uses_the_layers_window_and_scores(model):
+def test_attention_eval_uses_the_layers_window_and_scores(model):  # I54
   _, config, arrays, ref = model
   tokens = jnp.asarray(ref["tokens"])
   layer = config.local_layers[0]
@@ -194,7 +194,7 @@ def test_chunked_head_kl_soft_caps_like_the_whole_logits(model):
 
 
 @pytest.mark.parametrize("attention", ["xla", "cudnn", "auto"])
-def test_fused_attention_is_refused_for_gemma(model, attention):
+def test_fused_attention_is_refused_for_gemma(model, attention):  # I54
   _, config, arrays, _ = model
   with pytest.raises(ValueError, match="use --attention=reference") as info:
     _fns(config, arrays, (glu_lm.site_name(1, "up"),), attention=attention)
