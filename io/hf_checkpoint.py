@@ -12,7 +12,8 @@ matrices `[n_layers, d_in, d_out]` (HF stores `Linear` weights `[d_out,
 d_in]`, transposed here; GPT-2's Conv1D `[d_in, d_out]` as stored; fused
 q/k/v split), norms and biases `[n_layers, d]`, and `embed`, `norm`,
 `head` (untied models only), `pos` and `norm_bias` (where the family has
-them) as stored.
+them) as stored; Gemma's sandwich norms as `post_attn_norm` and
+`post_mlp_norm`.
 
 The writers invert that read for models trained here: `write_safetensors`
 writes the same file layout, `write_llama_checkpoint` a Llama directory
@@ -399,6 +400,38 @@ def load_neox_arrays(
   return out
 
 
+def load_gemma_arrays(
+  model_dir: str, n_layers: int, qk_norm: bool, tied: bool,
+  dtype: Any = np.float32,
+) -> dict[str, np.ndarray]:
+  """Return a Gemma 2 or Gemma 3 text decoder's weights: Llama's names and
+  layout, plus the sandwich norms. Its four norms a block map to `ln1`
+  (input_layernorm), `post_attn_norm` (post_attention_layernorm, on the
+  attention output), `ln2` (pre_feedforward_layernorm) and `post_mlp_norm`
+  (post_feedforward_layernorm), each stored as the offset `w` of
+  `x·(1 + w)` (design §9.4)."""
+  ts = _Tensors(model_dir, dtype)
+
+  def stack(hf, transpose=False):
+    return ts.stack([f"model.layers.{i}.{hf}.weight" for i in range(n_layers)],
+                    np.transpose if transpose else (lambda a: a))
+
+  out = {"embed": ts.array("model.embed_tokens.weight"),
+         "norm": ts.array("model.norm.weight")}
+  if not tied:
+    out["head"] = ts.array("lm_head.weight")
+  norms = {"ln1": "input_layernorm", "post_attn_norm":
+           "post_attention_layernorm", "ln2": "pre_feedforward_layernorm",
+           "post_mlp_norm": "post_feedforward_layernorm"}
+  if qk_norm:
+    norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+  for key, hf in norms.items():
+    out[key] = stack(hf)
+  for key, hf in _MATRICES.items():
+    out[key] = stack(hf, transpose=True)
+  return out
+
+
 def load_model_arrays(glu: Any, model_dir: str,
                       dtype: Any = np.float32) -> dict[str, np.ndarray]:
   """Return the stacked weights of a checkpoint of `glu`'s family (a
@@ -416,8 +449,12 @@ def load_model_arrays(glu: Any, model_dir: str,
   if glu.family == "gpt_neox":
     return load_neox_arrays(model_dir, glu.n_layers, glu.n_heads, glu.tied,
                             dtype)
+  if glu.family in ("gemma2", "gemma3_text"):
+    return load_gemma_arrays(model_dir, glu.n_layers, glu.qk_norm, glu.tied,
+                             dtype)
   raise ValueError(f"no checkpoint layout for model family {glu.family!r}; "
-                   "supported: llama, qwen3, gpt2, gpt_neox")
+                   "supported: llama, qwen3, gpt2, gpt_neox, gemma2, "
+                   "gemma3_text")
 
 
 # Safetensors data offsets need no alignment, but readers that map tensors

@@ -1,7 +1,8 @@
 """Language-model targets of a run: `--target=hf --model_dir=DIR`.
 
 The model is a local Hugging Face checkpoint (Llama-3.x, dense Qwen3,
-GPT-2 or GPT-NeoX/Pythia; `targets/glu_config.py` says what is refused);
+GPT-2, GPT-NeoX/Pythia, Gemma 2 or Gemma 3 text; `targets/glu_config.py`
+says what is refused);
 `--sites` names its matrices or shell patterns over them
 (`layers.18.mlp.*`). Batches are uniform random token ids `[batch_size,
 seq_len]`, a pure function of the step's key.

@@ -4,7 +4,9 @@ config.
 A `GluConfig` describes the decoder of SPEC §9.1: Llama-3.x (optionally with
 Llama-3 RoPE scaling) and Qwen3 dense (QK-norm), and through its family
 options (design §9.4) GPT-2 (LayerNorm, learned positions, biases, a plain
-GELU MLP) and GPT-NeoX/Pythia (parallel residual, partial rotary).
+GELU MLP), GPT-NeoX/Pythia (parallel residual, partial rotary) and Gemma 2
+and Gemma 3 text (offset RMSNorm, sandwich norms, GeGLU, scaled embeddings,
+soft-capping, sliding-window layers with their own RoPE base).
 `config_from_hf` reads the plain dict of a Hugging Face config
 (`AutoConfig.to_dict()`, transformers 5 or 4 spelling) and refuses anything
 this forward would silently compute differently, with a one-line reason.
@@ -16,13 +18,18 @@ from typing import Any, Optional
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen3", "gpt2", "gpt_neox", "toy")
+FAMILIES = ("llama", "qwen3", "gpt2", "gpt_neox", "gemma2", "gemma3_text",
+            "toy")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "gpt2": "GPT2LMHeadModel",
-                  "gpt_neox": "GPTNeoXForCausalLM"}
+                  "gpt_neox": "GPTNeoXForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM"}
 _SUPPORTED = ("supported: llama (Llama-3.x), qwen3 (dense Qwen3), gpt2 "
-              "(GPT2LMHeadModel), gpt_neox (GPT-NeoX/Pythia)")
-NORMS = ("rms", "layer")
+              "(GPT2LMHeadModel), gpt_neox (GPT-NeoX/Pythia), gemma2 "
+              "(Gemma2ForCausalLM), gemma3_text (Gemma3ForCausalLM)")
+# `rms_offset` is Gemma's RMSNorm: `x·rsqrt(mean(x²)+eps)·(1 + w)`.
+NORMS = ("rms", "layer", "rms_offset")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 POSITIONS = ("rope", "learned")
 
@@ -48,7 +55,14 @@ class GluConfig:
   learned table added to the embeddings, `parallel_residual` (attention and
   MLP both read the block input), `rotary_dims` (RoPE on the first that
   many dims of each head, None for all) and `bias` (every projection adds
-  a frozen bias, I52).
+  a frozen bias, I52). Gemma's: `sandwich` (the attention and MLP outputs
+  are normed before their residual adds), `embed_scale` (embeddings times
+  √d_model), `attn_scalar` (scores scaled by `attn_scalar^-½` rather than
+  `head_dim^-½`), `attn_softcap` and `final_softcap` (`c·tanh(x/c)` on the
+  attention scores and on the logits), `local_layers` (the layers whose
+  keys are a `sliding_window` of the latest positions, the rest attending
+  to the whole causal prefix) and `local_rope_theta` (those layers' RoPE
+  base, None for `rope_theta`).
   """
 
   n_layers: int
@@ -72,6 +86,14 @@ class GluConfig:
   parallel_residual: bool = False
   rotary_dims: Optional[int] = None
   bias: bool = False
+  sandwich: bool = False
+  embed_scale: bool = False
+  attn_scalar: Optional[float] = None
+  attn_softcap: Optional[float] = None
+  final_softcap: Optional[float] = None
+  sliding_window: Optional[int] = None
+  local_layers: tuple[int, ...] = ()
+  local_rope_theta: Optional[float] = None
 
   def __post_init__(self):
     for name, allowed in (("family", FAMILIES), ("norm", NORMS),
@@ -93,6 +115,18 @@ class GluConfig:
       raise ValueError(f"rotary dims {self.rope_dims} must be even and in "
                        f"(0, head_dim {self.head_dim}] (RoPE rotates "
                        "halves)")
+    for name in ("attn_scalar", "attn_softcap", "final_softcap",
+                 "sliding_window"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"model {name} must be positive or None, got "
+                         f"{value}")
+    if any(not 0 <= i < self.n_layers for i in self.local_layers):
+      raise ValueError(f"local layers {self.local_layers} must lie in [0, "
+                       f"n_layers {self.n_layers})")
+    if self.local_layers and self.sliding_window is None:
+      raise ValueError(f"local layers {self.local_layers} need a "
+                       "sliding_window")
 
   @property
   def q_width(self) -> int:
@@ -103,20 +137,34 @@ class GluConfig:
     return self.n_kv_heads * self.head_dim
 
   @property
+  def attention_scale(self) -> float:
+    """The factor on `q·k`: `attn_scalar^-½`, by default `head_dim^-½`."""
+    return (self.head_dim if self.attn_scalar is None
+            else self.attn_scalar) ** -0.5
+
+  @property
+  def windowed(self) -> bool:
+    """Whether some layers attend to a sliding window only."""
+    return bool(self.local_layers)
+
+  @property
   def rope_dims(self) -> int:
     """Leading dims of each head that RoPE rotates (all by default)."""
     return self.head_dim if self.rotary_dims is None else self.rotary_dims
 
 
-def inv_freq(config: GluConfig) -> np.ndarray:
-  """Return RoPE inverse frequencies `[rope_dims/2]` in fp32 (SPEC §9.1).
+def inv_freq(config: GluConfig, local: bool = False) -> np.ndarray:
+  """Return RoPE inverse frequencies `[rope_dims/2]` in fp32 (SPEC §9.1),
+  of the sliding-window layers' base `local_rope_theta` when `local`.
 
   Computed in fp32 in the same op order as transformers' reference, so the
   tables agree bit for bit where the two libraries' `pow` and `cos` do.
   """
   dim = config.rope_dims
+  theta = (config.local_rope_theta if local and config.local_rope_theta
+           is not None else config.rope_theta)
   exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
-  freq = (np.float32(1.0) / np.float32(config.rope_theta) ** exponents)
+  freq = (np.float32(1.0) / np.float32(theta) ** exponents)
   freq = freq.astype(np.float32)
   scaling = config.rope_scaling
   if scaling is None:
@@ -302,9 +350,91 @@ def _neox_config(hf: dict[str, Any]) -> GluConfig:
     rotary_dims=int(head_dim * partial), bias=True)
 
 
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma_rope(hf: dict[str, Any], family: str) -> tuple[float, float]:
+  """Return the RoPE bases of full and sliding-window layers: one for
+  Gemma 2, per layer type for Gemma 3 (`rope_parameters` keyed by layer
+  type in transformers 5, `rope_theta` and `rope_local_base_freq` in 4)."""
+  params = _get(hf, "rope_parameters", {})
+  if family == "gemma3_text" and "full_attention" in params:
+    per_type = {t: params.get(t) or {} for t in _LAYER_TYPES}
+  elif family == "gemma3_text":
+    per_type = {"full_attention": {**_get(hf, "rope_scaling", {}),
+                                   "rope_theta": _get(hf, "rope_theta",
+                                                      1e6)},
+                "sliding_attention": {"rope_theta": _get(
+                  hf, "rope_local_base_freq", 1e4)}}
+  else:
+    one = {**_get(hf, "rope_scaling", {}), **params}
+    one.setdefault("rope_theta", _get(hf, "rope_theta", 1e4))
+    per_type = {t: one for t in _LAYER_TYPES}
+  for layer_type, p in per_type.items():
+    rope_type = p.get("rope_type", p.get("type", "default"))
+    if rope_type != "default":
+      _refuse(hf, f"{layer_type} rope scaling type {rope_type!r}",
+              "supported: default")
+  return (float(per_type["full_attention"]["rope_theta"]),
+          float(per_type["sliding_attention"]["rope_theta"]))
+
+
+def _optional_float(hf: dict[str, Any], key: str) -> Optional[float]:
+  value = hf.get(key)
+  return None if value is None else float(value)
+
+
+def _gemma_config(hf: dict[str, Any], family: str) -> GluConfig:
+  """Gemma2ForCausalLM and Gemma3ForCausalLM (text): offset RMSNorm, four
+  norms a block (sandwich), GeGLU, embeddings scaled by √d, scores scaled
+  by `query_pre_attn_scalar^-½`, soft-capping, sliding-window layers (with
+  their own RoPE base and QK-norm in Gemma 3), a tied head."""
+  for key in ("attention_bias", "use_bidirectional_attention"):
+    if _get(hf, key, False):
+      _refuse(hf, f"{key} is set", "only causal Gemma attention without "
+              "biases is implemented")
+  if family == "gemma3_text" and hf.get("attn_logit_softcapping"):
+    _refuse(hf, "attn_logit_softcapping is set, which Gemma3ForCausalLM "
+            "ignores", "unset it (null)")
+  n_layers = int(hf["num_hidden_layers"])
+  layer_types = list(_get(hf, "layer_types", []))
+  unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+  if unknown or len(layer_types) != n_layers:
+    _refuse(hf, f"layer_types {layer_types}", f"give one of {_LAYER_TYPES} "
+            f"for each of the {n_layers} layers")
+  local = tuple(i for i, t in enumerate(layer_types)
+                if t == "sliding_attention")
+  window = _get(hf, "sliding_window", None)
+  if local and not _is_size(window):
+    _refuse(hf, f"sliding_window {window!r}", "sliding_attention layers "
+            "need a positive integer window")
+  theta, local_theta = _gemma_rope(hf, family)
+  n_heads = int(hf["num_attention_heads"])
+  return GluConfig(
+    n_layers=n_layers, d_model=int(hf["hidden_size"]), n_heads=n_heads,
+    n_kv_heads=int(_get(hf, "num_key_value_heads", n_heads)),
+    head_dim=int(_get(hf, "head_dim", int(hf["hidden_size"]) // n_heads)),
+    d_ff=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
+    rope_theta=theta, rms_eps=float(hf["rms_norm_eps"]),
+    tied=bool(_get(hf, "tie_word_embeddings", True)),
+    qk_norm=family == "gemma3_text", family=family,
+    max_position=int(_get(hf, "max_position_embeddings", 8192)),
+    norm="rms_offset", activation=_gelu(hf, "hidden_activation"),
+    sandwich=True, embed_scale=True,
+    attn_scalar=float(_get(hf, "query_pre_attn_scalar", 256)),
+    attn_softcap=_optional_float(hf, "attn_logit_softcapping"),
+    final_softcap=_optional_float(hf, "final_logit_softcapping"),
+    sliding_window=int(window) if local else None, local_layers=local,
+    local_rope_theta=local_theta if family == "gemma3_text" else None)
+
+
 def config_from_hf(hf: dict[str, Any]) -> GluConfig:
   """Return the `GluConfig` of a HF config dict; ValueError if unsupported."""
   family = hf.get("model_type")
+  if family == "gemma3":
+    _refuse(hf, "model_type 'gemma3' is the multimodal Gemma 3 "
+            f"({hf.get('architectures')})", "use a text-only checkpoint "
+            "(model_type gemma3_text, Gemma3ForCausalLM)")
   if family not in _ARCHITECTURES:
     _refuse(hf, f"model_type {family!r} (architectures "
             f"{hf.get('architectures')})", _SUPPORTED)
@@ -316,6 +446,8 @@ def config_from_hf(hf: dict[str, Any]) -> GluConfig:
     return _gpt2_config(hf)
   if family == "gpt_neox":
     return _neox_config(hf)
+  if family in ("gemma2", "gemma3_text"):
+    return _gemma_config(hf, family)
   _check_options(hf, family)
   theta, scaling = _rope(hf)
   n_heads = int(hf["num_attention_heads"])

@@ -1,10 +1,13 @@
 """Pure forward of a decoder LM over three stored layer stacks (SPEC §9).
 
 The block is Llama's (GLU MLP, RMSNorm, RoPE) or, by the config's family
-options, GPT-2's or GPT-NeoX's (design §9.4): LayerNorm with bias, a plain
-MLP, learned positions, partial rotary, parallel residual, and biases that
-every projection adds after its site matmul, outside the decomposition
-(I52).
+options, GPT-2's, GPT-NeoX's or Gemma's (design §9.4): LayerNorm with
+bias, a plain MLP, learned positions, partial rotary, parallel residual,
+biases that every projection adds after its site matmul, outside the
+decomposition (I52), and Gemma's offset RMSNorm, sandwich norms, GeGLU,
+soft-capping and sliding-window layers. Which layers attend through a
+window is a per-layer flag scanned beside the weights, so one scan runs
+both kinds.
 
 Frozen weights are stacked per kind on a leading `layer` axis, in the
 orientation `y = x @ W` (`W: [d_in, d_out]`), and stored as three stacks:
@@ -38,7 +41,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from decompax.core import attention as attention_lib
 from decompax.targets import glu_config
@@ -77,6 +80,10 @@ class LayerStack(NamedTuple):
   down_bias: Optional[Float[Array, "layer d"]] = None
   ln1_bias: Optional[Float[Array, "layer d"]] = None
   ln2_bias: Optional[Float[Array, "layer d"]] = None
+  # Sandwich norms (Gemma): on the attention and the MLP output before
+  # each residual add.
+  post_attn_norm: Optional[Float[Array, "layer d"]] = None
+  post_mlp_norm: Optional[Float[Array, "layer d"]] = None
 
 
 def layer_stack(**leaves: Any) -> LayerStack:
@@ -183,14 +190,31 @@ def layer_norm(
   return w * (centered * jax.lax.rsqrt(var + eps)).astype(x.dtype) + b
 
 
+def rms_offset_norm(
+  x: Float[Array, "*l d"], w: Float[Array, " d"], eps: float
+) -> Float[Array, "*l d"]:
+  """Return Gemma's `x·rsqrt(mean(x²)+eps)·(1 + w)`, the product taken in
+  fp32 before the cast back (where Llama casts, then scales)."""
+  scale = 1.0 + w.astype(jnp.float32)
+  return (attention_lib.rms_normalize(x, eps) * scale).astype(x.dtype)
+
+
 def norm(
   x: Float[Array, "*l d"], w: Float[Array, " d"],
   b: Optional[Float[Array, " d"]], config: glu_config.GluConfig,
 ) -> Float[Array, "*l d"]:
-  """Return the model's norm of `x`: RMSNorm, or LayerNorm with bias `b`."""
+  """Return the model's norm of `x`: RMSNorm, LayerNorm with bias `b`, or
+  Gemma's offset RMSNorm."""
   if config.norm == "layer":
     return layer_norm(x, w, b, config.rms_eps)
+  if config.norm == "rms_offset":
+    return rms_offset_norm(x, w, config.rms_eps)
   return rms_norm(x, w, config.rms_eps)
+
+
+def softcap(x: Array, cap: Optional[float]) -> Array:
+  """Return `cap·tanh(x/cap)` (Gemma's soft-capping), `x` for None."""
+  return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu,
@@ -199,14 +223,47 @@ _ACTIVATIONS = {"silu": jax.nn.silu,
 
 
 def rope_tables(
-  config: glu_config.GluConfig, t: int
+  config: glu_config.GluConfig, t: int, local: bool = False
 ) -> Optional[tuple[Float[Array, "t r"], Float[Array, "t r"]]]:
   """Return fp32 `cos, sin` of `pos·inv_freq` over the rotated dims,
-  repeated over both halves; None for learned positions."""
+  repeated over both halves (of the sliding-window layers' base when
+  `local`); None for learned positions."""
   if config.positions != "rope":
     return None
   return attention_lib.rope_tables(
-    jnp.asarray(glu_config.inv_freq(config)), t)
+    jnp.asarray(glu_config.inv_freq(config, local)), t)
+
+
+def window_mask(config: glu_config.GluConfig, t: int) -> Bool[Array, "t t"]:
+  """Return a sliding-window layer's mask: query `i` sees keys `j` with
+  `i − window < j <= i` (transformers' sliding-window causal mask)."""
+  i = jnp.arange(t)[:, None]
+  j = jnp.arange(t)[None, :]
+  return attention_lib.causal_mask(t) & (j > i - config.sliding_window)
+
+
+def layer_attention(
+  config: glu_config.GluConfig, t: int, local: bool | Array,
+) -> tuple[Optional[tuple[Array, Array]], Optional[Bool[Array, "t t"]]]:
+  """Return the RoPE tables and the mask of a layer, `local` (a Python or
+  traced bool) telling whether it is a sliding-window one. The mask is None
+  (plain causal) for models without windows."""
+  rope = rope_tables(config, t)
+  if not config.windowed:
+    return rope, None
+  if rope is not None and config.local_rope_theta is not None:
+    rope = tuple(jnp.where(local, a, b) for a, b in zip(
+      rope_tables(config, t, local=True), rope))
+  return rope, jnp.where(local, window_mask(config, t),
+                         attention_lib.causal_mask(t))
+
+
+def custom_scores(config: glu_config.GluConfig) -> bool:
+  """Whether the model's attention scores differ from causal `q·k/√hd`:
+  another scale, soft-capping or sliding windows (reference attention
+  only)."""
+  return (config.attn_scalar is not None or config.attn_softcap is not None
+          or config.windowed)
 
 
 def _rotate(
@@ -223,23 +280,33 @@ def _rotate(
 def reference_attention(
   q: Float[Array, "b t nh hd"], k: Float[Array, "b t nkv hd"],
   v: Float[Array, "b t nkv hd"],
+  config: Optional[glu_config.GluConfig] = None,
+  mask: Optional[Bool[Array, "t t"]] = None,
 ) -> Float[Array, "b t nh hd"]:
   """Return causal GQA attention as plain einsums (fp32 softmax).
 
-  kv head `j` serves query heads `j·r … j·r+r−1`, `r = nh/nkv`.
+  kv head `j` serves query heads `j·r … j·r+r−1`, `r = nh/nkv`. With a
+  `config`, its score scale and soft-cap; `mask` (a sliding window) in
+  place of the causal one.
   """
   t, hd = q.shape[1], q.shape[-1]
-  scores = attention_lib.grouped_logits(q, k) * (hd ** -0.5)
-  scores = jnp.where(attention_lib.causal_mask(t), scores.astype(jnp.float32),
-                     -jnp.inf)
+  scale = hd ** -0.5 if config is None else config.attention_scale
+  scores = attention_lib.grouped_logits(q, k) * scale
+  if config is not None:
+    scores = softcap(scores, config.attn_softcap)
+  mask = attention_lib.causal_mask(t) if mask is None else mask
+  scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
   return attention_lib.grouped_values(probs, v)
 
 
 def attention_scores(
   q: Float[Array, "b t nh hd"], k: Float[Array, "b t nkv hd"],
+  config: Optional[glu_config.GluConfig] = None,
+  mask: Optional[Bool[Array, "t t"]] = None,
 ) -> Float[Array, "b nh t t"]:
-  """Return fp32 causal scores `q·kᵀ/√hd`, −inf above the diagonal.
+  """Return fp32 causal scores `q·kᵀ/√hd`, −inf above the diagonal (with
+  a `config`, its scale and soft-cap; −inf outside `mask` when given).
 
   Query head `h` reads kv head `h // r`, `r = nh/nkv` (as in
   `reference_attention`). Products are taken in fp32 from the forward's
@@ -248,33 +315,45 @@ def attention_scores(
   b, t, nh, hd = q.shape
   scores = attention_lib.grouped_logits(q.astype(jnp.float32),
                                         k.astype(jnp.float32))
-  scores = jnp.where(attention_lib.causal_mask(t), scores * (hd ** -0.5),
-                     -jnp.inf)
+  if config is None:
+    scores = scores * (hd ** -0.5)
+  else:
+    scores = softcap(scores * config.attention_scale, config.attn_softcap)
+  mask = attention_lib.causal_mask(t) if mask is None else mask
+  scores = jnp.where(mask, scores, -jnp.inf)
   return scores.reshape(b, nh, t, t)
 
 
 def attention_probs(
   q: Float[Array, "b t nh hd"], k: Float[Array, "b t nkv hd"],
+  config: Optional[glu_config.GluConfig] = None,
+  mask: Optional[Bool[Array, "t t"]] = None,
 ) -> Float[Array, "b nh t t"]:
-  """Return the causal attention pattern `softmax(q·kᵀ/√hd + causal)`."""
-  return jax.nn.softmax(attention_scores(q, k), axis=-1)
+  """Return the causal attention pattern `softmax(q·kᵀ/√hd + causal)`
+  (`attention_scores`' options)."""
+  return jax.nn.softmax(attention_scores(q, k, config, mask), axis=-1)
 
 
 def _group_row_kl(
   q_clean: Float[Array, "b t r hd"], k_clean: Float[Array, "b t 1 hd"],
   q_masked: Float[Array, "b t r hd"], k_masked: Float[Array, "b t 1 hd"],
+  config: Optional[glu_config.GluConfig], mask: Optional[Array],
 ) -> Float[Array, ""]:
-  log_p = jax.nn.log_softmax(attention_scores(q_clean, k_clean), axis=-1)
-  log_q = jax.nn.log_softmax(attention_scores(q_masked, k_masked), axis=-1)
+  log_p = jax.nn.log_softmax(
+    attention_scores(q_clean, k_clean, config, mask), axis=-1)
+  log_q = jax.nn.log_softmax(
+    attention_scores(q_masked, k_masked, config, mask), axis=-1)
   t = q_clean.shape[1]
-  # Above the diagonal both rows are −inf: 0·(−inf + inf) would be NaN.
-  causal = attention_lib.causal_mask(t)
-  return jnp.sum(jnp.where(causal, jnp.exp(log_p) * (log_p - log_q), 0.0))
+  # Outside the mask both rows are −inf: 0·(−inf + inf) would be NaN.
+  seen = attention_lib.causal_mask(t) if mask is None else mask
+  return jnp.sum(jnp.where(seen, jnp.exp(log_p) * (log_p - log_q), 0.0))
 
 
 def attention_kl(
   q_clean: Float[Array, "b t nh hd"], k_clean: Float[Array, "b t nkv hd"],
   q_masked: Float[Array, "b t nh hd"], k_masked: Float[Array, "b t nkv hd"],
+  config: Optional[glu_config.GluConfig] = None,
+  mask: Optional[Bool[Array, "t t"]] = None,
 ) -> Float[Array, ""]:
   """Return `mean KL(clean row ‖ masked row)` of two forwards' attention
   patterns over batch, query heads and query positions (fp32).
@@ -292,7 +371,7 @@ def attention_kl(
           for q in (q_clean, q_masked)]
     ks = [jax.lax.dynamic_slice_in_dim(k, g, 1, axis=2)
           for k in (k_clean, k_masked)]
-    return _group_row_kl(qs[0], ks[0], qs[1], ks[1])
+    return _group_row_kl(qs[0], ks[0], qs[1], ks[1], config, mask)
 
   total = jnp.sum(jax.lax.map(group, jnp.arange(nkv)))
   return total / (b * nh * t)
@@ -332,14 +411,14 @@ def query_key_heads(
   config: glu_config.GluConfig, rope: Optional[tuple[Array, Array]],
 ) -> tuple[Float[Array, "b t nh hd"], Float[Array, "b t nkv hd"]]:
   """Return a block's attention queries and keys from its q_proj and k_proj
-  outputs: split into heads, QK-normed (Qwen3) and rotated (SPEC §9.1;
-  not with learned positions, `rope` None)."""
+  outputs: split into heads, QK-normed (Qwen3, Gemma 3 in its offset form)
+  and rotated (SPEC §9.1; not with learned positions, `rope` None)."""
   b, t, _ = q.shape
   qh = q.reshape(b, t, config.n_heads, config.head_dim)
   kh = k.reshape(b, t, config.n_kv_heads, config.head_dim)
   if q_norm is not None:
-    qh = rms_norm(qh, q_norm, config.rms_eps)
-    kh = rms_norm(kh, k_norm, config.rms_eps)
+    qh = norm(qh, q_norm, None, config)
+    kh = norm(kh, k_norm, None, config)
   if rope is None:
     return qh, kh
   return (_rotate(qh, rope, config.rope_dims),
@@ -354,12 +433,15 @@ def block(
   rope: Optional[tuple[Array, Array]],
   attend: Callable[..., Array],
   streams: tuple[str, ...] = (),
+  mask: Optional[Bool[Array, "t t"]] = None,
 ) -> tuple[Float[Array, "b t d"], dict[str, Array]]:
   """Run one decoder block (SPEC §9.1, design §9.4) on one layer's weights.
 
   Returns the block output and the `streams` asked for: `resid` (the
   input), each role's input under the role and its output under
-  `<role>.out` (its bias added, I52), and the attention pattern `attn`.
+  `<role>.out` (its bias added, I52; before a sandwich norm), and the
+  attention pattern `attn`. `mask` is a sliding-window layer's (None:
+  causal).
   """
   b, t, _ = h.shape
 
@@ -372,9 +454,11 @@ def block(
   q, k, v = project("q", xa), project("k", xa), project("v", xa)
   qh, kh = query_key_heads(q, k, lw.q_norm, lw.k_norm, config, rope)
   vh = v.reshape(b, t, config.n_kv_heads, config.head_dim)
-  o_in = attend(qh, kh, vh).reshape(b, t, config.q_width)
+  options = ({"config": config, "mask": mask} if custom_scores(config)
+             else {})
+  o_in = attend(qh, kh, vh, **options).reshape(b, t, config.q_width)
   o = project("o", o_in)
-  h1 = h + o
+  h1 = h + _post_norm(o, lw.post_attn_norm, config)
   # A parallel block's MLP reads the block input, not h + attention.
   xm = norm(h if config.parallel_residual else h1, lw.ln2, lw.ln2_bias,
             config)
@@ -382,7 +466,7 @@ def block(
             "k.out": k, "v.out": v, "o.out": o}
   if config.gated:
     gate, up = project("gate", xm), project("up", xm)
-    act = jax.nn.silu(gate) * up
+    act = _ACTIVATIONS[config.activation](gate) * up
     values.update({"gate": xm, "gate.out": gate})
   else:
     up = project("up", xm)
@@ -396,8 +480,17 @@ def block(
     # fuse the attention differently and move the logits by rounding (I29).
     q_own, k_own = jax.lax.optimization_barrier((q, k))
     out["attn"] = attention_probs(*query_key_heads(
-      q_own, k_own, lw.q_norm, lw.k_norm, config, rope))
-  return h1 + down, out
+      q_own, k_own, lw.q_norm, lw.k_norm, config, rope), config, mask)
+  return h1 + _post_norm(down, lw.post_mlp_norm, config), out
+
+
+def _post_norm(
+  y: Float[Array, "b t d"], w: Optional[Float[Array, " d"]],
+  config: glu_config.GluConfig,
+) -> Float[Array, "b t d"]:
+  """Return a sublayer's output as the residual adds it: through its
+  sandwich norm where the model has one."""
+  return y if w is None else norm(y, w, None, config)
 
 
 def parse_tap(key: str, n_layers: int) -> tuple[str, int]:
@@ -432,6 +525,13 @@ class ForwardSpec:
   remat: bool = True
   unroll: int | bool = 1
 
+  def __post_init__(self):
+    if self.attention != "reference" and custom_scores(self.config):
+      raise ValueError(
+        f"attention {self.attention!r} computes plain causal softmax(q·k/"
+        f"√hd); this {self.config.family} model's scores need its own "
+        "scale, soft-cap or sliding windows: use --attention=reference")
+
 
 def _run_segment(
   h: Array, stack: LayerStack, extra: Any, lo: int, hi: int,
@@ -445,25 +545,32 @@ def _run_segment(
     raise ValueError(f"stack of {stack.ln1.shape[0]} layers does not match "
                      f"segment [{lo}, {hi}) (I41)")
   attend = attention_fn(spec.attention)
+  config = spec.config
+  # Which layers attend through a window: a flag per layer, scanned beside
+  # the weights (models without windows scan none).
+  local = (jnp.asarray([i in config.local_layers for i in range(lo, hi)])
+           if config.windowed else None)
 
   def body(carry, xs):
-    lw, ex = xs
-    return block(carry, lw, lambda r, x, w: site(r, x, w, ex), spec.config,
-                 rope, attend, streams)
+    lw, ex, is_local = xs
+    layer_rope, mask = ((rope, None) if is_local is None else
+                        layer_attention(config, carry.shape[1], is_local))
+    return block(carry, lw, lambda r, x, w: site(r, x, w, ex), config,
+                 layer_rope, attend, streams, mask)
 
   if remat:
     body = jax.checkpoint(body)
   last = max(emit_layers, default=hi - 1)
   if extra is not None or last == hi - 1:
-    return jax.lax.scan(body, h, (stack, extra), unroll=spec.unroll)
+    return jax.lax.scan(body, h, (stack, extra, local), unroll=spec.unroll)
   # Taps stop below the segment's end (SPEC §3.4): the layers above run the
   # same body emitting nothing. Both scans index the one stored stack, so no
   # sub-range of it is copied (I41). Only for forwards without live factors,
   # whose slices are never differentiated.
   def indexed(carry, i):
-    return body(carry, (jax.tree.map(
-      lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack),
-      None))
+    return body(carry, jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+      (stack, None, local)))
 
   def quiet(carry, i):
     return indexed(carry, i)[0], None
@@ -541,7 +648,7 @@ def forward(
   """
   x, taps = final_hidden(weights, tokens, wanted, spec, span_site,
                          span_extra, start)
-  return head_logits(weights, x), taps
+  return softcap(head_logits(weights, x), spec.config.final_softcap), taps
 
 
 def final_hidden(
@@ -563,6 +670,9 @@ def final_hidden(
   boundary = {}
   if start is None:
     h = jnp.take(weights.embed, tokens, axis=0)
+    if config.embed_scale:
+      # √d rounded to fp32, then to the weights' dtype, as Gemma's.
+      h = h * jnp.asarray(np.float32(config.d_model ** 0.5), h.dtype)
     if weights.pos is not None:
       h = h + weights.pos[:tokens.shape[1]]
   else:
@@ -633,4 +743,8 @@ def init_stack(
   bias_keys = jax.random.split(jax.random.fold_in(key, 1), len(widths) or 1)
   for k, (name, width) in zip(bias_keys, sorted(widths.items())):
     leaves[name] = 0.1 * jax.random.normal(k, (n, width), jnp.float32)
+  if config.sandwich:
+    post = jax.random.split(jax.random.fold_in(key, 2))
+    for k, name in zip(post, ("post_attn_norm", "post_mlp_norm")):
+      leaves[name] = 1.0 + 0.1 * jax.random.normal(k, (n, d), jnp.float32)
   return jax.tree.map(lambda a: a.astype(dtype), layer_stack(**leaves))

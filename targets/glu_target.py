@@ -295,9 +295,10 @@ def _position_chunks(
 
 def chunked_head_kl(
   head: Float[Array, "vocab d"], masked_x: Float[Array, "*l d"],
-  clean_x: Float[Array, "*l d"], chunk: int,
+  clean_x: Float[Array, "*l d"], chunk: int, cap: Optional[float] = None,
 ) -> Float[Array, ""]:
-  """Return `kl_clean_to_masked` of the logits `x·headᵀ` of both final
+  """Return `kl_clean_to_masked` of the logits `x·headᵀ` (soft-capped by
+  `cap`, the model's final soft-cap, where it has one) of both final
   hidden states, `chunk` positions at a time (I14): each chunk's logits,
   log-softmaxes and KL exist only inside one step of a `lax.map`, and its
   backward recomputes them (`jax.checkpoint`), so no `[positions, vocab]`
@@ -309,8 +310,8 @@ def chunked_head_kl(
   @jax.checkpoint
   def chunk_sum(args):
     xm, xc, kept = args
-    kl = position_kl(jnp.einsum("nd,vd->nv", xm, head),
-                     jnp.einsum("nd,vd->nv", xc, head))
+    kl = position_kl(glu_lm.softcap(jnp.einsum("nd,vd->nv", xm, head), cap),
+                     glu_lm.softcap(jnp.einsum("nd,vd->nv", xc, head), cap))
     return jnp.sum(jnp.where(kept, kl, 0.0))
 
   sums = jax.lax.map(chunk_sum, (_position_chunks(masked_x, chunk),
@@ -333,7 +334,7 @@ def split_head(
 
   def divergence(weights, masked_x, clean_x):
     return chunked_head_kl(glu_lm.head_matrix(weights), masked_x, clean_x,
-                           chunk)
+                           chunk, spec.config.final_softcap)
 
   return target.SplitHead(
     *tapped_forwards(glu_lm.final_hidden, spec, site, resume, extras),
@@ -384,7 +385,8 @@ def attention_divergence(
   """Return `(weights, masked taps, clean taps) -> {"layers.<b>": KL}`: per
   scored block the mean KL of its clean attention rows to the masked ones
   (`glu_lm.attention_kl`), queries and keys rebuilt from the tapped
-  projections with the block's own QK-norm and RoPE."""
+  projections with the block's own QK-norm, RoPE and mask (a sliding
+  window's), scored with the model's scale and soft-cap."""
 
   def heads(weights, taps, b):
     q, k = (taps[f"{glu_lm.site_name(b, r)}.out"] for r in ("q", "k"))
@@ -393,13 +395,20 @@ def attention_divergence(
     row = b - seg.split
     norms = [None if n is None else n[row]
              for n in (weights.span.q_norm, weights.span.k_norm)]
-    rope = glu_lm.rope_tables(config, q.shape[1])
+    rope, _ = glu_lm.layer_attention(config, q.shape[1],
+                                     b in config.local_layers)
     return glu_lm.query_key_heads(q, k, *norms, config, rope)
 
   def divergence(weights, masked_taps, clean_taps):
-    return {f"layers.{b}": glu_lm.attention_kl(
-      *heads(weights, clean_taps, b), *heads(weights, masked_taps, b))
-      for b in blocks}
+    out = {}
+    for b in blocks:
+      t = clean_taps[f"{glu_lm.site_name(b, 'q')}.out"].shape[1]
+      _, mask = glu_lm.layer_attention(config, t, b in config.local_layers)
+      scoring = config if glu_lm.custom_scores(config) else None
+      out[f"layers.{b}"] = glu_lm.attention_kl(
+        *heads(weights, clean_taps, b), *heads(weights, masked_taps, b),
+        scoring, mask)
+    return out
 
   return divergence
 
@@ -542,7 +551,8 @@ def layer_array_shapes(
   config: glu_config.GluConfig,
 ) -> dict[str, tuple[int, ...]]:
   """Return the per-layer shape of every stacked weight array: matrices,
-  norms and (of models with them) biases `<role>_bias`, `ln{1,2}_bias`."""
+  norms and (of models with them) biases `<role>_bias`, `ln{1,2}_bias`
+  and sandwich norms `post_{attn,mlp}_norm`."""
   roles = glu_lm.model_roles(config)
   shapes = {r: role_dims(config, r) for r in roles}
   shapes.update(ln1=(config.d_model,), ln2=(config.d_model,))
@@ -552,6 +562,9 @@ def layer_array_shapes(
     shapes.update({f"{r}_bias": role_dims(config, r)[1:] for r in roles})
   if config.norm == "layer":
     shapes.update(ln1_bias=(config.d_model,), ln2_bias=(config.d_model,))
+  if config.sandwich:
+    shapes.update(post_attn_norm=(config.d_model,),
+                  post_mlp_norm=(config.d_model,))
   return shapes
 
 

@@ -618,6 +618,17 @@ ROWS = (
     "--sites entry 'layers.1.mlp.gate_proj' matches no site; sites are "
     "layers.<i>.self_attn.{q,k,v,o}_proj and layers.<i>.mlp.{up,down}_proj, "
     "i < 3"),
+  Row("gemma_fused_attention", "train", (
+    "--flagfile={ROOT}/flags/tiny_gemma2.flags", "--attention=xla", OUT),
+    "attention 'xla' computes plain causal softmax(q·k/√hd); this gemma2 "
+    "model's scores need its own scale, soft-cap or sliding windows: use "
+    "--attention=reference"),
+  Row("gemma3_bidirectional", "train", (
+    "--flagfile={ROOT}/flags/tiny_gemma3.flags", "--model_dir={T}/m", OUT),
+    "use_bidirectional_attention is set; only causal Gemma attention "
+    "without biases is implemented",
+    setup=_model_copy("tiny_gemma3", _config_json(
+      use_bidirectional_attention=True))),
   Row("config_not_json", "train", (*LLAMA, "--model_dir={T}/m", OUT),
       "m/config.json is not valid JSON (Expecting value",
       setup=_model_copy("tiny_llama", _config_text("{\"a\": }"))),

@@ -1,5 +1,5 @@
-"""The GPT-2 and Pythia flagfiles decompose their tiny fixtures for a few
-steps (design §9.4), in-process on CPU."""
+"""The GPT-2, Pythia and Gemma flagfiles decompose their tiny fixtures for a
+few steps (design §9.4), in-process on CPU."""
 
 import math
 import pathlib
@@ -10,7 +10,13 @@ from decompax.bin import train
 from decompax.io import run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+_BLOCK_2 = tuple(f"layers.2.{m}_proj" for m in (
+  "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "mlp.gate",
+  "mlp.up", "mlp.down"))
 SITES = {
+  # Gemma 2's layer 2 attends through a sliding window, Gemma 3's is global.
+  "tiny_gemma2": _BLOCK_2,
+  "tiny_gemma3": _BLOCK_2,
   "tiny_gpt2": ("layers.1.mlp.up_proj", "layers.1.mlp.down_proj"),
   "tiny_pythia": tuple(f"layers.1.{m}_proj" for m in (
     "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "mlp.up",
