@@ -198,6 +198,12 @@ _ACTIVATIONS = {"silu": jax.nn.silu,
                 "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
+def activation(config: glu_config.GluConfig) -> Callable[[Array], Array]:
+  """Return the MLP's activation `act`: of the gate in `act(gate)·up`, of
+  `up` in a plain MLP's `act(up)`."""
+  return _ACTIVATIONS[config.activation]
+
+
 def rope_tables(
   config: glu_config.GluConfig, t: int
 ) -> Optional[tuple[Float[Array, "t r"], Float[Array, "t r"]]]:
