@@ -48,6 +48,13 @@ ATTENTION_IMPLS = ("reference", "xla", "cudnn", "auto")
 _SITE_RE = re.compile(
   r"^layers\.(\d+)\.(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down))_proj"
   r"(\.out)?$")
+# The token embedding and the unembedding as sites and taps (design §9.2):
+# HF's `model.embed_tokens` and `lm_head`, named like `layers.<i>` without
+# the `model.` prefix. Their tap is the site's input: the token ids, and the
+# final hidden state (after the final norm) the head reads.
+EMBED_SITE = "embed_tokens"
+HEAD_SITE = "lm_head"
+END_SITES = (EMBED_SITE, HEAD_SITE)
 _RESID_RE = re.compile(r"^resid\.(\d+)$")
 _ATTN_RE = re.compile(r"^attn\.(\d+)$")
 
@@ -529,6 +536,13 @@ def head_logits(
   return jnp.einsum("...d,vd->...v", x, head_matrix(weights))
 
 
+# A live embedding `(table [vocab, d], tokens) -> [b, t, d]` and a live
+# head `(x [b, t, d], head [vocab, d]) -> logits`, each in place of the
+# frozen lookup or product.
+EmbedFn = Callable[[Array, Array], Array]
+HeadFn = Callable[[Array, Array], Array]
+
+
 def forward(
   weights: GluWeights,
   tokens: Int[Array, "b t"],
@@ -537,17 +551,22 @@ def forward(
   span_site: SiteFn = frozen_site,
   span_extra: Any = None,
   start: Optional[Float[Array, "b t d"]] = None,
+  embed_fn: Optional[EmbedFn] = None,
+  head_fn: Optional[HeadFn] = None,
 ) -> tuple[Float[Array, "b t vocab"], dict[str, Array]]:
   """Return logits and the `wanted` taps of one forward.
 
   `span_site` runs the span's matmuls (scanning `span_extra` beside the
   span weights); prefix and tail are always frozen. `start` is a residual
   start at block `split` (SPEC §3.5): the prefix is not run, a tap below
-  `split` fails and `resid.{split}` is the start value (I28).
+  `split` fails and `resid.{split}` is the start value (I28). `embed_fn`
+  and `head_fn`, where given, are the live embedding and head sites.
   """
   x, taps = final_hidden(weights, tokens, wanted, spec, span_site,
-                         span_extra, start)
-  return head_logits(weights, x), taps
+                         span_extra, start, embed_fn)
+  if head_fn is None:
+    return head_logits(weights, x), taps
+  return head_fn(x, head_matrix(weights)), taps
 
 
 def final_hidden(
@@ -558,17 +577,20 @@ def final_hidden(
   span_site: SiteFn = frozen_site,
   span_extra: Any = None,
   start: Optional[Float[Array, "b t d"]] = None,
+  embed_fn: Optional[EmbedFn] = None,
 ) -> tuple[Float[Array, "b t d"], dict[str, Array]]:
   """Return `forward`'s final hidden state (after the final norm, what the
   head reads) and its `wanted` taps."""
   config, seg = spec.config, spec.segments
   check_segments(weights, seg)
   first = 0 if start is None else seg.split
-  parsed = _parsed_taps(wanted, config, first)
+  parsed = _parsed_taps(tuple(k for k in wanted if k not in END_SITES),
+                        config, first)
   rope = rope_tables(config, tokens.shape[1])
   boundary = {}
   if start is None:
-    h = jnp.take(weights.embed, tokens, axis=0)
+    h = (jnp.take(weights.embed, tokens, axis=0) if embed_fn is None
+         else embed_fn(weights.embed, tokens))
     if weights.pos is not None:
       h = h + weights.pos[:tokens.shape[1]]
   else:
@@ -598,7 +620,10 @@ def final_hidden(
     boundary[hi] = h
     stream_values[(lo, hi)] = ys
   taps = _gathered_taps(parsed, boundary, stream_values)
-  return norm(h, weights.norm, weights.norm_bias, config), taps
+  x = norm(h, weights.norm, weights.norm_bias, config)
+  ends = {EMBED_SITE: tokens, HEAD_SITE: x}
+  taps.update({k: ends[k] for k in wanted if k in END_SITES})
+  return x, taps
 
 
 def all_tap_keys(config: glu_config.GluConfig) -> tuple[str, ...]:
