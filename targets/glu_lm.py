@@ -51,10 +51,12 @@ _SITE_RE = re.compile(
 # The token embedding and the unembedding as sites and taps (design §9.2):
 # HF's `model.embed_tokens` and `lm_head`, named like `layers.<i>` without
 # the `model.` prefix. Their tap is the site's input: the token ids, and the
-# final hidden state (after the final norm) the head reads.
+# final hidden state (after the final norm) the head reads; `.out` the
+# site's output: the embedding rows (before any position table), the logits.
 EMBED_SITE = "embed_tokens"
 HEAD_SITE = "lm_head"
 END_SITES = (EMBED_SITE, HEAD_SITE)
+END_TAPS = END_SITES + tuple(f"{n}.out" for n in END_SITES)
 _RESID_RE = re.compile(r"^resid\.(\d+)$")
 _ATTN_RE = re.compile(r"^attn\.(\d+)$")
 
@@ -562,11 +564,15 @@ def forward(
   `split` fails and `resid.{split}` is the start value (I28). `embed_fn`
   and `head_fn`, where given, are the live embedding and head sites.
   """
-  x, taps = final_hidden(weights, tokens, wanted, spec, span_site,
-                         span_extra, start, embed_fn)
-  if head_fn is None:
-    return head_logits(weights, x), taps
-  return head_fn(x, head_matrix(weights)), taps
+  logits_tap = f"{HEAD_SITE}.out"
+  x, taps = final_hidden(weights, tokens,
+                         tuple(k for k in wanted if k != logits_tap), spec,
+                         span_site, span_extra, start, embed_fn)
+  logits = (head_logits(weights, x) if head_fn is None
+            else head_fn(x, head_matrix(weights)))
+  if logits_tap in wanted:
+    taps[logits_tap] = logits
+  return logits, taps
 
 
 def final_hidden(
@@ -584,13 +590,14 @@ def final_hidden(
   config, seg = spec.config, spec.segments
   check_segments(weights, seg)
   first = 0 if start is None else seg.split
-  parsed = _parsed_taps(tuple(k for k in wanted if k not in END_SITES),
+  parsed = _parsed_taps(tuple(k for k in wanted if k not in END_TAPS),
                         config, first)
   rope = rope_tables(config, tokens.shape[1])
   boundary = {}
+  rows = None
   if start is None:
-    h = (jnp.take(weights.embed, tokens, axis=0) if embed_fn is None
-         else embed_fn(weights.embed, tokens))
+    h = rows = (jnp.take(weights.embed, tokens, axis=0) if embed_fn is None
+                else embed_fn(weights.embed, tokens))
     if weights.pos is not None:
       h = h + weights.pos[:tokens.shape[1]]
   else:
@@ -621,9 +628,30 @@ def final_hidden(
     stream_values[(lo, hi)] = ys
   taps = _gathered_taps(parsed, boundary, stream_values)
   x = norm(h, weights.norm, weights.norm_bias, config)
-  ends = {EMBED_SITE: tokens, HEAD_SITE: x}
-  taps.update({k: ends[k] for k in wanted if k in END_SITES})
+  taps.update(_end_taps(weights, tokens, x, rows, wanted))
   return x, taps
+
+
+def _end_taps(
+  weights: GluWeights, tokens: Int[Array, "b t"], x: Float[Array, "b t d"],
+  rows: Optional[Float[Array, "b t d"]], wanted: tuple[str, ...],
+) -> dict[str, Array]:
+  """Return the wanted taps of the embedding and the head (`END_TAPS`):
+  `rows` the embedding's output (None from a residual start, which skips
+  it, I28), the logits the frozen head's (`forward` taps its own)."""
+  out = {}
+  for key in (k for k in wanted if k in END_TAPS):
+    if key == EMBED_SITE:
+      out[key] = tokens
+    elif key == HEAD_SITE:
+      out[key] = x
+    elif key == f"{HEAD_SITE}.out":
+      out[key] = head_logits(weights, x)
+    elif rows is None:
+      raise ValueError(f"tap {key} lies below the residual start (I28)")
+    else:
+      out[key] = rows
+  return out
 
 
 def all_tap_keys(config: glu_config.GluConfig) -> tuple[str, ...]:

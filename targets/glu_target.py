@@ -157,6 +157,11 @@ def _block_tap(config: glu_config.GluConfig) -> Callable[[SiteSpec], str]:
   def tap(site: SiteSpec) -> str:
     if site.name == glu_lm.HEAD_SITE:
       return f"resid.{config.n_layers}"
+    if site.name == glu_lm.EMBED_SITE:
+      raise ValueError(
+        f"the transformer CI function reads residual taps and has no input "
+        f"for the embedding sites ['{site.name}']; use an MLP CI function "
+        f"(--ci_fn=component_mlp, vector_mlp, site_mlp or global_mlp)")
     parsed = glu_lm.parse_site(site.name)
     if parsed is None or parsed[2]:
       raise ValueError(f"site {site.name!r} is not layers.<i>.<module> or "
@@ -528,10 +533,14 @@ def masking_reaches(config: glu_config.GluConfig,
             else glu_lm.parse_site(s.name)[:2] for s in sites
             if s.name != glu_lm.HEAD_SITE]
   moving = moved_by(config)
+  ends = {glu_lm.EMBED_SITE: False,  # the token ids
+          f"{glu_lm.EMBED_SITE}.out": any(l < 0 for l, _ in placed),
+          glu_lm.HEAD_SITE: bool(placed),
+          f"{glu_lm.HEAD_SITE}.out": bool(sites)}
 
   def reaches(tap: str) -> bool:
-    if tap in glu_lm.END_SITES:  # the token ids; the head's input
-      return tap == glu_lm.HEAD_SITE and bool(placed)
+    if tap in ends:
+      return ends[tap]
     stream, layer = glu_lm.parse_tap(tap, config.n_layers)
     if stream == "resid":
       return any(l < layer for l, _ in placed)

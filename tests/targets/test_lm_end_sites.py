@@ -150,11 +150,14 @@ def test_masking_reaches_and_hidden_points():
   reaches = glu_target.masking_reaches(CONFIG, sites)
   assert reaches("resid.0") and reaches("layers.0.self_attn.q_proj")
   assert reaches(HEAD) and not reaches(EMBED)
+  assert reaches(f"{EMBED}.out") and reaches(f"{HEAD}.out")
   assert glu_target.hidden_pass_points(CONFIG, sites)[0] == (
     "layers.0.mlp.down_proj.out")
   head = glu_target.site_specs(CONFIG, (HEAD,), C)
   reaches = glu_target.masking_reaches(CONFIG, head)
-  assert not any(reaches(t) for t in ("resid.4", HEAD, EMBED))
+  assert not any(reaches(t) for t in ("resid.4", HEAD, EMBED,
+                                      f"{EMBED}.out"))
+  assert reaches(f"{HEAD}.out")
   assert glu_target.hidden_pass_points(CONFIG, head) == ()
   assert glu_target.nonlinear_units(CONFIG, sites + head) == {}
 
@@ -194,3 +197,24 @@ def test_the_chunked_head_runs_a_decomposed_embedding():
   masked_x, _ = split.masked_forward_taps(
     weights, components, tokens, _ones(fns), taps, ())
   np.testing.assert_allclose(masked_x, clean_x, rtol=1e-5, atol=1e-5)
+
+
+def test_the_end_sites_outputs_are_the_rows_and_the_logits():
+  fns, weights, components, tokens = _model(CONFIG, CHOICES["embed"])
+  outs = (f"{EMBED}.out", f"{HEAD}.out")
+  logits, taps = fns.clean_forward(weights, tokens, outs)
+  np.testing.assert_array_equal(taps[f"{EMBED}.out"], weights.embed[tokens])
+  np.testing.assert_array_equal(taps[f"{HEAD}.out"], logits)
+  masks = _without(_ones(fns), EMBED, 0)
+  masked, masked_taps = fns.masked_forward_taps(
+    weights, components, tokens, masks, taps, outs)
+  np.testing.assert_allclose(
+    masked_taps[f"{EMBED}.out"],
+    (weights.embed - _piece(components, EMBED, 0))[tokens], atol=1e-5)
+  np.testing.assert_array_equal(masked_taps[f"{HEAD}.out"], masked)
+  head = _model(CONFIG, CHOICES["head"])
+  with pytest.raises(ValueError, match="below the residual start"):
+    head[0].masked_forward_taps(head[1], head[2], head[3], {},
+                                head[0].clean_forward(
+                                  head[1], head[3], head[0].start_taps)[1],
+                                (f"{EMBED}.out",))
