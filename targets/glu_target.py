@@ -2,7 +2,9 @@
 
 Sites are any subset of `layers.{i}.self_attn.{q,k,v,o}_proj` and
 `layers.{i}.mlp.{gate,up,down}_proj` (SPEC §9.2; no `gate` in a plain MLP,
-design §9.4); a projection's bias stays frozen, outside its factors (I52).
+design §9.4), plus the token embedding `embed_tokens` and the unembedding
+`lm_head`, each a kind of its own run outside the scan (`end_fns`); a
+projection's bias stays frozen, outside its factors (I52).
 The decomposed span is `[split, tail)`, the first and one past the last
 decomposed layer. A role's sites form one kind `<role>_proj` (rows
 layer-ascending) when they share `C`; sites of one role with different `C`
