@@ -677,10 +677,9 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
       settings.after) for site, value in ci.items()}
     if coarse_of is None:
       return (batch, {}), ci
-    activity = dict(ci)
-    if layers or heads:
-      activity.update(baseline_activity(taps, layers, heads, n_head, extra,
-                                        mlp))
+    # No baselines (`layers` and `heads` empty) adds nothing.
+    activity = {**ci, **baseline_activity(taps, layers, heads, n_head,
+                                          extra, mlp)}
     tags = {key: tag_profile.batch_tag_stats(
       value, *positions, jnp.asarray(coarse_of), len(brown_tags.COARSE),
       settings.tag_groups) for key, value in activity.items()}
