@@ -11,10 +11,10 @@ component's CI is:
   part of `act(up_i)`, again what the down projection reads.
 - **Gate alone**: the positive part of `act(gate_i)` (gated MLPs only).
 - **Rotated neurons** (a floor): the same hidden vector (`act(gate)·up`,
-  or `act(up)`) in a random orthonormal basis of the neurons' space, positive part. A unit
-  of this basis mixes every neuron, so it has no reason to be selective;
-  a method that does no better than the rotation finds nothing the basis
-  did not.
+  or `act(up)`) in a random orthonormal basis of the neurons' space,
+  positive part. A unit of this basis mixes every neuron, so it has no
+  reason to be selective; a method that does no better than the rotation
+  finds nothing the basis did not.
 - **Attention head** `h`: the norm of what the head writes into the
   residual stream, `‖z_h·W_O[h]‖₂`, with `z_h` the head's attention output
   at the position (`o_proj`'s input, split by head) and `W_O[h]` its rows
