@@ -76,8 +76,32 @@ TAG_FIELDS = tuple(f"tag_{name}" for name in tag_profile.TagStats._fields)
 TAG_GROUPS = 64
 # The baselines a tag harvest measures the same way, per layer whose MLP
 # has a decomposed site (`losses/unit_activity.py`): store keys
-# `layers.<i>.mlp.<kind>`, tag statistics only.
+# `layers.<i>.mlp.<kind>`, tag statistics only. A plain (ungated) MLP has
+# no gates: its neurons are `act(up)`.
 BASELINES = ("neurons", "gates", "rotated")
+
+
+class MlpForm(NamedTuple):
+  """How a model's MLP neurons are formed: `act(gate)·up` when `gated`,
+  else `act(up)`."""
+
+  gated: bool = True
+  act: Callable[[jax.Array], jax.Array] = jax.nn.silu
+
+
+def mlp_form(run: explore.LoadedRun) -> MlpForm:
+  """Return the MLP form of a run's model (a GLU model's; the default for
+  targets without one, which have no baseline layers)."""
+  model = assembly.resolve_target(run.config).record.token_model
+  if model is None:
+    return MlpForm()
+  return MlpForm(model.gated, glu_lm.activation(model))
+
+
+def mlp_kinds(mlp: MlpForm) -> tuple[str, ...]:
+  """Return the `BASELINES` kinds an MLP of form `mlp` has."""
+  return BASELINES if mlp.gated else tuple(
+    k for k in BASELINES if k != "gates")
 # And per layer with a decomposed attention site, its heads: store key
 # `layers.<i>.self_attn.heads`.
 HEADS = "heads"
@@ -350,11 +374,12 @@ def head_layers(run: explore.LoadedRun) -> tuple[int, ...]:
 
 
 def baseline_keys(layers: tuple[int, ...],
-                  heads: tuple[int, ...] = ()) -> tuple[str, ...]:
-  """Return the store keys of the baselines of `layers` (MLPs) and
-  `heads` (attention)."""
+                  heads: tuple[int, ...] = (),
+                  mlp: MlpForm = MlpForm()) -> tuple[str, ...]:
+  """Return the store keys of the baselines of `layers` (MLPs of form
+  `mlp`) and `heads` (attention)."""
   return tuple(f"layers.{i}.mlp.{kind}" for i in layers
-               for kind in BASELINES) + tuple(
+               for kind in mlp_kinds(mlp)) + tuple(
     f"layers.{i}.self_attn.{HEADS}" for i in heads)
 
 
@@ -375,9 +400,11 @@ def n_heads(run: explore.LoadedRun) -> int:
   return assembly.resolve_target(run.config).record.token_model.n_heads
 
 
-def _mlp_taps(layers: tuple[int, ...]) -> tuple[str, ...]:
+def _mlp_taps(layers: tuple[int, ...], mlp: MlpForm = MlpForm()
+              ) -> tuple[str, ...]:
+  roles = ("gate", "up") if mlp.gated else ("up",)
   return tuple(f"layers.{i}.mlp.{role}_proj.out" for i in layers
-               for role in ("gate", "up"))
+               for role in roles)
 
 
 def baseline_weights(run: explore.LoadedRun, settings: Settings,
@@ -397,10 +424,11 @@ def rotations(run: explore.LoadedRun, settings: Settings,
               layers: tuple[int, ...]) -> jax.Array:
   """Return the random rotation of each layer's neurons (Haar, from the
   harvest's seed folded with the layer): `[layers, d_ff, d_ff]`."""
+  up = tuple(f"layers.{i}.mlp.up_proj.out" for i in layers)
   taps = jax.eval_shape(
-    lambda w, x: run.target.clean_forward(w, x, _mlp_taps(layers))[1],
+    lambda w, x: run.target.clean_forward(w, x, up)[1],
     run.weights, batch_shape(run, settings))
-  d_ff = taps[_mlp_taps(layers)[0]].shape[-1]
+  d_ff = taps[up[0]].shape[-1]
   key = jax.random.key(settings.seed)
   return jnp.stack([unit_activity.random_rotation(
     jax.random.fold_in(key, i), d_ff) for i in layers])
@@ -410,26 +438,38 @@ def _o_taps(heads: tuple[int, ...]) -> tuple[str, ...]:
   return tuple(f"layers.{i}.self_attn.o_proj" for i in heads)
 
 
-def baseline_taps(layers: tuple[int, ...], heads: tuple[int, ...]
-                  ) -> tuple[str, ...]:
+def baseline_taps(layers: tuple[int, ...], heads: tuple[int, ...],
+                  mlp: MlpForm = MlpForm()) -> tuple[str, ...]:
   """Return the clean forward's taps the baselines' activities read."""
-  return _mlp_taps(layers) + _o_taps(heads)
+  return _mlp_taps(layers, mlp) + _o_taps(heads)
+
+
+def _mlp_activity(taps: dict[str, jax.Array], layer: int,
+                  rotation: jax.Array, mlp: MlpForm) -> dict[str, jax.Array]:
+  up = taps[f"layers.{layer}.mlp.up_proj.out"]
+  if not mlp.gated:
+    return {"neurons": unit_activity.plain_neuron_activity(up, mlp.act),
+            "rotated": unit_activity.rotated_plain_activity(
+              up, rotation, mlp.act)}
+  gate = taps[f"layers.{layer}.mlp.gate_proj.out"]
+  return {"neurons": unit_activity.glu_neuron_activity(gate, up, mlp.act),
+          "gates": unit_activity.gate_activity(gate, mlp.act),
+          "rotated": unit_activity.rotated_activity(gate, up, rotation,
+                                                    mlp.act)}
 
 
 def baseline_activity(taps: dict[str, jax.Array], layers: tuple[int, ...],
                       heads: tuple[int, ...], n_head: int,
-                      extra: dict[str, jax.Array]) -> dict[str, jax.Array]:
+                      extra: dict[str, jax.Array],
+                      mlp: MlpForm = MlpForm()) -> dict[str, jax.Array]:
   """Return every baseline's activity, by store key, from the clean
-  forward's `baseline_taps` (traceable; `extra` from `baseline_weights`)."""
+  forward's `baseline_taps` (traceable; `extra` from `baseline_weights`;
+  the MLPs of form `mlp`)."""
   out = {}
   for j, i in enumerate(layers):
-    gate = taps[f"layers.{i}.mlp.gate_proj.out"]
-    up = taps[f"layers.{i}.mlp.up_proj.out"]
-    out[f"layers.{i}.mlp.neurons"] = unit_activity.glu_neuron_activity(
-      gate, up)
-    out[f"layers.{i}.mlp.gates"] = unit_activity.gate_activity(gate)
-    out[f"layers.{i}.mlp.rotated"] = unit_activity.rotated_activity(
-      gate, up, extra["rotation"][j])
+    for kind, a in _mlp_activity(taps, i, extra["rotation"][j],
+                                 mlp).items():
+      out[f"layers.{i}.mlp.{kind}"] = a
   for j, (i, key) in enumerate(zip(heads, _o_taps(heads))):
     out[f"layers.{i}.self_attn.{HEADS}"] = unit_activity.head_activity(
       taps[key], extra["w_o"][j], n_head)
@@ -611,7 +651,7 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
            placed: Optional[Placed] = None,
            coarse_of: Optional[np.ndarray] = None,
            layers: tuple[int, ...] = (), heads: tuple[int, ...] = (),
-           n_head: int = 0):
+           n_head: int = 0, mlp: MlpForm = MlpForm()):
   """Return the jitted batch statistics, the accumulation of one batch
   into the device's window of statistics, the ablation of `chunk`
   components (site and index each, beside the clean output) and the plain
@@ -622,7 +662,7 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
   empty unless `coarse_of` is given, and then each batch comes with its
   positions' `(tags, previous tags, groups)` and the tag statistics hold
   the baselines of `layers` and `heads` too (what they read besides the
-  forward, `baseline_weights`, an argument)."""
+  forward, `baseline_weights`, an argument; the MLPs of form `mlp`)."""
   target, ci_fn = run.target, run.ci_fn
   constrain, kept = _window_layout(placed)
 
@@ -630,16 +670,16 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
             extra=None):
     ci, taps = explore.lower_ci_and_taps(
       target, ci_fn, weights, components, ci_params, inputs,
-      baseline_taps(layers, heads) if coarse_of is not None else ())
+      baseline_taps(layers, heads, mlp) if coarse_of is not None else ())
     ci = constrain("ci_activations", ci)
     batch = {site: stats_lib.batch_stats(
       value, inputs, settings.threshold, settings.top_k, settings.before,
       settings.after) for site, value in ci.items()}
     if coarse_of is None:
       return (batch, {}), ci
-    activity = dict(ci)
-    if layers or heads:
-      activity.update(baseline_activity(taps, layers, heads, n_head, extra))
+    # No baselines (`layers` and `heads` empty) adds nothing.
+    activity = {**ci, **baseline_activity(taps, layers, heads, n_head,
+                                          extra, mlp)}
     tags = {key: tag_profile.batch_tag_stats(
       value, *positions, jnp.asarray(coarse_of), len(brown_tags.COARSE),
       settings.tag_groups) for key, value in activity.items()}
@@ -716,17 +756,18 @@ def _pipeline(run: explore.LoadedRun, settings: Settings, chunk: int,
   layers = () if tags is None else baseline_layers(run)
   heads = () if tags is None else head_layers(run)
   extra = baseline_weights(run, settings, layers, heads)
+  mlp = mlp_form(run) if layers else MlpForm()
   if placed.statistics is not None:
     extra = transfer.put(extra, jax.tree.map(lambda _: placed.statistics,
                                              extra))
   stats_fn, accumulate, ablation_fn, clean_fn = jitted(
     run, settings, chunk, placed,
     None if tags is None else tags.coarse_of, layers, heads,
-    n_heads(run) if heads else 0)
+    n_heads(run) if heads else 0, mlp)
   shapes, _ = jax.eval_shape(stats_fn, placed.weights, placed.components,
                              placed.ci_params, batch(0), positions(0), extra)
   tag_record = {} if tags is None else {"tags": {
-    **tags.record, "baselines": list(baseline_keys(layers, heads))}}
+    **tags.record, "baselines": list(baseline_keys(layers, heads, mlp))}}
   return _Pipeline(batch, positions, extra, accumulate, ablation_fn,
                    clean_fn, shapes, tag_record, chunk)
 

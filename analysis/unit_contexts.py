@@ -60,7 +60,8 @@ def top_positions(run: explore.LoadedRun, settings: harvest_lib.Settings,
   heads = harvest_lib.head_layers(run)
   n_head = harvest_lib.n_heads(run) if heads else 0
   extra = harvest_lib.baseline_weights(run, settings, layers, heads)
-  wanted = harvest_lib.baseline_taps(layers, heads)
+  mlp = harvest_lib.mlp_form(run) if layers else harvest_lib.MlpForm()
+  wanted = harvest_lib.baseline_taps(layers, heads, mlp)
   d = run.decomposition
 
   @jax.jit
@@ -69,7 +70,7 @@ def top_positions(run: explore.LoadedRun, settings: harvest_lib.Settings,
       run.target, run.ci_fn, run.weights, d.components, d.ci_params,
       inputs, wanted)
     activity = {**ci, **harvest_lib.baseline_activity(
-      taps, layers, heads, n_head, extra)}
+      taps, layers, heads, n_head, extra, mlp)}
     out = {}
     for key, a in activity.items():
       flat = a.reshape(-1, a.shape[-1]).T

@@ -7,12 +7,14 @@ component's CI is:
   the value the down projection reads (SPEC §9.1). Its sign carries no
   meaning of its own (the down projection could flip it), so the negative
   side is not a second unit; the positive part is the neuron's firing.
-- **Gate alone**: the positive part of `act(gate_i)`.
-- **Rotated neurons** (a floor): the same hidden vector `act(gate)·up` in
-  a random orthonormal basis of the neurons' space, positive part. A unit
-  of this basis mixes every neuron, so it has no reason to be selective;
-  a method that does no better than the rotation finds nothing the basis
-  did not.
+- **Plain MLP neuron** `i` (no gate, GPT-2's and Pythia's): the positive
+  part of `act(up_i)`, again what the down projection reads.
+- **Gate alone**: the positive part of `act(gate_i)` (gated MLPs only).
+- **Rotated neurons** (a floor): the same hidden vector (`act(gate)·up`,
+  or `act(up)`) in a random orthonormal basis of the neurons' space,
+  positive part. A unit of this basis mixes every neuron, so it has no
+  reason to be selective; a method that does no better than the rotation
+  finds nothing the basis did not.
 - **Attention head** `h`: the norm of what the head writes into the
   residual stream, `‖z_h·W_O[h]‖₂`, with `z_h` the head's attention output
   at the position (`o_proj`'s input, split by head) and `W_O[h]` its rows
@@ -33,6 +35,13 @@ def glu_neuron_activity(
   """Return the positive part of `act(gate)·up` (fp32)."""
   hidden = act(gate.astype(jnp.float32)) * up.astype(jnp.float32)
   return jnp.maximum(hidden, 0.0)
+
+
+def plain_neuron_activity(
+  up: Float[Array, "*l f"], act: Callable[[Array], Array],
+) -> Float[Array, "*l f"]:
+  """Return the positive part of a plain MLP's `act(up)` (fp32)."""
+  return jnp.maximum(act(up.astype(jnp.float32)), 0.0)
 
 
 def gate_activity(
@@ -59,6 +68,15 @@ def rotated_activity(
   rotation's columns."""
   hidden = act(gate.astype(jnp.float32)) * up.astype(jnp.float32)
   return jnp.maximum(hidden @ rotation, 0.0)
+
+
+def rotated_plain_activity(
+  up: Float[Array, "*l f"], rotation: Float[Array, "f f"],
+  act: Callable[[Array], Array],
+) -> Float[Array, "*l f"]:
+  """Return the positive part of a plain MLP's `act(up)` in the basis of
+  the rotation's columns."""
+  return jnp.maximum(act(up.astype(jnp.float32)) @ rotation, 0.0)
 
 
 def head_activity(

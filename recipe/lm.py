@@ -44,13 +44,15 @@ def expand_sites(
   """
   for pattern in patterns:
     if not fnmatch.filter(names, pattern):
-      parsed = [glu_lm.parse_site(n) for n in names]
+      parsed = [p for p in map(glu_lm.parse_site, names) if p is not None]
       mlp = ",".join(r for r in glu_lm.ROLES[4:]
                      if any(p[1] == r for p in parsed))
+      ends = [n for n in glu_lm.END_SITES if n in names]
       raise ValueError(f"--sites entry {pattern!r} matches no site; sites "
                        "are layers.<i>.self_attn.{q,k,v,o}_proj and "
                        f"layers.<i>.mlp.{{{mlp}}}_proj, i < "
-                       f"{1 + max(p[0] for p in parsed)}")
+                       f"{1 + max(p[0] for p in parsed)}"
+                       + "".join(f", {n}" for n in ends))
   return tuple(n for n in names
                if any(fnmatch.fnmatchcase(n, p) for p in patterns))
 
@@ -69,9 +71,10 @@ def hf_target(config) -> record.Resolved:
   if config.seq_len > glu.max_position:
     raise ValueError(f"--seq_len {config.seq_len} exceeds the model's "
                      f"max_position_embeddings {glu.max_position}")
-  everything = glu_target.all_site_names(glu)
-  names = (expand_sites(everything, config.sites) if config.sites
-           else everything)
+  # Without --sites, every projection; the embedding and the head only
+  # when named (design §9.2).
+  names = (expand_sites(glu_target.selectable_site_names(glu), config.sites)
+           if config.sites else glu_target.all_site_names(glu))
   sites = glu_target.site_specs(glu, names, config.c)
   fns = glu_target.target_fns(glu, sites, config.attention, remat=True,
                                output_chunk=config.output_chunk)

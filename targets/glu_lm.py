@@ -51,6 +51,15 @@ ATTENTION_IMPLS = ("reference", "xla", "cudnn", "auto")
 _SITE_RE = re.compile(
   r"^layers\.(\d+)\.(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down))_proj"
   r"(\.out)?$")
+# The token embedding and the unembedding as sites and taps (design §9.2):
+# HF's `model.embed_tokens` and `lm_head`, named like `layers.<i>` without
+# the `model.` prefix. Their tap is the site's input: the token ids, and the
+# final hidden state (after the final norm) the head reads; `.out` the
+# site's output: the embedding rows (before any position table), the logits.
+EMBED_SITE = "embed_tokens"
+HEAD_SITE = "lm_head"
+END_SITES = (EMBED_SITE, HEAD_SITE)
+END_TAPS = END_SITES + tuple(f"{n}.out" for n in END_SITES)
 _RESID_RE = re.compile(r"^resid\.(\d+)$")
 _ATTN_RE = re.compile(r"^attn\.(\d+)$")
 
@@ -220,6 +229,12 @@ def softcap(x: Array, cap: Optional[float]) -> Array:
 _ACTIVATIONS = {"silu": jax.nn.silu,
                 "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
                 "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+
+
+def activation(config: glu_config.GluConfig) -> Callable[[Array], Array]:
+  """Return the MLP's activation `act`: of the gate in `act(gate)·up`, of
+  `up` in a plain MLP's `act(up)`."""
+  return _ACTIVATIONS[config.activation]
 
 
 def rope_tables(
@@ -466,11 +481,11 @@ def block(
             "k.out": k, "v.out": v, "o.out": o}
   if config.gated:
     gate, up = project("gate", xm), project("up", xm)
-    act = _ACTIVATIONS[config.activation](gate) * up
+    act = activation(config)(gate) * up
     values.update({"gate": xm, "gate.out": gate})
   else:
     up = project("up", xm)
-    act = _ACTIVATIONS[config.activation](up)
+    act = activation(config)(up)
   down = project("down", act)
   values.update({"up": xm, "up.out": up, "down": act, "down.out": down})
   out = {s: values[s] for s in streams if s != "attn"}
@@ -630,6 +645,13 @@ def head_logits(
   return jnp.einsum("...d,vd->...v", x, head_matrix(weights))
 
 
+# A live embedding `(table [vocab, d], tokens) -> [b, t, d]` and a live
+# head `(x [b, t, d], head [vocab, d]) -> logits`, each in place of the
+# frozen lookup or product.
+EmbedFn = Callable[[Array, Array], Array]
+HeadFn = Callable[[Array, Array], Array]
+
+
 def forward(
   weights: GluWeights,
   tokens: Int[Array, "b t"],
@@ -638,17 +660,27 @@ def forward(
   span_site: SiteFn = frozen_site,
   span_extra: Any = None,
   start: Optional[Float[Array, "b t d"]] = None,
+  embed_fn: Optional[EmbedFn] = None,
+  head_fn: Optional[HeadFn] = None,
 ) -> tuple[Float[Array, "b t vocab"], dict[str, Array]]:
   """Return logits and the `wanted` taps of one forward.
 
   `span_site` runs the span's matmuls (scanning `span_extra` beside the
   span weights); prefix and tail are always frozen. `start` is a residual
   start at block `split` (SPEC §3.5): the prefix is not run, a tap below
-  `split` fails and `resid.{split}` is the start value (I28).
+  `split` fails and `resid.{split}` is the start value (I28). `embed_fn`
+  and `head_fn`, where given, are the live embedding and head sites.
   """
-  x, taps = final_hidden(weights, tokens, wanted, spec, span_site,
-                         span_extra, start)
-  return softcap(head_logits(weights, x), spec.config.final_softcap), taps
+  logits_tap = f"{HEAD_SITE}.out"
+  x, taps = final_hidden(weights, tokens,
+                         tuple(k for k in wanted if k != logits_tap), spec,
+                         span_site, span_extra, start, embed_fn)
+  logits = (head_logits(weights, x) if head_fn is None
+            else head_fn(x, head_matrix(weights)))
+  if logits_tap in wanted:
+    # The head module's output, before any final soft-cap (Gemma 2).
+    taps[logits_tap] = logits
+  return softcap(logits, spec.config.final_softcap), taps
 
 
 def final_hidden(
@@ -659,17 +691,21 @@ def final_hidden(
   span_site: SiteFn = frozen_site,
   span_extra: Any = None,
   start: Optional[Float[Array, "b t d"]] = None,
+  embed_fn: Optional[EmbedFn] = None,
 ) -> tuple[Float[Array, "b t d"], dict[str, Array]]:
   """Return `forward`'s final hidden state (after the final norm, what the
   head reads) and its `wanted` taps."""
   config, seg = spec.config, spec.segments
   check_segments(weights, seg)
   first = 0 if start is None else seg.split
-  parsed = _parsed_taps(wanted, config, first)
+  parsed = _parsed_taps(tuple(k for k in wanted if k not in END_TAPS),
+                        config, first)
   rope = rope_tables(config, tokens.shape[1])
   boundary = {}
+  rows = None
   if start is None:
-    h = jnp.take(weights.embed, tokens, axis=0)
+    h = rows = (jnp.take(weights.embed, tokens, axis=0) if embed_fn is None
+                else embed_fn(weights.embed, tokens))
     if config.embed_scale:
       # √d rounded to fp32, then to the weights' dtype, as Gemma's.
       h = h * jnp.asarray(np.float32(config.d_model ** 0.5), h.dtype)
@@ -702,7 +738,31 @@ def final_hidden(
     boundary[hi] = h
     stream_values[(lo, hi)] = ys
   taps = _gathered_taps(parsed, boundary, stream_values)
-  return norm(h, weights.norm, weights.norm_bias, config), taps
+  x = norm(h, weights.norm, weights.norm_bias, config)
+  taps.update(_end_taps(weights, tokens, x, rows, wanted))
+  return x, taps
+
+
+def _end_taps(
+  weights: GluWeights, tokens: Int[Array, "b t"], x: Float[Array, "b t d"],
+  rows: Optional[Float[Array, "b t d"]], wanted: tuple[str, ...],
+) -> dict[str, Array]:
+  """Return the wanted taps of the embedding and the head (`END_TAPS`):
+  `rows` the embedding's output (None from a residual start, which skips
+  it, I28), the logits the frozen head's (`forward` taps its own)."""
+  out = {}
+  for key in (k for k in wanted if k in END_TAPS):
+    if key == EMBED_SITE:
+      out[key] = tokens
+    elif key == HEAD_SITE:
+      out[key] = x
+    elif key == f"{HEAD_SITE}.out":
+      out[key] = head_logits(weights, x)
+    elif rows is None:
+      raise ValueError(f"tap {key} lies below the residual start (I28)")
+    else:
+      out[key] = rows
+  return out
 
 
 def all_tap_keys(config: glu_config.GluConfig) -> tuple[str, ...]:

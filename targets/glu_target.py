@@ -2,7 +2,9 @@
 
 Sites are any subset of `layers.{i}.self_attn.{q,k,v,o}_proj` and
 `layers.{i}.mlp.{gate,up,down}_proj` (SPEC §9.2; no `gate` in a plain MLP,
-design §9.4); a projection's bias stays frozen, outside its factors (I52).
+design §9.4), plus the token embedding `embed_tokens` and the unembedding
+`lm_head`, each a kind of its own run outside the scan (`end_fns`); a
+projection's bias stays frozen, outside its factors (I52).
 The decomposed span is `[split, tail)`, the first and one past the last
 decomposed layer. A role's sites form one kind `<role>_proj` (rows
 layer-ascending) when they share `C`; sites of one role with different `C`
@@ -20,6 +22,7 @@ the frozen prefix is never recomputed (SPEC §3.5, exact: I27).
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
@@ -31,7 +34,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from decompax.core import ci_transformer, site_forward, target
 from decompax.core.masks import SiteMask
-from decompax.core.sites import Components, SiteSpec, validate_sites
+from decompax.core.sites import (
+  EMBEDDING, Components, SiteSpec, validate_sites)
 from decompax.targets import glu_config, glu_lm
 
 CPerSite = Union[int, dict[str, int]]
@@ -46,31 +50,66 @@ def role_dims(config: glu_config.GluConfig, role: str) -> tuple[int, int]:
 
 
 def all_site_names(config: glu_config.GluConfig) -> tuple[str, ...]:
-  """Return every decomposable matrix in canonical order."""
+  """Return every decomposable projection in canonical order: the sites a
+  run without `--sites` decomposes."""
   return tuple(glu_lm.site_name(i, r)
                for i in range(config.n_layers)
                for r in glu_lm.model_roles(config))
 
 
+def selectable_site_names(config: glu_config.GluConfig) -> tuple[str, ...]:
+  """Return every site `--sites` may name, in canonical order: the token
+  embedding, the projections, the unembedding (design §9.2)."""
+  return ((glu_lm.EMBED_SITE,) + all_site_names(config)
+          + (glu_lm.HEAD_SITE,))
+
+
+def is_end_site(name: str) -> bool:
+  """Return whether a site is the token embedding or the unembedding."""
+  return name in glu_lm.END_SITES
+
+
+def _end_spec(config: glu_config.GluConfig, name: str, c: int) -> SiteSpec:
+  """Return the embedding's or the head's spec: a kind of its own, one row,
+  draws keyed past the projections' roles."""
+  v, d = config.vocab_size, config.d_model
+  if name == glu_lm.EMBED_SITE:
+    return SiteSpec(name, name, 0, v, d, c, (len(glu_lm.ROLES), 0),
+                    EMBEDDING)
+  return SiteSpec(name, name, 0, d, v, c, (len(glu_lm.ROLES) + 1, 0))
+
+
+def _order_key(config: glu_config.GluConfig, parsed: tuple) -> tuple:
+  if parsed[1] == glu_lm.EMBED_SITE:
+    return (-1, 0)
+  if parsed[1] == glu_lm.HEAD_SITE:
+    return (config.n_layers, 0)
+  return (parsed[0], glu_lm.ROLES.index(parsed[1]))
+
+
 def site_specs(
   config: glu_config.GluConfig, names: tuple[str, ...], c: CPerSite
 ) -> tuple[SiteSpec, ...]:
-  """Return the named sites in canonical order (layer, then q…down)."""
+  """Return the named sites in canonical order (the embedding, then layer
+  by layer q…down, then the head)."""
   parsed = {}
   roles = glu_lm.model_roles(config)
   for name in names:
+    if is_end_site(name):
+      parsed[name] = (None, name)
+      continue
     p = glu_lm.parse_site(name)
     if (p is None or p[2] or p[0] >= config.n_layers
         or p[1] not in roles):
       mlp = ",".join(r for r in roles if r in ("gate", "up", "down"))
       raise ValueError(f"unknown site {name!r}; sites are layers.<i>.self_attn"
                        f".{{q,k,v,o}}_proj and layers.<i>.mlp.{{{mlp}}}_proj"
-                       f" for i < {config.n_layers}")
+                       f" for i < {config.n_layers}, {glu_lm.EMBED_SITE} and "
+                       f"{glu_lm.HEAD_SITE}")
     parsed[name] = p[:2]
   if not parsed:
     raise ValueError("no sites to decompose")
-  order = sorted(parsed, key=lambda n: (parsed[n][0],
-                                        glu_lm.ROLES.index(parsed[n][1])))
+  order = sorted(parsed, key=lambda n: _order_key(config, parsed[n]))
   cs = {n: c for n in order} if isinstance(c, int) else dict(c)
   missing = [n for n in order if n not in cs]
   extra = sorted(set(cs) - set(order))
@@ -79,8 +118,10 @@ def site_specs(
                      f"{missing}, unknown {extra}")
   by_role: dict[str, list[str]] = {}
   for n in order:
-    by_role.setdefault(parsed[n][1], []).append(n)
-  specs, rows = {}, {}
+    if not is_end_site(n):
+      by_role.setdefault(parsed[n][1], []).append(n)
+  specs = {n: _end_spec(config, n, cs[n]) for n in order if is_end_site(n)}
+  rows = {}
   for role, members in by_role.items():
     mixed = len({cs[n] for n in members}) > 1
     d_in, d_out = role_dims(config, role)
@@ -98,17 +139,39 @@ def site_specs(
 def span_segments(
   config: glu_config.GluConfig, sites: tuple[SiteSpec, ...]
 ) -> glu_lm.Segments:
-  """Return the three-stack bounds around the decomposed layers."""
-  layers = [glu_lm.parse_site(s.name)[0] for s in sites]
-  return glu_lm.Segments(config.n_layers, min(layers), max(layers) + 1)
+  """Return the three-stack bounds around the decomposed layers.
+
+  A decomposed embedding starts the span at layer 0 (no prefix: the
+  residual stream is live from the start); the head adds no layer, and
+  without a decomposed layer the span is empty where the layers would end
+  (`[n, n)`, all frozen layers a prefix the head's forwards share)."""
+  layers = [glu_lm.parse_site(s.name)[0] for s in sites
+            if not is_end_site(s.name)]
+  embed = any(s.name == glu_lm.EMBED_SITE for s in sites)
+  if not layers:
+    first = 0 if embed else config.n_layers
+    return glu_lm.Segments(config.n_layers, first, first)
+  return glu_lm.Segments(config.n_layers, 0 if embed else min(layers),
+                         max(layers) + 1)
 
 
-def _block_tap(site: SiteSpec) -> str:
-  parsed = glu_lm.parse_site(site.name)
-  if parsed is None or parsed[2]:
-    raise ValueError(f"site {site.name!r} is not layers.<i>.<module>; the "
-                     "transformer CI chunks language-model sites by block")
-  return f"resid.{parsed[0]}"
+def _block_tap(config: glu_config.GluConfig) -> Callable[[SiteSpec], str]:
+  def tap(site: SiteSpec) -> str:
+    if site.name == glu_lm.HEAD_SITE:
+      return f"resid.{config.n_layers}"
+    if site.name == glu_lm.EMBED_SITE:
+      raise ValueError(
+        f"the transformer CI function reads residual taps and has no input "
+        f"for the embedding sites ['{site.name}']; use an MLP CI function "
+        f"(--ci_fn=component_mlp, vector_mlp, site_mlp or global_mlp)")
+    parsed = glu_lm.parse_site(site.name)
+    if parsed is None or parsed[2]:
+      raise ValueError(f"site {site.name!r} is not layers.<i>.<module> or "
+                       f"{glu_lm.HEAD_SITE}; the transformer CI chunks "
+                       "language-model sites by block")
+    return f"resid.{parsed[0]}"
+
+  return tap
 
 
 def ci_chunks(
@@ -116,8 +179,9 @@ def ci_chunks(
 ) -> tuple[tuple[ci_transformer.Chunk, ...], tuple[tuple[str, int], ...]]:
   """Return the transformer CI's chunks over LM sites, one per decomposed
   block reading that block's residual `resid.<i>` (SPEC §4.3), and the
-  width of each chunk's tap."""
-  chunks = ci_transformer.chunks_by_tap(tuple(sites), _block_tap)
+  width of each chunk's tap; the head's chunk reads the last residual
+  `resid.<n_layers>` (before the final norm)."""
+  chunks = ci_transformer.chunks_by_tap(tuple(sites), _block_tap(config))
   return chunks, tuple((c.input_taps[0], config.d_model) for c in chunks)
 
 
@@ -131,9 +195,12 @@ class KindLayout:
 
 
 def kind_layouts(sites: tuple[SiteSpec, ...]) -> dict[str, KindLayout]:
-  """Return each kind's layout, rows in order."""
+  """Return each projection kind's layout, rows in order (the embedding's
+  and the head's kinds run outside the scan, `end_fns`)."""
   members: dict[str, list[SiteSpec]] = {}
   for s in sites:
+    if is_end_site(s.name):
+      continue
     members.setdefault(s.kind, []).append(s)
   out = {}
   for kind, ss in members.items():
@@ -225,14 +292,20 @@ def live_site_fn(layouts: dict[str, KindLayout]) -> glu_lm.SiteFn:
 
 def frozen_stacks(
   weights: glu_lm.GluWeights, layouts: dict[str, KindLayout],
-  seg: glu_lm.Segments,
+  seg: glu_lm.Segments, ends: tuple[str, ...] = (),
 ) -> dict[str, Float[Array, "layer d_in d_out"]]:
   """Return each decomposed kind's frozen `W` stack `[n_k, d_in, d_out]`.
 
   A kind covering the span's layers in order is the stored span leaf
-  itself; others gather their rows.
+  itself; others gather their rows. The embedding's `W` is the table, the
+  head's the transpose of the head (of the table when tied); `ends` names
+  those of them that are sites.
   """
   out = {}
+  if glu_lm.EMBED_SITE in ends:
+    out[glu_lm.EMBED_SITE] = weights.embed[None]
+  if glu_lm.HEAD_SITE in ends:
+    out[glu_lm.HEAD_SITE] = glu_lm.head_matrix(weights).T[None]
   for kind, layout in layouts.items():
     stack = getattr(weights.span, layout.role)
     if layout.layers == tuple(range(seg.split, seg.tail)):
@@ -250,6 +323,8 @@ def nonlinear_units(
   kv heads counted `n_heads/n_kv_heads` times; o and down have none."""
   out = {}
   for s in sites:
+    if is_end_site(s.name):
+      continue
     role = glu_lm.parse_site(s.name)[1]
     if role in ("gate", "up"):
       out[s.name] = target.UnitSpec("neuron", config.d_ff)
@@ -321,16 +396,22 @@ def chunked_head_kl(
 
 def split_head(
   spec: glu_lm.ForwardSpec, site: glu_lm.SiteFn, resume: Optional[str],
-  extras: Callable, chunk: int,
+  extras: Callable, chunk: int, head_site: bool = False,
 ) -> Optional[target.SplitHead]:
   """Return the train step's forwards to the final hidden state and the
   head's KL over chunks of `chunk` positions (`chunked_head_kl`); None for
-  `chunk` 0 (whole logits), ValueError for a negative one."""
+  `chunk` 0 (whole logits), ValueError for a negative one or for chunks of
+  a decomposed head (`head_site`), which the chunked KL reads frozen."""
   if chunk < 0:
     raise ValueError(f"output_chunk must be >= 0 (0: whole logits), got "
                      f"{chunk}")
   if chunk == 0:
     return None
+  if head_site:
+    raise ValueError(f"--output_chunk computes the frozen head's logits in "
+                     f"chunks and cannot decompose {glu_lm.HEAD_SITE}; use "
+                     f"--output_chunk=0 or leave {glu_lm.HEAD_SITE} out of "
+                     f"--sites")
 
   def divergence(weights, masked_x, clean_x):
     return chunked_head_kl(glu_lm.head_matrix(weights), masked_x, clean_x,
@@ -348,7 +429,8 @@ def tapped_forwards(
   """Return the clean and the masked forward with taps that `run`
   (`glu_lm.forward`, or `glu_lm.final_hidden` to stop before the head)
   computes; a masked forward starts at the clean pass's `resume` tap where
-  there is one (prefix sharing)."""
+  there is one (prefix sharing). `extras` gives the span's scanned inputs
+  and the live end sites' functions (`end_fns`)."""
 
   def clean_forward(weights, tokens, wanted):
     weights = jax.lax.stop_gradient(weights)
@@ -357,8 +439,9 @@ def tapped_forwards(
   def masked_forward_taps(weights, components, tokens, site_masks,
                           clean_taps, wanted):
     start = None if resume is None else clean_taps.get(resume)
-    return run(weights, tokens, tuple(wanted), spec, site,
-               extras(weights, components, site_masks), start)
+    span_extra, ends = extras(weights, components, site_masks)
+    return run(weights, tokens, tuple(wanted), spec, site, span_extra,
+               start, **ends)
 
   return clean_forward, masked_forward_taps
 
@@ -367,7 +450,8 @@ def attention_blocks(sites: tuple[SiteSpec, ...]) -> tuple[int, ...]:
   """Return the layers with a decomposed q_proj or k_proj, ascending: the
   blocks whose attention pattern the eval compares (SPEC §11)."""
   parsed = [glu_lm.parse_site(s.name) for s in sites]
-  return tuple(sorted({p[0] for p in parsed if p[1] in ("q", "k")}))
+  return tuple(sorted({p[0] for p in parsed
+                       if p is not None and p[1] in ("q", "k")}))
 
 
 def attention_taps(blocks: tuple[int, ...]) -> tuple[str, ...]:
@@ -453,12 +537,21 @@ def moved_by(config: glu_config.GluConfig) -> dict[str, frozenset]:
 def masking_reaches(config: glu_config.GluConfig,
                     sites: tuple[SiteSpec, ...]):
   """Return `tap -> bool`: whether masking `sites` can move that tap (a
-  later layer's anything; in the site's own layer, what reads it). Unknown
+  later layer's anything; in the site's own layer, what reads it). The
+  embedding lies below layer 0 and reaches every tap, the head none. Unknown
   taps raise `parse_tap`'s ValueError."""
-  placed = [glu_lm.parse_site(s.name)[:2] for s in sites]
+  placed = [(-1, glu_lm.EMBED_SITE) if s.name == glu_lm.EMBED_SITE
+            else glu_lm.parse_site(s.name)[:2] for s in sites
+            if s.name != glu_lm.HEAD_SITE]
   moving = moved_by(config)
+  ends = {glu_lm.EMBED_SITE: False,  # the token ids
+          f"{glu_lm.EMBED_SITE}.out": any(l < 0 for l, _ in placed),
+          glu_lm.HEAD_SITE: bool(placed),
+          f"{glu_lm.HEAD_SITE}.out": bool(sites)}
 
   def reaches(tap: str) -> bool:
+    if tap in ends:
+      return ends[tap]
     stream, layer = glu_lm.parse_tap(tap, config.n_layers)
     if stream == "resid":
       return any(l < layer for l, _ in placed)
@@ -471,8 +564,11 @@ def masking_reaches(config: glu_config.GluConfig,
 def hidden_pass_points(config: glu_config.GluConfig,
                        sites: tuple[SiteSpec, ...]) -> tuple[str, ...]:
   """Return the MLP outputs from the first decomposed layer to the last:
-  what a hidden pass reconstructs by default."""
-  first = min(glu_lm.parse_site(s.name)[0] for s in sites)
+  what a hidden pass reconstructs by default (from layer 0 with a
+  decomposed embedding; none with the head alone)."""
+  first = min((0 if s.name == glu_lm.EMBED_SITE else config.n_layers
+               if s.name == glu_lm.HEAD_SITE
+               else glu_lm.parse_site(s.name)[0]) for s in sites)
   return tuple(f"{glu_lm.site_name(i, 'down')}.out"
                for i in range(first, config.n_layers))
 
@@ -491,6 +587,38 @@ def live_extras(
                      f"{sorted(names)}")
   return live_kinds(components, site_masks, layouts, seg,
                     weights.embed.dtype)
+
+
+def end_fns(
+  sites: tuple[SiteSpec, ...], components: Components,
+  site_masks: dict[str, SiteMask], dtype: Any,
+) -> dict[str, Callable]:
+  """Return `glu_lm.forward`'s live `embed_fn` and `head_fn` for the end
+  sites that are live in `site_masks` (design §3.7): the embedding's rows
+  `E[t]` and the head's `x·headᵀ` decomposed, factors and masks cast to the
+  forward's dtype as the span's are."""
+  out = {}
+  for s in sites:
+    m = site_masks.get(s.name)
+    if not is_end_site(s.name) or m is None:
+      continue
+    factors = components[s.kind]
+    v, u = factors.v[s.row].astype(dtype), factors.u[s.row].astype(dtype)
+    m = SiteMask(m.mask.astype(dtype),
+                 None if m.delta is None else m.delta.astype(dtype), m.route)
+    if s.name == glu_lm.EMBED_SITE:
+      out["embed_fn"] = functools.partial(_live_embedding, v=v, u=u, m=m)
+    else:
+      out["head_fn"] = functools.partial(_live_head, v=v, u=u, m=m)
+  return out
+
+
+def _live_embedding(table, tokens, *, v, u, m):
+  return site_forward.decomposed_embedding(tokens, table, v, u, m)
+
+
+def _live_head(x, head, *, v, u, m):
+  return site_forward.decomposed_matmul(x, head.T, v, u, m)
 
 
 def target_fns(
@@ -517,22 +645,26 @@ def target_fns(
   site = live_site_fn(layouts)
   resume = start_key(seg) if prefix_sharing else None
   blocks = attention_blocks(sites)
+  ends = tuple(s.name for s in sites if is_end_site(s.name))
 
   def extras(weights, components, site_masks):
-    return live_extras(sites, layouts, seg, weights, components, site_masks)
+    return (live_extras(sites, layouts, seg, weights, components,
+                        site_masks),
+            end_fns(sites, components, site_masks, weights.embed.dtype))
 
   clean_forward, masked_forward_taps = tapped_forwards(
     glu_lm.forward, spec, site, resume, extras)
 
   def masked_forward(weights, components, tokens, site_masks):
-    return glu_lm.forward(weights, tokens, (), spec, site,
-                          extras(weights, components, site_masks))[0]
+    span_extra, ends = extras(weights, components, site_masks)
+    return glu_lm.forward(weights, tokens, (), spec, site, span_extra,
+                          **ends)[0]
 
   return target.TargetFns(
     sites=sites,
     clean_forward=clean_forward,
     masked_forward=masked_forward,
-    frozen_stacks=lambda w: frozen_stacks(w, layouts, seg),
+    frozen_stacks=lambda w: frozen_stacks(w, layouts, seg, ends),
     divergence=kl_clean_to_masked,
     batch_lead_shape=lambda tokens: tuple(tokens.shape),
     nonlinear_units=nonlinear_units(config, sites),
@@ -543,7 +675,8 @@ def target_fns(
     attention_divergence=attention_divergence(config, seg, blocks),
     hidden_pass_points=hidden_pass_points(config, sites),
     masking_reaches=masking_reaches(config, sites),
-    split_head=split_head(spec, site, resume, extras, output_chunk),
+    split_head=split_head(spec, site, resume, extras, output_chunk,
+                          glu_lm.HEAD_SITE in ends),
   )
 
 

@@ -329,6 +329,11 @@ RECIPES = {
                  f"--model_dir={RUN_ROOT / 'tests' / 'fixtures' / 'tiny_llama'}",
                  "--batch_size=8", "--seq_len=16", "--c=8",
                  "--data_path={tokens}"),
+  # A plain (ungated) MLP's run: the tiny GPT-2 on the same kind of file.
+  "tiny_gpt2": (f"--flagfile={RUN_ROOT / 'flags' / 'tiny_gpt2.flags'}",
+                f"--model_dir={RUN_ROOT / 'tests' / 'fixtures' / 'tiny_gpt2'}",
+                "--batch_size=8", "--seq_len=16", "--c=8",
+                "--data_path={tokens}"),
   # `{model}`, `{tokens}`: a tiny Llama with a BPE tokenizer and a tagged
   # token file of English-like sentences (`_text_model`): a text run with
   # part-of-speech statistics, its MLP and attention output decomposed.

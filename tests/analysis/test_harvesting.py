@@ -676,3 +676,52 @@ def test_a_sharded_tag_harvest_equals_the_one_device_one(
       else:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
                                    err_msg=f"{key}/{field}")
+
+
+def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
+                                                        tmp_path):
+  """GPT-2's MLP has no gate: its neurons are `gelu_tanh(up)`, rotated the
+  same way, and it has no gates baseline."""
+  from decompax.io import tokens  # noqa: PLC0415
+  gpt2 = explore.load_run(finished_run("tiny_gpt2"))
+  rng = np.random.default_rng(3)
+  docs = []
+  for d in range(5):
+    n = int(rng.integers(5, 30))
+    docs.append(tokens.TaggedDocument(
+      f"doc{d}", rng.integers(0, 127, n), rng.integers(1, len(TAGS), n),
+      np.asarray([0, n // 2])))
+  path = tmp_path / "tokens.bin"
+  tokens.write_tagged_tokens(path, docs, TAGS, "<eos>", 128, 127, "test")
+  settings = harvest_lib.resolve(gpt2, harvest_lib.Request(
+    positions=2 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
+    ablation_batches=0, data_path=str(path)))
+  out = str(tmp_path / "harvest")
+  record = harvest_lib.harvest(gpt2, settings, out, save_every_s=0.0,
+                               say=lambda _: None)
+  assert record["tags"]["baselines"] == ["layers.1.mlp.neurons",
+                                         "layers.1.mlp.rotated"]
+  rotation = np.asarray(harvest_lib.rotations(gpt2, settings, (1,)))[0]
+  opened = tokens.open_tokens(settings.data_path)
+  stream = tokens.open_tags(opened)
+  inputs, _ = _direct(gpt2, settings)
+  want = {}
+  for i, x in enumerate(inputs):
+    _, taps = gpt2.target.clean_forward(gpt2.weights, x,
+                                        ("layers.1.mlp.up_proj.out",))
+    up = np.asarray(taps["layers.1.mlp.up_proj.out"], np.float64)
+    hidden = 0.5 * up * (1 + np.tanh(
+      np.sqrt(2 / np.pi) * (up + 0.044715 * up ** 3)))
+    activity = {"neurons": np.maximum(hidden, 0),
+                "rotated": np.maximum(hidden @ rotation, 0)}
+    starts = tokens.window_starts(settings.seed, i, range(4),
+                                  opened.header.num_tokens, 12)
+    tags = stream.ids[starts[:, None] + np.arange(12)].reshape(-1)
+    for kind, a in activity.items():
+      fine = want.setdefault(kind, np.zeros((a.shape[-1], len(TAGS))))
+      np.add.at(fine.T, tags, a.reshape(-1, a.shape[-1]))
+  for kind, fine in want.items():
+    got = _read(out, f"layers.1.mlp.{kind}", "tag_fine")
+    np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
+                               err_msg=kind)
+  assert not np.allclose(want["rotated"], want["neurons"])

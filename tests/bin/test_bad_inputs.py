@@ -772,6 +772,17 @@ ROWS = (
       "exceeds the model's max_position_embeddings 256"),
   Row("lm_sites_match_nothing", "train", (*LLAMA, "--sites=layers.9.*", OUT),
       "matches no site"),
+  Row("lm_end_site_misspelt", "train", (*LLAMA, "--sites=lm_heads", OUT),
+      "--sites entry 'lm_heads' matches no site; sites are "
+      "layers.<i>.self_attn.{q,k,v,o}_proj and "
+      "layers.<i>.mlp.{gate,up,down}_proj, i < 3, embed_tokens, lm_head"),
+  Row("embed_site_transformer_ci", "train", (
+    *LLAMA, "--sites=embed_tokens", OUT),
+    "has no input for the embedding sites ['embed_tokens']; use an MLP CI "
+    "function"),
+  Row("head_site_output_chunk", "train", (
+    *LLAMA, "--sites=lm_head", "--output_chunk=8", OUT),
+    "cannot decompose lm_head; use --output_chunk=0"),
   Row("token_file_missing", "train", (*LLAMA, "--data_path={T}/missing.bin",
                                       OUT),
       "not found; create it with bin/tokenize"),

@@ -4,6 +4,7 @@ few steps (design §9.4), in-process on CPU."""
 import math
 import pathlib
 
+import numpy as np
 import pytest
 
 from decompax.bin import train
@@ -41,3 +42,28 @@ def test_family_flagfile_decomposes_a_few_steps(name, parse, tmp_path,
   losses = [r["loss/total"] for r in records if "loss/total" in r]
   assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
   assert (out / "decomposition.npz").is_file()
+
+
+def test_tiny_llama_decomposes_its_embedding_and_head(parse, tmp_path,
+                                                      monkeypatch):
+  """The embedding and the unembedding as sites beside an MLP (design
+  §9.2), with a CI function that reads them (the transformer CI has no
+  input for an embedding)."""
+  monkeypatch.chdir(ROOT)
+  out = tmp_path / "run"
+  prepared = train.setup(parse(
+    f"--flagfile={ROOT / 'flags' / 'tiny_llama.flags'}",
+    "--sites=embed_tokens,layers.1.mlp.up_proj,lm_head",
+    "--ci_fn=vector_mlp", "--ci_hidden=8", "--num_steps=3", "--log_every=1",
+    "--eval_every=0", "--slow_eval_every=0", "--save_every=3",
+    "--faithfulness_warmup_steps=1", "--c=8", "--batch_size=4",
+    f"--output_dir={out}"))
+  assert tuple(s.name for s in prepared.target.sites) == (
+    "embed_tokens", "layers.1.mlp.up_proj", "lm_head")
+  train.train(prepared)
+  records = run_dir.read_metrics(out / "metrics.jsonl")
+  losses = [r["loss/total"] for r in records if "loss/total" in r]
+  assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+  with np.load(out / "decomposition.npz") as saved:
+    assert saved["components/embed_tokens/v"].shape == (1, 128, 8)
+    assert saved["components/lm_head/u"].shape == (1, 8, 128)
