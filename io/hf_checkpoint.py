@@ -283,12 +283,25 @@ class _Tensors:
                      for layer in layers])
 
 
+_GEMMA_NORMS = {"ln1": "input_layernorm",
+                "post_attn_norm": "post_attention_layernorm",
+                "ln2": "pre_feedforward_layernorm",
+                "post_mlp_norm": "post_feedforward_layernorm"}
+
+
 def load_decoder_arrays(
   model_dir: str, n_layers: int, qk_norm: bool, tied: bool,
-  dtype: Any = np.float32,
+  dtype: Any = np.float32, sandwich: bool = False,
 ) -> dict[str, np.ndarray]:
-  """Return a Llama or Qwen3 decoder's weights stacked per kind, cast to
-  `dtype`.
+  """Return a Llama, Qwen3 or Gemma decoder's weights stacked per kind,
+  cast to `dtype`.
+
+  The three share their names and layout but for the norms: `sandwich`
+  reads Gemma's four a block, mapped to `ln1` (input_layernorm),
+  `post_attn_norm` (post_attention_layernorm, on the attention output),
+  `ln2` (pre_feedforward_layernorm) and `post_mlp_norm`
+  (post_feedforward_layernorm), each stored as the offset `w` of
+  `x·(1 + w)` (design §9.4).
 
   Raises:
     ValueError: a tensor is missing or unreadable.
@@ -303,128 +316,10 @@ def load_decoder_arrays(
          "norm": ts.array("model.norm.weight")}
   if not tied:
     out["head"] = ts.array("lm_head.weight")
-  norms = dict(_NORMS) if qk_norm else {k: _NORMS[k] for k in ("ln1", "ln2")}
-  for key, hf in norms.items():
-    out[key] = stack(hf)
-  for key, hf in _MATRICES.items():
-    out[key] = stack(hf, transpose=True)
-  return out
-
-
-def _columns(part: int, n: int) -> Callable[[np.ndarray], np.ndarray]:
-  """Return the function taking part `part` of `n` equal column blocks."""
-  def take(a: np.ndarray) -> np.ndarray:
-    width = a.shape[-1] // n
-    return a[..., part * width:(part + 1) * width]
-  return take
-
-
-def load_gpt2_arrays(
-  model_dir: str, n_layers: int, tied: bool, dtype: Any = np.float32,
-) -> dict[str, np.ndarray]:
-  """Return a GPT2LMHeadModel's weights in the stacked `x @ W` layout.
-
-  Conv1D stores `[in, out]`, already that orientation; the fused
-  `attn.c_attn` `[d, 3d]` (and its bias) splits by columns into q, k, v
-  (design §9.4). Tensor names with or without the `transformer.` prefix.
-  """
-  ts = _Tensors(model_dir, dtype)
-  pre = "transformer." if "transformer.wte.weight" in ts.files else ""
-
-  def stack(hf, per_layer=lambda a: a):
-    return ts.stack([f"{pre}h.{i}.{hf}" for i in range(n_layers)], per_layer)
-
-  out = {"embed": ts.array(f"{pre}wte.weight"),
-         "pos": ts.array(f"{pre}wpe.weight"),
-         "norm": ts.array(f"{pre}ln_f.weight"),
-         "norm_bias": ts.array(f"{pre}ln_f.bias")}
-  if not tied:
-    out["head"] = ts.array("lm_head.weight")
-  for key, hf in (("ln1", "ln_1"), ("ln2", "ln_2")):
-    out[key] = stack(f"{hf}.weight")
-    out[f"{key}_bias"] = stack(f"{hf}.bias")
-  for part, role in enumerate("qkv"):
-    out[role] = stack("attn.c_attn.weight", _columns(part, 3))
-    out[f"{role}_bias"] = stack("attn.c_attn.bias", _columns(part, 3))
-  for role, hf in (("o", "attn.c_proj"), ("up", "mlp.c_fc"),
-                   ("down", "mlp.c_proj")):
-    out[role] = stack(f"{hf}.weight")
-    out[f"{role}_bias"] = stack(f"{hf}.bias")
-  return out
-
-
-def _neox_part(part: int, n_heads: int) -> Callable[[np.ndarray], np.ndarray]:
-  """Return the function taking q (0), k (1) or v (2) out of a fused
-  `query_key_value` weight `[nh·3·hd, d]` or bias `[nh·3·hd]`, whose output
-  axis is `[nh, 3, hd]`; a weight comes back as `x @ W`'s `[d, nh·hd]`."""
-  def take(a: np.ndarray) -> np.ndarray:
-    heads = a.reshape(n_heads, 3, -1, *a.shape[1:])[:, part]
-    return heads.reshape(-1, *a.shape[1:]).T
-  return take
-
-
-def load_neox_arrays(
-  model_dir: str, n_layers: int, n_heads: int, tied: bool,
-  dtype: Any = np.float32,
-) -> dict[str, np.ndarray]:
-  """Return a GPTNeoXForCausalLM's (Pythia's) weights in the stacked
-  `x @ W` layout: `nn.Linear` weights transposed, the fused
-  `attention.query_key_value` split per head into q, k, v (design §9.4),
-  the untied head read from `embed_out` (or `lm_head`)."""
-  ts = _Tensors(model_dir, dtype)
-
-  def stack(hf, per_layer=lambda a: a):
-    return ts.stack([f"gpt_neox.layers.{i}.{hf}" for i in range(n_layers)],
-                    per_layer)
-
-  out = {"embed": ts.array("gpt_neox.embed_in.weight"),
-         "norm": ts.array("gpt_neox.final_layer_norm.weight"),
-         "norm_bias": ts.array("gpt_neox.final_layer_norm.bias")}
-  if not tied:
-    head = "lm_head.weight" if "lm_head.weight" in ts.files else (
-      "embed_out.weight")
-    out["head"] = ts.array(head)
-  for key, hf in (("ln1", "input_layernorm"),
-                  ("ln2", "post_attention_layernorm")):
-    out[key] = stack(f"{hf}.weight")
-    out[f"{key}_bias"] = stack(f"{hf}.bias")
-  for part, role in enumerate("qkv"):
-    out[role] = stack("attention.query_key_value.weight",
-                      _neox_part(part, n_heads))
-    out[f"{role}_bias"] = stack("attention.query_key_value.bias",
-                                _neox_part(part, n_heads))
-  for role, hf in (("o", "attention.dense"), ("up", "mlp.dense_h_to_4h"),
-                   ("down", "mlp.dense_4h_to_h")):
-    out[role] = stack(f"{hf}.weight", np.transpose)
-    out[f"{role}_bias"] = stack(f"{hf}.bias")
-  return out
-
-
-def load_gemma_arrays(
-  model_dir: str, n_layers: int, qk_norm: bool, tied: bool,
-  dtype: Any = np.float32,
-) -> dict[str, np.ndarray]:
-  """Return a Gemma 2 or Gemma 3 text decoder's weights: Llama's names and
-  layout, plus the sandwich norms. Its four norms a block map to `ln1`
-  (input_layernorm), `post_attn_norm` (post_attention_layernorm, on the
-  attention output), `ln2` (pre_feedforward_layernorm) and `post_mlp_norm`
-  (post_feedforward_layernorm), each stored as the offset `w` of
-  `x·(1 + w)` (design §9.4)."""
-  ts = _Tensors(model_dir, dtype)
-
-  def stack(hf, transpose=False):
-    return ts.stack([f"model.layers.{i}.{hf}.weight" for i in range(n_layers)],
-                    np.transpose if transpose else (lambda a: a))
-
-  out = {"embed": ts.array("model.embed_tokens.weight"),
-         "norm": ts.array("model.norm.weight")}
-  if not tied:
-    out["head"] = ts.array("lm_head.weight")
-  norms = {"ln1": "input_layernorm", "post_attn_norm":
-           "post_attention_layernorm", "ln2": "pre_feedforward_layernorm",
-           "post_mlp_norm": "post_feedforward_layernorm"}
+  norms = dict(_GEMMA_NORMS if sandwich
+               else {k: _NORMS[k] for k in ("ln1", "ln2")})
   if qk_norm:
-    norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+    norms.update(q_norm=_NORMS["q_norm"], k_norm=_NORMS["k_norm"])
   for key, hf in norms.items():
     out[key] = stack(hf)
   for key, hf in _MATRICES.items():
@@ -441,17 +336,14 @@ def load_model_arrays(glu: Any, model_dir: str,
     ValueError: a tensor is missing or unreadable, or a family with no
       checkpoint layout.
   """
-  if glu.family in ("llama", "qwen3"):
+  if glu.family in ("llama", "qwen3", "gemma2", "gemma3_text"):
     return load_decoder_arrays(model_dir, glu.n_layers, glu.qk_norm,
-                               glu.tied, dtype)
+                               glu.tied, dtype, glu.sandwich)
   if glu.family == "gpt2":
     return load_gpt2_arrays(model_dir, glu.n_layers, glu.tied, dtype)
   if glu.family == "gpt_neox":
     return load_neox_arrays(model_dir, glu.n_layers, glu.n_heads, glu.tied,
                             dtype)
-  if glu.family in ("gemma2", "gemma3_text"):
-    return load_gemma_arrays(model_dir, glu.n_layers, glu.qk_norm, glu.tied,
-                             dtype)
   raise ValueError(f"no checkpoint layout for model family {glu.family!r}; "
                    "supported: llama, qwen3, gpt2, gpt_neox, gemma2, "
                    "gemma3_text")
