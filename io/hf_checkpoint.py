@@ -327,6 +327,95 @@ def load_decoder_arrays(
   return out
 
 
+def _columns(part: int, n: int) -> Callable[[np.ndarray], np.ndarray]:
+  """Return the function taking part `part` of `n` equal column blocks."""
+  def take(a: np.ndarray) -> np.ndarray:
+    width = a.shape[-1] // n
+    return a[..., part * width:(part + 1) * width]
+  return take
+
+
+def load_gpt2_arrays(
+  model_dir: str, n_layers: int, tied: bool, dtype: Any = np.float32,
+) -> dict[str, np.ndarray]:
+  """Return a GPT2LMHeadModel's weights in the stacked `x @ W` layout.
+
+  Conv1D stores `[in, out]`, already that orientation; the fused
+  `attn.c_attn` `[d, 3d]` (and its bias) splits by columns into q, k, v
+  (design §9.4). Tensor names with or without the `transformer.` prefix.
+  """
+  ts = _Tensors(model_dir, dtype)
+  pre = "transformer." if "transformer.wte.weight" in ts.files else ""
+
+  def stack(hf, per_layer=lambda a: a):
+    return ts.stack([f"{pre}h.{i}.{hf}" for i in range(n_layers)], per_layer)
+
+  out = {"embed": ts.array(f"{pre}wte.weight"),
+         "pos": ts.array(f"{pre}wpe.weight"),
+         "norm": ts.array(f"{pre}ln_f.weight"),
+         "norm_bias": ts.array(f"{pre}ln_f.bias")}
+  if not tied:
+    out["head"] = ts.array("lm_head.weight")
+  for key, hf in (("ln1", "ln_1"), ("ln2", "ln_2")):
+    out[key] = stack(f"{hf}.weight")
+    out[f"{key}_bias"] = stack(f"{hf}.bias")
+  for part, role in enumerate("qkv"):
+    out[role] = stack("attn.c_attn.weight", _columns(part, 3))
+    out[f"{role}_bias"] = stack("attn.c_attn.bias", _columns(part, 3))
+  for role, hf in (("o", "attn.c_proj"), ("up", "mlp.c_fc"),
+                   ("down", "mlp.c_proj")):
+    out[role] = stack(f"{hf}.weight")
+    out[f"{role}_bias"] = stack(f"{hf}.bias")
+  return out
+
+
+def _neox_part(part: int, n_heads: int) -> Callable[[np.ndarray], np.ndarray]:
+  """Return the function taking q (0), k (1) or v (2) out of a fused
+  `query_key_value` weight `[nh·3·hd, d]` or bias `[nh·3·hd]`, whose output
+  axis is `[nh, 3, hd]`; a weight comes back as `x @ W`'s `[d, nh·hd]`."""
+  def take(a: np.ndarray) -> np.ndarray:
+    heads = a.reshape(n_heads, 3, -1, *a.shape[1:])[:, part]
+    return heads.reshape(-1, *a.shape[1:]).T
+  return take
+
+
+def load_neox_arrays(
+  model_dir: str, n_layers: int, n_heads: int, tied: bool,
+  dtype: Any = np.float32,
+) -> dict[str, np.ndarray]:
+  """Return a GPTNeoXForCausalLM's (Pythia's) weights in the stacked
+  `x @ W` layout: `nn.Linear` weights transposed, the fused
+  `attention.query_key_value` split per head into q, k, v (design §9.4),
+  the untied head read from `embed_out` (or `lm_head`)."""
+  ts = _Tensors(model_dir, dtype)
+
+  def stack(hf, per_layer=lambda a: a):
+    return ts.stack([f"gpt_neox.layers.{i}.{hf}" for i in range(n_layers)],
+                    per_layer)
+
+  out = {"embed": ts.array("gpt_neox.embed_in.weight"),
+         "norm": ts.array("gpt_neox.final_layer_norm.weight"),
+         "norm_bias": ts.array("gpt_neox.final_layer_norm.bias")}
+  if not tied:
+    head = "lm_head.weight" if "lm_head.weight" in ts.files else (
+      "embed_out.weight")
+    out["head"] = ts.array(head)
+  for key, hf in (("ln1", "input_layernorm"),
+                  ("ln2", "post_attention_layernorm")):
+    out[key] = stack(f"{hf}.weight")
+    out[f"{key}_bias"] = stack(f"{hf}.bias")
+  for part, role in enumerate("qkv"):
+    out[role] = stack("attention.query_key_value.weight",
+                      _neox_part(part, n_heads))
+    out[f"{role}_bias"] = stack("attention.query_key_value.bias",
+                                _neox_part(part, n_heads))
+  for role, hf in (("o", "attention.dense"), ("up", "mlp.dense_h_to_4h"),
+                   ("down", "mlp.dense_4h_to_h")):
+    out[role] = stack(f"{hf}.weight", np.transpose)
+    out[f"{role}_bias"] = stack(f"{hf}.bias")
+  return out
+
+
 def load_model_arrays(glu: Any, model_dir: str,
                       dtype: Any = np.float32) -> dict[str, np.ndarray]:
   """Return the stacked weights of a checkpoint of `glu`'s family (a

@@ -481,24 +481,37 @@ def test_a_batch_that_does_not_split_over_the_mesh_is_refused(tms):
 TAGS = ("<eos>", "<sep>", "at", "nn", "vbd-hl", "in", ".", "fw-nn")
 
 
+def _tagged_token_file(folder, seed: int, n_docs: int, vocab: int):
+  """Write random tagged documents of ids below `vocab − 1` (the last id is
+  the end of a document) and return the file's path."""
+  from decompax.io import tokens  # noqa: PLC0415
+  rng = np.random.default_rng(seed)
+  docs = []
+  for d in range(n_docs):
+    n = int(rng.integers(5, 30))
+    docs.append(tokens.TaggedDocument(
+      f"doc{d}", rng.integers(0, vocab - 1, n),
+      rng.integers(1, len(TAGS), n), np.asarray([0, n // 2])))
+  path = folder / "tokens.bin"
+  tokens.write_tagged_tokens(path, docs, TAGS, "<eos>", vocab, vocab - 1,
+                             "test")
+  return path
+
+
+def _two_batches(run, path):
+  """Return the settings of a two-batch harvest of `run` over `path`."""
+  return harvest_lib.resolve(run, harvest_lib.Request(
+    positions=2 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
+    ablation_batches=0, data_path=str(path)))
+
+
 @pytest.fixture(scope="module")
 def tagged(induction, tmp_path_factory):
   """The induction run over a tagged token file of its vocabulary: the
   settings of a two-batch harvest and the harvest, made with a save after
   every batch."""
-  from decompax.io import tokens  # noqa: PLC0415
-  rng = np.random.default_rng(2)
-  docs = []
-  for d in range(7):
-    n = int(rng.integers(5, 30))
-    docs.append(tokens.TaggedDocument(
-      f"doc{d}", rng.integers(0, 31, n), rng.integers(1, len(TAGS), n),
-      np.asarray([0, n // 2])))
-  path = tmp_path_factory.mktemp("tagged") / "tokens.bin"
-  tokens.write_tagged_tokens(path, docs, TAGS, "<eos>", 32, 31, "test")
-  settings = harvest_lib.resolve(induction, harvest_lib.Request(
-    positions=2 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
-    ablation_batches=0, data_path=str(path)))
+  path = _tagged_token_file(tmp_path_factory.mktemp("tagged"), 2, 7, 32)
+  settings = _two_batches(induction, path)
   out = str(tmp_path_factory.mktemp("tag_harvest"))
   record = harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
                                say=lambda _: None)
@@ -684,18 +697,7 @@ def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
   same way, and it has no gates baseline."""
   from decompax.io import tokens  # noqa: PLC0415
   gpt2 = explore.load_run(finished_run("tiny_gpt2"))
-  rng = np.random.default_rng(3)
-  docs = []
-  for d in range(5):
-    n = int(rng.integers(5, 30))
-    docs.append(tokens.TaggedDocument(
-      f"doc{d}", rng.integers(0, 127, n), rng.integers(1, len(TAGS), n),
-      np.asarray([0, n // 2])))
-  path = tmp_path / "tokens.bin"
-  tokens.write_tagged_tokens(path, docs, TAGS, "<eos>", 128, 127, "test")
-  settings = harvest_lib.resolve(gpt2, harvest_lib.Request(
-    positions=2 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
-    ablation_batches=0, data_path=str(path)))
+  settings = _two_batches(gpt2, _tagged_token_file(tmp_path, 3, 5, 128))
   out = str(tmp_path / "harvest")
   record = harvest_lib.harvest(gpt2, settings, out, save_every_s=0.0,
                                say=lambda _: None)
