@@ -237,7 +237,12 @@ def l18_sites(config: TrainConfig, model: glu_config.GluConfig,
   if not 0 < layer < model.n_layers:
     raise ValueError(f"block {layer} is not a block with a prefix of the "
                      f"{model.n_layers}-layer model (1..{model.n_layers - 1})")
-  roles = [glu_lm.parse_site(name)[1] for name in config.sites]
+  parsed = [glu_lm.parse_site(name) for name in config.sites]
+  if None in parsed:
+    raise ValueError(f"the bench moves one block's projections to --layer; "
+                     f"sites {list(config.sites)} name others (embed_tokens "
+                     "or lm_head are not a block's)")
+  roles = [p[1] for p in parsed]
   names = tuple(glu_lm.site_name(layer, role) for role in roles)
   return glu_target.site_specs(model, names, config.c)
 

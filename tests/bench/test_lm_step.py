@@ -108,6 +108,9 @@ def test_bad_flags_are_refused_in_one_line(bench):
     bench.check_settings(tiny(bench, recipe=("pgd_coeff=0",)))
   with pytest.raises(ValueError, match="sets no setting"):
     bench.check_settings(tiny(bench, recipe=("no_such_setting=1",)))
+  with pytest.raises(ValueError, match="are not a block's"):
+    bench.check_settings(tiny(bench, recipe=TINY_RECIPE + (
+      "sites=lm_head",)))
 
 
 @pytest.fixture
