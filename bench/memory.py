@@ -28,13 +28,13 @@ rather than reduce-scatters.
 with the frozen biases and untied head among the bf16 weights.
 """
 
-import json
 import math
-import pathlib
 import sys
 import time
 
 from absl import app, flags
+
+from bench import memory_models
 
 _MESH = flags.DEFINE_string("mesh", "1,8,1", "replicate,fsdp,tp sizes.")
 _PRESETS = flags.DEFINE_list("presets", ["ddp", "zero1", "owner"],
@@ -53,51 +53,7 @@ _PLACE = flags.DEFINE_list(
   "place", [], "Per-category overrides of every preset, as bin/train's "
   "--place (category:layout,...).")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
-# model -> (title, default layer, default C)
-MODELS = {"llama-3.1-8b": ("Llama-3.1-8B", 18, 24576),
-          "pythia-1.4b": ("Pythia-1.4B", 12, 16384)}
-GIB = 2.0**30
-
-
-def _recipe(batch: int, seq_len: int, c: int):
-  from decompax.recipe.config import read_args
-  return read_args([f"--flagfile={ROOT / 'flags' / 'l18.flags'}",
-                    f"--batch_size={batch}", f"--seq_len={seq_len}",
-                    f"--c={c}"])
-
-
-def build(config, layer: int, model: str = "llama-3.1-8b"):
-  """Return the run's parts (`recipe.assembly.parts`: target, CI function,
-  terms), built once, and its abstract frozen weights: `model`'s MLP at
-  `layer`."""
-  import jax
-  import jax.numpy as jnp
-  from decompax.recipe import assembly
-  from decompax.targets import glu_config, glu_lm, glu_target
-  from decompax.targets import record as target_record
-
-  glu = glu_config.config_from_hf(json.loads(
-    (CONFIGS / model / "config.json").read_text()))
-  names = tuple(glu_lm.site_name(layer, r) for r in ("gate", "up", "down")
-                if r in glu_lm.model_roles(glu))
-  sites = glu_target.site_specs(glu, names, config.c)
-  target = glu_target.target_fns(glu, sites, config.attention, remat=True,
-                                 output_chunk=config.output_chunk)
-  seg = glu_target.span_segments(glu, sites)
-  arrays = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-            for k, s in glu_target.array_shapes(glu).items()}
-  weights = jax.eval_shape(lambda a: glu_target.weights_from_arrays(
-    a, glu, seg, jnp.bfloat16), arrays)
-
-  def sample_inputs(key, batch_size):
-    return jax.random.randint(key, (batch_size, config.seq_len), 0,
-                              glu.vocab_size, jnp.int32)
-
-  toy = target_record.Target(name=model,
-                             sample_inputs=sample_inputs, token_model=glu)
-  return assembly.parts(config, toy, target), weights
+MODELS, GIB = memory_models.MODELS, memory_models.GIB
 
 
 def per_device_bytes(tree, shardings) -> int:
@@ -158,9 +114,9 @@ def main(argv):
   import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", math.prod(mesh_sizes))
-  config = _recipe(_BATCH.value, _SEQ_LEN.value,
+  config = memory_models.recipe(_BATCH.value, _SEQ_LEN.value,
                    default_c if _C.value is None else _C.value)
-  parts, weights = build(config, layer, model)
+  parts, weights = memory_models.build(config, layer, model)
   lead = parts.lead_shape
   print(f"{title} layer {layer} MLP, C={config.c}, batch "
         f"{lead[0]}x{lead[1]}, mesh replicate,fsdp,tp = "

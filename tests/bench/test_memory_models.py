@@ -1,5 +1,7 @@
 """`bench/memory.py` builds its step for each model it names, from the
-model's config alone (the compile itself is the bench's, not a test's)."""
+model's config alone (`bench/memory_models.py`; the compile itself is the
+bench's, not a test's). Imported beside `bin/train`'s flags, which share
+names with the bench's: the step's builder defines no flags."""
 
 import jax
 import pytest
@@ -11,9 +13,9 @@ import pytest
 ])
 def test_each_model_builds_its_mlp_step(load_bench, model, sites,
                                         frozen_gib):
-  memory = load_bench("memory")
+  memory = load_bench("memory_models")
   _, layer, c = memory.MODELS[model]
-  parts, weights = memory.build(memory._recipe(2, 64, c), layer, model)
+  parts, weights = memory.build(memory.recipe(2, 64, c), layer, model)
   names = tuple(s.name for s in parts.target.sites)
   assert names == tuple(f"layers.{layer}.mlp.{r}_proj" for r in sites)
   assert all(s.c == c for s in parts.target.sites)
