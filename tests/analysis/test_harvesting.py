@@ -481,6 +481,18 @@ def test_a_batch_that_does_not_split_over_the_mesh_is_refused(tms):
 TAGS = ("<eos>", "<sep>", "at", "nn", "vbd-hl", "in", ".", "fw-nn")
 
 
+def _add_tag_activity(want, activity, settings, batch, opened, stream):
+  """Add each unit's activity in harvest batch `batch` (4 windows of 12)
+  to its tag's row of `want[kind]`, as the harvest's tag statistics do."""
+  from decompax.io import tokens  # noqa: PLC0415
+  starts = tokens.window_starts(settings.seed, batch, range(4),
+                                opened.header.num_tokens, 12)
+  tags = stream.ids[starts[:, None] + np.arange(12)].reshape(-1)
+  for kind, a in activity.items():
+    fine = want.setdefault(kind, np.zeros((a.shape[-1], len(TAGS))))
+    np.add.at(fine.T, tags, a.reshape(-1, a.shape[-1]))
+
+
 def _tagged_token_file(folder, seed: int, n_docs: int, vocab: int):
   """Write random tagged documents of ids below `vocab − 1` (the last id is
   the end of a document) and return the file's path."""
@@ -655,12 +667,7 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
                   o_in[..., h * head_dim:(h + 1) * head_dim]
                   @ w_o[h * head_dim:(h + 1) * head_dim], axis=-1)
                   for h in range(n_heads)], axis=-1)}
-    starts = tokens.window_starts(settings.seed, i, range(4),
-                                  opened.header.num_tokens, 12)
-    tags = stream.ids[starts[:, None] + np.arange(12)].reshape(-1)
-    for kind, a in activity.items():
-      fine = want.setdefault(kind, np.zeros((a.shape[-1], len(TAGS))))
-      np.add.at(fine.T, tags, a.reshape(-1, a.shape[-1]))
+    _add_tag_activity(want, activity, settings, i, opened, stream)
   assert want["heads"].shape == (n_heads, len(TAGS)) and n_heads > 1
   for kind, fine in want.items():
     where = "self_attn" if kind == "heads" else "mlp"
@@ -716,12 +723,7 @@ def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
       np.sqrt(2 / np.pi) * (up + 0.044715 * up ** 3)))
     activity = {"neurons": np.maximum(hidden, 0),
                 "rotated": np.maximum(hidden @ rotation, 0)}
-    starts = tokens.window_starts(settings.seed, i, range(4),
-                                  opened.header.num_tokens, 12)
-    tags = stream.ids[starts[:, None] + np.arange(12)].reshape(-1)
-    for kind, a in activity.items():
-      fine = want.setdefault(kind, np.zeros((a.shape[-1], len(TAGS))))
-      np.add.at(fine.T, tags, a.reshape(-1, a.shape[-1]))
+    _add_tag_activity(want, activity, settings, i, opened, stream)
   for kind, fine in want.items():
     got = _read(out, f"layers.1.mlp.{kind}", "tag_fine")
     np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
