@@ -472,26 +472,26 @@ def attention_divergence(
   projections with the block's own QK-norm, RoPE and mask (a sliding
   window's), scored with the model's scale and soft-cap."""
 
-  def heads(weights, taps, b):
+  scoring = config if glu_lm.custom_scores(config) else None
+
+  def heads(weights, taps, b, rope):
     q, k = (taps[f"{glu_lm.site_name(b, r)}.out"] for r in ("q", "k"))
     # Scored blocks lie in the span: a row of its norm stack, not a copy
     # of a weight stack (I41).
     row = b - seg.split
     norms = [None if n is None else n[row]
              for n in (weights.span.q_norm, weights.span.k_norm)]
-    rope, _ = glu_lm.layer_attention(config, q.shape[1],
-                                     b in config.local_layers)
     return glu_lm.query_key_heads(q, k, *norms, config, rope)
 
   def divergence(weights, masked_taps, clean_taps):
     out = {}
     for b in blocks:
       t = clean_taps[f"{glu_lm.site_name(b, 'q')}.out"].shape[1]
-      _, mask = glu_lm.layer_attention(config, t, b in config.local_layers)
-      scoring = config if glu_lm.custom_scores(config) else None
+      # One layer's tables and mask serve both forwards' heads.
+      rope, mask = glu_lm.layer_attention(config, t, b in config.local_layers)
       out[f"layers.{b}"] = glu_lm.attention_kl(
-        *heads(weights, clean_taps, b), *heads(weights, masked_taps, b),
-        scoring, mask)
+        *heads(weights, clean_taps, b, rope),
+        *heads(weights, masked_taps, b, rope), scoring, mask)
     return out
 
   return divergence
