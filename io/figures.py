@@ -382,6 +382,11 @@ def _edge_lines(edges: Sequence[Mapping[str, Any]],
     alpha=0.7, zorder=1)
 
 
+def _n_positions(nodes: Sequence[Mapping[str, Any]]) -> int:
+  """Return the positions a graph's x axis spans: up to its last node's."""
+  return max([n["position"] for n in nodes], default=0) + 1
+
+
 def draw_attribution_graph(
   ax: Axes, graph: Mapping[str, Any], sites: Sequence[str],
   labels: Sequence[str] | None = None,
@@ -398,7 +403,7 @@ def draw_attribution_graph(
              zip(nodes, matplotlib.colormaps["viridis"](np.clip(ci, 0, 1)))]
   markers = ax.scatter(xy[:, 0], xy[:, 1], s=14, c=colours, zorder=2,
                        linewidths=0)
-  positions = range(max([n["position"] for n in nodes], default=0) + 1)
+  positions = range(_n_positions(nodes))
   ax.set_xticks(list(positions), labels=[
     f"{p}\n{labels[p]}" if labels is not None else str(p)
     for p in positions])
@@ -419,7 +424,7 @@ def plot_attribution_graph(
   """Return `path` after drawing `graph` (`draw_attribution_graph`), sized
   to its positions and sites, written atomically into an existing
   directory (any, not only a run's: nothing is recorded beside it)."""
-  n_positions = max([n["position"] for n in graph["nodes"]], default=0) + 1
+  n_positions = _n_positions(graph["nodes"])
   fig = Figure(figsize=(max(6.0, 2.5 + 0.45 * n_positions),
                         1.5 + 0.5 * (len(sites) + 1)), layout="constrained")
   ax = fig.subplots()
