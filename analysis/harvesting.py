@@ -215,14 +215,35 @@ def resolve(run: explore.LoadedRun, request: Request) -> Settings:
   threshold = (config.ci_alive_threshold if request.threshold is None
                else request.threshold)
   groups = tag_groups(data_path) if data_path else 0
+  n_batches = -(-request.positions // per_batch)
+  if data_path:
+    n_batches = min(n_batches, file_batches(data_path, request.batch_size,
+                                            seq_len))
   return Settings(
     os.path.abspath(data_path) if data_path else "",
-    -(-request.positions // per_batch), request.batch_size, seq_len,
+    n_batches, request.batch_size, seq_len,
     request.top_k, before, after,
     float(threshold), default_ablation_batches(run)
     if request.ablation_batches is None else request.ablation_batches,
     request.seed,
     run.decomposition.step, tag_groups=groups)
+
+
+def file_batches(data_path: str, batch_size: int, seq_len: int) -> int:
+  """Return how many whole batches of windows a token file holds without
+  overlap (a harvest asking for more reads the whole file once);
+  ValueError (naming the setting) for a file short of one batch."""
+  try:
+    num_tokens = tokens_lib.open_tokens(data_path).header.num_tokens
+  except OSError as e:
+    raise ValueError(f"data_path: {e}") from None
+  batches = num_tokens // seq_len // batch_size
+  if not batches:
+    raise ValueError(
+      f"data_path: {data_path} holds {num_tokens} tokens, fewer than one "
+      f"batch of batch_size={batch_size} windows of seq_len={seq_len}; "
+      "lower batch_size or seq_len")
+  return batches
 
 
 # Ablation batches by default: a toy's ablations cost little, a language
@@ -282,6 +303,25 @@ def batch_shape(run: explore.LoadedRun, settings: Settings):
   return _toy_batch(run, settings.batch_size)
 
 
+def window_starts(settings: Settings, i: int, num_tokens: int
+                  ) -> np.ndarray:
+  """Return the starts of batch `i`'s windows in a token file of
+  `num_tokens`: the harvest's windows tile the file without overlap,
+  spread evenly over it (`io.tokens.spread_window_starts`), so no
+  position is counted twice and no context is a top context twice."""
+  b = settings.batch_size
+  return tokens_lib.spread_window_starts(
+    range(i * b, (i + 1) * b), settings.n_batches * b, num_tokens,
+    settings.seq_len)
+
+
+def window_positions(settings: Settings, i: int, num_tokens: int
+                     ) -> np.ndarray:
+  """Return the stream positions `[B, T]` of batch `i`."""
+  return (window_starts(settings, i, num_tokens)[:, None]
+          + np.arange(settings.seq_len))
+
+
 def batch_source(run: explore.LoadedRun, settings: Settings,
                  sharding: Any = None):
   """Return `batch(i)`: the i-th harvested batch, a pure function of the
@@ -296,8 +336,9 @@ def batch_source(run: explore.LoadedRun, settings: Settings,
     if opened.header.num_tokens < settings.seq_len:
       raise ValueError(f"data_path: {settings.data_path} holds fewer tokens "
                        f"than one seq_len={settings.seq_len} sequence")
-    read = lambda i: tokens_lib.read_batch(  # noqa: E731
-      opened, settings.seed, i, settings.batch_size, settings.seq_len)
+    n = opened.header.num_tokens
+    read = lambda i: np.asarray(opened.ids[  # noqa: E731
+      window_positions(settings, i, n)], np.int32)
     if sharding is None:
       return lambda i: jnp.asarray(read(i))
     # Straight from the host into each device's rows.
@@ -338,12 +379,10 @@ def tag_source(settings: Settings, sharding: Any = None
   # The position before the stream's first one: a document starts there.
   before = (stream.tags.index(brown.EOS_TAG)
             if brown.EOS_TAG in stream.tags else 0)
-  n, t = opened.header.num_tokens, settings.seq_len
+  n = opened.header.num_tokens
 
   def read(i):
-    starts = tokens_lib.window_starts(settings.seed, i,
-                                      range(settings.batch_size), n, t)
-    index = starts[:, None] + np.arange(t)
+    index = window_positions(settings, i, n)
     tags, previous = tag_profile.position_tags(stream.ids, index, before)
     group = tag_profile.position_groups(documents, index,
                                         settings.tag_groups)

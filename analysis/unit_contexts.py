@@ -83,8 +83,7 @@ def top_positions(run: explore.LoadedRun, settings: harvest_lib.Settings,
   t = settings.seq_len
   kept: dict[str, Top] = {}
   for i in range(min(batches, settings.n_batches)):
-    starts = tokens_lib.window_starts(
-      settings.seed, i, range(settings.batch_size), n_tokens, t)
+    starts = harvest_lib.window_starts(settings, i, n_tokens)
     offsets = (starts[:, None] + np.arange(t)).reshape(-1)
     window = np.repeat(starts, t)
     for key, (values, index) in jax.device_get(

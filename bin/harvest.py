@@ -57,7 +57,9 @@ _DATA_PATH = flags.DEFINE_string(
   "default: the run's --data_path).", flag_values=HARVEST_FLAGS)
 _POSITIONS = flags.DEFINE_integer(
   "positions", _D.positions, "Positions to harvest (tokens for language "
-  "models, inputs for toys); rounded up to whole batches.",
+  "models, inputs for toys); rounded up to whole batches. A token file's "
+  "windows tile it without overlap, spread evenly over it, so at most "
+  "the whole file is harvested, each position once.",
   flag_values=HARVEST_FLAGS)
 _BATCH_SIZE = flags.DEFINE_integer(
   "batch_size", _D.batch_size, "Sequences (or toy inputs) per batch.",
@@ -176,6 +178,17 @@ def main(argv: list[str]) -> None:
                   "stands)")
 
 
+def _say_whole_file(settings: harvest_lib.Settings) -> None:
+  """Say so when the token file holds fewer positions than asked: the
+  harvest reads each of its windows once rather than any twice."""
+  held = settings.n_batches * settings.batch_size * settings.seq_len
+  if settings.data_path and held < _POSITIONS.value:
+    print(f"[harvest] {settings.data_path} holds {held} positions in whole "
+          f"batches of {settings.batch_size} x {settings.seq_len}, fewer "
+          f"than --positions={_POSITIONS.value}; harvesting each once",
+          flush=True)
+
+
 def _main(argv: list[str], stop: threading.Event) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
@@ -200,6 +213,7 @@ def _main(argv: list[str], stop: threading.Event) -> None:
   out = os.path.join(_RUN_DIR.value, harvest_store.HARVEST_DIR)
   try:
     settings = harvest_lib.resolve(run, request())
+    _say_whole_file(settings)
     if _ABLATION_BATCHES.value is None and not settings.ablation_batches:
       print("[harvest] no ablation effects, a language model's default "
             "(each batch costs a forward of it per component that fired); "

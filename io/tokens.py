@@ -258,6 +258,29 @@ def window_starts(
   return (h % np.uint64(num_tokens - seq_len + 1)).astype(np.int64)
 
 
+def spread_window_starts(
+  windows: range, n_windows: int, num_tokens: int, seq_len: int
+) -> Int[np.ndarray, " windows"]:
+  """Return the starts of windows `windows` of `n_windows` that tile the
+  stream without overlap, spread evenly over it: window `j` starts at
+  whole window `⌊j · W / n_windows⌋` of the stream's `W = num_tokens //
+  seq_len`. A pass over a held-out split reads each position at most
+  once, from every part of the file; ValueError when the stream holds
+  fewer than `n_windows` whole windows."""
+  if not 0 < seq_len <= num_tokens:
+    raise ValueError(f"sequence length {seq_len} must be in [1, {num_tokens}],"
+                     " the token file's length")
+  whole = num_tokens // seq_len
+  if not 0 < n_windows <= whole:
+    raise ValueError(f"{n_windows} windows of {seq_len} tokens do not fit "
+                     f"the token file's {whole} whole windows without "
+                     "overlap")
+  j = np.arange(windows.start, windows.stop, dtype=np.int64)
+  if j.size and not 0 <= j.min() <= j.max() < n_windows:
+    raise ValueError(f"windows {windows} lie outside [0, {n_windows})")
+  return j * whole // n_windows * seq_len
+
+
 def process_rows(batch_size: int, process_index: int,
                  process_count: int) -> range:
   """Return the global rows `[p·B/P, (p+1)·B/P)` that process `p` reads."""

@@ -359,13 +359,38 @@ def test_a_token_file_is_harvested_in_windows_of_its_own(induction, tmp_path):
   out = str(tmp_path / "harvest")
   harvest_lib.harvest(induction, settings, out, say=lambda _: None)
   opened = tokens.open_tokens(path)
-  ids = np.concatenate([tokens.read_batch(opened, 0, i, 4, 12)
-                        for i in range(2)])
+  starts = tokens.spread_window_starts(range(8), 8,
+                                       opened.header.num_tokens, 12)
+  ids = opened.ids[starts[:, None] + np.arange(12)]
   for site in induction.target.sites:
     assert _read(out, site.name, "histogram").sum() == 2 * 4 * 12 * site.c
     context = _read(out, site.name, "top_context")
     centre = context[:, :, settings.before]
     assert np.isin(centre, ids).all()
+
+
+def test_a_harvest_asking_for_more_than_the_file_reads_each_window_once(
+    induction, tmp_path):
+  from decompax.io import tokens  # noqa: PLC0415
+  path = tmp_path / "tokens.bin"
+  tokens.write_tokens(path, [np.arange(100) % 31], 32, 31, "test")
+  # 101 ids: 8 whole windows of 12, so 2 batches of 4, not the 10 asked.
+  settings = harvest_lib.resolve(induction, harvest_lib.Request(
+    positions=10 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
+    ablation_batches=0, data_path=str(path)))
+  assert settings.n_batches == 2
+  positions = np.concatenate([
+    harvest_lib.window_positions(settings, i, 101).reshape(-1)
+    for i in range(2)])
+  np.testing.assert_array_equal(positions, np.arange(96))
+  out = str(tmp_path / "harvest")
+  harvest_lib.harvest(induction, settings, out, say=lambda _: None)
+  for site in induction.target.sites:
+    assert _read(out, site.name, "histogram").sum() == 96 * site.c
+  with pytest.raises(ValueError, match="fewer than one batch of "
+                     "batch_size=9 windows of seq_len=12"):
+    harvest_lib.resolve(induction, harvest_lib.Request(
+      batch_size=9, seq_len=12, top_k=3, data_path=str(path)))
 
 
 # Four batches of eight TMS inputs, the first one ablated.
@@ -485,8 +510,9 @@ def _add_tag_activity(want, activity, settings, batch, opened, stream):
   """Add each unit's activity in harvest batch `batch` (4 windows of 12)
   to its tag's row of `want[kind]`, as the harvest's tag statistics do."""
   from decompax.io import tokens  # noqa: PLC0415
-  starts = tokens.window_starts(settings.seed, batch, range(4),
-                                opened.header.num_tokens, 12)
+  starts = tokens.spread_window_starts(
+    range(4 * batch, 4 * batch + 4), 4 * settings.n_batches,
+    opened.header.num_tokens, 12)
   tags = stream.ids[starts[:, None] + np.arange(12)].reshape(-1)
   for kind, a in activity.items():
     fine = want.setdefault(kind, np.zeros((a.shape[-1], len(TAGS))))
@@ -554,8 +580,9 @@ def test_a_tagged_token_file_gives_tag_statistics_of_the_ci(
     bigram = np.zeros((site.c, k, k))
     base = np.zeros((g, k), np.int64)
     for i, ci in enumerate(cis):
-      starts = tokens.window_starts(settings.seed, i, range(4),
-                                    opened.header.num_tokens, 12)
+      starts = tokens.spread_window_starts(
+        range(4 * i, 4 * i + 4), 4 * settings.n_batches,
+        opened.header.num_tokens, 12)
       for row, start in enumerate(starts):
         for col in range(12):
           at = start + col

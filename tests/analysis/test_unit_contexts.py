@@ -36,7 +36,8 @@ def test_top_positions_are_the_highest_ci_of_the_harvested_batches(
   at = {}
   for i in range(2):
     ci = np.asarray(explore.component_ci(run, read(i))[SITE])
-    starts = tokens.window_starts(settings.seed, i, range(8), n, 16)
+    starts = tokens.spread_window_starts(range(8 * i, 8 * i + 8),
+                                         8 * settings.n_batches, n, 16)
     for row, first in enumerate(starts):
       for col in range(16):
         at[(int(first), int(first) + col)] = ci[row, col]

@@ -830,6 +830,13 @@ ROWS = (
     "--data_path: tag header {T}/k.tags.json describes 11 tokens, but "
     "{T}/k.bin holds 21; write both again",
     setup=_run_copy("induction", _tags_of_another_file)),
+  Row("harvest_token_file_short_of_a_batch", "harvest", (
+    "--run_dir={T}/r", "--data_path={T}/s.bin", "--seq_len=8",
+    "--batch_size=4"),
+    "--data_path: {T}/s.bin holds 21 tokens, fewer than one batch of "
+    "batch_size=4 windows of seq_len=8; lower batch_size or seq_len",
+    setup=_run_copy("induction", lambda t: tokens.write_tokens(
+      t / "s.bin", [np.arange(20)], 32, 31, "t"))),
   Row("harvest_manifest_lacks_settings", "harvest", ("--run_dir={T}/r",),
       "{T}/r/harvest/manifest.json lacks the key 'settings'; delete "
       "{T}/r/harvest or overwrite it to harvest again (--overwrite)",

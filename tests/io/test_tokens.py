@@ -90,6 +90,33 @@ def test_starts_stay_in_bounds_and_spread():
   np.testing.assert_array_equal(full, 0)
 
 
+@pytest.mark.parametrize("n_windows", [1, 7, 10, 33])
+def test_spread_windows_tile_without_overlap_across_the_stream(n_windows):
+  n, t = 340, 10  # 34 whole windows
+  starts = tokens.spread_window_starts(range(n_windows), n_windows, n, t)
+  assert starts[0] == 0 and np.all(starts % t == 0)
+  assert np.all(np.diff(starts) >= t)  # no position read twice
+  assert starts[-1] + t <= n
+  # Evenly spread: the last window reaches the stream's last stretch.
+  assert starts[-1] >= n - t - (n // t) * t // n_windows
+  # A batch's windows are a slice of the whole pass.
+  np.testing.assert_array_equal(
+    tokens.spread_window_starts(range(2, n_windows), n_windows, n, t),
+    starts[2:])
+
+
+def test_spread_windows_read_the_whole_stream_when_asked_for_all():
+  starts = tokens.spread_window_starts(range(34), 34, 345, 10)
+  np.testing.assert_array_equal(starts, np.arange(34) * 10)
+
+
+def test_spread_windows_refuse_more_windows_than_the_stream_holds():
+  _one_line_error(lambda: tokens.spread_window_starts(range(35), 35, 345, 10),
+                  "35 windows of 10 tokens do not fit the token file's 34")
+  _one_line_error(lambda: tokens.spread_window_starts(range(3, 9), 8, 345, 10),
+                  "outside")
+
+
 def _one_line_error(fn, match):
   with pytest.raises(ValueError, match=match) as error:
     fn()
