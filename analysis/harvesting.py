@@ -123,6 +123,13 @@ class Settings:
   seed: int
   decomposition_step: int
   tag_groups: int = 0  # 0: no tag stream, no tag statistics
+  # How a token file's windows are placed: `SPREAD` since harvests tile
+  # the file; "" (older harvests, and toys) at random by seed and batch.
+  windows: str = ""
+
+
+# A token file's windows tile it, spread evenly (`window_starts`).
+SPREAD = "spread"
 
 
 # Seconds between the ablations' progress lines.
@@ -226,7 +233,8 @@ def resolve(run: explore.LoadedRun, request: Request) -> Settings:
     float(threshold), default_ablation_batches(run)
     if request.ablation_batches is None else request.ablation_batches,
     request.seed,
-    run.decomposition.step, tag_groups=groups)
+    run.decomposition.step, tag_groups=groups,
+    windows=SPREAD if data_path else "")
 
 
 def file_batches(data_path: str, batch_size: int, seq_len: int) -> int:
@@ -308,8 +316,12 @@ def window_starts(settings: Settings, i: int, num_tokens: int
   """Return the starts of batch `i`'s windows in a token file of
   `num_tokens`: the harvest's windows tile the file without overlap,
   spread evenly over it (`io.tokens.spread_window_starts`), so no
-  position is counted twice and no context is a top context twice."""
+  position is counted twice and no context is a top context twice; an
+  older harvest's, drawn at random, as it drew them."""
   b = settings.batch_size
+  if settings.windows != SPREAD:
+    return tokens_lib.window_starts(settings.seed, i, range(b), num_tokens,
+                                    settings.seq_len)
   return tokens_lib.spread_window_starts(
     range(i * b, (i + 1) * b), settings.n_batches * b, num_tokens,
     settings.seq_len)

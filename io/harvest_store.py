@@ -81,8 +81,9 @@ def _record(path: str) -> dict:
 
 def _check_settings(out: str, record: dict, wanted: dict) -> None:
   """Raise HarvestConflict when `record` was made with other settings."""
-  # Harvests from before tag statistics record no `tag_groups`: none.
-  recorded = {"tag_groups": 0, **record["settings"]}
+  # Harvests from before tag statistics record no `tag_groups`: none;
+  # from before spread windows no `windows`: random ones.
+  recorded = {"tag_groups": 0, "windows": "", **record["settings"]}
   if recorded != wanted:
     changed = sorted(k for k in recorded.keys() | wanted.keys()
                      if recorded.get(k) != wanted.get(k))

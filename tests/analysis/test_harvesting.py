@@ -378,7 +378,7 @@ def test_a_harvest_asking_for_more_than_the_file_reads_each_window_once(
   settings = harvest_lib.resolve(induction, harvest_lib.Request(
     positions=10 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
     ablation_batches=0, data_path=str(path)))
-  assert settings.n_batches == 2
+  assert settings.n_batches == 2 and settings.windows == harvest_lib.SPREAD
   positions = np.concatenate([
     harvest_lib.window_positions(settings, i, 101).reshape(-1)
     for i in range(2)])

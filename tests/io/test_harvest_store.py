@@ -10,7 +10,7 @@ import pytest
 
 from decompax.io import harvest_store
 
-SETTINGS = {"n_batches": 4, "top_k": 5, "tag_groups": 0}
+SETTINGS = {"n_batches": 4, "top_k": 5, "tag_groups": 0, "windows": ""}
 
 
 def _totals():
@@ -76,6 +76,20 @@ def test_a_harvest_from_before_tag_statistics_is_still_this_harvest(
   tagged = {**SETTINGS, "tag_groups": 3}
   with pytest.raises(harvest_store.HarvestConflict, match="tag_groups"):
     harvest_store.resume(str(tmp_path), {}, tagged, overwrite=False)
+
+
+def test_a_harvest_of_random_windows_is_not_one_of_spread_windows(
+    tmp_path):
+  """A record without `windows` drew its token windows at random: a toy's
+  harvest still, but not a token file's harvest of today's spread
+  windows, which must not resume onto it."""
+  (tmp_path / harvest_store.MANIFEST).write_text(
+    json.dumps({"settings": SETTINGS}))
+  assert harvest_store.resume(str(tmp_path), {}, {**SETTINGS, "windows": ""},
+                              False) == -1
+  with pytest.raises(harvest_store.HarvestConflict, match="windows"):
+    harvest_store.resume(str(tmp_path), {}, {**SETTINGS, "windows": "spread"},
+                         overwrite=False)
 
 
 def test_clusters_round_trip_and_a_damaged_file_is_named(tmp_path):
