@@ -498,15 +498,12 @@ def baseline_taps(layers: tuple[int, ...], heads: tuple[int, ...],
 def _mlp_activity(taps: dict[str, jax.Array], layer: int,
                   rotation: jax.Array, mlp: MlpForm) -> dict[str, jax.Array]:
   up = taps[f"layers.{layer}.mlp.up_proj.out"]
-  if not mlp.gated:
-    return {"neurons": unit_activity.plain_neuron_activity(up, mlp.act),
-            "rotated": unit_activity.rotated_plain_activity(
-              up, rotation, mlp.act)}
-  gate = taps[f"layers.{layer}.mlp.gate_proj.out"]
-  return {"neurons": unit_activity.glu_neuron_activity(gate, up, mlp.act),
-          "gates": unit_activity.gate_activity(gate, mlp.act),
-          "rotated": unit_activity.rotated_activity(gate, up, rotation,
-                                                    mlp.act)}
+  gate = taps[f"layers.{layer}.mlp.gate_proj.out"] if mlp.gated else None
+  hidden = unit_activity.mlp_hidden(up, gate, mlp.act)
+  gates = {} if gate is None else {
+    "gates": unit_activity.gate_activity(gate, mlp.act)}
+  return {"neurons": unit_activity.neuron_activity(hidden), **gates,
+          "rotated": unit_activity.rotated_activity(hidden, rotation)}
 
 
 def baseline_activity(taps: dict[str, jax.Array], layers: tuple[int, ...],

@@ -22,33 +22,35 @@ component's CI is:
 """
 
 from collections.abc import Callable
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Key
 
 
-def glu_neuron_activity(
-  gate: Float[Array, "*l f"], up: Float[Array, "*l f"],
+def mlp_hidden(
+  up: Float[Array, "*l f"], gate: Optional[Float[Array, "*l f"]] = None,
   act: Callable[[Array], Array] = jax.nn.silu,
 ) -> Float[Array, "*l f"]:
-  """Return the positive part of `act(gate)·up` (fp32)."""
-  hidden = act(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+  """Return the vector the down projection reads (fp32): `act(gate)·up`
+  for a gated MLP, `act(up)` for a plain one (`gate` None)."""
+  up = up.astype(jnp.float32)
+  if gate is None:
+    return act(up)
+  return act(gate.astype(jnp.float32)) * up
+
+
+def neuron_activity(hidden: Float[Array, "*l f"]) -> Float[Array, "*l f"]:
+  """Return each neuron's firing: the positive part of its hidden value."""
   return jnp.maximum(hidden, 0.0)
-
-
-def plain_neuron_activity(
-  up: Float[Array, "*l f"], act: Callable[[Array], Array],
-) -> Float[Array, "*l f"]:
-  """Return the positive part of a plain MLP's `act(up)` (fp32)."""
-  return jnp.maximum(act(up.astype(jnp.float32)), 0.0)
 
 
 def gate_activity(
   gate: Float[Array, "*l f"], act: Callable[[Array], Array] = jax.nn.silu,
 ) -> Float[Array, "*l f"]:
   """Return the positive part of `act(gate)` (fp32)."""
-  return jnp.maximum(act(gate.astype(jnp.float32)), 0.0)
+  return neuron_activity(act(gate.astype(jnp.float32)))
 
 
 def random_rotation(key: Key[Array, ""], n: int) -> Float[Array, "n n"]:
@@ -60,23 +62,11 @@ def random_rotation(key: Key[Array, ""], n: int) -> Float[Array, "n n"]:
 
 
 def rotated_activity(
-  gate: Float[Array, "*l f"], up: Float[Array, "*l f"],
-  rotation: Float[Array, "f f"],
-  act: Callable[[Array], Array] = jax.nn.silu,
+  hidden: Float[Array, "*l f"], rotation: Float[Array, "f f"],
 ) -> Float[Array, "*l f"]:
-  """Return the positive part of `act(gate)·up` in the basis of the
+  """Return the positive part of the hidden vector in the basis of the
   rotation's columns."""
-  hidden = act(gate.astype(jnp.float32)) * up.astype(jnp.float32)
-  return jnp.maximum(hidden @ rotation, 0.0)
-
-
-def rotated_plain_activity(
-  up: Float[Array, "*l f"], rotation: Float[Array, "f f"],
-  act: Callable[[Array], Array],
-) -> Float[Array, "*l f"]:
-  """Return the positive part of a plain MLP's `act(up)` in the basis of
-  the rotation's columns."""
-  return jnp.maximum(act(up.astype(jnp.float32)) @ rotation, 0.0)
+  return neuron_activity(hidden @ rotation)
 
 
 def head_activity(

@@ -22,17 +22,28 @@ def gate_up():
 
 def test_glu_neuron_and_gate_activity(gate_up):
   gate, up = gate_up
-  got = unit_activity.glu_neuron_activity(jnp.asarray(gate), jnp.asarray(up))
+  got = unit_activity.neuron_activity(
+    unit_activity.mlp_hidden(jnp.asarray(up), jnp.asarray(gate)))
   np.testing.assert_allclose(got, np.maximum(_silu(gate) * up, 0), rtol=1e-5,
                              atol=1e-6)
   assert (np.asarray(got) == 0).any() and (np.asarray(got) > 0).any()
   gated = unit_activity.gate_activity(jnp.asarray(gate))
   np.testing.assert_allclose(gated, np.maximum(_silu(gate), 0), rtol=1e-5,
                              atol=1e-6)
-  relu = unit_activity.glu_neuron_activity(
-    jnp.asarray(gate), jnp.asarray(up), act=jax.nn.relu)
+  relu = unit_activity.neuron_activity(unit_activity.mlp_hidden(
+    jnp.asarray(up), jnp.asarray(gate), act=jax.nn.relu))
   np.testing.assert_allclose(relu, np.maximum(np.maximum(gate, 0) * up, 0),
                              rtol=1e-6)
+
+
+def test_a_plain_mlps_neurons_read_act_of_up(gate_up):
+  _, up = gate_up
+  gelu = lambda x: jax.nn.gelu(x, approximate=False)
+  got = unit_activity.neuron_activity(
+    unit_activity.mlp_hidden(jnp.asarray(up), None, gelu))
+  want = np.maximum(np.asarray(gelu(jnp.asarray(up, jnp.float32))), 0)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert (np.asarray(got) == 0).any() and (np.asarray(got) > 0).any()
 
 
 def test_random_rotation_is_orthogonal_and_seeded():
@@ -47,14 +58,15 @@ def test_random_rotation_is_orthogonal_and_seeded():
 def test_rotated_activity_is_the_hidden_vector_in_the_new_basis(gate_up):
   gate, up = gate_up
   q = unit_activity.random_rotation(jax.random.key(0), 8)
-  got = unit_activity.rotated_activity(jnp.asarray(gate), jnp.asarray(up), q)
+  hidden_of = lambda g, u: unit_activity.mlp_hidden(jnp.asarray(u),
+                                                    jnp.asarray(g))
+  got = unit_activity.rotated_activity(hidden_of(gate, up), q)
   hidden = _silu(gate) * up
   np.testing.assert_allclose(got, np.maximum(hidden @ np.asarray(q), 0),
                              rtol=1e-4, atol=1e-5)
-  same = unit_activity.rotated_activity(jnp.asarray(gate), jnp.asarray(up),
-                                        jnp.eye(8))
-  np.testing.assert_allclose(same, unit_activity.glu_neuron_activity(
-    jnp.asarray(gate), jnp.asarray(up)), rtol=1e-6)
+  same = unit_activity.rotated_activity(hidden_of(gate, up), jnp.eye(8))
+  np.testing.assert_allclose(same, unit_activity.neuron_activity(
+    hidden_of(gate, up)), rtol=1e-6)
 
 
 def test_head_activity_is_the_norm_of_each_heads_write():
