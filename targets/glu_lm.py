@@ -257,20 +257,50 @@ def window_mask(config: glu_config.GluConfig, t: int) -> Bool[Array, "t t"]:
   return attention_lib.causal_mask(t) & (j > i - config.sliding_window)
 
 
+class WindowTables(NamedTuple):
+  """A windowed model's per-layer choices, built once per forward: the
+  RoPE tables of global and of sliding-window layers (the same where one
+  base serves both; None for learned positions) and the two masks."""
+
+  global_rope: Optional[tuple[Array, Array]]
+  local_rope: Optional[tuple[Array, Array]]
+  causal: Bool[Array, "t t"]
+  window: Bool[Array, "t t"]
+
+
+def window_tables(config: glu_config.GluConfig, t: int,
+                  rope: Optional[tuple[Array, Array]] = None) -> WindowTables:
+  """Return a windowed model's tables for sequences of `t` (`rope`: the
+  global RoPE tables, if already built)."""
+  if rope is None:
+    rope = rope_tables(config, t)
+  local_rope = (rope_tables(config, t, local=True)
+                if rope is not None and config.local_rope_theta is not None
+                else rope)
+  return WindowTables(rope, local_rope, attention_lib.causal_mask(t),
+                      window_mask(config, t))
+
+
+def pick_layer(tables: WindowTables, local: bool | Array,
+               ) -> tuple[Optional[tuple[Array, Array]], Bool[Array, "t t"]]:
+  """Return one layer's RoPE tables and mask from `tables`, `local` (a
+  Python or traced bool) telling whether it is a sliding-window one."""
+  rope = tables.global_rope
+  if rope is not None and tables.local_rope is not rope:
+    rope = tuple(jnp.where(local, a, b)
+                 for a, b in zip(tables.local_rope, rope))
+  return rope, jnp.where(local, tables.window, tables.causal)
+
+
 def layer_attention(
   config: glu_config.GluConfig, t: int, local: bool | Array,
 ) -> tuple[Optional[tuple[Array, Array]], Optional[Bool[Array, "t t"]]]:
   """Return the RoPE tables and the mask of a layer, `local` (a Python or
   traced bool) telling whether it is a sliding-window one. The mask is None
   (plain causal) for models without windows."""
-  rope = rope_tables(config, t)
   if not config.windowed:
-    return rope, None
-  if rope is not None and config.local_rope_theta is not None:
-    rope = tuple(jnp.where(local, a, b) for a, b in zip(
-      rope_tables(config, t, local=True), rope))
-  return rope, jnp.where(local, window_mask(config, t),
-                         attention_lib.causal_mask(t))
+    return rope_tables(config, t), None
+  return pick_layer(window_tables(config, t), local)
 
 
 def custom_scores(config: glu_config.GluConfig) -> bool:
@@ -565,11 +595,14 @@ def _run_segment(
   # the weights (models without windows scan none).
   local = (jnp.asarray([i in config.local_layers for i in range(lo, hi)])
            if config.windowed else None)
+  # Built once for the scan; each layer picks its own.
+  tables = (window_tables(config, h.shape[1], rope) if config.windowed
+            else None)
 
   def body(carry, xs):
     lw, ex, is_local = xs
     layer_rope, mask = ((rope, None) if is_local is None else
-                        layer_attention(config, carry.shape[1], is_local))
+                        pick_layer(tables, is_local))
     return block(carry, lw, lambda r, x, w: site(r, x, w, ex), config,
                  layer_rope, attend, streams, mask)
 
