@@ -182,8 +182,9 @@ def test_tms_5_2_vpd_terms_learn_and_the_adversary_outgrows_fresh_sources():
 
 
 def test_embed_16_8_flagfile_gives_each_token_its_own_component():
-  """The embedding site's known answer (SPEC §3.7): the shipped flagfile's
-  whole run (8k steps at batch 256, about 10 s of steps) ends with each
+  """The embedding site's known answer (SPEC §3.7): one whole candidate of
+  the shipped flagfile at seed 0 (8k steps at batch 256, about 10 s of
+  steps; the flagfile's restarts choose among three such) ends with each
   token CI-active on exactly one component of its own, whose piece
   `V[t, c]·U[c]` is that token's row `E[t]` (MMCS and ML2R near 1)."""
   config = _config(f"--flagfile={FLAGS_DIR / 'embed_16-8.flags'}")
