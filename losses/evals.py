@@ -139,9 +139,10 @@ def log_density_counts(
   scaled = (jnp.log10(jnp.maximum(flat, floor)) + span) / span * n_bins
   band = 1 + jnp.clip(jnp.floor(scaled).astype(jnp.int32), 0, n_bins - 1)
   band = jnp.where(flat < floor, 0, band)
-  cell = jnp.arange(c, dtype=jnp.int32) * (n_bins + 1) + band
-  counts = jnp.zeros((c * (n_bins + 1),), jnp.int32).at[cell.reshape(-1)].add(1)
-  return counts.reshape(c, n_bins + 1)
+  # A compare and a sum per band, not a scatter of one count per position
+  # and component: an accelerator's scatter adds its updates one by one.
+  return jnp.stack([jnp.sum(band == b, axis=0, dtype=jnp.int32)
+                    for b in range(n_bins + 1)], axis=1)
 
 
 def top_positions(

@@ -43,20 +43,38 @@ class TagStats(NamedTuple):
   base_coarse: Int[Array, "g k"]
 
 
-def _segment_sum(values: Array, segment: Int[Array, " p"], n: int) -> Array:
-  return jax.ops.segment_sum(values, segment, num_segments=n)
+def dense_sums() -> bool:
+  """Whether the activity sums run as one-hot matmuls: on accelerators,
+  whose scatters add their updates row by row and whose matrix units make
+  a `[n, p] @ [p, u]` product nearly free; on a CPU the scatter does less
+  work."""
+  return jax.default_backend() != "cpu"
+
+
+def _segment_sum(values: Array, segment: Int[Array, " p"], n: int,
+                 dense: bool = False) -> Array:
+  """Return `values` summed per segment `[n, …]`; `dense`: as a one-hot
+  product, at full fp32 precision (the one-hot factor is exact)."""
+  if not dense:
+    return jax.ops.segment_sum(values, segment, num_segments=n)
+  one_hot = jax.nn.one_hot(segment, n, dtype=values.dtype)
+  return jnp.einsum("pn,pu->nu", one_hot, values,
+                    precision=jax.lax.Precision.HIGHEST)
 
 
 def batch_tag_stats(
   activity: Float[Array, "*l u"], tags: Int[Array, "*l"],
   previous: Int[Array, "*l"], group: Int[Array, "*l"],
   coarse_of: Int[Array, " f"], n_classes: int, n_groups: int,
+  dense: bool | None = None,
 ) -> TagStats:
   """Return one batch's tag statistics (see the module docstring).
 
   `previous` is the fine tag of the position before each one in the
   stream (not in the window: a window's first position has one too).
+  `dense` chooses how the activity sums run (None: `dense_sums()`).
   """
+  dense = dense_sums() if dense is None else dense
   u, f = activity.shape[-1], coarse_of.shape[0]
   a = activity.reshape(-1, u).astype(jnp.float32)
   tags, previous, group = (x.reshape(-1) for x in (tags, previous, group))
@@ -65,10 +83,10 @@ def batch_tag_stats(
   at_bigram = prev_cls * n_classes + cls
   ones = jnp.ones(tags.shape, jnp.int32)
   return TagStats(
-    fine=_segment_sum(a, tags, f).T,
-    coarse=_segment_sum(a, at_group, n_groups * n_classes)
+    fine=_segment_sum(a, tags, f, dense).T,
+    coarse=_segment_sum(a, at_group, n_groups * n_classes, dense)
     .reshape(n_groups, n_classes, u).transpose(0, 2, 1),
-    bigram=_segment_sum(a, at_bigram, n_classes * n_classes)
+    bigram=_segment_sum(a, at_bigram, n_classes * n_classes, dense)
     .reshape(n_classes, n_classes, u).transpose(2, 0, 1),
     base_fine=_segment_sum(ones, tags, f),
     base_coarse=_segment_sum(ones, at_group, n_groups * n_classes)

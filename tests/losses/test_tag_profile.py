@@ -37,16 +37,20 @@ def _direct(activity, tags, previous, group):
   return tag_profile.TagStats(fine, coarse, bigram, base_fine, base_coarse)
 
 
-def _batch(activity, tags, previous, group):
-  fn = jax.jit(tag_profile.batch_tag_stats, static_argnums=(5, 6))
+def _batch(activity, tags, previous, group, dense=None):
+  fn = jax.jit(tag_profile.batch_tag_stats, static_argnums=(5, 6, 7))
   return fn(jnp.asarray(activity), jnp.asarray(tags), jnp.asarray(previous),
-            jnp.asarray(group), jnp.asarray(COARSE_OF), N_CLASSES, N_GROUPS)
+            jnp.asarray(group), jnp.asarray(COARSE_OF), N_CLASSES, N_GROUPS,
+            dense)
 
 
+# The sums by scatter (a CPU's choice) and by one-hot products (an
+# accelerator's, `tag_profile.dense_sums`), both run here.
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_batch_statistics_equal_the_direct_sums(seed):
+def test_batch_statistics_equal_the_direct_sums(seed, dense):
   case = _case(seed)
-  got, want = _batch(*case), _direct(*case)
+  got, want = _batch(*case, dense=dense), _direct(*case)
   for name, g, w in zip(tag_profile.TagStats._fields, got, want):
     assert g.shape == w.shape, name
     np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-6,
