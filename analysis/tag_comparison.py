@@ -11,9 +11,8 @@ all those sites' components together with all those layers' units (the
 total).
 """
 
-import concurrent.futures
-import os
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -58,11 +57,17 @@ def baselines_of(site: str) -> tuple[tuple[str, str], ...]:
   return ((harvest_lib.HEADS, f"layers.{layer}.self_attn.heads"),)
 
 
+# How the comparisons are spread: the builtin `map` runs them one after
+# another; a binary passes a thread pool's (numpy releases the GIL in the
+# bootstraps' sorts and reductions), since threads are a process's policy.
+MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterator[Any]]
+
+
 def comparisons(harvest: harvest_lib.Harvest, seed: int = 0,
-                n_boot: int = 1000) -> list[Row]:
+                n_boot: int = 1000, map_fn: MapFn = map) -> list[Row]:
   """Return, per site and baseline kind, then per kind for the total, the
-  comparison of components against that baseline; ValueError for a
-  harvest without tag statistics."""
+  comparison of components against that baseline, each run through
+  `map_fn`; ValueError for a harvest without tag statistics."""
   if "tags" not in harvest.manifest:
     raise ValueError("the harvest has no tag statistics: harvest a token "
                      "file with a tag stream (./dev data brown writes one)")
@@ -83,15 +88,6 @@ def comparisons(harvest: harvest_lib.Harvest, seed: int = 0,
   for kind, parts in mine.items():
     pairs.append((TOTAL, kind, tag_profile.concat_units(parts),
                   tag_profile.concat_units(list(theirs[kind].values()))))
-  return _compare_all(pairs, seed, n_boot)
-
-
-def _compare_all(pairs: list, seed: int, n_boot: int) -> list[Row]:
-  """Return each `(site, kind, a, b)`'s `Row`, in order. The bootstraps
-  are independent and numpy releases the GIL in their sorts and
-  reductions, so threads share them out: a large model's hundred
-  comparisons are minutes on one core."""
   compare = lambda pair: Row(pair[0], pair[1], tag_metrics.compare(
     pair[2], pair[3], seed, n_boot))
-  with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
-    return list(pool.map(compare, pairs))
+  return list(map_fn(compare, pairs))

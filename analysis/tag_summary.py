@@ -54,11 +54,12 @@ def _purities(coarse: np.ndarray) -> list[float]:
 
 
 def record(harvest: harvest_lib.Harvest, seed: int = 0,
-           n_boot: int = N_BOOT) -> dict:
+           n_boot: int = N_BOOT,
+           map_fn: tag_comparison.MapFn = map) -> dict:
   """Return the comparison as the report stores it (ValueError for a
-  harvest without tag statistics)."""
+  harvest without tag statistics); `map_fn` runs the comparisons."""
   rows = []
-  for row in tag_comparison.comparisons(harvest, seed, n_boot):
+  for row in tag_comparison.comparisons(harvest, seed, n_boot, map_fn):
     c = row.comparison
     rows.append({
       "site": row.site, "baseline": row.baseline,
@@ -86,7 +87,8 @@ def record(harvest: harvest_lib.Harvest, seed: int = 0,
           "rows": rows, "purities": purities}
 
 
-def write(run_path: str, n_boot: int = N_BOOT) -> str | None:
+def write(run_path: str, n_boot: int = N_BOOT,
+          map_fn: tag_comparison.MapFn = map) -> str | None:
   """Return the path of the comparison written beside the run's report
   (and its figure), or None where the run has no finished harvest with
   tag statistics; ValueError naming a damaged one."""
@@ -108,7 +110,7 @@ def write(run_path: str, n_boot: int = N_BOOT) -> str | None:
     raise ValueError(f"a harvest array cannot be read ({e}); {again}"
                      ) from None
   directory = os.path.join(run_path, report.REPORT_DIR)
-  value = record(harvest, n_boot=n_boot)
+  value = record(harvest, n_boot=n_boot, map_fn=map_fn)
   tag_page.plot_purities(value, os.path.join(directory, tag_page.FIGURE))
   return tag_page.write(directory, value)
 
@@ -121,10 +123,12 @@ class Rebuilt(NamedTuple):
   page: str
 
 
-def rebuild_report(run_path: str, n_boot: int = N_BOOT) -> Rebuilt:
+def rebuild_report(run_path: str, n_boot: int = N_BOOT,
+                   map_fn: tag_comparison.MapFn = map) -> Rebuilt:
   """Rewrite the run's report with its part-of-speech comparison, where a
   finished harvest with tag statistics exists: the comparison first, since
-  the page reads it. ValueError naming a damaged harvest, and
-  `run_report.NotARun` for a directory no run wrote."""
-  comparison = write(run_path, n_boot)
+  the page reads it (its comparisons run through `map_fn`). ValueError
+  naming a damaged harvest, and `run_report.NotARun` for a directory no
+  run wrote."""
+  comparison = write(run_path, n_boot, map_fn)
   return Rebuilt(comparison, report.write_report(run_path))

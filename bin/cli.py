@@ -1,11 +1,14 @@
 """What every decompax binary shares: one-line errors, the exit code of a
 stop signal, and the absl launch."""
 
+import concurrent.futures
+import contextlib
 import math
+import os
 import signal
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 from absl import app, flags
 
@@ -72,3 +75,13 @@ def define_float(name: str, default: float | None, help_text: str,
   return flags.DEFINE(FiniteFloatParser(), name, default, help_text,
                       serializer=flags.ArgumentSerializer(),
                       module_name=module_name)
+
+
+@contextlib.contextmanager
+def thread_map() -> Iterator[Callable[..., Iterator[Any]]]:
+  """Yield the `map` of a thread pool as wide as the machine: for library
+  work whose items are independent numpy (which releases the GIL), such
+  as the report's bootstrap comparisons, which the library runs through
+  whatever `map` it is given."""
+  with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+    yield pool.map

@@ -242,7 +242,9 @@ def _main(argv: list[str], stop: threading.Event) -> None:
   if "tags" in record:
     # The run's report gains the comparison with the neurons.
     try:
-      page = tag_summary.rebuild_report(_RUN_DIR.value).page
+      with cli.thread_map() as map_fn:
+        page = tag_summary.rebuild_report(_RUN_DIR.value,
+                                          map_fn=map_fn).page
     except ValueError as e:
       fail(f"--run_dir: {e}")
     print(f"[harvest] wrote {page}")

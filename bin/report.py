@@ -33,7 +33,8 @@ def main(argv: list[str]) -> None:
     fail(f"--run_dir: {e}; {why}")
   # A harvest with tag statistics adds its comparison with the neurons.
   try:
-    written = tag_summary.rebuild_report(chosen)
+    with cli.thread_map() as map_fn:
+      written = tag_summary.rebuild_report(chosen, map_fn=map_fn)
   except report.NotARun as e:
     fail(f"--run_dir: {e}; {why}")
   except ValueError as e:

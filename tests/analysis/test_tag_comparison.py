@@ -1,6 +1,8 @@
 """Components against the neurons of their layer, from a harvest's tag
 statistics, on a harvest written by hand."""
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,17 @@ def harvest():
   baselines["layers.0.self_attn.heads"] = _fields(neurons[:, :1])
   manifest = {"tags": {"baselines": list(baselines)}}
   return harvest_lib.Harvest(manifest, sites, baselines)
+
+
+def test_a_thread_pools_map_gives_the_same_rows_in_order(harvest):
+  """bin/harvest and bin/report run the comparisons on a thread pool."""
+  plain = tag_comparison.comparisons(harvest, seed=0, n_boot=20)
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    pooled = tag_comparison.comparisons(harvest, 0, 20, map_fn=pool.map)
+  assert [(r.site, r.baseline) for r in pooled] == [
+    (r.site, r.baseline) for r in plain]
+  assert [r.comparison.difference for r in pooled] == [
+    r.comparison.difference for r in plain]
 
 
 def test_each_mlp_site_meets_each_baseline_and_the_total(harvest):
