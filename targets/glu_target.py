@@ -520,8 +520,13 @@ _MOVED_BY: dict[str, frozenset] = {
   "gate.out": _ATTENTION_ROLES | {"gate"}, "up.out": _ATTENTION_ROLES | {"up"},
   "down": _ATTENTION_ROLES | {"gate", "up"},
   "down.out": _ATTENTION_ROLES | {"gate", "up", "down"},
+  # A mixture-of-experts block's input, router and output (its experts are
+  # not sites).
+  "moe": _ATTENTION_ROLES, "router": _ATTENTION_ROLES,
+  "router.out": _ATTENTION_ROLES, "moe.out": _ATTENTION_ROLES,
 }
-_MLP_STREAMS = ("gate", "up", "gate.out", "up.out", "down", "down.out")
+_MLP_STREAMS = ("gate", "up", "gate.out", "up.out", "down", "down.out",
+                *glu_lm.MOE_STREAMS)
 
 
 def moved_by(config: glu_config.GluConfig) -> dict[str, frozenset]:
@@ -565,11 +570,13 @@ def hidden_pass_points(config: glu_config.GluConfig,
                        sites: tuple[SiteSpec, ...]) -> tuple[str, ...]:
   """Return the MLP outputs from the first decomposed layer to the last:
   what a hidden pass reconstructs by default (from layer 0 with a
-  decomposed embedding; none with the head alone)."""
+  decomposed embedding; none with the head alone). A mixture-of-experts
+  MLP's output is its block's `layers.<i>.mlp.out`."""
   first = min((0 if s.name == glu_lm.EMBED_SITE else config.n_layers
                if s.name == glu_lm.HEAD_SITE
                else glu_lm.parse_site(s.name)[0]) for s in sites)
-  return tuple(f"{glu_lm.site_name(i, 'down')}.out"
+  return tuple(f"layers.{i}.mlp.out" if config.moe
+               else f"{glu_lm.site_name(i, 'down')}.out"
                for i in range(first, config.n_layers))
 
 
@@ -698,6 +705,10 @@ def layer_array_shapes(
   if config.sandwich:
     shapes.update(post_attn_norm=(config.d_model,),
                   post_mlp_norm=(config.d_model,))
+  if config.moe:
+    e, (d, f) = config.n_experts, (config.d_model, config.d_ff)
+    shapes.update(router=(d, e), expert_gate=(e, d, f), expert_up=(e, d, f),
+                  expert_down=(e, f, d))
   return shapes
 
 
