@@ -102,9 +102,12 @@ def site_specs(
     if (p is None or p[2] or p[0] >= config.n_layers
         or p[1] not in roles):
       mlp = ",".join(r for r in roles if r in ("gate", "up", "down"))
+      mlp_sites = (f" and layers.<i>.mlp.{{{mlp}}}_proj" if mlp else
+                   " (the experts of a mixture-of-experts model are not "
+                   "sites)")
       raise ValueError(f"unknown site {name!r}; sites are layers.<i>.self_attn"
-                       f".{{q,k,v,o}}_proj and layers.<i>.mlp.{{{mlp}}}_proj"
-                       f" for i < {config.n_layers}, {glu_lm.EMBED_SITE} and "
+                       f".{{q,k,v,o}}_proj{mlp_sites} for i < "
+                       f"{config.n_layers}, {glu_lm.EMBED_SITE} and "
                        f"{glu_lm.HEAD_SITE}")
     parsed[name] = p[:2]
   if not parsed:
