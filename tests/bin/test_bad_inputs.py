@@ -633,11 +633,12 @@ ROWS = (
       "dense MLP layers [1] (decoder_sparse_step 1, mlp_only_layers [1]); "
       "supported: every layer a routed mixture of SwiGLU experts",
       setup=_model_copy("tiny_qwen3moe", _config_json(mlp_only_layers=[1]))),
-  Row("moe_expert_site", "train", (
-    *LLAMA, "--model_dir={ROOT}/tests/fixtures/tiny_qwen3moe", OUT),
-    "--sites entry 'layers.1.mlp.*' matches no site; sites are "
-    "layers.<i>.self_attn.{q,k,v,o}_proj (the experts of a "
-    "mixture-of-experts model are not sites), i < 3"),
+  Row("moe_expert_beyond", "train", (
+    *LLAMA, "--model_dir={ROOT}/tests/fixtures/tiny_qwen3moe",
+    "--sites=layers.1.mlp.experts.4.up_proj", OUT),
+    "--sites entry 'layers.1.mlp.experts.4.up_proj' matches no site; sites "
+    "are layers.<i>.self_attn.{q,k,v,o}_proj and "
+    "layers.<i>.mlp.experts.<e>.{gate,up,down}_proj, e < 4, i < 3"),
   Row("config_not_json", "train", (*LLAMA, "--model_dir={T}/m", OUT),
       "m/config.json is not valid JSON (Expecting value",
       setup=_model_copy("tiny_llama", _config_text("{\"a\": }"))),

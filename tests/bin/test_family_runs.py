@@ -22,8 +22,10 @@ SITES = {
   "tiny_pythia": tuple(f"layers.1.{m}_proj" for m in (
     "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "mlp.up",
     "mlp.down")),
-  # A mixture-of-experts model's sites are its attention projections.
-  "tiny_qwen3moe": tuple(f"layers.1.self_attn.{r}_proj" for r in "qkvo"),
+  # A mixture-of-experts model's MLP sites are its experts' projections.
+  "tiny_qwen3moe": tuple(f"layers.1.self_attn.{r}_proj" for r in "qkvo")
+  + tuple(f"layers.1.mlp.experts.{e}.{r}_proj" for e in range(4)
+          for r in ("gate", "up", "down")),
 }
 
 

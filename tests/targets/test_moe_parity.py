@@ -136,7 +136,7 @@ def test_the_block_sums_the_chosen_experts_outputs(model):  # I55
     "ln1", "ln2", "q", "k", "v", "o", "router", "expert_gate", "expert_up",
     "expert_down")})
   xm = jnp.asarray(ref["tap.layers.0.mlp"])
-  out, logits = glu_lm.moe_mlp(xm, lw, config)
+  out, logits, _ = glu_lm.moe_mlp(xm, lw, config, glu_lm.frozen_experts(lw))
   probs = jax.nn.softmax(logits, -1)
   top_p, top_i = jax.lax.top_k(probs, config.experts_per_token)
   top_p = top_p / top_p.sum(-1, keepdims=True)
@@ -149,29 +149,133 @@ def test_the_block_sums_the_chosen_experts_outputs(model):  # I55
   np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
 
 
-def test_attention_sites_decompose_in_a_moe_model(model):
-  # The experts are not sites yet: a run without --sites decomposes the
-  # attention projections, and an exact decomposition of one reproduces
-  # the clean logits through the masked forward.
-  config, arrays, ref = model
+def test_a_moe_models_sites_are_its_attention_and_its_experts(model):
+  config, _, _ = model
   names = glu_target.all_site_names(config)
-  assert names == tuple(glu_lm.site_name(i, r) for i in range(3)
-                        for r in "qkvo")
-  with pytest.raises(ValueError, match=r"unknown site .*_proj \(the "
-                     "experts of a mixture-of-experts model are not sites"):
-    glu_target.site_specs(config, (glu_lm.site_name(1, "up"),), 4)
-  name, c = glu_lm.site_name(1, "v"), config.kv_width
-  sites, weights, fns = _fns(config, arrays, (name,), c=c)
-  w = fns.frozen_stacks(weights)[sites[0].kind]
-  components = {sites[0].kind: sites_lib.Factors(w, jnp.eye(c)[None])}
+  experts = tuple(f"layers.1.mlp.experts.{e}.{r}_proj" for e in range(4)
+                  for r in ("gate", "up", "down"))
+  assert names[16:32] == tuple(glu_lm.site_name(1, r) for r in "qkvo") + (
+    experts)
+  assert len(names) == 3 * (4 + 3 * config.n_experts)
+  sites = glu_target.site_specs(config, names, 4)
+  assert [s.name for s in sites] == list(names)
+  assert len({s.draw_path for s in sites}) == len(sites)
+  by_name = {s.name: s for s in sites}
+  d, f = config.d_model, config.d_ff
+  assert (by_name[experts[-1]].kind, by_name[experts[-1]].d_in,
+          by_name[experts[-1]].d_out) == ("expert_down_proj", f, d)
+  assert by_name[experts[0]].kind == "expert_gate_proj"
+  for bad in ("layers.1.mlp.experts.4.up_proj", "layers.1.mlp.up_proj",
+              "layers.1.mlp.gate"):
+    with pytest.raises(ValueError, match=r"unknown site .*layers.<i>.mlp."
+                       r"experts.<e>.\{gate,up,down\}_proj for e < 4"):
+      glu_target.site_specs(config, (bad,), 4)
+
+
+# Expert sites of two layers (a kind gathered to span layout), one layer's
+# attention beside them.
+EXPERT_SITES = ("layers.1.self_attn.v_proj", "layers.1.mlp.experts.2.up_proj",
+                "layers.1.mlp.experts.2.down_proj",
+                "layers.2.mlp.experts.0.up_proj",
+                "layers.2.mlp.experts.3.gate_proj")
+
+
+def _exact(config, arrays, names, c):
+  """Return sites, weights, fns and components that reproduce each site's
+  `W` exactly (`V = W`, `U = I`, one C per site: its d_out)."""
+  sites, weights, fns = _fns(config, arrays, names, c=c)
+  frozen = fns.frozen_stacks(weights)
+  components = {}
+  for s in sites:
+    components[s.kind] = sites_lib.Factors(
+      frozen[s.kind], jnp.broadcast_to(jnp.eye(s.c), (
+        frozen[s.kind].shape[0], s.c, s.c)))
+  return sites, weights, fns, components
+
+
+def test_an_exact_decomposition_of_experts_is_the_clean_forward(model):
+  config, arrays, ref = model
+  c = {n: glu_target.role_dims(config, glu_lm.parse_site(n)[1])[1]
+       for n in EXPERT_SITES}
+  sites, weights, fns, components = _exact(config, arrays, EXPERT_SITES, c)
   tokens = jnp.asarray(ref["tokens"])
   clean_logits, clean = fns.clean_forward(weights, tokens, fns.start_taps)
-  masks = {name: SiteMask(jnp.ones((*tokens.shape, c)))}
+  masks = {s.name: SiteMask(jnp.ones((*tokens.shape, s.c))) for s in sites}
   masked = fns.masked_forward_taps(weights, components, tokens, masks, clean,
                                    ())[0]
-  np.testing.assert_allclose(masked, clean_logits, atol=1e-4)
+  np.testing.assert_allclose(masked, clean_logits, atol=1e-5)
+  assert np.max(np.abs(np.asarray(clean_logits) - ref["logits"])) <= (
+    PARITY_TOL)
+  # Random factors with the delta on: `x·V·U + (x·W − x·V·U)` is `x·W`.
+  keys = iter(jax.random.split(jax.random.key(0), 2 * len(components)))
+  noisy = {k: sites_lib.Factors(jax.random.normal(next(keys), f.v.shape),
+                                jax.random.normal(next(keys), f.u.shape))
+           for k, f in components.items()}
+  with_delta = {n: SiteMask(m.mask, jnp.ones(tokens.shape))
+                for n, m in masks.items()}
+  for site_masks, moved in ((with_delta, False), (masks, True)):
+    got = np.asarray(fns.masked_forward_taps(
+      weights, noisy, tokens, site_masks, clean, ())[0])
+    error = np.max(np.abs(got - np.asarray(clean_logits)))
+    assert (error > 1e-2) if moved else (error < 1e-4), error
+
+
+@pytest.mark.parametrize("name", EXPERT_SITES[1:])
+def test_masking_an_expert_removes_exactly_that_expert(model, name):  # I55
+  # Every component of one expert's projection masked, no delta: the
+  # forward of the model whose matrix for that expert (only) is zero.
+  config, arrays, ref = model
+  layer, role, _ = glu_lm.parse_site(name)
+  expert = glu_lm.site_expert(name)
+  c = glu_target.role_dims(config, role)[1]
+  sites, weights, fns, components = _exact(config, arrays, EXPERT_SITES, c)
+  tokens = jnp.asarray(ref["tokens"])
+  _, clean = fns.clean_forward(weights, tokens, fns.start_taps)
+  masks = {name: SiteMask(jnp.zeros((*tokens.shape, c)))}
+  masked = np.asarray(fns.masked_forward_taps(
+    weights, components, tokens, masks, clean, ())[0])
+  zeroed = dict(arrays)
+  zeroed[role] = arrays[role].copy()
+  zeroed[role][layer, expert] = 0
+  want = _logits(config, zeroed, ref["tokens"])
+  np.testing.assert_allclose(masked, want, atol=1e-5)
+  assert np.max(np.abs(want - ref["logits"])) > 100 * PARITY_TOL
+
+
+def test_expert_taps_are_each_experts_projection(model):
+  config, arrays, ref = model
+  _, weights, fns = _fns(config, arrays, (glu_lm.site_name(1, "q"),))
+  keys = [f"layers.1.mlp.experts.2.{r}_proj{o}" for r in ("gate", "up",
+                                                         "down")
+          for o in ("", ".out")]
+  _, taps = fns.clean_forward(weights, jnp.asarray(ref["tokens"]),
+                              ("layers.1.mlp", *keys))
+  xm = np.asarray(taps["layers.1.mlp"])
+  gate, up, down = (arrays[f"expert_{r}"][1, 2] for r in ("gate", "up",
+                                                         "down"))
+  hidden = np.asarray(jax.nn.silu(xm @ gate)) * (xm @ up)
+  want = dict(zip(keys, (xm, xm @ gate, xm, xm @ up, hidden,
+                         hidden @ down)))
+  for k in keys:
+    np.testing.assert_allclose(np.asarray(taps[k]), want[k], atol=1e-5,
+                               err_msg=k)
+  with pytest.raises(ValueError, match="beyond the model's 4"):
+    fns.clean_forward(weights, jnp.asarray(ref["tokens"]),
+                      ("layers.1.mlp.experts.4.up_proj.out",))
+
+
+def test_what_masking_an_expert_reaches(model):
+  config, arrays, _ = model
+  _, _, fns = _fns(config, arrays, ("layers.1.mlp.experts.2.up_proj",))
   reaches = fns.masking_reaches
-  assert reaches("layers.1.mlp.out") and not reaches("layers.0.mlp.out")
+  for tap in ("layers.1.mlp.out", "layers.1.mlp.experts.2.up_proj.out",
+              "layers.1.mlp.experts.2.down_proj", "resid.2",
+              "layers.2.mlp.gate.out"):
+    assert reaches(tap), tap
+  for tap in ("layers.1.mlp", "layers.1.mlp.gate.out",
+              "layers.1.mlp.experts.2.gate_proj.out", "resid.1",
+              "layers.1.self_attn.o_proj.out"):
+    assert not reaches(tap), tap
   assert fns.hidden_pass_points == ("layers.1.mlp.out", "layers.2.mlp.out")
 
 
