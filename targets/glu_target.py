@@ -3,9 +3,10 @@
 Sites are any subset of `layers.{i}.self_attn.{q,k,v,o}_proj` and
 `layers.{i}.mlp.{gate,up,down}_proj` (SPEC §9.2; no `gate` in a plain MLP,
 design §9.4; in a mixture-of-experts model each expert's
-`layers.{i}.mlp.experts.{e}.{gate,up,down}_proj` instead, §9.5), plus the token embedding `embed_tokens` and the unembedding
-`lm_head`, each a kind of its own run outside the scan (`end_fns`); a
-projection's bias stays frozen, outside its factors (I52).
+`layers.{i}.mlp.experts.{e}.{gate,up,down}_proj` instead, §9.5), plus the
+token embedding `embed_tokens` and the unembedding `lm_head`, each a kind
+of its own run outside the scan (`end_fns`); a projection's bias stays
+frozen, outside its factors (I52).
 The decomposed span is `[split, tail)`, the first and one past the last
 decomposed layer. A role's sites form one kind `<role>_proj` (rows
 layer-ascending) when they share `C`; sites of one role with different `C`
