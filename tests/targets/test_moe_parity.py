@@ -369,3 +369,19 @@ def test_only_silu_experts_are_built():
       n_layers=1, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=4,
       vocab_size=8, rope_theta=1e4, rms_eps=1e-6, tied=True, qk_norm=True,
       family="qwen3_moe", n_experts=4, experts_per_token=5)
+
+
+def test_random_moe_layers_have_the_loaded_layout(model):
+  # `init_stack` draws the same leaves and shapes a checkpoint loads, and
+  # they run through the forward.
+  config, arrays, ref = model
+  stack = glu_lm.init_stack(jax.random.key(0), config, config.n_layers)
+  drawn = {k: v for k, v in stack._asdict().items() if v is not None}
+  layers = {k: v for k, v in arrays.items() if k not in (
+    "embed", "norm", "head")}
+  assert {k: v.shape for k, v in drawn.items()} == {
+    k: v.shape for k, v in layers.items()}
+  assert not np.allclose(drawn["expert_up"][0, 0], drawn["expert_up"][0, 1])
+  logits = _logits(config, {**arrays, **drawn}, ref["tokens"])
+  assert np.all(np.isfinite(logits))
+  assert np.max(np.abs(logits - ref["logits"])) > 100 * PARITY_TOL
