@@ -46,9 +46,10 @@ def alive_components(fields: dict[str, np.ndarray]) -> tag_profile.TagStats:
 def baselines_of(site: str) -> tuple[tuple[str, str], ...]:
   """Return `(kind, store key)` of each baseline a site is compared with:
   an MLP site's layer's neurons, gates and rotated neurons, an attention
-  site's layer's heads (none for other sites)."""
+  site's layer's heads (none for other sites, an expert's included: its
+  layer has no dense MLP)."""
   parsed = glu_lm.parse_site(site)
-  if parsed is None:
+  if parsed is None or parsed[1] in glu_lm.EXPERT_ROLES:
     return ()
   layer, role, _ = parsed
   if role in ("gate", "up", "down"):

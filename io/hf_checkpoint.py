@@ -13,7 +13,8 @@ d_in]`, transposed here; GPT-2's Conv1D `[d_in, d_out]` as stored; fused
 q/k/v split), norms and biases `[n_layers, d]`, and `embed`, `norm`,
 `head` (untied models only), `pos` and `norm_bias` (where the family has
 them) as stored; Gemma's sandwich norms as `post_attn_norm` and
-`post_mlp_norm`.
+`post_mlp_norm`; Qwen3-MoE's router and experts as `router` and
+`expert_{gate,up,down}` `[n_layers, n_experts, d_in, d_out]`.
 
 The writers invert that read for models trained here: `write_safetensors`
 writes the same file layout, `write_llama_checkpoint` a Llama directory
@@ -327,6 +328,54 @@ def load_decoder_arrays(
   return out
 
 
+def load_qwen3_moe_arrays(
+  model_dir: str, n_layers: int, n_experts: int, tied: bool,
+  dtype: Any = np.float32,
+) -> dict[str, np.ndarray]:
+  """Return a Qwen3MoeForCausalLM's weights in the stacked `x @ W` layout:
+  attention, norms and QK-norm as dense Qwen3's, and for each layer's
+  sparse block the router `mlp.gate` as `router [layer, d, experts]` and
+  the experts as `expert_{gate,up,down} [layer, expert, d_in, d_out]`.
+
+  Experts are read as released checkpoints store them, one `nn.Linear`
+  each (`mlp.experts.<e>.{gate,up,down}_proj.weight`, `[out, in]`), or as
+  transformers 5 fuses them (`mlp.experts.gate_up_proj [expert, 2·f, d]`,
+  gate rows first, and `mlp.experts.down_proj [expert, d, f]`).
+
+  Raises:
+    ValueError: a tensor is missing or unreadable.
+  """
+  ts = _Tensors(model_dir, dtype)
+
+  def stack(hf, per_layer=lambda a: a):
+    return ts.stack([f"model.layers.{i}.{hf}" for i in range(n_layers)],
+                    per_layer)
+
+  out = {"embed": ts.array("model.embed_tokens.weight"),
+         "norm": ts.array("model.norm.weight")}
+  if not tied:
+    out["head"] = ts.array("lm_head.weight")
+  for key, hf in _NORMS.items():
+    out[key] = stack(f"{hf}.weight")
+  for key in ("q", "k", "v", "o"):
+    out[key] = stack(f"{_MATRICES[key]}.weight", np.transpose)
+  out["router"] = stack("mlp.gate.weight", np.transpose)
+  swap = lambda a: np.swapaxes(a, -1, -2)  # noqa: E731
+  if "model.layers.0.mlp.experts.gate_up_proj" in ts.files:
+    fused = stack("mlp.experts.gate_up_proj", swap)
+    width = fused.shape[-1] // 2
+    out["expert_gate"] = fused[..., :width]
+    out["expert_up"] = fused[..., width:]
+    out["expert_down"] = stack("mlp.experts.down_proj", swap)
+    return out
+  for role in ("gate", "up", "down"):
+    out[f"expert_{role}"] = np.stack([
+      ts.stack([f"model.layers.{i}.mlp.experts.{e}.{role}_proj.weight"
+                for e in range(n_experts)], np.transpose)
+      for i in range(n_layers)])
+  return out
+
+
 def _columns(part: int, n: int) -> Callable[[np.ndarray], np.ndarray]:
   """Return the function taking part `part` of `n` equal column blocks."""
   def take(a: np.ndarray) -> np.ndarray:
@@ -433,9 +482,12 @@ def load_model_arrays(glu: Any, model_dir: str,
   if glu.family == "gpt_neox":
     return load_neox_arrays(model_dir, glu.n_layers, glu.n_heads, glu.tied,
                             dtype)
+  if glu.family == "qwen3_moe":
+    return load_qwen3_moe_arrays(model_dir, glu.n_layers, glu.n_experts,
+                                 glu.tied, dtype)
   raise ValueError(f"no checkpoint layout for model family {glu.family!r}; "
                    "supported: llama, qwen3, gpt2, gpt_neox, gemma2, "
-                   "gemma3_text")
+                   "gemma3_text, qwen3_moe")
 
 
 # Safetensors data offsets need no alignment, but readers that map tensors

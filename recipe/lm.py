@@ -48,10 +48,14 @@ def expand_sites(
       mlp = ",".join(r for r in glu_lm.ROLES[4:]
                      if any(p[1] == r for p in parsed))
       ends = [n for n in glu_lm.END_SITES if n in names]
+      experts = [e for e in map(glu_lm.site_expert, names) if e is not None]
+      # A mixture-of-experts model's MLP sites are its experts'.
+      mlp_sites = (f" and layers.<i>.mlp.{{{mlp}}}_proj" if mlp else
+                   " and layers.<i>.mlp.experts.<e>.{gate,up,down}_proj, "
+                   f"e < {1 + max(experts)}")
       raise ValueError(f"--sites entry {pattern!r} matches no site; sites "
-                       "are layers.<i>.self_attn.{q,k,v,o}_proj and "
-                       f"layers.<i>.mlp.{{{mlp}}}_proj, i < "
-                       f"{1 + max(p[0] for p in parsed)}"
+                       f"are layers.<i>.self_attn.{{q,k,v,o}}_proj"
+                       f"{mlp_sites}, i < {1 + max(p[0] for p in parsed)}"
                        + "".join(f", {n}" for n in ends))
   return tuple(n for n in names
                if any(fnmatch.fnmatchcase(n, p) for p in patterns))

@@ -6,7 +6,8 @@ Llama-3 RoPE scaling) and Qwen3 dense (QK-norm), and through its family
 options (design §9.4) GPT-2 (LayerNorm, learned positions, biases, a plain
 GELU MLP), GPT-NeoX/Pythia (parallel residual, partial rotary) and Gemma 2
 and Gemma 3 text (offset RMSNorm, sandwich norms, GeGLU, scaled embeddings,
-soft-capping, sliding-window layers with their own RoPE base).
+soft-capping, sliding-window layers with their own RoPE base) and Qwen3-MoE
+(a routed mixture of SwiGLU experts in place of every MLP).
 `config_from_hf` reads the plain dict of a Hugging Face config
 (`AutoConfig.to_dict()`, transformers 5 or 4 spelling) and refuses anything
 this forward would silently compute differently, with a one-line reason.
@@ -19,15 +20,17 @@ from typing import Any, Optional
 import numpy as np
 
 FAMILIES = ("llama", "qwen3", "gpt2", "gpt_neox", "gemma2", "gemma3_text",
-            "toy")
+            "qwen3_moe", "toy")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "gpt2": "GPT2LMHeadModel",
                   "gpt_neox": "GPTNeoXForCausalLM",
                   "gemma2": "Gemma2ForCausalLM",
-                  "gemma3_text": "Gemma3ForCausalLM"}
+                  "gemma3_text": "Gemma3ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 _SUPPORTED = ("supported: llama (Llama-3.x), qwen3 (dense Qwen3), gpt2 "
               "(GPT2LMHeadModel), gpt_neox (GPT-NeoX/Pythia), gemma2 "
-              "(Gemma2ForCausalLM), gemma3_text (Gemma3ForCausalLM)")
+              "(Gemma2ForCausalLM), gemma3_text (Gemma3ForCausalLM), qwen3_moe "
+              "(Qwen3MoeForCausalLM)")
 # `rms_offset` is Gemma's RMSNorm: `x·rsqrt(mean(x²)+eps)·(1 + w)`.
 NORMS = ("rms", "layer", "rms_offset")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -62,7 +65,11 @@ class GluConfig:
   attention scores and on the logits), `local_layers` (the layers whose
   keys are a `sliding_window` of the latest positions, the rest attending
   to the whole causal prefix) and `local_rope_theta` (those layers' RoPE
-  base, None for `rope_theta`).
+  base, None for `rope_theta`). Qwen3-MoE's: `n_experts` > 0 makes every
+  MLP a mixture of that many SwiGLU experts of width `d_ff`, each token
+  summing its `experts_per_token` best-routed ones' outputs weighted by
+  their router probabilities (renormalised over the chosen when
+  `norm_topk`); 0 is a dense MLP.
   """
 
   n_layers: int
@@ -94,6 +101,9 @@ class GluConfig:
   sliding_window: Optional[int] = None
   local_layers: tuple[int, ...] = ()
   local_rope_theta: Optional[float] = None
+  n_experts: int = 0
+  experts_per_token: int = 0
+  norm_topk: bool = False
 
   def __post_init__(self):
     for name, allowed in (("family", FAMILIES), ("norm", NORMS),
@@ -127,6 +137,13 @@ class GluConfig:
     if self.local_layers and self.sliding_window is None:
       raise ValueError(f"local layers {self.local_layers} need a "
                        "sliding_window")
+    if self.n_experts < 0 or (self.n_experts and not
+                              0 < self.experts_per_token <= self.n_experts):
+      raise ValueError(f"experts per token {self.experts_per_token} must lie "
+                       f"in [1, n_experts {self.n_experts}] (n_experts >= 0)")
+    if self.n_experts and not (self.gated and self.activation == "silu"):
+      raise ValueError("mixture-of-experts layers are SwiGLU experts: they "
+                       "need gated=True and activation 'silu'")
 
   @property
   def q_width(self) -> int:
@@ -146,6 +163,11 @@ class GluConfig:
   def windowed(self) -> bool:
     """Whether some layers attend to a sliding window only."""
     return bool(self.local_layers)
+
+  @property
+  def moe(self) -> bool:
+    """Whether every MLP is a routed mixture of experts."""
+    return self.n_experts > 0
 
   @property
   def rope_dims(self) -> int:
@@ -222,10 +244,11 @@ def _check_options(hf: dict[str, Any], family: str) -> None:
   for key in ("attention_bias", "mlp_bias"):
     if _get(hf, key, False):
       _refuse(hf, f"{key} is set", "the forward has no biases")
-  for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-    if _get(hf, key, 0):
-      _refuse(hf, "mixture-of-experts layers", "only dense models are "
-              "supported")
+  if family != "qwen3_moe":
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+      if _get(hf, key, 0):
+        _refuse(hf, "mixture-of-experts layers", "mixture-of-experts models "
+                "are supported as qwen3_moe (Qwen3MoeForCausalLM) only")
   if _get(hf, "use_sliding_window", False):
     _refuse(hf, "sliding-window attention", "only full causal attention is "
             "implemented")
@@ -428,6 +451,52 @@ def _gemma_config(hf: dict[str, Any], family: str) -> GluConfig:
     local_rope_theta=local_theta if family == "gemma3_text" else None)
 
 
+_MOE_SUPPORTED = ("supported: every layer a routed mixture of SwiGLU experts "
+                  "(decoder_sparse_step 1, mlp_only_layers []), no shared "
+                  "expert")
+
+
+def _moe_options(hf: dict[str, Any]) -> dict[str, Any]:
+  """Return the GluConfig options of a Qwen3MoeForCausalLM config: its
+  expert count, experts per token, `norm_topk_prob` and the experts' width
+  `moe_intermediate_size` as `d_ff`.
+
+  A layer is a sparse block when it is not in `mlp_only_layers` and
+  `(i + 1) % decoder_sparse_step == 0` (transformers' Qwen3MoeDecoderLayer),
+  else a dense MLP of width `intermediate_size`; only all-sparse models are
+  supported, since one scan runs every layer on one pytree of weights.
+  """
+  # transformers 5 writes `num_local_experts` (its attribute map's name for
+  # `num_experts`); released configs say `num_experts`.
+  n_experts = hf.get("num_experts", hf.get("num_local_experts"))
+  top_k = hf.get("num_experts_per_tok")
+  width = hf.get("moe_intermediate_size")
+  for key, value in (("num_experts", n_experts),
+                     ("num_experts_per_tok", top_k),
+                     ("moe_intermediate_size", width)):
+    if not _is_size(value):
+      _refuse(hf, f"{key} {value!r}", "give a positive integer")
+  if top_k > n_experts:
+    _refuse(hf, f"num_experts_per_tok {top_k} > num_experts {n_experts}",
+            "route each token to at most num_experts experts")
+  for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+    if _get(hf, key, 0):
+      _refuse(hf, f"a shared expert ({key})", _MOE_SUPPORTED)
+  n_layers = int(hf["num_hidden_layers"])
+  step = _get(hf, "decoder_sparse_step", 1)
+  dense_only = list(_get(hf, "mlp_only_layers", []))
+  dense = [i for i in range(n_layers)
+           if i in dense_only or not _is_size(step) or (i + 1) % step]
+  if dense:
+    _refuse(hf, f"dense MLP layers {dense} (decoder_sparse_step {step!r}, "
+            f"mlp_only_layers {dense_only})", _MOE_SUPPORTED)
+  norm_topk = _get(hf, "norm_topk_prob", False)
+  if not isinstance(norm_topk, bool):
+    _refuse(hf, f"norm_topk_prob {norm_topk!r}", "give true or false")
+  return {"n_experts": int(n_experts), "experts_per_token": int(top_k),
+          "norm_topk": norm_topk, "d_ff": int(width)}
+
+
 def config_from_hf(hf: dict[str, Any]) -> GluConfig:
   """Return the `GluConfig` of a HF config dict; ValueError if unsupported."""
   family = hf.get("model_type")
@@ -452,19 +521,21 @@ def config_from_hf(hf: dict[str, Any]) -> GluConfig:
   theta, scaling = _rope(hf)
   n_heads = int(hf["num_attention_heads"])
   head_dim = _get(hf, "head_dim", int(hf["hidden_size"]) // n_heads)
+  options = (_moe_options(hf) if family == "qwen3_moe"
+             else {"d_ff": int(hf["intermediate_size"])})
   return GluConfig(
     n_layers=int(hf["num_hidden_layers"]),
     d_model=int(hf["hidden_size"]),
     n_heads=n_heads,
     n_kv_heads=int(_get(hf, "num_key_value_heads", n_heads)),
     head_dim=int(head_dim),
-    d_ff=int(hf["intermediate_size"]),
     vocab_size=int(hf["vocab_size"]),
     rope_theta=theta,
     rms_eps=float(hf["rms_norm_eps"]),
     tied=bool(_get(hf, "tie_word_embeddings", False)),
-    qk_norm=family == "qwen3",
+    qk_norm=family in ("qwen3", "qwen3_moe"),
     rope_scaling=scaling,
     family=family,
     max_position=int(_get(hf, "max_position_embeddings", 8192)),
+    **options,
   )

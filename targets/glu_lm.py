@@ -7,7 +7,9 @@ biases that every projection adds after its site matmul, outside the
 decomposition (I52), and Gemma's offset RMSNorm, sandwich norms, GeGLU,
 soft-capping and sliding-window layers. Which layers attend through a
 window is a per-layer flag scanned beside the weights, so one scan runs
-both kinds.
+both kinds. Qwen3-MoE's MLP is a routed mixture of SwiGLU experts
+(`moe_mlp`, design §9.5) whose projections run through the same site
+functions, batched over the experts.
 
 Frozen weights are stacked per kind on a leading `layer` axis, in the
 orientation `y = x @ W` (`W: [d_in, d_out]`), and stored as three stacks:
@@ -22,7 +24,10 @@ a site name `layers.{i}.self_attn.q_proj` is that matrix's input and
 `<site>.out` its output; `attn.{i}` is block `i`'s fp32 attention pattern
 `[b, n_heads, t, t]`, built only when asked (`attention_probs` of the
 block's own queries and keys: the exact softmax whatever attention
-implementation the block runs). Taps leave a segment's scan as stacked
+implementation the block runs); a mixture-of-experts model's
+`layers.{i}.mlp` / `.mlp.out` and `layers.{i}.mlp.gate` / `.mlp.gate.out`
+are its MLP block's input and output and its router's input and logits.
+Taps leave a segment's scan as stacked
 outputs only for its layers up to the deepest tapped one; boundaries
 between segments are the carries.
 
@@ -48,9 +53,13 @@ from decompax.targets import glu_config
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "auto")
+# A mixture-of-experts model's expert projections, HF's
+# `mlp.experts.<e>.{gate,up,down}_proj`: roles of their own, each site one
+# expert's matrix (design §9.5).
+EXPERT_ROLES = ("expert_gate", "expert_up", "expert_down")
 _SITE_RE = re.compile(
-  r"^layers\.(\d+)\.(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down))_proj"
-  r"(\.out)?$")
+  r"^layers\.(\d+)\.(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down)"
+  r"|mlp\.experts\.(\d+)\.(gate|up|down))_proj(\.out)?$")
 # The token embedding and the unembedding as sites and taps (design §9.2):
 # HF's `model.embed_tokens` and `lm_head`, named like `layers.<i>` without
 # the `model.` prefix. Their tap is the site's input: the token ids, and the
@@ -60,6 +69,13 @@ EMBED_SITE = "embed_tokens"
 HEAD_SITE = "lm_head"
 END_SITES = (EMBED_SITE, HEAD_SITE)
 END_TAPS = END_SITES + tuple(f"{n}.out" for n in END_SITES)
+# A mixture-of-experts model's MLP taps, named after HF's modules:
+# `layers.<i>.mlp` is the block's input (the normed residual) and `.out`
+# its output (the routed sum), `layers.<i>.mlp.gate` the router's input and
+# `.out` its logits `[b, t, n_experts]`; streams `moe`, `moe.out`, `router`,
+# `router.out`.
+_MOE_TAP_RE = re.compile(r"^layers\.(\d+)\.mlp(\.gate)?(\.out)?$")
+MOE_STREAMS = ("moe", "moe.out", "router", "router.out")
 _RESID_RE = re.compile(r"^resid\.(\d+)$")
 _ATTN_RE = re.compile(r"^attn\.(\d+)$")
 
@@ -93,6 +109,13 @@ class LayerStack(NamedTuple):
   # each residual add.
   post_attn_norm: Optional[Float[Array, "layer d"]] = None
   post_mlp_norm: Optional[Float[Array, "layer d"]] = None
+  # A mixture-of-experts MLP (Qwen3-MoE) in place of gate/up/down: the
+  # frozen router `x @ router -> [.., expert]` and each expert's SwiGLU
+  # projections, stacked `[layer, expert, d_in, d_out]`.
+  router: Optional[Float[Array, "layer d e"]] = None
+  expert_gate: Optional[Float[Array, "layer e d f"]] = None
+  expert_up: Optional[Float[Array, "layer e d f"]] = None
+  expert_down: Optional[Float[Array, "layer e f d"]] = None
 
 
 def layer_stack(**leaves: Any) -> LayerStack:
@@ -137,24 +160,44 @@ class Segments:
             ("tail", self.tail, self.n_layers))
 
 
+MLP_ROLES = ("gate", "up", "down")
+
+
 def model_roles(config: glu_config.GluConfig) -> tuple[str, ...]:
   """Return the model's projection roles: `ROLES`, less `gate` for a plain
-  (ungated) MLP."""
+  (ungated) MLP, and a mixture of experts' `EXPERT_ROLES` (each site one
+  expert's matrix) in place of the three MLP roles."""
+  if config.moe:
+    return tuple(r for r in ROLES if r not in MLP_ROLES) + EXPERT_ROLES
   return ROLES if config.gated else tuple(r for r in ROLES if r != "gate")
 
 
-def site_name(layer: int, role: str) -> str:
-  """Return the HF-style name of one projection."""
+def site_name(layer: int, role: str, expert: Optional[int] = None) -> str:
+  """Return the HF-style name of one projection (of expert `expert` for an
+  expert role)."""
+  if role in EXPERT_ROLES:
+    return (f"layers.{layer}.mlp.experts.{expert}."
+            f"{role.removeprefix('expert_')}_proj")
   group = "self_attn" if role in ("q", "k", "v", "o") else "mlp"
   return f"layers.{layer}.{group}.{role}_proj"
 
 
 def parse_site(name: str) -> Optional[tuple[int, str, bool]]:
-  """Return `(layer, role, is_output)` of a site (or site-output) key."""
+  """Return `(layer, role, is_output)` of a site (or site-output) key; an
+  expert's role is `expert_<gate|up|down>`, its index `site_expert`'s."""
   m = _SITE_RE.match(name)
   if m is None:
     return None
-  return int(m.group(1)), m.group(2) or m.group(3), m.group(4) is not None
+  role = (f"expert_{m.group(5)}" if m.group(4) is not None
+          else m.group(2) or m.group(3))
+  return int(m.group(1)), role, m.group(6) is not None
+
+
+def site_expert(name: str) -> Optional[int]:
+  """Return the expert index of an expert site (or its output) key, None
+  for any other key."""
+  m = _SITE_RE.match(name)
+  return None if m is None or m.group(4) is None else int(m.group(4))
 
 
 def split_stacks(
@@ -507,8 +550,41 @@ def block(
   # A parallel block's MLP reads the block input, not h + attention.
   xm = norm(h if config.parallel_residual else h1, lw.ln2, lw.ln2_bias,
             config)
-  values = {"resid": h, "q": xa, "k": xa, "v": xa, "o": o_in, "q.out": q,
-            "k.out": k, "v.out": v, "o.out": o}
+  down, values = _mlp(xm, lw, project, config,
+                      lambda r, x: site(r, x, getattr(lw, r)))
+  values.update({"resid": h, "q": xa, "k": xa, "v": xa, "o": o_in,
+                 "q.out": q, "k.out": k, "v.out": v, "o.out": o})
+  out = {s: _stream_value(values, s) for s in streams if s != "attn"}
+  if "attn" in streams:
+    # Built only when tapped: `[b, nh, t, t]` outweighs the whole block.
+    # From its own copy of q and k: sharing `qh` with the attention lets XLA
+    # fuse the attention differently and move the logits by rounding (I29).
+    q_own, k_own = jax.lax.optimization_barrier((q, k))
+    out["attn"] = attention_probs(*query_key_heads(
+      q_own, k_own, lw.q_norm, lw.k_norm, config, rope), config, mask)
+  return h1 + _post_norm(down, lw.post_mlp_norm, config), out
+
+
+def _stream_value(values: dict[str, Array], stream: str) -> Array:
+  """Return a stream's value; `<stream>@<e>` is expert `e`'s slice of an
+  expert stream stacked `[b, expert, t, ...]`."""
+  base, _, expert = stream.partition("@")
+  return values[base][:, int(expert)] if expert else values[base]
+
+
+def _mlp(
+  xm: Float[Array, "b t d"], lw: LayerStack,
+  project: Callable[[str, Array], Array], config: glu_config.GluConfig,
+  expert_site: Callable[[str, Array], Array],
+) -> tuple[Float[Array, "b t d"], dict[str, Array]]:
+  """Return a block's MLP output on its normed input `xm` and the MLP's
+  streams: a GLU, a plain MLP, or a mixture of experts (whose projections
+  run through `expert_site(role, x)`)."""
+  if config.moe:
+    down, router_logits, experts = moe_mlp(xm, lw, config, expert_site)
+    return down, {"moe": xm, "moe.out": down, "router": xm,
+                  "router.out": router_logits, **experts}
+  values = {}
   if config.gated:
     gate, up = project("gate", xm), project("up", xm)
     act = activation(config)(gate) * up
@@ -518,15 +594,68 @@ def block(
     act = activation(config)(up)
   down = project("down", act)
   values.update({"up": xm, "up.out": up, "down": act, "down.out": down})
-  out = {s: values[s] for s in streams if s != "attn"}
-  if "attn" in streams:
-    # Built only when tapped: `[b, nh, t, t]` outweighs the whole block.
-    # From its own copy of q and k: sharing `qh` with the attention lets XLA
-    # fuse the attention differently and move the logits by rounding (I29).
-    q_own, k_own = jax.lax.optimization_barrier((q, k))
-    out["attn"] = attention_probs(*query_key_heads(
-      q_own, k_own, lw.q_norm, lw.k_norm, config, rope), config, mask)
-  return h1 + _post_norm(down, lw.post_mlp_norm, config), out
+  return down, values
+
+
+def routing_weights(
+  logits: Float[Array, "*l e"], config: glu_config.GluConfig
+) -> Float[Array, "*l e"]:
+  """Return each expert's weight per position: its router probability
+  (softmax over all experts in fp32) where it is among the position's
+  `experts_per_token` most probable, renormalised over those when
+  `norm_topk`, 0 elsewhere; cast to the logits' dtype, as transformers'
+  Qwen3MoeTopKRouter casts its top-k values."""
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  top, index = jax.lax.top_k(probs, config.experts_per_token)
+  if config.norm_topk:
+    top = top / jnp.sum(top, axis=-1, keepdims=True)
+  top = top.astype(logits.dtype)
+  # Each position's chosen experts are distinct, so the one-hot rows of
+  # `index` never overlap: the sum places each weight, adding nothing.
+  onehot = jax.nn.one_hot(index, config.n_experts, dtype=logits.dtype)
+  return jnp.einsum("...k,...ke->...e", top, onehot)
+
+
+def frozen_experts(lw: LayerStack) -> Callable[[str, Array], Array]:
+  """Return `moe_mlp`'s frozen `site`: every expert's `x @ w_e` of the
+  layer's stack of role `role`."""
+  return lambda role, x: x @ getattr(lw, role)
+
+
+def moe_mlp(
+  xm: Float[Array, "b t d"], lw: LayerStack, config: glu_config.GluConfig,
+  site: Callable[[str, Array], Array],
+) -> tuple[Float[Array, "b t d"], Float[Array, "b t e"], dict[str, Array]]:
+  """Return a Qwen3-MoE sparse block's output, its router logits and its
+  experts' streams.
+
+  Logits `xm @ router` (frozen, never a site); each expert `e` is a SwiGLU
+  `down_e(silu(gate_e xm) ⊙ up_e xm)`, and the output is
+  `Σ_e w_e·expert_e(xm)` with `routing_weights` `w` (transformers'
+  Qwen3MoeSparseMoeBlock, which also weights each expert's output).
+
+  Every expert runs on every position and the unchosen ones are weighted
+  by an exact 0: the same sum as transformers' loop over the tokens routed
+  to each expert, up to the order of its fp additions, with static shapes
+  and no gather (a gathered form that runs only the chosen experts would
+  cut the work by `n_experts / experts_per_token`; not done yet).
+  Each projection runs as `site(role, x)` on `[b, expert, t, d_in]` inputs
+  (`xm` broadcast over the experts for gate and up) against its
+  `[expert, d_in, d_out]` stack, by default the frozen `x @ w`; the
+  streams `expert_gate.out`, `expert_up.out`, `expert_down` (the hidden
+  `silu(gate) ⊙ up`) and `expert_down.out` are stacked `[b, expert, t,
+  ...]`.
+  """
+  logits = xm @ lw.router
+  weights = routing_weights(logits, config)
+  x = xm[:, None]
+  gate = site("expert_gate", x)
+  up = site("expert_up", x)
+  hidden = jax.nn.silu(gate) * up
+  down = site("expert_down", hidden)
+  out = jnp.einsum("betd,bte->btd", down, weights)
+  return out, logits, {"expert_gate.out": gate, "expert_up.out": up,
+                       "expert_down": hidden, "expert_down.out": down}
 
 
 def _post_norm(
@@ -549,11 +678,23 @@ def parse_tap(key: str, n_layers: int) -> tuple[str, int]:
   parsed = parse_site(key)
   if parsed is not None and parsed[0] < n_layers:
     layer, role, is_out = parsed
-    return (f"{role}.out" if is_out else role), layer
+    stream = f"{role}.out" if is_out else role
+    if role in ("expert_gate", "expert_up") and not is_out:
+      return "moe", layer  # every expert's gate and up read the block input
+    if role in EXPERT_ROLES:
+      stream += f"@{site_expert(key)}"
+    return stream, layer
+  m = _MOE_TAP_RE.match(key)
+  if m is not None and int(m.group(1)) < n_layers:
+    stream = "router" if m.group(2) else "moe"
+    return stream + (m.group(3) or ""), int(m.group(1))
   raise ValueError(f"unknown tap key {key!r}; known: resid.0..resid."
                    f"{n_layers}, layers.<i>.self_attn.{{q,k,v,o}}_proj, "
                    "layers.<i>.mlp.{gate,up,down}_proj, each optionally "
-                   "with .out, and attn.<i>")
+                   "with .out, attn.<i>, and in a mixture-of-experts model "
+                   "layers.<i>.mlp, layers.<i>.mlp.gate and "
+                   "layers.<i>.mlp.experts.<e>.{gate,up,down}_proj, each "
+                   "optionally with .out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,6 +783,16 @@ def _parsed_taps(wanted: tuple[str, ...], config: glu_config.GluConfig,
   if absent:
     raise ValueError(f"taps {absent} name a projection this model lacks; "
                      f"its roles are {roles}")
+  dense = [k for k, (s, _) in parsed.items()
+           if (s in MOE_STREAMS or "@" in s) and not config.moe]
+  if dense:
+    raise ValueError(f"taps {dense} name a mixture-of-experts block; this "
+                     "model's MLPs are dense")
+  beyond = [k for k in parsed if (site_expert(k) or 0) >= config.n_experts
+            > 0]
+  if beyond:
+    raise ValueError(f"taps {beyond} name an expert beyond the model's "
+                     f"{config.n_experts}")
   below = [k for k, (_, layer) in parsed.items() if layer < first]
   if below:
     raise ValueError(f"taps {below} lie below the residual start at block "
@@ -803,7 +954,11 @@ def all_tap_keys(config: glu_config.GluConfig) -> tuple[str, ...]:
   keys = [f"resid.{i}" for i in range(config.n_layers + 1)]
   for i in range(config.n_layers):
     for role in model_roles(config):
-      keys += [site_name(i, role), f"{site_name(i, role)}.out"]
+      for e in range(config.n_experts) if role in EXPERT_ROLES else (None,):
+        keys += [site_name(i, role, e), f"{site_name(i, role, e)}.out"]
+    if config.moe:
+      keys += [f"layers.{i}.mlp{s}" for s in ("", ".gate", ".gate.out",
+                                              ".out")]
     keys.append(f"attn.{i}")
   return tuple(keys)
 
@@ -840,4 +995,12 @@ def init_stack(
     post = jax.random.split(jax.random.fold_in(key, 2))
     for k, name in zip(post, ("post_attn_norm", "post_mlp_norm")):
       leaves[name] = 1.0 + 0.1 * jax.random.normal(k, (n, d), jnp.float32)
+  if config.moe:
+    e = config.n_experts
+    moe_shapes = {"router": (d, e), "expert_gate": (e, d, f),
+                  "expert_up": (e, d, f), "expert_down": (e, f, d)}
+    moe_keys = jax.random.split(jax.random.fold_in(key, 3), len(moe_shapes))
+    for k, (name, shape) in zip(moe_keys, moe_shapes.items()):
+      leaves[name] = (jax.random.normal(k, (n, *shape), jnp.float32)
+                      / np.sqrt(shape[-2]))
   return jax.tree.map(lambda a: a.astype(dtype), layer_stack(**leaves))

@@ -2,9 +2,11 @@
 
 Sites are any subset of `layers.{i}.self_attn.{q,k,v,o}_proj` and
 `layers.{i}.mlp.{gate,up,down}_proj` (SPEC §9.2; no `gate` in a plain MLP,
-design §9.4), plus the token embedding `embed_tokens` and the unembedding
-`lm_head`, each a kind of its own run outside the scan (`end_fns`); a
-projection's bias stays frozen, outside its factors (I52).
+design §9.4; in a mixture-of-experts model each expert's
+`layers.{i}.mlp.experts.{e}.{gate,up,down}_proj` instead, §9.5), plus the
+token embedding `embed_tokens` and the unembedding `lm_head`, each a kind
+of its own run outside the scan (`end_fns`); a projection's bias stays
+frozen, outside its factors (I52).
 The decomposed span is `[split, tail)`, the first and one past the last
 decomposed layer. A role's sites form one kind `<role>_proj` (rows
 layer-ascending) when they share `C`; sites of one role with different `C`
@@ -46,15 +48,22 @@ def role_dims(config: glu_config.GluConfig, role: str) -> tuple[int, int]:
   d, f = config.d_model, config.d_ff
   return {"q": (d, config.q_width), "k": (d, config.kv_width),
           "v": (d, config.kv_width), "o": (config.q_width, d),
-          "gate": (d, f), "up": (d, f), "down": (f, d)}[role]
+          "gate": (d, f), "up": (d, f), "down": (f, d),
+          "expert_gate": (d, f), "expert_up": (d, f),
+          "expert_down": (f, d)}[role]
 
 
 def all_site_names(config: glu_config.GluConfig) -> tuple[str, ...]:
   """Return every decomposable projection in canonical order: the sites a
   run without `--sites` decomposes."""
-  return tuple(glu_lm.site_name(i, r)
-               for i in range(config.n_layers)
-               for r in glu_lm.model_roles(config))
+  names = []
+  for i in range(config.n_layers):
+    names += [glu_lm.site_name(i, r) for r in glu_lm.model_roles(config)
+              if r not in glu_lm.EXPERT_ROLES]
+    # A mixture of experts: expert by expert, gate, up, down each.
+    names += [glu_lm.site_name(i, r, e) for e in range(config.n_experts)
+              for r in glu_lm.EXPERT_ROLES]
+  return tuple(names)
 
 
 def selectable_site_names(config: glu_config.GluConfig) -> tuple[str, ...]:
@@ -84,7 +93,20 @@ def _order_key(config: glu_config.GluConfig, parsed: tuple) -> tuple:
     return (-1, 0)
   if parsed[1] == glu_lm.HEAD_SITE:
     return (config.n_layers, 0)
+  if parsed[1] in glu_lm.EXPERT_ROLES:
+    return (parsed[0], len(glu_lm.ROLES) + 3 * parsed[2]
+            + glu_lm.EXPERT_ROLES.index(parsed[1]))
   return (parsed[0], glu_lm.ROLES.index(parsed[1]))
+
+
+def _draw_path(config: glu_config.GluConfig, parsed: tuple
+               ) -> tuple[int, int]:
+  """Return a projection's draw path: (role, absolute layer), an expert's
+  (a role past the end sites', layer·n_experts + expert)."""
+  if parsed[1] in glu_lm.EXPERT_ROLES:
+    return (len(glu_lm.ROLES) + 2 + glu_lm.EXPERT_ROLES.index(parsed[1]),
+            parsed[0] * config.n_experts + parsed[2])
+  return (glu_lm.ROLES.index(parsed[1]), parsed[0])
 
 
 def site_specs(
@@ -99,14 +121,18 @@ def site_specs(
       parsed[name] = (None, name)
       continue
     p = glu_lm.parse_site(name)
+    expert = glu_lm.site_expert(name)
     if (p is None or p[2] or p[0] >= config.n_layers
-        or p[1] not in roles):
+        or p[1] not in roles or (expert or 0) >= max(config.n_experts, 1)):
       mlp = ",".join(r for r in roles if r in ("gate", "up", "down"))
+      mlp_sites = (f" and layers.<i>.mlp.{{{mlp}}}_proj" if mlp else
+                   " and layers.<i>.mlp.experts.<e>.{gate,up,down}_proj "
+                   f"for e < {config.n_experts}")
       raise ValueError(f"unknown site {name!r}; sites are layers.<i>.self_attn"
-                       f".{{q,k,v,o}}_proj and layers.<i>.mlp.{{{mlp}}}_proj"
-                       f" for i < {config.n_layers}, {glu_lm.EMBED_SITE} and "
+                       f".{{q,k,v,o}}_proj{mlp_sites} for i < "
+                       f"{config.n_layers}, {glu_lm.EMBED_SITE} and "
                        f"{glu_lm.HEAD_SITE}")
-    parsed[name] = p[:2]
+    parsed[name] = (p[0], p[1], expert)
   if not parsed:
     raise ValueError("no sites to decompose")
   order = sorted(parsed, key=lambda n: _order_key(config, parsed[n]))
@@ -129,8 +155,8 @@ def site_specs(
       kind = f"{role}_proj.c{cs[n]}" if mixed else f"{role}_proj"
       rows[kind] = rows.get(kind, -1) + 1
       # Keyed by (kind, absolute layer): draws independent of the span.
-      draw_path = (glu_lm.ROLES.index(role), parsed[n][0])
-      specs[n] = SiteSpec(n, kind, rows[kind], d_in, d_out, cs[n], draw_path)
+      specs[n] = SiteSpec(n, kind, rows[kind], d_in, d_out, cs[n],
+                          _draw_path(config, parsed[n]))
   out = tuple(specs[n] for n in order)
   validate_sites(out)
   return out
@@ -187,14 +213,18 @@ def ci_chunks(
 
 @dataclasses.dataclass(frozen=True)
 class KindLayout:
-  """A kind's role and the absolute layer of each of its rows."""
+  """A kind's role and the absolute layer of each of its rows (and, for an
+  expert role, each row's expert)."""
 
   role: str
   layers: tuple[int, ...]
   names: tuple[str, ...]
+  experts: tuple[int, ...] = ()
+  n_experts: int = 0
 
 
-def kind_layouts(sites: tuple[SiteSpec, ...]) -> dict[str, KindLayout]:
+def kind_layouts(sites: tuple[SiteSpec, ...], n_experts: int = 0
+                 ) -> dict[str, KindLayout]:
   """Return each projection kind's layout, rows in order (the embedding's
   and the head's kinds run outside the scan, `end_fns`)."""
   members: dict[str, list[SiteSpec]] = {}
@@ -206,8 +236,11 @@ def kind_layouts(sites: tuple[SiteSpec, ...]) -> dict[str, KindLayout]:
   for kind, ss in members.items():
     ss = sorted(ss, key=lambda s: s.row)
     parsed = [glu_lm.parse_site(s.name) for s in ss]
+    experts = tuple(glu_lm.site_expert(s.name) for s in ss)
     out[kind] = KindLayout(parsed[0][1], tuple(p[0] for p in parsed),
-                           tuple(s.name for s in ss))
+                           tuple(s.name for s in ss),
+                           experts if experts[0] is not None else (),
+                           n_experts if experts[0] is not None else 0)
   return out
 
 
@@ -236,6 +269,12 @@ def live_kinds(
   """Return the span-stacked live inputs of every kind with a live site."""
   out = {}
   for kind, layout in layouts.items():
+    if layout.experts:
+      live_kind = _live_expert_kind(components[kind], site_masks, layout,
+                                    seg, dtype)
+      if live_kind is not None:
+        out[kind] = live_kind
+      continue
     rows = _span_rows(layout, seg)
     live = [None if r is None else site_masks.get(layout.names[r])
             for r in rows]
@@ -268,6 +307,75 @@ def live_kinds(
   return out
 
 
+def _live_expert_kind(
+  factors: Any, site_masks: dict[str, SiteMask], layout: KindLayout,
+  seg: glu_lm.Segments, dtype: Any,
+) -> Optional[LiveKind]:
+  """Return an expert kind's live inputs stacked `[span layer, expert,
+  ...]` (factors `[.., d_in, c]`, masks `[.., *l, c]`), each slot without
+  a live site zero and inactive; None when none of its sites is live."""
+  row_of = {(layer, e): r for r, (layer, e) in enumerate(
+    zip(layout.layers, layout.experts))}
+  rows = [[row_of.get((layer, e)) for e in range(layout.n_experts)]
+          for layer in range(seg.split, seg.tail)]
+  live = [[None if r is None else site_masks.get(layout.names[r])
+           for r in layer] for layer in rows]
+  present = [m for layer in live for m in layer if m is not None]
+  if not present:
+    return None
+  c = present[0].mask.shape[-1]
+  lead = jnp.broadcast_shapes(*(m.mask.shape[:-1] for m in present))
+  idx = np.array([[0 if r is None else r for r in layer] for layer in rows])
+
+  def stacked(value, empty):
+    return jnp.stack([jnp.stack([empty if m is None else value(m)
+                                 for m in layer]) for layer in live])
+
+  mask = stacked(lambda m: jnp.broadcast_to(m.mask, (*lead, c)).astype(
+    dtype), jnp.zeros((*lead, c), dtype))
+  delta = None
+  if any(m.delta is not None for m in present):
+    delta = stacked(lambda m: jnp.zeros(lead, dtype) if m.delta is None
+                    else jnp.broadcast_to(m.delta, lead).astype(dtype),
+                    jnp.zeros(lead, dtype))
+  active = stacked(lambda m: jnp.ones(lead, bool) if m.route is None
+                   else jnp.broadcast_to(m.route, lead),
+                   jnp.zeros(lead, bool))
+  return LiveKind(factors.v[idx].astype(dtype), factors.u[idx].astype(dtype),
+                  mask, delta, active)
+
+
+def _expert_major(a: Optional[Array], n_lead: int) -> Optional[Array]:
+  """Return an expert kind's per-layer mask, delta or flag `[expert, *l,
+  ...]` laid out against `[b, expert, t, ...]` activations: the expert
+  axis moved after the batch axis for `l = (b, t)`, a unit axis added for
+  `l = ()` (one mask for every position)."""
+  if a is None:
+    return None
+  if n_lead == 0:
+    return jnp.expand_dims(a, 1)
+  if n_lead == 2:
+    return jnp.moveaxis(a, 0, 1)
+  raise ValueError(f"expert masks need a leading shape (b, t) or (), got "
+                   f"{n_lead} axes")
+
+
+def _expert_site(x: Array, w: Array, live: LiveKind, y: Array) -> Array:
+  """Return every expert's output `[b, expert, t, d_out]` of an expert
+  kind's span layer: decomposed where its site is live and active, `y`
+  (the frozen `x @ w_e`, or another kind's) elsewhere."""
+  n_lead = live.mask.ndim - 2  # [expert, *l, c]
+  mask, delta, active = (_expert_major(a, n_lead)
+                         for a in (live.mask, live.delta, live.active))
+  # `site_forward.decomposed_matmul`'s `(x·V ⊙ m)·U + δ·(x·W − x·V·U)`,
+  # batched over the experts' `[expert, d_in, c]` factors.
+  a = x @ live.v
+  y_dec = (a * mask) @ live.u
+  if delta is not None:
+    y_dec = y_dec + delta[..., None] * (x @ w - a @ live.u)
+  return jnp.where(active[..., None], y_dec, y)
+
+
 def live_site_fn(layouts: dict[str, KindLayout]) -> glu_lm.SiteFn:
   """Return the span's site matmul: frozen `x @ w`, then each live kind of
   the role where it is active (SPEC §3.2)."""
@@ -280,6 +388,9 @@ def live_site_fn(layouts: dict[str, KindLayout]) -> glu_lm.SiteFn:
     for kind in kinds_by_role.get(role, ()):
       live = extra.get(kind)
       if live is None:
+        continue
+      if role in glu_lm.EXPERT_ROLES:
+        y = _expert_site(x, w, live, y)
         continue
       y_dec = site_forward.decomposed_matmul(
         x, w, live.v, live.u, SiteMask(live.mask, live.delta))
@@ -308,7 +419,11 @@ def frozen_stacks(
     out[glu_lm.HEAD_SITE] = glu_lm.head_matrix(weights).T[None]
   for kind, layout in layouts.items():
     stack = getattr(weights.span, layout.role)
-    if layout.layers == tuple(range(seg.split, seg.tail)):
+    if layout.experts:
+      out[kind] = stack[np.array([layer - seg.split
+                                  for layer in layout.layers]),
+                        np.array(layout.experts)]
+    elif layout.layers == tuple(range(seg.split, seg.tail)):
       out[kind] = stack
     else:
       out[kind] = stack[np.array([layer - seg.split
@@ -326,7 +441,7 @@ def nonlinear_units(
     if is_end_site(s.name):
       continue
     role = glu_lm.parse_site(s.name)[1]
-    if role in ("gate", "up"):
+    if role in ("gate", "up", "expert_gate", "expert_up"):
       out[s.name] = target.UnitSpec("neuron", config.d_ff)
     elif role == "q":
       out[s.name] = target.UnitSpec("attention_head", config.n_heads)
@@ -520,8 +635,21 @@ _MOVED_BY: dict[str, frozenset] = {
   "gate.out": _ATTENTION_ROLES | {"gate"}, "up.out": _ATTENTION_ROLES | {"up"},
   "down": _ATTENTION_ROLES | {"gate", "up"},
   "down.out": _ATTENTION_ROLES | {"gate", "up", "down"},
+  # A mixture-of-experts block's input, router and output (its experts are
+  # not sites).
+  "moe": _ATTENTION_ROLES, "router": _ATTENTION_ROLES,
+  "router.out": _ATTENTION_ROLES,
+  "moe.out": _ATTENTION_ROLES | set(glu_lm.EXPERT_ROLES),
+  # An expert's streams (`<stream>@<e>`), moved by the expert roles of its
+  # block, whichever expert they belong to (a superset).
+  "expert_gate.out": _ATTENTION_ROLES | {"expert_gate"},
+  "expert_up.out": _ATTENTION_ROLES | {"expert_up"},
+  "expert_down": _ATTENTION_ROLES | {"expert_gate", "expert_up"},
+  "expert_down.out": _ATTENTION_ROLES | set(glu_lm.EXPERT_ROLES),
 }
-_MLP_STREAMS = ("gate", "up", "gate.out", "up.out", "down", "down.out")
+_MLP_STREAMS = ("gate", "up", "gate.out", "up.out", "down", "down.out",
+                *glu_lm.MOE_STREAMS, "expert_gate.out", "expert_up.out",
+                "expert_down", "expert_down.out")
 
 
 def moved_by(config: glu_config.GluConfig) -> dict[str, frozenset]:
@@ -555,7 +683,8 @@ def masking_reaches(config: glu_config.GluConfig,
     stream, layer = glu_lm.parse_tap(tap, config.n_layers)
     if stream == "resid":
       return any(l < layer for l, _ in placed)
-    return any(l < layer or (l == layer and role in moving[stream])
+    moved = moving[stream.partition("@")[0]]
+    return any(l < layer or (l == layer and role in moved)
                for l, role in placed)
 
   return reaches
@@ -565,11 +694,13 @@ def hidden_pass_points(config: glu_config.GluConfig,
                        sites: tuple[SiteSpec, ...]) -> tuple[str, ...]:
   """Return the MLP outputs from the first decomposed layer to the last:
   what a hidden pass reconstructs by default (from layer 0 with a
-  decomposed embedding; none with the head alone)."""
+  decomposed embedding; none with the head alone). A mixture-of-experts
+  MLP's output is its block's `layers.<i>.mlp.out`."""
   first = min((0 if s.name == glu_lm.EMBED_SITE else config.n_layers
                if s.name == glu_lm.HEAD_SITE
                else glu_lm.parse_site(s.name)[0]) for s in sites)
-  return tuple(f"{glu_lm.site_name(i, 'down')}.out"
+  return tuple(f"layers.{i}.mlp.out" if config.moe
+               else f"{glu_lm.site_name(i, 'down')}.out"
                for i in range(first, config.n_layers))
 
 
@@ -639,7 +770,7 @@ def target_fns(
 
   validate_sites(sites)
   seg = span_segments(config, sites)
-  layouts = kind_layouts(sites)
+  layouts = kind_layouts(sites, config.n_experts)
   spec = glu_lm.ForwardSpec(config, seg, attention, remat)
   glu_lm.attention_fn(attention)  # refuses an unknown name up front
   site = live_site_fn(layouts)
@@ -698,6 +829,10 @@ def layer_array_shapes(
   if config.sandwich:
     shapes.update(post_attn_norm=(config.d_model,),
                   post_mlp_norm=(config.d_model,))
+  if config.moe:
+    e, (d, f) = config.n_experts, (config.d_model, config.d_ff)
+    shapes.update(router=(d, e), expert_gate=(e, d, f), expert_up=(e, d, f),
+                  expert_down=(e, f, d))
   return shapes
 
 

@@ -79,3 +79,15 @@ def test_each_mlp_site_meets_each_baseline_and_the_total(harvest):
 def test_a_harvest_without_tags_is_refused(harvest):
   with pytest.raises(ValueError, match="no tag statistics"):
     tag_comparison.comparisons(harvest._replace(manifest={}))
+
+
+def test_baselines_of_each_site_kind():
+  assert [k for k, _ in tag_comparison.baselines_of(
+    "layers.1.mlp.up_proj")] == list(harvest_lib.BASELINES)
+  assert tag_comparison.baselines_of("layers.1.self_attn.q_proj") == ((
+    harvest_lib.HEADS, "layers.1.self_attn.heads"),)
+  # A mixture-of-experts layer has neither dense neurons nor a baseline of
+  # its experts yet.
+  assert tag_comparison.baselines_of(
+    "layers.1.mlp.experts.2.up_proj") == ()
+  assert tag_comparison.baselines_of("lm_head") == ()

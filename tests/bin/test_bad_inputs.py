@@ -629,6 +629,16 @@ ROWS = (
     "without biases is implemented",
     setup=_model_copy("tiny_gemma3", _config_json(
       use_bidirectional_attention=True))),
+  Row("moe_dense_layers", "train", (*LLAMA, "--model_dir={T}/m", OUT),
+      "dense MLP layers [1] (decoder_sparse_step 1, mlp_only_layers [1]); "
+      "supported: every layer a routed mixture of SwiGLU experts",
+      setup=_model_copy("tiny_qwen3moe", _config_json(mlp_only_layers=[1]))),
+  Row("moe_expert_beyond", "train", (
+    *LLAMA, "--model_dir={ROOT}/tests/fixtures/tiny_qwen3moe",
+    "--sites=layers.1.mlp.experts.4.up_proj", OUT),
+    "--sites entry 'layers.1.mlp.experts.4.up_proj' matches no site; sites "
+    "are layers.<i>.self_attn.{q,k,v,o}_proj and "
+    "layers.<i>.mlp.experts.<e>.{gate,up,down}_proj, e < 4, i < 3"),
   Row("config_not_json", "train", (*LLAMA, "--model_dir={T}/m", OUT),
       "m/config.json is not valid JSON (Expecting value",
       setup=_model_copy("tiny_llama", _config_text("{\"a\": }"))),

@@ -1,5 +1,5 @@
-"""The GPT-2, Pythia and Gemma flagfiles decompose their tiny fixtures for a
-few steps (design §9.4), in-process on CPU."""
+"""The GPT-2, Pythia, Gemma and Qwen3-MoE flagfiles decompose their tiny
+fixtures for a few steps (design §9.4, §9.5), in-process on CPU."""
 
 import math
 import pathlib
@@ -22,6 +22,10 @@ SITES = {
   "tiny_pythia": tuple(f"layers.1.{m}_proj" for m in (
     "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "mlp.up",
     "mlp.down")),
+  # A mixture-of-experts model's MLP sites are its experts' projections.
+  "tiny_qwen3moe": tuple(f"layers.1.self_attn.{r}_proj" for r in "qkvo")
+  + tuple(f"layers.1.mlp.experts.{e}.{r}_proj" for e in range(4)
+          for r in ("gate", "up", "down")),
 }
 
 

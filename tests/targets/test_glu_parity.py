@@ -120,8 +120,10 @@ def _hf(**changes):
 
 
 @pytest.mark.parametrize("changes,message", [
+  ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]},
+   "model_type 'qwen2_moe'"),
   ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
-   "model_type 'qwen3_moe'"),
+   "num_experts None"),
   ({"num_experts": 64}, "mixture-of-experts"),
   ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
   ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
