@@ -94,7 +94,8 @@ def _rope(x):
 
 def test_the_pattern_tap_is_known_and_costs_nothing_unasked():
   assert {"attn.0", "attn.1"} <= set(glu_lm.all_tap_keys(CONFIG))
-  with pytest.raises(ValueError, match="and attn.<i>"):
+  with pytest.raises(ValueError,
+                     match=r"attn\.<i>, and in a mixture-of-experts"):
     glu_lm.parse_tap("attn.2", CONFIG.n_layers)
   sites = glu_target.site_specs(CONFIG, QK_SITES, 3)
   fns = glu_target.target_fns(CONFIG, sites)
