@@ -42,25 +42,35 @@ def _fns(config, arrays, names, attention="reference", c=4):
   return sites, weights, glu_target.target_fns(config, sites, attention)
 
 
-def _tap_keys(ref) -> tuple[str, ...]:
+def tap_keys(ref) -> tuple[str, ...]:
+  """Return the tap keys a fixture's reference holds (its `tap.<key>`s)."""
   return tuple(k.removeprefix("tap.") for k in ref.files
                if k.startswith("tap."))
 
 
+def parity_errors(fns, weights, ref, taps: tuple[str, ...]
+                  ) -> dict[str, float]:
+  """Return the largest absolute difference from the reference of the
+  logits and of each tap, for the fixture's tokens (shared by the
+  families' parity tests)."""
+  logits, got = jax.jit(lambda w, t: fns.clean_forward(w, t, taps))(
+    weights, jnp.asarray(ref["tokens"]))
+  errors = {k: float(np.max(np.abs(np.asarray(got[k]) - ref[f"tap.{k}"])))
+            for k in taps}
+  errors["logits"] = float(np.max(np.abs(np.asarray(logits)
+                                         - ref["logits"])))
+  return errors
+
+
 def test_logits_and_taps_match_transformers(model):
   name, config, arrays, ref = model
-  taps = _tap_keys(ref)
+  taps = tap_keys(ref)
   assert len(taps) >= 7
   # Spans at the start, middle and end exercise each stack being empty.
   for layer, attention in ((0, "reference"), (1, "xla"), (2, "reference")):
     _, weights, fns = _fns(config, arrays, (glu_lm.site_name(layer, "up"),),
                            attention)
-    logits, got = jax.jit(lambda w, t: fns.clean_forward(w, t, taps))(
-      weights, jnp.asarray(ref["tokens"]))
-    errors = {k: float(np.max(np.abs(np.asarray(got[k]) - ref[f"tap.{k}"])))
-              for k in taps}
-    errors["logits"] = float(np.max(np.abs(np.asarray(logits)
-                                           - ref["logits"])))
+    errors = parity_errors(fns, weights, ref, taps)
     assert max(errors.values()) <= PARITY_TOL, (name, layer, errors)
 
 

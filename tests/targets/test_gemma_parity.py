@@ -21,6 +21,8 @@ from decompax.core.masks import SiteMask
 from decompax.io import hf_checkpoint
 from decompax.targets import glu_config, glu_lm, glu_target
 
+from .test_family_parity import parity_errors, tap_keys
+
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 PARITY_TOL = 2e-5  # fp32
 FAMILIES = ("tiny_gemma2", "tiny_gemma3")
@@ -42,11 +44,6 @@ def _fns(config, arrays, names, c=4, **options):
   return sites, weights, glu_target.target_fns(config, sites, **options)
 
 
-def _tap_keys(ref) -> tuple[str, ...]:
-  return tuple(k.removeprefix("tap.") for k in ref.files
-               if k.startswith("tap."))
-
-
 def _logits(config, arrays, tokens, layer=1):
   _, weights, fns = _fns(config, arrays, (glu_lm.site_name(layer, "up"),))
   return np.asarray(fns.clean_forward(weights, jnp.asarray(tokens), ())[0])
@@ -54,18 +51,13 @@ def _logits(config, arrays, tokens, layer=1):
 
 def test_logits_and_taps_match_transformers(model):
   name, config, arrays, ref = model
-  taps = _tap_keys(ref)
+  taps = tap_keys(ref)
   assert len(taps) >= 9
   # Spans at the start, middle and end: each stack empty once, and each
   # holding both layer kinds.
   for layer in (0, 1, 3):
     _, weights, fns = _fns(config, arrays, (glu_lm.site_name(layer, "up"),))
-    logits, got = jax.jit(lambda w, t: fns.clean_forward(w, t, taps))(
-      weights, jnp.asarray(ref["tokens"]))
-    errors = {k: float(np.max(np.abs(np.asarray(got[k]) - ref[f"tap.{k}"])))
-              for k in taps}
-    errors["logits"] = float(np.max(np.abs(np.asarray(logits)
-                                           - ref["logits"])))
+    errors = parity_errors(fns, weights, ref, taps)
     assert max(errors.values()) <= PARITY_TOL, (name, layer, errors)
 
 

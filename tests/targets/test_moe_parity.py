@@ -25,6 +25,8 @@ from decompax.core.masks import SiteMask
 from decompax.io import hf_checkpoint
 from decompax.targets import glu_config, glu_lm, glu_target
 
+from .test_family_parity import parity_errors, tap_keys
+
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / (
   "tiny_qwen3moe")
 PARITY_TOL = 2e-5  # fp32
@@ -54,25 +56,15 @@ def _logits(config, arrays, tokens):
   return np.asarray(fns.clean_forward(weights, jnp.asarray(tokens), ())[0])
 
 
-def _tap_keys(ref) -> tuple[str, ...]:
-  return tuple(k.removeprefix("tap.") for k in ref.files
-               if k.startswith("tap."))
-
-
 def test_logits_and_taps_match_transformers(model):
   config, arrays, ref = model
-  taps = _tap_keys(ref)
+  taps = tap_keys(ref)
   assert {"layers.0.mlp", "layers.1.mlp.gate.out", "layers.2.mlp.out"} <= (
     set(taps))
   # Spans at the start, middle and end: each stack empty once.
   for layer in range(config.n_layers):
     _, weights, fns = _fns(config, arrays, (glu_lm.site_name(layer, "q"),))
-    logits, got = jax.jit(lambda w, t: fns.clean_forward(w, t, taps))(
-      weights, jnp.asarray(ref["tokens"]))
-    errors = {k: float(np.max(np.abs(np.asarray(got[k]) - ref[f"tap.{k}"])))
-              for k in taps}
-    errors["logits"] = float(np.max(np.abs(np.asarray(logits)
-                                           - ref["logits"])))
+    errors = parity_errors(fns, weights, ref, taps)
     assert max(errors.values()) <= PARITY_TOL, (layer, errors)
 
 
