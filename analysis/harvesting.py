@@ -79,6 +79,9 @@ TAG_GROUPS = 64
 # `layers.<i>.mlp.<kind>`, tag statistics only. A plain (ungated) MLP has
 # no gates: its neurons are `act(up)`.
 BASELINES = ("neurons", "gates", "rotated")
+# And per layer with a decomposed attention site, its heads: store key
+# `layers.<i>.self_attn.heads`.
+HEADS = "heads"
 
 
 class MlpForm(NamedTuple):
@@ -102,9 +105,6 @@ def mlp_kinds(mlp: MlpForm) -> tuple[str, ...]:
   """Return the `BASELINES` kinds an MLP of form `mlp` has."""
   return BASELINES if mlp.gated else tuple(
     k for k in BASELINES if k != "gates")
-# And per layer with a decomposed attention site, its heads: store key
-# `layers.<i>.self_attn.heads`.
-HEADS = "heads"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,9 +83,9 @@ def top_positions(run: explore.LoadedRun, settings: harvest_lib.Settings,
   t = settings.seq_len
   kept: dict[str, Top] = {}
   for i in range(min(batches, settings.n_batches)):
-    starts = harvest_lib.window_starts(settings, i, n_tokens)
-    offsets = (starts[:, None] + np.arange(t)).reshape(-1)
-    window = np.repeat(starts, t)
+    positions = harvest_lib.window_positions(settings, i, n_tokens)
+    offsets = positions.reshape(-1)
+    window = np.repeat(positions[:, 0], t)
     for key, (values, index) in jax.device_get(
         best(read(i), extra)).items():
       found = Top(np.asarray(values, np.float64), offsets[index],
