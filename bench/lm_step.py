@@ -39,12 +39,12 @@ reports:
     XLA's static memory analysis of the step;
   * prefix sharing's OFF/ON step-time ratio with the l18 sites moved to each
     `--ratio_layers` block, beside the reference's (`prefix.REFERENCE_RATIO`), and
-    both variants' first-step recon losses, which must agree (D5). As in
-    bench/prefix.py, XLA's CSE merges OFF's identical prefix reruns, so
-    the ratios are measured in a child process with CSE off, where OFF
-    reruns the prefix as the reference does (`--ratio_with_cse` measures
-    them in this process instead). The child runs first: a GPU process
-    holds its memory pool until it exits.
+    both variants' first-step recon losses, which must agree (D5), and
+    the prefix scans each compiled step keeps: OFF reruns the frozen prefix
+    in every masked forward, tied to its masks so that no compiler merges
+    the reruns (bench/prefix.py), and the exit status fails where it holds
+    no more scans than ON. The variants run after the main step, one at a
+    time, so only one state is ever on the device.
 
 The default batch, 4 × 2048 tokens, is what XLA's memory analysis of this
 step compiled for CPU from its shapes (`./dev bench memory --mesh=1,1,1
@@ -67,7 +67,6 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -82,7 +81,6 @@ from decompax.recipe import assembly
 from decompax.recipe.config import TrainConfig, read_args
 from decompax.targets import glu_config, glu_lm, glu_target
 
-import bench
 from bench import hlo_flops, hlo_work, lm_flops, random_lm
 # Its variants are compiled, stepped and timed as bench/prefix.py does; the
 # trace is reduced as bench/profile.py reduces a toy step's.
@@ -110,11 +108,8 @@ _WARMUP = flags.DEFINE_integer(
 _RATIO_LAYERS = flags.DEFINE_list(
   "ratio_layers", ["18", "31"], "Blocks where prefix sharing's OFF/ON "
   "ratio is measured (empty: none).")
-_RATIO_WITH_CSE = flags.DEFINE_bool(
-  "ratio_with_cse", False, "Measure the ratios in this process, XLA's CSE "
-  "on, rather than in a child process with it off.")
 _RATIOS_ONLY = flags.DEFINE_bool(
-  "ratios_only", False, "Measure only the ratios (the child process).")
+  "ratios_only", False, "Measure only the ratios.")
 # `--trace_dir` (keep the trace and the step's HLO text there) is
 # bench/profile.py's flag.
 _TRACED_STEPS = flags.DEFINE_integer(
@@ -151,7 +146,6 @@ GOALS = {"mfu": {"H200": 0.40, "TPU v5e": 0.60}, "compile_s": 120.0,
          "warm_compile_s": 10.0,
          "ratio": {18: 1.25, 31: 1.8}}
 FLOP_TOLERANCE = 0.10
-NO_CSE = "--xla_disable_hlo_passes=cse"
 GIB = 2.0**30
 
 
@@ -405,7 +399,7 @@ def measure_step(settings: Settings, recompile: bool = False,
     "executed_rate": predicted.executed / step_s,
     "peak_memory": peak_memory(device), "static_memory":
     static_memory(compiled), "first_losses": variant["first"],
-    "profile": traced,
+    "prefix_loops": variant["prefix_loops"], "profile": traced,
   }
 
 
@@ -419,9 +413,10 @@ def measure_ratio(settings: Settings, layer: int,
                   shared: dict | None = None) -> dict:
   """Return prefix sharing's OFF/ON step-time ratio with the l18 sites at
   block `layer`, each variant's compile time, prefix loops and first-step
-  recon losses. The variants run one after the other, so only one state
-  is ever on the device; `shared` is a report of the ON variant measured
-  already (`measure_step`'s at the same block), reused."""
+  recon losses, or with `unfit` which variant did not fit the device's
+  memory. The variants run one after the other, so only one state is ever
+  on the device; `shared` is a report of the ON variant measured already
+  (`measure_step`'s at the same block), reused."""
   config, model = l18_recipe(settings), llama_config(settings.model_config)
   sites = l18_sites(config, model, layer)
   weights = random_lm.random_weights(
@@ -430,11 +425,20 @@ def measure_ratio(settings: Settings, layer: int,
   for sharing in (True, False):
     if sharing and shared is not None:
       variants[sharing] = {"compile_s": shared["compile_s"],
-                           "step_s": shared["step_s"], "prefix_loops": None,
+                           "step_s": shared["step_s"],
+                           "prefix_loops": shared["prefix_loops"],
                            "first": shared["first_losses"]}
       continue
-    variant = prefix.compile_variant(
-      random_lm.build_run(config, model, sites, weights, sharing), layer)
+    name = f"block {layer}, prefix sharing {'on' if sharing else 'off'}"
+    print(f"[lm_step] {name}: compile and step ...", flush=True)
+    try:
+      variant = prefix.compile_variant(
+        random_lm.build_run(config, model, sites, weights, sharing), layer)
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      # The other blocks' ratios are still worth having.
+      return {"layer": layer, "unfit": f"{name}: {str(e).splitlines()[0]}"}
     step_s = run_steps(variant, settings.measured, settings.warmup)
     variants[sharing] = {"step_s": step_s, **{
       k: variant[k] for k in ("compile_s", "prefix_loops", "first")}}
@@ -448,7 +452,8 @@ def measure_ratio(settings: Settings, layer: int,
                          max(on["first"].values(), default=0.0))
   return {"layer": layer, "on": on, "off": off,
           "ratio": off["step_s"] / on["step_s"], "loss_diff": diff,
-          "losses_agree": diff <= bound}
+          "losses_agree": diff <= bound,
+          "off_reran": off["prefix_loops"] > on["prefix_loops"]}
 
 
 def _bytes(value: float | None) -> str:
@@ -579,16 +584,20 @@ def ratio_rows(ratios: list[dict]) -> list[str]:
            "| prefix loops ON/OFF | compile ON/OFF s | max first-step loss "
            "diff |", "|---|---|---|---|---|---|---|---|---|"]
   for r in ratios:
+    if "unfit" in r:
+      lines.append(f"| {r['layer']} | did not fit the device: {r['unfit']} "
+                   "|" + " |" * 7)
+      continue
     on, off, layer = r["on"], r["off"], r["layer"]
     ref, goal = prefix.REFERENCE_RATIO.get(layer), GOALS["ratio"].get(layer)
-    loops = "/".join("-" if v["prefix_loops"] is None
-                     else str(v["prefix_loops"]) for v in (on, off))
+    loops = f"{on['prefix_loops']}/{off['prefix_loops']}"
     lines.append(
       f"| {layer} | {1e3 * on['step_s']:.1f} | {1e3 * off['step_s']:.1f} | "
       f"{r['ratio']:.2f}x | {f'{ref:.2f}x' if ref else '-'} | "
       f"{f'>= {goal:.2f}x' if goal else '-'} | {loops} | "
       f"{on['compile_s']:.1f}/{off['compile_s']:.1f} | {r['loss_diff']:.2e}"
-      f"{'' if r['losses_agree'] else ' FAILED (D5)'} |")
+      f"{'' if r['losses_agree'] else ' FAILED (D5)'}"
+      f"{'' if r['off_reran'] else ' FAILED (OFF reran no prefix)'} |")
   return lines
 
 
@@ -609,37 +618,17 @@ def measure_ratios(settings: Settings, shared: dict | None = None
           for layer in settings.ratio_layers]
 
 
-def child_argv() -> list[str]:
-  """Return the command measuring the ratios in a child process."""
-  own = ("sequences_per_step", "tokens_per_sequence", "decomposed_layer",
-         "model_config", "recipe_settings", "measured_steps", "warmup_steps",
-         "ratio_layers")
-  return bench.child_command("lm_step", "--ratios_only",
-                             *(flags.FLAGS[name].serialize() for name in own))
-
-
-def run_ratio_child() -> tuple[str, bool]:
-  """Return the child's ratio table and whether its checks held, measured
-  with XLA's CSE off (read when the child's backend starts)."""
-  env = bench.child_environment(dict(os.environ))
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + NO_CSE).strip()
-  done = subprocess.run(child_argv(), env=env, capture_output=True,
-                        text=True)
-  out = done.stdout
-  if done.returncode != 0:
-    out += f"ratio child exited {done.returncode}:\n" + "\n".join(
-      done.stderr.splitlines()[-10:]) + "\n"
-  return out, done.returncode == 0
+def ratios_hold(ratios: list[dict]) -> bool:
+  """Return whether every block's variants fit the device, agreed (D5)
+  and OFF reran the prefix."""
+  return all("unfit" not in r and r["losses_agree"] and r["off_reran"]
+             for r in ratios)
 
 
 def print_ratios(ratios: list[dict]) -> None:
-  """Print the OFF/ON table under what XLA did with OFF's prefix."""
-  if NO_CSE in os.environ.get("XLA_FLAGS", ""):
-    print("prefix sharing OFF/ON, XLA CSE off: OFF reruns the frozen prefix "
-          "in every masked forward, as the reference does")
-  else:
-    print("prefix sharing OFF/ON, XLA CSE on: XLA merges OFF's identical "
-          "prefix reruns into the clean pass's")
+  """Print the OFF/ON table."""
+  print("prefix sharing OFF/ON: OFF reruns the frozen prefix in every "
+        "masked forward, as the reference does")
   print("\n".join(ratio_rows(ratios)), flush=True)
 
 
@@ -659,13 +648,7 @@ def main(argv):
   if _RATIOS_ONLY.value:
     ratios = measure_ratios(settings)
     print_ratios(ratios)
-    sys.exit(0 if all(r["losses_agree"] for r in ratios) else 1)
-  child = None
-  if settings.ratio_layers and not _RATIO_WITH_CSE.value:
-    print("[lm_step] prefix sharing's ratios, in a child process with XLA's "
-          "CSE off ...", flush=True)
-    # Before this process takes the device's memory.
-    child = run_ratio_child()
+    sys.exit(0 if ratios_hold(ratios) else 1)
   if _CACHE_DIR.value:
     jax.config.update("jax_compilation_cache_dir", _CACHE_DIR.value)
   print("[lm_step] the l18 step: compile, FLOPs, steps ...", flush=True)
@@ -686,13 +669,11 @@ def main(argv):
     print_table([("instruction", "category", "ms/step", "runs/step",
                   "matmul rate", "source"), *slowest_rows(report)])
   ok = report["flops_agree"]
-  if child is not None:
-    print(child[0], end="", flush=True)
-    ok &= child[1]
-  elif settings.ratio_layers:
+  if settings.ratio_layers:
+    print("[lm_step] prefix sharing's ratios ...", flush=True)
     ratios = measure_ratios(settings, report)
     print_ratios(ratios)
-    ok &= all(r["losses_agree"] for r in ratios)
+    ok &= ratios_hold(ratios)
   sys.exit(0 if ok else 1)
 
 

@@ -553,12 +553,26 @@ def tapped_forwards(
 
   def masked_forward_taps(weights, components, tokens, site_masks,
                           clean_taps, wanted):
+    if resume is None:
+      tokens = rerun_prefix(tokens, site_masks)
     start = None if resume is None else clean_taps.get(resume)
     span_extra, ends = extras(weights, components, site_masks)
     return run(weights, tokens, tuple(wanted), spec, site, span_extra,
                start, **ends)
 
   return clean_forward, masked_forward_taps
+
+
+def rerun_prefix(tokens: Int[Array, "*lead t"],
+                 site_masks: dict) -> Int[Array, "*lead t"]:
+  """Return `tokens` as a value the compiler cannot prove equal across
+  masked forwards: tied to each forward's masks by an optimization barrier,
+  so that every forward without prefix sharing really reruns the frozen
+  prefix. Without it a compiler may merge the reruns, identical
+  computations of identical operands, into one (XLA's TPU compiler does so
+  even with its CSE pass disabled), and the cost sharing saves would not be
+  measured."""
+  return jax.lax.optimization_barrier((tokens, site_masks))[0]
 
 
 def attention_blocks(sites: tuple[SiteSpec, ...]) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ REPORT_KEYS = {
   "flops_executed", "flops_model", "flops_parts", "flops_ratio",
   "flops_agree", "peak_flops", "peak_source", "mfu", "executed_rate",
   "peak_memory", "static_memory", "first_losses", "matmul_rate",
-  "matmul_n", "mfu_measured", "profile", "flops_xla_remat"}
+  "matmul_n", "mfu_measured", "profile", "flops_xla_remat", "prefix_loops"}
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +146,33 @@ def test_sharing_on_and_off_take_the_same_first_step(bench):  # SPEC D5
   assert set(on["first"]) == set(bench.prefix.RECON_TERMS)
   assert all(on["first"][k] > 0 for k in bench.prefix.RECON_TERMS)
   assert ratio["losses_agree"]
-  # ON scans its three frozen layers once, in the clean pass; XLA's CSE
-  # merges OFF's identical reruns into it (bench/prefix.py).
-  assert on["prefix_loops"] == off["prefix_loops"] == 1
+  # ON scans its three frozen layers once, in the clean pass; OFF again in
+  # every masked forward (bench/prefix.py).
+  assert on["prefix_loops"] == 1 < off["prefix_loops"]
+  assert ratio["off_reran"]
   assert ratio["ratio"] > 0
   lines = bench.ratio_rows([ratio])
   assert lines[-1].startswith("| 3 | ") and "FAILED" not in lines[-1]
+
+
+def test_a_ratio_that_did_not_fit_or_shared_the_prefix_fails(bench):
+  """The ratio table's checks, on made-up measurements: a block whose
+  variant ran out of device memory is a row of its own, and an OFF variant
+  that kept no more prefix scans than ON (a compiler merged its reruns)
+  measured nothing; both fail the exit status."""
+  on = {"step_s": 0.5, "compile_s": 30.0, "prefix_loops": 1,
+        "first": {"loss": 1.0}}
+  fair = {"layer": 7, "on": on, "off": {**on, "prefix_loops": 5},
+          "ratio": 1.4, "loss_diff": 0.0, "losses_agree": True,
+          "off_reran": True}
+  merged = {**fair, "off": on, "off_reran": False}
+  unfit = {"layer": 1, "unfit": "block 1, prefix sharing off: "
+           "RESOURCE_EXHAUSTED: out of memory"}
+  lines = bench.ratio_rows([fair, merged, unfit])
+  assert all(line.count("|") == lines[0].count("|") for line in lines)
+  assert "FAILED" not in lines[2]
+  assert "FAILED (OFF reran no prefix)" in lines[3]
+  assert "did not fit the device: block 1, prefix sharing off" in lines[4]
+  assert bench.ratios_hold([fair])
+  assert not bench.ratios_hold([fair, merged])
+  assert not bench.ratios_hold([fair, unfit])

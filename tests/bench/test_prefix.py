@@ -1,9 +1,14 @@
 """bench/prefix.py builds runs whose prefix sharing ON and OFF agree."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
-from decompax.targets import glu_config
+from decompax.core import sites as sites_lib
+from decompax.core.masks import SiteMask
+from decompax.targets import glu_config, glu_target
+
+from bench import random_lm
 
 # The bench's model at test size; layer 2 leaves a two-layer prefix.
 SMALL = glu_config.GluConfig(
@@ -46,9 +51,8 @@ def test_sharing_runs_the_frozen_prefix_once_per_step(bench):  # SPEC §3.5
   """Fast variant of the slow check below, on the step as traced: with
   sharing ON the train step holds one scan over the frozen prefix, outside
   any loop (the clean pass's); OFF holds one per masked forward, which
-  shows the count sees reruns. The traced program is checked rather than
-  the compiled one because XLA's CSE merges OFF's identical reruns into
-  one (see bench/prefix.py); ON/OFF loss agreement (D5) is checked on the
+  shows the count sees reruns. The compiled program is checked on the
+  forwards alone below; ON/OFF loss agreement (D5) is checked on the
   forwards in tests/targets/test_glu_lm.py and, on the step, below."""
   config = bench.recipe(2, 4, 4)
   found = {}
@@ -58,6 +62,31 @@ def test_sharing_runs_the_frozen_prefix_once_per_step(bench):  # SPEC §3.5
     found[sharing] = _scans(traced.jaxpr, TINY_LAYER)
   assert found[True] == [False]
   assert len(found[False]) > 1
+
+
+def test_compiled_off_keeps_a_prefix_scan_per_masked_forward(bench):  # I27
+  """What the traced check cannot show: once compiled, OFF's reruns stay
+  apart, tied to their masks (`glu_target.rerun_prefix`), where a compiler
+  merges identical reruns into the clean pass's scan (XLA's CSE on a CPU;
+  a TPU's compiler even with that pass off), and OFF would measure ON."""
+  sites = bench.block_sites(bench.recipe(2, 4, 4), TINY, TINY_LAYER)
+  weights = random_lm.random_weights(jax.random.key(0), TINY, sites,
+                                     jnp.float32)
+  components = sites_lib.init_components(jax.random.key(1), sites)
+  tokens = jnp.zeros((2, 4), jnp.int32)
+  masks = [{s.name: SiteMask(jnp.full((2, 4, s.c), value)) for s in sites}
+           for value in (0.25, 0.75)]
+  for sharing, scans in ((True, 1), (False, 3)):
+    fns = glu_target.target_fns(TINY, sites, prefix_sharing=sharing)
+
+    def forwards(weights, components, tokens, masks):
+      clean, taps = fns.clean_forward(weights, tokens, fns.start_taps)
+      return clean, [fns.masked_forward_taps(weights, components, tokens, m,
+                                             taps, ())[0] for m in masks]
+
+    compiled = jax.jit(forwards).lower(weights, components, tokens,
+                                       masks).compile()
+    assert bench.prefix_loops(compiled.as_text(), TINY_LAYER) == scans
 
 
 @pytest.mark.slow
