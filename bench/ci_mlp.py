@@ -33,6 +33,10 @@ _LAYOUTS = flags.DEFINE_list(
   "layouts", ["cpu", "accelerator", "pallas"],
   "Layouts to time beside the reference (pallas, and pallas_compact with "
   "its parameter rows not replicated, only on a TPU).")
+_BLOCK_ROWS = flags.DEFINE_list(
+  "pallas_block_rows", [str(component_mlp_pallas.BLOCK_ROWS)],
+  "Positions per block of the Pallas kernels, each timed as a layout of "
+  "its own (`pallas@<rows>`) beside the kernel's default.")
 
 
 def make_inputs(b: int, c: int, d_gate: int):
@@ -65,23 +69,52 @@ def median_times(fns: dict, args: tuple, repeats: int) -> dict:
   return {name: statistics.median(t) for name, t in times.items()}
 
 
+def block_rows(values: list[str]) -> list[int]:
+  """Return `--pallas_block_rows` as integers; ValueError naming a value
+  that is not a positive multiple of 8 (a TPU tile's sublanes)."""
+  out = []
+  for value in values:
+    if not value.isdigit() or int(value) < 8 or int(value) % 8:
+      raise ValueError(f"--pallas_block_rows {value!r}: want a positive "
+                       "multiple of 8")
+    out.append(int(value))
+  return out
+
+
+def pallas_layouts(rows: list[int]) -> dict:
+  """Return the Pallas kernels to time: replicated and compact parameter
+  rows at the default block, and each other block size as `@<rows>`."""
+  default = component_mlp_pallas.BLOCK_ROWS
+  out = {}
+  for replicated, name in ((True, "pallas"), (False, "pallas_compact")):
+    for r in sorted({default, *rows}):
+      out[name if r == default else f"{name}@{r}"] = functools.partial(
+        component_mlp_pallas.pallas_pre, replicated=replicated,
+        block_rows=r)
+  return out
+
+
 def main(argv):
   del argv
   layouts = {"cpu": component_mlp.cpu_pre,
              "accelerator": component_mlp.accelerator_pre}
-  if jax.default_backend() == "tpu":
-    layouts["pallas"] = component_mlp_pallas.pallas_pre
-    layouts["pallas_compact"] = functools.partial(
-      component_mlp_pallas.pallas_pre, replicated=False)
   known = {"cpu", "accelerator", "pallas", "pallas_compact"}
   unknown = set(_LAYOUTS.value) - known
   if unknown:
     sys.exit(f"ci_mlp: error: unknown --layouts {', '.join(sorted(unknown))}"
              f"; use {', '.join(sorted(known))}")
+  try:
+    rows = block_rows(_BLOCK_ROWS.value)
+  except ValueError as e:
+    sys.exit(f"ci_mlp: error: {e}")
+  if jax.default_backend() == "tpu":
+    layouts.update(pallas_layouts(rows))
+  wanted = set(_LAYOUTS.value)
   impls = {"reference": component_mlp.reference_pre,
-           **{k: v for k, v in layouts.items() if k in _LAYOUTS.value}}
+           **{k: v for k, v in layouts.items()
+              if k.partition("@")[0] in wanted}}
   print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind})")
-  print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<14} {'fwd ms':>8} "
+  print(f"{'B':>5} {'C':>4} {'G':>3} {'impl':<20} {'fwd ms':>8} "
         f"{'Gelem/s':>8} {'fwd+bwd ms':>11} {'Gelem/s':>8}")
   for shape in _SHAPES.value:
     b, c, d_gate = (int(v) for v in shape.split("x"))
@@ -102,7 +135,7 @@ def main(argv):
     elements = b * c * d_gate
     for name in impls:
       fwd, bwd = med[name, "fwd"], med[name, "bwd"]
-      print(f"{b:5d} {c:4d} {d_gate:3d} {name:<14} {1e3 * fwd:8.2f} "
+      print(f"{b:5d} {c:4d} {d_gate:3d} {name:<20} {1e3 * fwd:8.2f} "
             f"{elements / fwd / 1e9:8.3f} {1e3 * bwd:11.2f} "
             f"{elements / bwd / 1e9:8.3f}")
     for name in layouts:
