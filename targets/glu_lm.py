@@ -616,12 +616,6 @@ def routing_weights(
   return jnp.einsum("...k,...ke->...e", top, onehot)
 
 
-def frozen_experts(lw: LayerStack) -> Callable[[str, Array], Array]:
-  """Return `moe_mlp`'s frozen `site`: every expert's `x @ w_e` of the
-  layer's stack of role `role`."""
-  return lambda role, x: x @ getattr(lw, role)
-
-
 def moe_mlp(
   xm: Float[Array, "b t d"], lw: LayerStack, config: glu_config.GluConfig,
   site: Callable[[str, Array], Array],

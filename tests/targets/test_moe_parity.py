@@ -128,7 +128,10 @@ def test_the_block_sums_the_chosen_experts_outputs(model):  # I55
     "ln1", "ln2", "q", "k", "v", "o", "router", "expert_gate", "expert_up",
     "expert_down")})
   xm = jnp.asarray(ref["tap.layers.0.mlp"])
-  out, logits, _ = glu_lm.moe_mlp(xm, lw, config, glu_lm.frozen_experts(lw))
+  # The expert projections as the clean forward's blocks run them.
+  out, logits, _ = glu_lm.moe_mlp(
+    xm, lw, config,
+    lambda r, x: glu_lm.frozen_site(r, x, getattr(lw, r), None))
   probs = jax.nn.softmax(logits, -1)
   top_p, top_i = jax.lax.top_k(probs, config.experts_per_token)
   top_p = top_p / top_p.sum(-1, keepdims=True)
