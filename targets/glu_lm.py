@@ -616,6 +616,17 @@ def routing_weights(
   return jnp.einsum("...k,...ke->...e", top, onehot)
 
 
+def router_kl(
+  clean_logits: Float[Array, "b t e"], masked_logits: Float[Array, "b t e"]
+) -> Float[Array, ""]:
+  """Return `mean KL(clean ‖ masked)` of two forwards' router distributions
+  (softmax over all experts in fp32, as `routing_weights` takes it) over
+  the batch's positions."""
+  log_p = jax.nn.log_softmax(clean_logits.astype(jnp.float32), axis=-1)
+  log_q = jax.nn.log_softmax(masked_logits.astype(jnp.float32), axis=-1)
+  return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
+
+
 def moe_mlp(
   xm: Float[Array, "b t d"], lw: LayerStack, config: glu_config.GluConfig,
   site: Callable[[str, Array], Array],
