@@ -127,7 +127,7 @@ def main(argv):
                    default_c if _C.value is None else _C.value)
   parts, weights = memory_models.build(config, layer, model)
   lead = parts.lead_shape
-  print(f"{title} layer {layer} {len(parts.target.sites)} MLP sites, "
+  print(f"{title} layer {layer} MLP ({len(parts.target.sites)} sites), "
         f"C={config.c}, batch "
         f"{lead[0]}x{lead[1]}, mesh replicate,fsdp,tp = "
         f"{','.join(map(str, mesh_sizes))}"
