@@ -756,3 +756,51 @@ def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
     np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
                                err_msg=kind)
   assert not np.allclose(want["rotated"], want["neurons"])
+
+
+def test_an_experts_baselines_are_its_routed_neurons(finished_run, tmp_path):
+  """A mixture of experts: each expert with a site has its own neurons,
+  gates and rotated neurons, each weighted by its routing weight (0 where
+  a position is not routed to it)."""
+  from decompax.io import tokens  # noqa: PLC0415
+  from decompax.recipe import assembly  # noqa: PLC0415
+  moe = explore.load_run(finished_run("tiny_qwen3moe"))
+  settings = _two_batches(moe, _tagged_token_file(tmp_path, 4, 5, 64))
+  out = str(tmp_path / "harvest")
+  record = harvest_lib.harvest(moe, settings, out, save_every_s=0.0,
+                               say=lambda _: None)
+  experts = [f"layers.1.mlp.experts.{e}.{k}" for e in range(4)
+             for k in harvest_lib.BASELINES]
+  assert record["tags"]["baselines"] == experts + ["layers.1.self_attn.heads"]
+  units = harvest_lib.baseline_layers(moe)
+  assert units == tuple((1, e) for e in range(4))
+  rotation = np.asarray(harvest_lib.rotations(moe, settings, units))[2]
+  config = assembly.resolve_target(moe.config).record.token_model
+  opened = tokens.open_tokens(settings.data_path)
+  stream = tokens.open_tags(opened)
+  inputs, _ = _direct(moe, settings)
+  wanted = ("layers.1.mlp.experts.2.gate_proj.out",
+            "layers.1.mlp.experts.2.up_proj.out", "layers.1.mlp.gate.out")
+  want, routed = {}, []
+  for i, x in enumerate(inputs):
+    _, taps = moe.target.clean_forward(moe.weights, x, wanted)
+    gate, up, logits = (np.asarray(taps[k], np.float64) for k in wanted)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, -1)[..., :2]
+    chosen = (top == 2).any(-1)
+    weight = np.where(chosen, probs[..., 2] / np.take_along_axis(
+      probs, top, -1).sum(-1), 0.0)[..., None]
+    routed.append(chosen)
+    silu = gate / (1 + np.exp(-gate))
+    hidden = silu * up
+    activity = {"neurons": np.maximum(hidden, 0) * weight,
+                "gates": np.maximum(silu, 0) * weight,
+                "rotated": np.maximum(hidden @ rotation, 0) * weight}
+    _add_tag_activity(want, activity, settings, i, opened, stream)
+  # Expert 2 is routed at some positions, not at others.
+  assert 0 < np.mean(routed) < 1 and config.experts_per_token == 2
+  for kind, fine in want.items():
+    got = _read(out, f"layers.1.mlp.experts.2.{kind}", "tag_fine")
+    np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
+                               err_msg=kind)
