@@ -9,6 +9,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -21,6 +22,7 @@ from decompax.losses import component_stats as stats_lib
 from decompax.losses import evals
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
+from decompax.targets import glu_config, glu_lm
 
 REQUEST = harvest_lib.Request(positions=4 * 8 * 32, batch_size=8, top_k=5,
                               window_before=3, window_after=2,
@@ -758,6 +760,42 @@ def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
   assert not np.allclose(want["rotated"], want["neurons"])
 
 
+def test_an_experts_activity_is_weighted_by_its_routing():
+  # Expert 2 of 3, 1 per token: its units count only where it is routed,
+  # by its weight there.
+  config = glu_config.GluConfig(
+    n_layers=2, d_model=4, n_heads=1, n_kv_heads=1, head_dim=4, d_ff=5,
+    vocab_size=8, rope_theta=1e4, rms_eps=1e-6, tied=True, qk_norm=True,
+    family="qwen3_moe", n_experts=3, experts_per_token=1)
+  mlp = harvest_lib.MlpForm(
+    routing=lambda logits: glu_lm.routing_weights(logits, config))
+  keys = jax.random.split(jax.random.key(0), 3)
+  prefix = "layers.1.mlp.experts.2"
+  taps = {f"{prefix}.gate_proj.out": jax.random.normal(keys[0], (2, 6, 5)),
+          f"{prefix}.up_proj.out": jax.random.normal(keys[1], (2, 6, 5)),
+          "layers.1.mlp.gate.out": jax.random.normal(keys[2], (2, 6, 3))}
+  assert set(harvest_lib.baseline_taps(((1, 2),), ())) == set(taps)
+  rotation = np.linalg.qr(np.random.default_rng(0).normal(size=(5, 5)))[0]
+  got = harvest_lib.baseline_activity(taps, ((1, 2),), (), 0,
+                                      {"rotation": jnp.asarray(
+                                        rotation[None], jnp.float32)}, mlp)
+  logits = np.asarray(taps["layers.1.mlp.gate.out"])
+  probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  weight = np.where(logits.argmax(-1) == 2, probs[..., 2], 0.0)[..., None]
+  gate, up = (np.asarray(taps[f"{prefix}.{r}_proj.out"]) for r in ("gate",
+                                                                   "up"))
+  silu = gate / (1 + np.exp(-gate))
+  want = {"neurons": np.maximum(silu * up, 0) * weight,
+          "gates": np.maximum(silu, 0) * weight,
+          "rotated": np.maximum(silu * up @ rotation, 0) * weight}
+  assert sorted(got) == sorted(f"{prefix}.{k}" for k in want)
+  assert 0 < np.mean(weight > 0) < 1
+  for kind, value in want.items():
+    np.testing.assert_allclose(got[f"{prefix}.{kind}"], value, rtol=1e-5,
+                               atol=1e-6, err_msg=kind)
+
+
+@pytest.mark.slow
 def test_an_experts_baselines_are_its_routed_neurons(finished_run, tmp_path):
   """A mixture of experts: each expert with a site has its own neurons,
   gates and rotated neurons, each weighted by its routing weight (0 where

@@ -118,6 +118,7 @@ def test_the_recipe_count_is_the_compiled_one(overrides, roles, layer):
   assert predicted.model < predicted.executed
 
 
+@pytest.mark.slow
 def test_the_count_of_one_layers_experts_is_the_compiled_one():
   # Every expert's gate, up and down of a middle layer: the memory bench's
   # Qwen3-30B-A3B row, at CPU sizes.
