@@ -17,8 +17,9 @@ language model, whose default is therefore none). When
 the token file has a tag stream, also every component's part-of-speech
 statistics, its CI as the activity (`losses/tag_profile.py`, fields
 `TAG_FIELDS`; `docs/tag_profiles.md`) and those of the baselines, the
-neurons of every MLP with a decomposed site (`BASELINES`) and the heads
-of every attention with one (`HEADS`), with the tag
+neurons of every MLP with a decomposed site (`BASELINES`; of a mixture of
+experts, every expert with one, its neurons weighted by its routing weight)
+and the heads of every attention with one (`HEADS`), with the tag
 vocabulary, its coarse classes, the documents and the baselines' keys in
 the manifest's `tags`.
 
@@ -77,7 +78,11 @@ TAG_GROUPS = 64
 # The baselines a tag harvest measures the same way, per layer whose MLP
 # has a decomposed site (`losses/unit_activity.py`): store keys
 # `layers.<i>.mlp.<kind>`, tag statistics only. A plain (ungated) MLP has
-# no gates: its neurons are `act(up)`.
+# no gates: its neurons are `act(up)`. A mixture of experts' MLP is its
+# experts, each an MLP of its own where one of its projections is a site:
+# keys `layers.<i>.mlp.experts.<e>.<kind>`, its neurons and gates weighted
+# by its routing weight (0 where a position is not routed to it, as its
+# output is).
 BASELINES = ("neurons", "gates", "rotated")
 # And per layer with a decomposed attention site, its heads: store key
 # `layers.<i>.self_attn.heads`.
@@ -86,10 +91,12 @@ HEADS = "heads"
 
 class MlpForm(NamedTuple):
   """How a model's MLP neurons are formed: `act(gate)·up` when `gated`,
-  else `act(up)`."""
+  else `act(up)`; a mixture of experts' `routing` gives each expert's
+  weights from the router logits (`glu_lm.routing_weights`)."""
 
   gated: bool = True
   act: Callable[[jax.Array], jax.Array] = jax.nn.silu
+  routing: Optional[Callable[[jax.Array], jax.Array]] = None
 
 
 def mlp_form(run: explore.LoadedRun) -> MlpForm:
@@ -98,7 +105,21 @@ def mlp_form(run: explore.LoadedRun) -> MlpForm:
   model = assembly.resolve_target(run.config).record.token_model
   if model is None:
     return MlpForm()
-  return MlpForm(model.gated, glu_lm.activation(model))
+  routing = (lambda logits: glu_lm.routing_weights(logits, model)
+             ) if model.moe else None
+  return MlpForm(model.gated, glu_lm.activation(model), routing)
+
+
+# An MLP with baselines: a layer's (its index), or one expert's of a
+# mixture-of-experts layer (`(layer, expert)`).
+MlpUnit = int | tuple[int, int]
+
+
+def mlp_prefix(unit: MlpUnit) -> str:
+  """Return the name an MLP's taps and baseline keys start with."""
+  if isinstance(unit, tuple):
+    return f"layers.{unit[0]}.mlp.experts.{unit[1]}"
+  return f"layers.{unit}.mlp"
 
 
 def mlp_kinds(mlp: MlpForm) -> tuple[str, ...]:
@@ -409,12 +430,17 @@ def tag_source(settings: Settings, sharding: Any = None
   return TagSource(read, coarse_of, record)
 
 
-def baseline_layers(run: explore.LoadedRun) -> tuple[int, ...]:
-  """Return the layers whose MLP has a decomposed site (a GLU model's;
-  none for other targets)."""
-  parsed = (glu_lm.parse_site(s.name) for s in run.target.sites)
-  return tuple(sorted({p[0] for p in parsed
-                       if p is not None and p[1] in ("gate", "up", "down")}))
+def baseline_layers(run: explore.LoadedRun) -> tuple[MlpUnit, ...]:
+  """Return the MLPs with a decomposed site (a GLU model's; none for other
+  targets): layers, or a mixture of experts' `(layer, expert)`."""
+  units = set()
+  for s in run.target.sites:
+    parsed = glu_lm.parse_site(s.name)
+    if parsed is not None and parsed[1] in ("gate", "up", "down"):
+      units.add(parsed[0])
+    elif parsed is not None and parsed[1] in glu_lm.EXPERT_ROLES:
+      units.add((parsed[0], glu_lm.site_expert(s.name)))
+  return tuple(sorted(units))
 
 
 def head_layers(run: explore.LoadedRun) -> tuple[int, ...]:
@@ -424,12 +450,12 @@ def head_layers(run: explore.LoadedRun) -> tuple[int, ...]:
                        if p is not None and p[1] in ("q", "k", "v", "o")}))
 
 
-def baseline_keys(layers: tuple[int, ...],
+def baseline_keys(layers: tuple[MlpUnit, ...],
                   heads: tuple[int, ...] = (),
                   mlp: MlpForm = MlpForm()) -> tuple[str, ...]:
   """Return the store keys of the baselines of `layers` (MLPs of form
   `mlp`) and `heads` (attention)."""
-  return tuple(f"layers.{i}.mlp.{kind}" for i in layers
+  return tuple(f"{mlp_prefix(i)}.{kind}" for i in layers
                for kind in mlp_kinds(mlp)) + tuple(
     f"layers.{i}.self_attn.{HEADS}" for i in heads)
 
@@ -451,15 +477,21 @@ def n_heads(run: explore.LoadedRun) -> int:
   return assembly.resolve_target(run.config).record.token_model.n_heads
 
 
-def _mlp_taps(layers: tuple[int, ...], mlp: MlpForm = MlpForm()
+def _router_tap(unit: MlpUnit) -> str:
+  return f"layers.{unit[0]}.mlp.gate.out"
+
+
+def _mlp_taps(layers: tuple[MlpUnit, ...], mlp: MlpForm = MlpForm()
               ) -> tuple[str, ...]:
   roles = ("gate", "up") if mlp.gated else ("up",)
-  return tuple(f"layers.{i}.mlp.{role}_proj.out" for i in layers
-               for role in roles)
+  routers = tuple(dict.fromkeys(
+    _router_tap(i) for i in layers if isinstance(i, tuple)))
+  return tuple(f"{mlp_prefix(i)}.{role}_proj.out" for i in layers
+               for role in roles) + routers
 
 
 def baseline_weights(run: explore.LoadedRun, settings: Settings,
-                     layers: tuple[int, ...], heads: tuple[int, ...]
+                     layers: tuple[MlpUnit, ...], heads: tuple[int, ...]
                      ) -> dict[str, jax.Array]:
   """Return what the baselines' activities read besides the forward: the
   rotations of `layers` (`rotations`) and `o_proj` of `heads`, stacked."""
@@ -472,41 +504,56 @@ def baseline_weights(run: explore.LoadedRun, settings: Settings,
 
 
 def rotations(run: explore.LoadedRun, settings: Settings,
-              layers: tuple[int, ...]) -> jax.Array:
-  """Return the random rotation of each layer's neurons (Haar, from the
-  harvest's seed folded with the layer): `[layers, d_ff, d_ff]`."""
-  up = tuple(f"layers.{i}.mlp.up_proj.out" for i in layers)
+              layers: tuple[MlpUnit, ...]) -> jax.Array:
+  """Return the random rotation of each MLP's neurons (Haar, from the
+  harvest's seed folded with the layer, then an expert's index):
+  `[layers, d_ff, d_ff]`."""
+  up = tuple(f"{mlp_prefix(i)}.up_proj.out" for i in layers)
   taps = jax.eval_shape(
     lambda w, x: run.target.clean_forward(w, x, up)[1],
     run.weights, batch_shape(run, settings))
   d_ff = taps[up[0]].shape[-1]
   key = jax.random.key(settings.seed)
-  return jnp.stack([unit_activity.random_rotation(
-    jax.random.fold_in(key, i), d_ff) for i in layers])
+
+  def folded(unit):
+    if isinstance(unit, tuple):
+      return jax.random.fold_in(jax.random.fold_in(key, unit[0]), unit[1])
+    return jax.random.fold_in(key, unit)
+
+  return jnp.stack([unit_activity.random_rotation(folded(i), d_ff)
+                    for i in layers])
 
 
 def _o_taps(heads: tuple[int, ...]) -> tuple[str, ...]:
   return tuple(f"layers.{i}.self_attn.o_proj" for i in heads)
 
 
-def baseline_taps(layers: tuple[int, ...], heads: tuple[int, ...],
+def baseline_taps(layers: tuple[MlpUnit, ...], heads: tuple[int, ...],
                   mlp: MlpForm = MlpForm()) -> tuple[str, ...]:
   """Return the clean forward's taps the baselines' activities read."""
   return _mlp_taps(layers, mlp) + _o_taps(heads)
 
 
-def _mlp_activity(taps: dict[str, jax.Array], layer: int,
+def _mlp_activity(taps: dict[str, jax.Array], unit: MlpUnit,
                   rotation: jax.Array, mlp: MlpForm) -> dict[str, jax.Array]:
-  up = taps[f"layers.{layer}.mlp.up_proj.out"]
-  gate = taps[f"layers.{layer}.mlp.gate_proj.out"] if mlp.gated else None
+  prefix = mlp_prefix(unit)
+  up = taps[f"{prefix}.up_proj.out"]
+  gate = taps[f"{prefix}.gate_proj.out"] if mlp.gated else None
   hidden = unit_activity.mlp_hidden(up, gate, mlp.act)
   gates = {} if gate is None else {
     "gates": unit_activity.gate_activity(gate, mlp.act)}
-  return {"neurons": unit_activity.neuron_activity(hidden), **gates,
-          "rotated": unit_activity.rotated_activity(hidden, rotation)}
+  out = {"neurons": unit_activity.neuron_activity(hidden), **gates,
+         "rotated": unit_activity.rotated_activity(hidden, rotation)}
+  if not isinstance(unit, tuple):
+    return out
+  # An expert's units count where its output does: by its routing weight
+  # (≥ 0, so each stays a positive part).
+  weight = mlp.routing(taps[_router_tap(unit)])[..., unit[1], None]
+  return {k: a * weight.astype(a.dtype) for k, a in out.items()}
 
 
-def baseline_activity(taps: dict[str, jax.Array], layers: tuple[int, ...],
+def baseline_activity(taps: dict[str, jax.Array],
+                      layers: tuple[MlpUnit, ...],
                       heads: tuple[int, ...], n_head: int,
                       extra: dict[str, jax.Array],
                       mlp: MlpForm = MlpForm()) -> dict[str, jax.Array]:
@@ -517,7 +564,7 @@ def baseline_activity(taps: dict[str, jax.Array], layers: tuple[int, ...],
   for j, i in enumerate(layers):
     for kind, a in _mlp_activity(taps, i, extra["rotation"][j],
                                  mlp).items():
-      out[f"layers.{i}.mlp.{kind}"] = a
+      out[f"{mlp_prefix(i)}.{kind}"] = a
   for j, (i, key) in enumerate(zip(heads, _o_taps(heads))):
     out[f"layers.{i}.self_attn.{HEADS}"] = unit_activity.head_activity(
       taps[key], extra["w_o"][j], n_head)
@@ -698,7 +745,7 @@ def _window_layout(placed: Optional[Placed]) -> tuple[Callable, dict]:
 def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
            placed: Optional[Placed] = None,
            coarse_of: Optional[np.ndarray] = None,
-           layers: tuple[int, ...] = (), heads: tuple[int, ...] = (),
+           layers: tuple[MlpUnit, ...] = (), heads: tuple[int, ...] = (),
            n_head: int = 0, mlp: MlpForm = MlpForm()):
   """Return the jitted batch statistics, the accumulation of one batch
   into the device's window of statistics, the ablation of `chunk`

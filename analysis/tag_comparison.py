@@ -45,17 +45,21 @@ def alive_components(fields: dict[str, np.ndarray]) -> tag_profile.TagStats:
 
 def baselines_of(site: str) -> tuple[tuple[str, str], ...]:
   """Return `(kind, store key)` of each baseline a site is compared with:
-  an MLP site's layer's neurons, gates and rotated neurons, an attention
-  site's layer's heads (none for other sites, an expert's included: its
-  layer has no dense MLP)."""
+  an MLP site's layer's neurons, gates and rotated neurons (an expert's
+  site's, its expert's), an attention site's layer's heads (none for
+  other sites)."""
   parsed = glu_lm.parse_site(site)
-  if parsed is None or parsed[1] in glu_lm.EXPERT_ROLES:
+  if parsed is None:
     return ()
   layer, role, _ = parsed
-  if role in ("gate", "up", "down"):
-    return tuple((kind, f"layers.{layer}.mlp.{kind}")
-                 for kind in harvest_lib.BASELINES)
-  return ((harvest_lib.HEADS, f"layers.{layer}.self_attn.heads"),)
+  if role in glu_lm.EXPERT_ROLES:
+    unit = (layer, glu_lm.site_expert(site))
+  elif role in ("gate", "up", "down"):
+    unit = layer
+  else:
+    return ((harvest_lib.HEADS, f"layers.{layer}.self_attn.heads"),)
+  return tuple((kind, f"{harvest_lib.mlp_prefix(unit)}.{kind}")
+               for kind in harvest_lib.BASELINES)
 
 
 # How the comparisons are spread: the builtin `map` runs them one after

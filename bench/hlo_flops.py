@@ -33,9 +33,10 @@ _BRANCHES = re.compile(
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _REMAT = re.compile(r"\.remat\d*(\.|$)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-# A TPU's custom calls that move or assume data, holding no matmul.
+# Custom calls that move, select or assume data, holding no matmul: a
+# TPU's, and a CPU's top-k (a mixture of experts' routing).
 _DATA_TARGETS = {"AllocateBuffer", "ConcatBitcast",
-                 "AssumeGatherIndicesInBound"}
+                 "AssumeGatherIndicesInBound", "TopK"}
 # cuDNN flash attention: 2 score-sized matmuls forward; backward the 4
 # gradient matmuls and the scores it recomputes.
 _FMHA_MATMULS = {False: 2, True: 5}

@@ -1,5 +1,6 @@
 """Static per-device memory of the Llama-3.1-8B layer-18 train step (SPEC §8),
-or of a Pythia-1.4B-shaped one (`--model=pythia-1.4b`).
+or of a Pythia-1.4B- or Qwen3-30B-A3B-shaped one (`--model=pythia-1.4b`,
+`--model=qwen3-30b-a3b`).
 
 Run: `./dev bench memory`.
 Everything is abstract (`jax.ShapeDtypeStruct`s, no weights): the step of
@@ -26,6 +27,14 @@ rather than reduce-scatters.
 (`tests/fixtures/hf_configs/pythia-1.4b`, design §9.4): its layer-12 MLP,
 `up_proj` and `down_proj` (a plain MLP has no gate), C = 16384 (2·d_ff),
 with the frozen biases and untied head among the bf16 weights.
+
+`--model=qwen3-30b-a3b` builds it on Qwen3-30B-A3B's config
+(`tests/fixtures/hf_configs/qwen3-30b-a3b`, design §9.5): every expert's
+gate, up and down of layer 24 (384 sites; the router frozen), C = 192
+each, the reference recipe's 73728 components a layer spread over its
+expert matrices. The forward runs all 128 experts at every position with
+the unrouted ones weighted 0 (no gather), so its transients are `[b, 128,
+t, 768]` per layer where a routed forward's would be 16 times smaller.
 """
 
 import math
@@ -43,7 +52,7 @@ _PRESETS = flags.DEFINE_list("presets", ["ddp", "zero1", "owner"],
 _BATCH = flags.DEFINE_integer("global_batch", 8, "Global batch (sequences).")
 _SEQ_LEN = flags.DEFINE_integer("seq_length", 2048, "Tokens per sequence.")
 _MODEL = flags.DEFINE_enum("model", "llama-3.1-8b",
-                           ["llama-3.1-8b", "pythia-1.4b"],
+                           list(memory_models.MODELS),
                            "Model config (tests/fixtures/hf_configs/).")
 _C = flags.DEFINE_integer("components", None, "Components per matrix "
                           "(default: the model's, MODELS).")
@@ -118,7 +127,8 @@ def main(argv):
                    default_c if _C.value is None else _C.value)
   parts, weights = memory_models.build(config, layer, model)
   lead = parts.lead_shape
-  print(f"{title} layer {layer} MLP, C={config.c}, batch "
+  print(f"{title} layer {layer} MLP ({len(parts.target.sites)} sites), "
+        f"C={config.c}, batch "
         f"{lead[0]}x{lead[1]}, mesh replicate,fsdp,tp = "
         f"{','.join(map(str, mesh_sizes))}"
         f"{'; --place=' + ','.join(overrides) if overrides else ''}; "

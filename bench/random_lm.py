@@ -50,9 +50,10 @@ def _draw(key: Key[Array, ""], model: glu_config.GluConfig,
   leaves = {}
   for (name, shape), column in zip(shapes.items(), columns):
     values = column.reshape(model.n_layers, *shape)
-    leaves[name] = (values / math.sqrt(shape[0]) if len(shape) == 2
+    # Matrices `[.., d_in, d_out]` (an expert stack's lead with experts).
+    leaves[name] = (values / math.sqrt(shape[-2]) if len(shape) >= 2
                     else 1 + 0.1 * values)
-  prefix, span, tail = glu_lm.split_stacks(glu_lm.LayerStack(**leaves), seg)
+  prefix, span, tail = glu_lm.split_stacks(glu_lm.layer_stack(**leaves), seg)
   vocab = jax.random.normal(vocab_key, (2, model.vocab_size, model.d_model),
                             dtype)
   return glu_lm.GluWeights(

@@ -43,6 +43,12 @@ AttentionDivergence = Callable[
   [Weights, dict[str, Float[Array, "..."]], dict[str, Float[Array, "..."]]],
   dict[str, Float[Array, ""]],
 ]
+# (masked forward's taps, clean forward's taps) -> {layer label: mean KL of
+# the clean forward's router distribution to the masked forward's}.
+RouterDivergence = Callable[
+  [dict[str, Float[Array, "..."]], dict[str, Float[Array, "..."]]],
+  dict[str, Float[Array, ""]],
+]
 # weights -> {kind: W stack [layer, d_in, d_out]} in the orientation y = x·W.
 FrozenStacks = Callable[[Weights], dict[str, Float[Array, "layer d_in d_out"]]]
 # (masked output, clean output) -> scalar divergence, mean over positions.
@@ -141,6 +147,11 @@ class TargetFns(NamedTuple):
   # target has no attention.
   attention_taps: tuple[str, ...] = ()
   attention_divergence: Optional[AttentionDivergence] = None
+  # Mixture-of-experts targets: the taps both forwards return for
+  # `router_divergence` (the eval's router recon, design §11); () where
+  # masking the sites moves no router. None: the target has no router.
+  router_taps: tuple[str, ...] = ()
+  router_divergence: Optional[RouterDivergence] = None
   # Dual-role CI: the activations a hidden pass reconstructs by default
   # (() : every site's `<site>.out`), and whether masking the sites can move
   # a given tap at all (None: only the sites' own outputs are known to).

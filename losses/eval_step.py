@@ -13,8 +13,9 @@ keeps counts exact (int64) over any number of batches.
 Fast tier, per batch: CI-L0 and firing counts per site, the output divergence
 of every mask variant (`core.masks.VARIANTS`) and at the fresh-PGD probe's
 sources (`recon/pgd`, SPEC §5.7), CE differences for targets with
-token labels, optionally the attention-pattern recon (`attn_kl/`, from the
-CI-masked and stochastic forwards themselves), and every training term
+token labels, optionally the attention-pattern recon (`attn_kl/`) and, for
+a mixture-of-experts target, the router recon (`router_kl/`), both from the
+CI-masked and stochastic forwards themselves, and every training term
 (plus their coefficiented total) on the eval batch with the state's term
 states. Toys add their probe CI and,
 for sites whose expected pattern names a feature axis, the site's target
@@ -134,8 +135,8 @@ def _site_out_keys(target: TargetFns) -> tuple[str, ...]:
   return tuple(f"{s.name}.out" for s in target.sites)
 
 
-# The mask variants whose forwards also return attention taps: the ones the
-# attention-pattern recon scores (SPEC §11).
+# The mask variants whose forwards also return attention and router taps:
+# the ones the attention-pattern and router recons score (SPEC §11).
 ATTENTION_VARIANTS = ("ci_masked", "stochastic")
 
 
@@ -152,14 +153,43 @@ def _check_attention(target: TargetFns) -> None:
                      "one to the sites or turn the eval off")
 
 
+def _scored_taps(target: TargetFns, config: EvalConfig) -> tuple[str, ...]:
+  """Return the taps the CI-masked and stochastic forwards return: the
+  attention recon's when it is on, and a mixture-of-experts target's
+  router logits wherever masking moves them (always scored: `[b, t, E]`
+  per layer costs next to nothing)."""
+  attention = target.attention_taps if config.attention_kl else ()
+  return tuple(dict.fromkeys((*attention, *target.router_taps)))
+
+
+def _divergence_scalars(
+  ctx: StepContext, config: EvalConfig, variant: str,
+  taps: dict[str, Array],
+) -> dict[str, Array]:
+  """Return one variant's `attn_kl/<variant>/<block>` (attention recon on)
+  and `router_kl/<variant>/<layer>` scalars, each family with `/all`, its
+  mean (every block, every layer, has as many rows)."""
+  target = ctx.target
+  found = {}
+  if config.attention_kl:
+    found["attn_kl"] = target.attention_divergence(ctx.weights, taps,
+                                                   ctx.clean_taps)
+  if target.router_taps:
+    found["router_kl"] = target.router_divergence(taps, ctx.clean_taps)
+  scalars = {}
+  for name, kl in found.items():
+    for label, value in kl.items():
+      scalars[f"{name}/{variant}/{label}"] = value
+    scalars[f"{name}/{variant}/all"] = jnp.mean(jnp.stack(list(kl.values())))
+  return scalars
+
+
 def _variant_outputs(
   ctx: StepContext, key: Key[Array, ""], config: EvalConfig
 ) -> tuple[dict[str, Array], dict[str, Array]]:
-  """Return every mask variant's output and, with the attention-pattern
-  recon on, its `attn_kl/<variant>/<block>` scalars (and `/all`, their mean:
-  every block has as many rows), from the same forwards."""
-  target = ctx.target
-  wanted = target.attention_taps if config.attention_kl else ()
+  """Return every mask variant's output and the attention and router
+  recons' scalars (`_divergence_scalars`) from the same forwards."""
+  wanted = _scored_taps(ctx.target, config)
 
   def forward(variant, site_masks):
     # A delta-pinned stream's `unmasked` forward is the components alone.
@@ -169,15 +199,12 @@ def _variant_outputs(
     return own.masked_forward_with_taps(site_masks, wanted)
 
   runs = evals.variant_forwards(
-    forward, key, ctx.ci.lower, target.sites, config.with_delta,
+    forward, key, ctx.ci.lower, ctx.target.sites, config.with_delta,
     config.ci_alive_threshold)
   scalars = {}
   for variant in ATTENTION_VARIANTS if wanted else ():
-    kl = target.attention_divergence(ctx.weights, runs[variant][1],
-                                     ctx.clean_taps)
-    for block, value in kl.items():
-      scalars[f"attn_kl/{variant}/{block}"] = value
-    scalars[f"attn_kl/{variant}/all"] = jnp.mean(jnp.stack(list(kl.values())))
+    scalars.update(_divergence_scalars(ctx, config, variant,
+                                       runs[variant][1]))
   return {v: out for v, (out, _) in runs.items()}, scalars
 
 
@@ -371,7 +398,8 @@ def eval_plan(
   fast_taps = tuple(dict.fromkeys((*fast_taps, *hidden_points)))
   if config.attention_kl:
     _check_attention(target)
-    fast_taps = tuple(dict.fromkeys((*fast_taps, *target.attention_taps)))
+  fast_taps = tuple(dict.fromkeys((*fast_taps, *_scored_taps(target,
+                                                              config))))
   slow_taps = (*ci_fn.input_taps, *target.start_taps)
   if target.masked_forward_taps is not None:
     slow_taps += _site_out_keys(target)
@@ -414,14 +442,15 @@ def _fast_ctx_scalars(ctxs: tuple[StepContext, ...], key: Key[Array, ""],
                       mask_key: Key[Array, ""], config: EvalConfig
                       ) -> dict[str, Array]:
   """Return one batch's CI-L0 of every role, each mask variant's
-  divergence, the attention recon, the PGD probe and the CE metrics."""
+  divergence, the attention and router recons, the PGD probe and the CE
+  metrics."""
   ctx = ctxs[0]
   scalars = {f"ci_l0/{k}": v
              for k, v in ci_l0(ctx.ci.lower, config.ci_alive_threshold).items()}
   for own in ctxs[1:]:
     scalars.update(_hidden_role_scalars(own, config.ci_alive_threshold))
-  outputs, attention = _variant_outputs(ctx, mask_key, config)
-  scalars.update(attention)
+  outputs, recons = _variant_outputs(ctx, mask_key, config)
+  scalars.update(recons)
   for variant, out in outputs.items():
     scalars[f"recon/{variant}"] = ctx.output_divergence(out)
   if config.pgd_steps:
@@ -549,7 +578,9 @@ class EvalSummary(NamedTuple):
   batches (a dual-role CI's `ci_l0_hidden/<site>` and
   `recon/hidden_ci_masked` reduce as `ci_l0/<site>` and the `recon/`
   variants do; `attn_kl/{ci_masked,stochastic}/{layers.<b>,all}` among them
-  when the attention-pattern recon is on), `alive/<site>` (components
+  when the attention-pattern recon is on, and a mixture-of-experts
+  target's `router_kl/{ci_masked,stochastic}/{layers.<i>,all}` wherever
+  masking moves a router), `alive/<site>` (components
   firing anywhere in the eval set),
   toys' probe CI error against each site's expected pattern
   (`identity_ci_error/<site>` or `dense_ci_error/<site>`, SPEC §11) and

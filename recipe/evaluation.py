@@ -216,10 +216,11 @@ def _eval_line(done: int, scalars: dict[str, float], sites, seconds: float,
   for variant in ("ci_masked", "stochastic", "pgd", "zero"):
     if f"recon/{variant}" in scalars:
       parts.append(f"{variant} {scalars[f'recon/{variant}']:.3e}")
-  for variant in eval_step.ATTENTION_VARIANTS:
-    if f"attn_kl/{variant}/all" in scalars:
-      parts.append(f"attn_kl/{variant} "
-                   f"{scalars[f'attn_kl/{variant}/all']:.3e}")
+  for name in ("attn_kl", "router_kl"):
+    for variant in eval_step.ATTENTION_VARIANTS:
+      if f"{name}/{variant}/all" in scalars:
+        parts.append(f"{name}/{variant} "
+                     f"{scalars[f'{name}/{variant}/all']:.3e}")
   if "recon/hidden_ci_masked" in scalars:
     parts.append(f"hidden_ci_masked {scalars['recon/hidden_ci_masked']:.3e}")
   # A site's CI error is against its expected pattern, identity or dense.

@@ -616,10 +616,15 @@ def routing_weights(
   return jnp.einsum("...k,...ke->...e", top, onehot)
 
 
-def frozen_experts(lw: LayerStack) -> Callable[[str, Array], Array]:
-  """Return `moe_mlp`'s frozen `site`: every expert's `x @ w_e` of the
-  layer's stack of role `role`."""
-  return lambda role, x: x @ getattr(lw, role)
+def router_kl(
+  clean_logits: Float[Array, "b t e"], masked_logits: Float[Array, "b t e"]
+) -> Float[Array, ""]:
+  """Return `mean KL(clean ‖ masked)` of two forwards' router distributions
+  (softmax over all experts in fp32, as `routing_weights` takes it) over
+  the batch's positions."""
+  log_p = jax.nn.log_softmax(clean_logits.astype(jnp.float32), axis=-1)
+  log_q = jax.nn.log_softmax(masked_logits.astype(jnp.float32), axis=-1)
+  return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
 
 
 def moe_mlp(

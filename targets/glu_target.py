@@ -626,6 +626,37 @@ def attention_divergence(
   return divergence
 
 
+def router_layers(config: glu_config.GluConfig,
+                  sites: tuple[SiteSpec, ...]) -> tuple[int, ...]:
+  """Return the mixture-of-experts layers whose router logits masking
+  `sites` can move, ascending: the layers the router eval scores (design
+  §11). A layer's router reads its block's attention-updated stream, so
+  its own expert sites never move it; () for a dense model."""
+  if not config.moe:
+    return ()
+  reaches = masking_reaches(config, sites)
+  return tuple(i for i in range(config.n_layers)
+               if reaches(router_tap(i)))
+
+
+def router_tap(layer: int) -> str:
+  """Return the tap of a layer's router logits `[b, t, n_experts]`."""
+  return f"layers.{layer}.mlp.gate.out"
+
+
+def router_divergence(layers: tuple[int, ...]) -> target.RouterDivergence:
+  """Return `(masked taps, clean taps) -> {"layers.<i>": KL}`: per scored
+  layer the mean KL of its clean router distribution to the masked one
+  over positions (`glu_lm.router_kl`), from the tapped logits."""
+
+  def divergence(masked_taps, clean_taps):
+    return {f"layers.{i}": glu_lm.router_kl(clean_taps[router_tap(i)],
+                                            masked_taps[router_tap(i)])
+            for i in layers}
+
+  return divergence
+
+
 def token_labels(tokens: Int[Array, "b t"]) -> Int[Array, "b t"]:
   """Return next-token labels, −1 at each sequence's last position."""
   pad = jnp.full((tokens.shape[0], 1), -1, tokens.dtype)
@@ -790,6 +821,7 @@ def target_fns(
   site = live_site_fn(layouts)
   resume = start_key(seg) if prefix_sharing else None
   blocks = attention_blocks(sites)
+  routed = router_layers(config, sites)
   ends = tuple(s.name for s in sites if is_end_site(s.name))
 
   def extras(weights, components, site_masks):
@@ -818,6 +850,8 @@ def target_fns(
     token_labels=token_labels,
     attention_taps=attention_taps(blocks),
     attention_divergence=attention_divergence(config, seg, blocks),
+    router_taps=tuple(router_tap(i) for i in routed),
+    router_divergence=router_divergence(routed) if config.moe else None,
     hidden_pass_points=hidden_pass_points(config, sites),
     masking_reaches=masking_reaches(config, sites),
     split_head=split_head(spec, site, resume, extras, output_chunk,

@@ -334,6 +334,13 @@ RECIPES = {
                 f"--model_dir={RUN_ROOT / 'tests' / 'fixtures' / 'tiny_gpt2'}",
                 "--batch_size=8", "--seq_len=16", "--c=8",
                 "--data_path={tokens}"),
+  # A mixture of experts' run on its own random tokens: the tiny Qwen3-MoE,
+  # layer 1's attention and every expert's projections.
+  "tiny_qwen3moe": (
+    f"--flagfile={RUN_ROOT / 'flags' / 'tiny_qwen3moe.flags'}",
+    f"--model_dir={RUN_ROOT / 'tests' / 'fixtures' / 'tiny_qwen3moe'}",
+    "--batch_size=8", "--seq_len=16", "--c=8", "--ci_d_model=8",
+    "--ci_d_mlp=16"),
   # `{model}`, `{tokens}`: a tiny Llama with a BPE tokenizer and a tagged
   # token file of English-like sentences (`_text_model`): a text run with
   # part-of-speech statistics, its MLP and attention output decomposed.

@@ -9,6 +9,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -21,6 +22,7 @@ from decompax.losses import component_stats as stats_lib
 from decompax.losses import evals
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
+from decompax.targets import glu_config, glu_lm
 
 REQUEST = harvest_lib.Request(positions=4 * 8 * 32, batch_size=8, top_k=5,
                               window_before=3, window_after=2,
@@ -756,3 +758,87 @@ def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
     np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
                                err_msg=kind)
   assert not np.allclose(want["rotated"], want["neurons"])
+
+
+def test_an_experts_activity_is_weighted_by_its_routing():
+  # Expert 2 of 3, 1 per token: its units count only where it is routed,
+  # by its weight there.
+  config = glu_config.GluConfig(
+    n_layers=2, d_model=4, n_heads=1, n_kv_heads=1, head_dim=4, d_ff=5,
+    vocab_size=8, rope_theta=1e4, rms_eps=1e-6, tied=True, qk_norm=True,
+    family="qwen3_moe", n_experts=3, experts_per_token=1)
+  mlp = harvest_lib.MlpForm(
+    routing=lambda logits: glu_lm.routing_weights(logits, config))
+  keys = jax.random.split(jax.random.key(0), 3)
+  prefix = "layers.1.mlp.experts.2"
+  taps = {f"{prefix}.gate_proj.out": jax.random.normal(keys[0], (2, 6, 5)),
+          f"{prefix}.up_proj.out": jax.random.normal(keys[1], (2, 6, 5)),
+          "layers.1.mlp.gate.out": jax.random.normal(keys[2], (2, 6, 3))}
+  assert set(harvest_lib.baseline_taps(((1, 2),), ())) == set(taps)
+  rotation = np.linalg.qr(np.random.default_rng(0).normal(size=(5, 5)))[0]
+  got = harvest_lib.baseline_activity(taps, ((1, 2),), (), 0,
+                                      {"rotation": jnp.asarray(
+                                        rotation[None], jnp.float32)}, mlp)
+  logits = np.asarray(taps["layers.1.mlp.gate.out"])
+  probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  weight = np.where(logits.argmax(-1) == 2, probs[..., 2], 0.0)[..., None]
+  gate, up = (np.asarray(taps[f"{prefix}.{r}_proj.out"]) for r in ("gate",
+                                                                   "up"))
+  silu = gate / (1 + np.exp(-gate))
+  want = {"neurons": np.maximum(silu * up, 0) * weight,
+          "gates": np.maximum(silu, 0) * weight,
+          "rotated": np.maximum(silu * up @ rotation, 0) * weight}
+  assert sorted(got) == sorted(f"{prefix}.{k}" for k in want)
+  assert 0 < np.mean(weight > 0) < 1
+  for kind, value in want.items():
+    np.testing.assert_allclose(got[f"{prefix}.{kind}"], value, rtol=1e-5,
+                               atol=1e-6, err_msg=kind)
+
+
+@pytest.mark.slow
+def test_an_experts_baselines_are_its_routed_neurons(finished_run, tmp_path):
+  """A mixture of experts: each expert with a site has its own neurons,
+  gates and rotated neurons, each weighted by its routing weight (0 where
+  a position is not routed to it)."""
+  from decompax.io import tokens  # noqa: PLC0415
+  from decompax.recipe import assembly  # noqa: PLC0415
+  moe = explore.load_run(finished_run("tiny_qwen3moe"))
+  settings = _two_batches(moe, _tagged_token_file(tmp_path, 4, 5, 64))
+  out = str(tmp_path / "harvest")
+  record = harvest_lib.harvest(moe, settings, out, save_every_s=0.0,
+                               say=lambda _: None)
+  experts = [f"layers.1.mlp.experts.{e}.{k}" for e in range(4)
+             for k in harvest_lib.BASELINES]
+  assert record["tags"]["baselines"] == experts + ["layers.1.self_attn.heads"]
+  units = harvest_lib.baseline_layers(moe)
+  assert units == tuple((1, e) for e in range(4))
+  rotation = np.asarray(harvest_lib.rotations(moe, settings, units))[2]
+  config = assembly.resolve_target(moe.config).record.token_model
+  opened = tokens.open_tokens(settings.data_path)
+  stream = tokens.open_tags(opened)
+  inputs, _ = _direct(moe, settings)
+  wanted = ("layers.1.mlp.experts.2.gate_proj.out",
+            "layers.1.mlp.experts.2.up_proj.out", "layers.1.mlp.gate.out")
+  want, routed = {}, []
+  for i, x in enumerate(inputs):
+    _, taps = moe.target.clean_forward(moe.weights, x, wanted)
+    gate, up, logits = (np.asarray(taps[k], np.float64) for k in wanted)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, -1)[..., :2]
+    chosen = (top == 2).any(-1)
+    weight = np.where(chosen, probs[..., 2] / np.take_along_axis(
+      probs, top, -1).sum(-1), 0.0)[..., None]
+    routed.append(chosen)
+    silu = gate / (1 + np.exp(-gate))
+    hidden = silu * up
+    activity = {"neurons": np.maximum(hidden, 0) * weight,
+                "gates": np.maximum(silu, 0) * weight,
+                "rotated": np.maximum(hidden @ rotation, 0) * weight}
+    _add_tag_activity(want, activity, settings, i, opened, stream)
+  # Expert 2 is routed at some positions, not at others.
+  assert 0 < np.mean(routed) < 1 and config.experts_per_token == 2
+  for kind, fine in want.items():
+    got = _read(out, f"layers.1.mlp.experts.2.{kind}", "tag_fine")
+    np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
+                               err_msg=kind)

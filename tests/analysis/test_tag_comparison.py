@@ -86,8 +86,8 @@ def test_baselines_of_each_site_kind():
     "layers.1.mlp.up_proj")] == list(harvest_lib.BASELINES)
   assert tag_comparison.baselines_of("layers.1.self_attn.q_proj") == ((
     harvest_lib.HEADS, "layers.1.self_attn.heads"),)
-  # A mixture-of-experts layer has neither dense neurons nor a baseline of
-  # its experts yet.
+  # A mixture of experts' site: its own expert's neurons.
   assert tag_comparison.baselines_of(
-    "layers.1.mlp.experts.2.up_proj") == ()
+    "layers.1.mlp.experts.2.up_proj") == tuple(
+      (k, f"layers.1.mlp.experts.2.{k}") for k in harvest_lib.BASELINES)
   assert tag_comparison.baselines_of("lm_head") == ()

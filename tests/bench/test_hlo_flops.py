@@ -62,12 +62,15 @@ custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={\
 "cudnn_fmha_backend_config":{"intermediate_tensor_shape":{\
 "element_type":"BF16","dimensions":["2","4","8","8"]}}}
   %other = f32[] custom-call(%a), custom_call_target="some_kernel"
+  %topk = (bf16[8,2]{1,0}, s32[8,2]{1,0}) custom-call(%a), \
+custom_call_target="TopK"
   ROOT %r = f32[] constant(0)
 }
 """.replace("\\\n", "")
 
 
 def test_gpu_library_calls_are_sized_and_unknown_ones_named():
+  # A CPU's top-k (a mixture of experts' routing) holds no matmul.
   counted = hlo_flops.compiled_matmul_flops(GPU_HLO)
   gemm = 2 * 8 * 16 * 32
   scores = 2 * (2 * 4 * 8 * 8) * 16  # one score-sized matmul

@@ -1,6 +1,7 @@
 """bench/lm_flops.py: the recipe's matmul count is the one its compiled
 step runs (`hlo_flops`), and it refuses what it does not follow."""
 
+import dataclasses
 import pathlib
 
 import jax
@@ -27,9 +28,24 @@ def recipe(*overrides):
   return read_args([f"--flagfile={L18}", *TINY, *overrides])
 
 
+# A mixture of experts, its widths apart from the attention's and the
+# batch's so that no two products share a shape.
+MOE = glu_config.GluConfig(
+  n_layers=4, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=5,
+  vocab_size=16, rope_theta=1e6, rms_eps=1e-6, tied=False, qk_norm=True,
+  family="qwen3_moe", n_experts=3, experts_per_token=2, norm_topk=True)
+
+
 def sites_of(layer, roles, c=4):
   names = tuple(glu_lm.site_name(layer, r) for r in roles)
   return glu_target.site_specs(MODEL, names, c)
+
+
+def expert_sites(layer, roles=glu_lm.EXPERT_ROLES, experts=range(3),
+                 attention=(), c=4):
+  names = tuple(glu_lm.site_name(layer, r) for r in attention) + tuple(
+    glu_lm.site_name(layer, r, e) for e in experts for r in roles)
+  return glu_target.site_specs(MOE, names, c)
 
 
 def test_the_count_refuses_what_it_does_not_follow():
@@ -42,16 +58,37 @@ def test_the_count_refuses_what_it_does_not_follow():
   with pytest.raises(ValueError, match="one layer"):
     lm_flops.lm_step_flops(recipe(), MODEL, sites_of(1, ("up",))
                            + sites_of(2, ("up",)))
+  with pytest.raises(ValueError, match="one C per expert role; "
+                     "expert_up has 4 and 6"):
+    lm_flops.lm_step_flops(recipe(), MOE, expert_sites(
+      1, ("expert_up",), (0,)) + expert_sites(1, ("expert_up",), (1,), c=6))
 
 
-def _both_counts(config, sites):
-  weights = random_lm.random_weights(jax.random.key(0), MODEL, sites,
+def test_a_mixture_of_experts_counts_every_expert():
+  # The forward runs all experts, so the count grows with their number
+  # and barely with how many a position is routed to (the one-hot product
+  # of the routing weights alone).
+  config, sites = recipe(), expert_sites(1, experts=(0,))
+  clean = {m: lm_flops.lm_step_flops(config, m, sites).work["clean forward"]
+           for m in (MOE, dataclasses.replace(MOE, n_experts=6),
+                     dataclasses.replace(MOE, experts_per_token=1))}
+  tokens, layers, d, k = 2 * 4, MOE.n_layers, MOE.d_model, 2
+  # Per added expert: its three matrices, its router column, its share
+  # of the one-hot product and of the weighted sum.
+  added = 3 * 2 * d * MOE.d_ff + 2 * d + 2 * k + 2 * d
+  values = list(clean.values())
+  assert values[1] - values[0] == 3 * added * tokens * layers
+  assert values[0] - values[2] == 2 * 3 * tokens * layers
+
+
+def _both_counts(config, sites, model=MODEL):
+  weights = random_lm.random_weights(jax.random.key(0), model, sites,
                                      jnp.float32)
-  run = random_lm.build_run(config, MODEL, sites, weights)
+  run = random_lm.build_run(config, model, sites, weights)
   compiled = run.built.step.lower(run.state, run.weights,
                                   run.data_key).compile()
   counted = hlo_flops.compiled_matmul_flops(compiled.as_text())
-  return lm_flops.lm_step_flops(config, MODEL, sites), counted
+  return lm_flops.lm_step_flops(config, model, sites), counted
 
 
 # The default suite checks the l18 sites (tests/bench/test_lm_step.py);
@@ -68,6 +105,10 @@ def _both_counts(config, sites):
   (("--output_chunk=3",), ("gate", "up", "down"), 2),
   (("--output_chunk=2", "--n_mask_samples=2", "--pgd_n_warmup=1"),
    ("o", "up"), 1),
+  # Live values alone, or queries alone: part of the attention's products.
+  ((), ("v",), 1),
+  ((), ("q",), 1),
+  ((), ("v", "up"), 1),
 ])
 def test_the_recipe_count_is_the_compiled_one(overrides, roles, layer):
   predicted, counted = _both_counts(recipe(*overrides),
@@ -75,3 +116,31 @@ def test_the_recipe_count_is_the_compiled_one(overrides, roles, layer):
   assert counted.uncounted == {}
   assert predicted.executed == pytest.approx(counted.flops, rel=1e-9)
   assert predicted.model < predicted.executed
+
+
+@pytest.mark.slow
+def test_the_count_of_one_layers_experts_is_the_compiled_one():
+  # Every expert's gate, up and down of a middle layer: the memory bench's
+  # Qwen3-30B-A3B row, at CPU sizes.
+  predicted, counted = _both_counts(recipe("--c=6"), expert_sites(1, c=6),
+                                    MOE)
+  assert counted.uncounted == {}
+  assert predicted.executed == pytest.approx(counted.flops, rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, sites", [
+  (("--c=7", "--pgd_coeff=0"), expert_sites(1, c=7)),
+  # Experts without a site: the live roles' frozen products run too.
+  ((), expert_sites(1, experts=(0, 2))),
+  # A decomposed attention makes the router's input live.
+  ((), expert_sites(1, attention=("v",))),
+  ((), expert_sites(1, attention=("o",), roles=())),
+  ((), expert_sites(1, ("expert_gate", "expert_up"))),
+  (("--pgd_n_warmup=0",), expert_sites(1, ("expert_down",))),
+  ((), expert_sites(3)),
+])
+def test_the_mixture_of_experts_count_is_the_compiled_one(overrides, sites):
+  predicted, counted = _both_counts(recipe(*overrides), sites, MOE)
+  assert counted.uncounted == {}
+  assert predicted.executed == pytest.approx(counted.flops, rel=1e-9)

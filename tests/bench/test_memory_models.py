@@ -7,9 +7,15 @@ import jax
 import pytest
 
 
+# Qwen3-30B-A3B's MLP sites are its 128 experts' gate, up and down.
+EXPERTS = tuple(f"experts.{e}.{r}" for e in range(128)
+                for r in ("gate", "up", "down"))
+
+
 @pytest.mark.parametrize("model,sites,frozen_gib", [
   ("llama-3.1-8b", ("gate", "up", "down"), 14.96),
   ("pythia-1.4b", ("up", "down"), 2.63),
+  ("qwen3-30b-a3b", EXPERTS, 56.87),
 ])
 def test_each_model_builds_its_mlp_step(load_bench, model, sites,
                                         frozen_gib):

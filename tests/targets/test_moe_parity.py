@@ -128,7 +128,10 @@ def test_the_block_sums_the_chosen_experts_outputs(model):  # I55
     "ln1", "ln2", "q", "k", "v", "o", "router", "expert_gate", "expert_up",
     "expert_down")})
   xm = jnp.asarray(ref["tap.layers.0.mlp"])
-  out, logits, _ = glu_lm.moe_mlp(xm, lw, config, glu_lm.frozen_experts(lw))
+  # The expert projections as the clean forward's blocks run them.
+  out, logits, _ = glu_lm.moe_mlp(
+    xm, lw, config,
+    lambda r, x: glu_lm.frozen_site(r, x, getattr(lw, r), None))
   probs = jax.nn.softmax(logits, -1)
   top_p, top_i = jax.lax.top_k(probs, config.experts_per_token)
   top_p = top_p / top_p.sum(-1, keepdims=True)
@@ -269,6 +272,80 @@ def test_what_masking_an_expert_reaches(model):
               "layers.1.self_attn.o_proj.out"):
     assert not reaches(tap), tap
   assert fns.hidden_pass_points == ("layers.1.mlp.out", "layers.2.mlp.out")
+
+
+def test_the_router_eval_scores_the_routers_masking_moves(model):  # I56
+  config, arrays, _ = model
+  cases = {("layers.1.mlp.experts.2.up_proj",): (2,),
+           ("layers.1.self_attn.v_proj",): (1, 2),
+           ("layers.0.mlp.experts.0.gate_proj",
+            "layers.2.mlp.experts.1.down_proj"): (1, 2),
+           ("embed_tokens",): (0, 1, 2), ("lm_head",): ()}
+  for names, layers in cases.items():
+    _, _, fns = _fns(config, arrays, names)
+    assert fns.router_taps == tuple(f"layers.{i}.mlp.gate.out"
+                                    for i in layers), names
+    assert fns.router_divergence is not None
+
+
+def _router_kl(clean, masked):
+  # Direct: per position Σ_e p_e·log(p_e/q_e), averaged over positions.
+  def softmax(x):
+    z = np.exp(x - np.max(x, -1, keepdims=True))
+    return z / np.sum(z, -1, keepdims=True)
+
+  p, q = (softmax(np.asarray(x, np.float64)) for x in (clean, masked))
+  return np.mean(np.sum(p * np.log(p / q), -1))
+
+
+def test_the_router_kl_is_zero_with_the_delta_and_the_direct_kl_else(
+    model):  # I56
+  config, arrays, ref = model
+  c = {n: glu_target.role_dims(config, glu_lm.parse_site(n)[1])[1]
+       for n in EXPERT_SITES}
+  sites, weights, fns, components = _exact(config, arrays, EXPERT_SITES, c)
+  assert fns.router_taps == ("layers.1.mlp.gate.out",
+                             "layers.2.mlp.gate.out")
+  tokens = jnp.asarray(ref["tokens"])
+  _, clean = fns.clean_forward(weights, tokens,
+                               (*fns.start_taps, *fns.router_taps))
+  keys = iter(jax.random.split(jax.random.key(1), 2 * len(components)))
+  noisy = {k: sites_lib.Factors(jax.random.normal(next(keys), f.v.shape),
+                                jax.random.normal(next(keys), f.u.shape))
+           for k, f in components.items()}
+  ones = {s.name: jnp.ones((*tokens.shape, s.c)) for s in sites}
+  with_delta = {n: SiteMask(m, jnp.ones(tokens.shape))
+                for n, m in ones.items()}
+  # Exact factors reproduce every router bit for bit; random ones with the
+  # delta up to fp32 rounding of `x·V·U + (x·W − x·V·U)`.
+  for factors, site_masks, tol in (
+      (components, {n: SiteMask(m) for n, m in ones.items()}, 0.0),
+      (noisy, with_delta, 1e-7)):
+    _, taps = fns.masked_forward_taps(weights, factors, tokens, site_masks,
+                                      clean, fns.router_taps)
+    for value in fns.router_divergence(taps, clean).values():
+      assert abs(float(value)) <= tol
+  # Without the delta the random factors move layer 1's attention (its
+  # v_proj) and so both routers.
+  _, taps = fns.masked_forward_taps(
+    weights, noisy, tokens, {n: SiteMask(m) for n, m in ones.items()},
+    clean, fns.router_taps)
+  kl = fns.router_divergence(taps, clean)
+  assert list(kl) == ["layers.1", "layers.2"]
+  for i in (1, 2):
+    tap = f"layers.{i}.mlp.gate.out"
+    want = _router_kl(clean[tap], taps[tap])
+    assert want > 1e-3
+    np.testing.assert_allclose(float(kl[f"layers.{i}"]), want, rtol=1e-4)
+
+
+def test_a_dense_model_has_no_router_eval():
+  config = glu_config.GluConfig(
+    n_layers=2, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=4,
+    vocab_size=8, rope_theta=1e4, rms_eps=1e-6, tied=True, qk_norm=False)
+  fns = glu_target.target_fns(config, glu_target.site_specs(
+    config, ("layers.0.mlp.up_proj", "layers.1.self_attn.q_proj"), 2))
+  assert fns.router_taps == () and fns.router_divergence is None
 
 
 def test_moe_taps_are_refused_on_a_dense_model():
