@@ -97,8 +97,9 @@ def _both_counts(config, sites, model=MODEL):
 @pytest.mark.parametrize("overrides, roles, layer", [
   # Every role live: the attention and each input gradient run too.
   (("--noci_remat",), glu_lm.ROLES, 2),
-  # No recon term: nothing reads the clean output past the CI's tap.
-  (("--stochastic_coeff=0", "--pgd_coeff=0"), ("down",), 1),
+  # The adversary's recon alone (a run needs one recon term): no
+  # stochastic masked forwards.
+  (("--stochastic_coeff=0",), ("down",), 1),
   (("--n_mask_samples=2", "--pgd_n_warmup=1", "--c=16"), ("o", "up"), 1),
   (("--seq_len=16", "--batch_size=1"), ("gate", "up", "down"), 3),
   # The head chunked over positions: 8 in chunks of 3, the last ragged.
