@@ -28,6 +28,15 @@ PRELOADED = ("jax", "jax.numpy", "numpy", "optax", "tensorstore", "scipy",
              "matplotlib", "decompax.core.train_step", "decompax.io.checkpoint",
              "decompax.io.figures", "decompax.losses.evals",
              "decompax.targets.registry", "decompax.placement.shardings")
+# transformers, with the config classes of the fixtures' model types and
+# its tokenizer classes: its lazy imports cost a child about 1.5 s, and most
+# language-model rows read a config. Imported as `io.hf_checkpoint` imports
+# it, its advisory about torch silenced.
+TRANSFORMERS = (
+  "transformers", "transformers.models.auto.configuration_auto",
+  "transformers.models.auto.tokenization_auto",
+  *(f"transformers.models.{m}.configuration_{m}" for m in (
+    "llama", "gpt2", "gemma2", "gemma3", "gpt_neox", "qwen3", "qwen3_moe")))
 PARALLEL = max(os.cpu_count() or 1, 2)
 
 
@@ -62,6 +71,9 @@ def _child(row: dict) -> None:
 def main() -> None:
   rows = json.load(sys.stdin)
   for name in PRELOADED:
+    importlib.import_module(name)
+  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+  for name in TRANSFORMERS:
     importlib.import_module(name)
   from jax._src import xla_bridge  # noqa: PLC0415
   assert not xla_bridge._backends, "a backend started before the fork"

@@ -75,9 +75,11 @@ def _losses(out: pathlib.Path) -> list[tuple]:
           for r in run_dir.read_metrics(out / run_dir.METRICS_FILE)]
 
 
-def _soak(tmp_path, output_lines, steps: int, save_every: int,
+def _soak(tmp_path, output_lines, target, steps: int, save_every: int,
           kills: list) -> None:
-  target = str(tmp_path / "target.npz")
+  """Run uninterrupted, then killed at each of `kills` and resumed, on
+  the cached `target` (an untrained TMS 5-2: the runs are compared with
+  each other, whatever the weights)."""
   shared = (*COMMON, f"--num_steps={steps}", f"--save_every={save_every}",
             f"--target_path={target}")
   straight = tmp_path / "straight"
@@ -99,13 +101,15 @@ def _soak(tmp_path, output_lines, steps: int, save_every: int,
 
 
 def test_kills_after_a_save_and_mid_prune_resume_bitwise(tmp_path,
-                                                        output_lines):
-  _soak(tmp_path, output_lines, steps=12, save_every=4,
+                                                        output_lines,
+                                                        tms_target):
+  _soak(tmp_path, output_lines, tms_target, steps=12, save_every=4,
         kills=["kill_after_save=8", "kill_mid_prune=12"])
 
 
 @pytest.mark.slow
-def test_ten_kills_of_a_400_step_run_resume_bitwise(tmp_path, output_lines):
+def test_ten_kills_of_a_400_step_run_resume_bitwise(tmp_path, output_lines,
+                                                   tms_target):
   rng = random.Random(0)
   labels = range(80, 400, 40)  # saves that also prune (keep_last=2)
   faults = ["kill_mid_save", "kill_after_save", "kill_mid_prune"] * 2
@@ -118,5 +122,5 @@ def test_ten_kills_of_a_400_step_run_resume_bitwise(tmp_path, output_lines):
   at += [(step, (step, rng.uniform(0.0, 0.02)))
          for step in rng.sample(between, 4)]
   # In step order, so that every kill is reached by the attempt before it.
-  _soak(tmp_path, output_lines, steps=400, save_every=40,
+  _soak(tmp_path, output_lines, tms_target, steps=400, save_every=40,
         kills=[kill for _, kill in sorted(at, key=lambda a: a[0])])

@@ -19,11 +19,14 @@ ARGS = ("--target=tms_5-2", "--c=6", "--batch_size=16", "--num_steps=8",
 
 
 def _train(output_dir, *extra):
+  """Launch `ARGS` into `output_dir`; the trained target is cached beside
+  it in the test's directory, so only the test's first launch trains it."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  target = output_dir.parent / "target.npz"
   done = subprocess.run(
     [sys.executable, "-P", str(ROOT / "bin" / "train"), *ARGS,
-     f"--output_dir={output_dir}", f"--target_path={output_dir}.target.npz",
-     *extra], cwd=ROOT, capture_output=True, text=True, env=env)
+     f"--output_dir={output_dir}", f"--target_path={target}", *extra],
+    cwd=ROOT, capture_output=True, text=True, env=env)
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   return done.stdout
 
