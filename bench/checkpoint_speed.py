@@ -7,9 +7,9 @@ directory on one disk:
   * raw sequential write: one file of the same size in 16 MiB writes, fsync,
   * raw sequential read of that file with its pages evicted from the cache,
   * `checkpoint.save` of the item (device-to-host copies, zarr v3 writes,
-    fsyncs, atomic commit), median of `--repeats`,
+    fsyncs, atomic commit), median of `--checkpoint_repeats`,
   * `checkpoint.restore_item` onto the device with the checkpoint's pages
-    evicted first (a cold read), median of `--repeats`,
+    evicted first (a cold read), median of `--checkpoint_repeats`,
   * one host memory copy of the same size into a fresh buffer (a restore
     makes about three: read buffer, decoded array, device buffer),
 and reports each as MB/s and as a fraction of the raw rate.
@@ -32,7 +32,8 @@ _SIZE_MB = flags.DEFINE_integer("size_mb", 1024, "Size of the decomposition.")
 _DIR = flags.DEFINE_string(
   "dir", "runs", "Directory on the disk to measure (a temporary directory "
   "inside it is removed afterwards).")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed saves and restores.")
+_REPEATS = flags.DEFINE_integer("checkpoint_repeats", 3,
+                                "Timed saves and restores.")
 
 MB = 1 << 20
 # (kind, layers, d_in, d_out): the matrices of a small GLU transformer.

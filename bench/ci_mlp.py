@@ -25,7 +25,8 @@ from absl import app, flags
 
 from decompax.core import ci_fns, component_mlp, component_mlp_pallas
 
-_REPEATS = flags.DEFINE_integer("repeats", 30, "Timed calls per function.")
+_REPEATS = flags.DEFINE_integer("kernel_repeats", 30,
+                                "Timed calls per function.")
 _SHAPES = flags.DEFINE_list(
   "shapes", ["4096x20x16", "4096x200x16", "2048x100x16"],
   "Shapes BxCxD_GATE to time.")

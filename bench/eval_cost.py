@@ -56,7 +56,7 @@ _SLOW_EVERY = flags.DEFINE_integer(
   "slow_every", 100, "Slow eval cadence in the window.")
 _ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds of the three windows.")
 _REPEATS = flags.DEFINE_integer(
-  "repeats", 3, "Timings of each bare pass and call per round.")
+  "eval_repeats", 3, "Timings of each bare pass and call per round.")
 _BENCH_RECIPES = flags.DEFINE_list(
   "bench_recipes", ["tms_5-2", "resid_mlp1"], "Flagfiles in flags/.")
 

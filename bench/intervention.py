@@ -4,7 +4,7 @@ A curve is `explore.mask_sweep`: one component's mask at `--points` values
 evenly over [0, 2], the next-token log-probability at the prompt's last
 position per value, all values one batch through one compiled forward.
 The bench times the first call (trace and compile included) and then
-`--repeats` calls of the compiled curve on the same prompt, each for a
+`--curve_repeats` calls of the compiled curve on the same prompt, each for a
 different component (one compiled program serves them all), and reports
 the median and the fastest.
 
@@ -33,7 +33,7 @@ from bench import ROOT, random_lm
 
 _POINTS = flags.DEFINE_integer("points", 21, "Mask values per curve.",
                                lower_bound=1)
-_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed curves after the "
+_REPEATS = flags.DEFINE_integer("curve_repeats", 10, "Timed curves after the "
                                 "first.", lower_bound=1)
 _PROMPT = flags.DEFINE_integer("prompt_len", 64, "Tokens in the prompt.",
                                lower_bound=1)

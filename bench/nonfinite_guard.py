@@ -27,7 +27,7 @@ from bench import step_time
 
 _STEPS = flags.DEFINE_integer("guard_steps", 100, "Timed steps per build "
                               "and round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 5, "Rounds.")
+_ROUNDS = flags.DEFINE_integer("guard_rounds", 5, "Rounds.")
 _GUARD_RECIPES = flags.DEFINE_list(
   "guard_recipes", ["tms_5-2", "tms_40-10", "resid_mlp1"], "Flagfiles.")
 VARIANTS = ("off", "stop", "skip")

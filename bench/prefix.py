@@ -53,9 +53,9 @@ _WARMUP = flags.DEFINE_integer(
 _LAYERS = flags.DEFINE_list("layers", ["18", "31"],
                             "Decomposed blocks, one pair of variants each.")
 # Named apart from bin/train's flags, which the recipe's flagfile sets.
-_BATCH = flags.DEFINE_integer("global_batch", 4, "Sequences per batch.")
-_SEQ_LEN = flags.DEFINE_integer("seq_length", 32, "Tokens per sequence.")
-_C = flags.DEFINE_integer("components", 64, "Components per matrix.")
+_BATCH = flags.DEFINE_integer("prefix_batch", 4, "Sequences per batch.")
+_SEQ_LEN = flags.DEFINE_integer("prefix_seq_length", 32, "Tokens per sequence.")
+_C = flags.DEFINE_integer("prefix_components", 64, "Components per matrix.")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # OFF/ON step-time ratio of the reference implementation on one GPU.

@@ -89,6 +89,29 @@ def test_benchmarks_import_only_the_library():
   assert not violations, "\n".join(violations)
 
 
+def _defined_flags(module: pathlib.Path) -> list[str]:
+  """Return the names of the absl flags `module` defines at import."""
+  names = []
+  for node in ast.walk(ast.parse(module.read_text())):
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr.startswith("DEFINE_") and node.args
+        and isinstance(node.args[0], ast.Constant)):
+      names.append(node.args[0].value)
+  return names
+
+
+def test_no_two_benchmarks_define_the_same_flag():
+  # Benchmarks define their flags on absl's global registry at import, and
+  # one test process imports several: a name defined twice fails whichever
+  # test imports the second module, depending on how files are shared out.
+  owners = {}
+  for module in sorted((ROOT / "bench").glob("*.py")):
+    for name in _defined_flags(module):
+      owners.setdefault(name, []).append(module.name)
+  shared = {name: files for name, files in owners.items() if len(files) > 1}
+  assert not shared, shared
+
+
 def test_no_bare_or_relative_imports_of_repo_packages():
   offenders = []
   for package in PACKAGES:
