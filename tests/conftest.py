@@ -61,19 +61,22 @@ SHARED_RUNS = "DECOMPAX_TEST_SHARED_RUNS"
 _session_dir(SHARED_RUNS, "decompax-test-runs-")
 
 
-# The modules that take longest, longest first (CPU-s in a full run on two
-# cores: 144, 118, 124, 96, 94, 88, 82, 76, 73, 73, 68, 63). Workers take
-# whole files in collection order, so these go first: a long file left for
-# last runs alone while the other workers idle. The two toy-transformer
+# The modules that take longest, longest first (seconds of test time in a
+# full run on two cores: 149, 112, 91, 88, 69, 68, 66, 64, 60, 59, 54, 49,
+# 43, 40, 35, 29, 28). Workers take whole files in collection order, so
+# these go first: a long file left for last (tests/test_readme.py sorts
+# last) runs alone while the other workers idle. The two toy-transformer
 # modules that share one trained run (`finished_run`) are apart, so that
 # the second finds it trained instead of waiting on it.
 LONG_MODULES = (
   "bin/test_targeted.py", "placement/test_two_process.py",
-  "bin/test_browse.py", "bin/test_eval_smoke_models.py",
-  "losses/test_adversarial.py", "bin/test_train.py", "bin/test_eval_smoke.py",
-  "bin/test_bad_inputs.py", "bin/test_lm_train.py",
-  "placement/test_sharded_step.py", "bin/test_stop_after.py",
-  "bin/test_crash_soak.py")
+  "bin/test_browse.py", "analysis/test_harvesting.py", "bin/test_train.py",
+  "bin/test_eval_smoke_models.py", "bin/test_family_runs.py",
+  "test_readme.py", "bin/test_eval_smoke.py", "losses/test_adversarial.py",
+  "bin/test_bad_inputs.py", "placement/test_presets.py",
+  "bin/test_resume.py", "bin/test_lm_train.py",
+  "placement/test_sharded_step.py", "bin/test_crash_soak.py",
+  "bin/test_stop_after.py")
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 if missing := [m for m in LONG_MODULES if not (TESTS_DIR / m).is_file()]:
   raise RuntimeError(f"tests/conftest.py LONG_MODULES names {missing}, "
