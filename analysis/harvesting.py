@@ -477,15 +477,11 @@ def n_heads(run: explore.LoadedRun) -> int:
   return assembly.resolve_target(run.config).record.token_model.n_heads
 
 
-def _router_tap(unit: MlpUnit) -> str:
-  return f"layers.{unit[0]}.mlp.gate.out"
-
-
 def _mlp_taps(layers: tuple[MlpUnit, ...], mlp: MlpForm = MlpForm()
               ) -> tuple[str, ...]:
   roles = ("gate", "up") if mlp.gated else ("up",)
   routers = tuple(dict.fromkeys(
-    _router_tap(i) for i in layers if isinstance(i, tuple)))
+    glu_lm.router_tap(i[0]) for i in layers if isinstance(i, tuple)))
   return tuple(f"{mlp_prefix(i)}.{role}_proj.out" for i in layers
                for role in roles) + routers
 
@@ -548,7 +544,7 @@ def _mlp_activity(taps: dict[str, jax.Array], unit: MlpUnit,
     return out
   # An expert's units count where its output does: by its routing weight
   # (≥ 0, so each stays a positive part).
-  weight = mlp.routing(taps[_router_tap(unit)])[..., unit[1], None]
+  weight = mlp.routing(taps[glu_lm.router_tap(unit[0])])[..., unit[1], None]
   return {k: a * weight.astype(a.dtype) for k, a in out.items()}
 
 

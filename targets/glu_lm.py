@@ -193,6 +193,12 @@ def parse_site(name: str) -> Optional[tuple[int, str, bool]]:
   return int(m.group(1)), role, m.group(6) is not None
 
 
+def router_tap(layer: int) -> str:
+  """Return the tap of a mixture-of-experts layer's router logits `[b, t,
+  n_experts]`."""
+  return f"layers.{layer}.mlp.gate.out"
+
+
 def site_expert(name: str) -> Optional[int]:
   """Return the expert index of an expert site (or its output) key, None
   for any other key."""

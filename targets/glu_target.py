@@ -636,12 +636,7 @@ def router_layers(config: glu_config.GluConfig,
     return ()
   reaches = masking_reaches(config, sites)
   return tuple(i for i in range(config.n_layers)
-               if reaches(router_tap(i)))
-
-
-def router_tap(layer: int) -> str:
-  """Return the tap of a layer's router logits `[b, t, n_experts]`."""
-  return f"layers.{layer}.mlp.gate.out"
+               if reaches(glu_lm.router_tap(i)))
 
 
 def router_divergence(layers: tuple[int, ...]) -> target.RouterDivergence:
@@ -649,10 +644,11 @@ def router_divergence(layers: tuple[int, ...]) -> target.RouterDivergence:
   layer the mean KL of its clean router distribution to the masked one
   over positions (`glu_lm.router_kl`), from the tapped logits."""
 
+  taps = {f"layers.{i}": glu_lm.router_tap(i) for i in layers}
+
   def divergence(masked_taps, clean_taps):
-    return {f"layers.{i}": glu_lm.router_kl(clean_taps[router_tap(i)],
-                                            masked_taps[router_tap(i)])
-            for i in layers}
+    return {label: glu_lm.router_kl(clean_taps[tap], masked_taps[tap])
+            for label, tap in taps.items()}
 
   return divergence
 
@@ -850,7 +846,7 @@ def target_fns(
     token_labels=token_labels,
     attention_taps=attention_taps(blocks),
     attention_divergence=attention_divergence(config, seg, blocks),
-    router_taps=tuple(router_tap(i) for i in routed),
+    router_taps=tuple(glu_lm.router_tap(i) for i in routed),
     router_divergence=router_divergence(routed) if config.moe else None,
     hidden_pass_points=hidden_pass_points(config, sites),
     masking_reaches=masking_reaches(config, sites),
