@@ -159,20 +159,26 @@ def test_a_ratio_that_did_not_fit_or_shared_the_prefix_fails(bench):
   """The ratio table's checks, on made-up measurements: a block whose
   variant ran out of device memory is a row of its own, and an OFF variant
   that kept no more prefix scans than ON (a compiler merged its reruns)
-  measured nothing; both fail the exit status."""
+  measured nothing; both fail the exit status, as does a first step that
+  drifted past D5's bound, which the row prints beside the difference."""
   on = {"step_s": 0.5, "compile_s": 30.0, "prefix_loops": 1,
         "first": {"loss": 1.0}}
   fair = {"layer": 7, "on": on, "off": {**on, "prefix_loops": 5},
-          "ratio": 1.4, "loss_diff": 0.0, "losses_agree": True,
+          "ratio": 1.4, "loss_diff": 0.0, "loss_bound": 2e-5,
+          "losses_agree": True,
           "off_reran": True}
   merged = {**fair, "off": on, "off_reran": False}
+  drifted = {**fair, "loss_diff": 3e-2, "loss_bound": 1e-2,
+             "losses_agree": False}
   unfit = {"layer": 1, "unfit": "block 1, prefix sharing off: "
            "RESOURCE_EXHAUSTED: out of memory"}
-  lines = bench.ratio_rows([fair, merged, unfit])
+  lines = bench.ratio_rows([fair, merged, unfit, drifted])
   assert all(line.count("|") == lines[0].count("|") for line in lines)
-  assert "FAILED" not in lines[2]
+  assert "FAILED" not in lines[2] and "0.00e+00 (2.00e-05)" in lines[2]
   assert "FAILED (OFF reran no prefix)" in lines[3]
   assert "did not fit the device: block 1, prefix sharing off" in lines[4]
+  assert "3.00e-02 (1.00e-02) FAILED (D5)" in lines[5]
   assert bench.ratios_hold([fair])
   assert not bench.ratios_hold([fair, merged])
   assert not bench.ratios_hold([fair, unfit])
+  assert not bench.ratios_hold([fair, drifted])
