@@ -64,8 +64,8 @@ _session_dir(SHARED_RUNS, "decompax-test-runs-")
 # The modules that take longest, longest first (seconds of test time in a
 # full run on two cores: 149, 112, 91, 88, 69, 68, 66, 64, 60, 59, 54, 49,
 # 43, 40, 35, 29, 28). Workers take whole files in collection order, so
-# these go first: a long file left for last (tests/test_readme.py sorts
-# last) runs alone while the other workers idle. The two toy-transformer
+# these go first: a long file left for last (as tests/test_readme.py
+# would be, by its name) runs alone while the other workers idle. The two toy-transformer
 # modules that share one trained run (`finished_run`) are apart, so that
 # the second finds it trained instead of waiting on it.
 LONG_MODULES = (
