@@ -246,7 +246,7 @@ def measure_cell(cell: pathlib.Path, name: str, snapshot: bool = False
   ci = jax.device_get(probe.probe_ci(
     target, run.ci_fn, weights, decomposition.components,
     decomposition.ci_params))
-  reads = jax.device_get(probe.probe_reads(target, weights))
+  read_vectors = jax.device_get(probe.probe_read_vectors(target, weights))
   # The eval's own recovery scalars, so the bench and the run's log agree.
   scalars = eval_step.probe_scalars(ci, jax.device_get(
     eval_step.feature_factors(target, weights, decomposition.components)),
@@ -259,7 +259,7 @@ def measure_cell(cell: pathlib.Path, name: str, snapshot: bool = False
            else f"dense k={expected.k}",
            "alive": len(probe.alive_components(site_ci)),
            "error": int(scalars[f"{expected.pattern}_ci_error/{site.name}"]),
-           "breaks": _breaks(site_ci, reads[site.name], expected)}
+           "breaks": _breaks(site_ci, read_vectors[site.name], expected)}
     if f"mmcs/{site.name}" in scalars:
       row.update(mmcs=scalars[f"mmcs/{site.name}"],
                  ml2r=scalars[f"ml2r/{site.name}"])
@@ -277,14 +277,22 @@ def measure_cell(cell: pathlib.Path, name: str, snapshot: bool = False
   return result
 
 
-def _breaks(ci: np.ndarray, reads: np.ndarray, expected) -> dict:
+def _breaks(ci: np.ndarray, read_vectors: np.ndarray, expected) -> dict:
   """Return how a site departs from its pattern; for weak identity
-  features, how strongly the site reads them next to the rest."""
+  features, how strongly the site reads them next to the rest; for shared
+  components, how parallel the reads of the features they serve are."""
   breaks = probe.pattern_breaks(ci, expected)._asdict()
+  reads = np.linalg.norm(read_vectors, axis=-1)
   ratio = probe.weak_read_ratio(ci, reads) if breaks.get("weak") else None
   # NaN (every feature weak) has no rest to compare with, and no JSON.
   if ratio is not None and np.isfinite(ratio):
     breaks["weak_read"] = ratio
+  shared = probe.shared_reads(ci, read_vectors) if breaks.get("shared") \
+    else None
+  if shared is not None:
+    breaks.update(shared_cosine=shared.cosine,
+                  shared_as_parallel=shared.as_parallel,
+                  feature_pairs=shared.pairs)
   return breaks
 
 
@@ -299,7 +307,8 @@ def describe_breaks(breaks: dict[str, float]) -> str:
   parts = []
   if breaks.get("shared"):
     parts.append(f"{breaks['shared']} shared by "
-                 f"{_features(breaks['shared_features'])}")
+                 f"{_features(breaks['shared_features'])}"
+                 + _shared_reads(breaks))
   if breaks.get("split"):
     parts.append(f"{_features(breaks['split'])} split")
   if breaks.get("weak"):
@@ -312,6 +321,15 @@ def describe_breaks(breaks: dict[str, float]) -> str:
     parts.append(f"{breaks['missing']} block {columns} never kept"
                  + _peak_and_read(breaks))
   return ", ".join(parts)
+
+
+def _shared_reads(breaks: dict[str, float]) -> str:
+  # Tables written before the shared features' reads were recorded have none.
+  if breaks.get("shared_cosine") is None:
+    return ""
+  return (f" (reads at cosine {breaks['shared_cosine']:.3f} or more; "
+          f"{breaks['shared_as_parallel']} of the site's "
+          f"{breaks['feature_pairs']} pairs as parallel)")
 
 
 def _peak_and_read(breaks: dict[str, float]) -> str:

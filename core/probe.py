@@ -41,12 +41,12 @@ def probe_ci(
   return squash.squash(ci_fn.apply(ci_params, taps, components)).lower
 
 
-def probe_reads(target: TargetFns, weights: Weights
-                ) -> dict[str, Float[Array, " n"]]:
-  """Return, per site, how far each one-feature probe moves the site's
-  output from its output on a zero input: how much of the feature the
-  site's target weight carries. Token ids have no zero input: their reads
-  are taken from a zero output, what the zero one-hot gives at an
+def probe_read_vectors(target: TargetFns, weights: Weights
+                       ) -> dict[str, Float[Array, "n d"]]:
+  """Return, per site, how each one-feature probe moves the site's output
+  from its output on a zero input: the part of the feature the site's
+  target weight carries, as a vector. Token ids have no zero input: their
+  reads are taken from a zero output, what the zero one-hot gives at an
   embedding site (SPEC §3.7)."""
   inputs = _probe_inputs(target)
   outs = tuple(f"{s.name}.out" for s in target.sites)
@@ -55,9 +55,16 @@ def probe_reads(target: TargetFns, weights: Weights
     zero_taps = {k: jnp.zeros_like(v) for k, v in taps.items()}
   else:
     _, zero_taps = target.clean_forward(weights, inputs * 0, outs)
-  return {s.name: jnp.linalg.norm(taps[f"{s.name}.out"]
-                                  - zero_taps[f"{s.name}.out"], axis=-1)
+  return {s.name: taps[f"{s.name}.out"] - zero_taps[f"{s.name}.out"]
           for s in target.sites}
+
+
+def probe_reads(target: TargetFns, weights: Weights
+                ) -> dict[str, Float[Array, " n"]]:
+  """Return, per site, how far each one-feature probe moves the site's
+  output (the norms of `probe_read_vectors`)."""
+  return {name: jnp.linalg.norm(moved, axis=-1)
+          for name, moved in probe_read_vectors(target, weights).items()}
 
 
 def weak_read_ratio(ci: np.ndarray, reads: np.ndarray,
@@ -75,6 +82,40 @@ def weak_read_ratio(ci: np.ndarray, reads: np.ndarray,
   if weak.all() or not weak.any():
     return float("nan")
   return float(reads[weak].mean() / reads[~weak].mean())
+
+
+class SharedReads(NamedTuple):
+  """How parallel the reads of the features that shared components serve
+  are, next to every pair of the site's features: `cosine`, the lowest
+  cosine between the reads of two features one component serves;
+  `as_parallel`, how many of the site's `pairs` of features have reads at
+  that cosine or above. A component serving a pair among the site's most
+  parallel (`as_parallel` small) has found a pair that one rank-1 piece
+  can almost write alone; one serving a group at a low cosine has not."""
+
+  cosine: float
+  as_parallel: int
+  pairs: int
+
+
+def shared_reads(ci: np.ndarray, vectors: np.ndarray,
+                 tol: float = IDENTITY_TOL) -> Optional[SharedReads]:
+  """Return how parallel the reads (`vectors`, `[n_features, d]`) of the
+  features that `ci`'s shared components serve are, or None when no
+  component serves several features or some read is zero."""
+  active = np.asarray(ci) > tol
+  vectors = np.asarray(vectors, np.float64)
+  norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+  if not (active.sum(0) > 1).any() or not norms.all():
+    return None
+  unit = vectors / norms
+  cosines = unit @ unit.T
+  lowest = min(cosines[np.ix_(f, f)].min()
+               for f in (np.flatnonzero(a) for a in active.T) if len(f) > 1)
+  upper = cosines[np.triu_indices(len(cosines), 1)]
+  return SharedReads(cosine=float(lowest),
+                     as_parallel=int((upper >= lowest).sum()),
+                     pairs=len(upper))
 
 
 def identity_permutation(ci: np.ndarray) -> list[int]:

@@ -65,6 +65,12 @@ def test_a_broken_site_is_described_by_its_nonzero_forms(bench):
   assert bench.describe_breaks(
     {"shared": 1, "shared_features": 2, "split": 1, "weak": 0}) == \
     "1 shared by 2 features, 1 feature split"
+  assert bench.describe_breaks(
+    {"shared": 1, "shared_features": 2, "split": 1, "weak": 0,
+     "shared_cosine": 0.94312, "shared_as_parallel": 1,
+     "feature_pairs": 5151}) == \
+    ("1 shared by 2 features (reads at cosine 0.943 or more; 1 of the "
+     "site's 5151 pairs as parallel), 1 feature split")
   row = {"alive": 4, "error": 4, "breaks": {"shared": 1, "shared_features": 4,
                                             "split": 0, "weak": 0}}
   assert bench._site_cell(row) == "4 / 4: 1 shared by 4 features"
@@ -166,8 +172,11 @@ def test_a_cell_runs_once_and_is_measured(bench, tmp_path):
     # Weak features come with how the site reads them next to the rest,
     # where some feature is not weak.
     some_weak = 0 < row["breaks"]["weak"] < 5
+    # Shared components come with how parallel their features' reads are.
+    shared = {"shared_cosine", "shared_as_parallel", "feature_pairs"}
     assert set(row["breaks"]) == counts | {"lowest_peak"} | (
-      {"weak_read"} if some_weak else set())
+      {"weak_read"} if some_weak else set()) | (
+      shared if row["breaks"]["shared"] else set())
     assert row["breaks"].get("weak_read", 1.0) > 0
     assert (row["error"] == 0) == (not any(row["breaks"][k] for k in counts))
     assert 0 <= row["breaks"]["lowest_peak"] <= 1

@@ -276,6 +276,62 @@ def test_probe_reads_leave_out_what_a_zero_input_already_gives():
   assert set(reads) == {s.name for s in target.sites}
 
 
+def test_probe_read_vectors_are_the_moves_whose_norms_are_the_reads():
+  toy = registry.get("tms_5-2")
+  target = toy.fns({"linear1": 3, "linear2": 3})
+  weights = toy.init(jax.random.key(0))
+  vectors = probe.probe_read_vectors(target, weights)
+  # linear1's output on a probe is the probe's 0.75 times row i of W.
+  np.testing.assert_allclose(vectors["linear1"],
+                             0.75 * np.asarray(weights.w), rtol=1e-6)
+  reads = probe.probe_reads(target, weights)
+  for name, moved in vectors.items():
+    np.testing.assert_allclose(reads[name], np.linalg.norm(moved, axis=1),
+                               rtol=1e-6)
+
+
+def _fan(angles):
+  return np.stack([np.cos(angles), np.sin(angles)], axis=1)
+
+
+def test_shared_reads_rank_the_pair_a_component_serves_among_all_pairs():
+  # Reads at 0, 0.1, 1.2 and 2.0 rad: features 0 and 1 are the site's most
+  # parallel pair (cosine cos 0.1), 2 and 3 its third (cos 0.8).
+  vectors = 3.0 * _fan(np.array([0.0, 0.1, 1.2, 2.0]))
+  ci = np.eye(4)
+  ci[1, 0] = 1.0  # component 0 serves features 0 and 1
+  shared = probe.shared_reads(ci, vectors)
+  assert shared.cosine == pytest.approx(np.cos(0.1))
+  assert (shared.as_parallel, shared.pairs) == (1, 6)
+  # A component on the pair 2, 3 (0.8 rad apart): of the other pairs only
+  # 0, 1 is as parallel (1.1 rad the next).
+  ci = np.eye(4)
+  ci[3, 2] = 0.5
+  shared = probe.shared_reads(ci, vectors)
+  assert shared.cosine == pytest.approx(np.cos(0.8))
+  assert shared.as_parallel == 2
+  # Two shared components: the lower of their cosines speaks for both.
+  ci[1, 0] = 1.0
+  assert probe.shared_reads(ci, vectors).cosine == pytest.approx(np.cos(0.8))
+  # A component on three features is as parallel as its least parallel pair.
+  ci = np.eye(4)
+  ci[1, 0] = ci[2, 0] = 1.0
+  assert probe.shared_reads(ci, vectors).cosine == pytest.approx(np.cos(1.2))
+
+
+def test_shared_reads_are_none_without_sharing_or_with_an_unread_feature():
+  vectors = _fan(np.array([0.0, 0.1, 1.2, 2.0]))
+  assert probe.shared_reads(np.eye(4), vectors) is None
+  ci = np.eye(4)
+  ci[1, 0] = 1.0
+  # Below the activity threshold a second feature is not served.
+  ci_faint = np.eye(4)
+  ci_faint[1, 0] = 0.05
+  assert probe.shared_reads(ci_faint, vectors) is None
+  vectors[3] = 0.0
+  assert probe.shared_reads(ci, vectors) is None
+
+
 def test_weak_read_ratio_compares_weak_features_with_the_rest():
   ci = np.eye(4)
   ci[1, 1] = ci[3, 3] = 0.7
