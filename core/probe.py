@@ -103,15 +103,14 @@ def shared_reads(ci: np.ndarray, vectors: np.ndarray,
   """Return how parallel the reads (`vectors`, `[n_features, d]`) of the
   features that `ci`'s shared components serve are, or None when no
   component serves several features or some read is zero."""
-  active = np.asarray(ci) > tol
+  groups = [f for f in active_features(ci, tol).values() if len(f) > 1]
   vectors = np.asarray(vectors, np.float64)
   norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-  if not (active.sum(0) > 1).any() or not norms.all():
+  if not groups or not norms.all():
     return None
   unit = vectors / norms
   cosines = unit @ unit.T
-  lowest = min(cosines[np.ix_(f, f)].min()
-               for f in (np.flatnonzero(a) for a in active.T) if len(f) > 1)
+  lowest = min(cosines[np.ix_(f, f)].min() for f in groups)
   upper = cosines[np.triu_indices(len(cosines), 1)]
   return SharedReads(cosine=float(lowest),
                      as_parallel=int((upper >= lowest).sum()),
