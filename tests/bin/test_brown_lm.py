@@ -78,9 +78,17 @@ def test_prepare_writes_corpus_split_and_token_files(data):
     brown.document_names())
   assert f"split {len(train)} train / {len(held_out)} held out" in stdout
   assert sorted(os.listdir(path / "bpe-300")) == sorted([
-    *(f"{part}.{ext}" for part in ("train", "held_out")
+    *(f"{part}.{ext}"
+      for part in ("train", "held_out", "fit", "validation")
       for ext in ("bin", "json", "tags.bin", "tags.json", "sentences.bin")),
     "tokenizer.json", "tokenizer_config.json"])
+  bpe = path / "bpe-300"
+  fit, validation, train_file = (
+    tokens.open_tokens(bpe / f"{part}.bin").header
+    for part in ("fit", "validation", "train"))
+  # The carve holds the training part's documents, no more and no fewer.
+  assert fit.num_tokens + validation.num_tokens == train_file.num_tokens
+  assert fit.num_documents + validation.num_documents == len(train)
 
 
 def test_every_token_carries_its_words_tag(data):

@@ -30,6 +30,16 @@ def test_split_is_stratified_disjoint_and_about_a_tenth():
     assert abs(held[g] - n / 10) <= 0.5 + (held[g] == 1)
 
 
+def test_validation_carve_splits_the_training_part_alone_by_genre():
+  split = brown.split_documents(NAMES)
+  carve = brown.validation_carve(split)
+  assert set(carve.train) | set(carve.held_out) == set(split.train)
+  assert not set(carve.train) & set(carve.held_out)
+  assert not set(carve.held_out) & set(split.held_out)
+  assert {brown.genre(n) for n in carve.held_out} == set(brown.GENRE_SIZES)
+  assert (len(carve.train), len(carve.held_out)) == (401, 47)
+
+
 def test_split_depends_on_the_names_alone():
   shuffled = list(NAMES)
   np.random.default_rng(0).shuffle(shuffled)
