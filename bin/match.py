@@ -3,12 +3,16 @@
 Prints a markdown table, one row per site: each run's alive components,
 the pairs the assignment makes, how many reach `--threshold`, their mean
 similarity and cosines, and the site's stability (the rule is
-`analysis/matching.py`'s). `--pairs` also prints every pair.
+`analysis/matching.py`'s). A second table says what the runs share where
+components do not pair one to one: the alive sets' spans, the weights of
+components that fire on the same inputs, and co-firing groups
+(`analysis/identifiability.py`). `--pairs` also prints every pair.
 """
 
 from absl import flags, logging
 
 from decompax.analysis import explore
+from decompax.analysis import identifiability
 from decompax.analysis import matching
 from decompax.bin import cli
 
@@ -27,6 +31,9 @@ _BATCH_SIZE = flags.DEFINE_integer(
   "model).", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", matching.SEED,
                              "Seed of the shared inputs.")
+_TAU = flags.DEFINE_float(
+  "tau", identifiability.TAU, "CI cosine at which two components count as"
+  " firing together, for the co-firing groups.")
 _PAIRS = flags.DEFINE_bool("pairs", False, "Also print every matched pair.")
 
 
@@ -46,6 +53,9 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_a=DIR --run_b=DIR")
+  if not 0.0 < _TAU.value <= 1.0:
+    fail(f"--tau={_TAU.value} is no CI cosine to group at; give one in"
+         " (0, 1]")
   if not -1.0 <= _THRESHOLD.value <= 1.0:
     fail(f"--threshold={_THRESHOLD.value} is no similarity; give one in "
          "[-1, 1]")
@@ -54,13 +64,19 @@ def main(argv: list[str]) -> None:
   try:
     matching.check_comparable(run_a, run_b)
     inputs = matching.shared_inputs(run_a, _BATCH_SIZE.value, _SEED.value)
-    matches = matching.match_runs(run_a, run_b, inputs, _THRESHOLD.value)
+    arrays_a = matching.site_arrays(run_a, inputs)
+    arrays_b = matching.site_arrays(run_b, inputs)
+    matches = matching.match_arrays(arrays_a, arrays_b, _THRESHOLD.value)
+    shared = identifiability.identifiability(arrays_a, arrays_b, _TAU.value)
   except (OSError, ValueError) as e:
     fail(str(e))
   print(f"A: {_RUN_A.value}\nB: {_RUN_B.value}\n"
         f"threshold {_THRESHOLD.value:g} on min(weight cos, CI cos) over "
         f"{_BATCH_SIZE.value} inputs (seed {_SEED.value})\n")
   print(matching.markdown_table(matches), end="")
+  print(f"\nWhat the runs share beyond one-to-one pairs (medians over A's"
+        f" alive components; docs/brown.md, Identifiability):\n")
+  print(identifiability.markdown_table(shared, _TAU.value), end="")
   if _PAIRS.value:
     print()
     print(matching.pair_lines(matches), end="")
