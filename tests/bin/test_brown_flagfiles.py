@@ -24,7 +24,10 @@ from decompax.recipe import assembly
 from decompax.targets import glu_target, text_lm
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-FLAGFILES = {"brown_s": "brown-s", "brown_m": "brown-m"}
+FLAGFILES = {"brown_s": "brown-s", "brown_s_chip": "brown-s",
+             "brown_m": "brown-m"}
+BROWN_S_SITES = [f"layers.{i}.mlp.{p}_proj" for i in range(4)
+                 for p in ("gate", "up", "down")]
 
 
 def _flagfile(name: str) -> pathlib.Path:
@@ -66,8 +69,8 @@ def test_flagfile_names_its_preset_model_and_data(name):
 
 
 @pytest.mark.parametrize("name,sites", [
-  ("brown_s", [f"layers.{i}.mlp.{p}_proj" for i in range(4)
-               for p in ("gate", "up", "down")]),
+  ("brown_s", BROWN_S_SITES),
+  ("brown_s_chip", BROWN_S_SITES),
   ("brown_m", [f"layers.{i}.{p}_proj" for i in range(8)
                for p in ("self_attn.q", "self_attn.k", "self_attn.v",
                          "self_attn.o", "mlp.gate", "mlp.up", "mlp.down")]),
@@ -87,6 +90,18 @@ def test_flagfile_decomposes_the_sites_the_recipe_names(parse, config_dirs,
   assert config.faithfulness_warmup_steps > 0
   assert config.checkpointing == "periodic"
   assert config.num_steps % config.save_every == 0
+
+
+def test_the_chip_recipe_changes_only_what_its_sweep_chose():
+  """docs/brown.md's sweep chose length and importance; the rest is
+  brown_s's recipe, so the CPU and chip runs stay comparable."""
+  cpu, chip = _flag_values("brown_s"), _flag_values("brown_s_chip")
+  changed = {k for k in cpu.keys() | chip.keys() if cpu.get(k) != chip.get(k)}
+  assert changed == {"num_steps", "importance_coeff", "log_every",
+                     "eval_every", "slow_eval_every", "eval_batches",
+                     "save_every", "compilation_cache_dir",
+                     "noslow_on_first_step"}
+  assert float(chip["importance_coeff"]) == 5 * float(cpu["importance_coeff"])
 
 
 @pytest.fixture(scope="module")
