@@ -4,6 +4,8 @@ Each constructor fixes a term's configuration and returns its coefficient and
 a pure function of the step context; the step multiplies by `coeff(step)`.
 """
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 
@@ -61,14 +63,17 @@ def importance_minimality_term(
   coeff: schedules.Coefficient, p: Sparsity,
   eps: float = minimality.IMPORTANCE_EPS,
   name: str = "importance_minimality",
+  site_weights: Mapping[str, float] | None = None,
 ) -> LossTerm:
-  """Return `Σ_s Σ_c mean_ℓ (upper + ε)^p` with `p` on its schedule, or
-  `Σ_s Σ_c mean_ℓ ψ_γ(upper)` when `p` is a `SmoothL0` (§5.2)."""
+  """Return `Σ_s w_s Σ_c mean_ℓ (upper + ε)^p` with `p` on its schedule, or
+  the same over `ψ_γ(upper)` when `p` is a `SmoothL0` (§5.2); `w_s` is a
+  site's entry in `site_weights`, 1 where it has none."""
   _check_p(p)
 
   def fn(ctx: StepContext, key):
     del key
-    return minimality.importance_minimality(_frequencies(ctx, p, eps))
+    return minimality.importance_minimality(_frequencies(ctx, p, eps),
+                                            site_weights)
 
   return simple_term(name, coeff, fn)
 

@@ -7,6 +7,7 @@ that sharded sums agree with one-device sums (I11).
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -74,10 +75,14 @@ def smooth_l0_frequencies(
 
 
 def importance_minimality(
-  frequencies: dict[str, Float[Array, " c"]]
+  frequencies: dict[str, Float[Array, " c"]],
+  site_weights: Mapping[str, float] | None = None,
 ) -> Float[Array, ""]:
-  """Return `Σ_s Σ_c f_{s,c}`."""
-  return sum(jnp.sum(f) for f in frequencies.values())
+  """Return `Σ_s w_s Σ_c f_{s,c}`, `w_s` a site's weight in `site_weights`
+  (1 for a site it does not name, and for every site without it)."""
+  weights = site_weights or {}
+  return sum(weights.get(site, 1.0) * jnp.sum(f)
+             for site, f in frequencies.items())
 
 
 def frequency_penalty(

@@ -151,6 +151,12 @@ class TrainConfig:
   importance_coeff: float = _setting(
     0.003,
     "Coefficient of importance minimality.")
+  importance_site_weights: tuple[str, ...] = _setting(
+    (),
+    "Per-site weight of importance minimality, site_glob:weight (e.g. "
+    "layers.0.*:4): a site takes the last matching entry's weight, 1 where "
+    "none matches; each glob must name a site (default: 1 everywhere).",
+    numbers="keyed")
   p_start: float = _setting(
     1.0,
     "Exponent p of importance minimality at step 0.")

@@ -18,6 +18,7 @@ times `--hidden_pass_coeff`.
 """
 
 import dataclasses
+import fnmatch
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -141,11 +142,39 @@ def _faithfulness(config: TrainConfig, inputs: TermInputs, name: str,
     coeff, relative=config.faithfulness_form == "relative")
 
 
+def importance_site_weights(config: TrainConfig, sites
+                            ) -> dict[str, float]:
+  """Return each site's weight of importance minimality from
+  `--importance_site_weights` (`glob:weight`, the last matching entry
+  wins; 1 where none matches).
+
+  Raises:
+    ValueError: an entry that is not `glob:weight` with a finite weight
+      ≥ 0, or whose glob names no site.
+  """
+  names = [s.name for s in sites]
+  weights = {n: 1.0 for n in names}
+  for item in config.importance_site_weights:
+    pattern, _, value = item.rpartition(":")
+    number = _floats("importance_site_weights", (value,))[0] \
+      if pattern and value not in ("", "none") else None
+    if number is None or not 0.0 <= number < float("inf"):
+      raise ValueError(f"--importance_site_weights entry {item!r} is not "
+                       "site_glob:weight with a finite weight >= 0")
+    matched = fnmatch.filter(names, pattern)
+    if not matched:
+      raise ValueError(f"--importance_site_weights entry {item!r} names no "
+                       f"site; the sites are {', '.join(names)}")
+    weights.update({n: number for n in matched})
+  return weights
+
+
 def _importance(config: TrainConfig, inputs: TermInputs, name: str,
                 coeff: float) -> train_step.LossTerm:
-  del inputs, name
-  return loss_terms.importance_minimality_term(coeff, _p(config),
-                                               config.importance_eps)
+  del name
+  return loss_terms.importance_minimality_term(
+    coeff, _p(config), config.importance_eps,
+    site_weights=importance_site_weights(config, inputs.sites))
 
 
 def _frequency(config: TrainConfig, inputs: TermInputs, name: str,

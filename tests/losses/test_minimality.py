@@ -48,6 +48,14 @@ def test_importance_sums_over_sites_and_components():
   assert float(minimality.importance_minimality(f)) == pytest.approx(0.6)
 
 
+def test_importance_weighs_each_site_by_its_own_weight():
+  f = {"a": jnp.array([0.1, 0.2]), "b": jnp.array([0.3])}
+  weighted = minimality.importance_minimality(f, {"a": 4.0})
+  assert float(weighted) == pytest.approx(4.0 * 0.3 + 0.3)
+  silent = minimality.importance_minimality(f, {"a": 0.0, "b": 2.0})
+  assert float(silent) == pytest.approx(0.6)
+
+
 def test_smooth_l0_counts_components_and_has_its_gradient():
   ci = jnp.array([[0.0, 1.0, 0.02], [0.5, 1.0, 0.0]])
   gamma = 0.1

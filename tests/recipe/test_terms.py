@@ -41,3 +41,38 @@ def test_the_p_anneal_runs_from_p_start_to_its_final_fraction(schedule):
                              rtol=1e-6)
   np.testing.assert_allclose(_importance(config, STEPS // 2),
                              _lp(2.0 * (0.25 + 0.75 * 0.5)), rtol=1e-6)
+
+
+SITE_NAMES = ("layers.0.mlp.up", "layers.0.mlp.down", "layers.1.mlp.up")
+NAMED_SITES = tuple(sites_lib.SiteSpec(n, n, 0, 3, 4, 2) for n in SITE_NAMES)
+
+
+def test_site_weights_take_the_last_matching_glob_and_default_to_one():
+  config = TrainConfig(importance_site_weights=(
+    "layers.0.*:4", "layers.0.mlp.down:8"))
+  assert terms.importance_site_weights(config, NAMED_SITES) == {
+    "layers.0.mlp.up": 4.0, "layers.0.mlp.down": 8.0,
+    "layers.1.mlp.up": 1.0}
+  assert terms.importance_site_weights(TrainConfig(), NAMED_SITES) == {
+    n: 1.0 for n in SITE_NAMES}
+
+
+@pytest.mark.parametrize("entry,message", [
+  ("layers.9.*:2", "names no site"),
+  ("layers.0.*:-1", "finite weight >= 0"),
+  ("layers.0.*:none", "finite weight >= 0"),
+  ("layers.0.*:inf", "finite weight >= 0"),
+  (":2", "finite weight >= 0"),
+])
+def test_a_site_weight_naming_no_site_or_no_weight_is_refused(entry, message):
+  config = TrainConfig(importance_site_weights=(entry,))
+  with pytest.raises(ValueError, match=message):
+    terms.importance_site_weights(config, NAMED_SITES)
+
+
+def test_the_built_importance_term_scales_its_site():
+  # One site, weight 3: the term is three times the unweighted one.
+  weighted = TrainConfig(num_steps=STEPS, importance_site_weights=("a:3",))
+  np.testing.assert_allclose(_importance(weighted, 0),
+                             3 * _importance(TrainConfig(num_steps=STEPS), 0),
+                             rtol=1e-6)
