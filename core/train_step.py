@@ -280,10 +280,16 @@ class StepConfig:
 
 
 class TrainStep(NamedTuple):
-  """The jitted step and the function that builds its initial state."""
+  """The jitted step and the function that builds its initial state.
+
+  `steps(state, weights, data_key, n)` runs `n` steps (a traced count, 1 to
+  any) in one call and returns the last one's metrics (`repeated_steps`);
+  None where the step takes its batch from the host, one per step.
+  """
 
   init: Callable[..., TrainState]
   step: Callable[..., tuple[TrainState, dict[str, Array]]]
+  steps: Optional[Callable[..., tuple[TrainState, dict[str, Array]]]] = None
 
 
 class StepShardings(NamedTuple):
@@ -963,14 +969,43 @@ def make_train_step(
     def train_step(state, weights, data_key):
       return sampled_step(plan, sample_inputs, state, weights, data_key)
 
+  steps = None
+  if sample_inputs is not None:
+    steps = functools.partial(repeated_steps, train_step)
   if max_traces is not None:
     train_step = chex.assert_max_traces(train_step, max_traces)
-  placed = {}
+    steps = steps and chex.assert_max_traces(steps, max_traces)
+  placed, placed_steps = {}, {}
   if shardings is not None:
     placed = dict(
       in_shardings=(shardings.state, shardings.weights, shardings.inputs),
       out_shardings=(shardings.state, shardings.metrics))
-  return TrainStep(init=init, step=jax.jit(train_step, donate_argnums=0, **placed))
+    placed_steps = dict(placed, in_shardings=(*placed["in_shardings"], None))
+  return TrainStep(
+    init=init, step=jax.jit(train_step, donate_argnums=0, **placed),
+    steps=steps and jax.jit(steps, donate_argnums=0, **placed_steps))
+
+
+def repeated_steps(
+  step: Callable[..., tuple[TrainState, dict[str, Array]]],
+  state: TrainState, weights: Weights, data_key: Key[Array, ""],
+  n: Int[Array, ""],
+) -> tuple[TrainState, dict[str, Array]]:
+  """Return the state after `n >= 1` steps and the last step's metrics.
+
+  The steps run as one `while` loop of the very step `step` (a count known
+  only at run time, so a call of any length is one program), each drawing
+  its batch and keys from its own counter: the result is bitwise that of
+  `n` calls of the jitted step. The frozen weights stay a runtime argument,
+  read by every step.
+  """
+  metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+    step, state, weights, data_key)[1])
+
+  def body(_, carry):
+    return step(carry[0], weights, data_key)
+
+  return jax.lax.fori_loop(0, n, body, (state, metrics))
 
 
 def sampled_step(
