@@ -19,7 +19,8 @@ marker that refuses re-entry (I39). `--init_from` restores only a parent's
 decomposition onto a fresh run after checking that it matches (I38).
 
 Tests inject faults through the environment variable `DECOMPAX_FAULT`:
-`sigterm_before_warmup`, `sigterm_after_step=K` (the process signals itself),
+`sigterm_before_warmup`, `sigterm_after_step=K` (the process signals itself
+after the call that takes step K),
 and SIGKILLs around the save of label K: `kill_mid_save=K` (after its first
 item is written), `kill_after_save=K` (committed, nothing pruned yet) and
 `kill_mid_prune=K` (an old step hidden for deletion, not yet deleted).
@@ -406,12 +407,14 @@ def after_warmup(session: Session, state) -> None:
     save(session, state)
 
 
-def after_step(session: Session, state, done: int) -> None:
-  """Save when due; on a stop signal save and exit for a requeue.
+def after_step(session: Session, state, done: int, steps: int = 1) -> None:
+  """Save when due; on a stop signal save and exit for a requeue. `done`
+  ends a call of `steps` steps (the loop's `--steps_per_call`).
 
   A signal at the last step only lets the run finish normally.
   """
-  if _fault("sigterm_after_step") == done:
+  fault = _fault("sigterm_after_step")
+  if fault is not None and done - steps < fault <= done:
     os.kill(os.getpid(), signal.SIGTERM)
   config = session.config
   periodic = config.checkpointing == "periodic"

@@ -27,12 +27,14 @@ from decompax.io import checkpoint, decomposition, figures, run_dir
 from decompax.placement import shardings, transfer
 from decompax.recipe import (
   assembly, engine, evaluation, lm, streams, terms, token_data)
-from decompax.recipe.config import TrainConfig, held_out_seed, setting
+from decompax.recipe.config import (
+  TrainConfig, held_out_seed, setting, steps_per_call)
 from decompax.targets import registry
 
 # Flags a launch may change without changing the run (flags.txt omits them).
 RELAUNCH_FLAGS = ("overwrite", "on_nonfinite", "max_skipped_in_a_row",
-                  "max_skipped_share", "stop_after_step", "wandb_project")
+                  "max_skipped_share", "stop_after_step", "wandb_project",
+                  "steps_per_call")
 # Flags that say where the run is, not what it is: flags.txt records this
 # launch's value, and a run directory moved elsewhere resumes from there.
 LOCATION_FLAGS = ("output_dir",)
@@ -332,10 +334,13 @@ def train(prepared: Prepared):
   sink = wandb_sink.NO_SINK
   if writer:
     sink = wandb_sink.open_sink(flags.FLAGS.wandb_project, output_dir, config)
+  per_call = steps_per_call(config, jax.default_backend())
+  if per_call > 1:
+    print(f"[train] up to {per_call} steps per call (--steps_per_call)")
   loop = Loop(config, parts.target, prepared.weights, run,
-              compile_step(run, first, prepared.placement),
+              compile_step(run, first, prepared.placement, per_call),
               evaluator_of(config, parts.target, run, output_dir), session,
-              output_dir, writer, sink)
+              output_dir, writer, sink, per_call)
   if first == 0:  # fresh runs only (SPEC I44)
     evaluation.log_baseline(loop.evaluator, run.state, loop.metrics_path)
   # The loop reads the device only by explicit device_get at log and eval
@@ -455,12 +460,19 @@ def print_warmup(config, warmup_losses: jax.Array) -> None:
 
 
 def compile_step(run: assembly.Run, first: int,
-                 placement: shardings.Placement | None = None):
-  """Return the run's step compiled for its state at step `first`."""
+                 placement: shardings.Placement | None = None,
+                 per_call: int = 1):
+  """Return the run's step compiled for its state at step `first`: with
+  `per_call` above 1, the call of any number of steps (`TrainStep.steps`),
+  one program whatever each call's length."""
   compile_start = time.time()
-  compiled = run.built.step.lower(
-    run.state, run.weights, run.step_inputs(first)).compile(
-      placement.compiler_options if placement else None)
+  if per_call > 1:
+    lowered = run.built.steps.lower(run.state, run.weights,
+                                    run.step_inputs(first), np.int32(1))
+  else:
+    lowered = run.built.step.lower(run.state, run.weights,
+                                   run.step_inputs(first))
+  compiled = lowered.compile(placement.compiler_options if placement else None)
   print(f"[train] step compiled in {time.time() - compile_start:.1f}s")
   # A step that cannot be allocated may hang instead of failing: refuse it
   # before it runs.
@@ -532,6 +544,8 @@ class Loop(NamedTuple):
   output_dir: str
   writer: bool
   sink: wandb_sink.Sink = wandb_sink.NO_SINK
+  # The most steps one call of `compiled` takes (1: the plain step).
+  steps_per_call: int = 1
 
   @property
   def metrics_path(self) -> str:
@@ -540,16 +554,22 @@ class Loop(NamedTuple):
 
 def run_steps(loop: Loop, state, first: int):
   """Step from `first` to the end, logging every --log_every steps and
-  saving as the session says; return the last state."""
+  saving as the session says; return the last state.
+
+  Each call runs `call_length` steps, so every step the loop looks at
+  (logs, saves, a profile edge, the end) ends a call, and the signal check
+  runs after each call.
+  """
   config, session = loop.config, loop.session
   window_start, window_steps = time.time(), 0
   skipped = int(jax.device_get(state.health.nonfinite_steps))
-  for s in range(first, last_step(config)):
+  s = first
+  while s < last_step(config):
+    n = call_length(config, s, loop.steps_per_call)
     run_records.profile_before_step(config, loop.output_dir, s)
-    state, metrics = loop.compiled(state, loop.run.weights,
-                                   loop.run.step_inputs(s))
-    window_steps += 1
-    done = s + 1
+    state, metrics = call(loop, state, s, n)
+    window_steps += n
+    done = s + n
     if done % config.log_every == 0 or done == config.num_steps:
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
       skipped = check_nonfinite(session, state, metrics, skipped)
@@ -557,8 +577,39 @@ def run_steps(loop: Loop, state, first: int):
       log_step(loop, state, metrics, done, step_time)
       window_start, window_steps = time.time(), 0
     run_records.profile_after_step(config, loop.output_dir, state, done)
-    checkpointing.after_step(session, state, done)
+    checkpointing.after_step(session, state, done, n)
+    s = done
   return state
+
+
+def call(loop: Loop, state, s: int, n: int):
+  """Return the state and the last step's metrics after `n` steps from
+  `s` completed ones: one call of the compiled step or steps."""
+  if loop.steps_per_call == 1:
+    return loop.compiled(state, loop.run.weights, loop.run.step_inputs(s))
+  return loop.compiled(state, loop.run.weights, loop.run.step_inputs(s),
+                       np.int32(n))
+
+
+def call_length(config: TrainConfig, s: int, per_call: int) -> int:
+  """Return how many steps the call after `s` completed ones takes: up to
+  `per_call`, ending at the first step the loop looks at (`looked_at`) or
+  at the launch's last step."""
+  end = min(s + per_call, last_step(config))
+  return next(done for done in range(s + 1, end + 1)
+              if done == end or looked_at(config, done)) - s
+
+
+def looked_at(config: TrainConfig, done: int) -> bool:
+  """Return whether the loop acts after `done` steps: it logs (evals and
+  figure refreshes come only at log steps), saves, or starts or stops the
+  profile."""
+  window = run_records.parse_profile_steps(config.profile_steps,
+                                           config.num_steps)
+  return (done % config.log_every == 0
+          or (config.checkpointing == "periodic"
+              and done % config.save_every == 0)
+          or (window is not None and done in window))
 
 
 def last_step(config: TrainConfig) -> int:

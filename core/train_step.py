@@ -971,7 +971,11 @@ def make_train_step(
 
   steps = None
   if sample_inputs is not None:
-    steps = functools.partial(repeated_steps, train_step)
+    single = train_step
+
+    def steps(state, weights, data_key, n):
+      return repeated_steps(single, state, weights, data_key, n)
+
   if max_traces is not None:
     train_step = chex.assert_max_traces(train_step, max_traces)
     steps = steps and chex.assert_max_traces(steps, max_traces)
@@ -999,6 +1003,8 @@ def repeated_steps(
   `n` calls of the jitted step. The frozen weights stay a runtime argument,
   read by every step.
   """
+  # Jitted, the step is traced once for both its shapes and the loop body.
+  step = jax.jit(step)
   metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
     step, state, weights, data_key)[1])
 

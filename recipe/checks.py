@@ -13,7 +13,8 @@ import os
 
 from decompax.core import ci_fns
 from decompax.recipe import streams, terms
-from decompax.recipe.config import TrainConfig, candidate_seed, setting
+from decompax.recipe.config import (
+  TrainConfig, candidate_seed, reads_token_files, setting)
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -272,6 +273,7 @@ def _validate_run(config: TrainConfig) -> None:
   parse_init_from(config.init_from)
   parse_profile_steps(config.profile_steps, config.num_steps)
   _validate_stop(config)
+  _validate_steps_per_call(config)
   _validate_restarts(config)
 
 
@@ -305,6 +307,18 @@ def _validate_restarts(config: TrainConfig) -> None:
   if config.init_from:
     raise ValueError("--restarts starts candidates from fresh seeds; with "
                      "--init_from they would share one start: drop one")
+
+
+def _validate_steps_per_call(config: TrainConfig) -> None:
+  """Raise ValueError for a negative `--steps_per_call`, or one above 1
+  for a run whose batches the host reads one per step."""
+  _non_negative("steps_per_call", config.steps_per_call)
+  if config.steps_per_call > 1 and reads_token_files(config):
+    raise ValueError(
+      f"--steps_per_call={config.steps_per_call}: a run reading token files "
+      "(--data_path, --target_data_path, --nontarget_data_path) takes one "
+      "step per call, its batches read by the host; set --steps_per_call=1 "
+      "or 0 (auto)")
 
 
 def _validate_stop(config: TrainConfig) -> None:

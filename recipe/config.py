@@ -57,6 +57,12 @@ _SCHEDULES = ("constant", "linear", "cosine")
 _PLANS = ("all_sites", "per_site", "subset", "groups")
 
 
+# `--steps_per_call=0` (auto) on a TPU: enough steps that a small toy's
+# dispatch no longer shows (bench/steps_per_call.py), few enough that a
+# stop signal is serviced within seconds.
+TPU_STEPS_PER_CALL = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Every setting of one decomposition run (see the module docstring)."""
@@ -499,6 +505,20 @@ class TrainConfig:
     "Fine-tune init: <run_dir>/<step> or <run_dir>/latest. Starts from that "
     "run's decomposition with fresh optimizers, adversaries, EMA and step 0, "
     "no warmup; its sites, C and CI function must match.")
+  steps_per_call: int = _setting(
+    0,
+    "Training steps per compiled call, run as one loop inside the program "
+    "(small models spend most of a step in dispatch on an accelerator). "
+    "Logging, evals, checkpoints, the profile window and the stop-signal "
+    "check run between calls, and a call ends early at every step where "
+    "the loop logs, saves or starts or stops the profile, so the run, its "
+    "logged metrics (each log step's own) and its checkpoints are bitwise "
+    "those of one step per call; a stop signal is serviced at the end of "
+    "the call it arrives in. 0: auto, "
+    f"{TPU_STEPS_PER_CALL} on a TPU and 1 elsewhere (CPUs and GPUs dispatch "
+    "cheaply beside the step), 1 for runs reading token files (--data_path, "
+    "--target_data_path, --nontarget_data_path), which take one step per "
+    "call. May change between launches of a run.")
   profile_steps: str = _setting(
     "",
     "START:END writes a jax.profiler trace of steps [START, END) to "
@@ -730,6 +750,24 @@ SEED_STRIDE = 1000
 def candidate_seed(seed: int, index: int) -> int:
   """Return the seed of `--restarts` candidate `index`."""
   return seed + SEED_STRIDE * index
+
+
+def steps_per_call(config: TrainConfig, platform: str) -> int:
+  """Return the steps the run takes per compiled call on `platform`
+  (`jax.default_backend()`): `--steps_per_call`, or its auto value."""
+  if config.steps_per_call:
+    return config.steps_per_call
+  if reads_token_files(config) or platform != "tpu":
+    return 1
+  return TPU_STEPS_PER_CALL
+
+
+def reads_token_files(config: TrainConfig) -> bool:
+  """Return whether the host reads the run's batches from token files, one
+  per step, instead of the step drawing its own (a targeted run's task
+  streams are drawn in the step)."""
+  return bool(config.data_path or config.target_data_path
+              or config.nontarget_data_path)
 
 
 def held_out_seed(config: TrainConfig) -> int:

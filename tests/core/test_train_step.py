@@ -250,3 +250,38 @@ def test_each_step_draws_from_its_own_key(chain):
     jax.random.wrap_key_data(rng), s), 1))) for s in (0, 1, 5)]
   assert draws[0] != draws[1]
   np.testing.assert_array_equal([*draws, float(at_5["loss/draw"])], want)
+
+
+def test_steps_are_bitwise_the_single_steps_in_one_program(
+    chain, assert_bitwise_equal):
+  """`TrainStep.steps`: n sampled steps in one call end in the very state
+  and last metrics of n calls of the step, whatever each call's length, one
+  trace and one program for every length, the frozen weights an argument
+  of it and nothing read back to the host inside it."""
+  target, weights = chain
+  ci = ci_fns.make_ci_fn(ci_fns.CIConfig("component_mlp", (4,)), target.sites)
+  cfg = train_step.StepConfig(
+    total_steps=10,
+    components_opt=optim.AdamWConfig(Schedule(1e-2), clip_max_norm=1.0),
+    ci_opt=optim.AdamWConfig(Schedule(1e-2)),
+  )
+  built = train_step.make_train_step(
+    target, ci, (_recon_like_term(), _key_term()), cfg,
+    sample_inputs=lambda key: jax.random.normal(key, (8, 4)), max_traces=1)
+  start = _state(chain, ci, built)
+  key = jax.random.key(3)
+  lowered = built.steps.lower(start, weights, key, 1).as_text()
+  assert _main_arguments(built.steps.lower(start, weights, key, 1)).count(
+    "tensor<2x4x4xf32>") == 1
+  assert "callback" not in lowered
+  single, metrics = jax.tree.map(jnp.copy, start), []
+  for _ in range(6):
+    single, m = built.step(single, weights, key)
+    metrics.append(m)
+  state = start
+  for n, last in ((1, 0), (3, 3), (2, 5)):
+    state, m = built.steps(state, weights, key, n)
+    assert_bitwise_equal(m, metrics[last])
+  assert int(state.step) == 6
+  assert_bitwise_equal(state, single)
+  assert built.steps._cache_size() == 1

@@ -57,3 +57,26 @@ def test_the_rider_help_names_every_term_that_takes_the_rider():
   help_text = config_lib.doc(fields["hidden_terms"]).help
   named = help_text.partition(":")[2].strip(" .").split(", ")
   assert named == list(terms.RIDER_TERMS)
+
+
+@pytest.mark.parametrize("args,message", [
+  (("--steps_per_call=-1",), "--steps_per_call must be >= 0, got -1"),
+  (("--target=hf", "--model_dir=m", "--data_path=t.bin",
+    "--steps_per_call=8"),
+   "--steps_per_call=8: a run reading token files .* set "
+   r"--steps_per_call=1 or 0 \(auto\)"),
+])
+def test_steps_per_call_is_refused_where_it_cannot_run(args, message):
+  with pytest.raises(ValueError, match=message):
+    read_args(args)
+
+
+def test_steps_per_call_auto_is_many_on_a_tpu_only():
+  """Auto: a TPU's dispatch is dear beside a small step, a CPU's is not;
+  token files are read one batch per step; a set value is kept."""
+  auto = config_lib.steps_per_call
+  assert auto(DEFAULTS, "tpu") == config_lib.TPU_STEPS_PER_CALL > 1
+  assert auto(DEFAULTS, "cpu") == auto(DEFAULTS, "gpu") == 1
+  files = dataclasses.replace(DEFAULTS, target="hf", data_path="t.bin")
+  assert auto(files, "tpu") == 1
+  assert auto(dataclasses.replace(DEFAULTS, steps_per_call=3), "cpu") == 3
