@@ -57,9 +57,9 @@ _SCHEDULES = ("constant", "linear", "cosine")
 _PLANS = ("all_sites", "per_site", "subset", "groups")
 
 
-# `--steps_per_call=0` (auto) on a TPU: enough steps that a small toy's
-# dispatch no longer shows (bench/steps_per_call.py), few enough that a
-# stop signal is serviced within seconds.
+# `--steps_per_call=0` (auto) on a TPU: meant to be enough steps that a
+# small toy's dispatch no longer shows, few enough that a stop signal is
+# serviced within seconds; `bench/steps_per_call.py` measures the choice.
 TPU_STEPS_PER_CALL = 64
 
 
