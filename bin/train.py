@@ -567,7 +567,8 @@ def run_steps(loop: Loop, state, first: int):
   while s < last_step(config):
     n = call_length(config, s, loop.steps_per_call)
     run_records.profile_before_step(config, loop.output_dir, s)
-    state, metrics = call(loop, state, s, n)
+    inputs = loop.run.step_inputs(s)
+    state, metrics = call(loop, state, inputs, n)
     window_steps += n
     done = s + n
     if done % config.log_every == 0 or done == config.num_steps:
@@ -582,13 +583,13 @@ def run_steps(loop: Loop, state, first: int):
   return state
 
 
-def call(loop: Loop, state, s: int, n: int):
-  """Return the state and the last step's metrics after `n` steps from
-  `s` completed ones: one call of the compiled step or steps."""
+def call(loop: Loop, state, inputs, n: int):
+  """Return the state and the last step's metrics after `n` steps on
+  `inputs` (the first step's batch, or the data key the steps draw from):
+  one call of the compiled step or steps."""
   if loop.steps_per_call == 1:
-    return loop.compiled(state, loop.run.weights, loop.run.step_inputs(s))
-  return loop.compiled(state, loop.run.weights, loop.run.step_inputs(s),
-                       np.int32(n))
+    return loop.compiled(state, loop.run.weights, inputs)
+  return loop.compiled(state, loop.run.weights, inputs, np.int32(n))
 
 
 def call_length(config: TrainConfig, s: int, per_call: int) -> int:
