@@ -516,6 +516,33 @@ def _open_lock(what: str, path: str) -> int:
     raise _lock_refusal(what, path, e) from e
 
 
+def _pid_alive(pid: int) -> bool:
+  # Read off /proc (a library signals no process); where there is no
+  # /proc, every holder may live.
+  return not os.path.isdir("/proc/self") or os.path.exists(f"/proc/{pid}")
+
+
+def holder_alive(text: str) -> bool:
+  """Return whether the holder a lock file records (`pid N on HOST`) may
+  still live: one of another host, or of an unreadable record, may; one
+  of this host lives when its pid does."""
+  words = text.split()
+  if len(words) != 4 or words[0] != "pid" or words[2] != "on":
+    return bool(words)
+  if words[3] != socket.gethostname() or not words[1].isdigit():
+    return True
+  return int(words[1]) != os.getpid() and _pid_alive(int(words[1]))
+
+
+def _check_recorded_holder(fd: int, what: str, path: str, wait: str) -> None:
+  """Where the file system cannot lock, refuse while the holder recorded
+  in the lock file `fd` lives; a dead one's record is taken over."""
+  holder = _holder(fd)
+  if holder != "another process" and holder_alive(holder):
+    os.close(fd)
+    raise ValueError(f"{what} {path} is in use by {holder}; {wait}")
+
+
 def lock_run_dir(path: Path) -> int:
   """Return an open descriptor holding the exclusive lock of run `path`
   (`lock_dir`: a second trainer is refused)."""
@@ -533,7 +560,8 @@ def lock_dir(path: Path, what: str, wait: str) -> int:
   kernel drops it when the process dies: the file a dead process left
   never blocks. Raises a one-line ValueError naming the holder, and `wait`
   as the fix, when another process holds the lock. Where the file system
-  cannot lock, warns and returns the descriptor unlocked.
+  cannot lock, the recorded holder decides (`holder_alive`): a live one is
+  refused, a dead one on this host is taken over, with a warning.
   """
   path = os.path.abspath(os.fspath(path))
   fd = _open_lock(what, path)
@@ -548,9 +576,9 @@ def lock_dir(path: Path, what: str, wait: str) -> int:
     if e.errno not in _NO_LOCKING:
       os.close(fd)
       raise _lock_refusal(what, path, e) from e
-    warnings.warn(f"{path} cannot be locked ({e.strerror}); a second "
-                  "writer there would not be refused")
-    return fd
+    _check_recorded_holder(fd, what, path, wait)
+    warnings.warn(f"{path} cannot be locked ({e.strerror}); only a live "
+                  "writer on this host is refused")
   me = f"pid {os.getpid()} on {socket.gethostname()}\n".encode("utf-8")
   os.ftruncate(fd, 0)
   os.pwrite(fd, me, 0)

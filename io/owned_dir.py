@@ -1,0 +1,283 @@
+"""The one contract of a directory a binary writes (`bin/train_lm`'s model,
+`bin/prepare_brown`'s data, `bin/harvest`'s store, ...).
+
+- Its path is named: an empty or blank one is refused (`named`).
+- One writer at a time: the writer holds the lock of `.lock`, which names
+  its pid and host (`run_dir.lock_dir`); a lock a dead holder left is taken
+  over.
+- `.written.json`, the manifest, names the binary that made the directory,
+  the settings that decide what it holds (among them the identity of its
+  input data: `file_identity`), and every entry the binary wrote, each
+  listed before it is written (`record`).
+- A directory holding this binary's output made with other settings is
+  refused (`OwnedConflict`, one line naming the first differences and the
+  fix) unless `overwrite`, which removes what the manifest lists and
+  nothing else. A directory with entries but no manifest of this binary
+  is never written into, `overwrite` or not.
+- Refusals come before anything is written; an OS error becomes one line
+  naming the path (`refusal`), and writes are atomic, so a failed write
+  leaves the old file or none (`run_dir.atomic_write`).
+
+A `location` key of a settings dict (where an input lay) is recorded but
+never compared: the same bytes moved elsewhere are the same input.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+from decompax.io import run_dir
+
+MANIFEST_FILE = ".written.json"
+MANIFEST_FORMAT = "decompax.written"
+# Never an entry of the manifest: the lock outlives any writer, and the
+# manifest is the directory's own record.
+_OWN = (run_dir.LOCK_FILE, MANIFEST_FILE)
+_HASH_CHUNK = 1 << 22
+
+
+class OwnedConflict(ValueError):
+  """The directory holds this binary's output made with other settings;
+  the message is one line naming the differences and the fix."""
+
+
+class Claim(NamedTuple):
+  """A directory claimed by one binary: its absolute path, the descriptor
+  holding its lock (for the process's life), and whether it already held
+  this binary's output of the same settings (a resume or a reuse)."""
+
+  path: str
+  lock: int
+  resumed: bool
+
+
+def named(value: str | None, flag: str) -> str:
+  """Return `value`, a path flag's value; ValueError for an empty or blank
+  one (which would mean the working directory)."""
+  if value is None or not value.strip():
+    raise ValueError(f"--{flag}={value or ''!r} names no path; name the "
+                     "directory (or file) to write")
+  return value
+
+
+def file_identity(path: run_dir.Path) -> dict[str, Any]:
+  """Return what identifies the file at `path`: its location, size and
+  SHA-256 of its bytes."""
+  digest = hashlib.sha256()
+  size = 0
+  with open(path, "rb") as f:
+    while chunk := f.read(_HASH_CHUNK):
+      digest.update(chunk)
+      size += len(chunk)
+  return {"location": os.path.abspath(os.fspath(path)), "size": size,
+          "sha256": digest.hexdigest()}
+
+
+def files_identity(directory: run_dir.Path,
+                   names: tuple[str, ...]) -> dict[str, Any]:
+  """Return `file_identity` of each of `names` in `directory` present there,
+  keyed by name."""
+  directory = os.fspath(directory)
+  return {name: file_identity(os.path.join(directory, name))
+          for name in names if os.path.isfile(os.path.join(directory, name))}
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+  """Return the leaves of nested dicts keyed by dotted path, `location`
+  keys left out."""
+  if not isinstance(value, Mapping):
+    return {prefix: value}
+  flat = {}
+  for key, item in value.items():
+    if key != "location":
+      flat.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
+  return flat
+
+
+def _shown(value: Any) -> str:
+  if isinstance(value, str) and len(value) == 64:
+    return value[:12] + "…"  # a hash: its head tells two apart
+  return "not recorded" if value is None else json.dumps(value)
+
+
+def settings_changes(old: Mapping, new: Mapping, shown: int = 3) -> list[str]:
+  """Return the settings that differ between `old` and `new`, each as
+  `name was X, now Y` (at most `shown`, then `and N more`)."""
+  a, b = _flat(old), _flat(new)
+  names = sorted(n for n in a.keys() | b.keys() if a.get(n) != b.get(n))
+  changes = [f"{n} was {_shown(a.get(n))}, now {_shown(b.get(n))}"
+             for n in names[:shown]]
+  if len(names) > shown:
+    changes.append(f"and {len(names) - shown} more")
+  return changes
+
+
+def refusal(error: OSError, path: run_dir.Path) -> str:
+  """Return, on one line, why a write failed: the path it names (else
+  `path`), the reason and the fix."""
+  return run_dir.write_refusal(error.filename or os.fspath(path), error)
+
+
+def read_manifest(path: run_dir.Path) -> dict | None:
+  """Return the manifest of directory `path`, None where it has none or
+  one that cannot be read (then nothing there is known to be written by a
+  binary)."""
+  try:
+    with open(os.path.join(path, MANIFEST_FILE), encoding="utf-8") as f:
+      manifest = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    return None
+  if not (isinstance(manifest, dict)
+          and manifest.get("format") == MANIFEST_FORMAT
+          and isinstance(manifest.get("entries"), list)):
+    return None
+  return manifest
+
+
+def _write_manifest(path: str, manifest: dict) -> None:
+  text = json.dumps(manifest, indent=1) + "\n"
+  run_dir.atomic_write(os.path.join(path, MANIFEST_FILE),
+                       lambda f: f.write(text.encode("utf-8")))
+
+
+def _listed(names: list[str], shown: int = 3) -> str:
+  more = f" and {len(names) - shown} more" if len(names) > shown else ""
+  return ", ".join(names[:shown]) + more
+
+
+def _check_parent(path: str) -> None:
+  """Raise ValueError unless the parent of `path` is a directory."""
+  ancestor = os.path.dirname(path)
+  while not os.path.lexists(ancestor):
+    ancestor = os.path.dirname(ancestor)
+  if os.path.isdir(ancestor) and ancestor != os.path.dirname(path):
+    raise ValueError(f"{path}: its parent {os.path.dirname(path)} does not "
+                     "exist; create it or choose another directory")
+  if not os.path.isdir(ancestor):
+    raise ValueError(f"{path}: {ancestor} is a file, not a directory; "
+                     "choose another directory")
+
+
+def _foreign(path: str, program: str, manifest: dict | None) -> str | None:
+  """Return why `program` may not write into the existing directory
+  `path`, or None."""
+  entries = sorted(set(os.listdir(path)) - set(_OWN))
+  if manifest is None:
+    if not entries:
+      return None
+    return (f"holds {_listed(entries)}, which no {program} run wrote (it "
+            f"has no {MANIFEST_FILE}); move them away or choose another "
+            "directory")
+  if manifest.get("program") != program:
+    return (f"holds the output of {manifest.get('program')!r}, not of "
+            f"{program}; choose another directory")
+  return None
+
+
+def check(path: run_dir.Path, program: str, settings: Mapping,
+          overwrite: bool) -> bool:
+  """Return whether `path` holds `program`'s output of `settings` (a
+  resume); ValueError (one line, nothing written) unless `program` may
+  write there (see the module's docstring), OwnedConflict for its output
+  of other settings without `overwrite`."""
+  path = os.path.abspath(os.fspath(path))
+  _check_parent(path)
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise ValueError(f"{path} is a file, not a directory; choose another "
+                     "directory")
+  if not os.path.isdir(path):
+    return False
+  manifest = read_manifest(path)
+  reason = _foreign(path, program, manifest)
+  if reason is not None:
+    raise ValueError(f"{path} {reason}")
+  if manifest is None:
+    return False
+  changes = settings_changes(manifest.get("settings") or {}, settings)
+  if changes and not overwrite:
+    raise OwnedConflict(
+      f"{path} holds {program} output made with other settings "
+      f"({'; '.join(changes)}); rerun with those settings to reuse it, pass "
+      "--overwrite to replace it, or choose another directory")
+  return not changes and not overwrite
+
+
+def _remove_listed(path: str, manifest: dict | None) -> None:
+  for entry in (manifest or {}).get("entries", []):
+    if entry and os.sep not in entry and entry not in _OWN + (".", ".."):
+      run_dir.remove_path(os.path.join(path, entry))
+
+
+def claim(path: run_dir.Path, program: str, settings: Mapping,
+          overwrite: bool, what: str = "output dir") -> Claim:
+  """Return `path` claimed for `program`: checked (`check`), locked
+  (`what` names it in the lock's refusal), and with its manifest written.
+
+  A resume keeps what is there. Otherwise, with `overwrite`, the entries
+  the manifest lists are removed first; the new manifest lists none yet.
+  A directory this call made is removed again when its first write fails.
+  """
+  path = os.path.abspath(os.fspath(path))
+  check(path, program, settings, overwrite)
+  made = not os.path.isdir(path)
+  lock = run_dir.lock_dir(path, what, "wait for it to end or choose "
+                          "another directory")
+  try:
+    # Checked again under the lock: the first check may have raced a writer.
+    resumed = check(path, program, settings, overwrite)
+    manifest = read_manifest(path)
+    if not resumed:
+      _remove_listed(path, manifest)
+      manifest = {"format": MANIFEST_FORMAT, "program": program,
+                  "settings": dict(settings), "entries": []}
+      _write_manifest(path, manifest)
+  except BaseException:
+    if made:
+      run_dir.remove_path(path)
+    os.close(lock)
+    raise
+  return Claim(path, lock, resumed)
+
+
+def record(claim_: Claim, *names: str) -> None:
+  """List `names` (entries of the claimed directory) in its manifest,
+  before the binary writes them: a crash between the two leaves a name
+  without an entry, never an entry of the binary's that looks like a
+  user's."""
+  manifest = read_manifest(claim_.path)
+  if manifest is None:
+    raise ValueError(f"{claim_.path}/{MANIFEST_FILE} is gone or damaged; "
+                     "rerun with --overwrite in a directory of its own")
+  missing = [n for n in names if n not in manifest["entries"]]
+  if missing:
+    manifest["entries"] += missing
+    _write_manifest(claim_.path, manifest)
+
+
+def enter(path: run_dir.Path, owner: str, what: str) -> Claim:
+  """Return the directory `path` that `owner` wrote, locked for another
+  binary adding to it (as `bin/cluster` adds its clusters to a harvest);
+  ValueError where `owner` did not write it."""
+  path = os.path.abspath(os.fspath(path))
+  manifest = read_manifest(path) if os.path.isdir(path) else None
+  if manifest is None or manifest.get("program") != owner:
+    raise ValueError(f"{path} holds no {owner} output (no {MANIFEST_FILE} "
+                     f"of {owner}); run {owner} first")
+  lock = run_dir.lock_dir(path, what, f"wait for that {owner} to end")
+  return Claim(path, lock, True)
+
+
+@contextlib.contextmanager
+def one_line(path: run_dir.Path) -> Iterator[None]:
+  """Re-raise an OSError of the block as a ValueError of one line naming
+  the path (`refusal`)."""
+  try:
+    yield
+  except OSError as e:
+    if e.errno is None:
+      raise
+    raise ValueError(refusal(e, path)) from None
+
