@@ -38,7 +38,7 @@ import numpy as np
 from absl import flags, logging
 
 from decompax.bin import cli
-from decompax.io import hf_checkpoint, run_dir, tree_npz
+from decompax.io import hf_checkpoint, owned_dir, run_dir, tree_npz
 from decompax.io import tokens as tokens_lib
 from decompax.targets import brown, glu_target, text_lm
 
@@ -131,39 +131,37 @@ def open_data(data_dir: str, preset: text_lm.LmPreset):
   return train, held_out
 
 
-# Every file a run writes into its --output_dir: what --overwrite removes.
-WRITTEN = (STATE, RECORD, METRICS, "config.json", "model.safetensors",
-           "tokenizer.json", "tokenizer_config.json")
+# Every file a run writes into its --output_dir, each listed in the
+# directory's manifest before it is written (`io/owned_dir.py`).
+HF_FILES = ("config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json")
+# The files of --data_dir whose bytes decide the model.
+DATA_FILES = ("train.bin", "train.json", "held_out.bin", "held_out.json",
+              "tokenizer.json")
 
 
-def check_output(path: str, record: dict, overwrite: bool) -> bool:
-  """Return whether `path` holds a saved state of this run to resume.
+def output_dir(preset: text_lm.LmPreset) -> str:
+  """Return --output_dir (an empty or blank one refused), else
+  models/<preset>."""
+  if _OUTPUT_DIR.value is None:
+    return f"models/{preset.name}"
+  return owned_dir.named(_OUTPUT_DIR.value, "output_dir")
 
-  A directory holding another run (or files of none) is refused unless
-  `overwrite`, which removes the files a run writes (`WRITTEN`) and
-  nothing else. A run of these settings that never saved starts over.
-  """
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise ValueError(f"--output_dir {path} is a file; name a directory")
-  if not os.path.isdir(path) or not os.listdir(path):
-    return False
-  saved = None
+
+def claim_output(path: str, record: dict, overwrite: bool) -> bool:
+  """Claim `path` for this run, its lock held until the process ends;
+  return whether it holds a saved state of the run to resume (`io/owned_dir.py`: a directory holding another run is
+  refused unless `overwrite`, which removes what that run wrote; one this
+  binary did not write is refused). A run of these settings that never
+  saved starts over, its metrics cut."""
   try:
-    with open(os.path.join(path, RECORD)) as f:
-      saved = json.load(f).get("settings")
-  except (OSError, ValueError, AttributeError):
-    pass
-  if saved == record:
-    return os.path.isfile(os.path.join(path, STATE))
-  if not overwrite:
-    what = ("a run with other settings" if saved is not None
-            else "files of no train_lm run")
-    raise ValueError(f"--output_dir {path} holds {what}; pass --overwrite"
-                     " to start over there, or name another directory")
-  for name in WRITTEN:
-    if os.path.isfile(os.path.join(path, name)):
-      os.remove(os.path.join(path, name))
-  return False
+    claim = owned_dir.claim(path, "train_lm", record, overwrite)
+  except owned_dir.OwnedConflict as e:
+    raise ValueError(f"--output_dir {e}") from None
+  except ValueError as e:
+    raise ValueError(f"--output_dir {e}") from None
+  owned_dir.record(path, RECORD, METRICS, STATE)
+  return claim.resumed and os.path.isfile(os.path.join(path, STATE))
 
 
 def write_record(path: str, record: dict) -> None:
@@ -171,6 +169,24 @@ def write_record(path: str, record: dict) -> None:
   text = json.dumps(record, indent=1) + "\n"
   run_dir.atomic_write(os.path.join(path, RECORD),
                        lambda f: f.write(text.encode()))
+
+
+def start_state(path: str, preset: text_lm.LmPreset, record: dict,
+                resume: bool):
+  """Return the training state: the saved one (the metrics past its step
+  cut, so a killed attempt's records are not repeated), else a fresh one
+  (the metrics of a run that never saved removed)."""
+  metrics = os.path.join(path, METRICS)
+  if not resume:
+    run_dir.remove_path(metrics)
+    write_record(path, {"settings": record})
+    return text_lm.init_state(jax.random.key(_SEED.value), preset)
+  template = jax.eval_shape(
+    lambda: text_lm.init_state(jax.random.key(_SEED.value), preset))
+  state, meta = tree_npz.load_tree(os.path.join(path, STATE), template)
+  run_dir.truncate_metrics(metrics, int(meta["step"]))
+  print(f"[train_lm] resuming {path} at step {meta['step']}", flush=True)
+  return jax.tree.map(jnp.asarray, state)
 
 
 def install_stop_flag() -> threading.Event:
@@ -223,8 +239,19 @@ def evaluate(weights, train, held_out, preset, limit, score) -> dict:
           "bigram_ppl": brown.perplexity(base.bigram)}
 
 
+def copier(source: str):
+  """Return a writer of `source`'s bytes (for `run_dir.atomic_write`)."""
+
+  def write(f) -> None:
+    with open(source, "rb") as src:
+      shutil.copyfileobj(src, f)
+
+  return write
+
+
 def export(path: str, data_dir: str, weights, preset) -> None:
   """Write the Hugging Face directory of the trained weights into `path`."""
+  owned_dir.record(path, *HF_FILES)
   config = text_lm.model_config(preset)
   arrays = glu_target.weights_to_arrays(jax.device_get(weights))
   hf_checkpoint.write_llama_checkpoint(
@@ -233,7 +260,7 @@ def export(path: str, data_dir: str, weights, preset) -> None:
   for name in ("tokenizer.json", "tokenizer_config.json"):
     source = os.path.join(data_dir, name)
     if os.path.isfile(source):
-      shutil.copyfile(source, os.path.join(path, name))
+      run_dir.atomic_write(os.path.join(path, name), copier(source))
 
 
 class Progress:
@@ -316,22 +343,14 @@ def main(argv: list[str]) -> None:
   stop = install_stop_flag()
   try:
     preset, record = settings()
-    data_dir = _DATA_DIR.value or f"data/brown/bpe-{preset.vocab_size}"
-    path = _OUTPUT_DIR.value or f"models/{preset.name}"
+    data_dir = owned_dir.named(
+      _DATA_DIR.value or f"data/brown/bpe-{preset.vocab_size}", "data_dir")
+    path = output_dir(preset)
     train_tokens, held_out = open_data(data_dir, preset)
-    resume = check_output(path, record, _OVERWRITE.value)
-    os.makedirs(path, exist_ok=True)
-    template = jax.eval_shape(
-      lambda: text_lm.init_state(jax.random.key(_SEED.value), preset))
-    if resume:
-      state, meta = tree_npz.load_tree(os.path.join(path, STATE), template)
-      state = jax.tree.map(jnp.asarray, state)
-      print(f"[train_lm] resuming {path} at step {meta['step']}", flush=True)
-    else:
-      state = text_lm.init_state(jax.random.key(_SEED.value), preset)
-      if os.path.isfile(os.path.join(path, METRICS)):
-        os.remove(os.path.join(path, METRICS))  # of a run that never saved
-      write_record(path, {"settings": record})
+    # The data's bytes decide the model as much as the preset does.
+    record["data"] = owned_dir.files_identity(data_dir, DATA_FILES)
+    resume = claim_output(path, record, _OVERWRITE.value)
+    state = start_state(path, preset, record, resume)
     print(f"[train_lm] {preset.name}: {preset.n_layers} layers, d_model"
           f" {preset.d_model}, d_ff {preset.d_ff}, context {preset.seq_len},"
           f" vocab {preset.vocab_size}; {preset.num_steps} steps of"
@@ -364,6 +383,8 @@ def main(argv: list[str]) -> None:
                         "train_seconds_this_run": time.time() - start})
   except ValueError as e:
     fail(str(e))
+  except OSError as e:
+    fail(owned_dir.refusal(e, _OUTPUT_DIR.value or "models"))
   gap = results["bigram_ce"] - results["model_ce"]
   print(f"[train_lm] held-out cross entropy (nats/token, "
         f"{results['held_out_tokens']} tokens): model"

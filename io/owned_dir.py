@@ -242,19 +242,20 @@ def claim(path: run_dir.Path, program: str, settings: Mapping,
   return Claim(path, lock, resumed)
 
 
-def record(claim_: Claim, *names: str) -> None:
-  """List `names` (entries of the claimed directory) in its manifest,
+def record(path: run_dir.Path, *names: str) -> None:
+  """List `names` (entries of the claimed directory `path`) in its manifest,
   before the binary writes them: a crash between the two leaves a name
   without an entry, never an entry of the binary's that looks like a
   user's."""
-  manifest = read_manifest(claim_.path)
+  path = os.fspath(path)
+  manifest = read_manifest(path)
   if manifest is None:
-    raise ValueError(f"{claim_.path}/{MANIFEST_FILE} is gone or damaged; "
+    raise ValueError(f"{path}/{MANIFEST_FILE} is gone or damaged; "
                      "rerun with --overwrite in a directory of its own")
   missing = [n for n in names if n not in manifest["entries"]]
   if missing:
     manifest["entries"] += missing
-    _write_manifest(claim_.path, manifest)
+    _write_manifest(path, manifest)
 
 
 def enter(path: run_dir.Path, owner: str, what: str) -> Claim:

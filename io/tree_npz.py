@@ -8,6 +8,7 @@ leaves the previous file.
 
 import json
 import os
+import zipfile
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ def load_tree(path: run_dir.Path, template: Any) -> tuple[Any, dict]:
       meta = json.loads(str(data["meta"]))
       got = [data[f"leaf_{i}"] for i in range(len(leaves))]
       extra = len(data.files) - 1 - len(leaves)
-  except (OSError, ValueError, KeyError) as e:
+  except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:
     raise ValueError(f"cannot read saved state {path} ({e}); delete it to"
                      " start over") from None
   if extra:

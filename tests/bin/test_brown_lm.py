@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from decompax.io import brown_files as brown_io
-from decompax.io import tokens, tree_npz
+from decompax.io import run_dir, tokens, tree_npz
 from decompax.recipe import config as config_lib
 from decompax.recipe import lm
 from decompax.targets import brown, text_lm
@@ -180,15 +181,32 @@ def test_hf_directory_reproduces_the_trainers_logits(model, data):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _copy(model_dir: pathlib.Path, destination: pathlib.Path
+          ) -> pathlib.Path:
+  shutil.copytree(model_dir, destination)
+  (destination / run_dir.LOCK_FILE).unlink(missing_ok=True)
+  return destination
+
+
+def _without_output(args) -> list[str]:
+  return [a for a in args if not a.startswith("--output_dir")]
+
+
+def _steps(out: pathlib.Path) -> list[int]:
+  return [json.loads(line)["step"] for line in
+          (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_a_stopped_run_resumes_onto_the_same_weights(model, tmp_path):
   out, args, _ = model
-  other = [a for a in args if not a.startswith("--output_dir")]
-  other.append(f"--output_dir={tmp_path / 'm'}")
+  other = [*_without_output(args), f"--output_dir={tmp_path / 'm'}"]
   stopped = run("train_lm", *other,
                 env={"DECOMPAX_FAULT": "sigterm_after_step=17"})
   assert stopped.returncode == 75, stopped.stderr
   assert "saved step 17" in stopped.stdout
   assert not (tmp_path / "m" / "model.safetensors").exists()
+  # A record a killed attempt logged after its last save (step 17).
+  run_dir.append_metrics(tmp_path / "m" / "metrics.jsonl", {"step": 30})
   resumed = run("train_lm", *other)
   assert resumed.returncode == 0, resumed.stderr
   assert "resuming" in resumed.stdout and "at step 17" in resumed.stdout
@@ -197,37 +215,32 @@ def test_a_stopped_run_resumes_onto_the_same_weights(model, tmp_path):
   a = json.loads((tmp_path / "m" / "train_lm.json").read_text())["results"]
   b = json.loads((out / "train_lm.json").read_text())["results"]
   assert a == b
+  # Records past the resumed step are cut, not repeated.
+  assert _steps(tmp_path / "m") == _steps(out) == [40]
 
 
 def test_a_run_that_never_saved_starts_over(model, tmp_path):
   out, args, _ = model
-  (tmp_path / "m").mkdir()
-  record = json.loads((out / "train_lm.json").read_text())
-  (tmp_path / "m" / "train_lm.json").write_text(json.dumps(
-    {"settings": record["settings"]}))
-  (tmp_path / "m" / "metrics.jsonl").write_text('{"step": 99}\n')
-  other = [a for a in args if not a.startswith("--output_dir")]
-  done = run("train_lm", *other, f"--output_dir={tmp_path / 'm'}")
+  m = _copy(out, tmp_path / "m")
+  (m / "train_state.npz").unlink()
+  (m / "metrics.jsonl").write_text('{"step": 99}\n')
+  done = run("train_lm", *_without_output(args), f"--output_dir={m}")
   assert done.returncode == 0, done.stderr
   assert "resuming" not in done.stdout
   jax.tree.map(np.testing.assert_array_equal,
-               _trained_weights(tmp_path / "m"), _trained_weights(out))
-  steps = [json.loads(line)["step"] for line in
-           (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
-  assert steps == [40]
+               _trained_weights(m), _trained_weights(out))
+  assert _steps(m) == [40]
 
 
 def test_overwrite_removes_only_what_a_run_writes(model, tmp_path):
   out, args, _ = model
-  (tmp_path / "m").mkdir()
-  (tmp_path / "m" / "train_lm.json").write_text('{"settings": {"x": 1}}')
-  (tmp_path / "m" / "notes.txt").write_text("keep me")
-  other = [a for a in args if not a.startswith("--output_dir")]
-  done = run("train_lm", *other, f"--output_dir={tmp_path / 'm'}",
+  m = _copy(out, tmp_path / "m")
+  (m / "notes.txt").write_text("keep me")
+  done = run("train_lm", *_without_output(args), f"--output_dir={m}",
              "--overwrite", "--num_steps=2", "--eval_every_steps=0")
   assert done.returncode == 0, done.stderr
-  assert (tmp_path / "m" / "notes.txt").read_text() == "keep me"
-  record = json.loads((tmp_path / "m" / "train_lm.json").read_text())
+  assert (m / "notes.txt").read_text() == "keep me"
+  record = json.loads((m / "train_lm.json").read_text())
   assert record["settings"]["preset"]["num_steps"] == 2
 
 
@@ -235,4 +248,51 @@ def test_another_runs_directory_is_refused(model):
   out, args, _ = model
   done = run("train_lm", *args, "--num_steps=5")
   assert done.returncode == 2
-  assert "holds a run with other settings; pass --overwrite" in done.stderr
+  assert done.stderr.splitlines() == [
+    f"train_lm: error: --output_dir {out} holds train_lm output made with "
+    "other settings (preset.num_steps was 40, now 5); rerun with those "
+    "settings to reuse it, pass --overwrite to replace it, or choose another "
+    "directory"]
+
+
+def test_overwrite_refuses_a_model_train_lm_did_not_write(model, tmp_path):
+  # A user's Hugging Face model: every file of it one train_lm writes.
+  _, args, _ = model
+  m = tmp_path / "hf"
+  shutil.copytree(ROOT / "tests" / "fixtures" / "tiny_llama", m)
+  (m / "metrics.jsonl").write_text('{"step": 1}\n')
+  before = {p.name: p.read_bytes() for p in m.iterdir()}
+  done = run("train_lm", *_without_output(args), f"--output_dir={m}",
+             "--overwrite")
+  assert done.returncode == 2, done.stderr
+  assert "which no train_lm run wrote" in done.stderr
+  assert len(done.stderr.splitlines()) == 1
+  assert {p.name: p.read_bytes() for p in m.iterdir()} == before
+
+
+def test_another_data_dir_is_refused_not_resumed(model, data, tmp_path):
+  out, args, _ = model
+  other = tmp_path / "other"
+  shutil.copytree(data[0] / "bpe-300", other)
+  opened = tokens.open_tokens(other / "train.bin")
+  tokens.write_tokens(other / "train.bin", [np.asarray(opened.ids)[::-1]],
+                      opened.header.vocab_size, opened.header.eos_id, "t")
+  m = _copy(out, tmp_path / "m")
+  (m / "train_state.npz").write_bytes((out / "train_state.npz").read_bytes())
+  done = run("train_lm", "--preset=tiny", f"--data_dir={other}",
+             f"--output_dir={m}")
+  assert done.returncode == 2, done.stderr
+  assert "other settings (data.train.bin.sha256 was" in done.stderr
+  assert "resuming" not in done.stdout
+
+
+def test_a_truncated_saved_state_is_one_line(model, tmp_path):
+  out, args, _ = model
+  m = _copy(out, tmp_path / "m")
+  state = m / "train_state.npz"
+  state.write_bytes(state.read_bytes()[:1000])
+  done = run("train_lm", *_without_output(args), f"--output_dir={m}")
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.splitlines() == [
+    f"train_lm: error: cannot read saved state {state} (File is not a zip "
+    "file); delete it to start over"]

@@ -21,7 +21,7 @@ def test_a_claim_writes_the_manifest_and_resumes_on_the_same_settings(
   out = tmp_path / "o"
   first = owned_dir.claim(out, "prog", {"a": 1}, overwrite=False)
   assert not first.resumed
-  owned_dir.record(first, "x.bin")
+  owned_dir.record(out, "x.bin")
   (out / "x.bin").write_text("x")
   os.close(first.lock)
   manifest = owned_dir.read_manifest(out)
@@ -55,7 +55,7 @@ def test_a_moved_input_is_the_same_input(tmp_path):
 def test_overwrite_removes_only_the_listed_entries(tmp_path):
   out = tmp_path / "o"
   claim = owned_dir.claim(out, "prog", {"a": 1}, False)
-  owned_dir.record(claim, "mine", "gone")
+  owned_dir.record(out, "mine", "gone")
   (out / "mine").mkdir()
   (out / "mine" / "f").write_text("x")
   (out / "notes.txt").write_text("the user's")
