@@ -62,6 +62,9 @@ def read_document(path: str) -> Document:
 
 def check_names(directory: str, names: Sequence[str]) -> None:
   """Raise ValueError unless `directory` holds a file for every name."""
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f"corpus directory {directory} is a file, not a "
+                     "directory; give the folder holding ca01 … cr09")
   if not os.path.isdir(directory):
     raise ValueError(f"corpus directory {directory} does not exist")
   missing = [n for n in names

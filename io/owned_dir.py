@@ -26,7 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from decompax.io import run_dir
@@ -37,6 +37,7 @@ MANIFEST_FORMAT = "decompax.written"
 # manifest is the directory's own record.
 _OWN = (run_dir.LOCK_FILE, MANIFEST_FILE)
 _HASH_CHUNK = 1 << 22
+Legacy = Callable[[list[str]], bool] | None
 
 
 class OwnedConflict(ValueError):
@@ -177,12 +178,25 @@ def _foreign(path: str, program: str, manifest: dict | None) -> str | None:
   return None
 
 
+def _adopted(path: str, program: str, legacy: Legacy) -> dict | None:
+  """Return the manifest of `path`, or for an older version's output that
+  `legacy` recognises by its entries, one listing them with no settings."""
+  manifest = read_manifest(path)
+  entries = sorted(set(os.listdir(path)) - set(_OWN))
+  if manifest is None and entries and legacy is not None and legacy(entries):
+    return {"format": MANIFEST_FORMAT, "program": program, "settings": {},
+            "entries": entries}
+  return manifest
+
+
 def check(path: run_dir.Path, program: str, settings: Mapping,
-          overwrite: bool) -> bool:
+          overwrite: bool, legacy: Legacy = None) -> bool:
   """Return whether `path` holds `program`'s output of `settings` (a
   resume); ValueError (one line, nothing written) unless `program` may
   write there (see the module's docstring), OwnedConflict for its output
-  of other settings without `overwrite`."""
+  of other settings without `overwrite`. `legacy(entries)` says whether a
+  directory without a manifest holds an older version's output of
+  `program` (its settings unknown, so only `overwrite` replaces it)."""
   path = os.path.abspath(os.fspath(path))
   _check_parent(path)
   if os.path.lexists(path) and not os.path.isdir(path):
@@ -190,7 +204,7 @@ def check(path: run_dir.Path, program: str, settings: Mapping,
                      "directory")
   if not os.path.isdir(path):
     return False
-  manifest = read_manifest(path)
+  manifest = _adopted(path, program, legacy)
   reason = _foreign(path, program, manifest)
   if reason is not None:
     raise ValueError(f"{path} {reason}")
@@ -212,7 +226,8 @@ def _remove_listed(path: str, manifest: dict | None) -> None:
 
 
 def claim(path: run_dir.Path, program: str, settings: Mapping,
-          overwrite: bool, what: str = "output dir") -> Claim:
+          overwrite: bool, what: str = "output dir",
+          legacy: Legacy = None) -> Claim:
   """Return `path` claimed for `program`: checked (`check`), locked
   (`what` names it in the lock's refusal), and with its manifest written.
 
@@ -221,14 +236,14 @@ def claim(path: run_dir.Path, program: str, settings: Mapping,
   A directory this call made is removed again when its first write fails.
   """
   path = os.path.abspath(os.fspath(path))
-  check(path, program, settings, overwrite)
+  check(path, program, settings, overwrite, legacy)
   made = not os.path.isdir(path)
   lock = run_dir.lock_dir(path, what, "wait for it to end or choose "
                           "another directory")
   try:
     # Checked again under the lock: the first check may have raced a writer.
-    resumed = check(path, program, settings, overwrite)
-    manifest = read_manifest(path)
+    resumed = check(path, program, settings, overwrite, legacy)
+    manifest = _adopted(path, program, legacy)
     if not resumed:
       _remove_listed(path, manifest)
       manifest = {"format": MANIFEST_FORMAT, "program": program,

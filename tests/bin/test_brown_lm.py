@@ -29,12 +29,12 @@ LEXICON = {"the": "at", "dog": "nn", "cat": "nn", "runs": "vbz",
            ".": "."}
 
 
-def write_corpus(directory: pathlib.Path) -> None:
+def write_corpus(directory: pathlib.Path, seed: str = "") -> None:
   """Write 500 short documents of random lexicon sentences."""
   directory.mkdir()
   words = sorted(LEXICON)
   for name in brown.document_names():
-    rng = random.Random(name)
+    rng = random.Random(seed + name)
     lines = []
     for _ in range(rng.randint(2, 5)):
       sentence = [rng.choice(words) for _ in range(rng.randint(3, 10))]
@@ -296,3 +296,53 @@ def test_a_truncated_saved_state_is_one_line(model, tmp_path):
   assert done.stderr.splitlines() == [
     f"train_lm: error: cannot read saved state {state} (File is not a zip "
     "file); delete it to start over"]
+
+
+def test_another_corpus_is_refused_then_replaced_whole(data, tmp_path):
+  path = tmp_path / "data"
+  shutil.copytree(data[0], path)
+  (path / run_dir.LOCK_FILE).unlink(missing_ok=True)
+  old = (path / "bpe-300" / "train.bin").read_bytes()
+  write_corpus(tmp_path / "src2", seed="another")
+  args = (f"--brown_dir={tmp_path / 'src2'}", f"--data_dir={path}",
+          "--vocab_sizes=300")
+  refused = run("prepare_brown", *args)
+  assert refused.returncode == 2, refused.stderr
+  assert "other settings (corpus.sha256 was" in refused.stderr
+  assert "--overwrite" in refused.stderr
+  assert (path / "bpe-300" / "train.bin").read_bytes() == old
+  replaced = run("prepare_brown", *args, "--overwrite")
+  assert replaced.returncode == 0, replaced.stderr
+  assert "reusing" not in replaced.stdout
+  assert (path / "bpe-300" / "train.bin").read_bytes() != old
+
+
+def test_a_vocab_the_corpus_cannot_fill_is_refused(data, tmp_path):
+  done = run("prepare_brown", f"--brown_dir={data[0] / 'corpus'}",
+             f"--data_dir={tmp_path / 'd'}", "--vocab_sizes=20000")
+  assert done.returncode == 2, done.stderr
+  assert "--vocab_sizes=20000: the training split fills only" in done.stderr
+  assert not (tmp_path / "d" / "bpe-20000").exists()
+
+
+def test_a_stop_signal_exits_75_without_a_traceback(data, tmp_path):
+  # The signal arrives while the tokenizer trains.
+  prelude = (
+    "import os, runpy, signal, sys\n"
+    "from decompax.targets import brown\n"
+    "train = brown.train_bpe\n"
+    "def stopped(*args):\n"
+    "  os.kill(os.getpid(), signal.SIGINT)\n"
+    "  return train(*args)\n"
+    "brown.train_bpe = stopped\n"
+    f"sys.argv = ['prepare_brown', '--brown_dir={data[0] / 'corpus'}',\n"
+    f"            '--data_dir={tmp_path / 'd'}', '--vocab_sizes=300']\n"
+    f"runpy.run_path('{ROOT / 'bin' / 'prepare_brown'}', run_name='__main__')\n")
+  done = subprocess.run(
+    [sys.executable, "-P", "-c", prelude], capture_output=True, text=True,
+    cwd=ROOT, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 75, done.stderr
+  assert "Traceback" not in done.stderr
+  assert "stop signal (SIGINT)" in done.stdout
+  assert not (tmp_path / "d" / "bpe-300").exists()
+  assert not [n for n in os.listdir(tmp_path / "d") if n.startswith(".bpe")]
