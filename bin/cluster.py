@@ -17,7 +17,7 @@ from absl import flags, logging
 
 from decompax.analysis import clustering, explore
 from decompax.bin import cli
-from decompax.io import harvest_store, tensor_store
+from decompax.io import harvest_store, owned_dir, tensor_store
 
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "A finished bin/train run with a finished bin/harvest.",
@@ -82,6 +82,15 @@ def _counts(run_path: str) -> tuple[dict, dict]:
     fail(str(e))
 
 
+def _enter_harvest(run_path: str) -> None:
+  """Take the harvest's lock until the process ends (no harvest rewrites
+  what this reads), listing the clusters among the harvest's entries."""
+  out = os.path.join(owned_dir.named(run_path, "run_dir"),
+                     harvest_store.HARVEST_DIR)
+  if os.path.isdir(out):
+    owned_dir.enter(out, "harvest", "harvest", harvest_store.CLUSTERS)
+
+
 def _line(site: str, c: clustering.SiteClusters) -> str:
   multi = sum(len(m) > 1 for m in c.clusters)
   return (f"{site}: {len(c.clusters)} clusters ({multi} of two or more) of "
@@ -95,6 +104,10 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
   run_path = _RUN_DIR.value
+  try:
+    _enter_harvest(run_path)
+  except ValueError as e:
+    fail(str(e))
   manifest, counts = _counts(run_path)
   start = time.perf_counter()
   found = clustering.cluster_harvest(counts)
@@ -105,7 +118,10 @@ def main(argv: list[str]) -> None:
     "threshold": manifest["settings"]["threshold"],
     "positions": manifest["positions"],
     "decomposition_step": manifest["settings"]["decomposition_step"]})
-  path = harvest_store.write_clusters(run_path, record)
+  try:
+    path = harvest_store.write_clusters(run_path, record)
+  except OSError as e:
+    fail(owned_dir.refusal(e, harvest_store.clusters_path(run_path)))
   for site, c in found.items():
     print(_line(site, c))
   print(f"clustered in {seconds:.2f}s; wrote {path}")

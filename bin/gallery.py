@@ -15,7 +15,7 @@ from decompax.analysis import explore
 from decompax.analysis import gallery_picks as gallery_lib
 from decompax.analysis import harvesting as harvest_lib
 from decompax.bin import cli, tokens_text
-from decompax.io import run_dir
+from decompax.io import owned_dir, run_dir
 
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "Run directory with a finished harvest of a token file "
@@ -44,6 +44,12 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
   path = _RUN_DIR.value
+  if _OUTPUT.value is not None:
+    try:
+      # The lock until the process ends (`io/owned_dir.py`).
+      owned_dir.claim_file(_OUTPUT.value, "output", "gallery")
+    except ValueError as e:
+      fail(str(e))
   try:
     # The flags first: a directory that is no run is said as such.
     model_dir = explore.run_config(path).model_dir
@@ -64,7 +70,7 @@ def main(argv: list[str]) -> None:
     run_dir.atomic_write(_OUTPUT.value,
                          lambda f: f.write(text.encode("utf-8")))
   except OSError as e:
-    fail(f"--output: {e}")
+    fail(f"--output: {owned_dir.refusal(e, _OUTPUT.value)}")
   print(f"[gallery] wrote {_OUTPUT.value}")
 
 

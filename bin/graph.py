@@ -14,7 +14,7 @@ from absl import flags, logging
 
 from decompax.analysis import attribution, explore
 from decompax.bin import cli
-from decompax.io import figures, run_dir
+from decompax.io import figures, owned_dir, run_dir
 
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "A finished bin/train run of a language model (a token "
@@ -82,12 +82,26 @@ def _check_outputs(paths: list[str]) -> None:
       fail(f"cannot write {path}: its directory {parent} does not exist")
 
 
+def _claim_outputs(outputs: list[str]) -> None:
+  """Refuse outputs that cannot be written, and take their locks until the
+  process ends (`io/owned_dir.py`: one writer at a time)."""
+  try:
+    for path, flag in zip(outputs, ("output", "json")):
+      owned_dir.named(path, flag)
+    _check_outputs(outputs)
+    for path, flag in zip(outputs, ("output", "json")):
+      owned_dir.claim_file(path, flag, "graph output")
+  except ValueError as e:
+    fail(str(e))
+
+
 def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --tokens=ID,ID,...")
-  outputs = [_OUTPUT.value] + ([_JSON.value] if _JSON.value else [])
-  _check_outputs(outputs)
+  outputs = [_OUTPUT.value] + ([_JSON.value] if _JSON.value is not None
+                               else [])
+  _claim_outputs(outputs)
   try:
     tokens = prompt_tokens(_TOKENS.value)
     run = explore.load_run(_RUN_DIR.value)
@@ -106,7 +120,7 @@ def main(argv: list[str]) -> None:
       run_dir.atomic_write(_JSON.value,
                            lambda f: f.write(json.dumps(data).encode()))
   except OSError as e:
-    fail(f"cannot write {e.filename or 'the output'}: {e.strerror}")
+    fail(owned_dir.refusal(e, _OUTPUT.value))
   print(summary(graph, _TOP.value))
   print(f"wrote {', '.join(outputs)}")
 

@@ -5,8 +5,11 @@ firing density, mean CI, CI histogram, co-activations, top contexts and
 ablation effect. Rerun the same command to resume an interrupted harvest:
 SIGTERM or SIGINT saves at the next batch boundary and exits with
 `cli.REQUEUE_EXIT_CODE` (a second SIGINT stops at once, from the last
-save). One harvest at a time writes a run's store: it holds the lock of
-`harvest/.lock` (`run_dir.lock_dir`).
+save). One harvest at a time writes a run's store, claimed as
+`io/owned_dir.py` says: it holds the lock of `harvest/.lock`, and
+`harvest/.written.json` records the token file's size and hash (a harvest
+of a file since rewritten is refused, or replaced with `--overwrite`) and
+every entry the harvest wrote.
 
 Shards over the devices of one process with `bin/train`'s scale-out flags
 (`--replicate`, `--fsdp`, `--tp`, `--placement`, `--place`,
@@ -33,7 +36,7 @@ from decompax.analysis import explore
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import tag_summary
 from decompax.bin import cli, placement_flags, placement_setup
-from decompax.io import harvest_store, run_dir
+from decompax.io import harvest_store, owned_dir, run_dir
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 
@@ -189,6 +192,27 @@ def _say_whole_file(settings: harvest_lib.Settings) -> None:
           flush=True)
 
 
+def _legacy(entries: list[str]) -> bool:
+  # An older version's harvest: its state or manifest, before the
+  # directory's own manifest.
+  return bool({harvest_store.STATE_FILE, harvest_store.MANIFEST}
+              & set(entries))
+
+
+def claim_store(out: str, run: explore.LoadedRun,
+                settings: harvest_lib.Settings) -> None:
+  """Claim the harvest's directory (`io/owned_dir.py`), its lock held until
+  the process ends: the token file's bytes recorded and compared (a
+  harvest of a file since rewritten is not resumed), the harvest's own
+  settings compared by `harvest_store.resume`."""
+  data = (owned_dir.file_identity(settings.data_path)
+          if settings.data_path else None)
+  owned_dir.claim(out, "harvest", {"data": data}, _OVERWRITE.value,
+                  "harvest", _legacy)
+  owned_dir.record(out, harvest_store.STATE_FILE, harvest_store.MANIFEST,
+                   *(site.name for site in run.target.sites))
+
+
 def _main(argv: list[str], stop: threading.Event) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
@@ -207,6 +231,10 @@ def _main(argv: list[str], stop: threading.Event) -> None:
   except ValueError as e:
     fail(str(e))
   try:
+    owned_dir.named(_RUN_DIR.value, "run_dir")
+  except ValueError as e:
+    fail(str(e))
+  try:
     run = explore.load_run(_RUN_DIR.value)
   except (OSError, ValueError) as e:
     fail(f"--run_dir: {e}")
@@ -218,20 +246,26 @@ def _main(argv: list[str], stop: threading.Event) -> None:
       print("[harvest] no ablation effects, a language model's default "
             "(each batch costs a forward of it per component that fired); "
             "--ablation_batches=N measures them on N batches", flush=True)
-    # Held until the process ends: through the manifest's write.
-    run_dir.lock_dir(out, "harvest", "wait for that harvest to end")
+    claim_store(out, run, settings)
     record = harvest_lib.harvest(
       run, settings, out, _SAVE_EVERY_S.value, _ABLATION_CHUNK.value,
       _OVERWRITE.value, say=lambda line: print(line, flush=True),
       placement=placement, stop=stop.is_set)
+  except owned_dir.OwnedConflict as e:
+    fail(str(e))
   except harvest_store.HarvestConflict as e:
     fail(f"{e} (--overwrite)")
   except table_lib.LayoutError as e:
     fail(f"--place: {e}")
   except ValueError as e:
     fail(_flagged(str(e)))
+  except OSError as e:
+    fail(owned_dir.refusal(e, out))
   if not record:
     return
+  # Every entry the harvest wrote (a language model's baselines too).
+  owned_dir.record(out, *sorted(set(os.listdir(out)) - {
+    run_dir.LOCK_FILE, owned_dir.MANIFEST_FILE}))
   path = harvest_lib.write_manifest(out, _RUN_DIR.value, run, settings,
                                     record)
   if "ratio_to_clean" in record:

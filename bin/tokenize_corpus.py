@@ -14,7 +14,10 @@ refused before anything is written. SIGTERM or SIGINT stops it at once,
 tokenizer call or not (the tokenizer runs off the main thread, which the
 signal reaches), leaving nothing behind, and exits with
 `cli.REQUEUE_EXIT_CODE`. Temporaries a killed run left beside the output
-are removed by the next.
+are removed by the next. The output is claimed as `io/owned_dir.py` says
+for a file: its path named, one writer at a time (the lock of
+`.NAME.bin.lock` beside it), and `--overwrite` replaces only a token file
+(its header names the format), never a file of another kind.
 """
 
 import json
@@ -29,7 +32,7 @@ from typing import Any, NoReturn
 from absl import flags, logging
 
 from decompax.bin import cli
-from decompax.io import hf_checkpoint
+from decompax.io import hf_checkpoint, owned_dir
 from decompax.io import run_dir
 from decompax.io import tokens as tokens_lib
 
@@ -110,6 +113,21 @@ def check_paths(inputs: list[str], output: str, overwrite: bool) -> None:
   existing = [p for p in targets if os.path.exists(p)]
   if existing and not overwrite:
     raise ValueError(f"{existing[0]} exists; pass --overwrite to replace it")
+
+
+def claim_output(output: str) -> None:
+  """Take the lock of `output` until the process ends (one writer at a
+  time: `io/owned_dir.py`), and refuse to replace a NAME.bin this binary
+  did not write (whose NAME.json is no token header)."""
+  owned_dir.claim_file(output, "output", "token file")
+  if not os.path.exists(output):
+    return
+  try:
+    tokens_lib.open_tokens(output)
+  except ValueError:
+    raise ValueError(f"--output {output} exists and is no token file of "
+                     "bin/tokenize (its header is missing or not one); "
+                     "move it away or name another --output") from None
 
 
 def read_documents(path: str, text_field: str) -> Iterator[str]:
@@ -267,7 +285,9 @@ def _main(argv: list[str]) -> None:
     if _BATCH_DOCS.value <= 0:
       raise ValueError(
         f"--batch_docs must be positive, got {_BATCH_DOCS.value}")
+    owned_dir.named(_OUTPUT.value, "output")
     check_paths(_INPUT.value, _OUTPUT.value, _OVERWRITE.value)
+    claim_output(_OUTPUT.value)
     remove_stale(_OUTPUT.value)
     tokenizer = load_tokenizer(_TOKENIZER.value)
     eos_id = tokenizer.eos_token_id if _EOS_ID.value is None else _EOS_ID.value
@@ -283,6 +303,8 @@ def _main(argv: list[str]) -> None:
       tokenizer=os.path.abspath(_TOKENIZER.value))
   except ValueError as e:
     fail(str(e))
+  except OSError as e:
+    fail(owned_dir.refusal(e, _OUTPUT.value))
   # Written: a signal now would only misreport it.
   for signum in cli.STOP_SIGNALS:
     signal.signal(signum, signal.SIG_IGN)

@@ -248,7 +248,8 @@ def claim(path: run_dir.Path, program: str, settings: Mapping,
       _remove_listed(path, manifest)
       manifest = {"format": MANIFEST_FORMAT, "program": program,
                   "settings": dict(settings), "entries": []}
-      _write_manifest(path, manifest)
+    if not resumed or read_manifest(path) is None:  # or adopted (legacy)
+      _write_manifest(path, {**manifest, "settings": dict(settings)})
   except BaseException:
     if made:
       run_dir.remove_path(path)
@@ -273,17 +274,41 @@ def record(path: run_dir.Path, *names: str) -> None:
     _write_manifest(path, manifest)
 
 
-def enter(path: run_dir.Path, owner: str, what: str) -> Claim:
-  """Return the directory `path` that `owner` wrote, locked for another
-  binary adding to it (as `bin/cluster` adds its clusters to a harvest);
-  ValueError where `owner` did not write it."""
+def enter(path: run_dir.Path, owner: str, what: str, *names: str) -> int:
+  """Return the lock of the directory `path` that `owner` wrote, taken by
+  another binary adding `names` to it (as `bin/cluster` adds its clusters
+  to a harvest), listed in `owner`'s manifest where it has one (an older
+  version's output has none); ValueError where another binary wrote it."""
   path = os.path.abspath(os.fspath(path))
-  manifest = read_manifest(path) if os.path.isdir(path) else None
-  if manifest is None or manifest.get("program") != owner:
-    raise ValueError(f"{path} holds no {owner} output (no {MANIFEST_FILE} "
-                     f"of {owner}); run {owner} first")
+  if not os.path.isdir(path):
+    raise ValueError(f"{path} holds no {owner} output; run {owner} first")
+  manifest = read_manifest(path)
+  if manifest is not None and manifest.get("program") != owner:
+    raise ValueError(f"{path} holds the output of "
+                     f"{manifest.get('program')!r}, not of {owner}")
   lock = run_dir.lock_dir(path, what, f"wait for that {owner} to end")
-  return Claim(path, lock, True)
+  if manifest is not None:
+    record(path, *names)
+  return lock
+
+
+def claim_file(path: run_dir.Path, flag: str, what: str) -> int:
+  """Return the lock of the file `path` a binary writes whole (atomically),
+  after refusing (one line, naming `--flag`) an empty or blank path, a
+  parent that is no directory, and a path that is no regular file."""
+  path = os.path.abspath(named(os.fspath(path), flag))
+  try:
+    _check_parent(path)
+  except ValueError as e:
+    raise ValueError(f"--{flag}: {e}") from None
+  if os.path.lexists(path) and not os.path.isfile(path):
+    raise ValueError(f"--{flag}: {path} is not a regular file (a directory "
+                     "or a device?); name a file to write")
+  try:
+    return run_dir.lock_file(path, what, "wait for it to end or name "
+                             "another file")
+  except ValueError as e:
+    raise ValueError(f"--{flag}: {e}") from None
 
 
 @contextlib.contextmanager

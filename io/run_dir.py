@@ -506,12 +506,13 @@ def _lock_refusal(what: str, path: str, error: OSError) -> ValueError:
                     "choose another directory")
 
 
-def _open_lock(what: str, path: str) -> int:
+def _open_lock(what: str, path: str, lock_path: str | None = None) -> int:
   try:
-    with contextlib.suppress(FileExistsError):
-      os.mkdir(path)
-    return os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT,
-                   0o644)
+    if lock_path is None:
+      with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
+    return os.open(lock_path or os.path.join(path, LOCK_FILE),
+                   os.O_RDWR | os.O_CREAT, 0o644)
   except OSError as e:
     raise _lock_refusal(what, path, e) from e
 
@@ -564,7 +565,21 @@ def lock_dir(path: Path, what: str, wait: str) -> int:
   refused, a dead one on this host is taken over, with a warning.
   """
   path = os.path.abspath(os.fspath(path))
-  fd = _open_lock(what, path)
+  return _take_lock(_open_lock(what, path), what, path, wait)
+
+
+def lock_file(path: Path, what: str, wait: str) -> int:
+  """Return an open descriptor holding the exclusive lock of the file
+  `path` (which need not exist yet), as `lock_dir` does for a directory:
+  its lock file is `.NAME.lock` beside it."""
+  path = os.path.abspath(os.fspath(path))
+  lock_path = os.path.join(os.path.dirname(path),
+                           f".{os.path.basename(path)}.lock")
+  return _take_lock(_open_lock(what, path, lock_path), what, path, wait)
+
+
+def _take_lock(fd: int, what: str, path: str, wait: str) -> int:
+  """Return `fd` holding its file's lock, the holder recorded in it."""
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
