@@ -46,8 +46,8 @@ def main(argv: list[str]) -> None:
   path = _RUN_DIR.value
   if _OUTPUT.value is not None:
     try:
-      # The lock until the process ends (`io/owned_dir.py`).
-      owned_dir.claim_file(_OUTPUT.value, "output", "gallery")
+      # Written whole and atomically: two writers never mix one.
+      owned_dir.check_file(_OUTPUT.value, "output")
     except ValueError as e:
       fail(str(e))
   try:

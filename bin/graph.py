@@ -83,14 +83,14 @@ def _check_outputs(paths: list[str]) -> None:
 
 
 def _claim_outputs(outputs: list[str]) -> None:
-  """Refuse outputs that cannot be written, and take their locks until the
-  process ends (`io/owned_dir.py`: one writer at a time)."""
+  """Refuse outputs that cannot be written (`io/owned_dir.py`; each is
+  written whole and atomically, so two writers never mix one)."""
   try:
     for path, flag in zip(outputs, ("output", "json")):
       owned_dir.named(path, flag)
     _check_outputs(outputs)
     for path, flag in zip(outputs, ("output", "json")):
-      owned_dir.claim_file(path, flag, "graph output")
+      owned_dir.check_file(path, flag)
   except ValueError as e:
     fail(str(e))
 

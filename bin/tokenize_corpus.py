@@ -115,11 +115,9 @@ def check_paths(inputs: list[str], output: str, overwrite: bool) -> None:
     raise ValueError(f"{existing[0]} exists; pass --overwrite to replace it")
 
 
-def claim_output(output: str) -> None:
-  """Take the lock of `output` until the process ends (one writer at a
-  time: `io/owned_dir.py`), and refuse to replace a NAME.bin this binary
-  did not write (whose NAME.json is no token header)."""
-  owned_dir.claim_file(output, "output", "token file")
+def check_ours(output: str) -> None:
+  """Refuse to replace a NAME.bin this binary did not write (whose
+  NAME.json is no token header)."""
   if not os.path.exists(output):
     return
   try:
@@ -287,20 +285,9 @@ def _main(argv: list[str]) -> None:
         f"--batch_docs must be positive, got {_BATCH_DOCS.value}")
     owned_dir.named(_OUTPUT.value, "output")
     check_paths(_INPUT.value, _OUTPUT.value, _OVERWRITE.value)
-    claim_output(_OUTPUT.value)
-    remove_stale(_OUTPUT.value)
-    tokenizer = load_tokenizer(_TOKENIZER.value)
-    eos_id = tokenizer.eos_token_id if _EOS_ID.value is None else _EOS_ID.value
-    if eos_id is None:
-      raise ValueError(f"tokenizer {_TOKENIZER.value} has no EOS token;"
-                       " pass --eos_id")
-    start = time.time()
-    header = tokens_lib.write_tokens(
-      _OUTPUT.value,
-      tokenized(tokenizer, _INPUT.value, _TEXT_FIELD.value, _BATCH_DOCS.value,
-                _PROGRESS_SECONDS.value),
-      vocab_size=len(tokenizer), eos_id=eos_id,
-      tokenizer=os.path.abspath(_TOKENIZER.value))
+    with owned_dir.claimed_file(_OUTPUT.value, "output", "token file"):
+      check_ours(_OUTPUT.value)
+      header, start = write(_OUTPUT.value)
   except ValueError as e:
     fail(str(e))
   except OSError as e:
@@ -312,6 +299,25 @@ def _main(argv: list[str]) -> None:
         f" {header.num_tokens} {header.dtype} tokens (vocab"
         f" {header.vocab_size}, EOS {header.eos_id}) in"
         f" {time.time() - start:.1f}s")
+
+
+def write(output: str):
+  """Write the token file `output` of the inputs; return its header and
+  when the tokenizing began."""
+  remove_stale(output)
+  tokenizer = load_tokenizer(_TOKENIZER.value)
+  eos_id = tokenizer.eos_token_id if _EOS_ID.value is None else _EOS_ID.value
+  if eos_id is None:
+    raise ValueError(f"tokenizer {_TOKENIZER.value} has no EOS token;"
+                     " pass --eos_id")
+  start = time.time()
+  header = tokens_lib.write_tokens(
+    output,
+    tokenized(tokenizer, _INPUT.value, _TEXT_FIELD.value, _BATCH_DOCS.value,
+              _PROGRESS_SECONDS.value),
+    vocab_size=len(tokenizer), eos_id=eos_id,
+    tokenizer=os.path.abspath(_TOKENIZER.value))
+  return header, start
 
 
 def entry() -> None:

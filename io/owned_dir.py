@@ -292,10 +292,11 @@ def enter(path: run_dir.Path, owner: str, what: str, *names: str) -> int:
   return lock
 
 
-def claim_file(path: run_dir.Path, flag: str, what: str) -> int:
-  """Return the lock of the file `path` a binary writes whole (atomically),
-  after refusing (one line, naming `--flag`) an empty or blank path, a
-  parent that is no directory, and a path that is no regular file."""
+def check_file(path: run_dir.Path, flag: str) -> str:
+  """Return the absolute path of the file a binary writes whole
+  (atomically), after refusing (one line, naming `--flag`) an empty or
+  blank path, a parent that is no directory, and a path that is no
+  regular file."""
   path = os.path.abspath(named(os.fspath(path), flag))
   try:
     _check_parent(path)
@@ -304,11 +305,23 @@ def claim_file(path: run_dir.Path, flag: str, what: str) -> int:
   if os.path.lexists(path) and not os.path.isfile(path):
     raise ValueError(f"--{flag}: {path} is not a regular file (a directory "
                      "or a device?); name a file to write")
-  try:
-    return run_dir.lock_file(path, what, "wait for it to end or name "
-                             "another file")
-  except ValueError as e:
-    raise ValueError(f"--{flag}: {e}") from None
+  return path
+
+
+@contextlib.contextmanager
+def claimed_file(path: run_dir.Path, flag: str, what: str
+                 ) -> Iterator[None]:
+  """Hold the file `path` for one writer for the block (`check_file`, then
+  `run_dir.locked_file`): for outputs of more than one file, which two
+  writers would interleave."""
+  path = check_file(path, flag)
+  with contextlib.ExitStack() as stack:
+    try:
+      stack.enter_context(run_dir.locked_file(
+        path, what, "wait for it to end or name another file"))
+    except ValueError as e:
+      raise ValueError(f"--{flag}: {e}") from None
+    yield
 
 
 @contextlib.contextmanager

@@ -568,14 +568,30 @@ def lock_dir(path: Path, what: str, wait: str) -> int:
   return _take_lock(_open_lock(what, path), what, path, wait)
 
 
-def lock_file(path: Path, what: str, wait: str) -> int:
-  """Return an open descriptor holding the exclusive lock of the file
-  `path` (which need not exist yet), as `lock_dir` does for a directory:
-  its lock file is `.NAME.lock` beside it."""
+@contextlib.contextmanager
+def locked_file(path: Path, what: str, wait: str) -> Iterator[None]:
+  """Hold the exclusive lock of the file `path` (which need not exist yet)
+  for the block, as `lock_dir` does for a directory; its lock file,
+  `.NAME.lock` beside it, is removed when the block ends (left only by a
+  killed holder, and then taken over)."""
   path = os.path.abspath(os.fspath(path))
   lock_path = os.path.join(os.path.dirname(path),
                            f".{os.path.basename(path)}.lock")
-  return _take_lock(_open_lock(what, path, lock_path), what, path, wait)
+  while True:
+    fd = _take_lock(_open_lock(what, path, lock_path), what, path, wait)
+    # A holder that ended removed the file it locked: lock the one there.
+    try:
+      if os.fstat(fd).st_ino == os.stat(lock_path).st_ino:
+        break
+    except FileNotFoundError:
+      pass
+    os.close(fd)
+  try:
+    yield
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(lock_path)
+    os.close(fd)
 
 
 def _take_lock(fd: int, what: str, path: str, wait: str) -> int:

@@ -220,7 +220,8 @@ def _stop_mid_tokenize(tmp_path, tokenizer_dir, words: int, signum: int):
               f"--output={out / 'big.bin'}"]),
     cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   deadline = time.time() + 240
-  while not os.listdir(out):  # the temporary: the write has begun
+  # The temporary (not the output's lock, taken first): the write has begun.
+  while not [n for n in os.listdir(out) if not n.endswith(".lock")]:
     assert process.poll() is None and time.time() < deadline
     time.sleep(0.02)
   time.sleep(0.2)  # into the tokenizer's call
