@@ -20,7 +20,7 @@ from decompax.analysis import explore
 from decompax.analysis import harvesting as harvest_lib
 from decompax.bin import harvest, placement_flags, placement_setup
 from decompax.bin import train, train_flags
-from decompax.io import harvest_store, run_dir
+from decompax.io import harvest_store, owned_dir, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -141,7 +141,9 @@ def test_a_stop_signal_saves_the_harvest_and_exits_for_a_requeue(
     stdout.splitlines()[-1])
   assert said, stdout
   assert sorted(os.listdir(out)) == [run_dir.LOCK_FILE,
+                                     owned_dir.MANIFEST_FILE,
                                      harvest_store.STATE_FILE]
+  assert harvest_store.STATE_FILE in owned_dir.read_manifest(out)["entries"]
   assert run_dir.load_arrays(state)[1]["done"] == int(said[1])
 
 
