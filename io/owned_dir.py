@@ -98,18 +98,24 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
   return flat
 
 
+_MISSING = object()
+
+
 def _shown(value: Any) -> str:
   if isinstance(value, str) and len(value) == 64:
     return value[:12] + "…"  # a hash: its head tells two apart
-  return "not recorded" if value is None else json.dumps(value)
+  return "not recorded" if value is _MISSING else json.dumps(value)
 
 
 def settings_changes(old: Mapping, new: Mapping, shown: int = 3) -> list[str]:
   """Return the settings that differ between `old` and `new`, each as
   `name was X, now Y` (at most `shown`, then `and N more`)."""
   a, b = _flat(old), _flat(new)
+  # A setting recorded as None is one not recorded: an older version's
+  # output (no settings) of a toy (no data file) is the same output.
   names = sorted(n for n in a.keys() | b.keys() if a.get(n) != b.get(n))
-  changes = [f"{n} was {_shown(a.get(n))}, now {_shown(b.get(n))}"
+  changes = [f"{n} was {_shown(a.get(n, _MISSING))}, now "
+             f"{_shown(b.get(n, _MISSING))}"
              for n in names[:shown]]
   if len(names) > shown:
     changes.append(f"and {len(names) - shown} more")

@@ -29,7 +29,7 @@ import pytest
 from absl import flags
 
 from decompax.bin import train
-from decompax.io import run_dir, tokens
+from decompax.io import owned_dir, run_dir, tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LLAMA = ("--flagfile={ROOT}/flags/tiny_llama.flags",)
@@ -340,7 +340,7 @@ def _brown_corpus(damage: Callable[[pathlib.Path], None] = lambda c: None):
 
 def _lm_data(vocab_size: int, settings: dict | None = None):
   """Leave {T}/d holding token files of `vocab_size` and a tokenizer.json;
-  with `settings`, {T}/o holding a train_lm record of them."""
+  with `settings`, {T}/o holding a train_lm run of them."""
 
   def setup(t):
     (t / "d").mkdir()
@@ -350,6 +350,9 @@ def _lm_data(vocab_size: int, settings: dict | None = None):
     (t / "d" / "tokenizer.json").write_text("{}")
     if settings is not None:
       (t / "o").mkdir()
+      (t / "o" / owned_dir.MANIFEST_FILE).write_text(json.dumps(
+        {"format": owned_dir.MANIFEST_FORMAT, "program": "train_lm",
+         "settings": settings, "entries": ["train_lm.json"]}))
       (t / "o" / "train_lm.json").write_text(json.dumps(
         {"settings": settings}))
   return setup
@@ -517,7 +520,7 @@ ROWS = (
     setup=_lm_data(128)),
   Row("train_lm_other_run", "train_lm", (
     "--preset=tiny", "--data_dir={T}/d", "--output_dir={T}/o"),
-    "{T}/o holds a run with other settings; pass --overwrite",
+    "{T}/o holds train_lm output made with other settings (data.",
     setup=_lm_data(300, {"preset": {"name": "brown-s"}})),
   Row("train_lm_steps_not_positive", "train_lm", (
     "--preset=tiny", "--num_steps=0", "--data_dir={T}/d"),
