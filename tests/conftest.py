@@ -73,7 +73,8 @@ LONG_MODULES = (
   "bin/test_browse.py", "analysis/test_harvesting.py", "bin/test_train.py",
   "bin/test_eval_smoke_models.py", "bin/test_family_runs.py",
   "test_readme.py", "bin/test_eval_smoke.py", "losses/test_adversarial.py",
-  "bin/test_bad_inputs.py", "placement/test_presets.py",
+  "bin/test_bad_inputs.py", "bin/test_run_dir_contract.py",
+  "placement/test_presets.py",
   "bin/test_resume.py", "bin/test_lm_train.py",
   "placement/test_sharded_step.py", "bin/test_crash_soak.py",
   "bin/test_stop_after.py")
