@@ -192,11 +192,15 @@ def _say_whole_file(settings: harvest_lib.Settings) -> None:
           flush=True)
 
 
-def _legacy(entries: list[str]) -> bool:
-  # An older version's harvest: its state or manifest, before the
-  # directory's own manifest.
-  return bool({harvest_store.STATE_FILE, harvest_store.MANIFEST}
-              & set(entries))
+def _legacy(path: str, entries: list[str]) -> list[str]:
+  # An older version's harvest (its state or manifest, before the
+  # directory's own manifest): those, the clusters and the arrays' folders.
+  files = (harvest_store.STATE_FILE, harvest_store.MANIFEST,
+           harvest_store.CLUSTERS)
+  if not set(files[:2]) & set(entries):
+    return []
+  return [e for e in entries
+          if e in files or os.path.isdir(os.path.join(path, e))]
 
 
 def claim_store(out: str, run: explore.LoadedRun,

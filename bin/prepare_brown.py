@@ -150,9 +150,10 @@ def corpus_identity(documents: dict) -> dict:
           "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
 
 
-def _legacy(entries: list[str]) -> bool:
+def _legacy(path: str, entries: list[str]) -> list[str]:
   # What an older prepare_brown left, before its manifest.
-  return all(e in (CORPUS, SPLIT) or e.startswith("bpe-") for e in entries)
+  del path
+  return [e for e in entries if e in (CORPUS, SPLIT) or e.startswith("bpe-")]
 
 
 def claim_data_dir(data_dir: str, documents: dict, overwrite: bool

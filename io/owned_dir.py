@@ -37,7 +37,9 @@ MANIFEST_FORMAT = "decompax.written"
 # manifest is the directory's own record.
 _OWN = (run_dir.LOCK_FILE, MANIFEST_FILE)
 _HASH_CHUNK = 1 << 22
-Legacy = Callable[[list[str]], bool] | None
+# Given a directory without a manifest and its entries, the entries an
+# older version of the program wrote there (none: not its output).
+Legacy = Callable[[str, list[str]], list[str]] | None
 
 
 class OwnedConflict(ValueError):
@@ -189,9 +191,10 @@ def _adopted(path: str, program: str, legacy: Legacy) -> dict | None:
   `legacy` recognises by its entries, one listing them with no settings."""
   manifest = read_manifest(path)
   entries = sorted(set(os.listdir(path)) - set(_OWN))
-  if manifest is None and entries and legacy is not None and legacy(entries):
+  owned = legacy(path, entries) if manifest is None and legacy else []
+  if owned:
     return {"format": MANIFEST_FORMAT, "program": program, "settings": {},
-            "entries": entries}
+            "entries": sorted(owned)}
   return manifest
 
 
@@ -200,9 +203,10 @@ def check(path: run_dir.Path, program: str, settings: Mapping,
   """Return whether `path` holds `program`'s output of `settings` (a
   resume); ValueError (one line, nothing written) unless `program` may
   write there (see the module's docstring), OwnedConflict for its output
-  of other settings without `overwrite`. `legacy(entries)` says whether a
-  directory without a manifest holds an older version's output of
-  `program` (its settings unknown, so only `overwrite` replaces it)."""
+  of other settings without `overwrite`. `legacy(path, entries)` names
+  the entries of a directory without a manifest that an older version of
+  `program` wrote: one holding any is adopted as its output, those listed,
+  its settings unknown (so only `overwrite` replaces it)."""
   path = os.path.abspath(os.fspath(path))
   _check_parent(path)
   if os.path.lexists(path) and not os.path.isdir(path):

@@ -202,7 +202,7 @@ def _tms_target(t):
 def _harvest_manifest(t):
   """Give {T}/r's harvest the manifest a harvest of this version writes."""
   os.close(owned_dir.claim(t / "r" / "harvest", "harvest", {"data": None},
-                           False, "harvest", lambda e: True).lock)
+                           False, "harvest", lambda path, e: e).lock)
 
 
 def _train_run_with_other_flags(t):

@@ -134,3 +134,22 @@ def test_file_identity_is_size_and_hash(tmp_path):
   identity = owned_dir.file_identity(tmp_path / "a")
   assert identity["size"] == 3 and identity["sha256"].startswith("ba7816bf")
   assert json.loads(json.dumps(identity)) == identity
+
+
+def test_an_older_versions_output_is_adopted_its_settings_unknown(tmp_path):
+  out = tmp_path / "o"
+  (out / "corpus").mkdir(parents=True)
+  (out / "notes.txt").write_text("the user's")
+  ours = lambda path, entries: [e for e in entries  # noqa: E731
+                                if e == "corpus"]
+  with pytest.raises(owned_dir.OwnedConflict, match="corpus.sha256 was not "
+                     "recorded, now"):
+    owned_dir.check(out, "prog", {"corpus": {"sha256": "a" * 64}}, False,
+                    ours)
+  # Settings it cannot have recorded (None) match.
+  assert owned_dir.check(out, "prog", {"data": None}, False, ours)
+  claim = owned_dir.claim(out, "prog", {"corpus": {"sha256": "a" * 64}},
+                          True, legacy=ours)
+  os.close(claim.lock)
+  assert not (out / "corpus").exists()
+  assert (out / "notes.txt").exists()
