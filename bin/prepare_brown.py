@@ -224,10 +224,13 @@ def build_bpe(directory: str, vocab_size: int, documents, split) -> None:
 
 def build_bpe_dirs(data_dir: str, sizes: list[int], documents, split
                    ) -> None:
-  """Build each `bpe-<V>/` not yet built from this corpus."""
+  """Build each `bpe-<V>/` not yet built whole from this corpus: one
+  without every token file of `token_files` (say, from before the
+  validation carve) is built again."""
   for size in sizes:
     directory = os.path.join(data_dir, f"bpe-{size}")
-    if os.path.isfile(os.path.join(directory, "held_out.json")):
+    if all(os.path.isfile(os.path.join(directory, f"{part}.json"))
+           for part, _ in token_files(split)):
       print(f"[brown] reusing {directory}", flush=True)
       continue
     owned_dir.record(data_dir, f"bpe-{size}")

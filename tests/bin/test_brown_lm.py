@@ -317,6 +317,20 @@ def test_another_corpus_is_refused_then_replaced_whole(data, tmp_path):
   assert (path / "bpe-300" / "train.bin").read_bytes() != old
 
 
+def test_a_token_folder_missing_its_validation_carve_is_built_again(
+    data, tmp_path):
+  path = tmp_path / "data"
+  shutil.copytree(data[0], path)
+  (path / run_dir.LOCK_FILE).unlink(missing_ok=True)
+  for name in ("validation.json", "validation.bin"):
+    (path / "bpe-300" / name).unlink()
+  done = run("prepare_brown", f"--brown_dir={data[0] / 'corpus'}",
+             f"--data_dir={path}", "--vocab_sizes=300")
+  assert done.returncode == 0, done.stderr
+  assert "reusing" not in done.stdout
+  assert (path / "bpe-300" / "validation.json").is_file()
+
+
 def test_a_vocab_the_corpus_cannot_fill_is_refused(data, tmp_path):
   done = run("prepare_brown", f"--brown_dir={data[0] / 'corpus'}",
              f"--data_dir={tmp_path / 'd'}", "--vocab_sizes=20000")
