@@ -110,6 +110,23 @@ def test_linear_gradient_times_mask_is_each_contribution(linear):
   np.testing.assert_allclose(values[-1], full[0, position, token], rtol=1e-6)
 
 
+def test_a_target_is_fed_by_alive_earlier_sites_at_no_later_position():
+  """I51: site b's CI at position 1 takes edges from site a's columns at
+  positions 0 and 1, never from b's own; the output (index 2, after every
+  site) from all of them; a dead source from nowhere."""
+  columns = attribution.column_sites(SITES)
+  np.testing.assert_array_equal(columns, [0, 0, 0, 1, 1])
+  alive = np.ones((T, CA + CB), bool)
+  alive[0, 1] = False
+  ok = attribution.allowed(jnp.asarray(alive), columns,
+                           jnp.asarray([1, 2]), jnp.asarray([1, 2]))
+  into_b = np.zeros((T, CA + CB), bool)
+  into_b[:2, :CA] = True
+  into_b[0, 1] = False
+  into_output = alive
+  np.testing.assert_array_equal(ok, [into_b, into_output])
+
+
 def _linear_graph(linear, share, max_targets=8, max_edges=64):
   target, ci_fn, weights, components = linear
   ci = np.ones((T, CA + CB))

@@ -760,6 +760,20 @@ def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
   assert not np.allclose(want["rotated"], want["neurons"])
 
 
+def test_each_layer_rotates_its_neurons_by_its_own_draw(induction):
+  """I59: layer i's rotated-neuron basis is drawn from the harvest's seed
+  folded with i, so two layers never share one rotation."""
+  from decompax.losses import unit_activity  # noqa: PLC0415
+  settings = harvest_lib.resolve(induction, REQUEST)
+  got = np.asarray(harvest_lib.rotations(induction, settings, (0, 1)))
+  d_ff = got.shape[-1]
+  for layer in (0, 1):
+    np.testing.assert_allclose(got[layer], unit_activity.random_rotation(
+      jax.random.fold_in(jax.random.key(settings.seed), layer), d_ff),
+      rtol=1e-6, atol=1e-7)
+  assert np.abs(got[0] - got[1]).max() > 0.1
+
+
 def test_an_experts_activity_is_weighted_by_its_routing():
   # Expert 2 of 3, 1 per token: its units count only where it is routed,
   # by its weight there.

@@ -909,6 +909,15 @@ def test_integer_prompts_stay_token_ids_even_with_a_tokenizer(encode):
     400, "token id 9 is outside the vocabulary [0, 5)")
 
 
+def test_a_prompt_of_words_and_numbers_is_text(encode):
+  """I60: ids only when every part is one; "the 3" is text, which the
+  word tokenizer cannot encode (a 400), and a run without a tokenizer
+  refuses it as text (a 400), never reading "the" as an id."""
+  status, reason = _refusal("the 3", encode)
+  assert status == 400 and "cannot encode" in reason
+  assert _refusal("3 the", None) == (400, browse.NO_TOKENIZER)
+
+
 def test_text_is_encoded_by_the_run_tokenizer(encode):
   assert browse.parse_prompt("the cat sat on the mat", VOCAB, encode) == [
     0, 1, 2, 3, 0, 4]

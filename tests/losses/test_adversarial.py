@@ -472,3 +472,32 @@ def test_pgd_probe_averages_through_plan_mean(chain, monkeypatch):
   value = adversarial.pgd_probe(ctx, jax.random.key(2), 0, 0.1)
   # The ascent loop traces once even at 0 steps, then the final divergence.
   assert calls == [False, False] and np.isfinite(float(value))
+
+
+def test_probe_sources_take_exactly_n_sign_steps():
+  """SPEC §5.7: the probe's sources are its `U[0, 1]` draw (one `[C]` row
+  per site, shared by the batch) after `n_steps` ascents, each `clip(S + η·sign(∂D/∂S), 0, 1)`; here D is linear, so its
+  gradient is a fixed sign pattern and each step is applied by hand."""
+  sites = (sites_lib.SiteSpec("a", "a", 0, 2, 2, 3),
+           sites_lib.SiteSpec("b", "b", 0, 2, 2, 2))
+  signs = {"a": jnp.asarray([1.0, -1.0, 1.0]), "b": jnp.asarray([-1.0, 1.0])}
+
+  def divergence(s):
+    return sum(jnp.sum(s[k] * signs[k]) for k in s)
+
+  def probe(n_steps):
+    return adversarial.probe_sources(sites, (2,), jax.random.key(5),
+                                     divergence, n_steps, 0.25)
+
+  drawn = probe(0)
+  paths = sites_lib.draw_paths(sites)
+  for s in sites:
+    np.testing.assert_array_equal(drawn[s.name], jax.random.uniform(
+      sites_lib.fold_path(jax.random.key(5), paths[s.name]), (1, s.c)))
+  want = drawn
+  for n_steps in (1, 2):
+    want = {k: np.clip(v + 0.25 * np.asarray(signs[k]), 0, 1)
+            for k, v in want.items()}
+    got = probe(n_steps)
+    for k in want:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)

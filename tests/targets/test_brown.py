@@ -158,6 +158,16 @@ def test_bigram_gives_unseen_pairs_the_unigram_share():
   assert ce[0] == pytest.approx(-np.log(p_unigram))
 
 
+def test_bigram_backs_off_to_the_unigram_of_the_predicted_token():
+  # Unigram (add-one): p₁ = (3/8, 3/8, 2/8); c(1) = 2 before a last token,
+  # c(1, 2) = 1. The previous token (1) and the target (2) differ in p₁, so
+  # the back-off must be read at the target: (1 + α·2/8) / (2 + α).
+  train = np.array([0, 1, 0, 1, 2])
+  ce = brown.bigram_cross_entropies(train, np.array([1]), np.array([2]), 3,
+                                    [1.0, 4.0])
+  np.testing.assert_allclose(ce, [-np.log(1.25 / 3), -np.log(2 / 6)])
+
+
 def test_eval_windows_count():
   assert brown.eval_windows(10, 3) == 3
   assert brown.eval_windows(3, 3) == 0

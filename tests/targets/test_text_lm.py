@@ -1,0 +1,31 @@
+"""targets/text_lm: the text LM trainer's optimizer (I58)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from decompax.targets import text_lm
+
+PRESET = text_lm.LmPreset("t", n_layers=1, d_model=4, d_ff=8, n_heads=2,
+                          vocab_size=7, seq_len=3, batch_size=2,
+                          num_steps=10, lr=0.1, warmup_steps=1,
+                          weight_decay=0.5)
+
+
+def test_weight_decay_shrinks_matrices_and_spares_the_final_norm():
+  """Two zero-gradient updates: Adam's part is 0, so only the decay moves
+  the weights, at the second step's learning rate (the first's is 0 by
+  the warmup). A matrix shrinks by `1 − lr·wd`; the final norm keeps its
+  scale."""
+  weights = text_lm.init(jax.random.key(0), PRESET)
+  opt = text_lm.optimizer(PRESET)
+  zeros = jax.tree.map(jnp.zeros_like, weights)
+  _, state = opt.update(zeros, opt.init(weights), weights)
+  updates, _ = opt.update(zeros, state, weights)
+  after = optax.apply_updates(weights, updates)
+  shrink = 1 - PRESET.lr * PRESET.weight_decay
+  np.testing.assert_allclose(after.embed, weights.embed * shrink, rtol=1e-6)
+  np.testing.assert_allclose(after.span.q, weights.span.q * shrink,
+                             rtol=1e-6)
+  np.testing.assert_array_equal(after.norm, weights.norm)
