@@ -275,9 +275,16 @@ def _into_logit_by_position(graph, kind):
 
 def test_induction_values_and_keys_are_read_at_the_earlier_copy(
     induction_graph):
-  for kind in ("v_proj", "k_proj"):
-    sums = _into_logit_by_position(induction_graph, kind)
-    assert int(np.argmax(sums)) == Q - 7, (kind, sums)
+  """The value copied is the one at Q - 7, and it is the strongest edge
+  from another position. The keys that move the logit are the earlier
+  copy's (positions 4..11), where the head attends. Which of those keys
+  weighs most is not the mechanism's: it follows the toy's rounding (the
+  toy trained under `./dev test`'s XLA options puts Q - 7 first, under
+  XLA's defaults Q - 9 and Q - 10), so the test does not pin it."""
+  values = _into_logit_by_position(induction_graph, "v_proj")
+  assert int(np.argmax(values)) == Q - 7, values
+  keys = _into_logit_by_position(induction_graph, "k_proj")
+  assert keys[4:12].sum() > 0.8 * keys.sum(), keys
   strongest = max((e for e in induction_graph.edges if e.target == 0
                    and induction_graph.nodes[e.source].position != Q),
                   key=lambda e: abs(e.weight))
