@@ -3,10 +3,13 @@
 import contextlib
 import os
 import pathlib
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
+
+import pytest
 
 # Must precede the first JAX backend initialisation.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -84,13 +87,69 @@ if missing := [m for m in LONG_MODULES if not (TESTS_DIR / m).is_file()]:
                      "which do not exist: rename or drop them there")
 
 
+# The order the tests run in, drawn afresh for each session: the files
+# after LONG_MODULES are shuffled, and so are the tests within every file,
+# by one seed the controller draws (or reads from DECOMPAX_TEST_ORDER) and
+# its xdist workers inherit, so that they all collect one order. A test
+# that passes only after another (in its file, or in a file its worker ran
+# before) fails in some sessions, and the header's seed repeats it;
+# DECOMPAX_TEST_ORDER=fixed keeps the order the files are written in.
+TEST_ORDER = "DECOMPAX_TEST_ORDER"
+os.environ.setdefault(TEST_ORDER, str(random.randrange(1 << 16)))
+
+
+def order_seed() -> int | None:
+  """Return the session's order seed; None for the written order."""
+  value = os.environ[TEST_ORDER]
+  if value == "fixed":
+    return None
+  if not value.isdigit():
+    raise pytest.UsageError(f"{TEST_ORDER}={value!r}: give a seed (a "
+                            "non-negative integer) or 'fixed'")
+  return int(value)
+
+
+def ordered(items: list, module_of, seed: int | None) -> list:
+  """Return `items` file by file: LONG_MODULES first in their order, the
+  other files, and the tests within each file, shuffled by `seed`."""
+  files: dict[str, list] = {}
+  for item in items:
+    files.setdefault(module_of(item), []).append(item)
+  names = list(files)
+  if seed is not None:
+    rng = random.Random(seed)
+    rng.shuffle(names)
+    for name in names:
+      rng.shuffle(files[name])
+  return [item for name in sorted(names, key=_rank) for item in files[name]]
+
+
+def _rank(module: str) -> int:
+  if module in LONG_MODULES:
+    return LONG_MODULES.index(module)
+  return len(LONG_MODULES)
+
+
+def pytest_report_header(config):
+  seed = order_seed()
+  if seed is None:
+    return f"test order: as written ({TEST_ORDER}=fixed)"
+  return (f"test order: seed {seed} ({TEST_ORDER}={seed} repeats it, "
+          f"{TEST_ORDER}=fixed keeps the written order)")
+
+
+def _module(item) -> str:
+  return item.path.relative_to(TESTS_DIR).as_posix()
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-  def rank(item) -> int:
-    module = item.path.relative_to(TESTS_DIR).as_posix()
-    if module in LONG_MODULES:
-      return LONG_MODULES.index(module)
-    return len(LONG_MODULES)
-  items.sort(key=rank)
+  # Shuffled before pytest groups the tests that share a value of a
+  # parametrized module fixture (so that each value is set up once), and
+  # the long files put back first after it.
+  items[:] = ordered(items, _module, order_seed())
+  yield
+  items.sort(key=lambda item: _rank(_module(item)))
 
 
 def pytest_unconfigure(config):
@@ -100,7 +159,6 @@ def pytest_unconfigure(config):
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 
 from decompax.core import site_forward, sites as sites_lib, target  # noqa: E402
 
@@ -200,6 +258,12 @@ def _implicit_scalar_reads_fail():
   finally:
     for name, method in saved.items():
       setattr(array_type, name, method)
+
+
+@pytest.fixture(scope="session")
+def test_order():
+  """Return `(ordered, LONG_MODULES)`: how a session orders its tests."""
+  return ordered, LONG_MODULES
 
 
 @pytest.fixture
