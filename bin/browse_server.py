@@ -23,6 +23,7 @@ import socket
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
@@ -173,6 +174,52 @@ def guarded(app: Callable, served: str, loopback_only: bool) -> Callable:
   return guard
 
 
+class TimedOutInput:
+  """A connection's input that reads as ended once a read has timed out.
+
+  After answering a body that stalled past the timeout (408), werkzeug
+  drains what is left of the request from the socket; the socket's file
+  refuses every read after a timeout with an OSError, which werkzeug
+  would log as a traceback of the request it has already answered.
+  """
+
+  def __init__(self, stream: Any):
+    self._stream = stream
+    self.timed_out = False
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._stream, name)
+
+  def _read(self, method: str, *args: Any) -> Any:
+    if self.timed_out:
+      return 0 if method == "readinto" else b""
+    try:
+      return getattr(self._stream, method)(*args)
+    except TimeoutError:
+      self.timed_out = True
+      raise
+
+  def read(self, *args: Any) -> bytes:
+    return self._read("read", *args)
+
+  def read1(self, *args: Any) -> bytes:
+    return self._read("read1", *args)
+
+  def readline(self, *args: Any) -> bytes:
+    return self._read("readline", *args)
+
+  def readinto(self, buffer: Any) -> int:
+    return self._read("readinto", buffer)
+
+
+class Handler(WSGIRequestHandler):
+  """werkzeug's request handler, its input ending at a timeout."""
+
+  def setup(self) -> None:
+    super().setup()
+    self.rfile = TimedOutInput(self.rfile)
+
+
 class Server(ThreadedWSGIServer):
   """werkzeug's threaded server, with at most `max_connections` threads."""
 
@@ -208,7 +255,7 @@ def make_server(app: Callable, host: str, listening: socket.socket,
   """Return a server of `app` on the socket `listening` (bound to `host`),
   guarded as the module says; it owns a copy of the socket."""
   loopback_only = bound_address(listening).is_loopback
-  handler = type("Handler", (WSGIRequestHandler,), {"timeout": timeout})
+  handler = type("Handler", (Handler,), {"timeout": timeout})
   return Server(host, listening.getsockname()[1],
                 guarded(app, host, loopback_only), handler,
                 fd=listening.fileno(), max_connections=max_connections)
