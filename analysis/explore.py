@@ -72,6 +72,9 @@ class LoadedRun(NamedTuple):
   decomposition: decomposition_lib.Decomposition
   ci_fn: ci_fns.CIFn
   jitted: Jitted
+  # A token model's positions (its max_position_embeddings): the longest
+  # prompt it takes. None: no token model, or no known bound.
+  positions: Optional[int] = None
 
 
 class AblatedOutput(NamedTuple):
@@ -126,17 +129,30 @@ def load_run(path: str,
     decomposition = _decomposition(path)
   sites = decomposition.sites
   if lm.is_lm(config):
-    _, target, load = assembly.resolve_target(config)
+    record, target, load = assembly.resolve_target(config)
     weights = load()
   else:
-    toy = registry.get(config.target)
+    record = toy = registry.get(config.target)
     target_path = config.target_path or os.path.join(path, "target.npz")
     arrays, _ = run_dir.load_arrays(target_path)
     target = registry.fns_for(toy, {s.name: s.c for s in sites}, sites)
     weights = registry.weights_for(toy, toy.weights_from_arrays(arrays), sites)
   ci_fn = ci_fns.make_ci_fn(decomposition.ci_config, sites)
+  model = record.token_model
   return LoadedRun(config, target, weights, decomposition, ci_fn,
-                   jit_functions(target, ci_fn))
+                   jit_functions(target, ci_fn),
+                   None if model is None else model.max_position)
+
+
+def check_prompt_length(run: LoadedRun, length: int) -> None:
+  """Raise ValueError for a prompt of `length` tokens longer than the
+  run's model takes: a learned position table has no row past it, and a
+  rotary model answers without any sign that it never saw such a
+  context."""
+  if run.positions is not None and length > run.positions:
+    raise ValueError(f"the prompt has {length} tokens, more than the "
+                     f"model's {run.positions} positions; give at most "
+                     f"{run.positions}")
 
 
 def lower_ci(target: TargetFns, ci_fn: ci_fns.CIFn, weights, components,
@@ -397,6 +413,7 @@ def predict(run: LoadedRun, tokens: Int[Array, " t"], ablate: Optional[Choice],
   length, so new prompts reuse one compiled forward) do not change the
   earlier ones: the model is causal.
   """
+  check_prompt_length(run, len(tokens))
   out = ablated_forward(run, jnp.asarray(tokens, jnp.int32)[None], ablate,
                         keep)
   return _prediction(run, out, top)
@@ -422,6 +439,7 @@ def intervened_prediction(run: LoadedRun, tokens: Int[Array, " t"],
                           ) -> Prediction:
   """Return `predict`'s comparison with the masked model under an
   intervention mode (`intervened_forward`) in place of an ablation."""
+  check_prompt_length(run, len(tokens))
   out = intervened_forward(run, jnp.asarray(tokens, jnp.int32)[None], mode,
                            seed, pgd_steps, pgd_step_size)
   return _prediction(run, out, top)
@@ -537,6 +555,7 @@ def mask_sweep(run: LoadedRun, inputs: Any, site: str, component: int,
     return Sweep(values, output, None, None)
   tokens = jnp.asarray(inputs, jnp.int32)
   position = _sweep_position(tokens, position)
+  check_prompt_length(run, tokens.shape[0])
   if token is not None and not 0 <= token < 2 ** 31:
     raise ValueError(f"token {token} is outside the vocabulary")
   log_probs, chosen, vocab = run.jitted.sweep_log_probs(
@@ -569,11 +588,22 @@ def _graph_arguments(run: LoadedRun, tokens: Any, position: int,
                      "forward, which the later components' CI reads")
   tokens = jnp.asarray(tokens, jnp.int32)
   position = _sweep_position(tokens, position)
+  check_prompt_length(run, tokens.shape[0])
   if not 0.0 < share <= 1.0:
     raise ValueError(f"share must be in (0, 1], got {share!r}")
   if not 0.0 <= threshold < 1.0:
     raise ValueError(f"threshold must be in [0, 1), got {threshold!r}")
   return tokens, position
+
+
+def check_token_ids(tokens: Sequence[int], vocab: int) -> None:
+  """Raise ValueError naming the first of `tokens` outside [0, vocab): an
+  embedding gather would clamp it to a real row without a word, or read
+  none (NaN)."""
+  bad = [int(t) for t in tokens if not 0 <= t < vocab]
+  if bad:
+    raise ValueError(f"token id {bad[0]} is outside the vocabulary "
+                     f"[0, {vocab})")
 
 
 def attribution_graph(run: LoadedRun, tokens: Any, token: Optional[int] = None,
@@ -601,6 +631,7 @@ def attribution_graph(run: LoadedRun, tokens: Any, token: Optional[int] = None,
                                      ("chunk", chunk),
                                      ("max_edges", max_edges))]
   clean = ablated_forward(run, tokens[None]).clean[0, position]
+  check_token_ids(np.asarray(tokens).tolist(), clean.shape[-1])
   if token is None:
     token = int(jnp.argmax(clean))
   if not 0 <= token < clean.shape[-1]:

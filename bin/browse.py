@@ -376,10 +376,11 @@ def prompt_ids(text: str, encode: Encoder | None, vocab: int) -> list[int]:
                      ) from None
 
 
-def parse_prompt(text: Any, vocab: int, encode: Encoder | None = None
-                 ) -> list[int]:
+def parse_prompt(text: Any, vocab: int, encode: Encoder | None = None,
+                 positions: int | None = None) -> list[int]:
   """Return the token ids of a prompt: whitespace-separated ids, or text
-  that `encode` (the run's tokenizer, if it has one) turns into ids."""
+  that `encode` (the run's tokenizer, if it has one) turns into ids, at
+  most the model's `positions` (None: no bound but the buckets')."""
   if not isinstance(text, str) or not text.strip():
     raise BadRequest(400, "prompt must be a non-empty string")
   ids = prompt_ids(text, encode, vocab)
@@ -388,11 +389,22 @@ def parse_prompt(text: Any, vocab: int, encode: Encoder | None = None
   if len(ids) > BUCKETS[-1]:
     raise BadRequest(413, f"prompt has {len(ids)} tokens; at most "
                      f"{BUCKETS[-1]}")
+  if positions is not None and len(ids) > positions:
+    raise BadRequest(400, f"prompt has {len(ids)} tokens, more than the "
+                     f"model's {positions} positions; give at most "
+                     f"{positions}")
   bad = [i for i in ids if not 0 <= i < vocab]
   if bad:
     raise BadRequest(400, f"token id {bad[0]} is outside the vocabulary "
                      f"[0, {vocab})")
   return ids
+
+
+def request_prompt(request: dict, served: Served) -> list[int]:
+  """Return the request's prompt as token ids, checked against the run's
+  vocabulary and its model's positions."""
+  return parse_prompt(request.get("prompt"), served.vocab, served.encode,
+                      served.run.positions)
 
 
 def parse_choice(value: Any, served: Served, field: str
@@ -421,14 +433,17 @@ def parse_choice(value: Any, served: Served, field: str
   return chosen
 
 
-def bucket(length: int) -> int:
-  """Return the padded length of a prompt of `length` tokens."""
-  return next(b for b in BUCKETS if b >= length)
+def bucket(length: int, positions: int | None = None) -> int:
+  """Return the padded length of a prompt of `length` tokens: its bucket,
+  but never past the model's `positions`."""
+  chosen = next(b for b in BUCKETS if b >= length)
+  return chosen if positions is None else max(min(chosen, positions), length)
 
 
-def padded_prompt(ids: list[int]) -> np.ndarray:
-  """Return the prompt's ids zero-padded to its bucket's length."""
-  padded = np.zeros(bucket(len(ids)), np.int32)
+def padded_prompt(ids: list[int], positions: int | None = None) -> np.ndarray:
+  """Return the prompt's ids zero-padded to its bucket's length (at most
+  the model's `positions`)."""
+  padded = np.zeros(bucket(len(ids), positions), np.int32)
   padded[:len(ids)] = ids
   return padded
 
@@ -439,7 +454,7 @@ def predictions(served: Served, ids: list[int], ablate: dict[str, list[int]],
   """Return the prompt's clean and ablated predictions per position, and
   the CI of every component alive on the prompt, per site and position.
   `predict(run, tokens, top)` replaces the ablation where given."""
-  padded = padded_prompt(ids)
+  padded = padded_prompt(ids, served.run.positions)
   start = time.perf_counter()
   if predict is None:
     p = explore.predict(served.run, jnp.asarray(padded), ablate,
@@ -511,7 +526,7 @@ def parse_sweep(request: dict, served: Served) -> dict:
   site = request.get("site")
   if not isinstance(site, str) or site not in sizes:
     raise BadRequest(400, f"no site {site!r} in this run")
-  ids = parse_prompt(request.get("prompt"), served.vocab, served.encode)
+  ids = request_prompt(request, served)
   position = request.get("position", len(ids) - 1)
   token = request.get("token")
   return {
@@ -530,7 +545,7 @@ def sweep(served: Served, ids: list[int], site: str, component: int,
   """Return the log-probability of `token` (default: the clean top
   prediction) at `position` of the prompt with the component's mask at
   each of `values` (`explore.mask_sweep`)."""
-  padded = padded_prompt(ids)
+  padded = padded_prompt(ids, served.run.positions)
   start = time.perf_counter()
   result = explore.mask_sweep(served.run, jnp.asarray(padded), site,
                               component, values, position, token)
@@ -552,7 +567,7 @@ def parse_share(value: Any) -> float:
 
 def parse_graph(request: dict, served: Served) -> dict:
   """Return a graph request's checked arguments for `graph`."""
-  ids = parse_prompt(request.get("prompt"), served.vocab, served.encode)
+  ids = request_prompt(request, served)
   position = request.get("position", len(ids) - 1)
   token = request.get("token")
   return {
@@ -570,10 +585,9 @@ def graph(served: Served, ids: list[int], position: int, token: int | None,
   (default: the clean top prediction) at `position`, with the prompt's
   tokens and the sites in forward order for drawing it."""
   start = time.perf_counter()
-  result = explore.attribution_graph(served.run,
-                                     jnp.asarray(padded_prompt(ids)), token,
-                                     position, share,
-                                     max_targets=GRAPH_TARGETS)
+  padded = jnp.asarray(padded_prompt(ids, served.run.positions))
+  result = explore.attribution_graph(served.run, padded, token, position,
+                                     share, max_targets=GRAPH_TARGETS)
   return {**attribution.graph_json(result),
           "tokens": [served.decode(i) for i in ids],
           "token_text": served.decode(result.token),
@@ -742,7 +756,7 @@ def model_request(served: Served, endpoint: str, request: dict,
     args = parse_sweep(request, served)
     with lock:
       return sweep(served, **args)
-  ids = parse_prompt(request.get("prompt"), served.vocab, served.encode)
+  ids = request_prompt(request, served)
   if endpoint == "intervene":
     mode = parse_mode(request.get("mode"))
     seed = parse_int(request.get("seed", 0), "seed", 0, 2 ** 31)

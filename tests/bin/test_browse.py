@@ -8,8 +8,10 @@ tokenizer."""
 import contextlib
 import ipaddress
 import json
+import logging
 import os
 import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -281,6 +283,16 @@ def test_the_ab_grid_is_read_once_per_run(served, tmp_path):
   ("/api/runs/0/predict", b'{"prompt": "99999"}', 400, "outside the vocab"),
   ("/api/runs/0/predict", json.dumps({"prompt": " ".join(["1"] * 300)}
                                      ).encode(), 413, "at most 256"),
+] + [
+  # The induction toy has 64 rotary positions: a longer prompt would be
+  # answered as if the model had seen such contexts.
+  (f"/api/runs/0/{endpoint}", json.dumps(
+    {"prompt": " ".join(["1"] * 65), "site": "layers.1.mlp.up_proj",
+     "component": 0, "mode": "stochastic"}).encode(), 400,
+   "prompt has 65 tokens, more than the model's 64 positions; give at "
+   "most 64")
+  for endpoint in ("predict", "graph", "sweep", "intervene")
+] + [
   ("/api/runs/0/predict", b'{"prompt": "1", "ablate": {"nope": [0]}}', 400,
    "no site 'nope'"),
   ("/api/runs/0/predict",
@@ -388,6 +400,48 @@ def test_stalled_clients_stall_no_one_else(server):
   finally:
     for sock in stalled:
       sock.close()
+
+
+def test_a_prompt_fills_the_model_s_positions_and_pads_no_further(served):
+  assert served.run.positions == 64
+  # Exactly 64 tokens are answered; 33 pad to 64, not to the 128 bucket
+  # that the model has no positions for.
+  assert browse.bucket(33, 64) == 64 and browse.bucket(33) == 64
+  assert browse.bucket(40, 48) == 48 and browse.bucket(40) == 64
+  assert browse.bucket(5, 64) == 16
+  assert browse.predictions(served, [1] * 64, {})["tokens"] == ["1"] * 64
+
+
+def test_input_reads_as_ended_after_a_timeout():
+  ours, theirs = socket.socketpair()
+  with ours, theirs:
+    ours.settimeout(0.05)
+    stream = browse_server.TimedOutInput(ours.makefile("rb"))
+    with pytest.raises(TimeoutError):
+      stream.read(10)
+    theirs.sendall(b"late")
+    # The socket's own file would raise "cannot read from timed out
+    # object" here, which werkzeug logs as a traceback.
+    assert stream.read(10_000) == b"" and stream.readline() == b""
+    assert stream.readinto(bytearray(4)) == 0
+
+
+def test_a_stalled_body_is_answered_without_a_traceback(served, caplog):
+  """The client stalls past the timeout, gets its 408, then sends the rest
+  of its body and resets the connection: werkzeug's drain of the request
+  reads nothing more, and logs no error."""
+  with caplog.at_level(logging.INFO, logger="werkzeug"):
+    with _serving(served, timeout=0.5) as httpd:
+      for _ in range(3):
+        sock = _stall(httpd.port, BODY_CUT)
+        with sock:
+          assert sock.recv(4096).startswith(b"HTTP/1.1 408")
+          sock.sendall(b"3" * 90)
+          sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                          struct.pack("ii", 1, 0))
+        time.sleep(0.2)
+  assert [r for r in caplog.records if "408" in r.getMessage()]
+  assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 @pytest.mark.parametrize("data, answer", [
