@@ -17,6 +17,9 @@ from absl import app, flags
 # nothing to continue, does it again). bin/train's checkpointing exits so too.
 REQUEUE_EXIT_CODE = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Seeds become JAX keys, which keep 32 bits: `recipe.checks.SEED_LIMIT`,
+# written again so that a binary's flags import no recipe.
+SEED_LIMIT = 2**32
 
 
 def fail(program: str, message: str, code: int = 2) -> NoReturn:
@@ -54,7 +57,8 @@ def flagfile_message(error: flags.CantOpenFlagFileError) -> str:
 
 
 class FiniteFloatParser(flags.FloatParser):
-  """Float parser that refuses NaN and infinity."""
+  """Float parser that refuses NaN and infinity (and, given bounds, values
+  outside them, as `flags.FloatParser` does)."""
 
   def convert(self, argument: int | float | str) -> float:
     # NaN fails every comparison, so later range checks let it through;
@@ -66,13 +70,43 @@ class FiniteFloatParser(flags.FloatParser):
 
 
 def define_float(name: str, default: float | None, help_text: str,
-                 module_name: str):
-  """Return the holder of a float flag that refuses NaN and infinity.
+                 module_name: str, lower_bound: float | None = None,
+                 upper_bound: float | None = None):
+  """Return the holder of a float flag that refuses NaN and infinity, and
+  values outside `[lower_bound, upper_bound]` where given.
 
   Pass the defining module's `__name__`: the flag then belongs to it, as
   with `flags.DEFINE_float`, and `get_flags_for_module` lists it.
   """
-  return flags.DEFINE(FiniteFloatParser(), name, default, help_text,
+  return flags.DEFINE(FiniteFloatParser(lower_bound, upper_bound), name,
+                      default, help_text,
+                      serializer=flags.ArgumentSerializer(),
+                      module_name=module_name)
+
+
+class SeedParser(flags.IntegerParser):
+  """Integer parser of a seed: a JAX key keeps 32 bits, so a seed outside
+  [0, 2**32) would overflow (past 2**64) or silently name the key of one
+  inside."""
+
+  def __init__(self) -> None:
+    super().__init__(0, SEED_LIMIT - 1)
+
+  def convert(self, argument: int | str) -> int:
+    value = super().convert(argument)
+    if not 0 <= value < SEED_LIMIT:
+      raise ValueError(f"must lie in [0, 2**32) (0..{SEED_LIMIT - 1}), the "
+                       "seeds a JAX key holds")
+    return value
+
+
+def define_seed(name: str, default: int | None, help_text: str,
+                module_name: str,
+                flag_values: flags.FlagValues = flags.FLAGS):
+  """Return the holder of a seed flag (`SeedParser`), the one type of every
+  binary's seeds, defined on `flag_values` as a flag of `module_name`."""
+  return flags.DEFINE(SeedParser(), name, default, help_text,
+                      flag_values=flag_values,
                       serializer=flags.ArgumentSerializer(),
                       module_name=module_name)
 

@@ -22,9 +22,9 @@ from decompax.io import harvest_store, owned_dir, tensor_store
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "A finished bin/train run with a finished bin/harvest.",
   required=True)
-_SEED = flags.DEFINE_integer(
+_SEED = cli.define_seed(
   "seed", 0, "Seed of the batch the ablation effects are measured on (the "
-  "clustering itself draws nothing).")
+  "clustering itself draws nothing).", __name__)
 _BATCH_SIZE = flags.DEFINE_integer(
   "batch_size", None, "Inputs of that batch (token windows of the "
   "harvest's length for a language model); default "

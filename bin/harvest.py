@@ -95,8 +95,8 @@ _ABLATION_BATCHES = flags.DEFINE_integer(
 _ABLATION_CHUNK = flags.DEFINE_integer(
   "ablation_chunk", 16, "Ablated forwards run at once, one compiled call "
   "(memory: that many forwards of one batch).", flag_values=HARVEST_FLAGS)
-_SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of the "
-                             "harvested batches.", flag_values=HARVEST_FLAGS)
+_SEED = cli.define_seed("seed", _D.seed, "Seed of the harvested batches.",
+                       __name__, HARVEST_FLAGS)
 _SAVE_EVERY_S = _define_float(
   "save_every_s", 60.0, "Seconds between resumable saves (0: after every "
   "batch).")

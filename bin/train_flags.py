@@ -60,6 +60,8 @@ def _define(field: dataclasses.Field, kind: typing.Any) -> None:
     flags.DEFINE_enum(name, default, list(doc.choices), doc.help, **fv)
   elif kind is bool:
     flags.DEFINE_bool(name, default, doc.help, **fv)
+  elif name in checks.SEED_FLAGS:
+    cli.define_seed(name, default, doc.help, __name__)
   elif kind is int:
     flags.DEFINE_integer(name, default, doc.help, **fv)
   elif kind is float:

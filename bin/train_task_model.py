@@ -32,8 +32,9 @@ _TASK = flags.DEFINE_enum(
 _OUTPUT_DIR = flags.DEFINE_string(
   "output_dir", None, "Hugging Face model directory to write.",
   required=True)
-_SEED = flags.DEFINE_integer(
-  "seed", None, "Training seed (default: the task's known-good seed).")
+_SEED = cli.define_seed(
+  "seed", None, "Training seed (default: the task's known-good seed).",
+  __name__)
 _OVERWRITE = flags.DEFINE_bool(
   "overwrite", False, "Replace an existing non-empty --output_dir.")
 
