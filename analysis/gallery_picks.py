@@ -12,6 +12,7 @@ site and index, its label (class, top tag, purity, lift) and its first
 position where it fires in bold.
 """
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -42,10 +43,21 @@ def rule(count: int = COUNT, per_class: int = PER_CLASS,
           "class.")
 
 
+def check_active(active: float) -> None:
+  """Raise ValueError unless `active` is a finite multiple >= 0: NaN
+  fails every comparison, so the rule would keep nothing and state
+  "at least nan×"."""
+  if not (math.isfinite(active) and active >= 0):
+    raise ValueError(f"active must be a finite multiple >= 0 of a site's "
+                     f"mean share of its CI, got {active!r}")
+
+
 def pick(harvest: harvest_lib.Harvest, count: int = COUNT,
          per_class: int = PER_CLASS, active: float = ACTIVE) -> list[Pick]:
   """Return the gallery's components by `rule` (see the module
-  docstring); ValueError for a harvest without tag statistics."""
+  docstring); ValueError for a harvest without tag statistics, or an
+  `active` that is no multiple (negative, NaN or infinite)."""
+  check_active(active)
   if not unit_labels.tagged(harvest):
     raise ValueError("the harvest has no tag statistics: harvest a token "
                      "file with a tag stream (./dev data brown writes one)")

@@ -27,9 +27,10 @@ _COUNT = flags.DEFINE_integer("count", gallery_lib.COUNT,
 _PER_CLASS = flags.DEFINE_integer(
   "per_class", gallery_lib.PER_CLASS,
   "At most this many components of one coarse class.", lower_bound=1)
-_ACTIVE = flags.DEFINE_float(
+_ACTIVE = cli.define_float(
   "active", gallery_lib.ACTIVE, "Candidates hold at least this multiple of "
-  "their site's mean share of its CI.", lower_bound=0.0)
+  "their site's mean share of its CI (finite, >= 0).", __name__,
+  lower_bound=0.0)
 _CONTEXTS = flags.DEFINE_integer("contexts", gallery_lib.CONTEXTS,
                                  "Top contexts per entry.", lower_bound=1)
 
