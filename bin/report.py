@@ -4,10 +4,12 @@ Writes `<run_dir>/report/index.html` (and its curve PNGs) from the files of
 a finished or a running run; open it in any browser.
 """
 
+import sys
+
 from absl import flags, logging
 
 from decompax.analysis import tag_summary
-from decompax.bin import cli
+from decompax.bin import cli, run_records
 from decompax.io import run_dir
 from decompax.io import run_report as report
 
@@ -31,6 +33,15 @@ def main(argv: list[str]) -> None:
     chosen = run_dir.chosen_run(_RUN_DIR.value)
   except ValueError as e:
     fail(f"--run_dir: {e}; {why}")
+  try:
+    unknown = run_records.check_flags_file(chosen)
+  except (OSError, ValueError) as e:
+    fail(f"--run_dir: {chosen}/{run_dir.FLAGS_FILE} is damaged: {e}; "
+         "restore it from the run's launch command")
+  if unknown:
+    print(f"report: warning: {chosen}/{run_dir.FLAGS_FILE} sets "
+          f"{', '.join('--' + n for n in unknown)}, which bin/train has no "
+          "flag for (removed since, or a damaged line)", file=sys.stderr)
   # A harvest with tag statistics adds its comparison with the neurons.
   try:
     with cli.thread_map() as map_fn:

@@ -6,6 +6,7 @@ versions and git revision of decompax. `--profile_steps=START:END` writes an
 in-process `jax.profiler` trace of that step window to `<run>/profile`.
 """
 
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -16,8 +17,11 @@ import sys
 
 import jax
 
+from decompax.analysis import explore
+from decompax.bin import placement_flags
 from decompax.io import checkpoint, run_dir
 from decompax.recipe.checks import parse_profile_steps
+from decompax.recipe.config import TrainConfig
 
 RUN_INFO_FILE = "run_info.json"
 PROFILE_DIR = "profile"
@@ -112,3 +116,34 @@ def profile_after_step(config, output_dir: str, state, done: int) -> None:
     return  # resumed inside the window: no trace was started
     print(f"[profile] steps {window[0]}..{window[1] - 1} traced into "
           f"{os.path.join(output_dir, PROFILE_DIR)}/", flush=True)
+
+
+# The flags a run's flags.txt may set: its settings and bin/train's
+# scale-out flags (tests/bin/test_run_records.py holds this to the list
+# bin/train records).
+RECORDED_FLAGS = frozenset(
+  {f.name for f in dataclasses.fields(TrainConfig)}
+  | set(placement_flags.NAMES))
+
+
+def check_flags_file(path: str) -> list[str]:
+  """Raise ValueError where the run's flags.txt does not read back as
+  bin/train wrote it: a line that is no `--name=value`, or a setting whose
+  value its flag refuses, or only names that bin/train records no flag of.
+  Return the names it sets that bin/train records no flag of (a flag since
+  removed, or a damaged line)."""
+  flags_path = os.path.join(path, run_dir.FLAGS_FILE)
+  if not os.path.isfile(flags_path):
+    return []   # no run: said by whoever opens it as one
+  with open(flags_path, encoding="utf-8", errors="replace") as f:
+    lines = [line.strip() for line in f]
+  for number, line in enumerate(lines, 1):
+    if line and not (line.startswith("--") and "=" in line):
+      raise ValueError(f"line {number}, {line[:80]!r}, is not --name=value")
+  explore.run_config(path)
+  names = [line[2:].partition("=")[0] for line in lines if line]
+  unknown = [name for name in names if name not in RECORDED_FLAGS]
+  if unknown and len(unknown) == len(names):
+    raise ValueError(f"it sets no flag of bin/train, only "
+                     f"{', '.join('--' + n for n in unknown)}")
+  return unknown
