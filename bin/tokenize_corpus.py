@@ -23,6 +23,7 @@ for a file: its path named, one writer at a time (the lock of
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -87,12 +88,36 @@ def _check_not_output(path: str, output: str) -> None:
                        " the input: choose another --output")
 
 
+def input_problem(path: str) -> str | None:
+  """Return why `--input path` is no text file to read, naming what it is
+  (a FIFO or a device never ends, or blocks), or None for a regular file."""
+  try:
+    mode = os.stat(path).st_mode
+  except FileNotFoundError:
+    if os.path.islink(path):
+      return (f"--input {path} is a symbolic link to "
+              f"{os.readlink(path)}, which does not exist")
+    return f"--input {path} not found"
+  except OSError as e:
+    return f"--input {path} cannot be read: {e.strerror}"
+  kinds = ((stat.S_ISDIR, "a directory"),
+           (stat.S_ISFIFO, "a FIFO (named pipe)"),
+           (stat.S_ISCHR, "a character device"),
+           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+  for test, kind in kinds:
+    if test(mode):
+      return (f"--input {path} is {kind}, not a regular file; give a file "
+              "holding text")
+  return None
+
+
 def check_paths(inputs: list[str], output: str, overwrite: bool) -> None:
   """Raise ValueError for missing inputs or an output that must not be
   written."""
   for path in inputs:
-    if not os.path.isfile(path):
-      raise ValueError(f"--input {path} not found")
+    problem = input_problem(path)
+    if problem:
+      raise ValueError(problem)
     if not os.path.getsize(path):
       raise ValueError(f"--input {path} is empty; give a file holding text")
   if not output.endswith(".bin"):
@@ -310,6 +335,9 @@ def write(output: str):
   if eos_id is None:
     raise ValueError(f"tokenizer {_TOKENIZER.value} has no EOS token;"
                      " pass --eos_id")
+  if not 0 <= eos_id < len(tokenizer):
+    raise ValueError(f"--eos_id={eos_id} is outside the tokenizer's"
+                     f" vocabulary [0, {len(tokenizer)})")
   start = time.time()
   header = tokens_lib.write_tokens(
     output,
