@@ -24,6 +24,7 @@ held-out stream cut into disjoint windows of the context length.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -37,12 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
-from decompax.bin import cli
+from decompax.bin import cli, device_memory
 from decompax.io import hf_checkpoint, owned_dir, run_dir, tree_npz
 from decompax.io import tokens as tokens_lib
 from decompax.targets import brown, glu_target, text_lm
 
 FAULT_ENV = "DECOMPAX_FAULT"
+# The step counter (`TrainState.step`) is int32.
+MAX_STEPS = 2**31 - 1
 STATE = "train_state.npz"
 RECORD = "train_lm.json"
 METRICS = "metrics.jsonl"
@@ -60,7 +63,7 @@ _NUM_STEPS = flags.DEFINE_integer(
   "num_steps", None, "Training steps (default: the preset's).")
 _BATCH_SIZE = flags.DEFINE_integer(
   "batch_size", None, "Windows per step (default: the preset's).")
-_SEED = flags.DEFINE_integer("seed", 0, "Initialisation and data seed.")
+_SEED = cli.define_seed("seed", 0, "Initialisation and data seed.", __name__)
 _MAX_EVAL_WINDOWS = flags.DEFINE_integer(
   "max_eval_windows", 0, "Held-out windows scored at the end; 0: all.")
 _EVAL_EVERY_STEPS = flags.DEFINE_integer(
@@ -95,6 +98,10 @@ def settings() -> tuple[text_lm.LmPreset, dict]:
   if any(v <= 0 for v in changes.values()):
     raise ValueError(f"{', '.join(f'--{k}' for k in changes)} must be"
                      " positive")
+  if changes.get("num_steps", 0) > MAX_STEPS:
+    raise ValueError(f"--num_steps={changes['num_steps']} is past"
+                     f" {MAX_STEPS}, the most steps a run counts (an int32"
+                     " step counter)")
   for holder in (_EVAL_WINDOWS, _EVAL_BATCH):
     if holder.value <= 0:
       raise ValueError(f"--{holder.name} must be positive, got"
@@ -210,6 +217,28 @@ def eval_windows(held_out: tokens_lib.Tokens, seq_len: int,
   return np.asarray(held_out.ids[index], np.int32)
 
 
+@functools.cache
+def step_function(preset: text_lm.LmPreset):
+  """Return the jitted training step of `preset`: one function per preset,
+  so the step `check_step_fits` compiles is the one that runs."""
+  return jax.jit(text_lm.make_train_step(preset), donate_argnums=0)
+
+
+def check_step_fits(preset: text_lm.LmPreset, seed: int) -> None:
+  """Raise `device_memory.DoesNotFit`, before anything is written, when
+  one training step of `preset` needs more memory than is free: a batch
+  too large to allocate is otherwise killed by the kernel without a
+  word, or hangs."""
+  state = jax.eval_shape(
+    lambda: text_lm.init_state(jax.random.key(seed), preset))
+  window = jax.ShapeDtypeStruct((preset.batch_size, preset.seq_len + 1),
+                                jnp.int32)
+  compiled = step_function(preset).lower(state, window).compile()
+  device_memory.check_fits(
+    compiled, f"a step of --batch_size={preset.batch_size} windows of"
+    f" {preset.seq_len + 1} tokens", "lower --batch_size")
+
+
 def make_scorer(preset: text_lm.LmPreset, batch: int):
   """Return `score(weights, windows)`: the model's mean next-token cross
   entropy over `windows`, `batch` windows per forward."""
@@ -307,7 +336,7 @@ def train(path, preset, train_tokens, state, stop, check) -> tuple:
   `check(step, weights, loss)` runs after every step (the held-out
   evaluations it makes when due).
   """
-  step_fn = jax.jit(text_lm.make_train_step(preset), donate_argnums=0)
+  step_fn = step_function(preset)
   first = int(state.step)
   progress = Progress(preset.num_steps, preset.batch_size * preset.seq_len,
                       _PROGRESS_SECONDS.value)
@@ -347,6 +376,7 @@ def main(argv: list[str]) -> None:
       _DATA_DIR.value or f"data/brown/bpe-{preset.vocab_size}", "data_dir")
     path = output_dir(preset)
     train_tokens, held_out = open_data(data_dir, preset)
+    check_step_fits(preset, _SEED.value)
     # The data's bytes decide the model as much as the preset does.
     record["data"] = owned_dir.files_identity(data_dir, DATA_FILES)
     resume = claim_output(path, record, _OVERWRITE.value)

@@ -153,9 +153,12 @@ def loss(
 
 def optimizer(preset: LmPreset) -> optax.GradientTransformation:
   """Return clipped AdamW on warmup-cosine of `preset`."""
+  # At least one warmup step (the first update starts from lr 0), but a
+  # one-step run takes its one step at the peak: optax's cosine needs a
+  # step after the warmup.
+  warmup = min(max(preset.warmup_steps, 1), preset.num_steps - 1)
   schedule = optax.warmup_cosine_decay_schedule(
-    0.0, preset.lr, max(preset.warmup_steps, 1), preset.num_steps,
-    end_value=preset.lr / 10)
+    0.0, preset.lr, warmup, preset.num_steps, end_value=preset.lr / 10)
   # Norms carry no decay: it would pull their scale toward zero.
   decay = lambda w: jax.tree.map(lambda a: a.ndim > 1, w)  # noqa: E731
   return optax.chain(
