@@ -71,16 +71,17 @@ def device_free_bytes(device: Any) -> tuple[int | None, int]:
   return host_free_bytes(), max(sharing, 1)
 
 
-def check_fits(compiled: Any, what: str, fix: str) -> None:
+def check_fits(compiled: Any, what: str, fix: str, held: int = 0) -> None:
   """Raise DoesNotFit when `compiled` (SPMD: one device's program) needs
-  more than is free on this process's first device; `what` names the
+  more than is free on this process's first device, beside `held` bytes
+  its caller keeps there (arguments it has yet to make); `what` names the
   program, `fix` the flags that shrink it. Unknown sizes pass."""
   need = need_bytes(compiled)
   device = jax.local_devices()[0]
   free, sharing = device_free_bytes(device)
   if need is None or free is None:
     return
-  need *= sharing
+  need = need * sharing + held
   if need > free:
     where = ("the host" if device.platform == "cpu"
              else f"{device.platform} device {device.id}")

@@ -9,12 +9,15 @@ components that fire on the same inputs, and co-firing groups
 (`analysis/identifiability.py`). `--pairs` also prints every pair.
 """
 
+import math
+
+import jax
 from absl import flags, logging
 
 from decompax.analysis import explore
 from decompax.analysis import identifiability
 from decompax.analysis import matching
-from decompax.bin import cli
+from decompax.bin import cli, device_memory
 
 _RUN_A = flags.DEFINE_string(
   "run_a", None, "The first run's directory (a finished bin/train run); "
@@ -28,9 +31,10 @@ _THRESHOLD = cli.define_float(
 _BATCH_SIZE = flags.DEFINE_integer(
   "batch_size", matching.BATCH_SIZE, "Inputs the CI patterns are taken "
   "over (the first run's own samples; token windows for a language "
-  "model).", lower_bound=1)
-_SEED = flags.DEFINE_integer("seed", matching.SEED,
-                             "Seed of the shared inputs.")
+  "model; at most 2**31 - 1, and what memory holds).", lower_bound=1,
+  upper_bound=2**31 - 1)
+_SEED = cli.define_seed("seed", matching.SEED, "Seed of the shared inputs.",
+                       __name__)
 _TAU = flags.DEFINE_float(
   "tau", identifiability.TAU, "CI cosine at which two components count as"
   " firing together, for the co-firing groups.")
@@ -49,6 +53,36 @@ def _load(flag: str, path: str) -> explore.LoadedRun:
     fail(f"--{flag}: {e}")
 
 
+def _bytes(tree) -> int:
+  return sum(math.prod(x.shape) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def check_batch_fits(runs: list[explore.LoadedRun], batch_size: int,
+                     seed: int) -> None:
+  """Raise `device_memory.DoesNotFit` when the runs' CI over `batch_size`
+  shared inputs needs more memory than is free: on the device, each
+  run's CI program beside the inputs; on the host, both runs' CI kept in
+  float64 for the cosines."""
+  inputs = jax.eval_shape(
+    lambda: matching.shared_inputs(runs[0], batch_size, seed))
+  what = f"the CI of --batch_size={batch_size} inputs"
+  fix = "lower --batch_size"
+  host = 0
+  for run in runs:
+    d = run.decomposition
+    program = run.jitted.lower_ci.lower(run.weights, d.components,
+                                        d.ci_params, inputs).compile()
+    device_memory.check_fits(program, what, fix, held=_bytes(inputs))
+    host += 2 * _bytes(program.out_info)
+  free = device_memory.host_free_bytes()
+  if free is not None and host > free:
+    raise device_memory.DoesNotFit(
+      f"{what} takes {host / device_memory.GIB:.1f} GiB of host memory in "
+      f"float64, and the host has {free / device_memory.GIB:.1f} GiB free; "
+      f"{fix}")
+
+
 def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
@@ -63,6 +97,7 @@ def main(argv: list[str]) -> None:
   run_b = _load("run_b", _RUN_B.value)
   try:
     matching.check_comparable(run_a, run_b)
+    check_batch_fits([run_a, run_b], _BATCH_SIZE.value, _SEED.value)
     inputs = matching.shared_inputs(run_a, _BATCH_SIZE.value, _SEED.value)
     arrays_a = matching.site_arrays(run_a, inputs)
     arrays_b = matching.site_arrays(run_b, inputs)
