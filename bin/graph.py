@@ -61,6 +61,25 @@ def prompt_tokens(text: str) -> list[int]:
   return ids
 
 
+def check_prompt(tokens: list[int], token: int | None, vocab: int,
+                 positions: int | None) -> None:
+  """Raise ValueError, naming the flag, for a prompt id (or `--token`)
+  outside the vocabulary [0, vocab) or a prompt longer than the model's
+  `positions`."""
+  try:
+    explore.check_token_ids(tokens, vocab)
+  except ValueError as e:
+    raise ValueError(f"--tokens: {e}") from None
+  if positions is not None and len(tokens) > positions:
+    raise ValueError(f"--tokens: the prompt has {len(tokens)} tokens, more "
+                     f"than the model's {positions} positions; give at most "
+                     f"{positions} (the last {positions} are the window it "
+                     "can see)")
+  if token is not None and not 0 <= token < vocab:
+    raise ValueError(f"--token={token} is outside the vocabulary "
+                     f"[0, {vocab})")
+
+
 def _place(where: tuple[str, int]) -> str:
   return f"{where[0]} @{where[1]}"
 
@@ -75,21 +94,35 @@ def summary(graph: attribution.AttributionGraph, top: int) -> str:
   return "\n".join(lines)
 
 
-def _check_outputs(paths: list[str]) -> None:
-  for path in paths:
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-      fail(f"cannot write {path}: its directory {parent} does not exist")
+def output_problem(flag: str, path: str) -> str | None:
+  """Return why `--flag=path` cannot be written as a file, or None."""
+  parent = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(parent):
+    return f"cannot write {path}: its directory {parent} does not exist"
+  if os.path.isdir(path):
+    example = {"output": "attribution_graph.png"}.get(flag, "graph.json")
+    return (f"--{flag}={path} is a directory; name a file in it, e.g. "
+            f"{os.path.join(path, example)}")
+  if os.path.exists(path) and not os.path.isfile(path):
+    return f"--{flag}={path} is not a regular file; name another"
+  return None
 
 
-def _claim_outputs(outputs: list[str]) -> None:
+def _check_outputs(outputs: dict[str, str]) -> None:
+  for flag, path in outputs.items():
+    problem = output_problem(flag, path)
+    if problem:
+      fail(problem)
+
+
+def _claim_outputs(outputs: dict[str, str]) -> None:
   """Refuse outputs that cannot be written (`io/owned_dir.py`; each is
   written whole and atomically, so two writers never mix one)."""
   try:
-    for path, flag in zip(outputs, ("output", "json")):
+    for flag, path in outputs.items():
       owned_dir.named(path, flag)
     _check_outputs(outputs)
-    for path, flag in zip(outputs, ("output", "json")):
+    for flag, path in outputs.items():
       owned_dir.check_file(path, flag)
   except ValueError as e:
     fail(str(e))
@@ -99,12 +132,15 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --tokens=ID,ID,...")
-  outputs = [_OUTPUT.value] + ([_JSON.value] if _JSON.value is not None
-                               else [])
+  outputs = {"output": _OUTPUT.value} | (
+    {"json": _JSON.value} if _JSON.value is not None else {})
   _claim_outputs(outputs)
   try:
     tokens = prompt_tokens(_TOKENS.value)
     run = explore.load_run(_RUN_DIR.value)
+    if run.target.token_labels is not None:
+      check_prompt(tokens, _TOKEN.value, explore.vocab_size(run),
+                   run.positions)
     graph = explore.attribution_graph(
       run, tokens, token=_TOKEN.value, position=_POSITION.value,
       share=_SHARE.value, threshold=_THRESHOLD.value,
@@ -122,7 +158,7 @@ def main(argv: list[str]) -> None:
   except OSError as e:
     fail(owned_dir.refusal(e, _OUTPUT.value))
   print(summary(graph, _TOP.value))
-  print(f"wrote {', '.join(outputs)}")
+  print(f"wrote {', '.join(outputs.values())}")
 
 
 def entry() -> None:

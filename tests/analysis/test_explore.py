@@ -76,3 +76,31 @@ def test_ablation_effects_match_one_forward_per_component(induction):
 def test_ablation_effects_need_a_language_model(tms):
   with pytest.raises(ValueError, match="not a language model"):
     explore.ablation_effects(tms, jnp.zeros((3,), jnp.int32))
+
+
+def test_a_token_run_knows_its_model_s_positions(tms, induction):
+  assert tms.positions is None
+  assert induction.positions == 64
+
+
+def test_a_prompt_past_the_model_s_positions_is_refused(induction):
+  """The induction toy's rotary attention would answer 65 tokens without
+  a sign that it never saw such a context; a learned position table has
+  no row for them."""
+  tokens = jnp.ones(65, jnp.int32)
+  message = "the prompt has 65 tokens, more than the model's 64 positions"
+  with pytest.raises(ValueError, match=message):
+    explore.predict(induction, tokens, None)
+  with pytest.raises(ValueError, match=message):
+    explore.attribution_graph(induction, tokens)
+  with pytest.raises(ValueError, match=message):
+    explore.mask_sweep(induction, tokens, "layers.1.mlp.up_proj", 0, [1.0])
+  assert len(explore.predict(induction, tokens[:64], None, top=1)[0]) == 64
+
+
+@pytest.mark.parametrize("tokens, bad", [([-1, 3], -1), ([1, 32], 32)])
+def test_an_attribution_graph_refuses_ids_outside_the_vocabulary(
+    induction, tokens, bad):
+  with pytest.raises(ValueError, match=f"token id {bad} is outside the "
+                     r"vocabulary \[0, 32\)"):
+    explore.attribution_graph(induction, tokens)
