@@ -262,6 +262,15 @@ def _manifest(text: str):
   return write
 
 
+def _garbled_flags(text: str):
+  """Leave {T}/r a directory whose flags.txt reads `text`."""
+
+  def setup(t):
+    (t / "r").mkdir()
+    (t / "r" / "flags.txt").write_text(text)
+  return setup
+
+
 def _choice_file(text: str):
   """Leave {T}/r holding a `--restarts` run (its flags.txt) whose
   restarts.json reads `text`."""
@@ -525,6 +534,17 @@ ROWS = (
   Row("train_lm_steps_not_positive", "train_lm", (
     "--preset=tiny", "--num_steps=0", "--data_dir={T}/d"),
     "--num_steps must be positive"),
+  Row("train_lm_steps_past_int32", "train_lm", (
+    "--preset=tiny", "--num_steps=1180591620717411303424", "--data_dir={T}/d"),
+    "--num_steps=1180591620717411303424 is past 2147483647, the most steps "
+    "a run counts"),
+  # Killed by the kernel at 21 GB without a word, before: refused once
+  # compiled, before the run directory is touched.
+  Row("train_lm_step_does_not_fit", "train_lm", (
+    "--preset=tiny", "--data_dir={T}/d", "--output_dir={T}/o",
+    "--batch_size=1000000000"),
+    "a step of --batch_size=1000000000 windows of 33 tokens needs ",
+    setup=_lm_data(300), prelude=ADDRESS_SPACE_8G, untouched=True),
   Row("train_lm_eval_windows_not_positive", "train_lm", (
     "--preset=tiny", "--eval_windows=0", "--data_dir={T}/d"),
     "--eval_windows must be positive, got 0"),
@@ -563,17 +583,34 @@ ROWS = (
       "from step 0, or choose another --output_dir",
       setup=_earlier_run(), untouched=True),
   # Seeds past what a JAX key holds, refused before any run directory.
+  # One seed flag type (`cli.define_seed`) in every binary.
   Row("seed_past_32_bits", "train", (
     *SHORT, "--seed=1180591620717411303424", OUT),
-    "--seed=1180591620717411303424 must lie in [0, 2**32)"),
+    "--seed=1180591620717411303424: must lie in [0, 2**32)"),
   Row("target_seed_past_32_bits", "train", (
     *SHORT, "--target_seed=1180591620717411303424", OUT),
-    "--target_seed=1180591620717411303424 must lie in [0, 2**32)"),
+    "--target_seed=1180591620717411303424: must lie in [0, 2**32)"),
   Row("eval_seed_past_32_bits", "train", (
     *SHORT, "--eval_seed=1180591620717411303424", OUT),
-    "--eval_seed=1180591620717411303424 must lie in [0, 2**32)"),
+    "--eval_seed=1180591620717411303424: must lie in [0, 2**32)"),
   Row("seed_negative", "train", (*SHORT, "--seed=-1", OUT),
-      "--seed=-1 must lie in [0, 2**32)"),
+      "--seed=-1: must lie in [0, 2**32)"),
+  Row("train_lm_seed_past_32_bits", "train_lm", (
+    "--preset=tiny", "--seed=1180591620717411303424", "--data_dir={T}/d"),
+    "--seed=1180591620717411303424: must lie in [0, 2**32)"),
+  Row("harvest_seed_past_32_bits", "harvest", (
+    "--run_dir={T}/nowhere", "--seed=1180591620717411303424"),
+    "--seed=1180591620717411303424: must lie in [0, 2**32)"),
+  Row("match_seed_past_32_bits", "match", (
+    "--run_a={T}/nowhere", "--run_b={T}/nowhere",
+    "--seed=1180591620717411303424"),
+    "--seed=1180591620717411303424: must lie in [0, 2**32)"),
+  Row("cluster_seed_negative", "cluster", (
+    "--run_dir={T}/nowhere", "--seed=-1"), "--seed=-1: must lie in [0, "
+    "2**32)"),
+  Row("train_task_model_seed_past_32_bits", "train_task_model", (
+    "--output_dir={T}/o", "--seed=4294967296"),
+    "--seed=4294967296: must lie in [0, 2**32)"),
   Row("candidate_seed_past_32_bits", "train", (
     "--seed=4294967000", "--restarts=2", "--num_steps=20", "--select_at=10",
     "--save_every=10", "--log_every=10", "--eval_every=10",
@@ -831,6 +868,13 @@ ROWS = (
   Row("report_no_run_dir", "report", (), "Flag --run_dir must have a value"),
   Row("report_not_a_run", "report", ("--run_dir={T}/nowhere",),
       "is not a run directory (no flags.txt)"),
+  Row("report_flags_garbled", "report", ("--run_dir={T}/r",),
+      "--run_dir: {T}/r/flags.txt is damaged: '--c=abc': invalid literal",
+      setup=_garbled_flags("--bogus_flag=1\n--c=abc\n"), untouched=True),
+  Row("report_flags_garbled_one_line", "report", ("--run_dir={T}/r",),
+      "--run_dir: {T}/r/flags.txt is damaged: it sets no flag of bin/train, "
+      "only --bogus_flag", setup=_garbled_flags("--bogus_flag=1 --c=abc\n"),
+      untouched=True),
   Row("report_positional", "report", ("--run_dir={T}", "extra"),
       "unexpected argument 'extra'"),
   Row("report_tagged_harvest_array_deleted", "report", ("--run_dir={T}/r",),
@@ -913,6 +957,15 @@ ROWS = (
       "stream", harvested=True, untouched=True),
   Row("gallery_count_zero", "gallery", ("--run_dir={T}/r", "--count=0"),
       "--count=0", harvested=True),
+  Row("gallery_active_nan", "gallery", ("--run_dir={T}/nowhere",
+                                        "--active=nan"),
+      "flag --active=nan: must be a finite number"),
+  Row("gallery_active_inf", "gallery", ("--run_dir={T}/nowhere",
+                                        "--active=inf"),
+      "flag --active=inf: must be a finite number"),
+  Row("gallery_active_negative", "gallery", ("--run_dir={T}/nowhere",
+                                             "--active=-1"),
+      "flag --active=-1: -1.0 is not a non-negative number"),
   Row("match_no_run_a", "match", ("--run_b={T}/nowhere",),
       "Flag --run_a must have a value"),
   Row("match_positional", "match", (
@@ -927,6 +980,14 @@ ROWS = (
   Row("match_threshold_beyond_one", "match", (
     "--run_a={T}/nowhere", "--run_b={T}/nowhere", "--threshold=1.5"),
     "--threshold=1.5 is no similarity; give one in [-1, 1]"),
+  Row("match_batch_does_not_fit", "match", (
+    "--run_a={T}/r", "--run_b={T}/r", "--batch_size=2000000000"),
+    "the CI of --batch_size=2000000000 inputs needs ",
+    setup=_run_copy("tms"), prelude=ADDRESS_SPACE_8G),
+  Row("match_batch_past_int32", "match", (
+    "--run_a={T}/nowhere", "--run_b={T}/nowhere",
+    "--batch_size=1180591620717411303424"),
+    "is not an integer in the range [1, 2147483647]"),
   Row("match_different_targets", "match", (
     "--run_a={T}/r", "--run_b={T}/s"),
     "the runs decompose different targets (tms_5-2 and ",
@@ -962,6 +1023,28 @@ ROWS = (
   Row("graph_share_zero", "graph", ("--run_dir={T}/r", "--tokens=0,1",
       "--share=0", "--output={T}/g.png"), "share",
       setup=_run_copy("induction"), untouched=True),
+  Row("graph_token_negative", "graph", ("--run_dir={T}/r", "--tokens=-1,3",
+      "--output={T}/g.png"),
+      "--tokens: token id -1 is outside the vocabulary [0, 32)",
+      setup=_run_copy("induction"), untouched=True),
+  Row("graph_token_past_vocab", "graph", ("--run_dir={T}/r", "--tokens=32,3",
+      "--output={T}/g.png"),
+      "--tokens: token id 32 is outside the vocabulary [0, 32)",
+      setup=_run_copy("induction"), untouched=True),
+  Row("graph_logit_token_past_vocab", "graph", ("--run_dir={T}/r",
+      "--tokens=1,3", "--token=32", "--output={T}/g.png"),
+      "--token=32 is outside the vocabulary [0, 32)",
+      setup=_run_copy("induction"), untouched=True),
+  # The induction toy's 64 rotary positions: a longer prompt was answered.
+  Row("graph_prompt_past_positions", "graph", ("--run_dir={T}/r",
+      "--tokens=" + ",".join(["1"] * 65), "--output={T}/g.png"),
+      "--tokens: the prompt has 65 tokens, more than the model's 64 "
+      "positions; give at most 64", setup=_run_copy("induction"),
+      untouched=True),
+  Row("graph_output_is_a_directory", "graph", ("--run_dir={T}/nowhere",
+      "--tokens=0,1", "--output={T}"),
+      "--output={T} is a directory; name a file in it, e.g. "
+      "{T}/attribution_graph.png", untouched=True),
   Row("graph_output_directory_missing", "graph", ("--run_dir={T}/r",
       "--tokens=0,1", "--output={T}/no/g.png"),
       "cannot write {T}/no/g.png: its directory {T}/no does not exist"),
@@ -970,6 +1053,17 @@ ROWS = (
   Row("tokenizer_not_a_dir", "tokenize", (
     "--tokenizer={T}/nowhere", "--input={T}/in.txt", "--output={T}/o.bin"),
     "--tokenizer {T}/nowhere is not a directory", setup=_input_file),
+  Row("tokenize_input_fifo", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/pipe", "--output={T}/o.bin"),
+    "--input {T}/pipe is a FIFO (named pipe), not a regular file",
+    setup=lambda t: os.mkfifo(t / "pipe")),
+  Row("tokenize_input_device", "tokenize", (
+    FIXTURE_TOKENIZER, "--input=/dev/zero", "--output={T}/o.bin"),
+    "--input /dev/zero is a character device, not a regular file"),
+  Row("tokenize_eos_past_vocab", "tokenize", (
+    "--tokenizer={T}/tok", "--input={T}/w.txt", "--output={T}/o.bin",
+    "--eos_id=4"), "--eos_id=4 is outside the tokenizer's vocabulary [0, 4)",
+    setup=_eos_only_input),
   Row("tokenize_input_missing", "tokenize", (
     FIXTURE_TOKENIZER, "--input={T}/missing.txt", "--output={T}/o.bin"),
     "--input {T}/missing.txt not found"),
