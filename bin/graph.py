@@ -73,8 +73,7 @@ def check_prompt(tokens: list[int], token: int | None, vocab: int,
   if positions is not None and len(tokens) > positions:
     raise ValueError(f"--tokens: the prompt has {len(tokens)} tokens, more "
                      f"than the model's {positions} positions; give at most "
-                     f"{positions} (the last {positions} are the window it "
-                     "can see)")
+                     f"{positions}")
   if token is not None and not 0 <= token < vocab:
     raise ValueError(f"--token={token} is outside the vocabulary "
                      f"[0, {vocab})")
