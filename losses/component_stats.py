@@ -128,11 +128,16 @@ def add_stats(total: BatchStats, batch: BatchStats) -> BatchStats:
 
 def zero_stats(shape: BatchStats) -> BatchStats:
   """Return empty statistics shaped like `shape` (e.g. its `eval_shape`):
-  zero counts, and top contexts that any real one displaces."""
+  zero counts, and top contexts that any real one displaces. Every array
+  has its statistic's dtype, strongly typed, as a batch's own have: a
+  weakly typed `-inf` fill would make a window that started empty another
+  input type than one that has merged a batch, and a jitted accumulation
+  compile twice per window."""
   zeros = lambda x: jnp.zeros(x.shape, x.dtype)
   return BatchStats(
     zeros(shape.fired), zeros(shape.ci_sum), zeros(shape.histogram),
-    zeros(shape.coactive), jnp.full(shape.top_ci.shape, -jnp.inf),
+    zeros(shape.coactive),
+    jnp.full(shape.top_ci.shape, -jnp.inf, shape.top_ci.dtype),
     jnp.full(shape.top_context.shape, NO_TOKEN, shape.top_context.dtype),
     zeros(shape.top_context_ci))
 

@@ -94,6 +94,23 @@ def test_counts_sums_and_top_contexts_match_direct_computation(
       assert context[c, 0, centre] == tokens[row, col]
 
 
+def test_a_fresh_window_has_the_input_types_of_an_accumulated_one(induction):
+  """So the jitted accumulation compiles once, not again on a harvest's
+  second batch and after every save (a weakly typed `-inf` once made each
+  window's second batch a compile)."""
+  settings = harvest_lib.resolve(induction, REQUEST)
+  placed = harvest_lib.place(induction, settings)
+  pipe = harvest_lib._pipeline(induction, settings, 5, placed)
+  fresh = harvest_lib._fresh_window(pipe.shapes, placed)()
+  types = jax.tree.map(jax.typeof, fresh)
+  window, _ = pipe.accumulate(fresh, placed.weights, placed.components,
+                              placed.ci_params, pipe.batch(0))
+  assert jax.tree.map(jax.typeof, window) == types
+  pipe.accumulate(window, placed.weights, placed.components,
+                  placed.ci_params, pipe.batch(1))
+  assert pipe.accumulate._cache_size() == 1
+
+
 def test_ablation_effect_sums_the_divergence_where_a_component_fires(
     induction, harvested):
   settings, out, _ = harvested
