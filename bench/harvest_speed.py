@@ -20,13 +20,11 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 from decompax.analysis import explore
 from decompax.analysis import harvesting
-from decompax.io import decomposition as decomposition_lib
 from decompax.io import hf_checkpoint
 from decompax.io import tokens
 from decompax.recipe.config import read_args
@@ -72,15 +70,7 @@ def random_run(layers: int, c: int, seq_len: int, model_dir: str,
                       "--faithfulness_warmup_steps=0"])
   names = tuple(glu_lm.site_name(i, r) for i in range(layers) for r in ROLES)
   sites = glu_target.site_specs(model, names, c)
-  weights = random_lm.random_weights(jax.random.key(0), model, sites,
-                                     jnp.float32)
-  run = random_lm.build_run(config, model, sites, weights)
-  parts = run.plan.parts
-  decomposition = decomposition_lib.Decomposition(
-    run.state.components, run.state.ci_params, sites, parts.ci_config, 0, {})
-  return explore.LoadedRun(config, parts.target, run.weights, decomposition,
-                           parts.ci_fn,
-                           explore.jit_functions(parts.target, parts.ci_fn))
+  return random_lm.loaded_run(config, model, sites)
 
 
 def write_token_file(path: str, num_tokens: int, vocab_size: int,

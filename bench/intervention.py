@@ -25,7 +25,6 @@ import numpy as np
 from absl import app, flags
 
 from decompax.analysis import explore
-from decompax.io import decomposition as decomposition_lib
 from decompax.recipe.config import read_args
 from decompax.targets import glu_config, glu_lm, glu_target
 
@@ -59,15 +58,7 @@ def random_run(model: glu_config.GluConfig, layer: int, c: int,
                       "--faithfulness_warmup_steps=0"])
   names = tuple(glu_lm.site_name(layer, r) for r in ("gate", "up", "down"))
   sites = glu_target.site_specs(model, names, c)
-  weights = random_lm.random_weights(jax.random.key(0), model, sites,
-                                     jnp.float32)
-  run = random_lm.build_run(config, model, sites, weights)
-  parts = run.plan.parts
-  decomposition = decomposition_lib.Decomposition(
-    run.state.components, run.state.ci_params, sites, parts.ci_config, 0, {})
-  return explore.LoadedRun(config, parts.target, run.weights, decomposition,
-                           parts.ci_fn,
-                           explore.jit_functions(parts.target, parts.ci_fn))
+  return random_lm.loaded_run(config, model, sites)
 
 
 def time_curves(run: explore.LoadedRun, tokens: jax.Array, points: int,

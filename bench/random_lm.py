@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Key
 
+from decompax.analysis import explore
 from decompax.core.sites import SiteSpec
+from decompax.io import decomposition as decomposition_lib
 from decompax.recipe import assembly
 from decompax.recipe.config import TrainConfig
 from decompax.targets import glu_config, glu_lm, glu_target
@@ -81,3 +83,18 @@ def build_run(config: TrainConfig, model: glu_config.GluConfig,
                                 sample_inputs=sample_inputs,
                                 token_model=model)
   return assembly.build_run(config, record, target, weights)
+
+
+def loaded_run(config: TrainConfig, model: glu_config.GluConfig,
+               sites: tuple[SiteSpec, ...]) -> explore.LoadedRun:
+  """Return a random model of `model`'s shape with `sites` decomposed at
+  their initialisation, opened as `explore.load_run` opens a finished run
+  (for benches of the analysis tools, which need no trained run)."""
+  weights = random_weights(jax.random.key(0), model, sites, jnp.float32)
+  run = build_run(config, model, sites, weights)
+  parts = run.plan.parts
+  decomposition = decomposition_lib.Decomposition(
+    run.state.components, run.state.ci_params, sites, parts.ci_config, 0, {})
+  return explore.LoadedRun(config, parts.target, run.weights, decomposition,
+                           parts.ci_fn,
+                           explore.jit_functions(parts.target, parts.ci_fn))

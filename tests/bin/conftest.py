@@ -70,7 +70,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Flagfiles that need a downloaded checkpoint and an accelerator (l18), or a
 # model that `bin/train_lm` trains here (brown; none is in the repository:
 # tests/bin/test_brown_flagfiles.py checks those instead).
-NOT_CPU_SIZED = {"l18", "l18_addsub_tpd", "brown_s", "brown_m"}
+NOT_CPU_SIZED = {"l18", "l18_addsub_tpd", "brown_s", "brown_s_chip", "brown_m"}
 PNG = b"\x89PNG\r\n\x1a\n"
 # Small C and CI widths: compile time grows with them, code paths do not.
 # One run: a recipe's restarts (tms_5-2) have their own tests

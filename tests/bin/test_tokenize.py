@@ -165,18 +165,21 @@ def test_inputs_that_give_no_tokens_are_refused(tmp_path, tokenizer_dir):
   words.write_text(" ".join(["hello"] * 5000))
   (inputs / "empty.txt").write_text("")
   (inputs / "blank.jsonl").write_text('{"text": ""}\n\n{"text": " "}\n')
-  out = tmp_path / "out" / "train.bin"
-  out.parent.mkdir()
+  # One output each: the cases run at once, and one writer locks its file.
+  outs = [tmp_path / f"out{i}" / "train.bin" for i in range(3)]
+  for out in outs:
+    out.parent.mkdir()
   config_only = _config_only(tmp_path)
-  base = [f"--tokenizer={tokenizer_dir}", f"--output={out}"]
   results = _tokenize_all(
-    [f"--tokenizer={config_only}", f"--input={words}", f"--output={out}"],
-    [*base, f"--input={inputs / 'empty.txt'}"],
-    [*base, f"--input={words}", f"--input={inputs / 'blank.jsonl'}"])
+    [f"--tokenizer={config_only}", f"--input={words}", f"--output={outs[0]}"],
+    [f"--tokenizer={tokenizer_dir}", f"--output={outs[1]}",
+     f"--input={inputs / 'empty.txt'}"],
+    [f"--tokenizer={tokenizer_dir}", f"--output={outs[2]}",
+     f"--input={words}", f"--input={inputs / 'blank.jsonl'}"])
   _assert_fails(results[0], f"cannot read a tokenizer from {config_only}")
   _assert_fails(results[1], "empty.txt is empty; give a file holding text")
   _assert_fails(results[2], "blank.jsonl tokenizes to nothing but EOS")
-  assert os.listdir(out.parent) == []
+  assert all(os.listdir(out.parent) == [] for out in outs)
 
 
 def test_an_input_named_as_the_output_is_refused_and_kept(tmp_path,

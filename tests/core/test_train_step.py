@@ -22,7 +22,7 @@ def _recon_like_term():
   return train_step.simple_term("recon", 1.0, fn)
 
 
-def _build(chain, terms):
+def _build(chain, terms, **step_options):
   target, _ = chain
   ci = ci_fns.make_ci_fn(ci_fns.CIConfig("component_mlp", (4,)), target.sites)
   cfg = train_step.StepConfig(
@@ -30,7 +30,8 @@ def _build(chain, terms):
     components_opt=optim.AdamWConfig(Schedule(1e-2), clip_max_norm=1.0),
     ci_opt=optim.AdamWConfig(Schedule(1e-2)),
   )
-  return ci, train_step.make_train_step(target, ci, terms, cfg)
+  return ci, train_step.make_train_step(target, ci, terms, cfg,
+                                        **step_options)
 
 
 def _state(chain, ci, built):
@@ -258,15 +259,9 @@ def test_steps_are_bitwise_the_single_steps_in_one_program(
   and last metrics of n calls of the step, whatever each call's length, one
   trace and one program for every length, the frozen weights an argument
   of it and nothing read back to the host inside it."""
-  target, weights = chain
-  ci = ci_fns.make_ci_fn(ci_fns.CIConfig("component_mlp", (4,)), target.sites)
-  cfg = train_step.StepConfig(
-    total_steps=10,
-    components_opt=optim.AdamWConfig(Schedule(1e-2), clip_max_norm=1.0),
-    ci_opt=optim.AdamWConfig(Schedule(1e-2)),
-  )
-  built = train_step.make_train_step(
-    target, ci, (_recon_like_term(), _key_term()), cfg,
+  _, weights = chain
+  ci, built = _build(
+    chain, (_recon_like_term(), _key_term()),
     sample_inputs=lambda key: jax.random.normal(key, (8, 4)), max_traces=1)
   start = _state(chain, ci, built)
   key = jax.random.key(3)

@@ -505,7 +505,12 @@ def test_slow_tier_reports_linear2_unit_locality(tms_eval, merged):
 
 
 def test_tms_eval_passes_compile_once(tms_eval):
-  fns = tms_eval[1]
+  """Two evaluations of different components, whatever ran before: one
+  program per tier."""
+  evaluate, fns = tms_eval
+  split = _tms_split(TMS_W)
+  evaluate(split)
+  evaluate(_merged(split))
   assert fns.fast._cache_size() == 1 and fns.slow._cache_size() == 1
 
 
