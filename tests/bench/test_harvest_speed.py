@@ -3,6 +3,11 @@ builds and its clean forward in one run."""
 
 import pytest
 
+# A bench's own run, a minute on two cores: its property (the harvest
+# compiles once; k steps a call are bitwise one) has fast tests of its own
+# (tests/analysis/test_harvesting.py, tests/core/test_train_step.py).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def bench(load_bench):

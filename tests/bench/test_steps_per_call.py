@@ -4,6 +4,11 @@ states after a common number of steps are bitwise equal (I57)."""
 
 import pytest
 
+# A bench's own run, a minute on two cores: its property (the harvest
+# compiles once; k steps a call are bitwise one) has fast tests of its own
+# (tests/analysis/test_harvesting.py, tests/core/test_train_step.py).
+pytestmark = pytest.mark.slow
+
 TINY = "tms_5-2+--batch_size=16+--c=6+--ci_hidden=4"
 
 
