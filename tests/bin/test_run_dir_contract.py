@@ -267,9 +267,8 @@ TABLE: dict[str, dict[str, Cell | Inapplicable]] = {
                     setup=_all(_tms_target, _stale("o/.lock")),
                     check=_train_written),
     "other_settings": Cell(
-      (*TRAIN, "--output_dir={T}/r"), "holds a run with other flags (", setup=_all(_tms_target,
-                                       _train_run_with_other_flags),
-      untouched=True),
+      (*TRAIN, "--output_dir={T}/r"), "holds a run with other flags (",
+      setup=_all(_tms_target, _train_run_with_other_flags), untouched=True),
     "overwrite_foreign": Cell(
       (*TRAIN, "--output_dir={T}/u", "--overwrite"), "no run wrote them",
       setup=_all(_tms_target, _user_files("u"), _file("u/metrics.jsonl")),
