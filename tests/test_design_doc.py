@@ -19,7 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "design.md"
 SCANNED_DIRS = ("core", "targets", "losses", "placement", "io", "recipe",
                 "analysis", "bin", "tests", "bench")
-SCANNED_FILES = ("README.md", "WORKSPACE.md", "docs/design.md")
+SCANNED_FILES = ("README.md", "WORKSPACE.md",
+                 *sorted(str(p.relative_to(ROOT))
+                         for p in (ROOT / "docs").glob("*.md")))
 
 _NUM = r"\d+(?:\.\d+)*"
 # One citation of a section, or a run of them: `§6.1`, `§1, §2, §6.1`,

@@ -1,10 +1,10 @@
-"""The README's runnable code blocks run as written.
+"""The runnable code blocks of the README and of docs/*.md run as written.
 
 A fenced block whose info string is `sh runnable` or `python runnable` is
 run from the repository root (`sh runnable slow`: only under
 `./dev test-slow`, for a block that stays long when shortened): an `sh` block by bash (errexit, pipefail), a
 `python` block as `./dev run python <file>`. The paths a block names stand
-for what the README's commands make, so they are replaced before it runs
+for what the documents' commands make, so they are replaced before it runs
 (STAND_INS): `runs/<name>` by a copy of one of the session's 4-step
 finished runs (a block naming `runs/induction` runs once on the induction
 toy and once on the tiny Llama, the toy and the Hugging Face path of the
@@ -26,7 +26,8 @@ from typing import NamedTuple
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+# The README and the pages it hands its topics to: their blocks are one set.
+DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 FENCE = re.compile(r"^```(\w+) runnable( slow)?\n(.*?)^```$",
                    re.MULTILINE | re.DOTALL)
 LANGUAGES = ("sh", "python")
@@ -50,6 +51,7 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 class Block(NamedTuple):
+  document: str  # relative to the repository root
   line: int
   language: str
   slow: bool
@@ -57,11 +59,16 @@ class Block(NamedTuple):
 
 
 def runnable_blocks() -> list[Block]:
-  """Return every README block marked runnable, with its first line."""
-  readme = README.read_text()
-  return [Block(readme.count("\n", 0, m.start()) + 1, m.group(1),
-                bool(m.group(2)), m.group(3))
-          for m in FENCE.finditer(readme)]
+  """Return every block marked runnable in DOCUMENTS, with its document and
+  first line."""
+  blocks = []
+  for path in DOCUMENTS:
+    text = path.read_text()
+    blocks += [Block(str(path.relative_to(ROOT)),
+                     text.count("\n", 0, m.start()) + 1, m.group(1),
+                     bool(m.group(2)), m.group(3))
+               for m in FENCE.finditer(text)]
+  return blocks
 
 
 # Input files a block reads: path in the block -> maker of its stand-in in
@@ -137,19 +144,22 @@ def _cases() -> list:
   cases = []
   for block in runnable_blocks():
     named = [path for path in RUNS if _path_pattern(path).search(block.text)]
-    assert len(named) <= 1, f"README line {block.line} names {named}: one run"
+    assert len(named) <= 1, (
+      f"{block.document} line {block.line} names {named}: one run")
     for run in (RUNS[named[0]] if named else ("",)):
-      case_id = f"line{block.line}-{block.language}" + (f"-{run}" if run
-                                                        else "")
+      case_id = (f"{pathlib.Path(block.document).stem}-line{block.line}-"
+                 f"{block.language}" + (f"-{run}" if run else ""))
       cases.append(pytest.param(
         block, named[0] if named else "", run, id=case_id,
         marks=[pytest.mark.slow] if block.slow else []))
   return cases
 
 
-def test_the_readme_marks_blocks_runnable():
+def test_the_documents_mark_blocks_runnable():
   blocks = runnable_blocks()
   assert {b.language for b in blocks} == set(LANGUAGES)
+  # The README's tour and the pages it links both carry runnable blocks.
+  assert {b.document for b in blocks} >= {"README.md", "docs/analysis.md"}
   assert any(not b.slow for b in blocks)
   # Toy and language-model exploration both run.
   loads = [b for b in blocks if "explore.load_run" in b.text]
@@ -161,7 +171,7 @@ def test_the_readme_marks_blocks_runnable():
 def test_a_runnable_block_runs_as_written(block, run_path, run, finished_run,
                                           tmp_path):
   assert block.language in LANGUAGES, (
-    f"README line {block.line}: runnable blocks are {LANGUAGES}")
+    f"{block.document} line {block.line}: runnable blocks are {LANGUAGES}")
   text = block.text
   if run:
     # A copy of its own: the block may write into the run (a harvest, a
@@ -177,8 +187,8 @@ def test_a_runnable_block_runs_as_written(block, run_path, run, finished_run,
       text = _path_pattern(path).sub(str(make(tmp_path)), text)
   unreplaced = UNREPLACED.search(text)
   assert unreplaced is None, (
-    f"README line {block.line} names {unreplaced.group(0)!r}, which "
-    "tests/test_readme.py has no stand-in for")
+    f"{block.document} line {block.line} names {unreplaced.group(0)!r}, "
+    "which tests/test_readme.py has no stand-in for")
   if block.language == "sh":
     command = ["bash", "-euo", "pipefail", "-c", _shortened(text, tmp_path)]
   else:
@@ -188,5 +198,6 @@ def test_a_runnable_block_runs_as_written(block, run_path, run, finished_run,
   done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True,
                         text=True, timeout=900)
   assert done.returncode == 0, (
-    f"README line {block.line}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    f"{block.document} line {block.line}:\n{done.stdout[-3000:]}\n"
+    f"{done.stderr[-3000:]}")
   assert "Traceback" not in done.stderr
