@@ -20,7 +20,7 @@ is known of the model:
 The fast variant is a small arithmetic model trained here for a few
 hundred steps, decomposed exactly (each MLP matrix's SVD, one component
 per singular direction, so the delta path is zero); the slow one is the
-README's targeted decomposition (`flags/addsub_tpd.flags`) trained for 500
+targeted decomposition of docs/targeted.md (`flags/addsub_tpd.flags`) trained for 500
 steps.
 """
 

@@ -1,4 +1,4 @@
-"""The README gallery: its rule on a harvest of known labels, its markdown,
+"""The gallery (docs/brown.md shows two): its rule on a harvest of known labels, its markdown,
 and `bin/gallery` on a tagged text run."""
 
 import os

@@ -1121,7 +1121,7 @@ def test_a_text_run_in_a_real_browser(text_server, chromium):
 
 def test_a_link_opens_a_component_and_runs_a_prompt_with_it_chosen(
     text_server, chromium):
-  """`#site=..&c=..&prompt=..` (the README's screenshot of a text run):
+  """`#site=..&c=..&prompt=..` (docs/brown.md's screenshot of a text run):
   the component's page with its label, the prompt's predictions with the
   component ablated."""
   from urllib.parse import quote  # noqa: PLC0415

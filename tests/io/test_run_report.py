@@ -296,16 +296,18 @@ def test_the_pages_ask_for_no_favicon(synthetic_run):
   assert '<link rel="icon" href="data:,">' in page.split("</head>")[0]
 
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+# The page of the docs that explains the report and shows its screenshot.
+EVALUATION_DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs",
+                              "evaluation.md")
 
 
-def test_the_readmes_screenshot_command_runs_as_written(synthetic_run,
-                                                        tmp_path):
-  """The README's Chromium command makes the report's screenshot, also as
-  root (where Chromium needs --no-sandbox)."""
+def test_the_documented_screenshot_command_runs_as_written(synthetic_run,
+                                                           tmp_path):
+  """docs/evaluation.md's Chromium command makes the report's screenshot,
+  also as root (where Chromium needs --no-sandbox)."""
   import shlex  # noqa: PLC0415
   import subprocess  # noqa: PLC0415
-  with open(README, encoding="utf-8") as f:
+  with open(EVALUATION_DOC, encoding="utf-8") as f:
     command = re.search(r"`(chromium --headless[^`]*)`", f.read()).group(1)
   page = report.write_report(synthetic_run)
   shot = tmp_path / "shot.png"

@@ -1,6 +1,6 @@
 """Shortened decompositions recover the toys' known mechanisms (SPEC §10).
 
-Full-length results are in the README; these runs are cut short to stay in
+Full-length results are in docs/recovery.md; these runs are cut short to stay in
 the default suite and assert what a short run reliably shows.
 """
 
@@ -88,9 +88,9 @@ def test_tms_5_2_vpd_flagfile_recovers_one_component_per_feature():
 @pytest.mark.slow
 def test_tms_5_2_flagfile_recovers_the_paper_table():
   """The TMS family's full recovery: the shipped flagfile's recipe as one
-  run at its default seed (the README's one-run table, seed 2) ends with
+  run at its default seed (docs/recovery.md's one-run table, seed 2) ends with
   the paper's Table 1 result, five alive components per embedding matrix
-  in the identity CI pattern, MMCS 1.000 and ML2R near 1 (README: 1.010 /
+  in the identity CI pattern, MMCS 1.000 and ML2R near 1 (there: 1.010 /
   0.984 measured)."""
   config = _config(f"--flagfile={FLAGS_DIR / 'tms_5-2.flags'}", "--restarts=1",
                   "--select_at=0")
