@@ -159,7 +159,10 @@ def optimizer(preset: LmPreset) -> optax.GradientTransformation:
   warmup = min(max(preset.warmup_steps, 1), preset.num_steps - 1)
   schedule = optax.warmup_cosine_decay_schedule(
     0.0, preset.lr, warmup, preset.num_steps, end_value=preset.lr / 10)
-  # Norms carry no decay: it would pull their scale toward zero.
+  # Decay by rank: 1-D leaves (the final norm) are spared it, stacked
+  # leaves decay, the per-layer norms ([layer, d]) among them. Every
+  # Brown model docs/brown.md measures was trained so; sparing those
+  # norms too would train other models than the ones its tables name.
   decay = lambda w: jax.tree.map(lambda a: a.ndim > 1, w)  # noqa: E731
   return optax.chain(
     optax.clip_by_global_norm(preset.clip_norm),

@@ -18,11 +18,11 @@ PRESET = text_lm.LmPreset("t", n_layers=1, d_model=4, d_ff=8, n_heads=2,
 TINY = text_lm.PRESETS["tiny"]
 
 
-def test_weight_decay_shrinks_matrices_and_spares_the_final_norm():
+def test_weight_decay_shrinks_stacked_leaves_and_spares_the_final_norm():
   """Two zero-gradient updates: Adam's part is 0, so only the decay moves
   the weights, at the second step's learning rate (the first's is 0 by
-  the warmup). A matrix shrinks by `1 − lr·wd`; the final norm keeps its
-  scale."""
+  the warmup). A matrix, and a per-layer norm (stacked `[layer, d]`),
+  shrink by `1 − lr·wd`; the final norm keeps its scale."""
   weights = text_lm.init(jax.random.key(0), PRESET)
   opt = text_lm.optimizer(PRESET)
   zeros = jax.tree.map(jnp.zeros_like, weights)
@@ -34,6 +34,8 @@ def test_weight_decay_shrinks_matrices_and_spares_the_final_norm():
   np.testing.assert_allclose(after.span.q, weights.span.q * shrink,
                              rtol=1e-6)
   np.testing.assert_array_equal(after.norm, weights.norm)
+  np.testing.assert_allclose(after.span.ln1, weights.span.ln1 * shrink,
+                             rtol=1e-6)
 
 
 @pytest.mark.parametrize("num_steps", [1, 2, 40])
