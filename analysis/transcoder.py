@@ -48,6 +48,20 @@ def init(key: Key[Array, ""], d_in: int, n_latents: int, d_out: int
                     w_dec, jnp.zeros(d_out))
 
 
+def data_encoder(params: Transcoder, key: Key[Array, ""],
+                 x: Float[Array, "p d_in"]) -> Transcoder:
+  """Return `params` with each encoder column a distinct input drawn from
+  `x` (repeats only where `x` has fewer rows than latents), scaled to unit
+  norm: every latent then leads at some input, so TopK selects each from
+  the first step (random columns leave some never selected, never
+  trained)."""
+  n = params.w_enc.shape[1]
+  rows = jax.random.choice(key, x.shape[0], (n,), replace=n > x.shape[0])
+  w = x[rows].astype(jnp.float32).T
+  norms = jnp.linalg.norm(w, axis=0, keepdims=True)
+  return params._replace(w_enc=w / jnp.where(norms > 0, norms, 1.0))
+
+
 def scaled_to(params: Transcoder, x: Float[Array, "p d_in"],
               y: Float[Array, "p d_out"], k: int) -> Transcoder:
   """Return `params` with the decoder's bias the mean of `y` and its rows

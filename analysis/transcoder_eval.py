@@ -244,8 +244,10 @@ def layer_record(i: int, evaluation: Evaluation, k: int, ci_l0: float,
   return record
 
 
-def _cell(value: Optional[float], digits: int = 3) -> str:
-  return "—" if value is None or np.isnan(value) else f"{value:.{digits}f}"
+def _cell(value: Optional[float], digits: int = 3, sign: str = "") -> str:
+  if value is None or np.isnan(value):
+    return "—"
+  return f"{value:{sign}.{digits}f}"
 
 
 def _purity_cell(purity: dict, name: str) -> str:
@@ -266,16 +268,16 @@ def results_table(record: dict[str, Any]) -> str:
     lines.append(
       f"| {i} | {r['k']} | {_cell(r['ci_l0'], 2)} | "
       f"{_cell(r['latent_l0'], 2)} | {_cell(r['fvu'])} | "
-      f"{_cell(r['ce_spliced'], 4)} | {_cell(r['ce_diff'], 4)} | "
+      f"{_cell(r['ce_spliced'], 4)} | {_cell(r['ce_diff'], 4, '+')} | "
       + " / ".join(_purity_cell(p, n) for n in
                    ("latents", "components", "neurons")) + " |")
   ce = record["ce"]
   masked = ce.get("ci_masked")
   lines += ["", f"Clean CE {_cell(ce['clean'], 4)}; every layer's "
             f"transcoder at once {_cell(ce['all'], 4)} "
-            f"(+{_cell(ce['all'] - ce['clean'], 4)}); the decomposition "
+            f"({_cell(ce['all'] - ce['clean'], 4, '+')}); the decomposition "
             "under its CI masks "
             + ("not measured" if masked is None else
-               f"{_cell(masked, 4)} (+{_cell(masked - ce['clean'], 4)})")
+               f"{_cell(masked, 4)} ({_cell(masked - ce['clean'], 4, '+')})")
             + f", over {record['positions']} positions."]
   return "\n".join(lines) + "\n"

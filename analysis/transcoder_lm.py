@@ -234,18 +234,23 @@ def token_batches(settings: TrainSettings, vocab_size: int
 
 
 def initial(run: explore.LoadedRun, settings: TrainSettings,
-            first: Int[Array, "b t"]) -> dict[int, tc.Transcoder]:
-  """Return every layer's transcoder before training: random directions
-  (from the seed folded with the layer) scaled to the first batch's MLP
-  outputs (`tc.scaled_to`)."""
-  pairs = mlp_pairs(run, run.weights, jnp.asarray(first), settings.layers)
+            first: Int[np.ndarray, "b t"]) -> dict[int, tc.Transcoder]:
+  """Return every layer's transcoder before training, from the first
+  batch's MLP activations: its encoder columns inputs of that batch
+  (`tc.data_encoder`), its decoder random directions scaled to the
+  outputs (`tc.scaled_to`), each from the seed folded with the layer."""
+  # Jitted: run op by op, the forward would take longer than a step.
+  pairs = jax.jit(lambda w, t: mlp_pairs(run, w, t, settings.layers))(
+    run.weights, jnp.asarray(first))
   key = jax.random.key(settings.seed)
   out = {}
   for i, n, k in zip(settings.layers, settings.n_latents, settings.ks):
     x, y = pairs[i]
-    params = tc.init(jax.random.fold_in(key, i), x.shape[-1], n, y.shape[-1])
-    out[i] = tc.scaled_to(params, x.reshape(-1, x.shape[-1]),
-                          y.reshape(-1, y.shape[-1]), k)
+    x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    init_key, data_key = jax.random.split(jax.random.fold_in(key, i))
+    params = tc.init(init_key, x.shape[-1], n, y.shape[-1])
+    params = tc.data_encoder(params, data_key, x)
+    out[i] = tc.scaled_to(params, x, y, k)
   return out
 
 

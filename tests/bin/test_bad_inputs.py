@@ -1006,6 +1006,32 @@ ROWS = (
       "rerun bin/harvest --run_dir={T}/r --overwrite to harvest again",
       setup=lambda t: shutil.rmtree(t / "r/harvest/linear1/coactive"),
       harvested=True),
+  Row("transcoder_no_run_dir", "train_transcoder", (),
+      "Flag --run_dir must have a value"),
+  Row("transcoder_positional", "train_transcoder", (
+    "--run_dir={T}/r", "extra"), "unexpected argument 'extra'"),
+  Row("transcoder_not_a_run", "train_transcoder", (
+    "--run_dir={T}/nowhere",), "--run_dir: {T}/nowhere has no flags.txt"),
+  Row("transcoder_toy_run", "train_transcoder", ("--run_dir={T}/r",),
+      "decomposes the toy 'tms_5-2'; a transcoder needs a language "
+      "model's MLPs", setup=_run_copy("tms"), untouched=True),
+  Row("transcoder_no_ci_l0", "train_transcoder", ("--run_dir={T}/r",),
+      "records no CI-L0: it has no finished harvest and no evaluation in "
+      "metrics.jsonl; run bin/harvest on it, or pass --k",
+      setup=_run_copy("tiny_llama"), untouched=True),
+  Row("transcoder_k_per_layer", "train_transcoder", (
+    "--run_dir={T}/r", "--k=2,3"), "--k gives 2 values for the run's 1 "
+    "MLP layers [1]", setup=_run_copy("tiny_llama"), untouched=True),
+  Row("transcoder_k_zero", "train_transcoder", (
+    "--run_dir={T}/r", "--k=0"), "k=0 of layer 1 must lie in [1, "
+    "n_latents=24]", setup=_run_copy("tiny_llama"), untouched=True),
+  Row("transcoder_k_not_integer", "train_transcoder", (
+    "--run_dir={T}/r", "--k=two"), "--k=two must be integers",
+      setup=_run_copy("tiny_llama"), untouched=True),
+  Row("transcoder_lr_nan", "train_transcoder", (
+    "--run_dir={T}/r", "--lr=nan"), "--lr"),
+  Row("transcoder_steps_zero", "train_transcoder", (
+    "--run_dir={T}/r", "--num_steps=0"), "--num_steps"),
   Row("graph_no_tokens", "graph", ("--run_dir={T}/r",),
       "Flag --tokens must have a value"),
   Row("graph_positional", "graph", ("--run_dir={T}/r", "--tokens=1", "x"),
