@@ -159,13 +159,23 @@ def _eval_positions(run_path: str, run: explore.LoadedRun):
     fail(f"--eval_data_path: {e}" if "data_path" in str(e) else str(e))
 
 
-def _claim(run_path: str, settings, eval_settings) -> str:
-  out = _OUTPUT_DIR.value or os.path.join(run_path, "transcoder")
-  record = {"train": vars(settings) | {
-    "data": owned_dir.file_identity(settings.data_path)},
-    "eval": vars(eval_settings), "decomposition_ce": _DECOMPOSITION_CE.value}
+def _output_dir(run_path: str) -> str:
+  if _OUTPUT_DIR.value is None:
+    return os.path.join(run_path, "transcoder")
   try:
-    owned_dir.named(out, "output_dir")
+    return owned_dir.named(_OUTPUT_DIR.value, "output_dir")
+  except ValueError as e:
+    fail(str(e))
+
+
+def _claim(out: str, settings, eval_settings) -> None:
+  """Claim `out` (`io/owned_dir.py`), its lock held until the process
+  ends, or fail on one line."""
+  try:
+    record = {"train": vars(settings) | {
+      "data": owned_dir.file_identity(settings.data_path)},
+      "eval": vars(eval_settings),
+      "decomposition_ce": _DECOMPOSITION_CE.value}
     owned_dir.claim(out, store.PROGRAM, _jsonable(record), _OVERWRITE.value)
     owned_dir.record(out, *store.ENTRIES)
   except owned_dir.OwnedConflict as e:
@@ -174,7 +184,6 @@ def _claim(run_path: str, settings, eval_settings) -> str:
     fail(f"--output_dir: {e}")
   except OSError as e:
     fail(owned_dir.refusal(e, out))
-  return out
 
 
 def _jsonable(value):
@@ -211,9 +220,10 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
   run_path = _RUN_DIR.value
+  out = _output_dir(run_path)
   run, sites, settings, matched, source = _open(run_path)
   eval_settings, from_harvest = _eval_positions(run_path, run)
-  out = _claim(run_path, settings, eval_settings)
+  _claim(out, settings, eval_settings)
   say = lambda line: print(line, flush=True)  # noqa: E731
   say(f"[transcoder] layers {list(settings.layers)}, k "
       f"{list(settings.ks)} (CI-L0 from the {source}), latents "
@@ -223,15 +233,21 @@ def main(argv: list[str]) -> None:
                                        _LOG_EVERY.value)
   except ValueError as e:
     fail(str(e))
-  store.write_transcoders(out, {i: p._asdict() for i, p in params.items()},
-                          _jsonable({"train": vars(settings)}))
+  try:
+    store.write_transcoders(out, {i: p._asdict() for i, p in params.items()},
+                            _jsonable({"train": vars(settings)}))
+  except OSError as e:
+    fail(owned_dir.refusal(e, os.path.join(out, store.TRANSCODERS)))
   evaluation = transcoder_eval.evaluate(
     run, params, dict(zip(settings.layers, settings.ks)), eval_settings,
     say, _DECOMPOSITION_CE.value)
   record = _record(run_path, settings, eval_settings, from_harvest,
                    evaluation, matched, source, sites, last)
   table = transcoder_eval.results_table(record)
-  _, path = store.write_results(out, record, table)
+  try:
+    _, path = store.write_results(out, record, table)
+  except OSError as e:
+    fail(owned_dir.refusal(e, os.path.join(out, store.RESULTS)))
   print(table, end="")
   say(f"[transcoder] wrote {path}")
 

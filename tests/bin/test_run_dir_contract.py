@@ -253,6 +253,11 @@ HARVEST = ("--run_dir={T}/r", "--positions=512", "--batch_size=64",
            "--top_k=3", "--ablation_batches=1")
 TOKENIZE = ("--tokenizer={T}/tok", "--input={T}/w.txt")
 GRAPH = ("--run_dir={T}/r", "--tokens=0,1")
+# A transcoder of two steps on the tiny Llama's run, judged on a few
+# positions of its own token file (no harvest: `--k` given).
+TRANSCODER = ("--run_dir={T}/r", "--k=2", "--num_steps=2", "--batch_size=2",
+              "--seq_len=8", "--eval_positions=32", "--eval_batch_size=2",
+              "--decomposition_ce=false")
 FOREIGN = "which no {program} run wrote"
 ONE_WRITE = ("writes one file, whole and atomically: two writers never mix "
              "it, so it takes no lock")
@@ -386,6 +391,37 @@ TABLE: dict[str, dict[str, Cell | Inapplicable]] = {
     "read_only": Cell(("--run_dir={T}/r",), "Read-only file system",
                       setup=_run_copy("tms", harvest=True),
                       prelude=READ_ONLY),
+  },
+  "train_transcoder": {
+    "blank": Cell((*TRANSCODER, "--output_dir= "),
+                  "--output_dir=' ' names no path", untouched=True),
+    "in_use": Cell((*TRANSCODER, "--output_dir={T}/o"), "is in use by pid",
+                   setup=_all(_run_copy("tiny_llama"), _holder("o"))),
+    "written": Cell((*TRANSCODER, "--output_dir={T}/o"), code=0,
+                    setup=_all(_run_copy("tiny_llama"), _stale("o/.lock")),
+                    check=_manifest_lists(
+                      "o", "train_transcoder", "transcoders.npz",
+                      "results.json", "results.md")),
+    "other_settings": Cell(
+      (*TRANSCODER, "--output_dir={T}/o"), "made with other settings (",
+      setup=_all(_run_copy("tiny_llama"), _manifest("o", "train_transcoder")),
+      untouched=True),
+    "overwrite_foreign": Cell(
+      (*TRANSCODER, "--output_dir={T}/u", "--overwrite"),
+      FOREIGN.format(program="train_transcoder"),
+      setup=_all(_run_copy("tiny_llama"), _user_files("u")), untouched=True),
+    "under_a_file": Cell((*TRANSCODER, "--output_dir={T}/f/o"),
+                         "{T}/f is a file, not a directory",
+                         setup=_all(_run_copy("tiny_llama"), _file("f")),
+                         untouched=True),
+    "full_disk": Cell((*TRANSCODER, "--output_dir={T}/o"),
+                      "No space left on device",
+                      setup=_run_copy("tiny_llama"), prelude=FULL_DISK,
+                      untouched=True),
+    "read_only": Cell((*TRANSCODER, "--output_dir={T}/o"),
+                      "Read-only file system",
+                      setup=_all(_run_copy("tiny_llama"), _mkdir("o")),
+                      prelude=READ_ONLY, untouched=True),
   },
   "tokenize": {
     "blank": Cell((*TOKENIZE, "--output= "), "--output=' ' names no path",
@@ -554,11 +590,13 @@ def results(tmp_path_factory, finished_run, harvested_tms):
 
 def test_the_table_holds_every_case_of_every_writing_binary():
   assert set(TABLE) == {"train", "train_lm", "prepare_brown", "harvest",
-                        "cluster", "tokenize", "graph", "gallery"}
+                        "cluster", "train_transcoder", "tokenize", "graph",
+                        "gallery"}
   for program, cells in TABLE.items():
     assert tuple(cells) == CASES, program
     # The cases every binary that writes a directory takes.
-    if program in ("train", "train_lm", "prepare_brown", "harvest"):
+    if program in ("train", "train_lm", "prepare_brown", "harvest",
+                   "train_transcoder"):
       assert not any(isinstance(c, Inapplicable) for c in cells.values())
 
 
