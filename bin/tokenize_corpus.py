@@ -11,9 +11,13 @@ Both files appear atomically once everything is tokenized.
 An input that is the output or its header (under any name: links are
 followed), binary input (NUL bytes) and an output that is not a file are
 refused before anything is written. SIGTERM or SIGINT stops it at once,
-tokenizer call or not (the tokenizer runs off the main thread, which the
+tokenizer load or call or not (both run off the main thread, which the
 signal reaches), leaving nothing behind, and exits with
-`cli.REQUEUE_EXIT_CODE`. Temporaries a killed run left beside the output
+`cli.REQUEUE_EXIT_CODE`. A signal whose stop was swallowed where Python
+drops exceptions (a garbage-collector callback, a `__del__`) is still
+recorded, and taken at the next batch or before the output is committed;
+one that comes while the finished output is committed (renamed into
+place with its header) lets the commit end: the output is whole. Temporaries a killed run left beside the output
 are removed by the next. The output is claimed as `io/owned_dir.py` says
 for a file: its path named, one writer at a time (the lock of
 `.NAME.bin.lock` beside it), and `--overwrite` replaces only a token file
@@ -28,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from absl import flags, logging
 
@@ -211,9 +215,41 @@ class Stopped(BaseException):
   `except Exception` on the way up may swallow it)."""
 
 
-def _stop_at_once(signum: int, frame: Any) -> NoReturn:
-  del frame
-  raise Stopped(signal.Signals(signum).name)
+class Stop(NamedTuple):
+  """The stop signals this process received (their names, in order), and
+  whether the output is being committed, when a signal only is recorded."""
+
+  seen: list[str]
+  committing: threading.Event
+
+  def check(self) -> None:
+    """Raise Stopped for a signal whose stop was swallowed on its way up
+    (raised inside a garbage-collector callback or a `__del__`, where
+    Python prints an exception and drops it)."""
+    if self.seen:
+      raise Stopped(self.seen[0])
+
+  def commit(self) -> None:
+    """Take any stop received so far; from now on signals only are
+    recorded, so the output is renamed into place whole with its header."""
+    self.check()
+    self.committing.set()
+
+
+def install_stop() -> Stop:
+  """Return the record of stop signals, handlers installed that record
+  each and, before the commit, raise Stopped at once."""
+  stop = Stop([], threading.Event())
+
+  def handle(signum: int, frame: Any) -> None:
+    del frame
+    stop.seen.append(signal.Signals(signum).name)
+    if not stop.committing.is_set():
+      raise Stopped(stop.seen[-1])
+
+  for signum in cli.STOP_SIGNALS:
+    signal.signal(signum, handle)
+  return stop
 
 
 def off_main_thread(call: Callable[[], Any]) -> Any:
@@ -241,8 +277,10 @@ def off_main_thread(call: Callable[[], Any]) -> Any:
   return result["value"]
 
 
-def tokenized(tokenizer, inputs, text_field, batch_docs, progress_seconds):
-  """Yield each document's ids, printing progress as it goes.
+def tokenized(tokenizer, inputs, text_field, batch_docs, progress_seconds,
+              stop: Stop):
+  """Yield each document's ids, printing progress as it goes; once the
+  last is yielded, the output is committed (`Stop.commit`).
 
   Raises:
     ValueError: an input whose documents give no ids at all, which would
@@ -255,6 +293,7 @@ def tokenized(tokenizer, inputs, text_field, batch_docs, progress_seconds):
     for batch in batched(read_documents(path, text_field), batch_docs):
       ids = off_main_thread(
         lambda b=batch: tokenizer(b, add_special_tokens=False)["input_ids"])
+      stop.check()
       for doc in ids:
         n_docs += 1
         n_tokens += len(doc) + 1
@@ -270,6 +309,7 @@ def tokenized(tokenizer, inputs, text_field, batch_docs, progress_seconds):
       raise ValueError(f"--input {path} tokenizes to nothing but EOS; check"
                        " that it holds text and that --tokenizer is the"
                        " model's tokenizer")
+  stop.commit()
 
 
 def remove_stale(output: str) -> None:
@@ -292,15 +332,14 @@ def _exit_stopped(signal_name: str, output: str) -> NoReturn:
 
 
 def main(argv: list[str]) -> None:
-  for signum in cli.STOP_SIGNALS:
-    signal.signal(signum, _stop_at_once)
+  stop = install_stop()
   try:
-    _main(argv)
+    _main(argv, stop)
   except Stopped as e:
     _exit_stopped(str(e), _OUTPUT.value)
 
 
-def _main(argv: list[str]) -> None:
+def _main(argv: list[str], stop: Stop) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; flags take the form --name=value")
@@ -312,7 +351,7 @@ def _main(argv: list[str]) -> None:
     check_paths(_INPUT.value, _OUTPUT.value, _OVERWRITE.value)
     with owned_dir.claimed_file(_OUTPUT.value, "output", "token file"):
       check_ours(_OUTPUT.value)
-      header, start = write(_OUTPUT.value)
+      header, start = write(_OUTPUT.value, stop)
   except ValueError as e:
     fail(str(e))
   except OSError as e:
@@ -320,17 +359,24 @@ def _main(argv: list[str]) -> None:
   # Written: a signal now would only misreport it.
   for signum in cli.STOP_SIGNALS:
     signal.signal(signum, signal.SIG_IGN)
+  if stop.seen:
+    print(f"[tokenize] stop signal ({stop.seen[0]}) came as the output was "
+          "committed: it is whole, and nothing is left to rerun", flush=True)
   print(f"[tokenize] wrote {_OUTPUT.value}: {header.num_documents} documents,"
         f" {header.num_tokens} {header.dtype} tokens (vocab"
         f" {header.vocab_size}, EOS {header.eos_id}) in"
         f" {time.time() - start:.1f}s")
 
 
-def write(output: str):
+def write(output: str, stop: Stop):
   """Write the token file `output` of the inputs; return its header and
   when the tokenizing began."""
   remove_stale(output)
-  tokenizer = load_tokenizer(_TOKENIZER.value)
+  # Off the main thread as the tokenizer's calls: a large tokenizer.json
+  # parses for seconds in native code, and importing transformers runs
+  # garbage-collector callbacks, where a stop raised would be dropped.
+  tokenizer = off_main_thread(lambda: load_tokenizer(_TOKENIZER.value))
+  stop.check()
   eos_id = tokenizer.eos_token_id if _EOS_ID.value is None else _EOS_ID.value
   if eos_id is None:
     raise ValueError(f"tokenizer {_TOKENIZER.value} has no EOS token;"
@@ -342,7 +388,7 @@ def write(output: str):
   header = tokens_lib.write_tokens(
     output,
     tokenized(tokenizer, _INPUT.value, _TEXT_FIELD.value, _BATCH_DOCS.value,
-              _PROGRESS_SECONDS.value),
+              _PROGRESS_SECONDS.value, stop),
     vocab_size=len(tokenizer), eos_id=eos_id,
     tokenizer=os.path.abspath(_TOKENIZER.value))
   return header, start

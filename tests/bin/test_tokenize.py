@@ -262,3 +262,70 @@ def test_a_stop_signal_is_taken_during_a_long_tokenizer_call(tmp_path,
                                             6_000_000, signal.SIGTERM)
   _assert_stopped(result, out, "SIGTERM")
   assert seconds < 5
+
+
+# Stop signals raised where Python drops the exception a handler raises
+# (a `__del__`; as a garbage-collector callback of an import would), each
+# run before the program: its signal must not be lost.
+_DROPPED = (
+  "import signal\n"
+  "from decompax.bin import tokenize_corpus as program\n"
+  "from decompax.io import run_dir\n"
+  "class _Signal:\n"
+  "  def __del__(self):\n"
+  "    signal.raise_signal(signal.SIGTERM)\n")
+PRELUDES = {
+  # While the tokenizer loads.
+  "load": _DROPPED + (
+    "load = program.load_tokenizer\n"
+    "def loading(path):\n"
+    "  _Signal()\n"
+    "  return load(path)\n"
+    "program.load_tokenizer = loading\n"),
+  # While the first input is read, on the main thread.
+  "read": _DROPPED + (
+    "read = program.read_documents\n"
+    "def reading(path, field):\n"
+    "  _Signal()\n"
+    "  yield from read(path, field)\n"
+    "program.read_documents = reading\n"),
+  # As the ids, renamed into place, wait for their header.
+  "commit": _DROPPED + (
+    "sync = run_dir.fsync_dir\n"
+    "def syncing(path):\n"
+    "  run_dir.fsync_dir = sync\n"
+    "  _Signal()\n"
+    "  sync(path)\n"
+    "run_dir.fsync_dir = syncing\n"),
+}
+
+
+def test_a_stop_signal_dropped_on_its_way_up_still_stops(tmp_path,
+                                                        tokenizer_dir):
+  """A signal during the load or the reading stops the program, nothing
+  written, exit 75; one during the commit lets it end, the output whole."""
+  text = tmp_path / "w.txt"
+  text.write_text("the cat sat\n")
+  runs = {}
+  for name, prelude in PRELUDES.items():
+    (tmp_path / name).mkdir()
+    code = (f"{prelude}import sys\nsys.argv = ['tokenize', "
+            f"'--tokenizer={tokenizer_dir}', '--input={text}', "
+            f"'--output={tmp_path / name / 'o.bin'}']\nprogram.entry()\n")
+    runs[name] = subprocess.Popen(
+      [sys.executable, "-P", "-c", code], cwd=ROOT, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  results = {name: (run.wait(timeout=300), *run.communicate())
+             for name, run in runs.items()}
+  for name in ("load", "read"):
+    code, stdout, stderr = results[name]
+    assert code == 75, stdout + stderr
+    assert stdout.splitlines()[-1].startswith(
+      f"[tokenize] stop signal (SIGTERM): {tmp_path / name / 'o.bin'} not "
+      "written;"), stdout
+    assert os.listdir(tmp_path / name) == []
+  code, stdout, stderr = results["commit"]
+  assert code == 0, stdout + stderr
+  assert "came as the output was committed: it is whole" in stdout
+  opened = tokens.open_tokens(tmp_path / "commit" / "o.bin")
+  np.testing.assert_array_equal(opened.ids, _ids("the cat sat") + [1])
