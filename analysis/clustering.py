@@ -277,15 +277,29 @@ def default_effect_batch(run: explore.LoadedRun) -> int:
   return LM_EFFECT_BATCH if lm.is_lm(run.config) else TOY_EFFECT_BATCH
 
 
+def _effect_settings(manifest: Mapping[str, Any], seed: int,
+                     batch_size: int) -> harvesting.Settings:
+  return dataclasses.replace(
+    harvesting.Settings(**manifest["settings"]), seed=seed,
+    batch_size=batch_size)
+
+
 def effect_inputs(run: explore.LoadedRun, manifest: Mapping[str, Any],
                   seed: int, batch_size: int) -> Any:
   """Return the batch the ablation effects are measured on: the first
   batch the harvest's own source (its token file, or the toy's inputs)
   draws with `seed` and `batch_size`."""
-  settings = dataclasses.replace(
-    harvesting.Settings(**manifest["settings"]), seed=seed,
-    batch_size=batch_size)
-  return harvesting.batch_source(run, settings)(0)
+  return harvesting.batch_source(
+    run, _effect_settings(manifest, seed, batch_size))(0)
+
+
+def effect_bytes(run: explore.LoadedRun, manifest: Mapping[str, Any],
+                 batch_size: int) -> int:
+  """Return a floor on the bytes the ablation effects on `batch_size`
+  inputs hold at once: the batch and `CHUNK` ablated forwards of it
+  (`harvesting.batch_bytes`)."""
+  return harvesting.batch_bytes(
+    run, _effect_settings(manifest, 0, batch_size)) * (1 + CHUNK)
 
 
 def _ablation_rows(sites: tuple[SiteSpec, ...],

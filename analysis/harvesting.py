@@ -151,6 +151,9 @@ class Settings:
 
 # A token file's windows tile it, spread evenly (`window_starts`).
 SPREAD = "spread"
+# Batches a harvest may take: batch `i`'s key is `fold_in(seed, i)`, whose
+# data is 32 bits (and a toy at 10,000 batches/s takes 2.5 days for them).
+MAX_BATCHES = 2**31 - 1
 
 
 # Seconds between the ablations' progress lines.
@@ -247,6 +250,12 @@ def resolve(run: explore.LoadedRun, request: Request) -> Settings:
   if data_path:
     n_batches = min(n_batches, file_batches(data_path, request.batch_size,
                                             seq_len))
+  if n_batches > MAX_BATCHES:
+    raise ValueError(
+      f"positions={request.positions} takes {n_batches} batches of "
+      f"{per_batch} positions, more than the {MAX_BATCHES} a harvest "
+      "numbers (a batch's index folds into its key in 32 bits); lower "
+      "positions or raise batch_size")
   return Settings(
     os.path.abspath(data_path) if data_path else "",
     n_batches, request.batch_size, seq_len,
@@ -256,6 +265,32 @@ def resolve(run: explore.LoadedRun, request: Request) -> Settings:
     request.seed,
     run.decomposition.step, tag_groups=groups,
     windows=SPREAD if data_path else "")
+
+
+def _bytes(tree: Any) -> int:
+  return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+             for leaf in jax.tree.leaves(tree))
+
+
+def batch_bytes(run: explore.LoadedRun, settings: Settings) -> int:
+  """Return a floor on the bytes one harvested batch holds at once: its
+  inputs, the clean output and every component's CI at each of its
+  positions (float32), each as shaped, nothing of the forward between."""
+  inputs = batch_shape(run, settings)
+  output = jax.eval_shape(
+    lambda w, x: run.target.clean_forward(w, x, ())[0], run.weights, inputs)
+  components = sum(site.c for site in run.target.sites)
+  ci = settings.batch_size * settings.seq_len * components * 4
+  return _bytes(inputs) + _bytes(output) + ci
+
+
+def memory_floor(run: explore.LoadedRun, settings: Settings,
+                 ablation_chunk: int) -> int:
+  """Return a floor on the bytes a harvest of `settings` holds at once:
+  one batch (`batch_bytes`), and where it measures ablation effects,
+  `ablation_chunk` ablated forwards of it besides."""
+  one = batch_bytes(run, settings)
+  return one * (1 + (ablation_chunk if settings.ablation_batches else 0))
 
 
 def file_batches(data_path: str, batch_size: int, seq_len: int) -> int:

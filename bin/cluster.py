@@ -16,7 +16,7 @@ import time
 from absl import flags, logging
 
 from decompax.analysis import clustering, explore
-from decompax.bin import cli
+from decompax.bin import cli, device_memory
 from decompax.io import harvest_store, owned_dir, tensor_store
 
 _RUN_DIR = flags.DEFINE_string(
@@ -56,6 +56,11 @@ def _effects(run_path: str, manifest: dict, found: dict
     return none, None
   try:
     run = explore.load_run(run_path)
+    device_memory.check_bytes(
+      clustering.effect_bytes(run, manifest, _batch_size(run)),
+      f"the ablation effects on --batch_size={_batch_size(run)} inputs "
+      f"({clustering.CHUNK} forwards of them at a time)",
+      "lower --batch_size, or pass --noeffects")
     inputs = clustering.effect_inputs(run, manifest, _SEED.value,
                                       _batch_size(run))
   except (OSError, ValueError) as e:

@@ -88,3 +88,23 @@ def check_fits(compiled: Any, what: str, fix: str, held: int = 0) -> None:
     raise DoesNotFit(
       f"{what} needs {need / GIB:.1f} GiB of memory beyond the state it "
       f"holds, and {where} has {free / GIB:.1f} GiB free; {fix}")
+
+
+def check_bytes(need: int, what: str, fix: str) -> None:
+  """Raise DoesNotFit when `need` bytes (an estimate's floor, made before
+  anything compiles), spread evenly over this process's devices, exceed
+  what is free to them; `what` names the need, `fix` the flags that
+  shrink it. Unknown sizes pass."""
+  devices = jax.local_devices()
+  free, sharing = device_free_bytes(devices[0])
+  if free is None:
+    return
+  # CPU devices share the host's memory (`sharing` is their count); an
+  # accelerator holds its own share of the need.
+  share = need * sharing // len(devices)
+  if share > free:
+    where = ("the host" if devices[0].platform == "cpu"
+             else f"{devices[0].platform} device {devices[0].id}")
+    raise DoesNotFit(
+      f"{what}: at least {share / GIB:.1f} GiB of memory, and {where} "
+      f"has {free / GIB:.1f} GiB free; {fix}")

@@ -35,7 +35,7 @@ from absl import flags, logging
 from decompax.analysis import explore
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import tag_summary
-from decompax.bin import cli, placement_flags, placement_setup
+from decompax.bin import cli, device_memory, placement_flags, placement_setup
 from decompax.io import harvest_store, owned_dir, run_dir
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -192,6 +192,21 @@ def _say_whole_file(settings: harvest_lib.Settings) -> None:
           flush=True)
 
 
+def check_memory(run: explore.LoadedRun,
+                 settings: harvest_lib.Settings) -> None:
+  """Raise `device_memory.DoesNotFit`, before anything is written or
+  compiled, for a harvest whose batch (and its ablated forwards) cannot
+  fit in the memory free to it (`harvest_lib.memory_floor`)."""
+  chunk = _ABLATION_CHUNK.value
+  ablating = f" and {chunk} ablated forwards of it" if (
+    settings.ablation_batches) else ""
+  device_memory.check_bytes(
+    harvest_lib.memory_floor(run, settings, chunk),
+    f"a batch of --batch_size={settings.batch_size} x {settings.seq_len} "
+    f"positions{ablating}",
+    "lower --batch_size" + (" or --ablation_chunk" if ablating else ""))
+
+
 def _legacy(path: str, entries: list[str]) -> list[str]:
   # An older version's harvest (its state or manifest, before the
   # directory's own manifest): those, the clusters and the arrays' folders.
@@ -250,12 +265,13 @@ def _main(argv: list[str], stop: threading.Event) -> None:
       print("[harvest] no ablation effects, a language model's default "
             "(each batch costs a forward of it per component that fired); "
             "--ablation_batches=N measures them on N batches", flush=True)
+    check_memory(run, settings)
     claim_store(out, run, settings)
     record = harvest_lib.harvest(
       run, settings, out, _SAVE_EVERY_S.value, _ABLATION_CHUNK.value,
       _OVERWRITE.value, say=lambda line: print(line, flush=True),
       placement=placement, stop=stop.is_set)
-  except owned_dir.OwnedConflict as e:
+  except (owned_dir.OwnedConflict, device_memory.DoesNotFit) as e:
     fail(str(e))
   except harvest_store.HarvestConflict as e:
     fail(f"{e} (--overwrite)")

@@ -911,6 +911,22 @@ ROWS = (
       "{T}/r/harvest/manifest.json lacks the key 'settings'; delete "
       "{T}/r/harvest or overwrite it to harvest again (--overwrite)",
       setup=_run_copy("tms", _manifest('{"sites": {}}'))),
+  # Sizes past memory or past the batches' numbering, refused before a
+  # batch is drawn or compiled (an 8 GiB address space: the same on every
+  # host).
+  Row("harvest_batch_does_not_fit", "harvest", (
+    "--run_dir={T}/r", "--batch_size=2000000000"),
+    "a batch of --batch_size=2000000000 x 1 positions and 16 ablated "
+    "forwards of it: at least ", setup=_run_copy("tms"),
+    prelude=ADDRESS_SPACE_8G, untouched=True),
+  Row("harvest_ablation_chunk_does_not_fit", "harvest", (
+    "--run_dir={T}/r", "--ablation_chunk=2000000000"),
+    "and 2000000000 ablated forwards of it: at least ",
+    setup=_run_copy("tms"), prelude=ADDRESS_SPACE_8G, untouched=True),
+  Row("harvest_positions_past_32_bits", "harvest", (
+    "--run_dir={T}/r", "--positions=100000000000000000000"),
+    "takes 1562500000000000000 batches of 64 positions, more than the "
+    "2147483647 a harvest numbers", setup=_run_copy("tms"), untouched=True),
   Row("harvest_in_use", "harvest", ("--run_dir={T}/r",),
       "harvest {T}/r/harvest is in use by pid",
       setup=_run_copy("tms", lambda t: _lock_holder(t, "r/harvest"))),
@@ -992,6 +1008,10 @@ ROWS = (
     "--run_a={T}/r", "--run_b={T}/s"),
     "the runs decompose different targets (tms_5-2 and ",
     setup=_run_copy("tms", _second_run("induction")), untouched=True),
+  Row("cluster_batch_does_not_fit", "cluster", (
+    "--run_dir={T}/r", "--batch_size=2000000000"),
+    "the ablation effects on --batch_size=2000000000 inputs (16 forwards of "
+    "them at a time): at least ", harvested=True, prelude=ADDRESS_SPACE_8G),
   Row("cluster_no_run_dir", "cluster", (), "Flag --run_dir must have a value"),
   Row("cluster_positional", "cluster", ("--run_dir={T}/r", "extra"),
       "unexpected argument 'extra'"),
