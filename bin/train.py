@@ -23,7 +23,8 @@ from decompax.bin import placement_setup
 from decompax.bin import restarts
 from decompax.bin import run_records, tokens_text, train_flags, wandb_sink
 from decompax.core import health, probe, sites as sites_lib, slots
-from decompax.io import checkpoint, decomposition, figures, run_dir
+from decompax.io import checkpoint, decomposition, figures, hf_checkpoint
+from decompax.io import owned_dir, run_dir
 from decompax.placement import shardings, transfer
 from decompax.recipe import (
   assembly, engine, evaluation, lm, streams, terms, token_data)
@@ -38,6 +39,10 @@ RELAUNCH_FLAGS = ("overwrite", "on_nonfinite", "max_skipped_in_a_row",
 # Flags that say where the run is, not what it is: flags.txt records this
 # launch's value, and a run directory moved elsewhere resumes from there.
 LOCATION_FLAGS = ("output_dir",)
+# Flags naming a token file the run reads, whose bytes decide the run as
+# much as its flags do (`input_identities`).
+DATA_FLAGS = ("data_path", "eval_data_path", "target_data_path",
+              "nontarget_data_path")
 
 
 def fail(message: str) -> None:
@@ -215,10 +220,13 @@ def setup(config: TrainConfig, placement=None) -> Prepared:
   if writer and os.path.isdir(output_dir):
     with output_dir_named():
       lock = run_dir.lock_run_dir(output_dir)
-  checkpointing.check_entry(config, output_dir, target.sites,
-                            parts.ci_config)
-  weights, save_cache = frozen_weights(config, toy, target, load, output_dir)
-  data = open_token_data(config, toy)
+  try:
+    weights, save_cache, data, inputs = read_inputs(
+      config, toy, target, parts, load, output_dir)
+  except BaseException:
+    if lock is not None:  # refused: a caller in this process may retry
+      os.close(lock)
+    raise
   if lm.is_lm(config) and not streams.is_targeted(config):
     print(token_data.describe(data))
   with placement_setup.flag_named():
@@ -231,8 +239,38 @@ def setup(config: TrainConfig, placement=None) -> Prepared:
         lock = run_dir.lock_run_dir(output_dir)
       run_dir.prepare_run_dir(output_dir, flags_text, config.overwrite,
                               flag_defaults(), LOCATION_FLAGS)
+    owned_dir.write_inputs(output_dir, inputs)
     save_cache()
   return Prepared(planned, weights, output_dir, placement, lock)
+
+
+def read_inputs(config: TrainConfig, toy, target, parts, load,
+                output_dir: str):
+  """Return the run's frozen weights, `save_cache` (`frozen_weights`), its
+  token data and the identity of the files it reads, after refusing a
+  run there that has trained but cannot resume, or read other files."""
+  checkpointing.check_entry(config, output_dir, target.sites,
+                            parts.ci_config)
+  weights, save_cache = frozen_weights(config, toy, target, load, output_dir)
+  data = open_token_data(config, toy)
+  inputs = input_identities(config)
+  with output_dir_named():
+    owned_dir.check_inputs(output_dir, inputs, config.overwrite)
+  return weights, save_cache, data, inputs
+
+
+def input_identities(config: TrainConfig) -> dict:
+  """Return the identity (size and SHA-256, `owned_dir.file_identity`)
+  of each file the run reads, keyed by the flag naming it: its token
+  files, and a checkpoint LM's config and weights."""
+  found = {flag: owned_dir.file_identity(getattr(config, flag))
+           for flag in DATA_FLAGS if getattr(config, flag)}
+  if lm.is_lm(config) and config.model_dir:
+    weights = hf_checkpoint.tensor_files(config.model_dir).values()
+    found["model_dir"] = owned_dir.files_identity(
+      config.model_dir, ("config.json", *sorted(
+        {os.path.basename(path) for path in weights})))
+  return found
 
 
 @contextlib.contextmanager

@@ -20,6 +20,11 @@
 
 A `location` key of a settings dict (where an input lay) is recorded but
 never compared: the same bytes moved elsewhere are the same input.
+
+`bin/train`'s run directory keeps its own records (`io/run_dir.py`: its
+`flags.txt` for settings, `RUN_ENTRIES` and `.run_files` for entries);
+the identity of the files it reads, which `flags.txt` names but does not
+pin, is its `inputs.json` (`check_inputs`, `write_inputs`).
 """
 
 import contextlib
@@ -345,3 +350,45 @@ def one_line(path: run_dir.Path) -> Iterator[None]:
       raise
     raise ValueError(refusal(e, path)) from None
 
+
+
+def read_inputs(path: run_dir.Path) -> dict | None:
+  """Return the input identities the run at `path` recorded, None where
+  it recorded none (no run, or one an older version made)."""
+  try:
+    with open(os.path.join(path, run_dir.INPUTS_FILE),
+              encoding="utf-8") as f:
+      recorded = json.load(f)
+  except FileNotFoundError:
+    return None
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{os.path.join(path, run_dir.INPUTS_FILE)} cannot be "
+                     f"read ({e}); pass --overwrite to train the run again, "
+                     "or choose a new --output_dir") from None
+  return recorded if isinstance(recorded, dict) else None
+
+
+def check_inputs(path: run_dir.Path, inputs: Mapping,
+                 overwrite: bool) -> None:
+  """Raise ValueError (one line, nothing written) unless the run at `path`
+  read the same input files as `inputs` (`{flag: file_identity}`, or for
+  a directory `{flag: files_identity}`): a resume against other data
+  would continue one run on another's. `overwrite` replaces the run, and
+  a run without a record (an older version's) is taken as it is."""
+  recorded = None if overwrite else read_inputs(path)
+  if recorded is None:
+    return
+  changes = settings_changes(recorded, inputs)
+  if changes:
+    raise ValueError(
+      f"{os.path.abspath(os.fspath(path))} holds a run of other input data "
+      f"({'; '.join(changes)}); resume it on the original data, choose a "
+      "new --output_dir, or pass --overwrite to train it again")
+
+
+def write_inputs(path: run_dir.Path, inputs: Mapping) -> None:
+  """Record `inputs` as the identity of the files the run at `path`
+  reads (atomically)."""
+  text = json.dumps(dict(inputs), indent=1) + "\n"
+  run_dir.atomic_write(os.path.join(path, run_dir.INPUTS_FILE),
+                       lambda f: f.write(text.encode("utf-8")))

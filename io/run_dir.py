@@ -48,10 +48,12 @@ CANDIDATES_DIR = "candidates"
 CHOICE_FILE = "restarts.json"
 # Entries a run writes; overwriting a run removes these and nothing else,
 # so a mistyped run directory never loses files the run did not create.
+# The identity of the files a run reads (`owned_dir.check_inputs`).
+INPUTS_FILE = "inputs.json"
 RUN_ENTRIES = (FLAGS_FILE, METRICS_FILE, "figures", "decomposition.npz",
                "target.npz", "checkpoints", "run_info.json", "profile",
                "NO_CHECKPOINTS", "report", CANDIDATES_DIR, CHOICE_FILE,
-               "wandb.json")
+               "wandb.json", INPUTS_FILE)
 # The entries of RUN_ENTRIES a run keeps as directories; the rest are files.
 RUN_DIRS = ("figures", "checkpoints", "profile", "report", CANDIDATES_DIR)
 # Directories people browse, and may add files to: each keeps a record of

@@ -11,6 +11,7 @@ and continued must end bitwise where one uninterrupted launch ends. The
 two-process variant is in `tests/placement/test_two_process.py`.
 """
 
+import json
 import os
 import pathlib
 
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from decompax.bin import train
-from decompax.io import checkpoint, run_dir, tokens
+from decompax.io import checkpoint, owned_dir, run_dir, tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS, STOP = 4, 2
@@ -83,3 +84,40 @@ def test_a_token_file_run_resumes_bitwise_onto_the_right_batches(
   ends = [run_dir.load_arrays(str(run / "decomposition.npz"))[0]
           for run in (straight, split)]
   assert_bitwise_equal(ends[1], ends[0])
+
+
+def _set_up(parse, *args) -> None:
+  """Run `bin/train`'s setup in this process (its checks, then the run
+  directory's records), its lock released after."""
+  os.close(train.setup(parse(*args)).lock)
+
+
+def test_a_run_on_rewritten_data_is_refused_until_overwritten(
+    parse, tmp_path, token_file):
+  """The run records its token file's and model's bytes (`inputs.json`);
+  the same command on a token file since rewritten is one line naming the
+  change and the fixes, the run directory as it was."""
+  out = tmp_path / "run"
+  args = tiny_llama_args(token_file, out)
+  _set_up(parse, *args)
+  recorded = json.loads((out / run_dir.INPUTS_FILE).read_text())
+  assert recorded["data_path"] == owned_dir.file_identity(token_file)
+  assert sorted(recorded["model_dir"]) == ["config.json", "model.safetensors"]
+  _set_up(parse, *args)  # the same bytes: a resume
+  before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+  tokens.write_tokens(str(token_file), [np.arange(50) % 127], 128, 127,
+                      "test")
+  with pytest.raises(ValueError) as refused:
+    _set_up(parse, *args)
+  message = str(refused.value)
+  assert "\n" not in message
+  assert message.startswith(f"--output_dir: {out} holds a run of other "
+                            "input data (data_path.sha256 was ")
+  assert message.endswith("resume it on the original data, choose a new "
+                          "--output_dir, or pass --overwrite to train it "
+                          "again")
+  assert {p.name: p.read_bytes() for p in out.iterdir()
+          if p.is_file()} == before
+  _set_up(parse, *args, "--overwrite")
+  recorded = json.loads((out / run_dir.INPUTS_FILE).read_text())
+  assert recorded["data_path"] == owned_dir.file_identity(token_file)
