@@ -5,8 +5,16 @@ Builds `explore.attribution_graph` (analysis/attribution.py, docs/design.md
 its size and its edges summed per site and position (largest first,
 `--top`), and writes the figure (`--output`, a PNG: positions across,
 sites up, the logit on top) and, with `--json`, the graph's JSON.
+
+Each file is claimed as `io/owned_dir.py` says for a file: its path
+named, one writer at a time (the lock of `.NAME.lock` beside it), and
+`.NAME.written.json` beside it records the settings that drew it (the
+run's decomposition by its bytes, the prompt and every flag of the
+graph). The same settings draw it again; other settings are refused
+unless `--overwrite`, and a file no graph run wrote is never replaced.
 """
 
+import contextlib
 import json
 import os
 
@@ -42,6 +50,9 @@ _OUTPUT = flags.DEFINE_string("output", "attribution_graph.png",
 _JSON = flags.DEFINE_string("json", None, "Also write the graph's JSON here.")
 _TOP = flags.DEFINE_integer("top", 10, "Summed edges printed.",
                             lower_bound=0)
+_OVERWRITE = flags.DEFINE_bool(
+  "overwrite", False, "Replace an --output (or --json) that a graph of "
+  "other settings wrote.")
 
 
 def fail(message: str) -> None:
@@ -114,9 +125,9 @@ def _check_outputs(outputs: dict[str, str]) -> None:
       fail(problem)
 
 
-def _claim_outputs(outputs: dict[str, str]) -> None:
-  """Refuse outputs that cannot be written (`io/owned_dir.py`; each is
-  written whole and atomically, so two writers never mix one)."""
+def _check_paths(outputs: dict[str, str]) -> None:
+  """Refuse outputs that cannot be written as files, before the run is
+  read (`io/owned_dir.py`)."""
   try:
     for flag, path in outputs.items():
       owned_dir.named(path, flag)
@@ -127,19 +138,55 @@ def _claim_outputs(outputs: dict[str, str]) -> None:
     fail(str(e))
 
 
+def settings(run: explore.LoadedRun, run_path: str,
+             tokens: list[int]) -> dict:
+  """Return what decides the graph: the run's decomposition (its step
+  and bytes; where the run lies is recorded, not compared), the prompt
+  and the graph's flags."""
+  arrays = run_dir.flatten_tree({
+    "components": run.decomposition.components,
+    "ci_params": run.decomposition.ci_params})
+  return {"run": {"location": os.path.abspath(run_path),
+                  "step": run.decomposition.step,
+                  **owned_dir.arrays_identity(arrays)},
+          "tokens": tokens, "position": _POSITION.value,
+          "token": _TOKEN.value, "share": _SHARE.value,
+          "threshold": _THRESHOLD.value, "max_targets": _MAX_TARGETS.value}
+
+
 def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     fail(f"unexpected argument {argv[1]!r}; use --tokens=ID,ID,...")
   outputs = {"output": _OUTPUT.value} | (
     {"json": _JSON.value} if _JSON.value is not None else {})
-  _claim_outputs(outputs)
+  _check_paths(outputs)
   try:
     tokens = prompt_tokens(_TOKENS.value)
     run = explore.load_run(_RUN_DIR.value)
     if run.target.token_labels is not None:
       check_prompt(tokens, _TOKEN.value, explore.vocab_size(run),
                    run.positions)
+  except (OSError, ValueError) as e:
+    fail(str(e))
+  chosen = settings(run, _RUN_DIR.value, tokens)
+  with contextlib.ExitStack() as claims:
+    try:
+      for flag, path in outputs.items():
+        claims.enter_context(owned_dir.claimed_output(
+          path, flag, "graph", chosen, _OVERWRITE.value,
+          {"output": "figure"}.get(flag, "graph JSON")))
+    except ValueError as e:
+      fail(str(e))
+    graph = draw(run, tokens)
+  print(summary(graph, _TOP.value))
+  print(f"wrote {', '.join(outputs.values())}")
+
+
+def draw(run: explore.LoadedRun,
+         tokens: list[int]) -> attribution.AttributionGraph:
+  """Return the prompt's graph, its figure (and JSON) written."""
+  try:
     graph = explore.attribution_graph(
       run, tokens, token=_TOKEN.value, position=_POSITION.value,
       share=_SHARE.value, threshold=_THRESHOLD.value,
@@ -156,8 +203,7 @@ def main(argv: list[str]) -> None:
                            lambda f: f.write(json.dumps(data).encode()))
   except OSError as e:
     fail(owned_dir.refusal(e, _OUTPUT.value))
-  print(summary(graph, _TOP.value))
-  print(f"wrote {', '.join(outputs.values())}")
+  return graph
 
 
 def entry() -> None:

@@ -3,10 +3,12 @@
 Without a flagfile it runs the library's defaults, the SPD paper's TMS 5-2
 recipe as one run; `./dev train` without one runs `flags/tms_5-2.flags`,
 that recipe with loss-chosen restarts, which recovers on every seed measured.
-The run directory receives the resolved flags, `metrics.jsonl`, the trained
-target, checkpoints, the final decomposition and PNG figures. The same
-command resumes an interrupted run; SIGTERM/SIGINT save the completed step
-and exit with 75 for a requeue (`checkpointing`).
+The run directory receives the resolved flags, the size and SHA-256 of the
+files the run reads (`inputs.json`), `metrics.jsonl`, the trained target,
+checkpoints, the final decomposition and PNG figures. The same command
+resumes an interrupted run (on the same files: one since rewritten is
+refused); SIGTERM/SIGINT save the completed step and exit with 75 for a
+requeue (`checkpointing`).
 """
 
 import contextlib

@@ -34,6 +34,8 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from decompax.io import run_dir
 
 MANIFEST_FILE = ".written.json"
@@ -337,6 +339,87 @@ def claimed_file(path: run_dir.Path, flag: str, what: str
     except ValueError as e:
       raise ValueError(f"--{flag}: {e}") from None
     yield
+
+
+def arrays_identity(arrays: Mapping[str, Any]) -> dict[str, Any]:
+  """Return what identifies a tree of arrays flattened by path (a
+  decomposition read from a run): the SHA-256 of every key, dtype, shape
+  and byte, in key order."""
+  digest = hashlib.sha256()
+  for key in sorted(arrays):
+    array = np.ascontiguousarray(np.asarray(arrays[key]))
+    digest.update(f"{key} {array.dtype.str} {array.shape}\n".encode())
+    digest.update(array.tobytes())
+  return {"sha256": digest.hexdigest()}
+
+
+def file_manifest(path: run_dir.Path) -> str:
+  """Return the manifest of the single file `path` a binary writes:
+  `.NAME.written.json` beside it."""
+  directory, name = os.path.split(os.path.abspath(os.fspath(path)))
+  return os.path.join(directory, f".{name}{MANIFEST_FILE}")
+
+
+def _read_json(path: str) -> Any:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    return None
+
+
+def check_output(path: run_dir.Path, flag: str, program: str,
+                 settings: Mapping, overwrite: bool) -> str:
+  """Return the absolute path of the file `--flag` names, which `program`
+  writes whole: ValueError (one line) as `check_file` says, and for an
+  existing file that no `program` run wrote (it has no manifest of
+  `program`, `file_manifest`), `overwrite` or not; OwnedConflict for one
+  it wrote with other settings, unless `overwrite`."""
+  path = check_file(path, flag)
+  if not os.path.lexists(path):
+    return path
+  manifest = _read_json(file_manifest(path))
+  name = os.path.basename(file_manifest(path))
+  if not (isinstance(manifest, dict) and manifest.get("program") == program
+          and manifest.get("format") == MANIFEST_FORMAT):
+    raise ValueError(f"--{flag}: {path} exists and no {program} run wrote "
+                     f"it (it has no {name}); move it away or name another "
+                     "file")
+  changes = settings_changes(manifest.get("settings") or {}, settings)
+  if changes and not overwrite:
+    raise OwnedConflict(
+      f"--{flag}: {path} holds {program} output made with other settings "
+      f"({'; '.join(changes)}); pass --overwrite to replace it, or name "
+      "another file")
+  return path
+
+
+@contextlib.contextmanager
+def claimed_output(path: run_dir.Path, flag: str, program: str,
+                   settings: Mapping, overwrite: bool,
+                   what: str) -> Iterator[str]:
+  """Hold the file `path` for `program` for the block, which writes it
+  whole (`run_dir.atomic_write`): checked (`check_output`), locked
+  (`claimed_file`), and its manifest naming `program` and `settings`
+  written beside it before the block. A block that raises before the
+  file exists takes its manifest away again."""
+  path = check_output(path, flag, program, settings, overwrite)
+  with claimed_file(path, flag, what):
+    # Checked again under the lock: another writer may have come first.
+    check_output(path, flag, program, settings, overwrite)
+    manifest = {"format": MANIFEST_FORMAT, "program": program,
+                "settings": dict(settings),
+                "entries": [os.path.basename(path)]}
+    text = json.dumps(manifest, indent=1) + "\n"
+    with one_line(path):
+      run_dir.atomic_write(file_manifest(path),
+                           lambda f: f.write(text.encode("utf-8")))
+    try:
+      yield path
+    except BaseException:
+      if not os.path.lexists(path):
+        run_dir.remove_path(file_manifest(path))
+      raise
 
 
 @contextlib.contextmanager

@@ -205,6 +205,19 @@ def _harvest_manifest(t):
                            False, "harvest", lambda path, e: e).lock)
 
 
+def _file_output(relative: str, program: str):
+  """Leave {T}/relative a file `program` wrote with other settings (its
+  manifest beside it)."""
+
+  def setup(t):
+    (t / relative).write_text(f"a {program} output")
+    (pathlib.Path(owned_dir.file_manifest(t / relative))).write_text(
+      json.dumps({"format": owned_dir.MANIFEST_FORMAT, "program": program,
+                  "settings": {"run": {"sha256": "0" * 64}},
+                  "entries": [pathlib.Path(relative).name]}))
+  return setup
+
+
 def _train_run_with_other_flags(t):
   (t / "r").mkdir()
   (t / "r" / "flags.txt").write_text("--lr=0.5\n")
@@ -241,6 +254,13 @@ def _tokens_written(t):
 
 def _graph_written(t):
   assert (t / "g.png").read_bytes()[:4] == b"\x89PNG"
+  manifest = json.loads(pathlib.Path(
+    owned_dir.file_manifest(t / "g.png")).read_text())
+  assert manifest["program"] == "graph"
+  assert manifest["entries"] == ["g.png"]
+  assert manifest["settings"]["tokens"] == [0, 1]
+  assert len(manifest["settings"]["run"]["sha256"]) == 64
+  assert not (t / ".g.png.lock").exists()
 
 
 TRAIN = ("--num_steps=2", "--save_every=2", "--log_every=2", "--batch_size=8",
@@ -258,9 +278,8 @@ GRAPH = ("--run_dir={T}/r", "--tokens=0,1")
 TRANSCODER = ("--run_dir={T}/r", "--k=2", "--num_steps=2", "--batch_size=2",
               "--seq_len=8", "--eval_positions=32", "--eval_batch_size=2",
               "--decomposition_ce=false")
+GALLERY = ("--run_dir={T}/r", "--output={T}/g.md")
 FOREIGN = "which no {program} run wrote"
-ONE_WRITE = ("writes one file, whole and atomically: two writers never mix "
-             "it, so it takes no lock")
 
 TABLE: dict[str, dict[str, Cell | Inapplicable]] = {
   "train": {
@@ -452,13 +471,22 @@ TABLE: dict[str, dict[str, Cell | Inapplicable]] = {
   "graph": {
     "blank": Cell((*GRAPH, "--output= "), "--output=' ' names no path",
                   untouched=True),
-    "in_use": Inapplicable(ONE_WRITE),
+    "in_use": Cell((*GRAPH, "--output={T}/g.png"),
+                   "--output: figure {T}/g.png is in use by pid",
+                   setup=_all(_run_copy("induction"),
+                              _holder("g.png", file=True))),
     "written": Cell((*GRAPH, "--output={T}/g.png"), code=0,
-                    setup=_run_copy("induction"), check=_graph_written),
-    "other_settings": Inapplicable(
-      "it draws one prompt's graph each launch; nothing is resumed"),
-    "overwrite_foreign": Inapplicable(
-      "it has no --overwrite and writes no directory"),
+                    setup=_all(_run_copy("induction"), _stale(".g.png.lock")),
+                    check=_graph_written),
+    "other_settings": Cell(
+      (*GRAPH, "--output={T}/g.png"),
+      "{T}/g.png holds graph output made with other settings (",
+      setup=_all(_run_copy("induction"), _file_output("g.png", "graph")),
+      untouched=True),
+    "overwrite_foreign": Cell(
+      (*GRAPH, "--output={T}/g.png", "--overwrite"),
+      "{T}/g.png exists and no graph run wrote it",
+      setup=_all(_run_copy("induction"), _file("g.png")), untouched=True),
     "under_a_file": Cell((*GRAPH, "--output={T}/f/g.png"), "{T}/f",
                          setup=_file("f"), untouched=True),
     "full_disk": Cell((*GRAPH, "--output={T}/g.png"),
@@ -469,24 +497,34 @@ TABLE: dict[str, dict[str, Cell | Inapplicable]] = {
                       "Read-only file system", setup=_run_copy("induction"),
                       prelude=READ_ONLY, untouched=True),
   },
+  # Its claim comes before the gallery is chosen, so a harvest without the
+  # tag statistics a gallery needs (the suite's) meets every refusal.
   "gallery": {
     "blank": Cell(("--run_dir={T}/r", "--output= "),
                   "--output=' ' names no path", untouched=True),
-    "in_use": Inapplicable(ONE_WRITE),
+    "in_use": Cell(GALLERY, "--output: gallery {T}/g.md is in use by pid",
+                   setup=_all(_run_copy("tms", harvest=True),
+                              _holder("g.md", file=True))),
     "written": Inapplicable(
       "it needs a tagged harvest of a language model, which the suite's "
       "short runs lack (tests/analysis/test_gallery_picks.py checks the "
-      "markdown it writes)"),
-    "other_settings": Inapplicable(
-      "it writes one page from a finished harvest; nothing is resumed"),
-    "overwrite_foreign": Inapplicable(
-      "it has no --overwrite and writes no directory"),
+      "markdown it writes; the other cells, its claim)"),
+    "other_settings": Cell(
+      GALLERY, "{T}/g.md holds gallery output made with other settings (",
+      setup=_all(_run_copy("tms", harvest=True),
+                 _file_output("g.md", "gallery")), untouched=True),
+    "overwrite_foreign": Cell(
+      (*GALLERY, "--overwrite"), "{T}/g.md exists and no gallery run wrote "
+      "it", setup=_all(_run_copy("tms", harvest=True), _file("g.md")),
+      untouched=True),
     "under_a_file": Cell(("--run_dir={T}/r", "--output={T}/f/g.md"),
                          "{T}/f", setup=_file("f"), untouched=True),
-    "full_disk": Inapplicable(
-      "its one write comes after a tagged harvest is read (see written); "
-      "it is the atomic write every other binary's full-disk cell takes"),
-    "read_only": Inapplicable("as full_disk"),
+    "full_disk": Cell(GALLERY, "No space left on device",
+                      setup=_run_copy("tms", harvest=True),
+                      prelude=FULL_DISK, untouched=True),
+    "read_only": Cell(GALLERY, "Read-only file system",
+                      setup=_run_copy("tms", harvest=True),
+                      prelude=READ_ONLY, untouched=True),
   },
 }
 # Defects of the binaries' own that the cases above do not name, each a
@@ -594,9 +632,10 @@ def test_the_table_holds_every_case_of_every_writing_binary():
                         "gallery"}
   for program, cells in TABLE.items():
     assert tuple(cells) == CASES, program
-    # The cases every binary that writes a directory takes.
+    # The cases every binary that writes a directory takes, and those that
+    # claim their files before they compute them.
     if program in ("train", "train_lm", "prepare_brown", "harvest",
-                   "train_transcoder"):
+                   "train_transcoder", "graph"):
       assert not any(isinstance(c, Inapplicable) for c in cells.values())
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import socket
 
+import numpy as np
 import pytest
 
 from decompax.io import owned_dir, run_dir
@@ -153,3 +154,91 @@ def test_an_older_versions_output_is_adopted_its_settings_unknown(tmp_path):
   os.close(claim.lock)
   assert not (out / "corpus").exists()
   assert (out / "notes.txt").exists()
+
+
+def _write(path, text):
+  run_dir.atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def test_a_file_output_records_its_settings_and_is_replaced_only_by_them(
+    tmp_path):
+  out = tmp_path / "g.png"
+  with owned_dir.claimed_output(out, "output", "prog", {"a": 1}, False,
+                                "figure") as path:
+    assert path == str(out)
+    assert (tmp_path / ".g.png.lock").exists()
+    _write(out, "first")
+  manifest = json.loads((tmp_path / ".g.png.written.json").read_text())
+  assert manifest["program"] == "prog" and manifest["entries"] == ["g.png"]
+  assert manifest["settings"] == {"a": 1}
+  assert sorted(os.listdir(tmp_path)) == [".g.png.written.json", "g.png"]
+  with owned_dir.claimed_output(out, "output", "prog", {"a": 1}, False,
+                                "figure"):
+    _write(out, "again")  # the same settings: written again
+  with pytest.raises(owned_dir.OwnedConflict) as info:
+    owned_dir.check_output(out, "output", "prog", {"a": 2}, False)
+  assert str(info.value) == (
+    f"--output: {out} holds prog output made with other settings (a was 1, "
+    "now 2); pass --overwrite to replace it, or name another file")
+  with owned_dir.claimed_output(out, "output", "prog", {"a": 2}, True,
+                                "figure"):
+    _write(out, "replaced")
+  assert out.read_text() == "replaced"
+  assert json.loads((tmp_path / ".g.png.written.json").read_text())[
+    "settings"] == {"a": 2}
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_file_no_run_of_the_program_wrote_is_never_replaced(
+    tmp_path, overwrite):
+  out = tmp_path / "g.png"
+  out.write_text("a user's")
+  (tmp_path / ".g.png.written.json").write_text(json.dumps({
+    "format": owned_dir.MANIFEST_FORMAT, "program": "other", "settings": {},
+    "entries": ["g.png"]}))
+  with pytest.raises(ValueError, match=f"--output: {out} exists and no prog "
+                     "run wrote it .it has no .g.png.written.json.; move it "
+                     "away"):
+    owned_dir.check_output(out, "output", "prog", {}, overwrite)
+  assert out.read_text() == "a user's"
+
+
+def test_a_file_claim_that_fails_before_the_file_leaves_nothing(tmp_path):
+  with pytest.raises(RuntimeError):
+    with owned_dir.claimed_output(tmp_path / "g.png", "output", "prog", {},
+                                  False, "figure"):
+      raise RuntimeError("the graph could not be drawn")
+  assert os.listdir(tmp_path) == []
+
+
+def test_arrays_identity_tells_bytes_shapes_and_keys_apart():
+  base = {"a": np.arange(4, dtype=np.float32), "b": np.ones(2, np.int32)}
+  same = {"b": np.ones(2, np.int32), "a": np.arange(4, dtype=np.float32)}
+  assert owned_dir.arrays_identity(base) == owned_dir.arrays_identity(same)
+  for other in ({**base, "a": base["a"] + 1},
+                {**base, "a": base["a"].reshape(2, 2)},
+                {"c": base["a"], "b": base["b"]}):
+    assert owned_dir.arrays_identity(other) != owned_dir.arrays_identity(base)
+
+
+def test_a_runs_inputs_are_compared_but_not_where_they_lie(tmp_path):
+  run = tmp_path / "run"
+  run.mkdir()
+  # No record (no run yet, or an older version's): nothing to compare.
+  owned_dir.check_inputs(run, {"data_path": {"sha256": "a" * 64}}, False)
+  owned_dir.write_inputs(run, {"data_path": {"location": "/x", "size": 3,
+                                             "sha256": "a" * 64}})
+  owned_dir.check_inputs(run, {"data_path": {"location": "/y", "size": 3,
+                                             "sha256": "a" * 64}}, False)
+  changed = {"data_path": {"location": "/x", "size": 4, "sha256": "b" * 64}}
+  with pytest.raises(ValueError) as info:
+    owned_dir.check_inputs(run, changed, False)
+  assert str(info.value) == (
+    f"{run} holds a run of other input data (data_path.sha256 was "
+    "aaaaaaaaaaaa…, now bbbbbbbbbbbb…; data_path.size was 3, now 4); resume "
+    "it on the original data, choose a new --output_dir, or pass "
+    "--overwrite to train it again")
+  owned_dir.check_inputs(run, changed, True)
+  (run / run_dir.INPUTS_FILE).write_text("{not json")
+  with pytest.raises(ValueError, match="inputs.json cannot be read"):
+    owned_dir.check_inputs(run, changed, False)
