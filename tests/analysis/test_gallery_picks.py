@@ -1,6 +1,8 @@
 """The gallery (docs/brown.md shows two): its rule on a harvest of known labels, its markdown,
 and `bin/gallery` on a tagged text run."""
 
+import hashlib
+import json
 import os
 import pathlib
 import subprocess
@@ -103,3 +105,13 @@ def test_bin_gallery_writes_entries_of_a_text_run(harvested, tmp_path):
   assert len(contexts) == 4 * 3
   # Text from the run's BPE tokenizer, not token ids.
   assert any(w in text for w in ("dog", "cat", "house", "the"))
+  # Its manifest beside it (`io/owned_dir.claimed_output`), its lock gone.
+  manifest = json.loads((tmp_path / ".gallery.md.written.json").read_text())
+  assert manifest["program"] == "gallery"
+  assert manifest["entries"] == ["gallery.md"]
+  assert manifest["settings"]["count"] == 4
+  assert manifest["settings"]["harvest"]["sha256"] == hashlib.sha256(
+    (pathlib.Path(path) / "harvest" / "manifest.json").read_bytes()
+  ).hexdigest()
+  assert sorted(os.listdir(tmp_path)) == [".gallery.md.written.json",
+                                          "gallery.md"]

@@ -31,4 +31,12 @@ def test_graph_prints_draws_and_saves_the_graph(finished_run, tmp_path):
           in lines[0])
   assert len([x for x in lines if " -> " in x]) == 3
   assert png.read_bytes()[:4] == b"\x89PNG"
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["g.json", "g.png"]
+  # Each file with its manifest beside it (`io/owned_dir.claimed_output`),
+  # the locks gone.
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+    ".g.json.written.json", ".g.png.written.json", "g.json", "g.png"]
+  manifest = json.loads((tmp_path / ".g.png.written.json").read_text())
+  assert manifest["program"] == "graph"
+  assert manifest["settings"]["tokens"] == [int(t) for t in PROMPT.split(",")]
+  assert (manifest["settings"]["position"],
+          manifest["settings"]["token"]) == (12, 4)
