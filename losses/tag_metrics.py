@@ -214,12 +214,13 @@ _DRAW_BYTES = 64 << 20
 def bootstrap_difference(
   a: Float[np.ndarray, "g ua k"], b: Float[np.ndarray, "g ub k"],
   base: Real[np.ndarray, "g k"], seed: int, weighted: bool,
-  n_boot: int = 1000, level: float = 0.95,
+  n_boot: int = 1000, level: float = 0.95, against_nothing: bool = False,
 ) -> dict[str, Interval]:
   """Return, per scalar of `SCALARS`, the difference `a − b` of two unit
   sets' summaries (their `coarse` statistics, per document group, over
   the same positions) with a percentile interval from resampling the
-  groups that hold any position, both sets on the same draws."""
+  groups that hold any position, both sets on the same draws;
+  `against_nothing`: `a`'s own summaries (`b` unread)."""
   present = np.asarray(base).sum(axis=1) > 0
   a, b = np.asarray(a, np.float64)[present], np.asarray(b, np.float64)[present]
   base = np.asarray(base, np.float64)[present]
@@ -230,8 +231,10 @@ def bootstrap_difference(
     # the draws as rows, not in a Python loop.
     fold = lambda x: (draws @ flat(x)).reshape(len(draws), *x.shape[1:])
     folded_base = draws @ base
-    return (_scalars(fold(a), folded_base, weighted)
-            - _scalars(fold(b), folded_base, weighted))
+    mine = _scalars(fold(a), folded_base, weighted)
+    if against_nothing:
+      return mine
+    return mine - _scalars(fold(b), folded_base, weighted)
 
   estimate = difference(np.ones((1, len(base))))[0]
   resamples = group_resamples(seed, n_boot, len(base)).astype(np.float64)
@@ -271,3 +274,61 @@ def compare(a: tag_profile.TagStats, b: tag_profile.TagStats, seed: int,
     kind: bootstrap_difference(a.coarse, b.coarse, base, seed,
                                kind == "weighted", n_boot, level)
     for kind in ("weighted", "unweighted")})
+
+
+# A unit on at more than this share of positions is always on: reported
+# apart from a set's robust summaries (`robust_summary`), whose medians
+# one such unit, heavy with activity at the base rate, would otherwise set.
+ALWAYS_ON = 0.9
+# The robust summaries: (name, weighted, index into `SCALARS`).
+ROBUST = (("median_purity", False, 0),
+          ("weighted_median_purity", True, 0),
+          ("activity_share_mostly_pure", True, 2))
+
+
+class Robust(NamedTuple):
+  """A unit set's robust summaries, each an `Interval` over resampled
+  document groups, with its always-on units set apart."""
+
+  units: int  # alive units, always-on ones excluded
+  intervals: dict[str, Interval]  # by `ROBUST` name
+  always_on: Int[np.ndarray, " n"]  # indices of the always-on units
+  always_on_share: float  # their share of the set's activity
+
+
+def always_on(on: Int[np.ndarray, " u"], positions: int
+              ) -> np.ndarray:
+  """Return whether each unit is on (activity above 0) at more than
+  `ALWAYS_ON` of `positions`."""
+  return np.asarray(on, np.float64) > ALWAYS_ON * positions
+
+
+def bootstrap_values(
+  coarse: Float[np.ndarray, "g u k"], base: Real[np.ndarray, "g k"],
+  seed: int, weighted: bool, n_boot: int = 1000, level: float = 0.95,
+) -> dict[str, Interval]:
+  """Return, per scalar of `SCALARS`, one unit set's summary with a
+  percentile interval from resampling the groups that hold any position
+  (`bootstrap_difference` without a second set)."""
+  empty = np.zeros((coarse.shape[0], 0, coarse.shape[2]))
+  return bootstrap_difference(coarse, empty, base, seed, weighted, n_boot,
+                              level, against_nothing=True)
+
+
+def robust_summary(coarse: Float[np.ndarray, "g u k"],
+                   base: Real[np.ndarray, "g k"],
+                   on: Int[np.ndarray, " u"], seed: int,
+                   n_boot: int = 1000, level: float = 0.95) -> Robust:
+  """Return a unit set's `ROBUST` summaries over its units that are not
+  always on (`always_on`), each with its bootstrap interval, and the
+  always-on units apart."""
+  coarse = np.asarray(coarse, np.float64)
+  apart = always_on(on, int(np.asarray(base).sum()))
+  mass = coarse.sum(axis=(0, 2))
+  kept = coarse[:, ~apart]
+  by_weighting = {w: bootstrap_values(kept, base, seed, w, n_boot, level)
+                  for w in (False, True)}
+  intervals = {name: by_weighting[w][SCALARS[i]] for name, w, i in ROBUST}
+  return Robust(int((kept.sum(axis=(0, 2)) > 0).sum()), intervals,
+                np.flatnonzero(apart),
+                float(mass[apart].sum() / max(mass.sum(), 1e-300)))

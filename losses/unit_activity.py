@@ -26,7 +26,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Key
+from jaxtyping import Array, Float, Int, Key
 
 
 def mlp_hidden(
@@ -83,3 +83,62 @@ def head_activity(
   gram = jnp.einsum("hie,hje->hij", w, w)
   squared = jnp.einsum("...hi,hij,...hj->...h", z, gram, z)
   return jnp.sqrt(jnp.maximum(squared, 0.0))
+
+
+def firing_density(ci: Float[Array, "*l c"]) -> Float[Array, " c"]:
+  """Return each component's firing density: its share of positions with
+  CI above zero."""
+  c = ci.shape[-1]
+  return jnp.mean(ci.reshape(-1, c) > 0, axis=0, dtype=jnp.float32)
+
+
+def median_alive_density(ci: Float[Array, "*l c"]) -> Float[Array, ""]:
+  """Return the median firing density of the components that fire at all
+  (NaN when none does): the share of positions a density-matched neuron
+  keeps."""
+  density = firing_density(ci)
+  return jnp.nanmedian(jnp.where(density > 0, density, jnp.nan))
+
+
+def mean_l0(ci: Float[Array, "*l c"]) -> Float[Array, ""]:
+  """Return the mean over positions of how many components have CI above
+  zero."""
+  c = ci.shape[-1]
+  return jnp.mean(jnp.sum(ci.reshape(-1, c) > 0, axis=1, dtype=jnp.float32))
+
+
+def top_share_thresholds(
+  activity: Float[Array, "*l f"], share: Float[Array, ""],
+) -> Float[Array, " f"]:
+  """Return per unit the threshold that `activity > threshold` passes at
+  `m = round(share·P)` of the `P` positions: the (m+1)-th largest value
+  (−1, which passes every position, for `m = P`; NaN `share` passes none).
+  Ties at the threshold pass none of the tied positions."""
+  f = activity.shape[-1]
+  ordered = jnp.sort(activity.reshape(-1, f).astype(jnp.float32), axis=0)
+  p = ordered.shape[0]
+  m = jnp.round(jnp.nan_to_num(share, nan=0.0) * p).astype(jnp.int32)
+  at = jnp.clip(p - 1 - m, 0, p - 1)
+  threshold = jnp.where(m >= p, -1.0, ordered[at])
+  return jnp.where(jnp.isnan(share), jnp.inf, threshold)
+
+
+def density_matched_activity(
+  activity: Float[Array, "*l f"], threshold: Float[Array, " f"],
+) -> Float[Array, "*l f"]:
+  """Return each unit's activity where it exceeds its threshold, 0
+  elsewhere (`top_share_thresholds`: each unit kept at its top positions)."""
+  return jnp.where(activity > threshold, activity, 0.0)
+
+
+def top_k_activity(
+  activity: Float[Array, "*l f"], k: Int[Array, ""],
+) -> Float[Array, "*l f"]:
+  """Return, at each position, the activity of its `k` most active units,
+  0 for the others (`k` ≤ 0 keeps none; units tied with the k-th are
+  kept too, which for non-negative activity adds only units at 0 or at
+  an exact tie)."""
+  f = activity.shape[-1]
+  ordered = jnp.sort(activity, axis=-1)
+  kth = jnp.take(ordered, jnp.clip(f - k, 0, f - 1), axis=-1)[..., None]
+  return jnp.where((k > 0) & (activity >= kth), activity, 0.0)

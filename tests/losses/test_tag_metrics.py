@@ -207,3 +207,39 @@ def test_weighted_medians_leave_out_zero_weights_wherever_they_sort():
           for v, w in zip(values, weights)]
   np.testing.assert_allclose(tag_metrics._weighted_medians(values, weights),
                              want, rtol=1e-12, equal_nan=True)
+
+
+def _direct_median(values, weights):
+  """The weighted median by its definition: the smallest sorted value
+  whose cumulative weight reaches half (no exact ties in these draws)."""
+  order = np.argsort(values)
+  c = np.cumsum(np.asarray(weights, np.float64)[order])
+  return values[order][np.searchsorted(c, c[-1] / 2)]
+
+
+def test_robust_summary_sets_an_always_on_unit_apart_and_bootstraps():
+  counts, base = _groups(4, g=6, u=5, k=3)
+  positions = int(base.sum())
+  on = np.asarray([positions, 10, 20, 30, 40])  # unit 0 always on
+  got = tag_metrics.robust_summary(counts, base, on, seed=3, n_boot=40)
+  np.testing.assert_array_equal(got.always_on, [0])
+  mass = counts.sum(axis=(0, 2))
+  assert got.always_on_share == pytest.approx(mass[0] / mass.sum())
+  assert got.units == 4
+  kept = counts[:, 1:].sum(axis=0)
+  purity = kept.max(axis=1) / kept.sum(axis=1)
+  robust = got.intervals
+  assert robust["median_purity"].estimate == pytest.approx(np.median(purity))
+  assert robust["weighted_median_purity"].estimate == pytest.approx(
+    _direct_median(purity, kept.sum(axis=1)))
+  assert robust["activity_share_mostly_pure"].estimate == pytest.approx(
+    kept.sum(axis=1)[purity >= 0.5].sum() / kept.sum())
+  draws = []
+  for w in tag_metrics.group_resamples(3, 40, len(base)):
+    pick = np.repeat(np.arange(len(base)), w)
+    r = counts[pick][:, 1:].sum(0)
+    share = r.max(axis=1) / r.sum(axis=1)
+    draws.append(np.median(share))
+  low, high = np.quantile(draws, [.025, .975])
+  assert robust["median_purity"].low == pytest.approx(low)
+  assert robust["median_purity"].high == pytest.approx(high)

@@ -84,3 +84,60 @@ def test_head_activity_is_the_norm_of_each_heads_write():
     np.testing.assert_allclose(got[..., h], np.linalg.norm(write, axis=-1),
                                rtol=1e-4)
   assert got[0, 0, 0] > 0 and (got[0, 0, 1:] == 0).all()
+
+
+def _sparse_activity(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+  """Non-negative activity, zero at about half the entries."""
+  rng = np.random.default_rng(seed)
+  return np.maximum(rng.normal(size=shape), 0).astype(np.float32)
+
+
+def test_firing_density_median_and_l0_match_direct_counts():
+  ci = _sparse_activity(1, (3, 4, 6))
+  ci[..., 5] = 0  # a dead component, left out of the median
+  flat = ci.reshape(-1, 6)
+  density = (flat > 0).mean(axis=0)
+  np.testing.assert_allclose(unit_activity.firing_density(jnp.asarray(ci)),
+                             density, rtol=1e-6)
+  np.testing.assert_allclose(
+    unit_activity.median_alive_density(jnp.asarray(ci)),
+    np.median(density[:5]), rtol=1e-6)
+  np.testing.assert_allclose(unit_activity.mean_l0(jnp.asarray(ci)),
+                             (flat > 0).sum(axis=1).mean(), rtol=1e-6)
+  assert np.isnan(unit_activity.median_alive_density(jnp.zeros((4, 3))))
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.25, 0.5, 1.0])
+def test_density_matched_neurons_keep_their_top_share_of_positions(share):
+  a = np.random.default_rng(2).uniform(0.1, 1, size=(5, 8, 4))
+  a = a.astype(np.float32)
+  threshold = unit_activity.top_share_thresholds(jnp.asarray(a),
+                                                 jnp.float32(share))
+  kept = np.asarray(unit_activity.density_matched_activity(
+    jnp.asarray(a), threshold)).reshape(-1, 4)
+  flat = a.reshape(-1, 4)
+  m = round(share * len(flat))
+  for u in range(4):
+    top = np.argsort(-flat[:, u])[:m]
+    want = np.zeros(len(flat), np.float32)
+    want[top] = flat[top, u]
+    np.testing.assert_array_equal(kept[:, u], want)
+
+
+def test_no_share_keeps_no_position():
+  a = jnp.ones((3, 2))
+  threshold = unit_activity.top_share_thresholds(a, jnp.float32(jnp.nan))
+  assert not np.asarray(unit_activity.density_matched_activity(
+    a, threshold)).any()
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 6])
+def test_top_k_keeps_each_positions_k_most_active_units(k):
+  a = np.random.default_rng(3).uniform(0.1, 1, size=(2, 5, 6))
+  a = a.astype(np.float32)
+  got = np.asarray(unit_activity.top_k_activity(jnp.asarray(a),
+                                                jnp.int32(k)))
+  order = np.argsort(-a, axis=-1)[..., :k]
+  want = np.zeros_like(a)
+  np.put_along_axis(want, order, np.take_along_axis(a, order, -1), -1)
+  np.testing.assert_array_equal(got, want)
