@@ -3,10 +3,14 @@ run's tagged harvest (`bin/gallery`).
 
 The rule (`pick`): among the components that fired, keep the most active
 ones, those whose share of their site's activity (summed CI) is at least
-`active` of the site's mean; rank them by purity (their top coarse
-class's share of their activity), purest first, ties by activity; take
-them in that order, at most `per_class` of each top class, until `count`
-are taken. Each entry is written as markdown (`entry_markdown`): its
+`active` of the site's mean; rank them by their excess of purity over
+token-implied purity (`losses/tag_context.py`), highest first, ties by
+purity (their top coarse class's share of their activity), then by
+activity: a component that tells more than the token it sits on comes
+before one as pure whose tokens alone explain it. Take them in that
+order, at most `per_class` of each top class, until `count` are taken. A
+harvest without context statistics (made before them) ranks by purity
+alone, and the stated rule says so. Each entry is written as markdown (`entry_markdown`): its
 site and index, its label (class, top tag, purity, lift) and its first
 `contexts` top contexts by CI from the harvest, decoded to text with the
 position where it fires in bold.
@@ -35,12 +39,18 @@ class Pick(NamedTuple):
 
 
 def rule(count: int = COUNT, per_class: int = PER_CLASS,
-         active: float = ACTIVE) -> str:
-  """Return the rule `pick` follows, as the gallery states it."""
+         active: float = ACTIVE, by_excess: bool = True) -> str:
+  """Return the rule `pick` follows, as the gallery states it (ranked by
+  excess over token-implied purity, or, `by_excess` false, by purity)."""
+  ranked = (
+    f"the {count} with the highest excess of purity (top coarse class's "
+    "share of their CI) over token-implied purity (the purity their CI "
+    "would have if each position's class followed its token's mix), then "
+    "the purest" if by_excess else
+    f"the {count} purest (top coarse class's share of their CI)")
   return (f"Among the components that fired, those with at least {active:g}"
-          f"× their site's mean share of its CI, the {count} purest (top "
-          f"coarse class's share of their CI), at most {per_class} per "
-          "class.")
+          f"× their site's mean share of its CI, {ranked}, at most "
+          f"{per_class} per class.")
 
 
 def check_active(active: float) -> None:
@@ -69,8 +79,10 @@ def pick(harvest: harvest_lib.Harvest, count: int = COUNT,
       if (fields["fired"][c] > 0 and label["class"] is not None
           and label["activity"] >= floor):
         candidates.append(Pick(site, c, label))
-  candidates.sort(key=lambda p: (-p.label["purity"], -p.label["activity"],
-                                 p.site, p.component))
+  excess = lambda p: p.label["excess"] if p.label["excess"] is not None \
+    else -np.inf  # noqa: E731
+  candidates.sort(key=lambda p: (-excess(p), -p.label["purity"],
+                                 -p.label["activity"], p.site, p.component))
   taken: list[Pick] = []
   per: dict[str, int] = {}
   for p in candidates:
@@ -114,8 +126,10 @@ def entry_markdown(harvest: harvest_lib.Harvest, p: Pick,
            for j in range(fields["top_context"].shape[1])
            if fields["top_ci"][p.component][j] > 0][:contexts]
   label = p.label
+  implied = ("" if label["excess"] is None else
+             f", token-implied {label['implied_purity']:.2f}")
   head = (f"**{p.site} c{p.component}** — {label['class']} · "
-          f"`{label['tag']}`: purity {label['purity']:.2f}, lift "
+          f"`{label['tag']}`: purity {label['purity']:.2f}{implied}, lift "
           f"{label['lift']:.2f} (top tag {label['tag_purity']:.2f}, share "
           f"of the site's CI {label['activity']:.3f})")
   return "\n".join([head, "", *(f"- {c}" for c in shown)])
@@ -127,8 +141,10 @@ def gallery_markdown(harvest: harvest_lib.Harvest, run_name: str,
                      contexts: int = CONTEXTS) -> str:
   """Return the whole gallery: its rule, then one entry per pick."""
   picks = pick(harvest, count, per_class, active)
+  by_excess = harvest_lib.has_context(harvest.manifest)
   entries = [entry_markdown(harvest, p, decode, contexts) for p in picks]
   return "\n\n".join([
     f"Gallery of `{run_name}` ({harvest.manifest['positions']} harvested "
-    f"positions). {rule(count, per_class, active)} Bold: the token where "
+    f"positions). {rule(count, per_class, active, by_excess)} Bold: the "
+    "token where "
     "the component's CI is highest.", *entries]) + "\n"

@@ -53,7 +53,7 @@ from decompax.io import harvest_store
 from decompax.io import tokens as tokens_lib
 from decompax.losses import component_stats as stats_lib
 from decompax.losses import evals
-from decompax.losses import tag_profile, unit_activity
+from decompax.losses import tag_context, tag_profile, unit_activity
 from decompax.placement import shardings, transfer
 from decompax.placement import table as table_lib
 from decompax.recipe import assembly, lm
@@ -71,6 +71,14 @@ class Stopped(Exception):
 FIELDS = ("fired", "ci_sum", "histogram", "coactive", "top_ci", "top_context",
           "top_context_ci", "ablation_sum", "ablation_count")
 TAG_FIELDS = tuple(f"tag_{name}" for name in tag_profile.TagStats._fields)
+# Each unit set's context statistics (`losses/tag_context.py`): harvests of
+# `tag_revision` ≥ 1 only.
+CONTEXT_FIELDS = tuple(f"tag_{name}"
+                       for name in tag_context.ContextStats._fields)
+# The revision of a tag harvest's statistics: 1 adds the context statistics
+# and the per-site baselines (`SITE_BASELINES`); 0 is a harvest without
+# them, or without tags.
+TAG_REVISION = 1
 # Most document groups of a tag harvest (`tag_profile`): more than Brown's
 # held-out documents, so each is a group of its own; a file of fewer
 # documents gets one group per document.
@@ -87,6 +95,11 @@ BASELINES = ("neurons", "gates", "rotated")
 # And per layer with a decomposed attention site, its heads: store key
 # `layers.<i>.self_attn.heads`.
 HEADS = "heads"
+# Per MLP site, its MLP's neurons matched to the site's components
+# (`calibrate`): kept at their top-q positions, q the median firing
+# density of the site's components, and at each position its k most active
+# neurons, k = ⌈the site's mean CI-L0⌉. Store keys `<site>.<kind>`.
+SITE_BASELINES = ("density_matched", "top_k")
 
 
 class MlpForm(NamedTuple):
@@ -147,6 +160,8 @@ class Settings:
   # How a token file's windows are placed: `SPREAD` since harvests tile
   # the file; "" (older harvests, and toys) at random by seed and batch.
   windows: str = ""
+  # `TAG_REVISION` of a tag harvest; 0 for older ones and without tags.
+  tag_revision: int = 0
 
 
 # A token file's windows tile it, spread evenly (`window_starts`).
@@ -264,7 +279,8 @@ def resolve(run: explore.LoadedRun, request: Request) -> Settings:
     if request.ablation_batches is None else request.ablation_batches,
     request.seed,
     run.decomposition.step, tag_groups=groups,
-    windows=SPREAD if data_path else "")
+    windows=SPREAD if data_path else "",
+    tag_revision=TAG_REVISION if groups else 0)
 
 
 def _bytes(tree: Any) -> int:
@@ -425,11 +441,14 @@ def batch_source(run: explore.LoadedRun, settings: Settings,
 class TagSource(NamedTuple):
   """A tag harvest's positions: `read(i)` gives batch `i`'s tags, previous
   tags and document groups (each laid out like the batch), `coarse_of`
-  each tag's coarse class, `record` what the manifest says of them."""
+  each tag's coarse class, `record` what the manifest says of them, `mix`
+  each token id's class mix over the harvested positions
+  (`token_mix`)."""
 
   read: Callable[[int], tuple[Any, Any, Any]]
   coarse_of: np.ndarray
   record: dict
+  mix: np.ndarray
 
 
 def tag_source(settings: Settings, sharding: Any = None
@@ -462,7 +481,24 @@ def tag_source(settings: Settings, sharding: Any = None
   record = {"tags": list(stream.tags), "classes": list(brown_tags.COARSE),
             "coarse_of": coarse_of.tolist(), "groups": settings.tag_groups,
             "documents": [d["name"] for d in stream.documents]}
-  return TagSource(read, coarse_of, record)
+  return TagSource(read, coarse_of, record,
+                   token_mix(settings, opened, stream.ids, coarse_of))
+
+
+def token_mix(settings: Settings, opened: tokens_lib.Tokens,
+              tag_ids: np.ndarray, coarse_of: np.ndarray) -> np.ndarray:
+  """Return each token id's class mix `[vocab, classes]` over every
+  position the harvest reads (a pass over the token and tag files only,
+  before any unit is streamed; `losses/tag_context.py`)."""
+  n = opened.header.num_tokens
+  counts = np.zeros((opened.header.vocab_size, len(brown_tags.COARSE)),
+                    np.int64)
+  for i in range(settings.n_batches):
+    index = window_positions(settings, i, n).reshape(-1)
+    counts += tag_context.token_class_counts(
+      np.asarray(opened.ids[index], np.int64),
+      coarse_of[np.asarray(tag_ids[index], np.int64)], *counts.shape)
+  return tag_context.class_given_token(counts)
 
 
 def baseline_layers(run: explore.LoadedRun) -> tuple[MlpUnit, ...]:
@@ -478,6 +514,20 @@ def baseline_layers(run: explore.LoadedRun) -> tuple[MlpUnit, ...]:
   return tuple(sorted(units))
 
 
+def site_mlps(run: explore.LoadedRun) -> tuple[tuple[str, MlpUnit], ...]:
+  """Return each MLP site (a GLU model's) with the MLP whose neurons its
+  matched baselines (`SITE_BASELINES`) take: its layer's, or its
+  expert's."""
+  out = []
+  for s in run.target.sites:
+    parsed = glu_lm.parse_site(s.name)
+    if parsed is not None and parsed[1] in ("gate", "up", "down"):
+      out.append((s.name, parsed[0]))
+    elif parsed is not None and parsed[1] in glu_lm.EXPERT_ROLES:
+      out.append((s.name, (parsed[0], glu_lm.site_expert(s.name))))
+  return tuple(out)
+
+
 def head_layers(run: explore.LoadedRun) -> tuple[int, ...]:
   """Return the layers with a decomposed attention site (a GLU model's)."""
   parsed = (glu_lm.parse_site(s.name) for s in run.target.sites)
@@ -487,12 +537,15 @@ def head_layers(run: explore.LoadedRun) -> tuple[int, ...]:
 
 def baseline_keys(layers: tuple[MlpUnit, ...],
                   heads: tuple[int, ...] = (),
-                  mlp: MlpForm = MlpForm()) -> tuple[str, ...]:
+                  mlp: MlpForm = MlpForm(),
+                  sites: tuple[tuple[str, MlpUnit], ...] = ()
+                  ) -> tuple[str, ...]:
   """Return the store keys of the baselines of `layers` (MLPs of form
-  `mlp`) and `heads` (attention)."""
+  `mlp`), `heads` (attention) and `sites` (`site_mlps`)."""
   return tuple(f"{mlp_prefix(i)}.{kind}" for i in layers
                for kind in mlp_kinds(mlp)) + tuple(
-    f"layers.{i}.self_attn.{HEADS}" for i in heads)
+    f"layers.{i}.self_attn.{HEADS}" for i in heads) + tuple(
+    f"{site}.{kind}" for site, _ in sites for kind in SITE_BASELINES)
 
 
 def _layer_o(weights: glu_lm.GluWeights, layer: int) -> jax.Array:
@@ -586,7 +639,7 @@ def _mlp_activity(taps: dict[str, jax.Array], unit: MlpUnit,
 def baseline_activity(taps: dict[str, jax.Array],
                       layers: tuple[MlpUnit, ...],
                       heads: tuple[int, ...], n_head: int,
-                      extra: dict[str, jax.Array],
+                      extra: dict[str, Any],
                       mlp: MlpForm = MlpForm()) -> dict[str, jax.Array]:
   """Return every baseline's activity, by store key, from the clean
   forward's `baseline_taps` (traceable; `extra` from `baseline_weights`;
@@ -600,6 +653,53 @@ def baseline_activity(taps: dict[str, jax.Array],
     out[f"layers.{i}.self_attn.{HEADS}"] = unit_activity.head_activity(
       taps[key], extra["w_o"][j], n_head)
   return out
+
+
+def site_activity(activity: dict[str, jax.Array],
+                  sites: tuple[tuple[str, MlpUnit], ...],
+                  calibration: dict[str, dict[str, jax.Array]]
+                  ) -> dict[str, jax.Array]:
+  """Return the matched baselines' activity of each site of `sites`
+  (`SITE_BASELINES`, by store key) from its MLP's neurons in `activity`
+  (`baseline_activity`), with the settings `calibrate` found."""
+  out = {}
+  for site, unit in sites:
+    neurons = activity[f"{mlp_prefix(unit)}.neurons"]
+    c = calibration[site]
+    out[f"{site}.density_matched"] = unit_activity.density_matched_activity(
+      neurons, c["threshold"])
+    out[f"{site}.top_k"] = unit_activity.top_k_activity(neurons, c["k"])
+  return out
+
+
+def calibrate(run: explore.LoadedRun, placed: "Placed", inputs: Any,
+              sites: tuple[tuple[str, MlpUnit], ...],
+              layers: tuple[MlpUnit, ...], mlp: MlpForm,
+              extra: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
+  """Return per site of `sites` its matched baselines' settings, from one
+  batch (`inputs`, the harvest's first): `q`, the median firing density
+  (CI above 0) of the site's components that fire on it; `threshold`, the
+  value each of its MLP's neurons exceeds at the share q of the batch's
+  positions (`unit_activity.top_share_thresholds`); `k`, the ceiling of
+  the site's mean CI-L0 on it."""
+  wanted = _mlp_taps(layers, mlp)
+
+  @jax.jit
+  def measure(weights, components, ci_params, inputs, extra):
+    ci, taps = explore.lower_ci_and_taps(
+      run.target, run.ci_fn, weights, components, ci_params, inputs, wanted)
+    out = {}
+    for site, unit in sites:
+      rotation = extra["rotation"][layers.index(unit)]
+      neurons = _mlp_activity(taps, unit, rotation, mlp)["neurons"]
+      q = unit_activity.median_alive_density(ci[site])
+      out[site] = {
+        "q": q, "threshold": unit_activity.top_share_thresholds(neurons, q),
+        "k": jnp.ceil(unit_activity.mean_l0(ci[site])).astype(jnp.int32)}
+    return out
+
+  return measure(placed.weights, placed.components, placed.ci_params, inputs,
+                 extra)
 
 
 class Placed(NamedTuple):
@@ -687,9 +787,12 @@ def empty_totals(shapes: dict[str, stats_lib.BatchStats],
       "ablation_sum": np.zeros(c, np.float64),
       "ablation_count": np.zeros(c, np.int64),
     }
-  for key, shape in (tag_shapes or {}).items():
+  for key, (shape, _) in (tag_shapes or {}).items():
     zero = tag_profile.zero_tag_stats(shape.fine.shape[0], *_tag_sizes(shape))
+    context = tag_context.zero_context_stats(*shape.fine.shape[:1],
+                                             shape.coarse.shape[2])
     totals.setdefault(key, {}).update(zip(TAG_FIELDS, zero))
+    totals[key].update(zip(CONTEXT_FIELDS, context))
   return totals
 
 
@@ -706,11 +809,14 @@ def add_window(totals: dict,
   float64, so a long harvest neither overflows nor loses its small
   increments)."""
   stats, tags = window
-  for site, s in transfer.fetch(tags).items():
+  for site, (s, c) in transfer.fetch(tags).items():
     t = totals[site]
     summed = tag_profile.add_tag_stats(
       tag_profile.TagStats(*(t[f] for f in TAG_FIELDS)), s)
     t.update(zip(TAG_FIELDS, summed))
+    context = tag_context.add_context_stats(
+      tag_context.ContextStats(*(t[f] for f in CONTEXT_FIELDS)), c)
+    t.update(zip(CONTEXT_FIELDS, context))
   for site, s in transfer.fetch(stats).items():
     t = totals[site]
     t["fired"] += s.fired
@@ -777,7 +883,8 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
            placed: Optional[Placed] = None,
            coarse_of: Optional[np.ndarray] = None,
            layers: tuple[MlpUnit, ...] = (), heads: tuple[int, ...] = (),
-           n_head: int = 0, mlp: MlpForm = MlpForm()):
+           n_head: int = 0, mlp: MlpForm = MlpForm(),
+           sites: tuple[tuple[str, MlpUnit], ...] = ()):
   """Return the jitted batch statistics, the accumulation of one batch
   into the device's window of statistics, the ablation of `chunk`
   components (site and index each, beside the clean output) and the plain
@@ -788,7 +895,9 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
   empty unless `coarse_of` is given, and then each batch comes with its
   positions' `(tags, previous tags, groups)` and the tag statistics hold
   the baselines of `layers` and `heads` too (what they read besides the
-  forward, `baseline_weights`, an argument; the MLPs of form `mlp`)."""
+  forward, `baseline_weights`, an argument; the MLPs of form `mlp`) and
+  the matched baselines of `sites` (from `extra["calibration"]`), each key's
+  value a pair of its tag and context statistics (`extra["mix"]`)."""
   target, ci_fn = run.target, run.ci_fn
   constrain, kept = _window_layout(placed)
 
@@ -806,10 +915,10 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
     # No baselines (`layers` and `heads` empty) adds nothing.
     activity = {**ci, **baseline_activity(taps, layers, heads, n_head,
                                           extra, mlp)}
-    tags = {key: tag_profile.batch_tag_stats(
-      value, *positions, jnp.asarray(coarse_of), len(brown_tags.COARSE),
-      settings.tag_groups) for key, value in activity.items()}
-    return (batch, tags), ci
+    activity.update(site_activity(activity, sites,
+                                  extra.get("calibration", {})))
+    return (batch, _tag_batch(activity, inputs, positions, coarse_of,
+                              settings.tag_groups, extra)), ci
 
   def accumulate(window, weights, components, ci_params, inputs,
                  positions=None, extra=None):
@@ -833,6 +942,16 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
 
   return (jax.jit(stats), jax.jit(accumulate, donate_argnums=0, **kept),
           jax.jit(ablation), jax.jit(clean))
+
+
+def _tag_batch(activity: dict[str, jax.Array], inputs: jax.Array,
+               positions: tuple, coarse_of: np.ndarray, n_groups: int,
+               extra: dict[str, Any]) -> dict[str, tuple]:
+  """Return each unit set's tag and context statistics of one batch."""
+  return {key: (tag_profile.batch_tag_stats(
+    value, *positions, jnp.asarray(coarse_of), len(brown_tags.COARSE),
+    n_groups), tag_context.batch_context_stats(value, inputs, extra["mix"]))
+          for key, value in activity.items()}
 
 
 def _progress(done: int, total: int, started: float, first: int) -> str:
@@ -865,7 +984,7 @@ class _Pipeline(NamedTuple):
 
   batch: Callable[[int], Any]
   positions: Callable[[int], Any]
-  extra: dict[str, jax.Array]
+  extra: dict[str, Any]
   accumulate: Any
   ablation: Any
   clean: Any
@@ -881,21 +1000,40 @@ def _pipeline(run: explore.LoadedRun, settings: Settings, chunk: int,
   positions = (lambda i: None) if tags is None else tags.read
   layers = () if tags is None else baseline_layers(run)
   heads = () if tags is None else head_layers(run)
+  sites = () if tags is None else site_mlps(run)
   extra = baseline_weights(run, settings, layers, heads)
   mlp = mlp_form(run) if layers else MlpForm()
+  calibration = calibrate(run, placed, batch(0), sites, layers, mlp,
+                          extra) if sites else {}
+  if tags is not None:
+    extra = {**extra, "mix": jnp.asarray(tags.mix, jnp.float32),
+             "calibration": calibration}
   if placed.statistics is not None:
     extra = transfer.put(extra, jax.tree.map(lambda _: placed.statistics,
                                              extra))
   stats_fn, accumulate, ablation_fn, clean_fn = jitted(
     run, settings, chunk, placed,
     None if tags is None else tags.coarse_of, layers, heads,
-    n_heads(run) if heads else 0, mlp)
+    n_heads(run) if heads else 0, mlp, sites)
   shapes, _ = jax.eval_shape(stats_fn, placed.weights, placed.components,
                              placed.ci_params, batch(0), positions(0), extra)
   tag_record = {} if tags is None else {"tags": {
-    **tags.record, "baselines": list(baseline_keys(layers, heads, mlp))}}
+    **tags.record, "baselines": list(baseline_keys(layers, heads, mlp,
+                                                   sites)),
+    "calibration": calibration_record(calibration)}}
   return _Pipeline(batch, positions, extra, accumulate, ablation_fn,
                    clean_fn, shapes, tag_record, chunk)
+
+
+def calibration_record(calibration: dict[str, dict[str, jax.Array]]
+                       ) -> dict[str, dict[str, float | int | None]]:
+  """Return what the manifest says of each site's calibration: its q
+  (None where no component fired on the batch) and its k."""
+  out = {}
+  for site, c in transfer.fetch(calibration).items():
+    q = float(c["q"])
+    out[site] = {"q": q if np.isfinite(q) else None, "k": int(c["k"])}
+  return out
 
 
 def harvest(run: explore.LoadedRun, settings: Settings, out: str,
@@ -933,7 +1071,8 @@ def harvest(run: explore.LoadedRun, settings: Settings, out: str,
   harvest_seconds, timed_start = _run_batches(
     run, settings, out, placed, pipe, totals, done, save_every_s,
     _Ablating(say, stop, progress_every_s))
-  written = harvest_store.write_store(out, totals, FIELDS + TAG_FIELDS)
+  written = harvest_store.write_store(out, totals,
+                                     FIELDS + TAG_FIELDS + CONTEXT_FIELDS)
   if stop():  # timing the clean forward is all that is left
     return {"arrays": written, **pipe.tag_record}
   return {"arrays": written, **pipe.tag_record, **throughput(
@@ -1114,15 +1253,24 @@ class Harvest(NamedTuple):
   baselines: dict[str, dict[str, np.ndarray]]
 
 
+def has_context(manifest: dict) -> bool:
+  """Return whether a harvest holds the context statistics and matched
+  baselines (`TAG_REVISION` 1; older tag harvests do not: harvest again
+  with `--overwrite` for them)."""
+  return manifest["settings"].get("tag_revision", 0) >= 1
+
+
 def load_harvest(run_path: str) -> Harvest:
   """Return the harvest of the run at `run_path`; ValueError when it has
   none, or an unfinished one (no manifest yet)."""
   manifest = harvest_store.read_manifest(run_path)
   tagged = "tags" in manifest
-  sites = {site: harvest_store.read_arrays(
-    run_path, site, FIELDS + (TAG_FIELDS if tagged else ()))
+  tag_fields = (TAG_FIELDS + (CONTEXT_FIELDS if has_context(manifest)
+                              else ())) if tagged else ()
+  sites = {site: harvest_store.read_arrays(run_path, site,
+                                           FIELDS + tag_fields)
            for site in manifest["sites"]}
-  baselines = {key: harvest_store.read_arrays(run_path, key, TAG_FIELDS)
+  baselines = {key: harvest_store.read_arrays(run_path, key, tag_fields)
                for key in (manifest["tags"].get("baselines", [])
                            if tagged else [])}
   return Harvest(manifest, sites, baselines)

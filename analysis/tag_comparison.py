@@ -6,18 +6,21 @@ its components and, per layer whose MLP has a decomposed site, those of
 the MLP's neurons, gates and rotated neurons, and per layer with a
 decomposed attention site, those of its heads (`analysis/harvesting.py`). Here
 a site's alive components (those that fired over the harvest) are
-compared with each baseline of the site's layer, and, per baseline kind,
-all those sites' components together with all those layers' units (the
-total).
+compared with each baseline of the site's layer (and the neurons matched
+to the site itself: kept at their top-q positions, or the k most active
+at each position), and, per baseline kind, all those sites' components
+together with all those layers' units (the total). `unit_sets` gives each
+site's unit sets with their context statistics, where the harvest has
+them, for the context measure and the robust summaries.
 """
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from decompax.analysis import harvesting as harvest_lib
-from decompax.losses import tag_metrics, tag_profile
+from decompax.losses import tag_context, tag_metrics, tag_profile
 from decompax.targets import glu_lm
 
 TOTAL = "total"
@@ -45,7 +48,8 @@ def alive_components(fields: dict[str, np.ndarray]) -> tag_profile.TagStats:
 
 def baselines_of(site: str) -> tuple[tuple[str, str], ...]:
   """Return `(kind, store key)` of each baseline a site is compared with:
-  an MLP site's layer's neurons, gates and rotated neurons (an expert's
+  an MLP site's layer's neurons, the neurons matched to the site
+  (`SITE_BASELINES`), its layer's gates and rotated neurons (an expert's
   site's, its expert's), an attention site's layer's heads (none for
   other sites)."""
   parsed = glu_lm.parse_site(site)
@@ -58,8 +62,42 @@ def baselines_of(site: str) -> tuple[tuple[str, str], ...]:
     unit = layer
   else:
     return ((harvest_lib.HEADS, f"layers.{layer}.self_attn.heads"),)
-  return tuple((kind, f"{harvest_lib.mlp_prefix(unit)}.{kind}")
-               for kind in harvest_lib.BASELINES)
+  first, *rest = harvest_lib.BASELINES
+  prefix = harvest_lib.mlp_prefix(unit)
+  return ((first, f"{prefix}.{first}"),
+          *((kind, f"{site}.{kind}") for kind in harvest_lib.SITE_BASELINES),
+          *((kind, f"{prefix}.{kind}") for kind in rest))
+
+
+class UnitSet(NamedTuple):
+  """One of a site's unit sets (its components that fired, or a baseline)
+  with its context statistics (None where the harvest has none)."""
+
+  name: str  # "components" or a baseline kind
+  stats: tag_profile.TagStats
+  context: Optional[tag_context.ContextStats]
+
+
+def _context(fields: dict[str, np.ndarray], keep: Any = slice(None)
+             ) -> Optional[tag_context.ContextStats]:
+  if not all(f in fields for f in harvest_lib.CONTEXT_FIELDS):
+    return None
+  return tag_context.ContextStats(*(
+    fields[f][keep] for f in harvest_lib.CONTEXT_FIELDS))
+
+
+def unit_sets(harvest: harvest_lib.Harvest, site: str) -> list[UnitSet]:
+  """Return a site's unit sets: its components that fired, then each of
+  its baselines the harvest holds (`baselines_of`)."""
+  fields = harvest.sites[site]
+  alive = fields["fired"] > 0
+  out = [UnitSet("components", alive_components(fields),
+                 _context(fields, alive))]
+  for kind, key in baselines_of(site):
+    if key in harvest.baselines:
+      units = harvest.baselines[key]
+      out.append(UnitSet(kind, tag_stats(units), _context(units)))
+  return out
 
 
 # How the comparisons are spread: the builtin `map` runs them one after

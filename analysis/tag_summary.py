@@ -6,6 +6,13 @@ report page reads (`io/tag_report.py`): per site and for the total, per
 baseline, both unit sets' summaries, weighted by activity and unweighted,
 and the bootstrap interval of each difference components − baseline; and
 every unit's purity per site and baseline, which the purity figure draws.
+A harvest with context statistics (`harvesting.has_context`) adds, per
+site and unit set, the context measure (`context`: activity-weighted mean
+purity, token-implied purity and excess, and the median excess) and the
+robust summaries (`robust`: unweighted and weighted median purity and the
+share of activity at purity ≥ 0.5, each with its bootstrap interval, the
+always-on units apart), and per site the matched baselines' q and k
+(`calibration`); an older harvest's record has none of these keys.
 `write(run_path)` stores both beside the report, where a harvest with tag
 statistics exists; `rebuild_report(run_path)` writes that and then the
 report itself, the one sequence `bin/harvest` and `bin/report` both run.
@@ -23,7 +30,7 @@ from decompax.io import harvest_store
 from decompax.io import run_report as report
 from decompax.io import tag_report as tag_page
 from decompax.io import tensor_store
-from decompax.losses import tag_metrics
+from decompax.losses import tag_context, tag_metrics, tag_profile
 
 # Bootstrap resamples of the report's intervals.
 N_BOOT = 1000
@@ -53,6 +60,53 @@ def _purities(coarse: np.ndarray) -> list[float]:
   return [round(float(x), 4) for x in share[np.isfinite(share)]]
 
 
+def _weighted_mean(values: np.ndarray, weights: np.ndarray) -> float | None:
+  total = weights.sum()
+  return _value(float((values * weights).sum() / total)) if total > 0 else None
+
+
+def context_row(unit_set: tag_comparison.UnitSet, seed: int = 0,
+                n_boot: int = N_BOOT) -> dict:
+  """Return a unit set's context measure and robust summaries as the
+  report stores them (the set must have context statistics)."""
+  stats, context = unit_set.stats, unit_set.context
+  counts = tag_profile.class_counts(stats)
+  measured = tag_context.context_purity(counts, context.implied)
+  mass = counts.sum(axis=1)
+  alive = mass > 0
+  w = mass[alive]
+  robust = tag_metrics.robust_summary(stats.coarse, stats.base_coarse,
+                                      context.on, seed, n_boot)
+  return {
+    "units": int(alive.sum()),
+    "purity": _weighted_mean(measured.purity[alive], w),
+    "implied_purity": _weighted_mean(measured.implied_purity[alive], w),
+    "excess": _weighted_mean(measured.excess[alive], w),
+    "median_excess": _value(float(np.median(measured.excess[alive])))
+    if alive.any() else None,
+    "robust": {name: _interval(i) for name, i in robust.intervals.items()},
+    "robust_units": robust.units,
+    "always_on": [int(u) for u in robust.always_on],
+    "always_on_share": _value(robust.always_on_share)}
+
+
+def context_record(harvest: harvest_lib.Harvest, seed: int = 0,
+                   n_boot: int = N_BOOT,
+                   map_fn: tag_comparison.MapFn = map) -> dict:
+  """Return per site (one with baselines) and unit set its `context_row`;
+  {} for a harvest without context statistics."""
+  if not harvest_lib.has_context(harvest.manifest):
+    return {}
+  jobs = [(site, u) for site in harvest.sites
+          if tag_comparison.baselines_of(site)
+          for u in tag_comparison.unit_sets(harvest, site)]
+  rows = map_fn(lambda job: context_row(job[1], seed, n_boot), jobs)
+  out: dict[str, dict] = {}
+  for (site, u), row in zip(jobs, rows):
+    out.setdefault(site, {})[u.name] = row
+  return out
+
+
 def record(harvest: harvest_lib.Harvest, seed: int = 0,
            n_boot: int = N_BOOT,
            map_fn: tag_comparison.MapFn = map) -> dict:
@@ -80,11 +134,14 @@ def record(harvest: harvest_lib.Harvest, seed: int = 0,
       kind: _purities(harvest.baselines[key]["tag_coarse"])
       for kind, key in pairs}}
   tags = harvest.manifest["tags"]
+  context = context_record(harvest, seed, n_boot, map_fn)
+  extra = {"context": context,
+           "calibration": tags.get("calibration", {})} if context else {}
   return {"classes": list(tags["classes"]), "n_boot": n_boot,
           "documents": len(tags["documents"]),
           "groups": int(tags["groups"]),
           "positions": int(harvest.manifest["positions"]),
-          "rows": rows, "purities": purities}
+          "rows": rows, "purities": purities, **extra}
 
 
 def write(run_path: str, n_boot: int = N_BOOT,

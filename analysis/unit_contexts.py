@@ -63,6 +63,13 @@ def top_positions(run: explore.LoadedRun, settings: harvest_lib.Settings,
   mlp = harvest_lib.mlp_form(run) if layers else harvest_lib.MlpForm()
   wanted = harvest_lib.baseline_taps(layers, heads, mlp)
   d = run.decomposition
+  read = harvest_lib.batch_source(run, settings)
+  # The matched neurons as the harvest measured them: calibrated again on
+  # its first batch.
+  sites = harvest_lib.site_mlps(run) if settings.tag_revision else ()
+  extra["calibration"] = harvest_lib.calibrate(
+    run, harvest_lib.place(run, settings), read(0), sites, layers, mlp,
+    extra) if sites else {}
 
   @jax.jit
   def best(inputs, extra):
@@ -71,6 +78,8 @@ def top_positions(run: explore.LoadedRun, settings: harvest_lib.Settings,
       inputs, wanted)
     activity = {**ci, **harvest_lib.baseline_activity(
       taps, layers, heads, n_head, extra, mlp)}
+    activity.update(harvest_lib.site_activity(activity, sites,
+                                              extra["calibration"]))
     out = {}
     for key, a in activity.items():
       flat = a.reshape(-1, a.shape[-1]).T
@@ -78,7 +87,6 @@ def top_positions(run: explore.LoadedRun, settings: harvest_lib.Settings,
                                min(k, flat.shape[1]))
     return out
 
-  read = harvest_lib.batch_source(run, settings)
   n_tokens = tokens_lib.open_tokens(settings.data_path).header.num_tokens
   t = settings.seq_len
   kept: dict[str, Top] = {}

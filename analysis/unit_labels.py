@@ -6,7 +6,9 @@ rotated neuron or attention head), its statistics under its store key in
 the harvest. Its label: its top coarse class and top fine tag, each with
 its purity (share of the unit's activity) and lift (purity over the
 class's or tag's share of all positions), its share of the set's
-activity, and its heaviest tags and (previous class, class) bigrams.
+activity, and its heaviest tags and (previous class, class) bigrams; in a
+harvest with context statistics also its token-implied purity and the
+excess of its purity over it (`losses/tag_context.py`), None elsewhere.
 """
 
 from typing import Any
@@ -15,7 +17,7 @@ import numpy as np
 
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import tag_comparison
-from decompax.losses import tag_metrics
+from decompax.losses import tag_context, tag_metrics, tag_profile
 
 # Tags and bigrams listed per unit, heaviest first.
 TOP = 3
@@ -42,8 +44,10 @@ def labels(harvest: harvest_lib.Harvest, key: str) -> list[dict[str, Any]]:
   has class and tag None and NaN-free fields None."""
   tags = harvest.manifest["tags"]
   names, classes = tags["tags"], tags["classes"]
-  stats = tag_comparison.tag_stats(unit_sets(harvest)[key])
+  fields = unit_sets(harvest)[key]
+  stats = tag_comparison.tag_stats(fields)
   p = tag_metrics.profiles(stats)
+  implied, excess = _context(fields, stats)
   share = p.mass / max(float(p.mass.sum()), 1e-300)
   top_tags, tag_shares = tag_metrics.top_shares(np.asarray(stats.fine), TOP)
   before, at, bigram_shares = tag_metrics.top_bigrams(
@@ -58,12 +62,25 @@ def labels(harvest: harvest_lib.Harvest, key: str) -> list[dict[str, Any]]:
       "tag": names[p.top_tag[u]] if alive else None,
       "tag_purity": _number(p.tag_purity[u]),
       "tag_lift": _number(p.tag_lift[u]),
+      "implied_purity": _number(implied[u]), "excess": _number(excess[u]),
       "top_tags": [[names[t], float(s)] for t, s in
                    zip(top_tags[u], tag_shares[u]) if s > 0],
       "top_bigrams": [[classes[b], classes[a], float(s)] for b, a, s in
                       zip(before[u], at[u], bigram_shares[u]) if s > 0],
     })
   return rows
+
+
+def _context(fields: dict, stats: tag_profile.TagStats
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """Return every unit's token-implied purity and excess (NaN where the
+  harvest has no context statistics)."""
+  if "tag_implied" not in fields:
+    nan = np.full(len(stats.fine), np.nan)
+    return nan, nan
+  measured = tag_context.context_purity(tag_profile.class_counts(stats),
+                                        fields["tag_implied"])
+  return measured.implied_purity, measured.excess
 
 
 def baseline_kind(key: str) -> str:

@@ -28,10 +28,12 @@ component.
 
 A run harvested over a token file with a tag stream is labelled by part of
 speech (`analysis/unit_labels.py`): the table gains each component's top
-class, top tag, purity and lift (sort and filter by them), its page its
-label and contexts as text with each token's tag on hover, and a
-"neurons" view lists the baselines' units (neurons, gates, rotated
-neurons, heads) alike, a unit's page beside the component's. Those
+class, top tag, purity, lift and excess over its token-implied purity
+(sort and filter by them), its page its label (with its token-implied
+purity) and contexts as text with each token's tag on hover, and a
+"neurons" view lists the baselines' units (neurons, the neurons matched
+to each site, gates, rotated neurons, heads) alike, a unit's page beside
+the component's. Those
 contexts come from the harvest's first batches streamed again
 (`analysis/unit_contexts.py`), on the first request that needs them.
 
@@ -70,7 +72,7 @@ from decompax.io import tensor_store
 from decompax.io import tokens as tokens_lib
 
 # A row's label fields in the tables (the rest show on a unit's page).
-LABEL_FIELDS = ("class", "tag", "purity", "lift")
+LABEL_FIELDS = ("class", "tag", "purity", "lift", "excess")
 
 # Not `required`: tests import this module beside other binaries' flags,
 # and a required flag would fail their parses; main checks it instead.

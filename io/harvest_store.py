@@ -82,8 +82,10 @@ def _record(path: str) -> dict:
 def _check_settings(out: str, record: dict, wanted: dict) -> None:
   """Raise HarvestConflict when `record` was made with other settings."""
   # Harvests from before tag statistics record no `tag_groups`: none;
-  # from before spread windows no `windows`: random ones.
-  recorded = {"tag_groups": 0, "windows": "", **record["settings"]}
+  # from before spread windows no `windows`: random ones; from before the
+  # context statistics and matched baselines no `tag_revision`: none.
+  recorded = {"tag_groups": 0, "windows": "", "tag_revision": 0,
+              **record["settings"]}
   if recorded != wanted:
     changed = sorted(k for k in recorded.keys() | wanted.keys()
                      if recorded.get(k) != wanted.get(k))

@@ -9,7 +9,13 @@ share of units with purity ≥ 0.8 and ≥ 0.5, mean lift, each with the
 difference components − baseline and its bootstrap interval over
 documents; a verdict per measure (higher, lower, or no clear difference:
 the interval straddles zero); and per coarse class the units that hold
-90% of its activity.
+90% of its activity. The MLP baselines include the neurons matched to each
+site (`density_matched`, `top_k`). Where the comparison has them (harvests
+with context statistics), per site and unit set: the context measure
+(purity against token-implied purity, and their difference, the excess)
+and the robust summaries (unweighted and weighted median purity, the
+share of activity at purity ≥ 0.5, each with its bootstrap interval, the
+always-on units counted apart), with each site's q and k.
 """
 
 import html
@@ -32,7 +38,12 @@ MEASURES = (("median_purity", "median purity"),
             ("mean_lift", "mean lift"))
 # The figure's colours per unit set, components first.
 COLOURS = {"components": "#c0392b", "neurons": "#2471a3", "gates": "#7d3c98",
-           "rotated": "#7f8c8d", "heads": "#229954"}
+           "rotated": "#7f8c8d", "heads": "#229954",
+           "density_matched": "#5dade2", "top_k": "#f5b041"}
+# The robust summaries, as the table heads them.
+ROBUST = (("median_purity", "median purity"),
+          ("weighted_median_purity", "weighted median purity"),
+          ("activity_share_mostly_pure", "activity share at purity ≥ 0.5"))
 BINS = 20
 PANELS_PER_ROW = 4
 
@@ -101,6 +112,55 @@ def _sentence(row: Mapping[str, Any]) -> str:
   return "; ".join(parts)
 
 
+def _interval_cell(interval: Sequence[float | None]) -> str:
+  estimate, low, high = interval
+  return (f"<td>{_number(estimate)} [{_number(low)}, {_number(high)}]"
+          "</td>")
+
+
+def context_html(record: Mapping[str, Any]) -> str:
+  """Return the tables of the context measure and the robust summaries
+  ("" for a comparison without them)."""
+  if not record.get("context"):
+    return ""
+  esc = lambda v: html.escape(str(v), quote=True)  # noqa: E731
+  calibration = record.get("calibration", {})
+  context, robust = [], []
+  for site, sets in record["context"].items():
+    c = calibration.get(site, {})
+    matched = (f"q {_number(c.get('q'))}, k {c.get('k')}" if c else "")
+    for name, row in sets.items():
+      lead = f"<tr><td>{esc(site)}</td><td>{esc(name)}</td>"
+      context.append(
+        f"{lead}<td>{row['units']}</td><td>{_number(row['purity'])}</td>"
+        f"<td>{_number(row['implied_purity'])}</td>"
+        f"<td>{_number(row['excess'])}</td>"
+        f"<td>{_number(row['median_excess'])}</td><td>{esc(matched)}</td>"
+        "</tr>")
+      robust.append(
+        f"{lead}<td>{row['robust_units']}</td><td>{len(row['always_on'])}"
+        f" ({_number(row['always_on_share'])})</td>" + "".join(
+          _interval_cell(row["robust"][n]) for n, _ in ROBUST) + "</tr>")
+  return (
+    "<h3>Context: purity against token-implied purity</h3><p>A unit's "
+    "<i>token-implied purity</i> is the purity of the class profile its "
+    "activity would have if at each position it spread over the classes "
+    "as that token does over all harvested positions; the <i>excess</i> "
+    "is purity − token-implied purity (about 0: the unit tells no more "
+    "than its token). Means weighted by activity; q, k: the density-"
+    "matched neurons' share of positions and the top-k neurons' k.</p>"
+    "<table class=tags><tr><th>site</th><th>units</th><th>n</th>"
+    "<th>purity</th><th>token-implied</th><th>excess</th>"
+    f"<th>median excess</th><th>matched</th></tr>{''.join(context)}</table>"
+    "<h3>Robust summaries</h3><p>Each with its 95% bootstrap interval over "
+    "documents; units on at more than 90% of positions (always on) are "
+    "left out and counted apart with their share of the set's activity."
+    "</p><table class=tags><tr><th>site</th><th>units</th><th>n</th>"
+    "<th>always on (activity share)</th>" + "".join(
+      f"<th>{esc(label)}</th>" for _, label in ROBUST)
+    + f"</tr>{''.join(robust)}</table>")
+
+
 def section_html(record: Mapping[str, Any], figure: str | None) -> str:
   """Return the report's section for a stored comparison; `figure` is the
   purity figure's relative path (None: not drawn)."""
@@ -147,7 +207,7 @@ def section_html(record: Mapping[str, Any], figure: str | None) -> str:
     "<h3>Units holding 90% of each class's activity (comp. · base)</h3>"
     "<table class=tags><tr><th>site</th><th>baseline</th>" + "".join(
       f"<th>{esc(c)}</th>" for c in classes) + f"</tr>{coverage}</table>"
-    f"{picture}")
+    f"{context_html(record)}{picture}")
 
 
 STYLE = """

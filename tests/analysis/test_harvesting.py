@@ -646,12 +646,13 @@ def test_an_interrupted_tag_harvest_resumes_to_the_same_result(
                                say=said.append)
   assert "[harvest] resuming after batch 1" in said
   assert record["tags"]["tags"] == list(TAGS)
+  tag_fields = harvest_lib.TAG_FIELDS + harvest_lib.CONTEXT_FIELDS
   for site in induction.target.sites:
-    for field in harvest_lib.FIELDS + harvest_lib.TAG_FIELDS:
+    for field in harvest_lib.FIELDS + tag_fields:
       np.testing.assert_array_equal(_read(out, site.name, field),
                                     _read(whole, site.name, field), field)
   for key in record["tags"]["baselines"]:
-    for field in harvest_lib.TAG_FIELDS:
+    for field in tag_fields:
       np.testing.assert_array_equal(_read(out, key, field),
                                     _read(whole, key, field), field)
 
@@ -663,16 +664,29 @@ def test_load_harvest_reads_the_tag_statistics(induction, tagged, tmp_path):
   assert loaded.manifest["tags"]["classes"][0] == "noun"
   site = induction.target.sites[0]
   fields = loaded.sites[site.name]
-  assert set(fields) == set(harvest_lib.FIELDS + harvest_lib.TAG_FIELDS)
+  tag_fields = harvest_lib.TAG_FIELDS + harvest_lib.CONTEXT_FIELDS
+  assert set(fields) == set(harvest_lib.FIELDS + tag_fields)
   assert fields["tag_coarse"].shape == (settings.tag_groups, site.c, 12)
   np.testing.assert_array_equal(fields["tag_base_fine"],
                                 _read(out, site.name, "tag_base_fine"))
   assert sorted(loaded.baselines) == sorted(
     loaded.manifest["tags"]["baselines"])
   neurons = loaded.baselines["layers.1.mlp.neurons"]
-  assert set(neurons) == set(harvest_lib.TAG_FIELDS)
+  assert set(neurons) == set(tag_fields)
   np.testing.assert_array_equal(neurons["tag_base_coarse"],
                                 fields["tag_base_coarse"])
+  # A harvest from before the context statistics reads without them.
+  manifest = tmp_path / harvest_store.HARVEST_DIR / harvest_store.MANIFEST
+  older = json.loads(manifest.read_text())
+  del older["settings"]["tag_revision"]
+  older["tags"]["baselines"] = [
+    k for k in older["tags"]["baselines"]
+    if not k.endswith(harvest_lib.SITE_BASELINES)]
+  manifest.write_text(json.dumps(older))
+  loaded = harvest_lib.load_harvest(str(tmp_path))
+  assert set(loaded.sites[site.name]) == set(
+    harvest_lib.FIELDS + harvest_lib.TAG_FIELDS)
+  assert not harvest_lib.has_context(loaded.manifest)
 
 
 def test_the_baselines_tag_statistics_are_those_of_the_neurons(
@@ -685,9 +699,12 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
   settings, out, record = tagged
   layers = harvest_lib.baseline_layers(induction)
   assert layers == (1,) == harvest_lib.head_layers(induction)
+  mlp_sites = [s.name for s in induction.target.sites if ".mlp." in s.name]
   assert record["tags"]["baselines"] == [
     "layers.1.mlp.neurons", "layers.1.mlp.gates", "layers.1.mlp.rotated",
-    "layers.1.self_attn.heads"]
+    "layers.1.self_attn.heads"] + [
+    f"{site}.{kind}" for site in mlp_sites
+    for kind in harvest_lib.SITE_BASELINES]
   w_o = glu_target.weights_to_arrays(induction.weights)["o"][1]
   n_heads = harvest_lib.n_heads(induction)
   head_dim = w_o.shape[0] // n_heads
@@ -696,8 +713,8 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
   rotation = np.asarray(harvest_lib.rotations(induction, settings, layers))[0]
   np.testing.assert_allclose(rotation.T @ rotation, np.eye(len(rotation)),
                              atol=1e-5)
-  inputs, _ = _direct(induction, settings)
-  want = {}
+  inputs, cis = _direct(induction, settings)
+  want, context = {}, {}
   for i, x in enumerate(inputs):
     _, taps = induction.target.clean_forward(induction.weights, x, (
       "layers.1.mlp.gate_proj.out", "layers.1.mlp.up_proj.out",
@@ -713,14 +730,86 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
                   o_in[..., h * head_dim:(h + 1) * head_dim]
                   @ w_o[h * head_dim:(h + 1) * head_dim], axis=-1)
                   for h in range(n_heads)], axis=-1)}
+    if i == 0:
+      matched = _calibration(cis[0], activity["neurons"], mlp_sites)
+    activity.update(_matched(activity["neurons"], matched))
     _add_tag_activity(want, activity, settings, i, opened, stream)
+    _add_context(context, {**activity, **cis[i]}, np.asarray(x), opened,
+                 stream, settings)
   assert want["heads"].shape == (n_heads, len(TAGS)) and n_heads > 1
+  for site in mlp_sites:
+    q, _, k = matched[site]
+    assert record["tags"]["calibration"][site] == {"q": pytest.approx(q),
+                                                   "k": k}
   for kind, fine in want.items():
     where = "self_attn" if kind == "heads" else "mlp"
-    got = _read(out, f"layers.1.{where}.{kind}", "tag_fine")
+    key = kind if kind.count(".") > 1 else f"layers.1.{where}.{kind}"
+    got = _read(out, key, "tag_fine")
     np.testing.assert_allclose(got, fine, rtol=1e-4, atol=1e-5,
                                err_msg=kind)
+    on, implied = context[kind]
+    np.testing.assert_array_equal(_read(out, key, "tag_on"), on)
+    np.testing.assert_allclose(_read(out, key, "tag_implied"), implied,
+                               rtol=1e-4, atol=1e-5, err_msg=kind)
+  for site in mlp_sites:
+    on, implied = context[site]
+    np.testing.assert_array_equal(_read(out, site, "tag_on"), on)
+    np.testing.assert_allclose(_read(out, site, "tag_implied"), implied,
+                               rtol=1e-4, atol=1e-5)
   assert not np.allclose(want["rotated"], want["neurons"])
+  site = mlp_sites[0]
+  for kind in harvest_lib.SITE_BASELINES:  # each keeps part of the neurons
+    assert 0 < want[f"{site}.{kind}"].sum() < want["neurons"].sum()
+
+
+def _calibration(ci: dict, neurons: np.ndarray, sites: list[str]) -> dict:
+  """Per site, from one batch: q (the median firing density of its
+  components that fire), each neuron's threshold (its (round(qP)+1)-th
+  largest value), k (the ceiling of the mean CI-L0)."""
+  flat = neurons.reshape(-1, neurons.shape[-1])
+  out = {}
+  for site in sites:
+    fires = np.asarray(ci[site]).reshape(-1, ci[site].shape[-1]) > 0
+    density = fires.mean(axis=0)
+    q = float(np.median(density[density > 0]))
+    m = round(q * len(flat))
+    threshold = np.sort(flat, axis=0)[::-1][m] if m < len(flat) else None
+    out[site] = (q, threshold, int(np.ceil(fires.sum(axis=1).mean())))
+  assert any(0 < m < 1 for m, _, _ in out.values())
+  return out
+
+
+def _matched(neurons: np.ndarray, matched: dict) -> dict:
+  """Each site's density-matched and top-k neurons, directly."""
+  out = {}
+  for site, (_, threshold, k) in matched.items():
+    out[f"{site}.density_matched"] = np.where(neurons > threshold, neurons,
+                                              0.0)
+    kth = np.sort(neurons, axis=-1)[..., -k, None]
+    out[f"{site}.top_k"] = np.where(neurons >= kth, neurons, 0.0)
+  return out
+
+
+def _add_context(context: dict, activity: dict, ids: np.ndarray, opened,
+                 stream, settings) -> None:
+  """Add each unit set's positions on and token-implied class profile,
+  the class mix of each token counted over every harvested position."""
+  from decompax.io import tokens  # noqa: PLC0415
+  from decompax.targets import brown_tags  # noqa: PLC0415
+  coarse_of = brown_tags.coarse_ids(TAGS)
+  starts = tokens.spread_window_starts(
+    range(4 * settings.n_batches), 4 * settings.n_batches,
+    opened.header.num_tokens, 12)
+  every = (starts[:, None] + np.arange(12)).reshape(-1)
+  mix = np.zeros((opened.header.vocab_size, len(brown_tags.COARSE)))
+  np.add.at(mix, (np.asarray(opened.ids[every], np.int64),
+                  coarse_of[stream.ids[every]]), 1)
+  mix /= np.maximum(mix.sum(axis=1, keepdims=True), 1)
+  for kind, a in activity.items():
+    a = np.asarray(a, np.float64).reshape(-1, a.shape[-1])
+    on, implied = context.get(kind, (0, 0))
+    context[kind] = (on + (a > 0).sum(axis=0),
+                     implied + a.T @ mix[ids.reshape(-1)])
 
 
 def test_a_sharded_tag_harvest_equals_the_one_device_one(
@@ -734,7 +823,7 @@ def test_a_sharded_tag_harvest_equals_the_one_device_one(
   keys = [s.name for s in induction.target.sites] + record["tags"][
     "baselines"]
   for key in keys:
-    for field in harvest_lib.TAG_FIELDS:
+    for field in harvest_lib.TAG_FIELDS + harvest_lib.CONTEXT_FIELDS:
       got, want = _read(str(tmp_path), key, field), _read(reference, key,
                                                            field)
       if np.issubdtype(want.dtype, np.integer):
