@@ -18,6 +18,7 @@ its purity and lift are NaN and the summaries leave it out.
   median for equal weights.
 """
 
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -238,12 +239,16 @@ def bootstrap_difference(
 
   estimate = difference(np.ones((1, len(base))))[0]
   resamples = group_resamples(seed, n_boot, len(base)).astype(np.float64)
-  per_chunk = max(1, _DRAW_BYTES // (8 * (a[0].size + b[0].size)))
+  # A set with no unit (every unit always on) holds no bytes per draw.
+  per_chunk = max(1, _DRAW_BYTES // (8 * max(1, a[0].size + b[0].size)))
   draws = np.concatenate([
     difference(resamples[i:i + per_chunk])
     for i in range(0, n_boot, per_chunk)])
   tail = (1 - level) / 2
-  low, high = np.nanquantile(draws, [tail, 1 - tail], axis=0)
+  with warnings.catch_warnings():
+    # A set with no alive unit has only NaN draws, and no interval.
+    warnings.simplefilter("ignore", RuntimeWarning)
+    low, high = np.nanquantile(draws, [tail, 1 - tail], axis=0)
   return {name: Interval(float(e), float(lo), float(hi))
           for name, e, lo, hi in zip(SCALARS, estimate, low, high)}
 

@@ -843,8 +843,11 @@ def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
   out = str(tmp_path / "harvest")
   record = harvest_lib.harvest(gpt2, settings, out, save_every_s=0.0,
                                say=lambda _: None)
-  assert record["tags"]["baselines"] == ["layers.1.mlp.neurons",
-                                         "layers.1.mlp.rotated"]
+  assert record["tags"]["baselines"][:2] == ["layers.1.mlp.neurons",
+                                             "layers.1.mlp.rotated"]
+  assert record["tags"]["baselines"][2:] == [
+    f"{s.name}.{kind}" for s in gpt2.target.sites if ".mlp." in s.name
+    for kind in harvest_lib.SITE_BASELINES]
   rotation = np.asarray(harvest_lib.rotations(gpt2, settings, (1,)))[0]
   opened = tokens.open_tokens(settings.data_path)
   stream = tokens.open_tags(opened)
@@ -929,7 +932,10 @@ def test_an_experts_baselines_are_its_routed_neurons(finished_run, tmp_path):
                                say=lambda _: None)
   experts = [f"layers.1.mlp.experts.{e}.{k}" for e in range(4)
              for k in harvest_lib.BASELINES]
-  assert record["tags"]["baselines"] == experts + ["layers.1.self_attn.heads"]
+  matched = [f"{s.name}.{kind}" for s in moe.target.sites
+             if ".mlp." in s.name for kind in harvest_lib.SITE_BASELINES]
+  assert record["tags"]["baselines"] == experts + [
+    "layers.1.self_attn.heads"] + matched
   units = harvest_lib.baseline_layers(moe)
   assert units == tuple((1, e) for e in range(4))
   rotation = np.asarray(harvest_lib.rotations(moe, settings, units))[2]

@@ -82,12 +82,70 @@ def test_a_harvest_without_tags_is_refused(harvest):
 
 
 def test_baselines_of_each_site_kind():
-  assert [k for k, _ in tag_comparison.baselines_of(
-    "layers.1.mlp.up_proj")] == list(harvest_lib.BASELINES)
+  assert tag_comparison.baselines_of("layers.1.mlp.up_proj") == (
+    ("neurons", "layers.1.mlp.neurons"),
+    ("density_matched", "layers.1.mlp.up_proj.density_matched"),
+    ("top_k", "layers.1.mlp.up_proj.top_k"),
+    ("gates", "layers.1.mlp.gates"), ("rotated", "layers.1.mlp.rotated"))
   assert tag_comparison.baselines_of("layers.1.self_attn.q_proj") == ((
     harvest_lib.HEADS, "layers.1.self_attn.heads"),)
   # A mixture of experts' site: its own expert's neurons.
-  assert tag_comparison.baselines_of(
-    "layers.1.mlp.experts.2.up_proj") == tuple(
-      (k, f"layers.1.mlp.experts.2.{k}") for k in harvest_lib.BASELINES)
+  assert [key for _, key in tag_comparison.baselines_of(
+    "layers.1.mlp.experts.2.up_proj")] == [
+      "layers.1.mlp.experts.2.neurons",
+      "layers.1.mlp.experts.2.up_proj.density_matched",
+      "layers.1.mlp.experts.2.up_proj.top_k",
+      "layers.1.mlp.experts.2.gates", "layers.1.mlp.experts.2.rotated"]
   assert tag_comparison.baselines_of("lm_head") == ()
+
+
+def _with_context(fields):
+  """A store key's fields with context statistics: on at every position
+  where it has activity in this sketch, its token-implied profile flat."""
+  u, k = fields["tag_fine"].shape
+  mass = fields["tag_coarse"].sum(axis=(0, 2))
+  return {**fields, "tag_on": (mass > 0).astype(np.int64) * 7,
+          "tag_implied": np.repeat(mass[:, None] / k, k, axis=1)}
+
+
+@pytest.fixture(scope="module")
+def matched(harvest):
+  """The same harvest with each site's matched neurons and context
+  statistics on every unit set."""
+  site = "layers.0.mlp.up_proj"
+  neurons = harvest.baselines["layers.0.mlp.neurons"]
+  baselines = {key: _with_context(f) for key, f in harvest.baselines.items()}
+  for kind in harvest_lib.SITE_BASELINES:
+    baselines[f"{site}.{kind}"] = _with_context(
+      {**neurons, "tag_coarse": neurons["tag_coarse"] * [1, 0, 0]})
+  sites = {name: _with_context(f) for name, f in harvest.sites.items()}
+  manifest = {"tags": {"baselines": list(baselines)},
+              "settings": {"tag_revision": harvest_lib.TAG_REVISION}}
+  return harvest_lib.Harvest(manifest, sites, baselines)
+
+
+def test_matched_neurons_are_compared_where_the_harvest_has_them(matched):
+  rows = tag_comparison.comparisons(matched, seed=0, n_boot=20)
+  site = "layers.0.mlp.up_proj"
+  assert [r.baseline for r in rows if r.site == site] == [
+    "neurons", "density_matched", "top_k", "gates", "rotated"]
+  dm = next(r for r in rows if r.baseline == "density_matched"
+            and r.site == site).comparison
+  assert dm.b["unweighted"].median_purity == 1.0  # only class 0 kept
+  totals = [r.baseline for r in rows if r.site == tag_comparison.TOTAL]
+  assert "density_matched" in totals and "top_k" in totals
+
+
+def test_unit_sets_carry_their_context_statistics(harvest, matched):
+  site = "layers.0.mlp.up_proj"
+  got = tag_comparison.unit_sets(matched, site)
+  assert [u.name for u in got] == [
+    "components", "neurons", "density_matched", "top_k", "gates", "rotated"]
+  # The components that fired: two of three.
+  np.testing.assert_array_equal(got[0].context.on, [7, 7])
+  assert got[0].context.implied.shape == (2, 3)
+  assert got[0].stats.coarse.shape[1] == 2
+  older = tag_comparison.unit_sets(harvest, site)
+  assert [u.name for u in older] == ["components", "neurons", "gates",
+                                     "rotated"]
+  assert all(u.context is None for u in older)

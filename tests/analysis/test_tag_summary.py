@@ -26,8 +26,8 @@ def test_the_record_holds_every_comparison_and_purity(text_run):
   rows = tag_comparison.comparisons(harvest, 3, 50)
   assert [(r["site"], r["baseline"]) for r in record["rows"]] == [
     (r.site, r.baseline) for r in rows]
-  assert {"heads", "neurons", "gates", "rotated"} == {
-    r["baseline"] for r in record["rows"]}
+  assert {"heads", "neurons", "gates", "rotated", "density_matched",
+          "top_k"} == {r["baseline"] for r in record["rows"]}
   for stored, row in zip(record["rows"], rows):
     for w in ("weighted", "unweighted"):
       assert stored["components"][w]["median_purity"] == pytest.approx(
@@ -45,6 +45,39 @@ def test_the_record_holds_every_comparison_and_purity(text_run):
   assert all(1 / 12 - 1e-9 <= p <= 1 for v in purities.values() for p in v)
   assert record["documents"] == 24 and record["n_boot"] == 50
   json.dumps(record, allow_nan=False)   # no NaN reaches the page
+  _check_context(harvest, record)
+
+
+def _check_context(harvest, record):
+  """The context measure and robust summaries of a site's components
+  against the harvested sums read directly."""
+  site = "layers.1.mlp.up_proj"
+  assert list(record["context"][site]) == [
+    "components", "neurons", "density_matched", "top_k", "gates", "rotated"]
+  assert set(record["calibration"][site]) == {"q", "k"}
+  fields = harvest.sites[site]
+  alive = fields["fired"] > 0
+  counts = fields["tag_coarse"][:, alive].sum(axis=0)
+  implied = fields["tag_implied"][alive]
+  mass = counts.sum(axis=1)
+  purity = counts.max(axis=1) / mass
+  from_tokens = implied.max(axis=1) / implied.sum(axis=1)
+  np.testing.assert_allclose(implied.sum(axis=1), mass, rtol=1e-4)
+  row = record["context"][site]["components"]
+  assert row["purity"] == pytest.approx((purity * mass).sum() / mass.sum())
+  assert row["implied_purity"] == pytest.approx(
+    (from_tokens * mass).sum() / mass.sum())
+  assert row["excess"] == pytest.approx(row["purity"] - row["implied_purity"])
+  assert row["median_excess"] == pytest.approx(
+    np.median(purity - from_tokens))
+  on = fields["tag_on"][alive]
+  apart = on > 0.9 * harvest.manifest["positions"]
+  assert row["always_on"] == list(np.flatnonzero(apart))
+  assert row["robust"]["median_purity"][0] == pytest.approx(
+    np.median(purity[~apart]))
+  kept = mass[~apart]
+  assert row["robust"]["activity_share_mostly_pure"][0] == pytest.approx(
+    kept[purity[~apart] >= 0.5].sum() / kept.sum())
 
 
 def test_the_report_shows_the_table_and_the_figure(text_run):
@@ -54,6 +87,9 @@ def test_the_report_shows_the_table_and_the_figure(text_run):
     page = f.read()
   assert "Part of speech: components against neurons" in page
   assert "<b>total</b> against neurons" in page
+  assert "<b>total</b> against density_matched" in page
+  assert "Context: purity against token-implied purity" in page
+  assert "Robust summaries" in page
   assert f'src="{tag_report.FIGURE}"' in page
   figure = os.path.join(os.path.dirname(page_path), tag_report.FIGURE)
   with open(figure, "rb") as f:

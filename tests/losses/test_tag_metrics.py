@@ -243,3 +243,11 @@ def test_robust_summary_sets_an_always_on_unit_apart_and_bootstraps():
   low, high = np.quantile(draws, [.025, .975])
   assert robust["median_purity"].low == pytest.approx(low)
   assert robust["median_purity"].high == pytest.approx(high)
+
+
+def test_a_set_of_always_on_units_alone_has_no_robust_summary():
+  counts, base = _groups(5, g=4, u=2, k=3)
+  got = tag_metrics.robust_summary(counts, base, np.full(2, base.sum()),
+                                   seed=0, n_boot=10)
+  assert got.units == 0 and got.always_on_share == pytest.approx(1.0)
+  assert all(np.isnan(i.estimate) for i in got.intervals.values())
