@@ -115,3 +115,29 @@ def test_bin_gallery_writes_entries_of_a_text_run(harvested, tmp_path):
   ).hexdigest()
   assert sorted(os.listdir(tmp_path)) == [".gallery.md.written.json",
                                           "gallery.md"]
+
+
+def test_context_selective_components_come_first(harvest):
+  """With context statistics, a component whose tokens alone would make it
+  far less pure ranks before purer ones its tokens explain."""
+  sites = {}
+  for name, fields in harvest.sites.items():
+    counts = fields["tag_coarse"].sum(axis=0)
+    sites[name] = {**fields, "tag_on": np.ones(len(counts), np.int64),
+                   "tag_implied": counts.copy()}
+  # a1 (noun 0.9) would be 0.5 pure from its tokens: excess 0.4.
+  sites["a"]["tag_implied"][1, [NOUN, VERB]] = 5
+  manifest = {**harvest.manifest, "settings": {
+    **harvest.manifest["settings"], "tag_revision": harvest_lib.TAG_REVISION}}
+  tagged = harvest._replace(manifest=manifest, sites=sites)
+  picks = gallery.pick(tagged, count=3, per_class=2, active=0.5)
+  assert [(p.site, p.component) for p in picks] == [
+    ("a", 1), ("a", 0), ("a", 3)]
+  assert picks[0].label["implied_purity"] == pytest.approx(0.5)
+  assert picks[0].label["excess"] == pytest.approx(0.4)
+  assert picks[1].label["excess"] == pytest.approx(0.0)
+  text = gallery.gallery_markdown(tagged, "run", str, count=1)
+  assert "highest excess of purity" in text
+  assert "token-implied 0.50" in text
+  assert "highest excess" not in gallery.gallery_markdown(
+    harvest, "run", str, count=1)

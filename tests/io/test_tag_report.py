@@ -68,3 +68,27 @@ def test_the_purity_figure_is_a_png(tmp_path):
   with open(path, "rb") as f:
     assert f.read(8) == PNG
   assert os.path.getsize(path) > 1000
+
+
+def _context_row(excess):
+  interval = [0.5, 0.4, 0.6]
+  return {"units": 3, "purity": 0.6, "implied_purity": 0.6 - excess,
+          "excess": excess, "median_excess": excess,
+          "robust": {name: interval for name, _ in tag_report.ROBUST},
+          "robust_units": 2, "always_on": [4], "always_on_share": 0.7}
+
+
+def test_the_context_and_robust_tables_show_each_unit_set():
+  record = {**_record(), "calibration": {
+    "layers.1.mlp.up_proj": {"q": 0.125, "k": 3}}, "context": {
+      "layers.1.mlp.up_proj": {"components": _context_row(0.25),
+                               "density_matched": _context_row(0.0)}}}
+  page = tag_report.section_html(record, None)
+  assert "Context: purity against token-implied purity" in page
+  assert ("<td>layers.1.mlp.up_proj</td><td>components</td><td>3</td>"
+          "<td>0.6</td><td>0.35</td><td>0.25</td><td>0.25</td>"
+          "<td>q 0.125, k 3</td>") in page
+  assert "<td>density_matched</td>" in page
+  # The always-on unit apart, its share of the activity beside it.
+  assert "<td>2</td><td>1 (0.7)</td>" + "<td>0.5 [0.4, 0.6]</td>" * 3 in page
+  assert "Robust summaries" not in tag_report.section_html(_record(), None)
