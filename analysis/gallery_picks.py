@@ -10,10 +10,11 @@ activity: a component that tells more than the token it sits on comes
 before one as pure whose tokens alone explain it. Take them in that
 order, at most `per_class` of each top class, until `count` are taken. A
 harvest without context statistics (made before them) ranks by purity
-alone, and the stated rule says so. Each entry is written as markdown (`entry_markdown`): its
-site and index, its label (class, top tag, purity, lift) and its first
-`contexts` top contexts by CI from the harvest, decoded to text with the
-position where it fires in bold.
+alone, and the stated rule says so. Each entry is written as markdown
+(`entry_markdown`): its site and index, its label (class, top tag,
+purity, token-implied purity where known, lift) and its first `contexts`
+top contexts by CI from the harvest, decoded to text with the position
+where it fires in bold.
 """
 
 import math

@@ -657,11 +657,12 @@ def baseline_activity(taps: dict[str, jax.Array],
 
 def site_activity(activity: dict[str, jax.Array],
                   sites: tuple[tuple[str, MlpUnit], ...],
-                  calibration: dict[str, dict[str, jax.Array]]
+                  calibration: Optional[dict[str, dict[str, jax.Array]]]
                   ) -> dict[str, jax.Array]:
   """Return the matched baselines' activity of each site of `sites`
   (`SITE_BASELINES`, by store key) from its MLP's neurons in `activity`
-  (`baseline_activity`), with the settings `calibrate` found."""
+  (`baseline_activity`), with the settings `calibrate` found (None only
+  for no sites)."""
   out = {}
   for site, unit in sites:
     neurons = activity[f"{mlp_prefix(unit)}.neurons"]
@@ -894,10 +895,8 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
   The window is `(statistics, tag statistics)` per site; the second is
   empty unless `coarse_of` is given, and then each batch comes with its
   positions' `(tags, previous tags, groups)` and the tag statistics hold
-  the baselines of `layers` and `heads` too (what they read besides the
-  forward, `baseline_weights`, an argument; the MLPs of form `mlp`) and
-  the matched baselines of `sites` (from `extra["calibration"]`), each key's
-  value a pair of its tag and context statistics (`extra["mix"]`)."""
+  the baselines of `layers`, `heads` and `sites` (reading `extra` besides
+  the forward; MLPs of form `mlp`), each a pair (tags, context)."""
   target, ci_fn = run.target, run.ci_fn
   constrain, kept = _window_layout(placed)
 
@@ -915,8 +914,7 @@ def jitted(run: explore.LoadedRun, settings: Settings, chunk: int,
     # No baselines (`layers` and `heads` empty) adds nothing.
     activity = {**ci, **baseline_activity(taps, layers, heads, n_head,
                                           extra, mlp)}
-    activity.update(site_activity(activity, sites,
-                                  extra.get("calibration", {})))
+    activity.update(site_activity(activity, sites, extra.get("calibration")))
     return (batch, _tag_batch(activity, inputs, positions, coarse_of,
                               settings.tag_groups, extra)), ci
 

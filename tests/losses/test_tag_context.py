@@ -49,9 +49,10 @@ def test_streamed_batches_sum_to_the_direct_token_implied_profile(stream):
     tokens, classes, 5, N_CLASSES))
   total = tag_context.zero_context_stats(4, N_CLASSES)
   for part in np.split(np.arange(len(tokens)), 4):
-    total = tag_context.add_context_stats(total, tag_context.batch_context_stats(
+    batch = tag_context.batch_context_stats(
       jnp.asarray(activity[part].reshape(10, 10, 4), jnp.float32),
-      jnp.asarray(tokens[part].reshape(10, 10)), jnp.asarray(mix)))
+      jnp.asarray(tokens[part].reshape(10, 10)), jnp.asarray(mix))
+    total = tag_context.add_context_stats(total, batch)
   want = np.zeros((4, N_CLASSES))
   for p in range(len(tokens)):
     for c in range(N_CLASSES):
