@@ -29,7 +29,7 @@ def test_top_positions_are_the_highest_ci_of_the_harvested_batches(
     text_run):
   run, _, settings, top = text_run
   assert set(top) == {s.name for s in run.target.sites} | set(
-    harvest_lib.baseline_keys((1,), (1,)))
+    harvest_lib.baseline_keys((1,), (1,), sites=harvest_lib.site_mlps(run)))
   n = tokens.open_tokens(settings.data_path).header.num_tokens
   read = harvest_lib.batch_source(run, settings)
   # Every harvested position's CI, by its offset in the token file.
@@ -88,3 +88,8 @@ def test_labels_are_the_profiles_of_the_harvested_counts(text_run):
     assert label["tag"] == names[int(np.argmax(fields["tag_fine"][u]))]
     assert label["activity"] == pytest.approx(mass / counts.sum())
     assert label["top_tags"][0][0] == label["tag"]
+    implied = fields["tag_implied"][u]
+    assert label["implied_purity"] == pytest.approx(implied.max() / mass,
+                                                    rel=1e-4)
+    assert label["excess"] == pytest.approx(
+      label["purity"] - label["implied_purity"])

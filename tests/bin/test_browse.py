@@ -1018,13 +1018,22 @@ def test_a_tagged_run_labels_components_and_baseline_units(text_server):
   is a 404 naming what there is."""
   run = json.loads(_get(text_server + "/api/runs")[1])[0]
   assert run["classes"][0] == "noun" and run["tokenizer"]
-  assert run["baselines"] == [
+  assert run["baselines"][:4] == [
     "layers.1.mlp.neurons", "layers.1.mlp.gates", "layers.1.mlp.rotated",
     "layers.1.self_attn.heads"]
+  matched = "layers.1.mlp.up_proj.density_matched"
+  assert matched in run["baselines"]
   rows = json.loads(_get(f"{text_server}/api/runs/0/components")[1])
   alive = [r for r in rows if r["class"] is not None]
   assert alive and all(r["class"] in run["classes"] for r in alive)
   assert all(0 < r["purity"] <= 1 and r["lift"] > 0 for r in alive)
+  # A difference of two purities: it may be negative.
+  assert all(-1 < r["excess"] < 1 for r in alive)
+  units = json.loads(_get(f"{text_server}/api/runs/0/units/{matched}")[1])
+  kept = max(units, key=lambda r: r["activity"])
+  page = json.loads(_get(
+    f"{text_server}/api/runs/0/units/{matched}/{kept['unit']}")[1])
+  assert page["excess"] == pytest.approx(kept["excess"])
   heads = json.loads(_get(
     f"{text_server}/api/runs/0/units/layers.1.self_attn.heads")[1])
   assert [r["unit"] for r in heads] == [0, 1]   # the tiny preset's 2 heads

@@ -10,7 +10,8 @@ import pytest
 
 from decompax.io import harvest_store
 
-SETTINGS = {"n_batches": 4, "top_k": 5, "tag_groups": 0, "windows": ""}
+SETTINGS = {"n_batches": 4, "top_k": 5, "tag_groups": 0, "windows": "",
+            "tag_revision": 0}
 
 
 def _totals():
@@ -76,6 +77,21 @@ def test_a_harvest_from_before_tag_statistics_is_still_this_harvest(
   tagged = {**SETTINGS, "tag_groups": 3}
   with pytest.raises(harvest_store.HarvestConflict, match="tag_groups"):
     harvest_store.resume(str(tmp_path), {}, tagged, overwrite=False)
+
+
+def test_a_tag_harvest_from_before_the_context_statistics_is_another(
+    tmp_path):
+  """A tagged record without `tag_revision` lacks the matched neurons and
+  the context statistics: today's tag harvest must not resume onto it; an
+  untagged one is still the same harvest."""
+  tagged = {**SETTINGS, "tag_groups": 3}
+  recorded = {k: v for k, v in tagged.items() if k != "tag_revision"}
+  (tmp_path / harvest_store.MANIFEST).write_text(
+    json.dumps({"settings": recorded}))
+  with pytest.raises(harvest_store.HarvestConflict, match="tag_revision"):
+    harvest_store.resume(str(tmp_path), {}, {**tagged, "tag_revision": 1},
+                         overwrite=False)
+  assert harvest_store.resume(str(tmp_path), {}, tagged, False) == -1
 
 
 def test_a_harvest_of_random_windows_is_not_one_of_spread_windows(
