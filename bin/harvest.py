@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from absl import flags, logging
@@ -294,14 +295,45 @@ def _main(argv: list[str], stop: threading.Event) -> None:
           f"{record['clean_batches_per_s']:.1f} batches/s)")
   print(f"[harvest] wrote {path}")
   if "tags" in record:
-    # The run's report gains the comparison with the neurons.
-    try:
-      with cli.thread_map() as map_fn:
-        page = tag_summary.rebuild_report(_RUN_DIR.value,
-                                          map_fn=map_fn).page
-    except ValueError as e:
-      fail(f"--run_dir: {e}")
-    print(f"[harvest] wrote {page}")
+    _rebuild_report(stop)
+
+
+class _ReportStopped(Exception):
+  """A stop signal arrived while the report's comparisons ran."""
+
+
+def _stopping(map_fn: Callable, stop: threading.Event) -> Callable:
+  """Return `map_fn` whose every item first checks `stop`: the report's
+  comparisons take minutes on a large harvest, longer than a stop signal
+  should wait."""
+
+  def mapped(fn: Callable, items: Any) -> Any:
+    def checked(item: Any) -> Any:
+      if stop.is_set():
+        raise _ReportStopped
+      return fn(item)
+
+    return map_fn(checked, items)
+
+  return mapped
+
+
+def _rebuild_report(stop: threading.Event) -> None:
+  """Add the comparison with the neurons to the run's report, or, stopped
+  on the way, exit for a requeue with the harvest whole and the report as
+  it was (its pages are written atomically)."""
+  try:
+    with cli.thread_map() as map_fn:
+      page = tag_summary.rebuild_report(
+        _RUN_DIR.value, map_fn=_stopping(map_fn, stop)).page
+  except ValueError as e:
+    fail(f"--run_dir: {e}")
+  except _ReportStopped:
+    print(f"[harvest] stop signal: the harvest is complete and saved, its "
+          f"report not rebuilt; `./dev report --run_dir={_RUN_DIR.value}` "
+          f"rebuilds it; exiting with {cli.REQUEUE_EXIT_CODE}", flush=True)
+    sys.exit(cli.REQUEUE_EXIT_CODE)
+  print(f"[harvest] wrote {page}")
 
 
 def _share_with_absl() -> None:

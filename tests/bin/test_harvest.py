@@ -164,3 +164,39 @@ def test_a_tagged_harvest_adds_the_comparison_to_the_report(
   page = (run_path / "report" / "index.html").read_text()
   assert "Part of speech: components against neurons" in page
   assert (run_path / "report" / tag_report.FIGURE).is_file()
+
+
+def test_a_stop_signal_in_the_report_leaves_the_harvest_whole(
+    finished_run, parse, tmp_path, capsys, monkeypatch):
+  """A stop signal once the harvest is written, while the report's
+  comparisons run, exits for a requeue at once: the harvest complete, the
+  report not rebuilt, the command that rebuilds it named."""
+  run_path = tmp_path / "run"
+  shutil.copytree(finished_run("text_llama"), run_path,
+                  ignore=shutil.ignore_patterns(harvest_store.HARVEST_DIR,
+                                                "report"))
+  stop = harvest._stop_on_signals()
+  monkeypatch.setattr(harvest, "_stop_on_signals", lambda: stop)
+  write_manifest = harvest_lib.write_manifest
+
+  def written_then_signalled(*args):
+    path = write_manifest(*args)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return path
+
+  monkeypatch.setattr(harvest_lib, "write_manifest", written_then_signalled)
+  parse(f"--run_dir={run_path}", "--positions=128", "--batch_size=8",
+        "--top_k=2", "--ablation_batches=0", "--save_every_s=0")
+  try:
+    with pytest.raises(SystemExit) as exit_:
+      harvest.main(["harvest"])
+  finally:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  assert exit_.value.code == 75
+  assert capsys.readouterr().out.splitlines()[-1] == (
+    f"[harvest] stop signal: the harvest is complete and saved, its report "
+    f"not rebuilt; `./dev report --run_dir={run_path}` rebuilds it; "
+    f"exiting with 75")
+  assert harvest_lib.load_harvest(str(run_path)).manifest["tags"]
+  assert not (run_path / "report" / "index.html").exists()
