@@ -27,9 +27,16 @@ def _persistent(target, coeff, n_warmup, step_rule="adam", lr=0.05):
     "persistent", coeff, plan, config, target.sites, with_delta=True)
 
 
+def _ci_and_x(chain):
+  """Return `_run`'s CI function and batch, without building its step (a
+  compile of seconds) for tests that call a term outside the step."""
+  ci = ci_fns.make_ci_fn(ci_fns.CIConfig("site_mlp", (4,)), chain[0].sites)
+  return ci, jax.random.normal(jax.random.key(3), (B, 4))
+
+
 def _run(chain, extra_terms):
   target, weights = chain
-  ci = ci_fns.make_ci_fn(ci_fns.CIConfig("site_mlp", (4,)), target.sites)
+  ci, x = _ci_and_x(chain)
   cfg = train_step.StepConfig(
     total_steps=10, components_opt=optim.AdamWConfig(Schedule(1e-2)),
     ci_opt=optim.AdamWConfig(Schedule(1e-2)))
@@ -37,7 +44,6 @@ def _run(chain, extra_terms):
   built = train_step.make_train_step(target, ci, all_terms, cfg)
   comps = sites_lib.init_components(jax.random.key(0), target.sites)
   state = built.init(comps, ci.init(jax.random.key(1)), jax.random.key(2), (B,))
-  x = jax.random.normal(jax.random.key(3), (B, 4))
   before = jax.tree.map(np.asarray, state._replace(rng=None))
   after, metrics = built.step(state, weights, x)
   return before, after, metrics, built, ci, x
@@ -267,8 +273,7 @@ def test_i24_fresh_pgd_one_routing_draw_and_no_main_loss_gradient(
   plan = recon.all_sites_plan(target.sites, "uniform_k", 1)
   term = adversarial.fresh_pgd_term(
     "fresh", 1.0, plan, adversarial.FreshConfig("random", "bc", 2, 0.1), True)
-  _, _, _, built, ci, x = _run(chain, (term,))
-  del built
+  ci, x = _ci_and_x(chain)
   route_keys = []
   real_routes = recon.entry_routes
 
@@ -324,7 +329,7 @@ def _fresh_forwards(chain, init, routing, n_draws):
   term = adversarial.fresh_pgd_term(
     "fresh", 1.0, recon.all_sites_plan(target.sites, routing, n_draws),
     adversarial.FreshConfig(init, "bc", n_steps=1, step_size=0.1), True)
-  _, _, _, _, ci, x = _run(chain, ())
+  ci, x = _ci_and_x(chain)
   ctx, seen = _recording(_context(chain, ci, x))
   _, inputs = term.prepare(ctx, jax.random.key(7), None)
   del seen[:]
@@ -361,7 +366,7 @@ def test_fresh_pgd_random_draws_differ(chain, init, routing):
 def test_persistent_draws_share_sources_so_route_all_runs_once(
     chain, routing, n_forwards):
   target = chain[0]
-  _, _, _, _, ci, x = _run(chain, ())
+  ci, x = _ci_and_x(chain)
   ctx, seen = _recording(_context(chain, ci, x))
   sources = {s.name: jnp.full((1, s.c + 1), 0.5) for s in target.sites}
   values = {}
@@ -398,7 +403,7 @@ def test_fresh_pgd_random_init_follows_draw_paths(chain):
   paths = {"l0": (0, 0), "l1": (0, 1), "head": (1, 0)}
   sites = tuple(dataclasses.replace(s, draw_path=paths[s.name])
                 for s in target.sites)
-  _, _, _, _, ci, x = _run(chain, ())
+  ci, x = _ci_and_x(chain)
   ctx = _context(chain, ci, x)
   term = adversarial.fresh_pgd_term(
     "fresh", 1.0, recon.all_sites_plan(sites[2:]),
@@ -436,7 +441,7 @@ def test_every_recon_term_averages_through_plan_mean(chain, kind,
   that folds the entry and draw into the keys and averages."""
   target = chain[0]
   term, draws_differ = _terms_by_kind(target.sites)[kind]
-  _, _, _, _, ci, x = _run(chain, ())
+  ci, x = _ci_and_x(chain)
   ctx = _context(chain, ci, x)
   key = jax.random.key(11)
   state = (None if term.init_state is None
@@ -459,7 +464,7 @@ def test_every_recon_term_averages_through_plan_mean(chain, kind,
 
 
 def test_pgd_probe_averages_through_plan_mean(chain, monkeypatch):
-  _, _, _, _, ci, x = _run(chain, ())
+  ci, x = _ci_and_x(chain)
   ctx = _context(chain, ci, x)
   calls = []
   real_plan_mean = recon.plan_mean
