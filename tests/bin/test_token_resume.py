@@ -8,7 +8,8 @@ on the host (`io/tokens`: a pure function of seed and step), and the loop
 must ask for the batch of the absolute step, not of the step counted from
 the launch. A tiny Llama run stopped after step 2 (`--stop_after_step`)
 and continued must end bitwise where one uninterrupted launch ends. The
-two-process variant is in `tests/placement/test_two_process.py`.
+two-process variant is a slow check in
+`tests/placement/test_two_process.py`.
 """
 
 import json

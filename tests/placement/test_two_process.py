@@ -6,10 +6,10 @@ Two processes with two simulated CPU devices each join through
 trajectory, both processes write their shards of each checkpoint, and only
 process 0 prints or writes run files. The run is stopped by a signal to
 process 0 alone after step 2 (both save and exit) and relaunched (both
-resume), so the trajectory spans a two-process resume. A tiny Llama run
-on a token file is stopped and resumed the same way, and must end bitwise
-where an uninterrupted two-process launch ends. The slow check adds
-both eval tiers across such a resume and compares the whole log with one
+resume), so the trajectory spans a two-process resume. The slow checks
+stop and resume a tiny Llama run on a token file the same way, which must
+end bitwise where an uninterrupted two-process launch ends, and add both
+eval tiers across such a resume, comparing the whole log with one
 uninterrupted process's.
 """
 
@@ -218,12 +218,19 @@ def _token_llama_args(root: pathlib.Path, out: pathlib.Path) -> list[str]:
     f"--output_dir={out}", f"--compilation_cache_dir={root / 'cache'}"]
 
 
+@pytest.mark.slow
 def test_two_processes_resume_a_token_file_run_onto_the_right_batches(
     tmp_path, assert_bitwise_equal):
   """I36 on the LM path: each process reads its own rows of step s's batch
   from the token file on the host. A two-process run stopped after step 2
   and relaunched must read steps 3 and 4's batches, not the launch's first
-  ones, and end bitwise where an uninterrupted two-process launch ends."""
+  ones, and end bitwise where an uninterrupted two-process launch ends.
+
+  Slow (six launches of `bin/train`, four of them side by side). Its fast
+  variants in the default suite: the one-process resume onto the right
+  batches (`tests/bin/test_token_resume.py`), the process slices of a
+  step's batch concatenating to its global batch
+  (`tests/io/test_tokens.py`) and the two-process stop and resume above."""
   straight, split = tmp_path / "straight", tmp_path / "split"
   # The uninterrupted launch and the first half of the split one run side
   # by side.
