@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import jax
@@ -214,31 +215,49 @@ def _one_device_placement():
                              compiler.options(config.compiler))
 
 
+class CompiledTPD(NamedTuple):
+  """The TPD recipe's run, started in-process, and its step compiled as
+  `bin/train` compiles it, with the launch's compile options."""
+  plan: object
+  run: object
+  compiled: object
+
+
+@pytest.fixture(scope="module")
+def compiled_tpd(finished_run, tmp_path_factory):
+  """One compile of the TPD step for the tests that step it in-process
+  (they do not write the run's directory)."""
+  from decompax.bin import train_flags  # noqa: PLC0415
+  from decompax.recipe import assembly  # noqa: PLC0415
+  target_path = os.path.join(finished_run("induction"), "target.npz")
+  config = train_flags.parse_config(
+    *TPD, f"--target_path={target_path}",
+    f"--output_dir={tmp_path_factory.mktemp('tpd_step') / 'run'}")
+  placement = _one_device_placement()
+  prepared = train.setup(config, placement)
+  run = assembly.start(prepared.plan, prepared.weights)
+  return CompiledTPD(prepared.plan, run,
+                     train.compile_step(run, 0, placement))
+
+
 def test_a_targeted_run_restored_at_step_2_steps_to_its_saved_step_4(
-    parse, straight, tmp_path):
+    straight, compiled_tpd, tmp_path):
   """The fast variant of the resume test: the straight run's step-2
   checkpoint, restored in-process and stepped twice, is its step-4
   checkpoint bit for bit (every term state included)."""
   import shutil  # noqa: PLC0415
   from decompax.io import resume  # noqa: PLC0415
-  from decompax.recipe import assembly  # noqa: PLC0415
-  out, target_path, _ = straight
+  out, _, _ = straight
   early = tmp_path / "early"
   early.mkdir()
   shutil.copytree(out / "checkpoints" / checkpoint.step_name(2),
                   early / checkpoint.step_name(2))
-  config = parse(*TPD, f"--target_path={target_path}",
-                 f"--output_dir={tmp_path / 'run'}")
-  placement = _one_device_placement()
-  prepared = train.setup(config, placement)
-  run = assembly.start(prepared.plan, prepared.weights)
-  parts = prepared.plan.parts
+  run, compiled = compiled_tpd.run, compiled_tpd.compiled
+  parts = compiled_tpd.plan.parts
   args = (parts.target.sites, parts.ci_config, parts.term_names)
   step, state = resume.restore_state(str(early), run.state, *args,
                                      report=lambda line: None)
   assert step == 2
-  # Compiled as bin/train compiles it, with the launch's compile options.
-  compiled = train.compile_step(run, 2, placement)
   for done in (2, 3):
     state, _ = compiled(state, run.weights, run.step_inputs(done))
   saved_dir = tmp_path / "late"
@@ -259,20 +278,15 @@ def test_a_targeted_run_restored_at_step_2_steps_to_its_saved_step_4(
 
 
 def test_the_assembled_run_pins_delta_on_the_nontarget_stream_alone(
-    parse, finished_run, tmp_path):
+    compiled_tpd):
   """I45 through the built step: with every component zero a masked
   forward is `δ·W`, so a stream whose δ is pinned at 1 reproduces the clean
   forward under any mask and its recon terms are exactly zero, while the
   target stream's stochastic δ leaves a loss."""
-  from decompax.recipe import assembly  # noqa: PLC0415
-  target_path = os.path.join(finished_run("induction"), "target.npz")
-  config = parse(*TPD, f"--target_path={target_path}",
-                 f"--output_dir={tmp_path / 'run'}")
-  placement = _one_device_placement()
-  prepared = train.setup(config, placement)
-  run = assembly.start(prepared.plan, prepared.weights)
-  compiled = train.compile_step(run, 0, placement)
-  state = run.state._replace(
+  run, compiled = compiled_tpd.run, compiled_tpd.compiled
+  # A copy: the step donates its state, and the run's is the template the
+  # module's other tests restore into.
+  state = jax.tree.map(lambda x: x.copy(), run.state)._replace(
     components=jax.tree.map(jax.numpy.zeros_like, run.state.components))
   _, metrics = compiled(state, run.weights, run.step_inputs(0))
   metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
