@@ -398,9 +398,13 @@ RECIPES = {
                  "--batch_size=8", "--seq_len=16", "--c=8",
                  "--data_path={tokens}"),
   # A plain (ungated) MLP's run: the tiny GPT-2 on the same kind of file.
+  # Its tests read the model's own neurons, not what the CI makes of them:
+  # the small MLP CI compiles in a fraction of the flagfile's transformer's
+  # time.
   "tiny_gpt2": (f"--flagfile={RUN_ROOT / 'flags' / 'tiny_gpt2.flags'}",
                 f"--model_dir={RUN_ROOT / 'tests' / 'fixtures' / 'tiny_gpt2'}",
                 "--batch_size=8", "--seq_len=16", "--c=8",
+                "--ci_fn=vector_mlp", "--ci_hidden=8",
                 "--data_path={tokens}"),
   # A mixture of experts' run on its own random tokens: the tiny Qwen3-MoE,
   # layer 1's attention and every expert's projections.
