@@ -64,17 +64,22 @@ SHARED_RUNS = "DECOMPAX_TEST_SHARED_RUNS"
 _session_dir(SHARED_RUNS, "decompax-test-runs-")
 
 
-# The modules that take longest, longest first (seconds of test time in a
-# full run on two cores: 149, 112, 91, 88, 69, 68, 66, 64, 60, 59, 54, 49,
-# 43, 40, 35, 29, 28). Workers take whole files in collection order, so
-# these go first: a long file left for last (as tests/test_readme.py
-# would be, by its name) runs alone while the other workers idle. The two toy-transformer
-# modules that share one trained run (`finished_run`) are apart, so that
-# the second finds it trained instead of waiting on it.
+# The modules that take longest, longest first. The first seven were
+# measured again in a full run on two cores beside other heavy load (load
+# average 8 to 17), so their seconds of test time are relative, not what a
+# quiet machine takes: 863, 530 (786 before its token-file resume became
+# slow), 400, 386, 349, 267, 222.
+# The others keep their order of an earlier, quiet full run (68, 64, 60,
+# 59, 54, 49, 43, 40, 35, 29, 28). Workers take whole files in collection
+# order, so these go first: a long file left for last (as
+# tests/test_readme.py would be, by its name) runs alone while the other
+# workers idle. The two toy-transformer modules that share one trained run
+# (`finished_run`) are apart, so that the second finds it trained instead
+# of waiting on it.
 LONG_MODULES = (
   "bin/test_targeted.py", "placement/test_two_process.py",
-  "bin/test_browse.py", "analysis/test_harvesting.py", "bin/test_train.py",
-  "bin/test_eval_smoke_models.py", "bin/test_family_runs.py",
+  "bin/test_eval_smoke_models.py", "analysis/test_harvesting.py",
+  "bin/test_train.py", "bin/test_browse.py", "bin/test_family_runs.py",
   "test_readme.py", "bin/test_eval_smoke.py", "losses/test_adversarial.py",
   "bin/test_bad_inputs.py", "bin/test_run_dir_contract.py",
   "placement/test_presets.py",
