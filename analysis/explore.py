@@ -39,7 +39,8 @@ from decompax.io import decomposition as decomposition_lib
 from decompax.io import run_dir
 from decompax.losses import component_stats as harvest_stats
 from decompax.recipe import assembly, lm
-from decompax.recipe.config import TrainConfig, read_args
+from decompax.recipe.config import TrainConfig
+from decompax.recipe.flagfiles import read_args
 from decompax.targets import registry
 
 # Component choices per site: {site name: component indices}.

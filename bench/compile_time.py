@@ -43,7 +43,8 @@ from decompax.io import hf_checkpoint
 from decompax.losses import eval_step
 from decompax.placement import compiler
 from decompax.recipe import assembly, engine, evaluation, lm
-from decompax.recipe.config import TrainConfig, held_out_seed, read_args
+from decompax.recipe.config import TrainConfig, held_out_seed
+from decompax.recipe.flagfiles import read_args
 from decompax.targets import registry, text_lm
 
 # Flag names apart from the other benches' and bin/train's: tests load

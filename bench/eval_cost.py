@@ -47,7 +47,8 @@ from absl import app, flags
 from decompax.io import run_dir
 from decompax.losses import eval_step
 from decompax.recipe import assembly, evaluation
-from decompax.recipe.config import TrainConfig, held_out_seed, read_args
+from decompax.recipe.config import TrainConfig, held_out_seed
+from decompax.recipe.flagfiles import read_args
 from decompax.targets import registry
 
 _WINDOW = flags.DEFINE_integer("window", 200, "Steps per timed window.")

@@ -27,7 +27,7 @@ from decompax.analysis import explore
 from decompax.analysis import harvesting
 from decompax.io import hf_checkpoint
 from decompax.io import tokens
-from decompax.recipe.config import read_args
+from decompax.recipe.flagfiles import read_args
 from decompax.targets import brown, brown_tags, glu_lm, glu_target, text_lm
 
 from bench import ROOT, random_lm

@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags
 
 from decompax.analysis import explore
-from decompax.recipe.config import read_args
+from decompax.recipe.flagfiles import read_args
 from decompax.targets import glu_config, glu_lm, glu_target
 
 from bench import ROOT, random_lm

@@ -78,7 +78,8 @@ from absl import app, flags
 
 from decompax.core.sites import SiteSpec
 from decompax.recipe import assembly
-from decompax.recipe.config import TrainConfig, read_args
+from decompax.recipe.config import TrainConfig
+from decompax.recipe.flagfiles import read_args
 from decompax.targets import glu_config, glu_lm, glu_target
 
 from bench import hlo_flops, hlo_work, lm_flops, random_lm

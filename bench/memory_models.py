@@ -20,7 +20,7 @@ GIB = 2.0**30
 
 def recipe(batch: int, seq_len: int, c: int):
   """Return the reference recipe's settings at this batch, length and C."""
-  from decompax.recipe.config import read_args
+  from decompax.recipe.flagfiles import read_args
   return read_args([f"--flagfile={ROOT / 'flags' / 'l18.flags'}",
                     f"--batch_size={batch}", f"--seq_len={seq_len}",
                     f"--c={c}"])

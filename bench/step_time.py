@@ -55,7 +55,8 @@ from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 from decompax.recipe import assembly
-from decompax.recipe.config import TrainConfig, read_args
+from decompax.recipe.config import TrainConfig
+from decompax.recipe.flagfiles import read_args
 from decompax.targets import registry
 
 from bench import hlo_flops

@@ -29,7 +29,8 @@ import numpy as np
 from absl import app, flags
 
 from decompax.recipe import assembly
-from decompax.recipe.config import TrainConfig, read_args
+from decompax.recipe.config import TrainConfig
+from decompax.recipe.flagfiles import read_args
 from decompax.targets import registry
 
 # Flag names distinct from the other benches' (tests load several benches

@@ -17,7 +17,7 @@ from absl import app, flags
 # nothing to continue, does it again). bin/train's checkpointing exits so too.
 REQUEUE_EXIT_CODE = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# Seeds become JAX keys, which keep 32 bits: `recipe.checks.SEED_LIMIT`,
+# Seeds become JAX keys, which keep 32 bits: `recipe.config.SEED_LIMIT`,
 # written again so that a binary's flags import no recipe.
 SEED_LIMIT = 2**32
 

@@ -1,11 +1,12 @@
 """Flags of `bin/train`, generated from the settings they set.
 
 Each `TrainConfig` field (`decompax.recipe.config`) is a flag of its name,
-type, default, help text and choices; this module writes none of them
-again. Beside them it defines what only the command line has: the W&B sink
+type, default, help text and choices (a seed's domain makes it a seed
+flag); this module writes none of them again. Beside them it defines what only the command line has: the W&B sink
 and the scale-out flags. Library code never reads FLAGS:
 `config_from_flags` turns them into a `TrainConfig` at the top of `main`
-and checks it as every caller's config is checked (`recipe.checks.check`);
+and checks it as every caller's config is checked (each setting's domain
+as the config is built, then `recipe.checks.check`);
 a value a library config refuses is refused when the run is assembled,
 naming its flag (`recipe.config.setting`).
 """
@@ -60,7 +61,7 @@ def _define(field: dataclasses.Field, kind: typing.Any) -> None:
     flags.DEFINE_enum(name, default, list(doc.choices), doc.help, **fv)
   elif kind is bool:
     flags.DEFINE_bool(name, default, doc.help, **fv)
-  elif name in checks.SEED_FLAGS:
+  elif doc.domain == config_lib.SEED:
     cli.define_seed(name, default, doc.help, __name__)
   elif kind is int:
     flags.DEFINE_integer(name, default, doc.help, **fv)

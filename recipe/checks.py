@@ -1,11 +1,15 @@
-"""The checks of a run's settings: `check(config)`, for every caller.
+"""The rules that join a run's settings: `check(config)`, for every caller.
 
-`bin/train` (on its parsed flags), `recipe.config.read_args` (the
-benchmarks' and notebooks' reader) and any library caller that builds a
-`TrainConfig` itself run the same checks: sizes, cadences, ranges, and which
-settings go together. Each refusal is one line naming the setting as its
-`bin/train` flag and the fix. A value a library config refuses when the run
-is assembled is named there (`recipe.config.setting`).
+A setting's own range, choices and emptiness are its declaration's
+(`recipe.config.Domain`), checked whenever a `TrainConfig` is built; here
+are the rules between settings: cadences that must divide each other,
+terms that need one another, targets a setting applies to, formats of
+settings read into windows or paths. `bin/train` (on its parsed flags),
+`recipe.flagfiles.read_args` (the benchmarks' and notebooks' reader) and
+any library caller that builds a `TrainConfig` itself run the same checks.
+Each refusal is one line naming the setting as its `bin/train` flag and
+the fix. A value a library config refuses when the run is assembled is
+named there (`recipe.config.setting`).
 """
 
 import fnmatch
@@ -14,38 +18,11 @@ import os
 from decompax.core import ci_fns
 from decompax.recipe import streams, terms
 from decompax.recipe.config import (
-  TrainConfig, candidate_seed, reads_token_files, setting)
-
-
-def _positive(name: str, value: int | float) -> None:
-  if value <= 0:
-    raise ValueError(f"--{name} must be positive, got {value}")
-
-
-def _non_negative(name: str, value: int | float) -> None:
-  if value < 0:
-    raise ValueError(f"--{name} must be >= 0, got {value}")
-
-
-def check_alive_threshold(flag: str, value: float) -> None:
-  """Raise ValueError unless a CI threshold lies in [0, 1): CI does, so a
-  negative one counts every component alive and 1 counts none."""
-  if not 0.0 <= value < 1.0:
-    raise ValueError(f"--{flag} must lie in [0, 1), the range of CI, got "
-                     f"{value}")
+  SEED_LIMIT, TrainConfig, candidate_seed, reads_token_files, setting)
 
 
 def _validate_eval_cadence(config: TrainConfig) -> None:
   """Raise ValueError unless log_every | eval_every | slow_eval_every."""
-  check_alive_threshold("ci_alive_threshold", config.ci_alive_threshold)
-  _positive("eval_batches", config.eval_batches)
-  _non_negative("eval_every", config.eval_every)
-  _non_negative("slow_eval_every", config.slow_eval_every)
-  _non_negative("eval_pgd_steps", config.eval_pgd_steps)
-  _positive("eval_pgd_lr", config.eval_pgd_lr)
-  if not 0.0 < config.figure_cpu_share <= 1.0:
-    raise ValueError(f"--figure_cpu_share must lie in (0, 1], got "
-                     f"{config.figure_cpu_share}")
   every, slow = config.eval_every, config.slow_eval_every
   if every and every % config.log_every:
     raise ValueError(f"--eval_every={every} must be a multiple of "
@@ -95,24 +72,14 @@ def _validate_eval_attention(config: TrainConfig) -> None:
 
 
 def _validate_sizes(config: TrainConfig) -> None:
-  """Raise ValueError for a bad size, count or cadence."""
-  if config.c <= 0:
-    raise ValueError("--c must be a positive number of components, got "
-                     f"{config.c}")
-  for name in ("num_steps", "batch_size", "log_every", "n_mask_samples",
-               "subset_size", "lr"):
-    _positive(name, getattr(config, name))
+  """Raise ValueError for a cadence, eval or LM-head setting that does not
+  fit the others."""
   _validate_eval_cadence(config)
   _validate_eval_attention(config)
   if config.output_chunk and config.target != "hf":
     raise ValueError(f"--output_chunk chunks an LM head, and --target="
                      f"{config.target} has none; drop --output_chunk or use "
                      "--target=hf")
-  for name in ("weight_decay", "clip_max_norm", "faithfulness_warmup_steps",
-               "figures_every", "importance_eps", "output_chunk"):
-    _non_negative(name, getattr(config, name))
-  if config.ci_lr is not None:
-    _positive("ci_lr", config.ci_lr)
 
 
 def _validate_schedules(config: TrainConfig) -> None:
@@ -130,10 +97,6 @@ def _validate_schedules(config: TrainConfig) -> None:
   if config.importance_penalty == "smooth_l0" and config.p_knots:
     raise ValueError("--p_knots anneals p, which smooth_l0 does not use; "
                      "anneal γ with --smooth_l0_gamma_schedule")
-  # A negative final fraction ends the decay below zero: a learning rate
-  # would ascend the loss, an exponent p turn minimality around.
-  for name in ("lr_final_frac", "p_final_frac"):
-    _non_negative(name, getattr(config, name))
   if config.importance_penalty == "lp" and config.p_start <= 0:
     raise ValueError(f"--p_start must be positive, got {config.p_start}: "
                      "minimality raises CI to the power p, and at p = 0 it "
@@ -142,10 +105,8 @@ def _validate_schedules(config: TrainConfig) -> None:
 
 
 def _validate_coefficients(config: TrainConfig) -> None:
-  """Raise ValueError for a negative coefficient or no reconstruction term
-  (the terms from `recipe.terms`)."""
-  for term in terms.TERMS:
-    _non_negative(term.coeff_flag, terms.coeff_of(config, term))
+  """Raise ValueError for no reconstruction term (the terms from
+  `recipe.terms`)."""
   # The non-target stream's terms are checked with its stream.
   recon = [t for t in terms.TERMS if t.recon and not t.stream]
   if not any(terms.coeff_of(config, t) for t in recon):
@@ -156,17 +117,16 @@ def _validate_coefficients(config: TrainConfig) -> None:
 
 def _validate_term_settings(config: TrainConfig) -> None:
   """Raise ValueError for a bad setting of an enabled term."""
-  for name in ("pgd_n_warmup", "fresh_pgd_steps"):
-    _non_negative(name, getattr(config, name))
   if config.ema_halflife_steps and not config.frequency_coeff:
     raise ValueError("--ema_halflife_steps needs --frequency_coeff above 0")
   if len(config.pgd_betas) != 2:
     raise ValueError("--pgd_betas takes two values, b1,b2")
+  # The first fraction's own domain is [0, 1]; the anneal must end there.
   final = config.merged_adv_fraction * config.merged_adv_fraction_final_frac
-  for value in (config.merged_adv_fraction, final):
-    if not 0.0 <= value <= 1.0:
-      raise ValueError("the merged term's adversarial fraction must stay in "
-                       f"[0, 1], got {value}")
+  if not 0.0 <= final <= 1.0:
+    raise ValueError("the merged term's adversarial fraction must stay in "
+                     f"[0, 1], got {final} at the end (--merged_adv_fraction "
+                     "× --merged_adv_fraction_final_frac)")
   uses_groups = config.groups_coeff or (
     config.pgd_coeff and config.pgd_plan == "groups") or (
     config.merged_coeff and config.merged_plan == "groups")
@@ -177,7 +137,6 @@ def _validate_term_settings(config: TrainConfig) -> None:
 def _validate_rider(config: TrainConfig) -> None:
   """Raise ValueError for a hidden-activation rider on no term, or on a term
   that is off or takes none."""
-  _non_negative("hidden_coeff", config.hidden_coeff)
   if config.hidden_coeff and not config.hidden_terms:
     raise ValueError("the hidden-activation rider never stands alone: name "
                      "the recon terms it rides on with --hidden_terms")
@@ -194,8 +153,7 @@ def _validate_rider(config: TrainConfig) -> None:
 
 
 def _validate_data(config: TrainConfig) -> None:
-  """Raise ValueError for bad sequence, token-file or site settings."""
-  _positive("seq_len", config.seq_len)
+  """Raise ValueError for bad token-file or site settings."""
   if (config.data_path or config.eval_data_path) and config.target != "hf":
     raise ValueError("--data_path and --eval_data_path read token files for "
                      "--target=hf; toys draw their own data")
@@ -209,9 +167,6 @@ def _validate_data(config: TrainConfig) -> None:
 def _validate_streams(config: TrainConfig) -> None:
   """Raise ValueError for a targeted run's bad stream settings
   (`recipe.streams.check`)."""
-  for name in ("target_batch_size", "nontarget_batch_size",
-               "target_seq_len", "nontarget_seq_len", "ci_scaled_decay"):
-    _non_negative(name, getattr(config, name))
   streams.check(config)
 
 
@@ -219,7 +174,6 @@ def _validate_roles(config: TrainConfig) -> None:
   """Raise ValueError for bad dual-role CI settings."""
   with setting("ci_roles"):
     ci_fns.parse_roles(config.ci_roles)
-  _non_negative("hidden_pass_coeff", config.hidden_pass_coeff)
   points = config.hidden_pass_points
   twice = sorted({p for p in points if points.count(p) > 1})
   if twice:
@@ -231,45 +185,19 @@ def _validate_roles(config: TrainConfig) -> None:
                      "drop it")
 
 
-# Seeds become JAX keys, which keep 32 bits: a larger or negative seed
-# would silently name the same key as one in range (2**32 is seed 0).
-SEED_LIMIT = 2**32
-SEED_FLAGS = ("seed", "target_seed", "eval_seed")
-
-
 def _validate_seeds(config: TrainConfig) -> None:
-  """Raise ValueError for a seed (or a `--restarts` candidate's seed)
-  outside [0, 2**32)."""
-  for name in SEED_FLAGS:
-    value = getattr(config, name)
-    if value is not None and not 0 <= value < SEED_LIMIT:
-      raise ValueError(f"--{name}={value} must lie in [0, 2**32) "
-                       f"(0..{SEED_LIMIT - 1})")
+  """Raise ValueError for a `--restarts` candidate's seed outside
+  [0, 2**32) (each seed's own range is its domain)."""
   last = candidate_seed(config.seed, config.restarts - 1)
   if config.restarts > 1 and last >= SEED_LIMIT:
     raise ValueError(f"--restarts={config.restarts} gives candidate seeds up "
                      f"to {last}, past 2**32 - 1; lower --seed")
 
 
-def _validate_output_dir(config: TrainConfig) -> None:
-  """Raise ValueError for an empty `--output_dir`, which would make the
-  working directory the run directory (an unset shell variable does it)."""
-  if config.output_dir is not None and not config.output_dir.strip():
-    raise ValueError(f"--output_dir={config.output_dir!r} names no directory; "
-                     "name the run directory, or drop the flag for "
-                     "runs/<target>")
-
-
 def _validate_run(config: TrainConfig) -> None:
-  """Raise ValueError for bad run directory, seed, checkpoint, init or
-  profile settings."""
-  _validate_output_dir(config)
+  """Raise ValueError for bad seed, init, profile, stop or restart
+  settings."""
   _validate_seeds(config)
-  for name in ("save_every", "keep_last", "max_skipped_in_a_row"):
-    _positive(name, getattr(config, name))
-  if not 0.0 < config.max_skipped_share <= 1.0:
-    raise ValueError("--max_skipped_share must lie in (0, 1], got "
-                     f"{config.max_skipped_share}")
   parse_init_from(config.init_from)
   parse_profile_steps(config.profile_steps, config.num_steps)
   _validate_stop(config)
@@ -280,7 +208,6 @@ def _validate_run(config: TrainConfig) -> None:
 def _validate_restarts(config: TrainConfig) -> None:
   """Raise ValueError unless --restarts and --select_at make a selection
   that is saved and evaluated at the chosen step (or ask for none)."""
-  _positive("restarts", config.restarts)
   select = config.select_at
   if config.restarts == 1:
     if select:
@@ -310,9 +237,8 @@ def _validate_restarts(config: TrainConfig) -> None:
 
 
 def _validate_steps_per_call(config: TrainConfig) -> None:
-  """Raise ValueError for a negative `--steps_per_call`, or one above 1
-  for a run whose batches the host reads one per step."""
-  _non_negative("steps_per_call", config.steps_per_call)
+  """Raise ValueError for a `--steps_per_call` above 1 for a run whose
+  batches the host reads one per step."""
   if config.steps_per_call > 1 and reads_token_files(config):
     raise ValueError(
       f"--steps_per_call={config.steps_per_call}: a run reading token files "

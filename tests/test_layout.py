@@ -266,6 +266,60 @@ def test_no_two_modules_share_a_name():
   assert not shared, shared
 
 
+def _sibling_imports(path: pathlib.Path, package: str) -> set[str]:
+  """Return the modules of `package` that `path` imports, at module level
+  or inside a function alike."""
+  names = set()
+  for name in _imported_modules(path):
+    parts = name.rstrip(".").split(".")
+    if parts[:2] == ["decompax", package] and len(parts) > 2:
+      names.add(parts[2])
+  return names & {m.stem for m in _modules(package)}
+
+
+def _import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """Return a cycle through each back edge of `graph`'s depth-first walk
+  (none: the imports form a DAG)."""
+  state: dict[str, str] = {}
+  cycles = []
+
+  def visit(module: str, path: list[str]) -> None:
+    state[module], path = "open", path + [module]
+    for dep in sorted(graph[module]):
+      if state.get(dep) == "open":
+        cycles.append(path[path.index(dep):] + [dep])
+      elif dep not in state:
+        visit(dep, path)
+    state[module] = "done"
+
+  for module in sorted(graph):
+    if module not in state:
+      visit(module, [])
+  return cycles
+
+
+@pytest.mark.parametrize("package", (*PACKAGES, "bench"))
+def test_no_package_s_modules_import_each_other_in_a_circle(package):
+  """A circle closed by an import inside a function counts: it hides an
+  order of modules that the package does not have."""
+  graph = {m.stem: _sibling_imports(m, package) for m in _modules(package)}
+  cycles = _import_cycles(graph)
+  assert not cycles, [" -> ".join(c) for c in cycles]
+
+
+def test_the_scan_sees_a_circle():
+  graph = {"config": {"checks"}, "checks": {"terms"}, "terms": {"config"},
+           "lm": set()}
+  assert _import_cycles(graph) == [["checks", "terms", "config", "checks"]]
+  assert _import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_settings_import_no_module_of_recipe():
+  """Settings are read by everything in recipe; nothing there is below
+  them, so `recipe/config` stands on the library packages alone."""
+  assert _sibling_imports(ROOT / "recipe" / "config.py", "recipe") == set()
+
+
 def test_tests_mirror_the_packages():
   folders = {p.name for p in (ROOT / "tests").iterdir()
              if p.is_dir() and p.name not in ("fixtures", "__pycache__")}

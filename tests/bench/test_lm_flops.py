@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from bench import hlo_flops, lm_flops, random_lm
-from decompax.recipe.config import read_args
+from decompax.recipe.flagfiles import read_args
 from decompax.targets import glu_config, glu_lm, glu_target
 
 MODEL = glu_config.GluConfig(

@@ -17,7 +17,7 @@ import pytest
 
 from decompax.io import brown_files as brown_io
 from decompax.io import run_dir, tokens, tree_npz
-from decompax.recipe import config as config_lib
+from decompax.recipe import flagfiles
 from decompax.recipe import lm
 from decompax.targets import brown, text_lm
 
@@ -169,7 +169,7 @@ def test_hf_directory_reproduces_the_trainers_logits(model, data):
   out = model[0]
   weights = jax.tree.map(jnp.asarray, _trained_weights(out))
   preset = text_lm.PRESETS["tiny"]
-  run_config = config_lib.read_args([
+  run_config = flagfiles.read_args([
     "--target=hf", f"--model_dir={out}", "--compute_dtype=float32",
     f"--seq_len={preset.seq_len}"])
   record, fns, load = lm.hf_target(run_config)

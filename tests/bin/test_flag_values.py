@@ -15,6 +15,7 @@ from absl import flags
 
 from decompax.bin import train_flags
 from decompax.recipe import config as config_lib
+from decompax.recipe import flagfiles
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLOAT_FLAGS = sorted(
@@ -123,9 +124,9 @@ def test_every_flag_shows_its_settings_help_and_takes_its_choices():
 @pytest.mark.parametrize("path", sorted((ROOT / "flags").glob("*.flags")),
                          ids=lambda p: p.stem)
 def test_the_library_reads_every_flagfile_as_the_flags_do(path):
-  """`recipe.config.read_args` (the benchmarks' reader) and bin/train's
+  """`recipe.flagfiles.read_args` (the benchmarks' reader) and bin/train's
   flags turn each recipe, and overrides of every kind, into one config."""
   args = (f"--flagfile={path}", "--model_dir=unused", "--c=7",
           "--ci_hidden=5,3", "--noslow_on_first_step", "--pgd_betas=0.4,0.9",
           "--lr=2e-3", "--sites=")
-  assert config_lib.read_args(args) == train_flags.parse_config(*args)
+  assert flagfiles.read_args(args) == train_flags.parse_config(*args)

@@ -3,6 +3,7 @@ cannot hold is refused when the flags are parsed, on one line naming the
 flag, instead of an OverflowError from deep in the run."""
 
 import ast
+import dataclasses
 import pathlib
 
 import pytest
@@ -10,7 +11,7 @@ from absl import flags
 
 from decompax.bin import cli
 from decompax.bin import train_flags  # noqa: F401 (bin/train's flags)
-from decompax.recipe import checks
+from decompax.recipe import config as config_lib
 
 BIN = pathlib.Path(__file__).resolve().parents[2] / "bin"
 
@@ -27,11 +28,16 @@ def test_a_seed_a_key_cannot_hold_is_refused(text):
 
 
 def test_the_seed_limit_is_the_library_s():
-  assert cli.SEED_LIMIT == checks.SEED_LIMIT
+  assert cli.SEED_LIMIT == config_lib.SEED_LIMIT
 
 
 def test_bin_train_s_seeds_are_seed_flags():
-  for name in checks.SEED_FLAGS:
+  """Every setting whose domain is a seed's, and only those, is a seed
+  flag; each is named so."""
+  seeds = [f.name for f in dataclasses.fields(config_lib.TrainConfig)
+           if config_lib.doc(f).domain == config_lib.SEED]
+  assert set(seeds) == {"seed", "target_seed", "eval_seed"}
+  for name in seeds:
     assert isinstance(flags.FLAGS[name].parser, cli.SeedParser), name
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from decompax.io import hf_checkpoint
-from decompax.recipe import config as config_lib
+from decompax.recipe import flagfiles
 from decompax.recipe import lm
 from decompax.targets import arithmetic
 
@@ -64,7 +64,7 @@ def test_trains_and_writes_a_model_directory(tmp_path):
   prompts = ["3 + 4 =", "5 - 9 =", "22 + 22 ="]
   tokens = jax.numpy.asarray(
     [tokenizer(p)["input_ids"] for p in prompts], jax.numpy.int32)
-  run = config_lib.read_args(["--target=hf", f"--model_dir={out}",
+  run = flagfiles.read_args(["--target=hf", f"--model_dir={out}",
                               "--compute_dtype=float32", "--seq_len=4"])
   _, fns, load = lm.hf_target(run)
   logits = fns.clean_forward(load(), tokens, ())[0]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from decompax.io import hf_checkpoint
-from decompax.recipe import config as config_lib
+from decompax.recipe import flagfiles
 from decompax.recipe import lm
 from decompax.targets import arithmetic, glu_config, glu_lm
 
@@ -74,7 +74,7 @@ def test_llama_directory_reads_back_exactly(exported):
 
 def test_hf_target_gives_the_toy_logits(exported):
   weights, _, path = exported
-  run = config_lib.read_args(["--target=hf", f"--model_dir={path}",
+  run = flagfiles.read_args(["--target=hf", f"--model_dir={path}",
                               "--compute_dtype=float32", "--seq_len=5"])
   record, fns, load = lm.hf_target(run)
   assert record.token_model.vocab_size == CONFIG.model.vocab_size

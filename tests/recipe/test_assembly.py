@@ -17,7 +17,8 @@ from decompax.core import train_step
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 from decompax.recipe import assembly, engine, terms
-from decompax.recipe.config import SettingError, read_args
+from decompax.recipe.config import SettingError
+from decompax.recipe.flagfiles import read_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VPD = (f"--flagfile={ROOT / 'flags' / 'tms_5-2_vpd.flags'}", "--c=8",

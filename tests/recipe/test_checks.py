@@ -7,7 +7,8 @@ import pytest
 
 from decompax.recipe import checks, terms
 from decompax.recipe import config as config_lib
-from decompax.recipe.config import DEFAULTS, TrainConfig, read_args
+from decompax.recipe.config import DEFAULTS, TrainConfig
+from decompax.recipe.flagfiles import read_args
 
 
 def test_the_defaults_pass():

@@ -3,7 +3,8 @@
 import pytest
 
 from decompax.recipe import config as config_lib
-from decompax.recipe.config import DEFAULTS, TrainConfig, read_args
+from decompax.recipe.config import DEFAULTS, TrainConfig
+from decompax.recipe.flagfiles import read_args
 
 
 def test_no_arguments_are_the_defaults():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from decompax.recipe import assembly
-from decompax.recipe.config import read_args
+from decompax.recipe.flagfiles import read_args
 from decompax.core import probe
 from decompax.losses import eval_step
 from decompax.targets import registry
