@@ -158,16 +158,14 @@ def write_figures(output_dir, target, ci_fn, weights, state, metrics_path):
     target, ci_fn, weights, state.components, state.ci_params))
   ci = {site: np.asarray(v) for site, v in ci.items()}
   expected = target.expected or {}
-  figures.plot_ci_on_features(
-    ci, os.path.join(fig_dir, "ci_on_features.png"), "CI on one-hot features",
-    expected=target.expected)
   uv, order = {}, {}
   for site in target.sites:
     v, u = jax.device_get(sites_lib.site_factors(state.components, site))
-    uv[site.name] = (np.asarray(v), np.asarray(u))
     order[site.name] = evaluation.probe_column_order(
       ci[site.name], expected.get(site.name))
-  figures.plot_components(uv, os.path.join(fig_dir, "components.png"), order)
+    columns = np.asarray(order[site.name])
+    uv[site.name] = (np.asarray(v)[:, columns], np.asarray(u)[columns])
+  evaluation.plot_probe_and_factors(fig_dir, ci, uv, order, target.expected)
   records = run_dir.read_metrics(metrics_path)
   if records:
     figures.plot_loss_curves(records, os.path.join(fig_dir, "losses.png"))

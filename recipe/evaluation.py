@@ -124,6 +124,23 @@ def column_order(summary: eval_step.EvalSummary, site: str,
   return order[:MAX_UV_COLUMNS]
 
 
+def plot_probe_and_factors(
+  fig_dir: str, probe_ci: dict[str, np.ndarray],
+  uv: dict[str, tuple[np.ndarray, np.ndarray]], order: dict[str, list[int]],
+  expected: Optional[dict[str, Expected]] = None,
+) -> None:
+  """Write `ci_on_features.png` (a toy's probe CI, permuted by each site's
+  `expected` pattern; none without a probe) and `components.png` (the
+  drawn columns `uv` of V and U, labelled by their components `order`):
+  the one drawing of both, for the slow evals and a run's final figures."""
+  if probe_ci:
+    figures.plot_ci_on_features(
+      probe_ci, os.path.join(fig_dir, "ci_on_features.png"),
+      "CI on one-hot features", expected=expected)
+  figures.plot_components(uv, os.path.join(fig_dir, "components.png"),
+                          column_labels=order)
+
+
 def render_slow(
   output_dir: str, summary: eval_step.EvalSummary,
   uv: dict[str, tuple[np.ndarray, np.ndarray]], order: dict[str, list[int]],
@@ -150,16 +167,11 @@ def render_slow(
   figures.plot_component_density(
     arrays["density"], arrays["mean_ci"],
     os.path.join(fig_dir, "ci_density.png"), threshold)
-  if summary.probe:
-    figures.plot_ci_on_features(
-      summary.probe, os.path.join(fig_dir, "ci_on_features.png"),
-      "CI on one-hot features", expected=expected)
   if "position_ci" in arrays:
     figures.plot_ci_on_features(
       arrays["position_ci"], os.path.join(fig_dir, "position_ci.png"),
       "Batch-mean CI per position", ylabel="position")
-  figures.plot_components(uv, os.path.join(fig_dir, "components.png"),
-                          column_labels=order)
+  plot_probe_and_factors(fig_dir, summary.probe, uv, order, expected)
   if table is not None:
     report.write_table(output_dir, table)
   report.write_report(output_dir)
