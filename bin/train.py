@@ -119,17 +119,20 @@ def format_duration(seconds: float) -> str:
 
 
 def progress_line(step, total, metrics, sites, steps_per_s,
-                  targeted: bool = False) -> str:
+                  targeted: bool = False, stop: int | None = None) -> str:
   """Return one terminal line: step, losses, CI-L0 (each stream's in a
-  targeted run), speed and ETA."""
+  targeted run), speed and ETA, to the step where this launch `stop`s
+  (default: `total`, the schedule's end)."""
   parts = [f"step {step}/{total}"]
   parts.extend(terms.console_losses(metrics, targeted))
   for prefix in ("target/", "nontarget/") if targeted else ("",):
     l0 = "/".join(f"{metrics[f'{prefix}ci_l0/{s.name}']:.2f}" for s in sites)
     parts.append(f"{prefix.rstrip('/')} L0 {l0}".lstrip())
   parts.append(f"{steps_per_s:.0f} it/s")
-  eta = (total - step) / max(steps_per_s, 1e-9)
-  parts.append(f"ETA {format_duration(eta)}")
+  stop = total if stop is None else stop
+  eta = (stop - step) / max(steps_per_s, 1e-9)
+  until = "" if stop == total else f" to step {stop}"
+  parts.append(f"ETA {format_duration(eta)}{until}")
   return "  ".join(parts)
 
 
@@ -347,11 +350,13 @@ def open_token_data(config, toy):
   return token_data.open_data(config, toy.token_model.vocab_size)
 
 
-def train(prepared: Prepared):
+def train(prepared: Prepared, driven: bool = False):
   """Start the run (restored or warmed up), train with progress output,
   then write results.
 
   Every process runs this; only process 0 writes (`placement_setup`).
+  `driven`: a driver (`--restarts`) stopped it and goes on by itself, so
+  a stop tells nobody to rerun.
   """
   config, output_dir = prepared.config, prepared.output_dir
   parts, writer = prepared.plan.parts, placement_setup.is_writer()
@@ -392,9 +397,10 @@ def train(prepared: Prepared):
   loop.evaluator.close()
   if last_step(config) < config.num_steps:
     sink.close()
-    print(f"[train] stopped after step {max(first, last_step(config))} of "
-          f"{config.num_steps} (--stop_after_step); rerun without it to "
-          "continue")
+    if not driven:
+      print(f"[train] stopped after step {max(first, last_step(config))} of "
+            f"{config.num_steps} (--stop_after_step); rerun without it to "
+            "continue")
     return
   checkpointing.check_finite(session, state, full=True)
   state = host_state_of(state, parts.target.sites)
@@ -440,7 +446,7 @@ def run_candidate(config: TrainConfig, placement, output_dir: str,
       raise restarts.SelectionError(
         f"restart candidate {index}: {e}") from None
     try:
-      train(prepared)
+      train(prepared, driven=True)
     finally:
       # This process opens the candidate again to continue it.
       if prepared.lock is not None:
@@ -670,8 +676,8 @@ def log_step(loop: Loop, state, metrics: dict, done: int,
     run_dir.append_metrics(loop.metrics_path, record)
     loop.sink.sync()
     print(progress_line(done, config.num_steps, metrics, loop.target.sites,
-                        1.0 / step_time, streams.is_targeted(config)),
-          flush=True)
+                        1.0 / step_time, streams.is_targeted(config),
+                        last_step(config)), flush=True)
   if config.figures_every and done % config.figures_every == 0:
     host_state = host_state_of(state, loop.target.sites)
     if loop.writer:

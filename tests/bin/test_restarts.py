@@ -52,7 +52,12 @@ def test_the_lowest_held_out_loss_continues_and_a_rerun_resumes(
   output_dir, lock = train.prepare_selection(config)
   choice = train.select_candidate(config, placement, output_dir)
   os.close(lock)
-  assert f"candidate {choice['chosen']} continues" in capsys.readouterr().out
+  shown = capsys.readouterr().out
+  assert f"candidate {choice['chosen']} continues" in shown
+  # The driver goes on by itself: no candidate's stop asks for a rerun,
+  # and each one's ETA counts to where it stops.
+  assert "rerun without it" not in shown
+  assert "ETA 0s to step 2" in shown
   losses = {int(j): loss for j, loss in choice["losses"].items()}
   assert len(losses) == 3
   # Each recorded loss is the candidate's own logged held-out loss.

@@ -117,6 +117,17 @@ def test_the_progress_line_shows_short_forms_in_table_order():
   assert shorts == [t.short for t in PLAIN]
 
 
+def test_the_eta_counts_to_where_the_launch_stops():
+  site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 3)
+  metrics = {f"loss/{t.name}": 1.0 for t in PLAIN} | {"ci_l0/linear1": 0.5}
+  line = train.progress_line(1000, 40000, metrics, (site,), 100.0)
+  assert line.endswith("ETA 6m30s")
+  line = train.progress_line(1000, 40000, metrics, (site,), 100.0,
+                             stop=12000)
+  assert line.startswith("step 1000/40000") and line.endswith(
+    "ETA 1m50s to step 12000")
+
+
 def test_a_targeted_progress_line_shows_each_stream_behind_its_name():
   site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 3)
   metrics = {"target/loss/stochastic_recon": 1.0,
