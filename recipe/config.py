@@ -40,8 +40,8 @@ class Domain(NamedTuple):
   of "is empty".
   """
 
-  low: float | None = None
-  high: float | None = None
+  low: int | float | None = None
+  high: int | float | None = None
   open_low: bool = False
   open_high: bool = False
   choices: tuple[str, ...] | None = None
@@ -725,7 +725,7 @@ def check_numbers(items: Sequence[str], keyed: bool) -> None:
       raise ValueError(f"{number!r} is not a finite number")
 
 
-def _bound_text(bound: float) -> str:
+def _bound_text(bound: int | float) -> str:
   power = int(bound).bit_length() - 1
   return f"2**{power}" if bound == 2**power >= 2**16 else f"{bound}"
 
@@ -743,7 +743,7 @@ def _rule(domain: Domain) -> str:
           f"{_bound_text(high)}{')' if domain.open_high else ']'}")
 
 
-def _inside(value: float, domain: Domain) -> bool:
+def _inside(value: int | float, domain: Domain) -> bool:
   low, high = domain.low, domain.high
   return math.isfinite(value) and not (
     low is not None and (value <= low if domain.open_low else value < low)

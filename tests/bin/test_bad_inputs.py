@@ -722,10 +722,12 @@ ROWS = (
     "--hidden_pass_points lists linear2.out twice"),
   # Each message names its flag (or file).
   Row("ci_hidden_zero", "train", ("--ci_hidden=0", OUT),
-      "--ci_hidden: CI hidden widths must be positive, got (0,)"),
+      "--ci_hidden entries must be positive, got (0,)"),
+  Row("pgd_lr_negative", "train", ("--pgd_coeff=1", "--pgd_lr=-0.5", OUT),
+      "--pgd_lr must be positive, got -0.5"),
   Row("pgd_start_frac_one", "train", (
     "--pgd_coeff=1", "--pgd_start_frac=1", OUT),
-    "--pgd_start_frac: start_frac must lie in [0, 1), got 1.0"),
+    "--pgd_start_frac must lie in [0, 1), got 1.0"),
   Row("hidden_pass_point_unknown", "train", (
     *LLAMA, "--ci_roles=output,hidden", "--hidden_pass_points=bogus", OUT),
     "--hidden_pass_points: unknown tap key 'bogus'"),
@@ -743,7 +745,7 @@ ROWS = (
   Row("int_not_int", "train", ("--c=abc", OUT), "flag --c=abc: invalid"),
   Row("enum_unknown", "train", ("--attention=bogus", OUT),
       "value should be one of"),
-  Row("c_zero", "train", ("--c=0", OUT), "--c must be a positive number"),
+  Row("c_zero", "train", ("--c=0", OUT), "--c must be positive, got 0"),
   Row("steps_zero", "train", ("--num_steps=0", OUT),
       "--num_steps must be positive, got 0"),
   Row("batch_negative", "train", ("--batch_size=-1", OUT),
@@ -753,7 +755,7 @@ ROWS = (
       "--weight_decay must be >= 0"),
   Row("ci_lr_zero", "train", ("--ci_lr=0", OUT), "--ci_lr must be positive"),
   Row("warmup_pct_one", "train", ("--lr_warmup_pct=1", OUT),
-      "--lr_warmup_pct: warmup_pct must lie in [0, 1), got 1.0"),
+      "--lr_warmup_pct must lie in [0, 1), got 1.0"),
   Row("final_frac_constant", "train", (
     "--lr_schedule=constant", "--lr_final_frac=0.5", OUT),
     "has no effect with --lr_schedule=constant"),
@@ -804,7 +806,7 @@ ROWS = (
       "--ci_hidden must be comma-separated integers"),
   Row("ci_heads_zero", "train", (
     "--ci_fn=transformer", "--ci_n_heads=0", OUT),
-    "CI transformer n_heads must be positive"),
+    "--ci_n_heads must be positive, got 0"),
   Row("profile_steps_form", "train", ("--profile_steps=5", OUT),
       "--profile_steps must be START:END"),
   Row("init_from_form", "train", ("--init_from=bad", OUT),
@@ -817,7 +819,7 @@ ROWS = (
       "--hidden_terms needs --hidden_coeff above 0"),
   Row("merged_fraction", "train", (
     "--merged_coeff=1", "--merged_adv_fraction=1.5", OUT),
-    "must stay in [0, 1], got 1.5"),
+    "--merged_adv_fraction must lie in [0, 1], got 1.5"),
   Row("save_every_zero", "train", ("--save_every=0", OUT),
       "--save_every must be positive, got 0"),
   Row("keep_last_zero", "train", ("--keep_last=0", OUT),

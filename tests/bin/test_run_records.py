@@ -27,7 +27,7 @@ def test_the_flags_a_run_records_read_back(tmp_path):
   ("--bogus_flag=1 --c=abc\n", "sets no flag of bin/train, only "
    "--bogus_flag"),
   ("--target=tms_5-2\ngarbage\n", "line 2, 'garbage', is not --name=value"),
-  ("--seed=-1\n", "--seed=-1 must lie in [0, 2**32)"),
+  ("--seed=-1\n", "--seed must lie in [0, 2**32), got -1"),
 ])
 def test_a_damaged_flags_file_is_refused(tmp_path, text, reason):
   with pytest.raises(ValueError, match=None) as refused:

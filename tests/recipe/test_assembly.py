@@ -131,8 +131,12 @@ def test_a_fresh_run_warms_up_and_a_restored_one_does_not():
 
 
 def test_a_refused_setting_names_its_field():
-  config, toy, target, _ = _problem("--lr_warmup_pct=1")
-  with pytest.raises(SettingError, match=r"^--lr_warmup_pct: warmup_pct "):
+  # Inside the setting's domain (0 is kept for a constant γ), refused by
+  # the library's own config once γ anneals to it.
+  config, toy, target, _ = _problem("--importance_penalty=smooth_l0",
+                                    "--smooth_l0_gamma_final_frac=0")
+  with pytest.raises(SettingError,
+                     match=r"^--smooth_l0_gamma_final_frac: smooth-L0 gamma "):
     assembly.parts(config, toy, target)
 
 

@@ -20,7 +20,7 @@ def test_the_defaults_pass():
    "--eval_every=7 must be a multiple of --log_every=5"),
   (("--select_at=100",), "--select_at=100 compares restart candidates"),
   (("--stochastic_coeff=0", "--per_site_coeff=0"), "no reconstruction term"),
-  (("--c=0",), "--c must be a positive number of components, got 0"),
+  (("--c=0",), "--c must be positive, got 0"),
 ])
 def test_read_args_refuses_what_bin_train_refuses(args, message):
   """A library caller (a benchmark, a notebook) gets bin/train's refusal,
@@ -51,6 +51,15 @@ def test_every_setting_has_its_help_text():
     assert doc.help.strip(), field.name
     if doc.choices is not None:
       assert field.default in doc.choices, field.name
+
+
+def test_every_term_s_coefficient_is_declared_non_negative():
+  """A negative coefficient would ascend its term; the domain of each
+  coefficient a term reads refuses one."""
+  fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+  for term in terms.TERMS:
+    domain = config_lib.doc(fields[term.coeff_flag]).domain
+    assert (domain.low, domain.open_low) == (0, False), term.coeff_flag
 
 
 def test_the_rider_help_names_every_term_that_takes_the_rider():

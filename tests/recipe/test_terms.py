@@ -61,12 +61,13 @@ def test_site_weights_take_the_last_matching_glob_and_default_to_one():
   ("layers.9.*:2", "names no site"),
   ("layers.0.*:-1", "finite weight >= 0"),
   ("layers.0.*:none", "finite weight >= 0"),
-  ("layers.0.*:inf", "finite weight >= 0"),
+  # Refused as the config is built (its domain: finite numbers).
+  ("layers.0.*:inf", "'inf' is not a finite number"),
   (":2", "finite weight >= 0"),
 ])
 def test_a_site_weight_naming_no_site_or_no_weight_is_refused(entry, message):
-  config = TrainConfig(importance_site_weights=(entry,))
   with pytest.raises(ValueError, match=message):
+    config = TrainConfig(importance_site_weights=(entry,))
     terms.importance_site_weights(config, NAMED_SITES)
 
 
