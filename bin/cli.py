@@ -1,5 +1,6 @@
 """What every decompax binary shares: one-line errors, the exit code of a
-stop signal, and the absl launch."""
+stop signal, the absl launch and its `--helpfull` (the binary's own flags
+first, grouped by topic, where it names topics)."""
 
 import concurrent.futures
 import contextlib
@@ -7,7 +8,7 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from absl import app, flags
@@ -28,8 +29,55 @@ def fail(program: str, message: str, code: int = 2) -> NoReturn:
   sys.exit(code)
 
 
-def launch(program: str, main: Callable[[list[str]], None]) -> None:
-  """Run `main` as an absl app whose flag errors are one-line errors."""
+# Titled groups of flag names, in the order `--helpfull` shows them.
+HelpGroups = Sequence[tuple[str, Sequence[str]]]
+
+
+def grouped_help(groups: HelpGroups,
+                 flag_values: flags.FlagValues = flags.FLAGS) -> str:
+  """Return the `--helpfull` text: each group's flags under its title,
+  then every other flag under its module, as absl lists them."""
+  parts, listed = [], {name for _, names in groups for name in names}
+  for title, names in groups:
+    group = flags.FlagValues()
+    for name in names:
+      group[name] = flag_values[name]
+    parts.append(f"{title}:\n" + group.get_help(
+      prefix="  ", include_special_flags=False))
+  rest = flags.FlagValues()
+  for module, defined in flag_values.flags_by_module_dict().items():
+    for flag in defined:
+      if flag.name not in listed and flag.name not in rest:
+        rest[flag.name] = flag
+        rest.register_flag_by_module(module, flag)
+  parts.append(rest.get_help())
+  return "\n\n".join(parts)
+
+
+class _GroupedHelpfull(flags.BooleanFlag):
+  """absl's `--helpfull`, its text from `grouped_help`."""
+
+  def __init__(self, program: str, groups: HelpGroups) -> None:
+    super().__init__("helpfull", False, "show full help",
+                     allow_hide_cpp=True)
+    self.program, self.groups = program, groups
+
+  def parse(self, argument: Any) -> None:
+    if self._parse(argument):
+      print(f"USAGE: {self.program} [flags]\n\nflags:\n\n"
+            f"{grouped_help(self.groups)}")
+      sys.exit(0)
+
+
+def launch(program: str, main: Callable[[list[str]], None],
+           help_groups: HelpGroups = ()) -> None:
+  """Run `main` as an absl app whose flag errors are one-line errors;
+  `--helpfull` lists the flags of `help_groups` first."""
+  if help_groups:
+    app.define_help_flags()  # once per process; app.run keeps these
+    delattr(flags.FLAGS, "helpfull")
+    flags.DEFINE_flag(_GroupedHelpfull(program, help_groups),
+                      module_name="absl.app")
 
   def parse_flags(argv: list[str]) -> list[str]:
     try:

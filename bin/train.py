@@ -768,7 +768,7 @@ def main(argv: list[str]) -> None:
 
 def entry() -> None:
   """Launch the absl app (used by the `bin/train` launcher)."""
-  cli.launch("train", main)
+  cli.launch("train", main, train_flags.help_groups())
 
 
 if __name__ == "__main__":

@@ -92,6 +92,15 @@ _WANDB_PROJECT = flags.DEFINE_string(
 placement_flags.define(__name__)
 
 
+def help_groups() -> cli.HelpGroups:
+  """Return bin/train's flags by topic for `--helpfull`: the settings'
+  topics (`recipe.config.TOPICS`), then what only the command line has."""
+  return (*config_lib.TOPICS,
+          ("Scale-out (how this launch runs, not part of the run)",
+           placement_flags.NAMES),
+          ("Logging elsewhere", ("wandb_project",)))
+
+
 def _parse_widths(values: list[str]) -> tuple[int, ...]:
   try:
     return tuple(int(v) for v in values)

@@ -13,7 +13,7 @@ import sys
 import pytest
 from absl import flags
 
-from decompax.bin import train_flags
+from decompax.bin import cli, train_flags
 from decompax.recipe import config as config_lib
 from decompax.recipe import flagfiles
 
@@ -130,3 +130,22 @@ def test_the_library_reads_every_flagfile_as_the_flags_do(path):
           "--ci_hidden=5,3", "--noslow_on_first_step", "--pgd_betas=0.4,0.9",
           "--lr=2e-3", "--sites=")
   assert flagfiles.read_args(args) == train_flags.parse_config(*args)
+
+
+def test_helpfull_lists_bin_train_s_own_flags_first_by_topic():
+  groups = train_flags.help_groups()
+  grouped = [name for _, names in groups for name in names]
+  own = flags.FLAGS.get_flags_for_module(train_flags)
+  assert sorted(grouped) == sorted(flag.name for flag in own)
+  text = cli.grouped_help(groups)
+  titles = [text.index(f"{title}:\n") for title, _ in groups]
+  assert titles == sorted(titles) and titles[0] == 0
+  others = text.index("absl.app:\n")
+  for title, names in groups:
+    start = text.index(f"{title}:\n")
+    for name in names:
+      shown = text.index(f"--{name}:") if f"--{name}:" in text else (
+        text.index(f"--[no]{name}:"))
+      assert start < shown < others, name
+  # absl's own flags are still there, after.
+  assert "--flagfile:" in text[others:]
