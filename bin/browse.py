@@ -776,46 +776,88 @@ def page_html() -> bytes:
     "browse.html").read_bytes()
 
 
-def make_app(runs: list[Served],
-             context_batches: int = unit_contexts.SAMPLE_BATCHES):
-  """Return the WSGI application serving `runs` (a tagged run's contexts
-  from its harvest's first `context_batches` batches)."""
-  from werkzeug.exceptions import (  # noqa: PLC0415
-    ClientDisconnected,
-    HTTPException,
-  )
+def _routes():
+  """Return the URL map of the page and its JSON API."""
   from werkzeug.routing import Map, Rule  # noqa: PLC0415
-  from werkzeug.wrappers import Request, Response  # noqa: PLC0415
 
-  routes = Map([
+  run = "/api/runs/<int:run>"
+  return Map([
     Rule("/", endpoint="page", methods=["GET"]),
     Rule("/api/runs", endpoint="runs", methods=["GET"]),
-    Rule("/api/runs/<int:run>/components", endpoint="components",
+    Rule(f"{run}/components", endpoint="components", methods=["GET"]),
+    Rule(f"{run}/components/<site>/<int:component>", endpoint="component",
          methods=["GET"]),
-    Rule("/api/runs/<int:run>/components/<site>/<int:component>",
-         endpoint="component", methods=["GET"]),
-    Rule("/api/runs/<int:run>/ab_grid/<site>/<int:component>",
-         endpoint="ab_grid", methods=["GET"]),
-    Rule("/api/runs/<int:run>/predict", endpoint="predict",
-         methods=["POST"]),
-    Rule("/api/runs/<int:run>/sweep", endpoint="sweep", methods=["POST"]),
-    Rule("/api/runs/<int:run>/graph", endpoint="graph", methods=["POST"]),
-    Rule("/api/runs/<int:run>/intervene", endpoint="intervene",
-         methods=["POST"]),
-    Rule("/api/runs/<int:run>/clusters/<site>", endpoint="clusters",
+    Rule(f"{run}/ab_grid/<site>/<int:component>", endpoint="ab_grid",
          methods=["GET"]),
-    Rule("/api/runs/<int:run>/units/<key>", endpoint="units",
-         methods=["GET"]),
-    Rule("/api/runs/<int:run>/units/<key>/<int:unit>", endpoint="unit",
-         methods=["GET"]),
+    Rule(f"{run}/predict", endpoint="predict", methods=["POST"]),
+    Rule(f"{run}/sweep", endpoint="sweep", methods=["POST"]),
+    Rule(f"{run}/graph", endpoint="graph", methods=["POST"]),
+    Rule(f"{run}/intervene", endpoint="intervene", methods=["POST"]),
+    Rule(f"{run}/clusters/<site>", endpoint="clusters", methods=["GET"]),
+    Rule(f"{run}/units/<key>", endpoint="units", methods=["GET"]),
+    Rule(f"{run}/units/<key>/<int:unit>", endpoint="unit", methods=["GET"]),
   ])
+
+
+def request_body(request) -> dict:
+  """Return a POST request's JSON object, or raise BadRequest naming what
+  is wrong with it (too large, late, too deep, not JSON, not an object)."""
+  from werkzeug.exceptions import ClientDisconnected  # noqa: PLC0415
+
+  if request.content_length is None or request.content_length > MAX_BODY_BYTES:
+    raise BadRequest(413, f"the body must be JSON of at most "
+                     f"{MAX_BODY_BYTES} bytes")
+  try:
+    raw = request.get_data(cache=False)
+  # werkzeug's word for a body cut short: the client stalled past the
+  # socket timeout, or closed.
+  except (ClientDisconnected, OSError):
+    raise BadRequest(408, f"the body did not arrive in time (its "
+                     f"{request.content_length} bytes)") from None
+  if nesting(raw) > MAX_JSON_DEPTH:
+    raise BadRequest(400, f"the body nests deeper than {MAX_JSON_DEPTH} "
+                     "levels")
+  try:
+    value = json.loads(raw)
+  except (ValueError, UnicodeDecodeError):
+    raise BadRequest(400, "the body is not valid JSON") from None
+  if not isinstance(value, dict):
+    raise BadRequest(400, "the body must be a JSON object")
+  return value
+
+
+def run_list(runs: list[Served]) -> list[dict]:
+  """Return what the page's run menu shows of each served run."""
+  return [{"index": i, "name": s.name, "target": s.run.config.target,
+           "sites": {x.name: x.c for x in s.run.target.sites},
+           "positions": s.harvest.manifest["positions"],
+           "tokens": s.run.target.token_labels is not None,
+           "divergence": divergence_name(s.run),
+           "tokenizer": s.encode is not None,
+           "classes": s.tagged.classes if s.tagged else None,
+           "baselines": s.tagged.baselines if s.tagged else [],
+           "ab_grid": os.path.isfile(ab_grid_file(s.name)),
+           "clusters": s.clusters is not None}
+          for i, s in enumerate(runs)]
+
+
+class _Kept(NamedTuple):
+  """What the app reads once and keeps (see `_kept_reads`)."""
+
+  sample_of: Callable[[int], dict[str, unit_contexts.Top] | None]
+  ab_grid_of: Callable[[int], AbGrid | str]
+  # Requests run on threads; predictions take turns, so that concurrent
+  # prompts do not each compile or hold a forward's memory at once.
+  model_lock: threading.Lock
+
+
+def _kept_reads(runs: list[Served], context_batches: int) -> _Kept:
+  """Return the reads a request may need that are dear once and then
+  kept: a tagged run's units' top positions, a run's A/B grid."""
   # Per run index, its A/B grid or why it has none: read on the first
   # request, then kept, so a request costs a lookup and never a parse.
   grids: dict[int, AbGrid | str] = {}
-  grids_lock = threading.Lock()
-  # Requests run on threads; predictions take turns, so that concurrent
-  # prompts do not each compile or hold a forward's memory at once.
-  model_lock = threading.Lock()
+  grids_lock, model_lock = threading.Lock(), threading.Lock()
   # Per tagged run index, every unit's top positions over the sample:
   # computed on the first request that shows contexts, then kept.
   samples: dict[int, dict[str, unit_contexts.Top]] = {}
@@ -836,77 +878,64 @@ def make_app(runs: list[Served],
         grids[index] = read_ab_grid(runs[index].name)
       return grids[index]
 
-  def served(index: int) -> Served:
-    if not 0 <= index < len(runs):
-      raise BadRequest(404, f"no run {index}; runs are 0..{len(runs) - 1}")
-    return runs[index]
+  return _Kept(sample_of, ab_grid_of, model_lock)
 
-  def body(request) -> dict:
-    if request.content_length is None or request.content_length > MAX_BODY_BYTES:
-      raise BadRequest(413, f"the body must be JSON of at most "
-                       f"{MAX_BODY_BYTES} bytes")
-    try:
-      raw = request.get_data(cache=False)
-    # werkzeug's word for a body cut short: the client stalled past the
-    # socket timeout, or closed.
-    except (ClientDisconnected, OSError):
-      raise BadRequest(408, f"the body did not arrive in time (its "
-                       f"{request.content_length} bytes)") from None
-    if nesting(raw) > MAX_JSON_DEPTH:
-      raise BadRequest(400, f"the body nests deeper than {MAX_JSON_DEPTH} "
-                       "levels")
-    try:
-      value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-      raise BadRequest(400, "the body is not valid JSON") from None
-    if not isinstance(value, dict):
-      raise BadRequest(400, "the body must be a JSON object")
-    return value
 
-  def handle(request, endpoint: str, args: dict):
-    if endpoint == "page":
-      return Response(page_html(), mimetype="text/html")
-    if endpoint == "runs":
-      return [{"index": i, "name": s.name, "target": s.run.config.target,
-               "sites": {x.name: x.c for x in s.run.target.sites},
-               "positions": s.harvest.manifest["positions"],
-               "tokens": s.run.target.token_labels is not None,
-               "divergence": divergence_name(s.run),
-               "tokenizer": s.encode is not None,
-               "classes": s.tagged.classes if s.tagged else None,
-               "baselines": s.tagged.baselines if s.tagged else [],
-               "ab_grid": os.path.isfile(ab_grid_file(s.name)),
-               "clusters": s.clusters is not None}
-              for i, s in enumerate(runs)]
-    s = served(args["run"])
-    if endpoint == "components":
-      return s.rows
-    if endpoint == "component":
-      if args["site"] not in s.harvest.sites:
-        raise BadRequest(404, f"no site {args['site']!r} in this run")
-      return component_page(s, args["site"], args["component"],
-                            sample_of(args["run"]))
-    if endpoint == "clusters":
-      return site_clusters(s, args["site"])
-    if endpoint == "units":
-      return unit_rows(s, args["key"])
-    if endpoint == "unit":
-      unit_rows(s, args["key"])   # refuses an unknown key before the sample
-      return unit_page(s, args["key"], args["unit"], sample_of(args["run"]))
-    if endpoint == "ab_grid":
-      return ab_grid_page(ab_grid_of(args["run"]),
-                          {x.name: x.c for x in s.run.target.sites},
-                          args["site"], args["component"])
-    if s.run.target.token_labels is None:
-      raise BadRequest(400, "predictions need a language-model run")
-    return model_request(s, endpoint, body(request), model_lock)
+def _served(runs: list[Served], index: int) -> Served:
+  if not 0 <= index < len(runs):
+    raise BadRequest(404, f"no run {index}; runs are 0..{len(runs) - 1}")
+  return runs[index]
+
+
+def _handle(runs: list[Served], kept: _Kept, request, endpoint: str,
+            args: dict):
+  """Return the answer to one routed request: a Response or JSON data."""
+  from werkzeug.wrappers import Response  # noqa: PLC0415
+
+  if endpoint == "page":
+    return Response(page_html(), mimetype="text/html")
+  if endpoint == "runs":
+    return run_list(runs)
+  s = _served(runs, args["run"])
+  if endpoint == "components":
+    return s.rows
+  if endpoint == "component":
+    if args["site"] not in s.harvest.sites:
+      raise BadRequest(404, f"no site {args['site']!r} in this run")
+    return component_page(s, args["site"], args["component"],
+                          kept.sample_of(args["run"]))
+  if endpoint == "clusters":
+    return site_clusters(s, args["site"])
+  if endpoint == "units":
+    return unit_rows(s, args["key"])
+  if endpoint == "unit":
+    unit_rows(s, args["key"])   # refuses an unknown key before the sample
+    return unit_page(s, args["key"], args["unit"],
+                     kept.sample_of(args["run"]))
+  if endpoint == "ab_grid":
+    return ab_grid_page(kept.ab_grid_of(args["run"]),
+                        {x.name: x.c for x in s.run.target.sites},
+                        args["site"], args["component"])
+  if s.run.target.token_labels is None:
+    raise BadRequest(400, "predictions need a language-model run")
+  return model_request(s, endpoint, request_body(request), kept.model_lock)
+
+
+def make_app(runs: list[Served],
+             context_batches: int = unit_contexts.SAMPLE_BATCHES):
+  """Return the WSGI application serving `runs` (a tagged run's contexts
+  from its harvest's first `context_batches` batches)."""
+  from werkzeug.exceptions import HTTPException  # noqa: PLC0415
+  from werkzeug.wrappers import Request, Response  # noqa: PLC0415
+
+  routes, kept = _routes(), _kept_reads(runs, context_batches)
 
   def app(environ, start_response):
     request = Request(environ)
     adapter = routes.bind_to_environ(environ)
     try:
       endpoint, args = adapter.match()
-      result = handle(request, endpoint, args)
+      result = _handle(runs, kept, request, endpoint, args)
       response = result if isinstance(result, Response) else Response(
         json.dumps(result), mimetype="application/json")
     except BadRequest as e:

@@ -233,10 +233,9 @@ def claim_store(out: str, run: explore.LoadedRun,
                    *(site.name for site in run.target.sites))
 
 
-def _main(argv: list[str], stop: threading.Event) -> None:
-  logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
+def _checked_run():
+  """Return the run the flags name and the placement to harvest it with,
+  or fail on one line naming the flag at fault."""
   threshold = _THRESHOLD.value
   if threshold is not None and not 0.0 <= threshold < 1.0:
     # CI lies in [0, 1]: below 0 every component fires, at 1 none does.
@@ -258,7 +257,12 @@ def _main(argv: list[str], stop: threading.Event) -> None:
     run = explore.load_run(_RUN_DIR.value)
   except (OSError, ValueError) as e:
     fail(f"--run_dir: {e}")
-  out = os.path.join(_RUN_DIR.value, harvest_store.HARVEST_DIR)
+  return run, placement
+
+
+def _harvest(run, placement, out: str, stop: threading.Event):
+  """Return the harvest's settings and record (empty when stopped before
+  its end), writing it into `out`; fail on one line where it cannot."""
   try:
     settings = harvest_lib.resolve(run, request())
     _say_whole_file(settings)
@@ -268,7 +272,7 @@ def _main(argv: list[str], stop: threading.Event) -> None:
             "--ablation_batches=N measures them on N batches", flush=True)
     check_memory(run, settings)
     claim_store(out, run, settings)
-    record = harvest_lib.harvest(
+    return settings, harvest_lib.harvest(
       run, settings, out, _SAVE_EVERY_S.value, _ABLATION_CHUNK.value,
       _OVERWRITE.value, say=lambda line: print(line, flush=True),
       placement=placement, stop=stop.is_set)
@@ -282,8 +286,12 @@ def _main(argv: list[str], stop: threading.Event) -> None:
     fail(_flagged(str(e)))
   except OSError as e:
     fail(owned_dir.refusal(e, out))
-  if not record:
-    return
+
+
+def _record(out: str, run, settings, record: dict,
+            stop: threading.Event) -> None:
+  """Record a finished harvest: its entries, its manifest and, for a
+  tagged harvest, the run's report with the comparison to the neurons."""
   # Every entry the harvest wrote (a language model's baselines too).
   owned_dir.record(out, *sorted(set(os.listdir(out)) - {
     run_dir.LOCK_FILE, owned_dir.MANIFEST_FILE}))
@@ -296,6 +304,17 @@ def _main(argv: list[str], stop: threading.Event) -> None:
   print(f"[harvest] wrote {path}")
   if "tags" in record:
     _rebuild_report(stop)
+
+
+def _main(argv: list[str], stop: threading.Event) -> None:
+  logging.set_verbosity(logging.WARNING)
+  if len(argv) > 1:
+    fail(f"unexpected argument {argv[1]!r}; use --run_dir=DIR")
+  run, placement = _checked_run()
+  out = os.path.join(_RUN_DIR.value, harvest_store.HARVEST_DIR)
+  settings, record = _harvest(run, placement, out, stop)
+  if record:
+    _record(out, run, settings, record, stop)
 
 
 class _ReportStopped(Exception):
