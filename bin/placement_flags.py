@@ -6,6 +6,14 @@ flags in a run's `flags.txt`, and `--helpfull` lists them under it. Each
 binary calls it once, at import, for its own `FlagValues`, so every flag is
 defined once there however the binaries' modules are imported together.
 `bin/placement_setup.config_from_flags` reads them back by name.
+
+They are not `recipe.config.TrainConfig` settings: they say how a launch
+places and compiles a run, not what it computes; `bin/harvest` takes them
+for a run it only reads, and a library caller places a run with a
+`placement.shardings.Placement`, never by these names. Their refusals are
+`bin/placement_setup`'s, which also names those a resume may change
+(`LAUNCH_FLAGS`). `bin/train --helpfull` lists them after the settings'
+topics.
 """
 
 from absl import flags
