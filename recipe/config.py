@@ -94,7 +94,7 @@ def _setting(default: Any, help_text: str, domain: Domain) -> Any:
 
 
 def doc(field: dataclasses.Field) -> Doc:
-  """Return the help text and choices of a `TrainConfig` field."""
+  """Return the help text and domain of a `TrainConfig` field."""
   return field.metadata["doc"]
 
 
