@@ -94,7 +94,7 @@ def test_only_the_measured_flagfiles_select_among_restarts(parse, path):
 
 
 @pytest.mark.parametrize("args,message", [
-  (("--c=0",), "--c must be a positive"),
+  (("--c=0",), "--c must be positive, got 0"),
   (("--sites=linear1,nope",), "unknown site 'nope'"),
   (("--lr_schedule=constant", "--lr_final_frac=0.5"), "lr_final_frac"),
   (("--stochastic_coeff=0", "--per_site_coeff=0"), "no reconstruction term"),
@@ -118,7 +118,8 @@ def test_only_the_measured_flagfiles_select_among_restarts(parse, path):
   (("--hidden_coeff=1", "--hidden_terms=merged_recon"), "which is off"),
   (("--hidden_coeff=1", "--hidden_terms=stochastic_recon",
     "--hidden_points=linear1.out,nope"), "unknown tap keys"),
-  (("--merged_coeff=1", "--merged_adv_fraction=1.5"), "stay in"),
+  (("--merged_coeff=1", "--merged_adv_fraction=1.5"),
+   r"--merged_adv_fraction must lie in \[0, 1\], got 1.5"),
 ])
 def test_bad_settings_fail_before_writing(parse, tmp_path, args, message):
   out = tmp_path / "run"
@@ -147,7 +148,7 @@ def test_existing_run_with_other_flags_is_refused(parse, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
   (("--bogus=1",), "Unknown command line flag 'bogus'"),
-  (("--c=0",), "--c must be a positive"),
+  (("--c=0",), "--c must be positive, got 0"),
 ])
 def test_binary_prints_one_line_error_and_exits_non_zero(args, message):
   result = _bin_train(*args)
