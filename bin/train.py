@@ -377,7 +377,7 @@ def train(prepared: Prepared, driven: bool = False):
   sink = wandb_sink.NO_SINK
   if writer:
     sink = wandb_sink.open_sink(flags.FLAGS.wandb_project, output_dir, config)
-  per_call = steps_per_call(config, jax.default_backend())
+  per_call = steps_per_call(config)
   if per_call > 1:
     print(f"[train] up to {per_call} steps per call (--steps_per_call)")
   loop = Loop(config, parts.target, prepared.weights, run,

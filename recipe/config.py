@@ -105,11 +105,6 @@ _SCHEDULES = ("constant", "linear", "cosine")
 _PLANS = ("all_sites", "per_site", "subset", "groups")
 
 
-# `--steps_per_call=0` (auto) on a TPU: meant to be enough steps that a
-# small toy's dispatch no longer shows, few enough that a stop signal is
-# serviced within seconds; `bench/steps_per_call.py` measures the choice.
-TPU_STEPS_PER_CALL = 64
-
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -588,11 +583,13 @@ class TrainConfig:
     "the loop logs, saves or starts or stops the profile, so the run, its "
     "logged metrics (each log step's own) and its checkpoints are bitwise "
     "those of one step per call; a stop signal is serviced at the end of "
-    "the call it arrives in. 0: auto, "
-    f"{TPU_STEPS_PER_CALL} on a TPU and 1 elsewhere (CPUs and GPUs dispatch "
-    "cheaply beside the step), 1 for runs reading token files (--data_path, "
-    "--target_data_path, --nontarget_data_path), which take one step per "
-    "call. May change between launches of a run.", NON_NEGATIVE)
+    "the call it arrives in (where XLA compiles the loop's body as it "
+    "compiles the step alone: on a CPU, not on a TPU). 0: auto, 1 on every "
+    "platform (on a TPU, 64 a call measured no faster for ResidMLP-3, whose "
+    "step is compute, and not bitwise; docs/performance.md); runs reading "
+    "token files (--data_path, --target_data_path, --nontarget_data_path) "
+    "take one step per call. May change between launches of a run.",
+    NON_NEGATIVE)
   profile_steps: str = _setting(
     "",
     "START:END writes a jax.profiler trace of steps [START, END) to "
@@ -865,14 +862,10 @@ def candidate_seed(seed: int, index: int) -> int:
   return seed + SEED_STRIDE * index
 
 
-def steps_per_call(config: TrainConfig, platform: str) -> int:
-  """Return the steps the run takes per compiled call on `platform`
-  (`jax.default_backend()`): `--steps_per_call`, or its auto value."""
-  if config.steps_per_call:
-    return config.steps_per_call
-  if reads_token_files(config) or platform != "tpu":
-    return 1
-  return TPU_STEPS_PER_CALL
+def steps_per_call(config: TrainConfig) -> int:
+  """Return the steps the run takes per compiled call: `--steps_per_call`,
+  or its auto value, 1."""
+  return config.steps_per_call or 1
 
 
 def reads_token_files(config: TrainConfig) -> bool:
