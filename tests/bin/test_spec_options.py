@@ -106,8 +106,10 @@ def test_conflicting_schedule_flags_are_refused(parse, args, message):
    "--route_probability"),
 ])
 def test_bad_option_values_name_their_flag(parse, args, message):
-  config = parse(*TINY, *args)
+  """Refused where it is first seen: a setting's own domain when the
+  config is built, a rule joining several when the run is assembled."""
   with pytest.raises(ValueError, match=message):
+    config = parse(*TINY, *args)
     toy, target, _ = assembly.resolve_target(config)
     parts = assembly.parts(config, toy, target)
     engine.step_config(config)
