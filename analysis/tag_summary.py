@@ -41,7 +41,9 @@ def _value(x: float) -> float | None:
   return float(x) if np.isfinite(x) else None
 
 
-def _summary(summary: tag_metrics.Summary) -> dict:
+def summary_record(summary: tag_metrics.Summary) -> dict:
+  """Return a unit set's summary as the stored records hold it (NaN as
+  None)."""
   return {"units": summary.units,
           **{name: _value(getattr(summary, name))
              for name in tag_metrics.SCALARS},
@@ -117,8 +119,8 @@ def record(harvest: harvest_lib.Harvest, seed: int = 0,
     c = row.comparison
     rows.append({
       "site": row.site, "baseline": row.baseline,
-      "components": {w: _summary(c.a[w]) for w in WEIGHTINGS},
-      "units": {w: _summary(c.b[w]) for w in WEIGHTINGS},
+      "components": {w: summary_record(c.a[w]) for w in WEIGHTINGS},
+      "units": {w: summary_record(c.b[w]) for w in WEIGHTINGS},
       "difference": {w: {name: _interval(c.difference[w][name])
                          for name in tag_metrics.SCALARS}
                      for w in WEIGHTINGS}})

@@ -29,7 +29,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from decompax.analysis import explore, harvesting
-from decompax.analysis import tag_comparison
+from decompax.analysis import tag_comparison, tag_summary
 from decompax.analysis import transcoder as tc
 from decompax.analysis import transcoder_lm
 from decompax.io import harvest_store
@@ -77,17 +77,13 @@ def add_units(total: UnitStats, batch: UnitStats) -> UnitStats:
 
 def unit_summary(stats: UnitStats) -> dict[str, Any]:
   """Return a unit set's purity summaries, weighted and unweighted
-  (`tag_metrics.summarize`), of its units that fired."""
+  (`tag_metrics.summarize`), of its units that fired, as the report's
+  records hold them (`tag_summary.summary_record`)."""
   counts = tag_profile.class_counts(stats.tags)
   base = np.asarray(stats.tags.base_coarse).sum(axis=0)
-  out = {}
-  for kind in ("weighted", "unweighted"):
-    s = tag_metrics.summarize(counts, base, kind == "weighted")
-    out[kind] = {"units": s.units, "median_purity": s.median_purity,
-                 "share_pure": s.share_pure,
-                 "share_mostly_pure": s.share_mostly_pure,
-                 "mean_lift": s.mean_lift}
-  return out
+  return {kind: tag_summary.summary_record(
+    tag_metrics.summarize(counts, base, kind == "weighted"))
+          for kind in tag_summary.WEIGHTINGS}
 
 
 def eval_settings(run_path: str, run: explore.LoadedRun,
@@ -221,7 +217,9 @@ def _compared(latents: UnitStats, others: dict[str, UnitStats], seed: int
   out = {"latents": unit_summary(latents)}
   for name, other in others.items():
     c = tag_metrics.compare(latents.tags, other.tags, seed)
-    out[name] = unit_summary(other)
+    # The comparison has summarised both sets already.
+    out[name] = {w: tag_summary.summary_record(c.b[w])
+                 for w in tag_summary.WEIGHTINGS}
     out[f"latents_minus_{name}"] = {
       k: v._asdict() for k, v in c.difference["weighted"].items()}
   return out

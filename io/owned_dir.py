@@ -227,13 +227,25 @@ def check(path: run_dir.Path, program: str, settings: Mapping,
     raise ValueError(f"{path} {reason}")
   if manifest is None:
     return False
+  changes = _refuse_other_settings(
+    path, program, manifest, settings, overwrite,
+    "rerun with those settings to reuse it, pass --overwrite to replace it, "
+    "or choose another directory")
+  return not changes and not overwrite
+
+
+def _refuse_other_settings(where: str, program: str, manifest: dict,
+                           settings: Mapping, overwrite: bool, fix: str
+                           ) -> list[str]:
+  """Return how `settings` differ from those `manifest` records; raise
+  OwnedConflict (naming `where` and the `fix`) where they differ and
+  `overwrite` is off."""
   changes = settings_changes(manifest.get("settings") or {}, settings)
   if changes and not overwrite:
     raise OwnedConflict(
-      f"{path} holds {program} output made with other settings "
-      f"({'; '.join(changes)}); rerun with those settings to reuse it, pass "
-      "--overwrite to replace it, or choose another directory")
-  return not changes and not overwrite
+      f"{where} holds {program} output made with other settings "
+      f"({'; '.join(changes)}); {fix}")
+  return changes
 
 
 def _remove_listed(path: str, manifest: dict | None) -> None:
@@ -385,12 +397,9 @@ def check_output(path: run_dir.Path, flag: str, program: str,
     raise ValueError(f"--{flag}: {path} exists and no {program} run wrote "
                      f"it (it has no {name}); move it away or name another "
                      "file")
-  changes = settings_changes(manifest.get("settings") or {}, settings)
-  if changes and not overwrite:
-    raise OwnedConflict(
-      f"--{flag}: {path} holds {program} output made with other settings "
-      f"({'; '.join(changes)}); pass --overwrite to replace it, or name "
-      "another file")
+  _refuse_other_settings(f"--{flag}: {path}", program, manifest, settings,
+                         overwrite, "pass --overwrite to replace it, or name "
+                         "another file")
   return path
 
 
