@@ -132,11 +132,6 @@ def layer_weights(weights: glu_lm.GluWeights, layer: int
   raise ValueError(f"layer {layer} is past the model's {at} layers")
 
 
-def _sublayer(y: Array, w: Optional[Array], config) -> Array:
-  # As the block adds a sublayer's output: through its sandwich norm.
-  return y if w is None else glu_lm.norm(y, w, None, config)
-
-
 # A layer's stand-in for its MLP: the MLP's input to its output.
 Replace = dict[int, Callable[[Array], Array]]
 
@@ -162,9 +157,10 @@ def spliced_logits(
     out, values = glu_lm.block(h, lw, site, config, layer_rope, attend,
                                streams, mask)
     if i in replace:
-      h1 = h + _sublayer(values["o.out"], lw.post_attn_norm, config)
-      out = h1 + _sublayer(replace[i](values["up"]), lw.post_mlp_norm,
-                           config)
+      # As the block adds each sublayer: through its sandwich norm.
+      h1 = h + glu_lm.post_norm(values["o.out"], lw.post_attn_norm, config)
+      out = h1 + glu_lm.post_norm(replace[i](values["up"]),
+                                  lw.post_mlp_norm, config)
     h = out
   x = glu_lm.norm(h, weights.norm, weights.norm_bias, config)
   return glu_lm.softcap(glu_lm.head_logits(weights, x),

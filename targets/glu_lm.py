@@ -552,7 +552,7 @@ def block(
              else {})
   o_in = attend(qh, kh, vh, **options).reshape(b, t, config.q_width)
   o = project("o", o_in)
-  h1 = h + _post_norm(o, lw.post_attn_norm, config)
+  h1 = h + post_norm(o, lw.post_attn_norm, config)
   # A parallel block's MLP reads the block input, not h + attention.
   xm = norm(h if config.parallel_residual else h1, lw.ln2, lw.ln2_bias,
             config)
@@ -568,7 +568,7 @@ def block(
     q_own, k_own = jax.lax.optimization_barrier((q, k))
     out["attn"] = attention_probs(*query_key_heads(
       q_own, k_own, lw.q_norm, lw.k_norm, config, rope), config, mask)
-  return h1 + _post_norm(down, lw.post_mlp_norm, config), out
+  return h1 + post_norm(down, lw.post_mlp_norm, config), out
 
 
 def _stream_value(values: dict[str, Array], stream: str) -> Array:
@@ -669,7 +669,7 @@ def moe_mlp(
                        "expert_down": hidden, "expert_down.out": down}
 
 
-def _post_norm(
+def post_norm(
   y: Float[Array, "b t d"], w: Optional[Float[Array, " d"]],
   config: glu_config.GluConfig,
 ) -> Float[Array, "b t d"]:
