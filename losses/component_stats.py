@@ -9,6 +9,7 @@ with which others, needs only the CI; the ablation effect needs masked
 forwards, one per component (`ablation_divergence`).
 """
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -52,12 +53,25 @@ def token_windows(
 ) -> tuple[Int[Array, "c k w"], Float[Array, "c k w"]]:
   """Return, per component and top position, the tokens from `before`
   positions before it to `after` after it, and that component's CI on each
-  (`NO_TOKEN` and CI 0 past the sequence's ends)."""
+  (`NO_TOKEN` and CI 0 past the sequence's ends).
+
+  Two equal computations, one per platform: element and slice gathers are
+  cheap on a CPU and the slowest part of a harvest on a TPU, where whole
+  rows gathered and their windows selected by comparison take a seventh of
+  the time (docs/performance.md, "The harvest beside a clean forward")."""
+  gather = functools.partial(sliced_windows, before=before, after=after)
+  select = functools.partial(selected_windows, before=before, after=after)
+  return jax.lax.platform_dependent(tokens, ci, flat_index, cpu=gather,
+                                    default=select)
+
+
+def sliced_windows(
+  tokens: Int[Array, "b t"], ci: Float[Array, "b t c"],
+  flat_index: Int[Array, "c k"], before: int, after: int,
+) -> tuple[Int[Array, "c k w"], Float[Array, "c k w"]]:
+  """`token_windows` as one contiguous slice of a padded row per window."""
   t, w = tokens.shape[1], before + after + 1
   row, column = flat_index // t, flat_index % t
-  # Each window is one contiguous slice of a padded row: a gather of c·k
-  # slices, where one of c·k·w single elements took 85% of a TPU harvest's
-  # batch (docs/performance.md, "The harvest beside a clean forward").
   padded_tokens = jnp.pad(tokens, ((0, 0), (before, after)),
                           constant_values=NO_TOKEN)
   planes = jnp.pad(jnp.moveaxis(ci, -1, 0), ((0, 0), (0, 0), (before, after)))
@@ -71,6 +85,26 @@ def token_windows(
   window = jax.vmap(jax.vmap(token_slice))(row, column)
   window_ci = jax.vmap(jax.vmap(ci_slice, (None, 0, 0)))(planes, row, column)
   return window, window_ci
+
+
+def selected_windows(
+  tokens: Int[Array, "b t"], ci: Float[Array, "b t c"],
+  flat_index: Int[Array, "c k"], before: int, after: int,
+) -> tuple[Int[Array, "c k w"], Float[Array, "c k w"]]:
+  """`token_windows` as each top position's whole row, gathered, with its
+  window's positions picked out by comparison (sums of one term, exact)."""
+  b, t = tokens.shape
+  c = ci.shape[-1]
+  row, column = flat_index // t, flat_index % t
+  planes = jnp.moveaxis(ci, -1, 0).reshape(c * b, t)
+  row_ci = planes[jnp.arange(c)[:, None] * b + row]            # [c, k, t]
+  row_tokens = tokens[row]                                     # [c, k, t]
+  at = column[..., None] + jnp.arange(-before, after + 1)      # [c, k, w]
+  hit = at[..., None] == jnp.arange(t)                         # [c, k, w, t]
+  window = jnp.sum(jnp.where(hit, row_tokens[:, :, None, :], 0), axis=-1)
+  window_ci = jnp.sum(jnp.where(hit, row_ci[:, :, None, :], 0.0), axis=-1)
+  inside = (at >= 0) & (at < t)
+  return jnp.where(inside, window, NO_TOKEN), window_ci
 
 
 def input_rows(

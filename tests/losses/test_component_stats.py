@@ -27,9 +27,14 @@ def direct_windows(tokens, ci, flat_index, before, after):
   return window, window_ci
 
 
+@pytest.mark.parametrize("windows", [
+  component_stats.token_windows, component_stats.sliced_windows,
+  component_stats.selected_windows])
 @pytest.mark.parametrize("before, after", [(3, 2), (0, 0), (7, 0), (0, 9)])
 def test_token_windows_match_direct_computation_at_the_sequence_ends(
-    before, after):
+    windows, before, after):
+  """Each platform's computation, called directly: the CPU runs only its
+  own through `token_windows`."""
   rng = np.random.default_rng(before * 10 + after)
   b, t, c, k = 3, 8, 5, 4
   tokens = rng.integers(0, 50, (b, t)).astype(np.int32)
@@ -39,7 +44,7 @@ def test_token_windows_match_direct_computation_at_the_sequence_ends(
   ends = np.array([0, t - 1, t, 2 * t - 1, 2 * t, b * t - 1])
   flat_index = np.stack([rng.permutation(np.concatenate(
     [ends, rng.integers(0, b * t, 4)]))[:k] for _ in range(c)])
-  got = jax.jit(component_stats.token_windows, static_argnums=(3, 4))(
+  got = jax.jit(windows, static_argnums=(3, 4))(
     tokens, ci, flat_index.astype(np.int32), before, after)
   want = direct_windows(tokens, ci, flat_index, before, after)
   np.testing.assert_array_equal(np.asarray(got[0]), want[0])
