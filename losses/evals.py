@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int, Key
 from decompax.core import masks as masks_lib
 from decompax.core.masks import SiteMask
 from decompax.core.sites import SiteSpec
+from decompax.core.stable_softmax import log_softmax
 
 # Fixed histogram edges, so counts add exactly over any number of batches.
 LOWER_EDGES = np.linspace(0.0, 1.0, 51)
@@ -70,7 +71,7 @@ def cross_entropy(
 
   A negative label marks a position without a target (a sequence's last).
   """
-  log_q = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  log_q = log_softmax(logits.astype(jnp.float32))
   valid = labels >= 0
   picked = jnp.take_along_axis(
     log_q, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]

@@ -22,6 +22,7 @@ from decompax.core import masks as masks_lib
 from decompax.core import sites as sites_lib
 from decompax.core.masks import Routing, SiteMask
 from decompax.core.sites import SiteSpec
+from decompax.core.stable_softmax import log_softmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +110,8 @@ def kl_clean_to_masked(
   masked_logits: Float[Array, "*l v"], clean_logits: Float[Array, "*l v"]
 ) -> Float[Array, ""]:
   """Return `mean_ℓ KL(softmax(clean) ‖ softmax(masked))` in fp32 (I14)."""
-  log_p = jax.nn.log_softmax(clean_logits.astype(jnp.float32), axis=-1)
-  log_q = jax.nn.log_softmax(masked_logits.astype(jnp.float32), axis=-1)
+  log_p = log_softmax(clean_logits.astype(jnp.float32))
+  log_q = log_softmax(masked_logits.astype(jnp.float32))
   kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
   return jnp.mean(kl)
 

@@ -38,6 +38,7 @@ from decompax.core import ci_transformer, site_forward, target
 from decompax.core.masks import SiteMask
 from decompax.core.sites import (
   EMBEDDING, Components, SiteSpec, validate_sites)
+from decompax.core.stable_softmax import log_softmax
 from decompax.targets import glu_config, glu_lm
 
 CPerSite = Union[int, dict[str, int]]
@@ -468,8 +469,8 @@ def position_kl(
 ) -> Float[Array, "*l"]:
   """Return `KL(softmax(clean) ‖ softmax(masked))` at each position, in
   fp32: what `kl_clean_to_masked` averages and `chunked_head_kl` sums."""
-  log_p = jax.nn.log_softmax(clean_logits.astype(jnp.float32), axis=-1)
-  log_q = jax.nn.log_softmax(masked_logits.astype(jnp.float32), axis=-1)
+  log_p = log_softmax(clean_logits.astype(jnp.float32))
+  log_q = log_softmax(masked_logits.astype(jnp.float32))
   return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int, Key
 
+from decompax.core.stable_softmax import log_softmax
 from decompax.targets import glu_config, glu_lm
 
 
@@ -138,8 +139,7 @@ def token_losses(
 ) -> Float[Array, "b t"]:
   """Return −log p of each next token of a `[b, t + 1]` window."""
   inputs, labels = window[:, :-1], window[:, 1:]
-  log_p = jax.nn.log_softmax(
-    logits(weights, inputs, config).astype(jnp.float32), axis=-1)
+  log_p = log_softmax(logits(weights, inputs, config).astype(jnp.float32))
   return -jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]
 
 
