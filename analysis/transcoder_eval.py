@@ -13,7 +13,9 @@ the windows a harvest of the request would read. Per batch:
 - every layer's latent L0 and its prediction's error sums (`tc.Fit`);
 - on a tagged token file, the latents' unit statistics: each latent a
   unit whose activity is its value, exactly as a neuron's or a
-  component's (`unit_statistics`).
+  component's (`unit_statistics`): its part-of-speech statistics and its
+  context statistics (token-implied purity, `losses/tag_context.py`),
+  with the token mix counted over the same positions as the harvest's.
 
 Every batch has `b·(t−1)` labelled positions, so the batches' mean CE is
 the CE over all positions.
@@ -33,7 +35,7 @@ from decompax.analysis import tag_comparison, tag_summary
 from decompax.analysis import transcoder as tc
 from decompax.analysis import transcoder_lm
 from decompax.io import harvest_store
-from decompax.losses import evals, tag_metrics, tag_profile
+from decompax.losses import evals, tag_context, tag_metrics, tag_profile
 from decompax.recipe import assembly
 from decompax.targets import brown_tags, glu_target
 
@@ -43,36 +45,41 @@ PROGRESS_S = 5.0
 
 class UnitStats(NamedTuple):
   """What a set of units' activity gives over a batch, summed over
-  batches: its part-of-speech statistics (`losses/tag_profile.py`).
-
-  The one place a measure of units beyond purity joins: the context
-  measure (a unit's token-implied purity and its purity's excess over it)
-  adds its sufficient statistics as a field here, computed in
-  `unit_statistics` from the same activity, and its summary in
-  `unit_summary`; `bin/train_transcoder`'s results then carry it for
-  every layer's latents."""
+  batches: its part-of-speech statistics (`losses/tag_profile.py`) and
+  its context statistics (`losses/tag_context.py`; None for a harvest
+  that has none)."""
 
   tags: tag_profile.TagStats
+  context: Optional[tag_context.ContextStats]
 
 
 def unit_statistics(activity: Float[Array, "*l u"],
                     positions: tuple[Array, Array, Array],
-                    coarse_of: Int[Array, " f"], n_groups: int) -> UnitStats:
+                    coarse_of: Int[Array, " f"], n_groups: int,
+                    token_ids: Int[Array, "*l"], mix: Float[Array, "v k"]
+                    ) -> UnitStats:
   """Return one batch's `UnitStats` of units with `activity` at positions
-  of `(tags, previous tags, document groups)`."""
-  return UnitStats(tag_profile.batch_tag_stats(
-    activity, *positions, coarse_of, len(brown_tags.COARSE), n_groups))
+  of `(tags, previous tags, document groups)` holding `token_ids`, whose
+  class mix over the judged positions is `mix`."""
+  return UnitStats(
+    tag_profile.batch_tag_stats(activity, *positions, coarse_of,
+                                len(brown_tags.COARSE), n_groups),
+    tag_context.batch_context_stats(activity, token_ids, mix))
 
 
 def zero_units(n_units: int, n_tags: int, n_groups: int) -> UnitStats:
   """Return empty host totals of `UnitStats`."""
-  return UnitStats(tag_profile.zero_tag_stats(
-    n_units, n_tags, len(brown_tags.COARSE), n_groups))
+  n_classes = len(brown_tags.COARSE)
+  return UnitStats(
+    tag_profile.zero_tag_stats(n_units, n_tags, n_classes, n_groups),
+    tag_context.zero_context_stats(n_units, n_classes))
 
 
 def add_units(total: UnitStats, batch: UnitStats) -> UnitStats:
   """Return host totals with one more batch added."""
-  return UnitStats(tag_profile.add_tag_stats(total.tags, batch.tags))
+  return UnitStats(tag_profile.add_tag_stats(total.tags, batch.tags),
+                   tag_context.add_context_stats(total.context,
+                                                 batch.context))
 
 
 def unit_summary(stats: UnitStats) -> dict[str, Any]:
@@ -84,6 +91,18 @@ def unit_summary(stats: UnitStats) -> dict[str, Any]:
   return {kind: tag_summary.summary_record(
     tag_metrics.summarize(counts, base, kind == "weighted"))
           for kind in tag_summary.WEIGHTINGS}
+
+
+def context_summary(name: str, stats: UnitStats, seed: int
+                    ) -> Optional[dict[str, Any]]:
+  """Return a unit set's context measure as the report stores a site's
+  (`tag_summary.context_row`: activity-weighted purity, token-implied
+  purity and excess, robust summaries, always-on units apart); None
+  without context statistics."""
+  if stats.context is None:
+    return None
+  return tag_summary.context_row(
+    tag_comparison.UnitSet(name, stats.tags, stats.context), seed)
 
 
 def eval_settings(run_path: str, run: explore.LoadedRun,
@@ -103,11 +122,11 @@ def _ce(logits: Array, tokens: Int[Array, "b t"]) -> Float[Array, ""]:
 
 
 def make_batch_metrics(run: explore.LoadedRun, ks: dict[int, int],
-                       coarse_of: Optional[np.ndarray], n_groups: int
-                       ) -> Callable:
+                       coarse_of: Optional[np.ndarray], n_groups: int,
+                       mix: Optional[np.ndarray] = None) -> Callable:
   """Return the jitted `metrics(weights, params, tokens, positions) ->
   (scalars, fits, units)` of one batch (see the module docstring; units
-  empty without `coarse_of`)."""
+  empty without `coarse_of`, whose tags' token mix `mix` is)."""
   layers = tuple(ks)
   config = assembly.resolve_target(run.config).record.token_model
   attention = run.config.attention
@@ -134,7 +153,7 @@ def make_batch_metrics(run: explore.LoadedRun, ks: dict[int, int],
                             values[transcoder_lm.mlp_output_tap(i)])
       if coarse_of is not None:
         units[i] = unit_statistics(z, positions, jnp.asarray(coarse_of),
-                                   n_groups)
+                                   n_groups, tokens, jnp.asarray(mix))
     return scalars, fits, units
 
   return jax.jit(metrics)
@@ -171,7 +190,8 @@ def evaluate(run: explore.LoadedRun, params: dict[int, tc.Transcoder],
   batches = harvesting.batch_source(run, settings)
   tags = harvesting.tag_source(settings)
   coarse_of = None if tags is None else tags.coarse_of
-  metrics = make_batch_metrics(run, ks, coarse_of, settings.tag_groups)
+  metrics = make_batch_metrics(run, ks, coarse_of, settings.tag_groups,
+                               None if tags is None else tags.mix)
   scalars = fits = None
   units = None if tags is None else {
     i: zero_units(p.w_enc.shape[1], len(coarse_of), settings.tag_groups)
@@ -201,12 +221,16 @@ def harvest_units(run_path: str, sites: dict[int, tuple[str, ...]]
   found = harvesting.load_harvest(run_path)
   out = {}
   for i, names in sites.items():
-    parts = [tag_comparison.alive_components(found.sites[s]) for s in names]
-    out[i] = {"components": UnitStats(tag_profile.concat_units(parts))}
-    key = f"layers.{i}.mlp.neurons"
-    if key in found.baselines:
-      out[i]["neurons"] = UnitStats(
-        tag_comparison.tag_stats(found.baselines[key]))
+    parts = [tag_comparison.unit_sets(found, s)[0] for s in names]
+    contexts = [p.context for p in parts]
+    out[i] = {"components": UnitStats(
+      tag_profile.concat_units([p.stats for p in parts]),
+      None if None in contexts else tag_context.ContextStats(*(
+        np.concatenate(field) for field in zip(*contexts))))}
+    neurons = [u for u in tag_comparison.unit_sets(found, names[0])
+               if u.name == "neurons"]
+    if neurons:
+      out[i]["neurons"] = UnitStats(neurons[0].stats, neurons[0].context)
   return out
 
 
@@ -215,6 +239,10 @@ def _compared(latents: UnitStats, others: dict[str, UnitStats], seed: int
   """Return the latents' purity summaries beside each other unit set's,
   and the bootstrap of each difference latents − other (weighted)."""
   out = {"latents": unit_summary(latents)}
+  contexts = {name: context_summary(name, units, seed) for name, units in
+              {"latents": latents, **others}.items()}
+  if any(c is not None for c in contexts.values()):
+    out["context"] = contexts
   for name, other in others.items():
     c = tag_metrics.compare(latents.tags, other.tags, seed)
     # The comparison has summarised both sets already.
@@ -254,21 +282,30 @@ def _purity_cell(purity: dict, name: str) -> str:
     found["weighted"]["median_purity"])
 
 
+def _excess_cell(purity: dict, name: str) -> str:
+  found = purity.get("context", {}).get(name)
+  return "—" if found is None else _cell(found["excess"], 3, "+")
+
+
+UNIT_SETS = ("latents", "components", "neurons")
+
+
 def results_table(record: dict[str, Any]) -> str:
   """Return the results as a Markdown table: one row per layer, then the
   model with every layer's transcoder at once."""
   lines = [
     "| layer | k | CI-L0 | latent L0 | FVU | CE spliced | CE − clean | "
-    "purity: latents / components / neurons (weighted median) |",
-    "|---|---|---|---|---|---|---|---|"]
+    "purity: latents / components / neurons (weighted median) | "
+    "excess over token-implied purity (activity-weighted) |",
+    "|---|---|---|---|---|---|---|---|---|"]
   for i, r in record["layers"].items():
     p = r.get("purity", {})
     lines.append(
       f"| {i} | {r['k']} | {_cell(r['ci_l0'], 2)} | "
       f"{_cell(r['latent_l0'], 2)} | {_cell(r['fvu'])} | "
       f"{_cell(r['ce_spliced'], 4)} | {_cell(r['ce_diff'], 4, '+')} | "
-      + " / ".join(_purity_cell(p, n) for n in
-                   ("latents", "components", "neurons")) + " |")
+      + " / ".join(_purity_cell(p, n) for n in UNIT_SETS) + " | "
+      + " / ".join(_excess_cell(p, n) for n in UNIT_SETS) + " |")
   ce = record["ce"]
   masked = ce.get("ci_masked")
   lines += ["", f"Clean CE {_cell(ce['clean'], 4)}; every layer's "

@@ -11,9 +11,9 @@ from decompax.analysis import explore, harvesting, transcoder_eval
 from decompax.analysis import transcoder as tc
 from decompax.analysis import transcoder_lm
 from decompax.io import run_dir
-from decompax.losses import evals, tag_profile
+from decompax.losses import evals, tag_context, tag_profile
 from decompax.recipe import assembly
-from decompax.targets import glu_target
+from decompax.targets import brown_tags, glu_target
 
 LAYER = 1  # the text run decomposes layer 1's MLP
 
@@ -166,14 +166,50 @@ def test_the_evaluation_is_the_direct_computation_on_the_harvest(
                                         others[LAYER], 0)
   assert set(record["purity"]) == {
     "latents", "components", "neurons", "latents_minus_components",
-    "latents_minus_neurons"}
+    "latents_minus_neurons", "context"}
+  assert set(record["purity"]["context"]) == {"latents", "components",
+                                              "neurons"}
+  _context_is_the_direct_one(run, settings, params, evaluation)
   assert record["ce_diff"] == pytest.approx(
     s[f"ce/layer.{LAYER}"] - s["ce/clean"])
+
+
+def _context_is_the_direct_one(run, settings, params, evaluation):
+  """The latents' streamed context statistics against
+  `tag_context.unit_context_purity` of their activity gathered over the
+  same positions, the token mix counted over them."""
+  batches = harvesting.batch_source(run, settings)
+  tags = harvesting.tag_source(settings)
+  tap = transcoder_lm.mlp_input_tap(LAYER)
+  z, ids, classes = [], [], []
+  for b in range(settings.n_batches):
+    tokens = batches(b)
+    _, taps = run.target.clean_forward(run.weights, tokens, (tap,))
+    z.append(np.asarray(tc.encode(params[LAYER], taps[tap], 3)).reshape(
+      -1, params[LAYER].w_enc.shape[1]))
+    ids.append(np.asarray(tokens).reshape(-1))
+    classes.append(tags.coarse_of[np.asarray(tags.read(b)[0]).reshape(-1)])
+  direct = tag_context.unit_context_purity(
+    np.concatenate(z), np.concatenate(ids), np.concatenate(classes),
+    len(brown_tags.COARSE))
+  streamed = evaluation.units[LAYER]
+  counts = tag_profile.class_counts(streamed.tags)
+  got = tag_context.context_purity(counts, streamed.context.implied)
+  fired = np.isfinite(direct.purity)
+  assert fired.any()
+  np.testing.assert_allclose(got.implied_purity[fired],
+                             direct.implied_purity[fired], atol=1e-5)
+  np.testing.assert_allclose(got.excess[fired], direct.excess[fired],
+                             atol=1e-5)
+  np.testing.assert_array_equal(
+    streamed.context.on, (np.concatenate(z) > 0).sum(axis=0))
 
 
 def test_the_table_has_a_row_per_layer_and_the_all_layers_line():
   purity = {n: {"weighted": {"median_purity": v}}
             for n, v in (("latents", 0.5), ("components", 0.25))}
+  purity["context"] = {"latents": {"excess": 0.125}, "components": None,
+                       "neurons": {"excess": -0.0625}}
   record = {"positions": 64, "ce": {"clean": 4.0, "all": 4.5,
                                     "ci_masked": None},
             "layers": {"2": {"k": 3, "ci_l0": 2.6, "latent_l0": 2.5,
@@ -181,7 +217,7 @@ def test_the_table_has_a_row_per_layer_and_the_all_layers_line():
                              "ce_diff": 0.25, "purity": purity}}}
   lines = transcoder_eval.results_table(record).splitlines()
   assert lines[2] == ("| 2 | 3 | 2.60 | 2.50 | 0.125 | 4.2500 | +0.2500 | "
-                      "0.500 / 0.250 / — |")
+                      "0.500 / 0.250 / — | +0.125 / — / -0.062 |")
   assert lines[-1] == (
     "Clean CE 4.0000; every layer's transcoder at once 4.5000 (+0.5000); "
     "the decomposition under its CI masks not measured, over 64 positions.")
