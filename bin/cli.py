@@ -54,6 +54,14 @@ def grouped_help(groups: HelpGroups,
   return "\n\n".join(parts)
 
 
+def project_flags(flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
+  """Return the names of the flags decompax's own modules define, in the
+  order absl lists their modules."""
+  return [flag.name
+          for module, defined in flag_values.flags_by_module_dict().items()
+          if module.startswith("decompax.") for flag in defined]
+
+
 class _GroupedHelpfull(flags.BooleanFlag):
   """absl's `--helpfull`, its text from `grouped_help`."""
 
@@ -72,12 +80,13 @@ class _GroupedHelpfull(flags.BooleanFlag):
 def launch(program: str, main: Callable[[list[str]], None],
            help_groups: HelpGroups = ()) -> None:
   """Run `main` as an absl app whose flag errors are one-line errors;
-  `--helpfull` lists the flags of `help_groups` first."""
-  if help_groups:
-    app.define_help_flags()  # once per process; app.run keeps these
-    delattr(flags.FLAGS, "helpfull")
-    flags.DEFINE_flag(_GroupedHelpfull(program, help_groups),
-                      module_name="absl.app")
+  `--helpfull` lists the flags of `help_groups` first (by default, every
+  flag decompax's modules define, before absl's and the libraries')."""
+  help_groups = help_groups or ((f"{program}", project_flags()),)
+  app.define_help_flags()  # once per process; app.run keeps these
+  delattr(flags.FLAGS, "helpfull")
+  flags.DEFINE_flag(_GroupedHelpfull(program, help_groups),
+                    module_name="absl.app")
 
   def parse_flags(argv: list[str]) -> list[str]:
     try:

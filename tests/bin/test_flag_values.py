@@ -149,3 +149,20 @@ def test_helpfull_lists_bin_train_s_own_flags_first_by_topic():
       assert start < shown < others, name
   # absl's own flags are still there, after.
   assert "--flagfile:" in text[others:]
+
+
+def test_helpfull_of_any_binary_lists_decompax_s_flags_before_absl_s():
+  values = flags.FlagValues()
+  flags.DEFINE_integer("own_count", 1, "A binary's own.", flag_values=values,
+                       module_name="decompax.bin.some_binary")
+  flags.DEFINE_string("library_option", "", "A library's.",
+                      flag_values=values, module_name="absl.app")
+  flags.DEFINE_string("shared_option", "", "A decompax helper module's.",
+                      flag_values=values,
+                      module_name="decompax.bin.placement_flags")
+  names = cli.project_flags(values)
+  assert sorted(names) == ["own_count", "shared_option"]
+  text = cli.grouped_help((("some_binary", names),), values)
+  assert text.startswith("some_binary:\n")
+  assert (text.index("--own_count:") < text.index("absl.app:\n")
+          < text.index("--library_option:"))

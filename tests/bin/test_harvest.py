@@ -108,7 +108,8 @@ def test_the_binary_lists_the_placement_flags_as_its_own():
     cwd=ROOT, capture_output=True, text=True, timeout=120,
     env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert result.returncode == 0, result.stderr
-  own = result.stdout.split("decompax.bin.harvest:\n")[1].split("\n\n")[0]
+  # The binary's own flags come first, under its name.
+  own = result.stdout.split("flags:\n\nharvest:\n")[1].split("\n\n")[0]
   for name in ("run_dir", "batch_size", *placement_flags.NAMES):
     assert f"  --{name}:" in own, name
 
