@@ -52,12 +52,12 @@ from decompax.core import train_step
 from decompax.io import harvest_store
 from decompax.io import tokens as tokens_lib
 from decompax.losses import component_stats as stats_lib
-from decompax.losses import evals
-from decompax.losses import tag_context, tag_profile, unit_activity
+from decompax.losses import evals, tag_context, tag_profile, unit_activity
 from decompax.placement import shardings, transfer
 from decompax.placement import table as table_lib
 from decompax.recipe import assembly, lm
-from decompax.targets import brown, brown_tags, glu_lm, registry
+from decompax.targets import (
+  brown, brown_tags, glu_block, glu_norms, glu_weights, registry)
 
 class Stopped(Exception):
   """The harvest stopped when asked, its progress saved: `done` batches
@@ -105,7 +105,7 @@ SITE_BASELINES = ("density_matched", "top_k")
 class MlpForm(NamedTuple):
   """How a model's MLP neurons are formed: `act(gate)·up` when `gated`,
   else `act(up)`; a mixture of experts' `routing` gives each expert's
-  weights from the router logits (`glu_lm.routing_weights`)."""
+  weights from the router logits (`glu_block.routing_weights`)."""
 
   gated: bool = True
   act: Callable[[jax.Array], jax.Array] = jax.nn.silu
@@ -118,9 +118,9 @@ def mlp_form(run: explore.LoadedRun) -> MlpForm:
   model = assembly.resolve_target(run.config).record.token_model
   if model is None:
     return MlpForm()
-  routing = (lambda logits: glu_lm.routing_weights(logits, model)
+  routing = (lambda logits: glu_block.routing_weights(logits, model)
              ) if model.moe else None
-  return MlpForm(model.gated, glu_lm.activation(model), routing)
+  return MlpForm(model.gated, glu_norms.activation(model), routing)
 
 
 # An MLP with baselines: a layer's (its index), or one expert's of a
@@ -506,11 +506,11 @@ def baseline_layers(run: explore.LoadedRun) -> tuple[MlpUnit, ...]:
   targets): layers, or a mixture of experts' `(layer, expert)`."""
   units = set()
   for s in run.target.sites:
-    parsed = glu_lm.parse_site(s.name)
+    parsed = glu_weights.parse_site(s.name)
     if parsed is not None and parsed[1] in ("gate", "up", "down"):
       units.add(parsed[0])
-    elif parsed is not None and parsed[1] in glu_lm.EXPERT_ROLES:
-      units.add((parsed[0], glu_lm.site_expert(s.name)))
+    elif parsed is not None and parsed[1] in glu_weights.EXPERT_ROLES:
+      units.add((parsed[0], glu_weights.site_expert(s.name)))
   return tuple(sorted(units))
 
 
@@ -520,17 +520,17 @@ def site_mlps(run: explore.LoadedRun) -> tuple[tuple[str, MlpUnit], ...]:
   expert's."""
   out = []
   for s in run.target.sites:
-    parsed = glu_lm.parse_site(s.name)
+    parsed = glu_weights.parse_site(s.name)
     if parsed is not None and parsed[1] in ("gate", "up", "down"):
       out.append((s.name, parsed[0]))
-    elif parsed is not None and parsed[1] in glu_lm.EXPERT_ROLES:
-      out.append((s.name, (parsed[0], glu_lm.site_expert(s.name))))
+    elif parsed is not None and parsed[1] in glu_weights.EXPERT_ROLES:
+      out.append((s.name, (parsed[0], glu_weights.site_expert(s.name))))
   return tuple(out)
 
 
 def head_layers(run: explore.LoadedRun) -> tuple[int, ...]:
   """Return the layers with a decomposed attention site (a GLU model's)."""
-  parsed = (glu_lm.parse_site(s.name) for s in run.target.sites)
+  parsed = (glu_weights.parse_site(s.name) for s in run.target.sites)
   return tuple(sorted({p[0] for p in parsed
                        if p is not None and p[1] in ("q", "k", "v", "o")}))
 
@@ -548,7 +548,7 @@ def baseline_keys(layers: tuple[MlpUnit, ...],
     f"{site}.{kind}" for site, _ in sites for kind in SITE_BASELINES)
 
 
-def _layer_o(weights: glu_lm.GluWeights, layer: int) -> jax.Array:
+def _layer_o(weights: glu_weights.GluWeights, layer: int) -> jax.Array:
   """Return `o_proj` of a layer from whichever stored stack holds it."""
   at = 0
   for stack in (weights.prefix, weights.span, weights.tail):
@@ -569,7 +569,7 @@ def _mlp_taps(layers: tuple[MlpUnit, ...], mlp: MlpForm = MlpForm()
               ) -> tuple[str, ...]:
   roles = ("gate", "up") if mlp.gated else ("up",)
   routers = tuple(dict.fromkeys(
-    glu_lm.router_tap(i[0]) for i in layers if isinstance(i, tuple)))
+    glu_weights.router_tap(i[0]) for i in layers if isinstance(i, tuple)))
   return tuple(f"{mlp_prefix(i)}.{role}_proj.out" for i in layers
                for role in roles) + routers
 
@@ -632,7 +632,7 @@ def _mlp_activity(taps: dict[str, jax.Array], unit: MlpUnit,
     return out
   # An expert's units count where its output does: by its routing weight
   # (≥ 0, so each stays a positive part).
-  weight = mlp.routing(taps[glu_lm.router_tap(unit[0])])[..., unit[1], None]
+  weight = mlp.routing(taps[glu_weights.router_tap(unit[0])])[..., unit[1], None]
   return {k: a * weight.astype(a.dtype) for k, a in out.items()}
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from decompax.analysis import harvesting as harvest_lib
 from decompax.losses import tag_context, tag_metrics, tag_profile
-from decompax.targets import glu_lm
+from decompax.targets import glu_weights
 
 TOTAL = "total"
 
@@ -52,12 +52,12 @@ def baselines_of(site: str) -> tuple[tuple[str, str], ...]:
   (`SITE_BASELINES`), its layer's gates and rotated neurons (an expert's
   site's, its expert's), an attention site's layer's heads (none for
   other sites)."""
-  parsed = glu_lm.parse_site(site)
+  parsed = glu_weights.parse_site(site)
   if parsed is None:
     return ()
   layer, role, _ = parsed
-  if role in glu_lm.EXPERT_ROLES:
-    unit = (layer, glu_lm.site_expert(site))
+  if role in glu_weights.EXPERT_ROLES:
+    unit = (layer, glu_weights.site_expert(site))
   elif role in ("gate", "up", "down"):
     unit = layer
   else:

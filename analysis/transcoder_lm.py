@@ -29,7 +29,8 @@ from decompax.analysis import explore, harvesting
 from decompax.analysis import transcoder as tc
 from decompax.io import harvest_store, run_dir
 from decompax.io import tokens as tokens_lib
-from decompax.targets import glu_lm
+from decompax.targets import (
+  glu_attention, glu_block, glu_lm, glu_norms, glu_weights)
 
 
 def mlp_input_tap(layer: int) -> str:
@@ -56,8 +57,8 @@ def layer_sites(run: explore.LoadedRun) -> dict[int, tuple[str, ...]]:
                      "transcoder stands in for an MLP")
   sites = {}
   for s in run.target.sites:
-    parsed = glu_lm.parse_site(s.name)
-    if parsed is not None and parsed[1] in glu_lm.MLP_ROLES:
+    parsed = glu_weights.parse_site(s.name)
+    if parsed is not None and parsed[1] in glu_weights.MLP_ROLES:
       sites[parsed[0]] = sites.get(parsed[0], ()) + (s.name,)
   return dict(sorted(sites.items()))
 
@@ -117,8 +118,8 @@ def matched_k(l0: dict[int, float]) -> dict[int, int]:
   return {i: max(1, int(round(v))) for i, v in l0.items()}
 
 
-def layer_weights(weights: glu_lm.GluWeights, layer: int
-                  ) -> glu_lm.LayerStack:
+def layer_weights(weights: glu_weights.GluWeights, layer: int
+                  ) -> glu_weights.LayerStack:
   """Return one layer's weights (leaves without the layer axis) from
   whichever stored stack holds it."""
   at = 0
@@ -137,34 +138,34 @@ Replace = dict[int, Callable[[Array], Array]]
 
 
 def spliced_logits(
-  weights: glu_lm.GluWeights, config, attention: str,
+  weights: glu_weights.GluWeights, config, attention: str,
   start: Float[Array, "b t d"], first: int, replace: Replace,
 ) -> Float[Array, "b t v"]:
   """Return the logits of the model run from the residual `start`
   entering block `first`, each layer of `replace` adding its stand-in's
   output where its MLP's would be (every other block as it is)."""
   t = start.shape[1]
-  rope = glu_lm.rope_tables(config, t)
-  tables = glu_lm.window_tables(config, t, rope) if config.windowed else None
-  attend = glu_lm.attention_fn(attention)
-  site = lambda r, x, w: glu_lm.frozen_site(r, x, w, None)  # noqa: E731
+  rope = glu_attention.rope_tables(config, t)
+  tables = glu_attention.window_tables(config, t, rope) if config.windowed else None
+  attend = glu_attention.attention_fn(attention)
+  site = lambda r, x, w: glu_block.frozen_site(r, x, w, None)  # noqa: E731
   h = start
   for i in range(first, config.n_layers):
     lw = layer_weights(weights, i)
     layer_rope, mask = ((rope, None) if tables is None else
-                        glu_lm.pick_layer(tables, i in config.local_layers))
+                        glu_attention.pick_layer(tables, i in config.local_layers))
     streams = ("up", "o.out") if i in replace else ()
-    out, values = glu_lm.block(h, lw, site, config, layer_rope, attend,
-                               streams, mask)
+    out, values = glu_block.block(h, lw, site, config, layer_rope, attend,
+                                  streams, mask)
     if i in replace:
       # As the block adds each sublayer: through its sandwich norm.
-      h1 = h + glu_lm.post_norm(values["o.out"], lw.post_attn_norm, config)
-      out = h1 + glu_lm.post_norm(replace[i](values["up"]),
-                                  lw.post_mlp_norm, config)
+      h1 = h + glu_norms.post_norm(values["o.out"], lw.post_attn_norm, config)
+      out = h1 + glu_norms.post_norm(replace[i](values["up"]),
+                                     lw.post_mlp_norm, config)
     h = out
-  x = glu_lm.norm(h, weights.norm, weights.norm_bias, config)
-  return glu_lm.softcap(glu_lm.head_logits(weights, x),
-                        config.final_softcap)
+  x = glu_norms.norm(h, weights.norm, weights.norm_bias, config)
+  return glu_norms.softcap(glu_lm.head_logits(weights, x),
+                           config.final_softcap)
 
 
 def mlp_pairs(run: explore.LoadedRun, weights, tokens: Int[Array, "b t"],

@@ -23,12 +23,11 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from decompax.analysis import explore
-from decompax.analysis import harvesting
-from decompax.io import hf_checkpoint
-from decompax.io import tokens
+from decompax.analysis import explore, harvesting
+from decompax.io import hf_checkpoint, tokens
 from decompax.recipe.flagfiles import read_args
-from decompax.targets import brown, brown_tags, glu_lm, glu_target, text_lm
+from decompax.targets import (
+  brown, brown_tags, glu_arrays, glu_sites, glu_weights, text_lm)
 
 from bench import ROOT, random_lm
 
@@ -62,14 +61,14 @@ def random_run(layers: int, c: int, seq_len: int, model_dir: str,
   shape = dataclasses.replace(text_lm.PRESETS[preset], n_layers=layers)
   model = text_lm.model_config(shape)
   hf_checkpoint.write_llama_checkpoint(
-    model_dir, glu_target.weights_to_arrays(
+    model_dir, glu_arrays.weights_to_arrays(
       text_lm.init(jax.random.key(0), shape)), model, {"eos_token_id": 0})
   config = read_args([f"--flagfile={ROOT / 'flags' / 'brown_s.flags'}",
                       f"--model_dir={model_dir}", f"--c={c}",
                       f"--seq_len={seq_len}",
                       "--faithfulness_warmup_steps=0"])
-  names = tuple(glu_lm.site_name(i, r) for i in range(layers) for r in ROLES)
-  sites = glu_target.site_specs(model, names, c)
+  names = tuple(glu_weights.site_name(i, r) for i in range(layers) for r in ROLES)
+  sites = glu_sites.site_specs(model, names, c)
   return random_lm.loaded_run(config, model, sites)
 
 

@@ -26,7 +26,7 @@ from absl import app, flags
 
 from decompax.analysis import explore
 from decompax.recipe.flagfiles import read_args
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import glu_config, glu_sites, glu_weights
 
 from bench import ROOT, random_lm
 
@@ -56,8 +56,8 @@ def random_run(model: glu_config.GluConfig, layer: int, c: int,
   config = read_args([f"--flagfile={ROOT / 'flags' / 'tiny_llama.flags'}",
                       f"--c={c}", "--batch_size=1", f"--seq_len={seq_len}",
                       "--faithfulness_warmup_steps=0"])
-  names = tuple(glu_lm.site_name(layer, r) for r in ("gate", "up", "down"))
-  sites = glu_target.site_specs(model, names, c)
+  names = tuple(glu_weights.site_name(layer, r) for r in ("gate", "up", "down"))
+  sites = glu_sites.site_specs(model, names, c)
   return random_lm.loaded_run(config, model, sites)
 
 

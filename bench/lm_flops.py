@@ -28,7 +28,7 @@ that the two counts check each other. It follows how the step runs (SPEC
   * faithfulness forms `V·U` per site twice (forward, and again in its
     rematerialised backward) and both factor gradients;
   * with `--output_chunk` the head runs inside each masked forward's
-    chunked KL (`glu_target.chunked_head_kl`), on the positions padded to
+    chunked KL (`glu_divergence.chunked_head_kl`), on the positions padded to
     whole chunks: the clean and the masked logits forward and again in
     the backward, and the backward's product, five products a forward; an
     ascent's forward value is never read, so XLA keeps only its backward's
@@ -54,7 +54,7 @@ from typing import NamedTuple
 from decompax.core.sites import SiteSpec
 from decompax.recipe import terms as terms_lib
 from decompax.recipe.config import TrainConfig
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import glu_config, glu_sites, glu_weights
 
 # Matrices each role's input depends on within its block.
 UPSTREAM = {"q": (), "k": (), "v": (), "o": ("q", "k", "v"),
@@ -116,7 +116,7 @@ def check_covered(config: TrainConfig) -> None:
 def _roles(sites: tuple[SiteSpec, ...]) -> tuple[int, dict[str, int]]:
   """Return the sites' one layer and each decomposed role's C (an expert
   role's: one C for all its experts' sites, which run as one kind)."""
-  parsed = [glu_lm.parse_site(s.name) for s in sites]
+  parsed = [glu_weights.parse_site(s.name) for s in sites]
   layers = {p[0] for p in parsed if p is not None}
   if None in parsed or len(layers) != 1:
     raise ValueError("the analytic FLOP count covers matrices of one layer; "
@@ -134,9 +134,9 @@ def _partial(model: glu_config.GluConfig, sites: tuple[SiteSpec, ...]
   """Return the expert roles whose sites leave some expert out."""
   experts: dict[str, set] = {}
   for s in sites:
-    role = glu_lm.parse_site(s.name)[1]
-    if role in glu_lm.EXPERT_ROLES:
-      experts.setdefault(role, set()).add(glu_lm.site_expert(s.name))
+    role = glu_weights.parse_site(s.name)[1]
+    if role in glu_weights.EXPERT_ROLES:
+      experts.setdefault(role, set()).add(glu_weights.site_expert(s.name))
   return frozenset(r for r, es in experts.items()
                    if len(es) < model.n_experts)
 
@@ -145,19 +145,19 @@ def _times(model: glu_config.GluConfig, role: str) -> int:
   """Return how many matrices of `role` a block runs at every position:
   an expert role's every expert (the forward weights the unrouted ones by
   0 rather than skipping them, design §9.5), else one."""
-  return model.n_experts if role in glu_lm.EXPERT_ROLES else 1
+  return model.n_experts if role in glu_weights.EXPERT_ROLES else 1
 
 
 def _matrix(model: glu_config.GluConfig, role: str) -> float:
   """Return a role's frozen forward FLOPs per token, all its experts'."""
   return 2.0 * _times(model, role) * math.prod(
-    glu_target.role_dims(model, role))
+    glu_sites.role_dims(model, role))
 
 
 def _routing(model: glu_config.GluConfig) -> tuple[float, float]:
   """Return a mixture of experts' per-token contractions besides its
   experts: the router's logits and the top-k weights placed among the
-  experts (`glu_lm.routing_weights`' one-hot product), then the weighted
+  experts (`glu_block.routing_weights`' one-hot product), then the weighted
   sum of the experts' outputs; (0, 0) for a dense MLP."""
   if not model.moe:
     return 0.0, 0.0
@@ -172,7 +172,7 @@ def _attention(model: glu_config.GluConfig, t: int) -> float:
 
 def _frozen_block(model: glu_config.GluConfig, t: int) -> float:
   """Return one frozen block's forward FLOPs per token."""
-  return (sum(_matrix(model, r) for r in glu_lm.model_roles(model))
+  return (sum(_matrix(model, r) for r in glu_weights.model_roles(model))
           + _attention(model, t) + sum(_routing(model)))
 
 
@@ -189,12 +189,12 @@ def _span(model: glu_config.GluConfig, c_of: dict[str, int], t: int,
 
   A live expert role runs every expert decomposed (factors of experts
   without a site are zero), and its frozen products beside
-  (`glu_target._expert_site` keeps the decomposed output where the site
+  (`glu_kinds._expert_site` keeps the decomposed output where the site
   is): the rematerialised forward and the input gradient run them, the
   forward only for the `partial` roles (some expert without a site),
   since for the others XLA resolves the select to the decomposed side."""
-  roles = glu_lm.model_roles(model)
-  dims = {r: glu_target.role_dims(model, r) for r in roles}
+  roles = glu_weights.model_roles(model)
+  dims = {r: glu_sites.role_dims(model, r) for r in roles}
   n = {r: _times(model, r) for r in roles}
   live_input = {r: any(u in c_of for u in UPSTREAM[r]) for r in roles}
   attention = _attention(model, t)
@@ -214,7 +214,7 @@ def _span(model: glu_config.GluConfig, c_of: dict[str, int], t: int,
 
   def frozen_too(r: str) -> float:
     d_in, d_out = dims[r]
-    expert = r in c_of and r in glu_lm.EXPERT_ROLES
+    expert = r in c_of and r in glu_weights.EXPERT_ROLES
     return 2.0 * n[r] * d_in * d_out if expert else 0.0
 
   def forward(r: str) -> float:

@@ -80,7 +80,7 @@ from decompax.core.sites import SiteSpec
 from decompax.recipe import assembly
 from decompax.recipe.config import TrainConfig
 from decompax.recipe.flagfiles import read_args
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import glu_config, glu_sites, glu_weights
 
 from bench import hlo_flops, hlo_work, lm_flops, random_lm
 # Its variants are compiled, stepped and timed as bench/prefix.py does; the
@@ -232,14 +232,14 @@ def l18_sites(config: TrainConfig, model: glu_config.GluConfig,
   if not 0 < layer < model.n_layers:
     raise ValueError(f"block {layer} is not a block with a prefix of the "
                      f"{model.n_layers}-layer model (1..{model.n_layers - 1})")
-  parsed = [glu_lm.parse_site(name) for name in config.sites]
+  parsed = [glu_weights.parse_site(name) for name in config.sites]
   if None in parsed:
     raise ValueError(f"the bench moves one block's projections to --layer; "
                      f"sites {list(config.sites)} name others (embed_tokens "
                      "or lm_head are not a block's)")
   roles = [p[1] for p in parsed]
-  names = tuple(glu_lm.site_name(layer, role) for role in roles)
-  return glu_target.site_specs(model, names, config.c)
+  names = tuple(glu_weights.site_name(layer, role) for role in roles)
+  return glu_sites.site_specs(model, names, config.c)
 
 
 def check_settings(settings: Settings) -> None:

@@ -29,12 +29,12 @@ def recipe(batch: int, seq_len: int, c: int):
 def mlp_site_names(glu, layer: int) -> tuple[str, ...]:
   """Return a layer's MLP matrices in site order: gate (where the MLP is
   gated), up and down, or every expert's of a mixture of experts."""
-  from decompax.targets import glu_lm
+  from decompax.targets import glu_weights
   if glu.moe:
-    return tuple(glu_lm.site_name(layer, r, e) for e in range(glu.n_experts)
-                 for r in glu_lm.EXPERT_ROLES)
-  return tuple(glu_lm.site_name(layer, r) for r in ("gate", "up", "down")
-               if r in glu_lm.model_roles(glu))
+    return tuple(glu_weights.site_name(layer, r, e) for e in range(glu.n_experts)
+                 for r in glu_weights.EXPERT_ROLES)
+  return tuple(glu_weights.site_name(layer, r) for r in ("gate", "up", "down")
+               if r in glu_weights.model_roles(glu))
 
 
 def build(config, layer: int, model: str = "llama-3.1-8b"):
@@ -45,18 +45,20 @@ def build(config, layer: int, model: str = "llama-3.1-8b"):
   import jax.numpy as jnp
   from decompax.recipe import assembly
   from decompax.targets import glu_config, glu_target
+  from decompax.targets import glu_arrays
+  from decompax.targets import glu_sites
   from decompax.targets import record as target_record
 
   glu = glu_config.config_from_hf(json.loads(
     (CONFIGS / model / "config.json").read_text()))
   names = mlp_site_names(glu, layer)
-  sites = glu_target.site_specs(glu, names, config.c)
+  sites = glu_sites.site_specs(glu, names, config.c)
   target = glu_target.target_fns(glu, sites, config.attention, remat=True,
                                  output_chunk=config.output_chunk)
-  seg = glu_target.span_segments(glu, sites)
+  seg = glu_sites.span_segments(glu, sites)
   arrays = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-            for k, s in glu_target.array_shapes(glu).items()}
-  weights = jax.eval_shape(lambda a: glu_target.weights_from_arrays(
+            for k, s in glu_arrays.array_shapes(glu).items()}
+  weights = jax.eval_shape(lambda a: glu_arrays.weights_from_arrays(
     a, glu, seg, jnp.bfloat16), arrays)
 
   def sample_inputs(key, batch_size):

@@ -43,7 +43,7 @@ from decompax.core.sites import SiteSpec
 from decompax.recipe import assembly
 from decompax.recipe.config import TrainConfig
 from decompax.recipe.flagfiles import read_args
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import glu_config, glu_sites, glu_weights
 
 from bench import hlo_flops, random_lm
 
@@ -84,8 +84,8 @@ def recipe(batch: int, seq_len: int, c: int) -> TrainConfig:
 def block_sites(config: TrainConfig, model: glu_config.GluConfig,
                 layer: int) -> tuple[SiteSpec, ...]:
   """Return the sites of block `layer` whole (all 7 matrices)."""
-  names = tuple(glu_lm.site_name(layer, r) for r in glu_lm.ROLES)
-  return glu_target.site_specs(model, names, config.c)
+  names = tuple(glu_weights.site_name(layer, r) for r in glu_weights.ROLES)
+  return glu_sites.site_specs(model, names, config.c)
 
 
 def build_pair(config: TrainConfig, model: glu_config.GluConfig,

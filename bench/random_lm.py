@@ -4,7 +4,7 @@ checkpoint.
 A step's cost does not depend on the frozen weights' values, so the
 benchmarks build a model of a checkpoint's shapes (or a narrower one) with
 random weights, drawn on the device in the compute dtype: matrices
-`N(0, 1/d_in)`, norms near 1 (as `glu_lm.init_stack`), embeddings and head
+`N(0, 1/d_in)`, norms near 1 (as `glu_weights.init_stack`), embeddings and head
 `N(0, 1)`.
 The run is built as `bin/train` builds `--target=hf` (`lm.hf_target`): the
 named sites, every decoder block rematerialised in masked forwards, batches
@@ -25,23 +25,24 @@ from decompax.core.sites import SiteSpec
 from decompax.io import decomposition as decomposition_lib
 from decompax.recipe import assembly
 from decompax.recipe.config import TrainConfig
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_config, glu_sites, glu_target, glu_weights)
 from decompax.targets import record as target_record
 
 
 def random_weights(key: Key[Array, ""], model: glu_config.GluConfig,
                    sites: tuple[SiteSpec, ...],
-                   dtype: Any = jnp.bfloat16) -> glu_lm.GluWeights:
+                   dtype: Any = jnp.bfloat16) -> glu_weights.GluWeights:
   """Return random frozen weights of `model` in `dtype`, stored in the
   three stacks around the sites' span, drawn by one jitted call."""
-  seg = glu_target.span_segments(model, sites)
+  seg = glu_sites.span_segments(model, sites)
   return _draw(key, model, seg, jnp.dtype(dtype))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _draw(key: Key[Array, ""], model: glu_config.GluConfig,
-          seg: glu_lm.Segments, dtype: Any) -> glu_lm.GluWeights:
-  shapes = glu_target.layer_array_shapes(model)
+          seg: glu_weights.Segments, dtype: Any) -> glu_weights.GluWeights:
+  shapes = glu_arrays.layer_array_shapes(model)
   sizes = [math.prod(shape) for shape in shapes.values()]
   layer_key, vocab_key = jax.random.split(key)
   # One draw per layer, vmapped, then cut into leaves: on CPU XLA takes
@@ -55,17 +56,17 @@ def _draw(key: Key[Array, ""], model: glu_config.GluConfig,
     # Matrices `[.., d_in, d_out]` (an expert stack's lead with experts).
     leaves[name] = (values / math.sqrt(shape[-2]) if len(shape) >= 2
                     else 1 + 0.1 * values)
-  prefix, span, tail = glu_lm.split_stacks(glu_lm.layer_stack(**leaves), seg)
+  prefix, span, tail = glu_weights.split_stacks(glu_weights.layer_stack(**leaves), seg)
   vocab = jax.random.normal(vocab_key, (2, model.vocab_size, model.d_model),
                             dtype)
-  return glu_lm.GluWeights(
+  return glu_weights.GluWeights(
     embed=vocab[0], prefix=prefix, span=span, tail=tail,
     norm=jnp.ones(model.d_model, dtype),
     head=None if model.tied else vocab[1])
 
 
 def build_run(config: TrainConfig, model: glu_config.GluConfig,
-              sites: tuple[SiteSpec, ...], weights: glu_lm.GluWeights,
+              sites: tuple[SiteSpec, ...], weights: glu_weights.GluWeights,
               prefix_sharing: bool = True) -> assembly.Run:
   """Return the run decomposing `sites` of `model` with `weights`, as
   `bin/train` builds it for `--target=hf`; with `prefix_sharing` off,

@@ -41,7 +41,7 @@ from absl import flags, logging
 from decompax.bin import cli, device_memory
 from decompax.io import hf_checkpoint, owned_dir, run_dir, tree_npz
 from decompax.io import tokens as tokens_lib
-from decompax.targets import brown, glu_target, text_lm
+from decompax.targets import brown, glu_arrays, text_lm
 
 FAULT_ENV = "DECOMPAX_FAULT"
 # The step counter (`TrainState.step`) is int32.
@@ -282,7 +282,7 @@ def export(path: str, data_dir: str, weights, preset) -> None:
   """Write the Hugging Face directory of the trained weights into `path`."""
   owned_dir.record(path, *HF_FILES)
   config = text_lm.model_config(preset)
-  arrays = glu_target.weights_to_arrays(jax.device_get(weights))
+  arrays = glu_arrays.weights_to_arrays(jax.device_get(weights))
   hf_checkpoint.write_llama_checkpoint(
     path, arrays, config, {"bos_token_id": None, "pad_token_id": None,
                            "eos_token_id": 0})

@@ -7,13 +7,12 @@ ValueError naming the setting at fault (`config.setting`).
 
 import jax
 
-from decompax.core import ci_fns, ci_transformer, optim, schedules
+from decompax.core import ci_fns, ci_transformer, optim, schedules, train_step
 from decompax.core import sites as sites_lib
-from decompax.core import train_step
 from decompax.core.schedules import Schedule
 from decompax.recipe import lm, streams, terms
 from decompax.recipe.config import TrainConfig, setting
-from decompax.targets import glu_config, glu_target
+from decompax.targets import glu_config, glu_sites
 
 
 def select_sites(
@@ -114,7 +113,7 @@ def ci_config(
 
   For a language model (`model`), the transformer CI has one chunk per
   decomposed block reading `resid.<block>` (SPEC §4.3,
-  `glu_target.ci_chunks`); without one, one chunk per site reading that
+  `glu_sites.ci_chunks`); without one, one chunk per site reading that
   site's input.
   """
   with setting("ci_roles"):
@@ -127,7 +126,7 @@ def ci_config(
                              roles=config.ci_roles)
   chunks, widths = (), ()
   if model is not None:
-    chunks, widths = glu_target.ci_chunks(model, tuple(sites))
+    chunks, widths = glu_sites.ci_chunks(model, tuple(sites))
   return ci_fns.CIConfig("transformer", config.ci_hidden,
                          ci_transformer.TransformerCIConfig(
     chunks=chunks, tap_widths=widths, d_model=config.ci_d_model,

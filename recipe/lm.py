@@ -22,7 +22,8 @@ import numpy as np
 from decompax.core import target as target_lib
 from decompax.io import hf_checkpoint
 from decompax.recipe.config import setting
-from decompax.targets import glu_config, glu_lm, glu_target, record
+from decompax.targets import (
+  glu_arrays, glu_config, glu_sites, glu_target, glu_weights, record)
 
 HF = "hf"
 _DTYPES = {"bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
@@ -44,11 +45,11 @@ def expand_sites(
   """
   for pattern in patterns:
     if not fnmatch.filter(names, pattern):
-      parsed = [p for p in map(glu_lm.parse_site, names) if p is not None]
-      mlp = ",".join(r for r in glu_lm.ROLES[4:]
+      parsed = [p for p in map(glu_weights.parse_site, names) if p is not None]
+      mlp = ",".join(r for r in glu_weights.ROLES[4:]
                      if any(p[1] == r for p in parsed))
-      ends = [n for n in glu_lm.END_SITES if n in names]
-      experts = [e for e in map(glu_lm.site_expert, names) if e is not None]
+      ends = [n for n in glu_weights.END_SITES if n in names]
+      experts = [e for e in map(glu_weights.site_expert, names) if e is not None]
       # A mixture-of-experts model's MLP sites are its experts'.
       mlp_sites = (f" and layers.<i>.mlp.{{{mlp}}}_proj" if mlp else
                    " and layers.<i>.mlp.experts.<e>.{gate,up,down}_proj, "
@@ -77,17 +78,17 @@ def hf_target(config) -> record.Resolved:
                      f"max_position_embeddings {glu.max_position}")
   # Without --sites, every projection; the embedding and the head only
   # when named (design §9.2).
-  names = (expand_sites(glu_target.selectable_site_names(glu), config.sites)
-           if config.sites else glu_target.all_site_names(glu))
-  sites = glu_target.site_specs(glu, names, config.c)
+  names = (expand_sites(glu_sites.selectable_site_names(glu), config.sites)
+           if config.sites else glu_sites.all_site_names(glu))
+  sites = glu_sites.site_specs(glu, names, config.c)
   fns = glu_target.target_fns(glu, sites, config.attention, remat=True,
                                output_chunk=config.output_chunk)
-  seg = glu_target.span_segments(glu, sites)
+  seg = glu_sites.span_segments(glu, sites)
   jnp_dtype, np_dtype = _DTYPES[config.compute_dtype]
 
   def load():
     arrays = hf_checkpoint.load_model_arrays(glu, model_dir, np_dtype)
-    return glu_target.weights_from_arrays(arrays, glu, seg, jnp_dtype)
+    return glu_arrays.weights_from_arrays(arrays, glu, seg, jnp_dtype)
 
   def sample_inputs(key, batch_size):
     return jax.random.randint(key, (batch_size, config.seq_len), 0,

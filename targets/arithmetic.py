@@ -26,7 +26,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int, Key
 
 from decompax.core import sites, target
-from decompax.targets import glu_config, glu_lm, glu_target, induction
+from decompax.targets import (
+  glu_arrays, glu_config, glu_lm, glu_sites, glu_weights, induction)
 from decompax.targets import toy_training as train_lib
 
 OPERATORS = ("+", "-")
@@ -165,17 +166,17 @@ def sample_inputs(
   return task_batch(key, config, batch_size)
 
 
-def init(key: Key[Array, ""], config: ArithmeticConfig) -> glu_lm.GluWeights:
+def init(key: Key[Array, ""], config: ArithmeticConfig) -> glu_weights.GluWeights:
   """Return untrained weights, every layer in the span stack."""
   return induction.init(key, config.copying)
 
 
 def _logits(
-  weights: glu_lm.GluWeights, tokens: Int[Array, "b t"],
+  weights: glu_weights.GluWeights, tokens: Int[Array, "b t"],
   config: ArithmeticConfig,
 ) -> Float[Array, "b t vocab"]:
   n = config.model.n_layers
-  spec = glu_lm.ForwardSpec(config.model, glu_lm.Segments(n, 0, n),
+  spec = glu_lm.ForwardSpec(config.model, glu_weights.Segments(n, 0, n),
                             remat=False, unroll=True)
   return glu_lm.forward(weights, tokens, (), spec)[0]
 
@@ -188,7 +189,7 @@ def _nll(
 
 
 def _loss(
-  params: glu_lm.GluWeights, fixed: None, key: Key[Array, ""],
+  params: glu_weights.GluWeights, fixed: None, key: Key[Array, ""],
   config: ArithmeticConfig,
 ) -> Float[Array, ""]:
   del fixed
@@ -212,7 +213,7 @@ def _loss(
 def train(
   key: Key[Array, ""], config: ArithmeticConfig,
   progress: Optional[train_lib.Progress] = None,
-) -> glu_lm.GluWeights:
+) -> glu_weights.GluWeights:
   """Return weights trained on answer CE plus copying CE."""
   init_key, data_key = jax.random.split(key)
   return train_lib.train(
@@ -221,7 +222,7 @@ def train(
 
 
 def answer_accuracy(
-  weights: glu_lm.GluWeights, config: ArithmeticConfig
+  weights: glu_weights.GluWeights, config: ArithmeticConfig
 ) -> float:
   """Return the fraction of all prompts whose answer is the argmax."""
   grid = grid_prompts(config)
@@ -233,7 +234,7 @@ def answer_accuracy(
 
 
 def accuracy(
-  weights: glu_lm.GluWeights, config: ArithmeticConfig
+  weights: glu_weights.GluWeights, config: ArithmeticConfig
 ) -> tuple[float, float]:
   """Return `(answer accuracy over every prompt, copying accuracy)`."""
   return (answer_accuracy(weights, config),
@@ -241,15 +242,15 @@ def accuracy(
 
 
 def _segments_of(
-  weights: glu_lm.GluWeights, config: ArithmeticConfig
-) -> glu_lm.Segments:
+  weights: glu_weights.GluWeights, config: ArithmeticConfig
+) -> glu_weights.Segments:
   n = [0 if s is None else s.ln1.shape[0]
        for s in (weights.prefix, weights.span, weights.tail)]
-  return glu_lm.Segments(config.model.n_layers, n[0], n[0] + n[1])
+  return glu_weights.Segments(config.model.n_layers, n[0], n[0] + n[1])
 
 
 def missing_features(
-  weights: glu_lm.GluWeights, config: ArithmeticConfig
+  weights: glu_weights.GluWeights, config: ArithmeticConfig
 ) -> tuple[int, ...]:
   """Return `()` when both accuracies reach their bars, else `(0,)`."""
   answer, copy = accuracy(weights, config)
@@ -259,14 +260,14 @@ def missing_features(
 
 
 def site_specs(
-  config: ArithmeticConfig, c: glu_target.CPerSite
+  config: ArithmeticConfig, c: glu_sites.CPerSite
 ) -> tuple[sites.SiteSpec, ...]:
   """Return every matrix of the model as a site."""
   return induction.site_specs(config.copying, c)
 
 
 def target_fns(
-  config: ArithmeticConfig, c: glu_target.CPerSite
+  config: ArithmeticConfig, c: glu_sites.CPerSite
 ) -> target.TargetFns:
   """Return the function table decomposing every matrix."""
   return induction.target_fns(config.copying, c)
@@ -280,20 +281,20 @@ def fns_for_sites(
 
 
 def weights_for_sites(
-  weights: glu_lm.GluWeights, config: ArithmeticConfig,
+  weights: glu_weights.GluWeights, config: ArithmeticConfig,
   specs: tuple[sites.SiteSpec, ...],
-) -> glu_lm.GluWeights:
+) -> glu_weights.GluWeights:
   """Return the weights re-split into the stacks of a site subset's span."""
   return induction.weights_for_sites(weights, config.copying, specs)
 
 
-def weights_to_arrays(weights: glu_lm.GluWeights) -> dict[str, np.ndarray]:
+def weights_to_arrays(weights: glu_weights.GluWeights) -> dict[str, np.ndarray]:
   """Return the weights as host arrays (layers concatenated)."""
-  return glu_target.weights_to_arrays(weights)
+  return glu_arrays.weights_to_arrays(weights)
 
 
 def weights_from_arrays(
   arrays: dict[str, np.ndarray], config: ArithmeticConfig
-) -> glu_lm.GluWeights:
+) -> glu_weights.GluWeights:
   """Return weights from `weights_to_arrays` output, all layers in the span."""
   return induction.weights_from_arrays(arrays, config.copying)

@@ -19,7 +19,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key
 
 from decompax.core import sites, target
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_config, glu_lm, glu_sites, glu_target, glu_weights)
 from decompax.targets import toy_training as train_lib
 
 
@@ -76,18 +77,18 @@ def sample_inputs(
   return induction_batch(key, config, batch_size)[0]
 
 
-def _full(config: InductionConfig) -> glu_lm.Segments:
+def _full(config: InductionConfig) -> glu_weights.Segments:
   n = config.model.n_layers
-  return glu_lm.Segments(n, 0, n)
+  return glu_weights.Segments(n, 0, n)
 
 
-def init(key: Key[Array, ""], config: InductionConfig) -> glu_lm.GluWeights:
+def init(key: Key[Array, ""], config: InductionConfig) -> glu_weights.GluWeights:
   """Return untrained weights, every layer in the span stack."""
   m = config.model
   e_key, h_key, s_key = jax.random.split(key, 3)
-  return glu_lm.GluWeights(
+  return glu_weights.GluWeights(
     embed=jax.random.normal(e_key, (m.vocab_size, m.d_model), jnp.float32),
-    prefix=None, span=glu_lm.init_stack(s_key, m, m.n_layers), tail=None,
+    prefix=None, span=glu_weights.init_stack(s_key, m, m.n_layers), tail=None,
     norm=jnp.ones((m.d_model,), jnp.float32),
     head=jax.random.normal(h_key, (m.vocab_size, m.d_model), jnp.float32)
     / np.sqrt(m.d_model))
@@ -99,7 +100,7 @@ def _spec(config: InductionConfig) -> glu_lm.ForwardSpec:
 
 
 def _loss(
-  params: glu_lm.GluWeights, fixed: None, key: Key[Array, ""],
+  params: glu_weights.GluWeights, fixed: None, key: Key[Array, ""],
   config: InductionConfig,
 ) -> Float[Array, ""]:
   del fixed
@@ -114,7 +115,7 @@ def _loss(
 def train(
   key: Key[Array, ""], config: InductionConfig,
   progress: Optional[train_lib.Progress] = None,
-) -> glu_lm.GluWeights:
+) -> glu_weights.GluWeights:
   """Return weights trained on next-token CE at predictable positions."""
   init_key, data_key = jax.random.split(key)
   return train_lib.train(
@@ -122,7 +123,7 @@ def train(
     lambda p, f, k: _loss(p, f, k, config), config.training, progress)
 
 
-def accuracy(weights: glu_lm.GluWeights, config: InductionConfig) -> float:
+def accuracy(weights: glu_weights.GluWeights, config: InductionConfig) -> float:
   """Return next-token accuracy at predictable positions of a fixed batch."""
   tokens, predictable = induction_batch(jax.random.key(12345), config, 512)
   spec = glu_lm.ForwardSpec(config.model, _segments_of(weights, config),
@@ -134,30 +135,30 @@ def accuracy(weights: glu_lm.GluWeights, config: InductionConfig) -> float:
 
 
 def _segments_of(
-  weights: glu_lm.GluWeights, config: InductionConfig
-) -> glu_lm.Segments:
+  weights: glu_weights.GluWeights, config: InductionConfig
+) -> glu_weights.Segments:
   n = [0 if s is None else s.ln1.shape[0]
        for s in (weights.prefix, weights.span, weights.tail)]
-  return glu_lm.Segments(config.model.n_layers, n[0], n[0] + n[1])
+  return glu_weights.Segments(config.model.n_layers, n[0], n[0] + n[1])
 
 
 def missing_features(
-  weights: glu_lm.GluWeights, config: InductionConfig
+  weights: glu_weights.GluWeights, config: InductionConfig
 ) -> tuple[int, ...]:
   """Return `(0,)` when the model does not copy (accuracy below the bar)."""
   return () if accuracy(weights, config) >= config.min_accuracy else (0,)
 
 
 def site_specs(
-  config: InductionConfig, c: glu_target.CPerSite
+  config: InductionConfig, c: glu_sites.CPerSite
 ) -> tuple[sites.SiteSpec, ...]:
   """Return every matrix of the model as a site."""
-  return glu_target.site_specs(
-    config.model, glu_target.all_site_names(config.model), c)
+  return glu_sites.site_specs(
+    config.model, glu_sites.all_site_names(config.model), c)
 
 
 def target_fns(
-  config: InductionConfig, c: glu_target.CPerSite
+  config: InductionConfig, c: glu_sites.CPerSite
 ) -> target.TargetFns:
   """Return the function table decomposing every matrix."""
   return glu_target.target_fns(config.model, site_specs(config, c),
@@ -171,26 +172,26 @@ def fns_for_sites(
   names = tuple(s.name for s in specs)
   cs = {s.name: s.c for s in specs}
   return glu_target.target_fns(
-    config.model, glu_target.site_specs(config.model, names, cs), remat=False)
+    config.model, glu_sites.site_specs(config.model, names, cs), remat=False)
 
 
 def weights_for_sites(
-  weights: glu_lm.GluWeights, config: InductionConfig,
+  weights: glu_weights.GluWeights, config: InductionConfig,
   specs: tuple[sites.SiteSpec, ...],
-) -> glu_lm.GluWeights:
+) -> glu_weights.GluWeights:
   """Return the weights re-split into the stacks of a site subset's span."""
-  seg = glu_target.span_segments(config.model, specs)
-  return glu_target.weights_from_arrays(
-    glu_target.weights_to_arrays(weights), config.model, seg)
+  seg = glu_sites.span_segments(config.model, specs)
+  return glu_arrays.weights_from_arrays(
+    glu_arrays.weights_to_arrays(weights), config.model, seg)
 
 
-def weights_to_arrays(weights: glu_lm.GluWeights) -> dict[str, np.ndarray]:
+def weights_to_arrays(weights: glu_weights.GluWeights) -> dict[str, np.ndarray]:
   """Return the weights as host arrays (layers concatenated)."""
-  return glu_target.weights_to_arrays(weights)
+  return glu_arrays.weights_to_arrays(weights)
 
 
 def weights_from_arrays(
   arrays: dict[str, np.ndarray], config: InductionConfig
-) -> glu_lm.GluWeights:
+) -> glu_weights.GluWeights:
   """Return weights from `weights_to_arrays` output, all layers in the span."""
-  return glu_target.weights_from_arrays(arrays, config.model, _full(config))
+  return glu_arrays.weights_from_arrays(arrays, config.model, _full(config))

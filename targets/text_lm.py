@@ -21,7 +21,7 @@ import optax
 from jaxtyping import Array, Float, Int, Key
 
 from decompax.core.stable_softmax import log_softmax
-from decompax.targets import glu_config, glu_lm
+from decompax.targets import glu_config, glu_lm, glu_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,17 +95,17 @@ def model_config(preset: LmPreset) -> glu_config.GluConfig:
 def forward_spec(config: glu_config.GluConfig) -> glu_lm.ForwardSpec:
   """Return the training forward: all layers one span, no remat."""
   n = config.n_layers
-  return glu_lm.ForwardSpec(config, glu_lm.Segments(n, 0, n), remat=False)
+  return glu_lm.ForwardSpec(config, glu_weights.Segments(n, 0, n), remat=False)
 
 
-def init(key: Key[Array, ""], preset: LmPreset) -> glu_lm.GluWeights:
+def init(key: Key[Array, ""], preset: LmPreset) -> glu_weights.GluWeights:
   """Return fresh weights: `N(0, std²)` matrices and embeddings, the
   residual writers (`o`, `down`) shrunk by `1/√(2·n_layers)` so the
   residual's scale does not grow with depth; norms one."""
   config = model_config(preset)
   e_key, s_key = jax.random.split(key)
   std, n = preset.init_std, config.n_layers
-  stack = glu_lm.init_stack(s_key, config, n)
+  stack = glu_weights.init_stack(s_key, config, n)
   out_scale = std / np.sqrt(2 * n)
 
   def rescale(name, a):
@@ -115,18 +115,18 @@ def init(key: Key[Array, ""], preset: LmPreset) -> glu_lm.GluWeights:
     scale = out_scale if name in ("o", "down") else std
     return a * np.sqrt(a.shape[1]) * scale
 
-  stack = glu_lm.LayerStack(**{
+  stack = glu_weights.LayerStack(**{
     name: rescale(name, getattr(stack, name))
     for name in ("ln1", "q", "k", "v", "o", "ln2", "gate", "up", "down")})
-  return glu_lm.GluWeights(
+  return glu_weights.GluWeights(
     embed=std * jax.random.normal(e_key, (config.vocab_size, config.d_model),
-                                  jnp.float32),
+                                       jnp.float32),
     prefix=None, span=stack, tail=None,
     norm=jnp.ones((config.d_model,), jnp.float32))
 
 
 def logits(
-  weights: glu_lm.GluWeights, tokens: Int[Array, "b t"],
+  weights: glu_weights.GluWeights, tokens: Int[Array, "b t"],
   config: glu_config.GluConfig,
 ) -> Float[Array, "b t vocab"]:
   """Return the model's next-token logits."""
@@ -134,7 +134,7 @@ def logits(
 
 
 def token_losses(
-  weights: glu_lm.GluWeights, window: Int[Array, "b t1"],
+  weights: glu_weights.GluWeights, window: Int[Array, "b t1"],
   config: glu_config.GluConfig,
 ) -> Float[Array, "b t"]:
   """Return −log p of each next token of a `[b, t + 1]` window."""
@@ -144,7 +144,7 @@ def token_losses(
 
 
 def loss(
-  weights: glu_lm.GluWeights, window: Int[Array, "b t1"],
+  weights: glu_weights.GluWeights, window: Int[Array, "b t1"],
   config: glu_config.GluConfig,
 ) -> Float[Array, ""]:
   """Return the mean next-token cross entropy of a window batch."""
@@ -173,7 +173,7 @@ def optimizer(preset: LmPreset) -> optax.GradientTransformation:
 class TrainState(NamedTuple):
   """Weights, optimizer state and the number of completed steps."""
 
-  weights: glu_lm.GluWeights
+  weights: glu_weights.GluWeights
   opt_state: Any
   step: Int[Array, ""]
 

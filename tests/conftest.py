@@ -452,7 +452,8 @@ def _text_model(directory: pathlib.Path) -> dict[str, str]:
   (`text_lm`'s `tiny` preset), and a tagged token file of 24 documents of
   those sentences; return the paths as `RECIPES`' fields."""
   from decompax.io import hf_checkpoint, tokens  # noqa: PLC0415
-  from decompax.targets import brown, glu_target, text_lm  # noqa: PLC0415
+  from decompax.targets import brown, text_lm
+  from decompax.targets import glu_arrays
   rng = np.random.default_rng(0)
   documents = {
     f"d{i:02d}": [[(w, TEXT_LEXICON[w]) for w in TEXT_SENTENCES[j]]
@@ -464,7 +465,7 @@ def _text_model(directory: pathlib.Path) -> dict[str, str]:
   preset = text_lm.PRESETS["tiny"]
   weights = text_lm.init(jax.random.key(0), preset)
   hf_checkpoint.write_llama_checkpoint(
-    str(model), glu_target.weights_to_arrays(jax.device_get(weights)),
+    str(model), glu_arrays.weights_to_arrays(jax.device_get(weights)),
     text_lm.model_config(preset), {"bos_token_id": None,
                                    "pad_token_id": None, "eos_token_id": 0})
   hf_checkpoint.write_tokenizer_json(str(model), tokenizer.to_str(),

@@ -22,7 +22,7 @@ from decompax.core.target import TargetFns
 from decompax.io import figures
 from decompax.io.decomposition import Decomposition
 from decompax.recipe.config import TrainConfig
-from decompax.targets import arithmetic, glu_target, registry
+from decompax.targets import arithmetic, glu_sites, registry
 
 # The linear toy: tokens → embedding → site a → prefix sum over positions
 # → site b → logits. Every step is linear, so each edge has a closed form.
@@ -324,7 +324,7 @@ def addsub():
   toy = registry.get("addsub")
   names = tuple(f"layers.{i}.mlp.{k}_proj" for i in (0, 1)
                 for k in ("gate", "up", "down"))
-  sites = glu_target.site_specs(toy.token_model, names, C)
+  sites = glu_sites.site_specs(toy.token_model, names, C)
   target = registry.fns_for(toy, C, sites)
   weights = registry.weights_for(toy, jax.jit(toy.init)(jax.random.key(0)),
                                  sites)

@@ -41,7 +41,7 @@ from decompax.core.masks import SiteMask
 from decompax.core.sites import Factors
 from decompax.io.decomposition import Decomposition
 from decompax.recipe.config import TrainConfig
-from decompax.targets import arithmetic, glu_config, glu_target, registry
+from decompax.targets import arithmetic, glu_config, glu_sites, registry
 from decompax.targets import toy_training as train_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def small_addsub():
     training=train_lib.TargetTraining(steps=300, lr=1e-2, chunk_steps=300))
   toy = registry.build_addsub(config)
   trained = arithmetic.train(jax.random.key(0), config)
-  sites = glu_target.site_specs(model, MLPS, 32)
+  sites = glu_sites.site_specs(model, MLPS, 32)
   target = registry.fns_for(toy, 32, sites)
   weights = registry.weights_for(toy, trained, sites)
   ci_config = ci_fns.CIConfig("vector_mlp", (8,))

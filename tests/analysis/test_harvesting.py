@@ -22,7 +22,7 @@ from decompax.losses import component_stats as stats_lib
 from decompax.losses import evals
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
-from decompax.targets import glu_config, glu_lm
+from decompax.targets import glu_block, glu_config
 
 REQUEST = harvest_lib.Request(positions=4 * 8 * 32, batch_size=8, top_k=5,
                               window_before=3, window_after=2,
@@ -695,7 +695,7 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
   decomposed attention's heads, against their activity computed from a
   clean forward's taps, batch by batch."""
   from decompax.io import tokens  # noqa: PLC0415
-  from decompax.targets import glu_target  # noqa: PLC0415
+  from decompax.targets import glu_arrays
   settings, out, record = tagged
   layers = harvest_lib.baseline_layers(induction)
   assert layers == (1,) == harvest_lib.head_layers(induction)
@@ -705,7 +705,7 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
     "layers.1.self_attn.heads"] + [
     f"{site}.{kind}" for site in mlp_sites
     for kind in harvest_lib.SITE_BASELINES]
-  w_o = glu_target.weights_to_arrays(induction.weights)["o"][1]
+  w_o = glu_arrays.weights_to_arrays(induction.weights)["o"][1]
   n_heads = harvest_lib.n_heads(induction)
   head_dim = w_o.shape[0] // n_heads
   opened = tokens.open_tokens(settings.data_path)
@@ -891,7 +891,7 @@ def test_an_experts_activity_is_weighted_by_its_routing():
     vocab_size=8, rope_theta=1e4, rms_eps=1e-6, tied=True, qk_norm=True,
     family="qwen3_moe", n_experts=3, experts_per_token=1)
   mlp = harvest_lib.MlpForm(
-    routing=lambda logits: glu_lm.routing_weights(logits, config))
+    routing=lambda logits: glu_block.routing_weights(logits, config))
   keys = jax.random.split(jax.random.key(0), 3)
   prefix = "layers.1.mlp.experts.2"
   taps = {f"{prefix}.gate_proj.out": jax.random.normal(keys[0], (2, 6, 5)),

@@ -10,7 +10,7 @@ import pytest
 
 from bench import hlo_flops, lm_flops, random_lm
 from decompax.recipe.flagfiles import read_args
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import glu_config, glu_sites, glu_weights
 
 MODEL = glu_config.GluConfig(
   n_layers=4, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=8,
@@ -37,15 +37,15 @@ MOE = glu_config.GluConfig(
 
 
 def sites_of(layer, roles, c=4):
-  names = tuple(glu_lm.site_name(layer, r) for r in roles)
-  return glu_target.site_specs(MODEL, names, c)
+  names = tuple(glu_weights.site_name(layer, r) for r in roles)
+  return glu_sites.site_specs(MODEL, names, c)
 
 
-def expert_sites(layer, roles=glu_lm.EXPERT_ROLES, experts=range(3),
+def expert_sites(layer, roles=glu_weights.EXPERT_ROLES, experts=range(3),
                  attention=(), c=4):
-  names = tuple(glu_lm.site_name(layer, r) for r in attention) + tuple(
-    glu_lm.site_name(layer, r, e) for e in experts for r in roles)
-  return glu_target.site_specs(MOE, names, c)
+  names = tuple(glu_weights.site_name(layer, r) for r in attention) + tuple(
+    glu_weights.site_name(layer, r, e) for e in experts for r in roles)
+  return glu_sites.site_specs(MOE, names, c)
 
 
 def test_the_count_refuses_what_it_does_not_follow():
@@ -96,7 +96,7 @@ def _both_counts(config, sites, model=MODEL):
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, roles, layer", [
   # Every role live: the attention and each input gradient run too.
-  (("--noci_remat",), glu_lm.ROLES, 2),
+  (("--noci_remat",), glu_weights.ROLES, 2),
   # The adversary's recon alone (a run needs one recon term): no
   # stochastic masked forwards.
   (("--stochastic_coeff=0",), ("down",), 1),

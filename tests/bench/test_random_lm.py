@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from bench import random_lm
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import glu_config, glu_sites, glu_weights
 
 MODEL = glu_config.GluConfig(
   n_layers=5, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=16,
@@ -17,11 +17,11 @@ MODEL = glu_config.GluConfig(
 @pytest.mark.parametrize("layer, stacks", [(0, (0, 1, 4)), (2, (2, 1, 2)),
                                            (4, (4, 1, 0))])
 def test_weights_lie_in_the_three_stacks_of_the_span(layer, stacks):
-  sites = glu_target.site_specs(MODEL, (glu_lm.site_name(layer, "up"),), 4)
+  sites = glu_sites.site_specs(MODEL, (glu_weights.site_name(layer, "up"),), 4)
   weights = random_lm.random_weights(jax.random.key(0), MODEL, sites,
                                      jnp.bfloat16)
-  seg = glu_target.span_segments(MODEL, sites)
-  glu_lm.check_segments(weights, seg)  # raises unless they fit
+  seg = glu_sites.span_segments(MODEL, sites)
+  glu_weights.check_segments(weights, seg)  # raises unless they fit
   held = [0 if s is None else s.ln1.shape[0]
           for s in (weights.prefix, weights.span, weights.tail)]
   assert tuple(held) == stacks
@@ -36,7 +36,7 @@ def test_matrices_scale_by_fan_in_and_norms_sit_near_one():
     n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=256,
     vocab_size=64, rope_theta=10000.0, rms_eps=1e-5, tied=True,
     qk_norm=False)
-  sites = glu_target.site_specs(big, (glu_lm.site_name(1, "down"),), 4)
+  sites = glu_sites.site_specs(big, (glu_weights.site_name(1, "down"),), 4)
   weights = random_lm.random_weights(jax.random.key(1), big, sites,
                                      jnp.float32)
   assert weights.head is None

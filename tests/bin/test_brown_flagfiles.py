@@ -21,7 +21,7 @@ import pytest
 from decompax.bin import train
 from decompax.io import hf_checkpoint, tokens
 from decompax.recipe import assembly
-from decompax.targets import glu_target, text_lm
+from decompax.targets import glu_arrays, text_lm
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAGFILES = {"brown_s": "brown-s", "brown_s_chip": "brown-s",
@@ -112,7 +112,7 @@ def brown_s_stand_in(tmp_path_factory):
   preset = text_lm.PRESETS["brown-s"]
   weights = text_lm.init(jax.random.key(0), preset)
   hf_checkpoint.write_llama_checkpoint(
-    str(root / "model"), glu_target.weights_to_arrays(weights),
+    str(root / "model"), glu_arrays.weights_to_arrays(weights),
     text_lm.model_config(preset), {"eos_token_id": 0})
   rng = np.random.default_rng(0)
   for split in ("train", "held_out"):

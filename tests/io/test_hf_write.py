@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from decompax.io import hf_checkpoint
-from decompax.recipe import flagfiles
-from decompax.recipe import lm
-from decompax.targets import arithmetic, glu_config, glu_lm
+from decompax.recipe import flagfiles, lm
+from decompax.targets import arithmetic, glu_config, glu_lm, glu_weights
 
 CONFIG = arithmetic.ArithmeticConfig()
 
@@ -80,7 +79,7 @@ def test_hf_target_gives_the_toy_logits(exported):
   assert record.token_model.vocab_size == CONFIG.model.vocab_size
   tokens = arithmetic.task_batch(jax.random.key(1), CONFIG, 8)
   n = CONFIG.model.n_layers
-  spec = glu_lm.ForwardSpec(CONFIG.model, glu_lm.Segments(n, 0, n))
+  spec = glu_lm.ForwardSpec(CONFIG.model, glu_weights.Segments(n, 0, n))
 
   @jax.jit
   def logits(hf_weights, toy_weights):

@@ -18,19 +18,19 @@ from decompax.losses import eval_step, recon
 from decompax.losses import loss_terms as terms
 from decompax.recipe import config as config_lib
 from decompax.recipe import evaluation
-from decompax.targets import glu_lm, glu_target
+from decompax.targets import glu_arrays, glu_sites, glu_weights
 
 
 def random_weights(config, sites):
   """Return random frozen weights of `config`, stacked around `sites`."""
-  stack = glu_lm.init_stack(jax.random.key(0), config, config.n_layers)
+  stack = glu_weights.init_stack(jax.random.key(0), config, config.n_layers)
   arrays = {k: np.asarray(v) for k, v in stack._asdict().items()
             if v is not None}
   arrays["embed"] = np.random.default_rng(1).standard_normal(
     (config.vocab_size, config.d_model)).astype(np.float32)
   arrays["norm"] = np.ones(config.d_model, np.float32)
-  return glu_target.weights_from_arrays(
-    arrays, config, glu_target.span_segments(config, sites))
+  return glu_arrays.weights_from_arrays(
+    arrays, config, glu_sites.span_segments(config, sites))
 
 
 def exact_run(target, ci_fn, components, weights, batch_shape):

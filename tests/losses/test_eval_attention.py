@@ -15,7 +15,7 @@ import pytest
 
 from decompax.core import ci_fns, sites as sites_lib
 from decompax.losses import eval_step
-from decompax.targets import glu_config, glu_target, tms
+from decompax.targets import glu_config, glu_sites, glu_target, tms
 
 from .exact_lm_eval import (evaluator_record, exact_run, fast_scalars,
                             random_weights, unscored_names)
@@ -52,7 +52,7 @@ def _sample(key):
 
 @pytest.fixture(scope="module")
 def exact():
-  sites = glu_target.site_specs(CONFIG, QK_SITES, CONFIG.d_model)
+  sites = glu_sites.site_specs(CONFIG, QK_SITES, CONFIG.d_model)
   target = glu_target.target_fns(CONFIG, sites)
   weights = random_weights(CONFIG, sites)
   components = {kind: sites_lib.Factors(jnp.eye(8)[None], w)
@@ -93,7 +93,7 @@ def test_the_eval_refuses_targets_it_cannot_score(which, message):
   if which == "toy":
     target = tms.target_fns(tms.TmsConfig(5, 2), 3)
   else:
-    target = glu_target.target_fns(CONFIG, glu_target.site_specs(
+    target = glu_target.target_fns(CONFIG, glu_sites.site_specs(
       CONFIG, ("layers.1.mlp.up_proj",), 3))
   ci_fn = ci_fns.CIFn((), lambda key: {}, lambda p, t, c: {})
   with pytest.raises(ValueError, match=message):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from decompax.core import ci_fns, sites as sites_lib
-from decompax.targets import glu_config, glu_target
+from decompax.targets import glu_config, glu_sites, glu_target
 
 from .exact_lm_eval import (evaluator_record, exact_run, fast_scalars,
                             random_weights, unscored_names)
@@ -51,7 +51,7 @@ def _sample(key):
 def _exact_run(config, name):
   """Return target, CI function, terms, weights and state decomposing site
   `name` (`d_out = d_ff` wide) exactly."""
-  sites = glu_target.site_specs(config, (name,), config.d_ff)
+  sites = glu_sites.site_specs(config, (name,), config.d_ff)
   target = glu_target.target_fns(config, sites)
   weights = random_weights(config, sites)
   components = {kind: sites_lib.Factors(w, jnp.eye(config.d_ff)[None])

@@ -24,7 +24,8 @@ from decompax.recipe import assembly
 from decompax.recipe import lm as lm_lib
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import table as table_lib
-from decompax.targets import glu_config, glu_lm, glu_target, registry
+from decompax.targets import (
+  glu_arrays, glu_config, glu_sites, glu_target, glu_weights, registry)
 from decompax.targets import record as target_record
 
 FLAGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "flags"
@@ -81,12 +82,12 @@ def lm_problem(*args: str) -> Problem:
     "--ci_d_mlp=32", "--ci_attention=reference", "--seq_len=32",
     "--batch_size=16", "--num_steps=5", "--eval_every=0",
     "--slow_eval_every=0", *args)
-  names = tuple(glu_lm.site_name(i, r) for i in range(LM_CONFIG.n_layers)
+  names = tuple(glu_weights.site_name(i, r) for i in range(LM_CONFIG.n_layers)
                 for r in ("gate", "up", "down"))
-  sites = glu_target.site_specs(LM_CONFIG, names, config.c)
+  sites = glu_sites.site_specs(LM_CONFIG, names, config.c)
   fns = glu_target.target_fns(LM_CONFIG, sites, "reference", remat=True)
-  seg = glu_target.span_segments(LM_CONFIG, sites)
-  stack = glu_lm.init_stack(jax.random.key(0), LM_CONFIG, LM_CONFIG.n_layers)
+  seg = glu_sites.span_segments(LM_CONFIG, sites)
+  stack = glu_weights.init_stack(jax.random.key(0), LM_CONFIG, LM_CONFIG.n_layers)
   arrays = {k: np.asarray(v) for k, v in stack._asdict().items()
             if v is not None}
   e, h = jax.random.split(jax.random.key(1))
@@ -94,7 +95,7 @@ def lm_problem(*args: str) -> Problem:
   arrays.update(embed=np.asarray(jax.random.normal(e, shape)),
                 head=np.asarray(jax.random.normal(h, shape)) / 4,
                 norm=np.ones(LM_CONFIG.d_model, np.float32))
-  weights = glu_target.weights_from_arrays(arrays, LM_CONFIG, seg)
+  weights = glu_arrays.weights_from_arrays(arrays, LM_CONFIG, seg)
 
   def sample_inputs(key, batch_size):
     return jax.random.randint(key, (batch_size, config.seq_len), 0,

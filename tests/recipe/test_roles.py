@@ -8,7 +8,7 @@ import pytest
 from decompax.core import ci_fns, sites as sites_lib
 from decompax.recipe import engine, terms
 from decompax.recipe.config import TrainConfig
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import glu_config, glu_sites, glu_weights
 
 SITES = (sites_lib.SiteSpec("a", "a", 0, 3, 4, 5),)
 INPUTS = terms.TermInputs(SITES, 8, None, (8,))
@@ -72,7 +72,7 @@ def _sites(*names):
 
 def test_glu_hidden_points_run_from_the_first_decomposed_layer_to_the_last():
   sites = _sites("layers.1.mlp.up_proj", "layers.2.mlp.down_proj")
-  assert glu_target.hidden_pass_points(MODEL, sites) == tuple(
+  assert glu_sites.hidden_pass_points(MODEL, sites) == tuple(
     f"layers.{i}.mlp.down_proj.out" for i in (1, 2, 3))
 
 
@@ -88,7 +88,7 @@ def test_glu_hidden_points_run_from_the_first_decomposed_layer_to_the_last():
   ("attn.2", True),
 ])
 def test_glu_masking_reaches_only_what_reads_a_decomposed_site(tap, reached):
-  reaches = glu_target.masking_reaches(MODEL, _sites("layers.1.mlp.up_proj"))
+  reaches = glu_sites.masking_reaches(MODEL, _sites("layers.1.mlp.up_proj"))
   assert reaches(tap) is reached
 
 
@@ -99,9 +99,9 @@ class _Target:
     self.sites = sites
     self.masked_forward_taps = object()
     self.hidden_pass_points = (
-      glu_target.hidden_pass_points(MODEL, sites) if glu else ())
+      glu_sites.hidden_pass_points(MODEL, sites) if glu else ())
     self.masking_reaches = (
-      glu_target.masking_reaches(MODEL, sites) if glu else None)
+      glu_sites.masking_reaches(MODEL, sites) if glu else None)
 
 
 def test_a_hidden_point_masking_cannot_reach_is_refused_in_one_line():
@@ -131,7 +131,7 @@ def test_a_toy_reaches_its_site_outputs_only():
 def test_glu_lm_tap_names_match_the_default_points():
   # The default points are taps the LM forward knows: every block's MLP
   # output from the decomposed one on.
-  points = glu_target.hidden_pass_points(
+  points = glu_sites.hidden_pass_points(
     MODEL, _sites("layers.0.mlp.down_proj"))
-  assert [glu_lm.parse_tap(point, MODEL.n_layers) for point in points] == [
+  assert [glu_weights.parse_tap(point, MODEL.n_layers) for point in points] == [
     ("down.out", i) for i in range(MODEL.n_layers)]

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_attention, glu_config, glu_sites, glu_target, glu_weights)
 
 CONFIG = glu_config.GluConfig(
   n_layers=2, d_model=8, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=8,
@@ -23,15 +24,15 @@ QK_SITES = ("layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj")
 
 
 def _weights(sites):
-  seg = glu_target.span_segments(CONFIG, sites)
-  stack = glu_lm.init_stack(jax.random.key(0), CONFIG, CONFIG.n_layers)
+  seg = glu_sites.span_segments(CONFIG, sites)
+  stack = glu_weights.init_stack(jax.random.key(0), CONFIG, CONFIG.n_layers)
   # Leaves this model lacks (biases) are None.
   arrays = {k: np.asarray(v) for k, v in stack._asdict().items()
             if v is not None}
   rng = np.random.default_rng(1)
   arrays["embed"] = rng.standard_normal((16, 8)).astype(np.float32)
   arrays["norm"] = np.ones(8, np.float32)
-  return glu_target.weights_from_arrays(arrays, CONFIG, seg)
+  return glu_arrays.weights_from_arrays(arrays, CONFIG, seg)
 
 
 def _tokens():
@@ -52,7 +53,7 @@ def _softmax_pattern(q, k):
 @pytest.mark.parametrize("attention", ["reference", "xla"])
 def test_attn_tap_is_the_causal_softmax_of_the_blocks_queries_and_keys(
     attention):
-  sites = glu_target.site_specs(CONFIG, QK_SITES, 3)
+  sites = glu_sites.site_specs(CONFIG, QK_SITES, 3)
   fns = glu_target.target_fns(CONFIG, sites, attention)
   weights, tokens = _weights(sites), _tokens()
   keys = ("attn.1", "layers.1.self_attn.q_proj.out",
@@ -93,11 +94,11 @@ def _rope(x):
 
 
 def test_the_pattern_tap_is_known_and_costs_nothing_unasked():
-  assert {"attn.0", "attn.1"} <= set(glu_lm.all_tap_keys(CONFIG))
+  assert {"attn.0", "attn.1"} <= set(glu_weights.all_tap_keys(CONFIG))
   with pytest.raises(ValueError,
                      match=r"attn\.<i>, and in a mixture-of-experts"):
-    glu_lm.parse_tap("attn.2", CONFIG.n_layers)
-  sites = glu_target.site_specs(CONFIG, QK_SITES, 3)
+    glu_weights.parse_tap("attn.2", CONFIG.n_layers)
+  sites = glu_sites.site_specs(CONFIG, QK_SITES, 3)
   fns = glu_target.target_fns(CONFIG, sites)
   weights, tokens = _weights(sites), _tokens()
 
@@ -119,20 +120,20 @@ def _random_qk(key, nh=NH):
 
 def test_attention_kl_is_zero_for_equal_patterns_and_the_mean_row_kl():
   q, k = _random_qk(jax.random.key(0))
-  assert float(glu_lm.attention_kl(q, k, q, k)) == 0.0
+  assert float(glu_attention.attention_kl(q, k, q, k)) == 0.0
   q2, k2 = _random_qk(jax.random.key(1))
   p, r = _softmax_pattern(q, k), _softmax_pattern(q2, k2)
   with np.errstate(divide="ignore", invalid="ignore"):
     rows = np.where(p > 0, p * (np.log(p) - np.log(r)), 0.0).sum(-1)
-  got = float(glu_lm.attention_kl(q, k, q2, k2))
+  got = float(glu_attention.attention_kl(q, k, q2, k2))
   np.testing.assert_allclose(got, rows.mean(), rtol=1e-5)
   assert got > 0
   # Changing only the keys changes the rows of every query head they serve.
-  assert float(glu_lm.attention_kl(q, k, q, k2)) > 0
+  assert float(glu_attention.attention_kl(q, k, q, k2)) > 0
 
 
 def test_divergence_scores_blocks_with_a_decomposed_query_or_key():
-  sites = glu_target.site_specs(
+  sites = glu_sites.site_specs(
     CONFIG, ("layers.0.mlp.up_proj", "layers.1.self_attn.k_proj"), 3)
   fns = glu_target.target_fns(CONFIG, sites)
   assert fns.attention_taps == ("layers.1.self_attn.q_proj.out",
@@ -152,5 +153,5 @@ def test_divergence_scores_blocks_with_a_decomposed_query_or_key():
     fns.attention_divergence(weights, other, clean)["layers.1"],
     rows.mean(), rtol=1e-4)
   mlp_only = glu_target.target_fns(
-    CONFIG, glu_target.site_specs(CONFIG, ("layers.1.mlp.up_proj",), 3))
+    CONFIG, glu_sites.site_specs(CONFIG, ("layers.1.mlp.up_proj",), 3))
   assert mlp_only.attention_taps == ()

@@ -13,7 +13,8 @@ from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
 from decompax.losses import faithfulness, recon
 from decompax.losses import loss_terms as terms
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_config, glu_sites, glu_target, glu_weights)
 
 CONFIG = glu_config.GluConfig(
   n_layers=3, d_model=16, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=24,
@@ -23,7 +24,7 @@ B, T = 2, 6
 # C = 7 gives V [1, 16, 7] / [1, 24, 7] and U [1, 7, 24] / [1, 7, 16]: no
 # other array of the step has these shapes.
 C = 7
-NAMES = (glu_lm.site_name(1, "gate"), glu_lm.site_name(1, "down"))
+NAMES = (glu_weights.site_name(1, "gate"), glu_weights.site_name(1, "down"))
 # The LM layout (SPEC §4.3): one chunk reading the block's residual.
 CI_CONFIG = ci_transformer.TransformerCIConfig(
   chunks=(ci_transformer.Chunk(("resid.1",), NAMES),),
@@ -34,20 +35,20 @@ CI_CONFIG = ci_transformer.TransformerCIConfig(
 def _weights(dtype):
   rng = np.random.default_rng(0)
   arrays = {}
-  for name, shape in glu_target.layer_array_shapes(CONFIG).items():
+  for name, shape in glu_arrays.layer_array_shapes(CONFIG).items():
     value = rng.standard_normal((CONFIG.n_layers, *shape)) * 0.3
     arrays[name] = (value + (len(shape) == 1)).astype(np.float32)
   for name in ("embed", "head"):
     arrays[name] = rng.standard_normal(
       (CONFIG.vocab_size, CONFIG.d_model)).astype(np.float32)
   arrays["norm"] = np.ones(CONFIG.d_model, np.float32)
-  seg = glu_lm.Segments(CONFIG.n_layers, 1, 2)
-  return glu_target.weights_from_arrays(arrays, CONFIG, seg, dtype)
+  seg = glu_weights.Segments(CONFIG.n_layers, 1, 2)
+  return glu_arrays.weights_from_arrays(arrays, CONFIG, seg, dtype)
 
 
 def _step(compute_dtype, weights_dtype=jnp.bfloat16):
   """Return a built LM step with two masked forwards, its state, weights."""
-  fns = glu_target.target_fns(CONFIG, glu_target.site_specs(CONFIG, NAMES, C))
+  fns = glu_target.target_fns(CONFIG, glu_sites.site_specs(CONFIG, NAMES, C))
   ci_fn = ci_fns.make_ci_fn(
     ci_fns.CIConfig("transformer", (), CI_CONFIG), fns.sites)
   plan = recon.all_sites_plan(fns.sites)
@@ -101,7 +102,7 @@ def test_without_compute_dtype_each_masked_forward_casts(lowered):
 
 
 def test_ci_transformer_computes_in_its_parameters_dtype():  # N4
-  sites = glu_target.site_specs(CONFIG, NAMES, C)
+  sites = glu_sites.site_specs(CONFIG, NAMES, C)
   plan = ci_transformer.plan_chunks(CI_CONFIG, sites)
   params = ci_transformer.init_params(jax.random.key(5), CI_CONFIG, plan)
   taps = {"resid.1": jax.random.normal(jax.random.key(6),

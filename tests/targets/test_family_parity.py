@@ -19,7 +19,8 @@ import pytest
 from decompax.core import sites as sites_lib
 from decompax.core.masks import SiteMask
 from decompax.io import hf_checkpoint
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_attention, glu_config, glu_sites, glu_target, glu_weights)
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 PARITY_TOL = 2e-5  # fp32
@@ -36,9 +37,9 @@ def model(request):
 
 
 def _fns(config, arrays, names, attention="reference", c=4):
-  sites = glu_target.site_specs(config, names, c)
-  seg = glu_target.span_segments(config, sites)
-  weights = glu_target.weights_from_arrays(arrays, config, seg)
+  sites = glu_sites.site_specs(config, names, c)
+  seg = glu_sites.span_segments(config, sites)
+  weights = glu_arrays.weights_from_arrays(arrays, config, seg)
   return sites, weights, glu_target.target_fns(config, sites, attention)
 
 
@@ -68,7 +69,7 @@ def test_logits_and_taps_match_transformers(model):
   assert len(taps) >= 7
   # Spans at the start, middle and end exercise each stack being empty.
   for layer, attention in ((0, "reference"), (1, "xla"), (2, "reference")):
-    _, weights, fns = _fns(config, arrays, (glu_lm.site_name(layer, "up"),),
+    _, weights, fns = _fns(config, arrays, (glu_weights.site_name(layer, "up"),),
                            attention)
     errors = parity_errors(fns, weights, ref, taps)
     assert max(errors.values()) <= PARITY_TOL, (name, layer, errors)
@@ -78,7 +79,7 @@ def test_fixture_configs_are_what_the_parity_covers(model):
   name, config, arrays, _ = model
   assert config.norm == "layer" and config.bias and not config.gated
   assert "gate" not in arrays and "norm_bias" in arrays
-  assert "layers.0.mlp.gate_proj" not in glu_target.all_site_names(config)
+  assert "layers.0.mlp.gate_proj" not in glu_sites.all_site_names(config)
   if name == "tiny_gpt2":
     assert config.positions == "learned" and config.tied
     assert config.activation == "gelu_tanh" and "pos" in arrays
@@ -97,7 +98,7 @@ def test_sequential_neox_block_matches_transformers():
   assert not config.parallel_residual
   arrays = hf_checkpoint.load_model_arrays(config, model_dir)
   ref = np.load(FIXTURES / "tiny_pythia" / "reference.npz")
-  _, weights, fns = _fns(config, arrays, (glu_lm.site_name(1, "up"),))
+  _, weights, fns = _fns(config, arrays, (glu_weights.site_name(1, "up"),))
   logits = np.asarray(fns.clean_forward(weights, jnp.asarray(ref["tokens"]),
                                         ())[0])
   assert np.max(np.abs(logits - ref["logits_sequential"])) <= PARITY_TOL
@@ -110,7 +111,7 @@ def test_each_option_moves_the_logits(model):
   changes = [{"activation": "silu"}, {"rms_eps": 1.0}]
   if name == "tiny_pythia":
     changes += [{"rotary_dims": None}, {"parallel_residual": False}]
-  names = (glu_lm.site_name(1, "up"),)
+  names = (glu_weights.site_name(1, "up"),)
   for change in changes:
     changed = dataclasses.replace(config, **change)
     _, weights, fns = _fns(changed, arrays, names)
@@ -123,8 +124,8 @@ def _masked(config, arrays, tokens, role, masks_of, components_of=None):
   """Return the clean taps and the masked taps of a forward that decomposes
   layer 1's `role` (C its output width) with the given masks (and
   components)."""
-  name = glu_lm.site_name(1, role)
-  c = glu_target.role_dims(config, role)[1]
+  name = glu_weights.site_name(1, role)
+  c = glu_sites.role_dims(config, role)[1]
   sites, weights, fns = _fns(config, arrays, (name,), c=c)
   kind = sites[0].kind
   w = fns.frozen_stacks(weights)[kind]
@@ -183,8 +184,8 @@ def test_a_plain_mlp_has_no_gate_site_or_tap(model):
   _, config, arrays, ref = model
   with pytest.raises(ValueError, match="unknown site 'layers.0.mlp.gate_proj"
                      r"'.*mlp\.\{up,down\}_proj"):
-    glu_target.site_specs(config, ("layers.0.mlp.gate_proj",), 4)
-  _, weights, fns = _fns(config, arrays, (glu_lm.site_name(1, "up"),))
+    glu_sites.site_specs(config, ("layers.0.mlp.gate_proj",), 4)
+  _, weights, fns = _fns(config, arrays, (glu_weights.site_name(1, "up"),))
   with pytest.raises(ValueError, match="lacks"):
     fns.clean_forward(weights, jnp.asarray(ref["tokens"]),
                       ("layers.1.mlp.gate_proj.out",))
@@ -195,11 +196,11 @@ def test_parallel_block_mlp_is_not_moved_by_its_attention():
   # the same block reach only its attention streams and the next blocks.
   pythia = glu_config.config_from_hf(
     hf_checkpoint.read_config(str(FIXTURES / "tiny_pythia")))
-  sites = glu_target.site_specs(pythia, (glu_lm.site_name(1, "o"),), 4)
+  sites = glu_sites.site_specs(pythia, (glu_weights.site_name(1, "o"),), 4)
   for config, moved in ((pythia, False),
                         (dataclasses.replace(pythia, parallel_residual=False),
                          True)):
-    reaches = glu_target.masking_reaches(config, sites)
+    reaches = glu_sites.masking_reaches(config, sites)
     assert reaches("layers.1.mlp.up_proj") is moved
     assert reaches("layers.1.mlp.down_proj.out") is moved
     assert reaches("layers.1.self_attn.o_proj.out") and reaches("resid.2")
@@ -296,9 +297,9 @@ def test_real_family_configs_resolve(name):
          config.d_ff, config.vocab_size, config.rotary_dims,
          config.max_position, config.tied, config.parallel_residual)
   assert got == REAL[name]
-  names = glu_target.all_site_names(config)
+  names = glu_sites.all_site_names(config)
   assert len(names) == 6 * config.n_layers
-  sites = glu_target.site_specs(config, names[-6:], 8)
+  sites = glu_sites.site_specs(config, names[-6:], 8)
   d, f = config.d_model, config.d_ff
   assert {s.kind: (s.d_in, s.d_out) for s in sites} == {
     "q_proj": (d, d), "k_proj": (d, d), "v_proj": (d, d), "o_proj": (d, d),
@@ -311,7 +312,7 @@ def test_attention_eval_rebuilds_the_blocks_queries_and_keys(model):
   # scores 0 against itself, and its pattern is the forward's own.
   _, config, arrays, ref = model
   tokens = jnp.asarray(ref["tokens"])
-  names = (glu_lm.site_name(1, "q"),)
+  names = (glu_weights.site_name(1, "q"),)
   sites, weights, fns = _fns(config, arrays, names)
   wanted = (*fns.attention_taps, "attn.1")
   _, clean = fns.clean_forward(weights, tokens, wanted)
@@ -323,9 +324,9 @@ def test_attention_eval_rebuilds_the_blocks_queries_and_keys(model):
   moved = fns.attention_divergence(weights, masked, clean)["layers.1"]
   assert abs(float(same)) < 1e-6 < float(moved)
   q, k = (clean[f"layers.1.self_attn.{r}_proj.out"] for r in "qk")
-  rope = glu_lm.rope_tables(config, tokens.shape[1])
+  rope = glu_attention.rope_tables(config, tokens.shape[1])
   np.testing.assert_allclose(
-    clean["attn.1"], glu_lm.attention_probs(*glu_lm.query_key_heads(
+    clean["attn.1"], glu_attention.attention_probs(*glu_attention.query_key_heads(
       q, k, None, None, config, rope)), atol=1e-6)
 
 

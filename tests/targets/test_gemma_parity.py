@@ -19,7 +19,8 @@ import pytest
 from decompax.core import sites as sites_lib
 from decompax.core.masks import SiteMask
 from decompax.io import hf_checkpoint
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_attention, glu_config, glu_sites, glu_target, glu_weights)
 
 from .test_family_parity import parity_errors, tap_keys
 
@@ -38,14 +39,14 @@ def model(request):
 
 
 def _fns(config, arrays, names, c=4, **options):
-  sites = glu_target.site_specs(config, names, c)
-  seg = glu_target.span_segments(config, sites)
-  weights = glu_target.weights_from_arrays(arrays, config, seg)
+  sites = glu_sites.site_specs(config, names, c)
+  seg = glu_sites.span_segments(config, sites)
+  weights = glu_arrays.weights_from_arrays(arrays, config, seg)
   return sites, weights, glu_target.target_fns(config, sites, **options)
 
 
 def _logits(config, arrays, tokens, layer=1):
-  _, weights, fns = _fns(config, arrays, (glu_lm.site_name(layer, "up"),))
+  _, weights, fns = _fns(config, arrays, (glu_weights.site_name(layer, "up"),))
   return np.asarray(fns.clean_forward(weights, jnp.asarray(tokens), ())[0])
 
 
@@ -56,7 +57,7 @@ def test_logits_and_taps_match_transformers(model):
   # Spans at the start, middle and end: each stack empty once, and each
   # holding both layer kinds.
   for layer in (0, 1, 3):
-    _, weights, fns = _fns(config, arrays, (glu_lm.site_name(layer, "up"),))
+    _, weights, fns = _fns(config, arrays, (glu_weights.site_name(layer, "up"),))
     errors = parity_errors(fns, weights, ref, taps)
     assert max(errors.values()) <= PARITY_TOL, (name, layer, errors)
 
@@ -104,7 +105,7 @@ def test_sliding_window_layers_see_only_their_window(model):  # I54
   glob = next(i for i in range(config.n_layers)
               if i not in config.local_layers)
   local = config.local_layers[-1]
-  _, weights, fns = _fns(config, arrays, (glu_lm.site_name(1, "up"),))
+  _, weights, fns = _fns(config, arrays, (glu_weights.site_name(1, "up"),))
   _, taps = fns.clean_forward(weights, jnp.asarray(ref["tokens"]),
                               (f"attn.{local}", f"attn.{glob}"))
   t = ref["tokens"].shape[1]
@@ -123,7 +124,7 @@ def test_masked_forward_shares_the_prefix_and_matches_the_clean_one(model):
   # forward resumed from the clean prefix equals one that reruns it.
   _, config, arrays, ref = model
   tokens = jnp.asarray(ref["tokens"])
-  name = glu_lm.site_name(2, "q")
+  name = glu_weights.site_name(2, "q")
   c = config.q_width
   out = {}
   for sharing in (True, False):
@@ -144,7 +145,7 @@ def test_attention_eval_uses_the_layers_window_and_scores(model):  # I54
   _, config, arrays, ref = model
   tokens = jnp.asarray(ref["tokens"])
   layer = config.local_layers[0]
-  names = (glu_lm.site_name(layer, "q"),)
+  names = (glu_weights.site_name(layer, "q"),)
   sites, weights, fns = _fns(config, arrays, names)
   wanted = (*fns.attention_taps, f"attn.{layer}")
   _, clean = fns.clean_forward(weights, tokens, wanted)
@@ -159,16 +160,16 @@ def test_attention_eval_uses_the_layers_window_and_scores(model):  # I54
   q, k = (clean[f"layers.{layer}.self_attn.{r}_proj.out"] for r in "qk")
   norms = ([jnp.asarray(arrays[n][layer]) for n in ("q_norm", "k_norm")]
            if config.qk_norm else [None, None])
-  rope, mask = glu_lm.layer_attention(config, tokens.shape[1], True)
+  rope, mask = glu_attention.layer_attention(config, tokens.shape[1], True)
   np.testing.assert_allclose(
-    clean[f"attn.{layer}"], glu_lm.attention_probs(*glu_lm.query_key_heads(
+    clean[f"attn.{layer}"], glu_attention.attention_probs(*glu_attention.query_key_heads(
       q, k, *norms, config, rope), config, mask), atol=1e-6)
 
 
 def test_chunked_head_kl_soft_caps_like_the_whole_logits(model):
   _, config, arrays, ref = model
   tokens = jnp.asarray(ref["tokens"])
-  names = (glu_lm.site_name(1, "up"),)
+  names = (glu_weights.site_name(1, "up"),)
   sites, weights, whole = _fns(config, arrays, names)
   split = glu_target.target_fns(config, sites, output_chunk=5).split_head
   masks = {names[0]: SiteMask(0.5 * jnp.ones((*tokens.shape, 4)))}
@@ -189,7 +190,7 @@ def test_chunked_head_kl_soft_caps_like_the_whole_logits(model):
 def test_fused_attention_is_refused_for_gemma(model, attention):  # I54
   _, config, arrays, _ = model
   with pytest.raises(ValueError, match="use --attention=reference") as info:
-    _fns(config, arrays, (glu_lm.site_name(1, "up"),), attention=attention)
+    _fns(config, arrays, (glu_weights.site_name(1, "up"),), attention=attention)
   assert "\n" not in str(info.value)
 
 

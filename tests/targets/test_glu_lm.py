@@ -14,7 +14,9 @@ from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
 from decompax.losses import faithfulness, recon
 from decompax.losses import loss_terms as terms
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_attention, glu_config, glu_divergence, glu_sites, glu_target,
+  glu_weights)
 
 CONFIG = glu_config.GluConfig(
   n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=24,
@@ -23,9 +25,9 @@ CONFIG = glu_config.GluConfig(
 B, T, C = 2, 6, 5
 # Span [1, 3): q, gate, up, down on both layers (scanned in place) and k on
 # layer 1 only (gathered to span layout, inactive on layer 2).
-NAMES = tuple(glu_lm.site_name(i, r) for i in (1, 2)
+NAMES = tuple(glu_weights.site_name(i, r) for i in (1, 2)
               for r in ("q", "gate", "up", "down")) + (
-  glu_lm.site_name(1, "k"),)
+  glu_weights.site_name(1, "k"),)
 SPLIT = 1
 
 
@@ -33,7 +35,7 @@ def _arrays(config=CONFIG):
   """Return random host weights (numpy: no compile per random op)."""
   rng = np.random.default_rng(0)
   out = {}
-  for name, shape in glu_target.layer_array_shapes(config).items():
+  for name, shape in glu_arrays.layer_array_shapes(config).items():
     scale = 1 / np.sqrt(shape[0]) if len(shape) == 2 else 0.1
     value = rng.standard_normal((config.n_layers, *shape)) * scale
     out[name] = (value + (len(shape) == 1)).astype(np.float32)
@@ -46,10 +48,10 @@ def _arrays(config=CONFIG):
 
 @pytest.fixture(scope="module")
 def model():
-  sites = glu_target.site_specs(CONFIG, NAMES, C)
+  sites = glu_sites.site_specs(CONFIG, NAMES, C)
   fns = glu_target.target_fns(CONFIG, sites)
-  seg = glu_target.span_segments(CONFIG, sites)
-  weights = glu_target.weights_from_arrays(_arrays(), CONFIG, seg)
+  seg = glu_sites.span_segments(CONFIG, sites)
+  weights = glu_arrays.weights_from_arrays(_arrays(), CONFIG, seg)
   components = jax.jit(sites_lib.init_components, static_argnums=1)(
     jax.random.key(2), sites)
   tokens = jnp.asarray(np.random.default_rng(3).integers(
@@ -85,21 +87,21 @@ def test_site_table_and_kinds(model):
 
 
 def test_per_site_c_splits_a_role_into_kinds():
-  names = (glu_lm.site_name(0, "up"), glu_lm.site_name(1, "up"))
-  specs = glu_target.site_specs(CONFIG, names, {names[0]: 3, names[1]: 7})
+  names = (glu_weights.site_name(0, "up"), glu_weights.site_name(1, "up"))
+  specs = glu_sites.site_specs(CONFIG, names, {names[0]: 3, names[1]: 7})
   assert [(s.kind, s.row, s.c) for s in specs] == [
     ("up_proj.c3", 0, 3), ("up_proj.c7", 0, 7)]
   with pytest.raises(ValueError, match="unknown"):
-    glu_target.site_specs(CONFIG, names[:1], {names[0]: 3, names[1]: 7})
+    glu_sites.site_specs(CONFIG, names[:1], {names[0]: 3, names[1]: 7})
 
 
 def test_draws_are_keyed_by_kind_and_absolute_layer():  # SPEC §3.6
   # The same matrix draws the same source whichever other sites (and so
   # whichever span and canonical index) the decomposition has.
-  down = glu_lm.site_name(2, "down")
-  alone = glu_target.site_specs(CONFIG, (down,), C)
-  wider = glu_target.site_specs(
-    CONFIG, (glu_lm.site_name(0, "q"), glu_lm.site_name(1, "up"), down), C)
+  down = glu_weights.site_name(2, "down")
+  alone = glu_sites.site_specs(CONFIG, (down,), C)
+  wider = glu_sites.site_specs(
+    CONFIG, (glu_weights.site_name(0, "q"), glu_weights.site_name(1, "up"), down), C)
   assert alone[0].draw_path == wider[-1].draw_path == (6, 2)
   ci = jnp.full((B, T, C), 0.25)
 
@@ -111,7 +113,7 @@ def test_draws_are_keyed_by_kind_and_absolute_layer():  # SPEC §3.6
     return masks[down].mask
 
   np.testing.assert_array_equal(mask_of(alone), mask_of(wider))
-  first = glu_target.site_specs(CONFIG, (glu_lm.site_name(0, "q"),), C)
+  first = glu_sites.site_specs(CONFIG, (glu_weights.site_name(0, "q"),), C)
   assert not np.array_equal(mask_of(alone), masks_lib.stochastic_site_masks(
     jax.random.key(5), recon.all_sites_plan(first)[0].live_sites,
     {first[0].name: ci}, sites_lib.draw_paths(first), True, "continuous",
@@ -120,9 +122,9 @@ def test_draws_are_keyed_by_kind_and_absolute_layer():  # SPEC §3.6
 
 def test_unknown_sites_are_refused():
   with pytest.raises(ValueError, match="unknown site"):
-    glu_target.site_specs(CONFIG, ("layers.9.mlp.up_proj",), 4)
+    glu_sites.site_specs(CONFIG, ("layers.9.mlp.up_proj",), 4)
   with pytest.raises(ValueError, match="unknown site"):
-    glu_target.site_specs(CONFIG, ("layers.0.mlp.up_proj.out",), 4)
+    glu_sites.site_specs(CONFIG, ("layers.0.mlp.up_proj.out",), 4)
 
 
 def test_segment_bounds_equal_stored_stack_bounds(model):  # I41
@@ -130,8 +132,8 @@ def test_segment_bounds_equal_stored_stack_bounds(model):  # I41
   assert weights.prefix.ln1.shape[0] == SPLIT
   assert weights.span.ln1.shape[0] == 2
   assert weights.tail.ln1.shape[0] == CONFIG.n_layers - 3
-  other = glu_target.weights_from_arrays(
-    _arrays(), CONFIG, glu_lm.Segments(CONFIG.n_layers, 0, 2))
+  other = glu_arrays.weights_from_arrays(
+    _arrays(), CONFIG, glu_weights.Segments(CONFIG.n_layers, 0, 2))
   with pytest.raises(ValueError, match="I41"):
     fns.clean_forward(other, tokens, ())
 
@@ -271,7 +273,7 @@ def test_stack_reads_sees_slices_nested_in_sub_jaxprs(cut):
 @pytest.fixture(scope="module")
 def clean_passes(model):
   fns, weights, _, tokens = model
-  every = glu_lm.all_tap_keys(CONFIG)
+  every = glu_weights.all_tap_keys(CONFIG)
   run = jax.jit(fns.clean_forward, static_argnums=2)
   return run(weights, tokens, ()), run(weights, tokens, every), run
 
@@ -312,12 +314,12 @@ def test_taps_stop_at_the_deepest_tapped_layer(model):  # SPEC §3.4
 def test_taps_are_the_residuals_and_site_activations(clean_passes):
   _, (_, taps) = clean_passes[:2]
   for i in range(CONFIG.n_layers):
-    o = taps[f"{glu_lm.site_name(i, 'o')}.out"]
-    down = taps[f"{glu_lm.site_name(i, 'down')}.out"]
+    o = taps[f"{glu_weights.site_name(i, 'o')}.out"]
+    down = taps[f"{glu_weights.site_name(i, 'down')}.out"]
     np.testing.assert_allclose(taps[f"resid.{i + 1}"],
                                taps[f"resid.{i}"] + o + down, atol=1e-5)
-    np.testing.assert_array_equal(taps[glu_lm.site_name(i, "gate")],
-                                  taps[glu_lm.site_name(i, "up")])
+    np.testing.assert_array_equal(taps[glu_weights.site_name(i, "gate")],
+                                  taps[glu_weights.site_name(i, "up")])
 
 
 def test_unknown_tap_is_refused(model):
@@ -398,8 +400,8 @@ def test_residual_start_serves_its_block_and_refuses_below(model):  # I28
   _, taps = jax.jit(fns.masked_forward_taps, static_argnums=5)(
     weights, components, tokens, {}, clean_taps, (f"resid.{SPLIT}",))
   np.testing.assert_array_equal(taps[f"resid.{SPLIT}"], start)
-  for below in ("resid.0", glu_lm.site_name(0, "gate"),
-                f"{glu_lm.site_name(0, 'down')}.out"):
+  for below in ("resid.0", glu_weights.site_name(0, "gate"),
+                f"{glu_weights.site_name(0, 'down')}.out"):
     with pytest.raises(ValueError, match="I28"):
       fns.masked_forward_taps(weights, components, tokens, {}, clean_taps,
                               (below,))
@@ -425,8 +427,8 @@ def test_no_live_site_is_the_clean_forward_bit_for_bit(model):  # I2
 
 def test_exact_components_with_unit_masks_reproduce_the_model(model):  # I3
   fns, weights, _, tokens = model
-  names = (glu_lm.site_name(1, "k"), glu_lm.site_name(2, "down"))
-  specs = glu_target.site_specs(CONFIG, names, 16)
+  names = (glu_weights.site_name(1, "k"), glu_weights.site_name(2, "down"))
+  specs = glu_sites.site_specs(CONFIG, names, 16)
   exact_fns = glu_target.target_fns(CONFIG, specs)
   eye = jnp.eye(16)[None]
   exact = {"k_proj": sites_lib.Factors(weights.span.k[:1], eye),
@@ -457,15 +459,15 @@ def test_a_site_live_on_one_span_layer_matches_its_own_span(model):
   # gate is live on layer 2 only: layer 1 of the span runs frozen through
   # `where`, which must equal a model whose span is layer 2 alone.
   fns, weights, components, tokens = model
-  name = glu_lm.site_name(2, "gate")
+  name = glu_weights.site_name(2, "gate")
   rng = np.random.default_rng(7)
   mask = {name: masks_lib.SiteMask(
     jnp.asarray(rng.uniform(size=(B, T, C)), jnp.float32),
     jnp.asarray(rng.uniform(size=(B, T)), jnp.float32))}
-  (spec,) = glu_target.site_specs(CONFIG, (name,), C)
+  (spec,) = glu_sites.site_specs(CONFIG, (name,), C)
   narrow_fns = glu_target.target_fns(CONFIG, (spec,))
-  narrow_weights = glu_target.weights_from_arrays(
-    _arrays(), CONFIG, glu_lm.Segments(CONFIG.n_layers, 2, 3))
+  narrow_weights = glu_arrays.weights_from_arrays(
+    _arrays(), CONFIG, glu_weights.Segments(CONFIG.n_layers, 2, 3))
   g = components["gate_proj"]
 
   @jax.jit
@@ -487,7 +489,7 @@ def test_attention_implementations_agree():
 
   @jax.jit
   def run():
-    return [glu_lm.attention_fn(impl)(q, k, v)
+    return [glu_attention.attention_fn(impl)(q, k, v)
             for impl in ("reference", "xla", "auto")]
 
   ref, *others = run()
@@ -497,7 +499,7 @@ def test_attention_implementations_agree():
   np.testing.assert_allclose(ref[:, 0], jnp.repeat(v[:, 0], 2, axis=1),
                              atol=1e-6)
   with pytest.raises(ValueError, match="unknown attention"):
-    glu_lm.attention_fn("flash")
+    glu_attention.attention_fn("flash")
 
 
 def test_frozen_stacks_and_units(model):
@@ -506,12 +508,12 @@ def test_frozen_stacks_and_units(model):
   assert stacks["k_proj"].shape == (1, 16, 16)
   np.testing.assert_array_equal(stacks["k_proj"][0], weights.span.k[0])
   units = fns.nonlinear_units
-  assert units[glu_lm.site_name(1, "gate")].kind == "neuron"
-  assert units[glu_lm.site_name(1, "gate")].n_units == CONFIG.d_ff
-  assert units[glu_lm.site_name(1, "q")].n_units == CONFIG.n_heads
-  k = units[glu_lm.site_name(1, "k")]
+  assert units[glu_weights.site_name(1, "gate")].kind == "neuron"
+  assert units[glu_weights.site_name(1, "gate")].n_units == CONFIG.d_ff
+  assert units[glu_weights.site_name(1, "q")].n_units == CONFIG.n_heads
+  k = units[glu_weights.site_name(1, "k")]
   assert (k.kind, k.n_units, k.multiplicity) == ("attention_head", 2, 2.0)
-  assert glu_lm.site_name(1, "down") not in units
+  assert glu_weights.site_name(1, "down") not in units
 
 
 def test_faithfulness_has_one_dot_per_kind(model):
@@ -526,7 +528,7 @@ def test_faithfulness_has_one_dot_per_kind(model):
 def test_divergence_and_labels():
   a, b = jnp.asarray(np.random.default_rng(11).standard_normal((2, 3, 4, 9)),
                      jnp.float32)
-  np.testing.assert_allclose(glu_target.kl_clean_to_masked(a, b),
+  np.testing.assert_allclose(glu_divergence.kl_clean_to_masked(a, b),
                              recon.kl_clean_to_masked(a, b), rtol=1e-6)
   tokens = jnp.array([[1, 2, 3], [4, 5, 6]])
   np.testing.assert_array_equal(glu_target.token_labels(tokens),
@@ -536,10 +538,10 @@ def test_divergence_and_labels():
 def test_train_step_runs_and_changes_the_decomposition(model):
   # Two sites (a one-layer span in mid-model) keep the step's compile short.
   _, _, _, tokens = model
-  names = (glu_lm.site_name(2, "q"), glu_lm.site_name(2, "down"))
-  fns = glu_target.target_fns(CONFIG, glu_target.site_specs(CONFIG, names, C))
-  weights = glu_target.weights_from_arrays(
-    _arrays(), CONFIG, glu_lm.Segments(CONFIG.n_layers, 2, 3))
+  names = (glu_weights.site_name(2, "q"), glu_weights.site_name(2, "down"))
+  fns = glu_target.target_fns(CONFIG, glu_sites.site_specs(CONFIG, names, C))
+  weights = glu_arrays.weights_from_arrays(
+    _arrays(), CONFIG, glu_weights.Segments(CONFIG.n_layers, 2, 3))
   components = jax.jit(sites_lib.init_components, static_argnums=1)(
     jax.random.key(2), fns.sites)
   ci_fn = ci_fns.make_ci_fn(ci_fns.CIConfig("vector_mlp", (4,)), fns.sites)
@@ -586,11 +588,11 @@ def test_one_role_in_two_kinds_runs_each_on_its_layer(model):
   # each active on its own layer of the span [0, 2). Exact factors (the
   # second padded with a zero component) reproduce the model.
   tokens = model[3]
-  names = (glu_lm.site_name(0, "up"), glu_lm.site_name(1, "up"))
-  specs = glu_target.site_specs(CONFIG, names, {names[0]: 24, names[1]: 25})
+  names = (glu_weights.site_name(0, "up"), glu_weights.site_name(1, "up"))
+  specs = glu_sites.site_specs(CONFIG, names, {names[0]: 24, names[1]: 25})
   fns = glu_target.target_fns(CONFIG, specs)
-  weights = glu_target.weights_from_arrays(
-    _arrays(), CONFIG, glu_lm.Segments(CONFIG.n_layers, 0, 2))
+  weights = glu_arrays.weights_from_arrays(
+    _arrays(), CONFIG, glu_weights.Segments(CONFIG.n_layers, 0, 2))
   up = weights.span.up
   exact = {
     "up_proj.c24": sites_lib.Factors(up[:1], jnp.eye(24)[None]),
@@ -613,14 +615,14 @@ def test_one_role_in_two_kinds_runs_each_on_its_layer(model):
 
 
 def test_the_transformer_ci_reads_each_decomposed_block_once():  # SPEC §4.3
-  names = (glu_lm.site_name(1, "down"), glu_lm.site_name(0, "q"),
-           glu_lm.site_name(1, "gate"))
-  sites = glu_target.site_specs(CONFIG, names, 4)
-  chunks, widths = glu_target.ci_chunks(CONFIG, sites)
+  names = (glu_weights.site_name(1, "down"), glu_weights.site_name(0, "q"),
+           glu_weights.site_name(1, "gate"))
+  sites = glu_sites.site_specs(CONFIG, names, 4)
+  chunks, widths = glu_sites.ci_chunks(CONFIG, sites)
   assert [(c.input_taps, c.output_sites) for c in chunks] == [
-    (("resid.0",), (glu_lm.site_name(0, "q"),)),
-    (("resid.1",), (glu_lm.site_name(1, "gate"), glu_lm.site_name(1, "down")))]
+    (("resid.0",), (glu_weights.site_name(0, "q"),)),
+    (("resid.1",), (glu_weights.site_name(1, "gate"), glu_weights.site_name(1, "down")))]
   assert widths == (("resid.0", CONFIG.d_model), ("resid.1", CONFIG.d_model))
   toy_site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 4)
   with pytest.raises(ValueError, match="'linear1' is not layers.<i>"):
-    glu_target.ci_chunks(CONFIG, (toy_site,))
+    glu_sites.ci_chunks(CONFIG, (toy_site,))

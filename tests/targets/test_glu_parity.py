@@ -21,7 +21,8 @@ import pytest
 from decompax.core.masks import SiteMask
 from decompax.core import sites as sites_lib
 from decompax.io import hf_checkpoint
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_config, glu_sites, glu_target, glu_weights)
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 PARITY_TOL = 1e-4  # fp32, the acceptance bound
@@ -37,9 +38,9 @@ def _load(name: str):
 
 
 def _logits(config, arrays, tokens, names, attention):
-  sites = glu_target.site_specs(config, names, 4)
-  seg = glu_target.span_segments(config, sites)
-  weights = glu_target.weights_from_arrays(arrays, config, seg)
+  sites = glu_sites.site_specs(config, names, 4)
+  seg = glu_sites.span_segments(config, sites)
+  weights = glu_arrays.weights_from_arrays(arrays, config, seg)
   fns = glu_target.target_fns(config, sites, attention)
   run = jax.jit(lambda w, t: fns.clean_forward(w, t, ())[0])
   return np.asarray(run(weights, jnp.asarray(tokens)))
@@ -50,7 +51,7 @@ def test_logits_match_transformers(name):
   config, arrays, ref = _load(name)
   # Spans at the start, middle and end exercise each stack being empty.
   for layer, attention in ((0, "reference"), (1, "xla"), (2, "reference")):
-    names = (glu_lm.site_name(layer, "up"),)
+    names = (glu_weights.site_name(layer, "up"),)
     logits = _logits(config, arrays, ref["tokens"], names, attention)
     err = float(np.max(np.abs(logits - ref["logits"])))
     assert err <= PARITY_TOL, (name, layer, attention, err)
@@ -62,7 +63,7 @@ def test_llama_fixture_depends_on_its_rope_scaling():
   config, arrays, ref = _load("tiny_llama")
   plain = dataclasses.replace(config, rope_scaling=None)
   logits = _logits(plain, arrays, ref["tokens"],
-                   (glu_lm.site_name(1, "up"),), "reference")
+                   (glu_weights.site_name(1, "up"),), "reference")
   assert float(np.max(np.abs(logits - ref["logits"]))) > 100 * PARITY_TOL
 
 
@@ -99,16 +100,16 @@ def test_real_configs_resolve_to_the_spec_table(name):
   assert got == REAL[name]
   assert config.qk_norm == name.startswith("qwen3")
   assert (config.rope_scaling is not None) == name.startswith("llama")
-  names = glu_target.all_site_names(config)
+  names = glu_sites.all_site_names(config)
   assert len(names) == 7 * config.n_layers
-  sites = glu_target.site_specs(config, names[-7:], 8)
+  sites = glu_sites.site_specs(config, names[-7:], 8)
   dims = {s.kind: (s.d_in, s.d_out) for s in sites}
   d, q, kv, f = (config.d_model, config.n_heads * 128,
                  config.n_kv_heads * 128, config.d_ff)
   assert dims == {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv),
                   "o_proj": (q, d), "gate_proj": (d, f), "up_proj": (d, f),
                   "down_proj": (f, d)}
-  assert glu_target.span_segments(config, sites) == glu_lm.Segments(
+  assert glu_sites.span_segments(config, sites) == glu_weights.Segments(
     config.n_layers, config.n_layers - 1, config.n_layers)
 
 
@@ -155,10 +156,10 @@ def test_bfloat16_compute_stays_near_the_fp32_reference():
   # SPEC N4: bf16 weights and activations, fp32 norm statistics and
   # softmax; the masked path casts fp32 factors and masks down.
   config, arrays, ref = _load("tiny_llama")
-  names = (glu_lm.site_name(1, "up"),)
-  sites = glu_target.site_specs(config, names, config.d_ff)
-  seg = glu_target.span_segments(config, sites)
-  weights = glu_target.weights_from_arrays(arrays, config, seg, jnp.bfloat16)
+  names = (glu_weights.site_name(1, "up"),)
+  sites = glu_sites.site_specs(config, names, config.d_ff)
+  seg = glu_sites.span_segments(config, sites)
+  weights = glu_arrays.weights_from_arrays(arrays, config, seg, jnp.bfloat16)
   fns = glu_target.target_fns(config, sites)
   exact = {"up_proj": sites_lib.Factors(
     fns.frozen_stacks(weights)["up_proj"].astype(jnp.float32),

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.targets import glu_lm, induction, registry
+from decompax.targets import glu_weights, induction, registry
 
 CONFIG = induction.InductionConfig()
 
@@ -54,7 +54,7 @@ def test_registry_entry_and_subset_layout(toy):
   restored = toy.weights_from_arrays(toy.weights_to_arrays(weights))
   assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, restored,
                                           weights)))
-  assert glu_lm.site_name(1, "q") in {s.name for s in specs}
+  assert glu_weights.site_name(1, "q") in {s.name for s in specs}
 
 
 @pytest.mark.slow

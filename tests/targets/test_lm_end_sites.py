@@ -12,12 +12,13 @@ import pytest
 from decompax.core import ci_fns
 from decompax.core import masks as masks_lib
 from decompax.core import sites as sites_lib
-from decompax.targets import glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_lm, glu_sites, glu_target, glu_weights)
 
 from .test_glu_lm import CONFIG, _arrays
 
 B, T, C = 2, 6, 5
-EMBED, HEAD = glu_lm.EMBED_SITE, glu_lm.HEAD_SITE
+EMBED, HEAD = glu_weights.EMBED_SITE, glu_weights.HEAD_SITE
 TIED = dataclasses.replace(CONFIG, tied=True)
 CHOICES = {
   "embed": (EMBED,),
@@ -28,10 +29,10 @@ CHOICES = {
 
 
 def _model(config, names):
-  sites = glu_target.site_specs(config, names, C)
+  sites = glu_sites.site_specs(config, names, C)
   fns = glu_target.target_fns(config, sites)
-  seg = glu_target.span_segments(config, sites)
-  weights = glu_target.weights_from_arrays(_arrays(config), config, seg)
+  seg = glu_sites.span_segments(config, sites)
+  weights = glu_arrays.weights_from_arrays(_arrays(config), config, seg)
   components = sites_lib.init_components(jax.random.key(2), sites)
   tokens = jnp.asarray(np.random.default_rng(3).integers(
     0, config.vocab_size, (B, T)), jnp.int32)
@@ -45,10 +46,10 @@ def _ones(fns, delta=True):
 
 
 def test_names_specs_and_order():
-  names = glu_target.selectable_site_names(CONFIG)
+  names = glu_sites.selectable_site_names(CONFIG)
   assert names[0] == EMBED and names[-1] == HEAD
-  assert names[1:-1] == glu_target.all_site_names(CONFIG)
-  sites = glu_target.site_specs(
+  assert names[1:-1] == glu_sites.all_site_names(CONFIG)
+  sites = glu_sites.site_specs(
     CONFIG, (HEAD, "layers.1.mlp.up_proj", EMBED), C)
   assert [s.name for s in sites] == [EMBED, "layers.1.mlp.up_proj", HEAD]
   embed, _, head = sites
@@ -65,8 +66,8 @@ def test_names_specs_and_order():
   (("layers.2.mlp.up_proj", HEAD), (2, 3))])
 def test_the_embedding_starts_the_span_and_the_head_adds_no_layer(
     names, bounds):
-  sites = glu_target.site_specs(CONFIG, names, C)
-  seg = glu_target.span_segments(CONFIG, sites)
+  sites = glu_sites.site_specs(CONFIG, names, C)
+  seg = glu_sites.span_segments(CONFIG, sites)
   assert (seg.split, seg.tail) == bounds
   fns = glu_target.target_fns(CONFIG, sites)
   # No prefix to share under a decomposed embedding.
@@ -146,25 +147,25 @@ def test_a_tied_model_s_two_sites_factor_one_matrix_each_their_way():
 
 
 def test_masking_reaches_and_hidden_points():
-  sites = glu_target.site_specs(CONFIG, (EMBED,), C)
-  reaches = glu_target.masking_reaches(CONFIG, sites)
+  sites = glu_sites.site_specs(CONFIG, (EMBED,), C)
+  reaches = glu_sites.masking_reaches(CONFIG, sites)
   assert reaches("resid.0") and reaches("layers.0.self_attn.q_proj")
   assert reaches(HEAD) and not reaches(EMBED)
   assert reaches(f"{EMBED}.out") and reaches(f"{HEAD}.out")
-  assert glu_target.hidden_pass_points(CONFIG, sites)[0] == (
+  assert glu_sites.hidden_pass_points(CONFIG, sites)[0] == (
     "layers.0.mlp.down_proj.out")
-  head = glu_target.site_specs(CONFIG, (HEAD,), C)
-  reaches = glu_target.masking_reaches(CONFIG, head)
+  head = glu_sites.site_specs(CONFIG, (HEAD,), C)
+  reaches = glu_sites.masking_reaches(CONFIG, head)
   assert not any(reaches(t) for t in ("resid.4", HEAD, EMBED,
                                       f"{EMBED}.out"))
   assert reaches(f"{HEAD}.out")
-  assert glu_target.hidden_pass_points(CONFIG, head) == ()
-  assert glu_target.nonlinear_units(CONFIG, sites + head) == {}
+  assert glu_sites.hidden_pass_points(CONFIG, head) == ()
+  assert glu_sites.nonlinear_units(CONFIG, sites + head) == {}
 
 
 def test_the_transformer_ci_reads_the_last_residual_for_the_head():
-  sites = glu_target.site_specs(CONFIG, ("layers.1.mlp.up_proj", HEAD), C)
-  chunks, taps = glu_target.ci_chunks(CONFIG, sites)
+  sites = glu_sites.site_specs(CONFIG, ("layers.1.mlp.up_proj", HEAD), C)
+  chunks, taps = glu_sites.ci_chunks(CONFIG, sites)
   assert [c.input_taps for c in chunks] == [("resid.1",), ("resid.4",)]
   assert taps == (("resid.1", CONFIG.d_model), ("resid.4", CONFIG.d_model))
 
@@ -182,10 +183,10 @@ def test_the_mlp_ci_reads_the_embedding_s_rows_and_the_head_s_input():
 
 
 def test_the_chunked_head_refuses_a_decomposed_head():
-  sites = glu_target.site_specs(CONFIG, (HEAD,), C)
+  sites = glu_sites.site_specs(CONFIG, (HEAD,), C)
   with pytest.raises(ValueError, match="--output_chunk=0"):
     glu_target.target_fns(CONFIG, sites, output_chunk=4)
-  embed = glu_target.site_specs(CONFIG, (EMBED,), C)
+  embed = glu_sites.site_specs(CONFIG, (EMBED,), C)
   assert glu_target.target_fns(CONFIG, embed, output_chunk=4).split_head
 
 

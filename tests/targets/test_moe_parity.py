@@ -23,7 +23,9 @@ import pytest
 from decompax.core import sites as sites_lib
 from decompax.core.masks import SiteMask
 from decompax.io import hf_checkpoint
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_block, glu_config, glu_lm, glu_sites, glu_target,
+  glu_weights)
 
 from .test_family_parity import parity_errors, tap_keys
 
@@ -45,14 +47,14 @@ def _raw() -> dict:
 
 
 def _fns(config, arrays, names, c=4, **options):
-  sites = glu_target.site_specs(config, names, c)
-  seg = glu_target.span_segments(config, sites)
-  weights = glu_target.weights_from_arrays(arrays, config, seg)
+  sites = glu_sites.site_specs(config, names, c)
+  seg = glu_sites.span_segments(config, sites)
+  weights = glu_arrays.weights_from_arrays(arrays, config, seg)
   return sites, weights, glu_target.target_fns(config, sites, **options)
 
 
 def _logits(config, arrays, tokens):
-  _, weights, fns = _fns(config, arrays, (glu_lm.site_name(1, "q"),))
+  _, weights, fns = _fns(config, arrays, (glu_weights.site_name(1, "q"),))
   return np.asarray(fns.clean_forward(weights, jnp.asarray(tokens), ())[0])
 
 
@@ -63,7 +65,7 @@ def test_logits_and_taps_match_transformers(model):
     set(taps))
   # Spans at the start, middle and end: each stack empty once.
   for layer in range(config.n_layers):
-    _, weights, fns = _fns(config, arrays, (glu_lm.site_name(layer, "q"),))
+    _, weights, fns = _fns(config, arrays, (glu_weights.site_name(layer, "q"),))
     errors = parity_errors(fns, weights, ref, taps)
     assert max(errors.values()) <= PARITY_TOL, (layer, errors)
 
@@ -109,7 +111,7 @@ def test_routing_weights_keep_the_top_k_probabilities(norm_topk):  # I55
     family="qwen3_moe", n_experts=5, experts_per_token=2,
     norm_topk=norm_topk)
   logits = jax.random.normal(jax.random.key(0), (3, 7, 5))
-  w = np.asarray(glu_lm.routing_weights(logits, config))
+  w = np.asarray(glu_block.routing_weights(logits, config))
   probs = np.asarray(jax.nn.softmax(logits, -1))
   top = np.argsort(-probs, -1)[..., :2]
   chosen = np.zeros_like(w, bool)
@@ -124,14 +126,14 @@ def test_the_block_sums_the_chosen_experts_outputs(model):  # I55
   # Per position, the block's output is Σ over its chosen experts of the
   # routing weight times that expert's SwiGLU, each expert run alone.
   config, arrays, ref = model
-  lw = glu_lm.layer_stack(**{k: jnp.asarray(arrays[k][1]) for k in (
+  lw = glu_weights.layer_stack(**{k: jnp.asarray(arrays[k][1]) for k in (
     "ln1", "ln2", "q", "k", "v", "o", "router", "expert_gate", "expert_up",
     "expert_down")})
   xm = jnp.asarray(ref["tap.layers.0.mlp"])
   # The expert projections as the clean forward's blocks run them.
-  out, logits, _ = glu_lm.moe_mlp(
+  out, logits, _ = glu_block.moe_mlp(
     xm, lw, config,
-    lambda r, x: glu_lm.frozen_site(r, x, getattr(lw, r), None))
+    lambda r, x: glu_block.frozen_site(r, x, getattr(lw, r), None))
   probs = jax.nn.softmax(logits, -1)
   top_p, top_i = jax.lax.top_k(probs, config.experts_per_token)
   top_p = top_p / top_p.sum(-1, keepdims=True)
@@ -146,13 +148,13 @@ def test_the_block_sums_the_chosen_experts_outputs(model):  # I55
 
 def test_a_moe_models_sites_are_its_attention_and_its_experts(model):
   config, _, _ = model
-  names = glu_target.all_site_names(config)
+  names = glu_sites.all_site_names(config)
   experts = tuple(f"layers.1.mlp.experts.{e}.{r}_proj" for e in range(4)
                   for r in ("gate", "up", "down"))
-  assert names[16:32] == tuple(glu_lm.site_name(1, r) for r in "qkvo") + (
+  assert names[16:32] == tuple(glu_weights.site_name(1, r) for r in "qkvo") + (
     experts)
   assert len(names) == 3 * (4 + 3 * config.n_experts)
-  sites = glu_target.site_specs(config, names, 4)
+  sites = glu_sites.site_specs(config, names, 4)
   assert [s.name for s in sites] == list(names)
   assert len({s.draw_path for s in sites}) == len(sites)
   by_name = {s.name: s for s in sites}
@@ -164,7 +166,7 @@ def test_a_moe_models_sites_are_its_attention_and_its_experts(model):
               "layers.1.mlp.gate"):
     with pytest.raises(ValueError, match=r"unknown site .*layers.<i>.mlp."
                        r"experts.<e>.\{gate,up,down\}_proj for e < 4"):
-      glu_target.site_specs(config, (bad,), 4)
+      glu_sites.site_specs(config, (bad,), 4)
 
 
 # Expert sites of two layers (a kind gathered to span layout), one layer's
@@ -190,7 +192,7 @@ def _exact(config, arrays, names, c):
 
 def test_an_exact_decomposition_of_experts_is_the_clean_forward(model):
   config, arrays, ref = model
-  c = {n: glu_target.role_dims(config, glu_lm.parse_site(n)[1])[1]
+  c = {n: glu_sites.role_dims(config, glu_weights.parse_site(n)[1])[1]
        for n in EXPERT_SITES}
   sites, weights, fns, components = _exact(config, arrays, EXPERT_SITES, c)
   tokens = jnp.asarray(ref["tokens"])
@@ -220,9 +222,9 @@ def test_masking_an_expert_removes_exactly_that_expert(model, name):  # I55
   # Every component of one expert's projection masked, no delta: the
   # forward of the model whose matrix for that expert (only) is zero.
   config, arrays, ref = model
-  layer, role, _ = glu_lm.parse_site(name)
-  expert = glu_lm.site_expert(name)
-  c = glu_target.role_dims(config, role)[1]
+  layer, role, _ = glu_weights.parse_site(name)
+  expert = glu_weights.site_expert(name)
+  c = glu_sites.role_dims(config, role)[1]
   sites, weights, fns, components = _exact(config, arrays, EXPERT_SITES, c)
   tokens = jnp.asarray(ref["tokens"])
   _, clean = fns.clean_forward(weights, tokens, fns.start_taps)
@@ -239,7 +241,7 @@ def test_masking_an_expert_removes_exactly_that_expert(model, name):  # I55
 
 def test_expert_taps_are_each_experts_projection(model):
   config, arrays, ref = model
-  _, weights, fns = _fns(config, arrays, (glu_lm.site_name(1, "q"),))
+  _, weights, fns = _fns(config, arrays, (glu_weights.site_name(1, "q"),))
   keys = [f"layers.1.mlp.experts.2.{r}_proj{o}" for r in ("gate", "up",
                                                          "down")
           for o in ("", ".out")]
@@ -301,7 +303,7 @@ def _router_kl(clean, masked):
 def test_the_router_kl_is_zero_with_the_delta_and_the_direct_kl_else(
     model):  # I56
   config, arrays, ref = model
-  c = {n: glu_target.role_dims(config, glu_lm.parse_site(n)[1])[1]
+  c = {n: glu_sites.role_dims(config, glu_weights.parse_site(n)[1])[1]
        for n in EXPERT_SITES}
   sites, weights, fns, components = _exact(config, arrays, EXPERT_SITES, c)
   assert fns.router_taps == ("layers.1.mlp.gate.out",
@@ -343,7 +345,7 @@ def test_a_dense_model_has_no_router_eval():
   config = glu_config.GluConfig(
     n_layers=2, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=4,
     vocab_size=8, rope_theta=1e4, rms_eps=1e-6, tied=True, qk_norm=False)
-  fns = glu_target.target_fns(config, glu_target.site_specs(
+  fns = glu_target.target_fns(config, glu_sites.site_specs(
     config, ("layers.0.mlp.up_proj", "layers.1.self_attn.q_proj"), 2))
   assert fns.router_taps == () and fns.router_divergence is None
 
@@ -352,7 +354,7 @@ def test_moe_taps_are_refused_on_a_dense_model():
   config = glu_config.GluConfig(
     n_layers=2, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=4,
     vocab_size=8, rope_theta=1e4, rms_eps=1e-6, tied=True, qk_norm=False)
-  assert "layers.0.mlp.out" not in glu_lm.all_tap_keys(config)
+  assert "layers.0.mlp.out" not in glu_weights.all_tap_keys(config)
   with pytest.raises(ValueError, match="mixture-of-experts block"):
     glu_lm._parsed_taps(("layers.0.mlp.out",), config, 0)
 
@@ -444,7 +446,7 @@ def test_random_moe_layers_have_the_loaded_layout(model):
   # `init_stack` draws the same leaves and shapes a checkpoint loads, and
   # they run through the forward.
   config, arrays, ref = model
-  stack = glu_lm.init_stack(jax.random.key(0), config, config.n_layers)
+  stack = glu_weights.init_stack(jax.random.key(0), config, config.n_layers)
   drawn = {k: v for k, v in stack._asdict().items() if v is not None}
   layers = {k: v for k, v in arrays.items() if k not in (
     "embed", "norm", "head")}

@@ -12,14 +12,16 @@ from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
 from decompax.losses import adversarial, recon
 from decompax.losses import loss_terms as terms
-from decompax.targets import glu_config, glu_lm, glu_target
+from decompax.targets import (
+  glu_arrays, glu_config, glu_divergence, glu_lm, glu_sites, glu_target,
+  glu_weights)
 
 CONFIG = glu_config.GluConfig(
   n_layers=3, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=24,
   vocab_size=40, rope_theta=10000.0, rms_eps=1e-5, tied=False,
   qk_norm=False)
 B, T, C = 2, 7, 4
-NAMES = (glu_lm.site_name(1, "q"), glu_lm.site_name(1, "down"))
+NAMES = (glu_weights.site_name(1, "q"), glu_weights.site_name(1, "down"))
 # 14 positions: 4 leaves a ragged last chunk of 2, 7 divides, 32 is one
 # chunk longer than the positions.
 CHUNKS = (4, 7, 32)
@@ -31,7 +33,7 @@ RTOL, ATOL = 1e-5, 1e-7
 def lm():
   rng = np.random.default_rng(0)
   arrays = {}
-  for name, shape in glu_target.layer_array_shapes(CONFIG).items():
+  for name, shape in glu_arrays.layer_array_shapes(CONFIG).items():
     scale = 1 / np.sqrt(shape[0]) if len(shape) == 2 else 0.1
     value = rng.standard_normal((CONFIG.n_layers, *shape)) * scale
     arrays[name] = (value + (len(shape) == 1)).astype(np.float32)
@@ -39,9 +41,9 @@ def lm():
     arrays[name] = rng.standard_normal(
       (CONFIG.vocab_size, CONFIG.d_model)).astype(np.float32)
   arrays["norm"] = np.ones(CONFIG.d_model, np.float32)
-  sites = glu_target.site_specs(CONFIG, NAMES, C)
-  weights = glu_target.weights_from_arrays(
-    arrays, CONFIG, glu_target.span_segments(CONFIG, sites))
+  sites = glu_sites.site_specs(CONFIG, NAMES, C)
+  weights = glu_arrays.weights_from_arrays(
+    arrays, CONFIG, glu_sites.span_segments(CONFIG, sites))
   components = sites_lib.init_components(jax.random.key(1), sites)
   tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (B, T)), jnp.int32)
   return sites, weights, components, tokens
@@ -53,12 +55,12 @@ def test_chunked_kl_equals_whole_logits_values_and_gradients():  # I14
   masked, clean = jnp.asarray(rng.standard_normal((2, B, T, 8)), jnp.float32)
 
   def whole(m, h):
-    return glu_target.kl_clean_to_masked(m @ h.T, clean @ h.T)
+    return glu_divergence.kl_clean_to_masked(m @ h.T, clean @ h.T)
 
   value, grads = jax.value_and_grad(whole, argnums=(0, 1))(masked, head)
   for chunk in CHUNKS:
     fn = jax.jit(jax.value_and_grad(
-      lambda m, h, k=chunk: glu_target.chunked_head_kl(h, m, clean, k),
+      lambda m, h, k=chunk: glu_divergence.chunked_head_kl(h, m, clean, k),
       argnums=(0, 1)))
     got, got_grads = fn(masked, head)
     np.testing.assert_allclose(got, value, rtol=RTOL, atol=ATOL)
@@ -154,8 +156,8 @@ def test_chunks_hold_less_temporary_memory_than_whole_logits():
   head = jnp.asarray(rng.standard_normal((4096, 16)), jnp.float32)
   masked, clean = jnp.asarray(rng.standard_normal((2, 1, 256, 16)),
                               jnp.float32)
-  whole = _temp_bytes(lambda m, c, h: glu_target.kl_clean_to_masked(
+  whole = _temp_bytes(lambda m, c, h: glu_divergence.kl_clean_to_masked(
     m @ h.T, c @ h.T), masked, clean, head)
-  chunked = _temp_bytes(lambda m, c, h: glu_target.chunked_head_kl(
+  chunked = _temp_bytes(lambda m, c, h: glu_divergence.chunked_head_kl(
     h, m, c, 32), masked, clean, head)
   assert chunked < whole / 4, (chunked, whole)
