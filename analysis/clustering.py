@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decompax.analysis import explore, harvesting
+from decompax.analysis import explore, harvest_batches, harvest_settings
 from decompax.core import masks as masks_lib
 from decompax.core.sites import SiteSpec
 from decompax.core.target import TargetFns
@@ -278,9 +278,9 @@ def default_effect_batch(run: explore.LoadedRun) -> int:
 
 
 def _effect_settings(manifest: Mapping[str, Any], seed: int,
-                     batch_size: int) -> harvesting.Settings:
+                     batch_size: int) -> harvest_settings.Settings:
   return dataclasses.replace(
-    harvesting.Settings(**manifest["settings"]), seed=seed,
+    harvest_settings.Settings(**manifest["settings"]), seed=seed,
     batch_size=batch_size)
 
 
@@ -289,7 +289,7 @@ def effect_inputs(run: explore.LoadedRun, manifest: Mapping[str, Any],
   """Return the batch the ablation effects are measured on: the first
   batch the harvest's own source (its token file, or the toy's inputs)
   draws with `seed` and `batch_size`."""
-  return harvesting.batch_source(
+  return harvest_batches.batch_source(
     run, _effect_settings(manifest, seed, batch_size))(0)
 
 
@@ -297,8 +297,8 @@ def effect_bytes(run: explore.LoadedRun, manifest: Mapping[str, Any],
                  batch_size: int) -> int:
   """Return a floor on the bytes the ablation effects on `batch_size`
   inputs hold at once: the batch and `CHUNK` ablated forwards of it
-  (`harvesting.batch_bytes`)."""
-  return harvesting.batch_bytes(
+  (`harvest_batches.batch_bytes`)."""
+  return harvest_batches.batch_bytes(
     run, _effect_settings(manifest, 0, batch_size)) * (1 + CHUNK)
 
 

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from decompax.analysis import harvesting as harvest_lib
+from decompax.analysis import harvest_baselines, harvest_settings
 from decompax.losses import tag_context, tag_metrics, tag_profile
 from decompax.targets import glu_weights
 
@@ -37,7 +38,7 @@ class Row(NamedTuple):
 
 def tag_stats(fields: dict[str, np.ndarray]) -> tag_profile.TagStats:
   """Return the tag statistics of one store key's harvested fields."""
-  return tag_profile.TagStats(*(fields[f] for f in harvest_lib.TAG_FIELDS))
+  return tag_profile.TagStats(*(fields[f] for f in harvest_settings.TAG_FIELDS))
 
 
 def alive_components(fields: dict[str, np.ndarray]) -> tag_profile.TagStats:
@@ -61,11 +62,11 @@ def baselines_of(site: str) -> tuple[tuple[str, str], ...]:
   elif role in ("gate", "up", "down"):
     unit = layer
   else:
-    return ((harvest_lib.HEADS, f"layers.{layer}.self_attn.heads"),)
-  first, *rest = harvest_lib.BASELINES
-  prefix = harvest_lib.mlp_prefix(unit)
+    return ((harvest_settings.HEADS, f"layers.{layer}.self_attn.heads"),)
+  first, *rest = harvest_settings.BASELINES
+  prefix = harvest_baselines.mlp_prefix(unit)
   return ((first, f"{prefix}.{first}"),
-          *((kind, f"{site}.{kind}") for kind in harvest_lib.SITE_BASELINES),
+          *((kind, f"{site}.{kind}") for kind in harvest_settings.SITE_BASELINES),
           *((kind, f"{prefix}.{kind}") for kind in rest))
 
 
@@ -80,10 +81,10 @@ class UnitSet(NamedTuple):
 
 def _context(fields: dict[str, np.ndarray], keep: Any = slice(None)
              ) -> Optional[tag_context.ContextStats]:
-  if not all(f in fields for f in harvest_lib.CONTEXT_FIELDS):
+  if not all(f in fields for f in harvest_settings.CONTEXT_FIELDS):
     return None
   return tag_context.ContextStats(*(
-    fields[f][keep] for f in harvest_lib.CONTEXT_FIELDS))
+    fields[f][keep] for f in harvest_settings.CONTEXT_FIELDS))
 
 
 def unit_sets(harvest: harvest_lib.Harvest, site: str) -> list[UnitSet]:

@@ -1,7 +1,7 @@
 """Trained transcoders judged beside the decomposition, on the harvest's
 held-out positions (`docs/transcoder.md`).
 
-Positions: a finished harvest's windows (`harvesting.window_starts`,
+Positions: a finished harvest's windows (`harvest_batches.window_starts`,
 read back from its manifest's settings), so the latents are measured
 where the components and the neurons were; a run without a harvest gets
 the windows a harvest of the request would read. Per batch:
@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from decompax.analysis import explore, harvesting
-from decompax.analysis import tag_comparison, tag_summary
+from decompax.analysis import (
+  explore, harvest_batches, harvest_settings, harvesting, tag_comparison,
+  tag_summary, transcoder_lm)
 from decompax.analysis import transcoder as tc
-from decompax.analysis import transcoder_lm
 from decompax.io import harvest_store
 from decompax.losses import evals, tag_context, tag_metrics, tag_profile
 from decompax.recipe import assembly
@@ -106,15 +106,15 @@ def context_summary(name: str, stats: UnitStats, seed: int
 
 
 def eval_settings(run_path: str, run: explore.LoadedRun,
-                  request: harvesting.Request
-                  ) -> tuple[harvesting.Settings, bool]:
+                  request: harvest_settings.Request
+                  ) -> tuple[harvest_settings.Settings, bool]:
   """Return the positions to judge on and whether they are a finished
   harvest's (else `request`'s, resolved on the run)."""
   try:
     manifest = harvest_store.read_manifest(run_path)
   except (OSError, ValueError):
-    return harvesting.resolve(run, request), False
-  return harvesting.Settings(**manifest["settings"]), True
+    return harvest_settings.resolve(run, request), False
+  return harvest_settings.Settings(**manifest["settings"]), True
 
 
 def _ce(logits: Array, tokens: Int[Array, "b t"]) -> Float[Array, ""]:
@@ -181,14 +181,14 @@ def _masked_ce(run: explore.LoadedRun, tokens: Array) -> float:
 
 
 def evaluate(run: explore.LoadedRun, params: dict[int, tc.Transcoder],
-             ks: dict[int, int], settings: harvesting.Settings,
+             ks: dict[int, int], settings: harvest_settings.Settings,
              say: Callable[[str], None], decomposition_ce: bool = True
              ) -> Evaluation:
   """Return the transcoders' evaluation over the positions of `settings`
   (`decomposition_ce`: the decomposition's CE under its CI masks too),
   with a progress line every `PROGRESS_S` seconds."""
-  batches = harvesting.batch_source(run, settings)
-  tags = harvesting.tag_source(settings)
+  batches = harvest_batches.batch_source(run, settings)
+  tags = harvest_batches.tag_source(settings)
   coarse_of = None if tags is None else tags.coarse_of
   metrics = make_batch_metrics(run, ks, coarse_of, settings.tag_groups,
                                None if tags is None else tags.mix)

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
-from decompax.analysis import explore, harvesting
+from decompax.analysis import explore, harvest_baselines
 from decompax.analysis import transcoder as tc
 from decompax.io import harvest_store, run_dir
 from decompax.io import tokens as tokens_lib
@@ -47,7 +47,7 @@ def mlp_output_tap(layer: int) -> str:
 def layer_sites(run: explore.LoadedRun) -> dict[int, tuple[str, ...]]:
   """Return every layer with a decomposed MLP site and its MLP sites;
   ValueError for a mixture of experts or a run with none."""
-  units = harvesting.baseline_layers(run)
+  units = harvest_baselines.baseline_layers(run)
   if any(isinstance(u, tuple) for u in units):
     raise ValueError("the run decomposes a mixture of experts, whose MLP is "
                      "routed over experts; a transcoder stands in for one "

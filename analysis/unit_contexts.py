@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float, Int
 
-from decompax.analysis import explore
-from decompax.analysis import harvesting as harvest_lib
+from decompax.analysis import (
+  explore, harvest_accumulate, harvest_baselines, harvest_batches,
+  harvest_settings)
 from decompax.io import tokens as tokens_lib
 
 # Batches of the harvest streamed again by default: a sample, not the
@@ -46,29 +47,29 @@ class Context(NamedTuple):
   focus: int  # index in `ids` of the position
 
 
-def settings_of(manifest: dict) -> harvest_lib.Settings:
+def settings_of(manifest: dict) -> harvest_settings.Settings:
   """Return the settings a harvest was made with, from its manifest."""
-  return harvest_lib.Settings(**manifest["settings"])
+  return harvest_settings.Settings(**manifest["settings"])
 
 
-def top_positions(run: explore.LoadedRun, settings: harvest_lib.Settings,
+def top_positions(run: explore.LoadedRun, settings: harvest_settings.Settings,
                   k: int, batches: int = SAMPLE_BATCHES) -> dict[str, Top]:
   """Return per unit set (each site's components, each baseline key) its
   units' `k` most active positions over the harvest's first `batches`
   batches (all of them where it has fewer)."""
-  layers = harvest_lib.baseline_layers(run)
-  heads = harvest_lib.head_layers(run)
-  n_head = harvest_lib.n_heads(run) if heads else 0
-  extra = harvest_lib.baseline_weights(run, settings, layers, heads)
-  mlp = harvest_lib.mlp_form(run) if layers else harvest_lib.MlpForm()
-  wanted = harvest_lib.baseline_taps(layers, heads, mlp)
+  layers = harvest_baselines.baseline_layers(run)
+  heads = harvest_baselines.head_layers(run)
+  n_head = harvest_baselines.n_heads(run) if heads else 0
+  extra = harvest_baselines.baseline_weights(run, settings, layers, heads)
+  mlp = harvest_baselines.mlp_form(run) if layers else harvest_baselines.MlpForm()
+  wanted = harvest_baselines.baseline_taps(layers, heads, mlp)
   d = run.decomposition
-  read = harvest_lib.batch_source(run, settings)
+  read = harvest_batches.batch_source(run, settings)
   # The matched neurons as the harvest measured them: calibrated again on
   # its first batch.
-  sites = harvest_lib.site_mlps(run) if settings.tag_revision else ()
-  extra["calibration"] = harvest_lib.calibrate(
-    run, harvest_lib.place(run, settings), read(0), sites, layers, mlp,
+  sites = harvest_baselines.site_mlps(run) if settings.tag_revision else ()
+  extra["calibration"] = harvest_accumulate.calibrate(
+    run, harvest_accumulate.place(run, settings), read(0), sites, layers, mlp,
     extra) if sites else {}
 
   @jax.jit
@@ -76,10 +77,10 @@ def top_positions(run: explore.LoadedRun, settings: harvest_lib.Settings,
     ci, taps = explore.lower_ci_and_taps(
       run.target, run.ci_fn, run.weights, d.components, d.ci_params,
       inputs, wanted)
-    activity = {**ci, **harvest_lib.baseline_activity(
+    activity = {**ci, **harvest_baselines.baseline_activity(
       taps, layers, heads, n_head, extra, mlp)}
-    activity.update(harvest_lib.site_activity(activity, sites,
-                                              extra["calibration"]))
+    activity.update(harvest_baselines.site_activity(activity, sites,
+                                                    extra["calibration"]))
     out = {}
     for key, a in activity.items():
       flat = a.reshape(-1, a.shape[-1]).T
@@ -91,7 +92,7 @@ def top_positions(run: explore.LoadedRun, settings: harvest_lib.Settings,
   t = settings.seq_len
   kept: dict[str, Top] = {}
   for i in range(min(batches, settings.n_batches)):
-    positions = harvest_lib.window_positions(settings, i, n_tokens)
+    positions = harvest_batches.window_positions(settings, i, n_tokens)
     offsets = positions.reshape(-1)
     window = np.repeat(positions[:, 0], t)
     for key, (values, index) in jax.device_get(

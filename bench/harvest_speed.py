@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from decompax.analysis import explore, harvesting
+from decompax.analysis import explore, harvest_settings, harvesting
 from decompax.io import hf_checkpoint, tokens
 from decompax.recipe.flagfiles import read_args
 from decompax.targets import (
@@ -99,7 +99,7 @@ def measure(batches: int, batch_size: int, seq_len: int, c: int,
     # A little more than the batches, so none is cut short.
     write_token_file(path, (batches + 1) * batch_size * (seq_len + 1),
                      explore.vocab_size(run), tagged)
-    settings = harvesting.resolve(run, harvesting.Request(
+    settings = harvest_settings.resolve(run, harvest_settings.Request(
       positions=batches * batch_size * seq_len, batch_size=batch_size,
       seq_len=seq_len, ablation_batches=0, data_path=path))
     start = time.perf_counter()

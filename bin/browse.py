@@ -61,14 +61,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
-from decompax.analysis import attribution, explore, interventions
+from decompax.analysis import (
+  attribution, explore, harvest_settings, interventions, unit_contexts,
+  unit_labels)
 from decompax.analysis import harvesting as harvest_lib
-from decompax.analysis import unit_contexts, unit_labels
 from decompax.bin import cli
 from decompax.core import sites as sites_lib
-from decompax.io import ab_grid, harvest_store, hf_checkpoint
+from decompax.io import ab_grid, harvest_store, hf_checkpoint, tensor_store
 from decompax.io import run_report as report
-from decompax.io import tensor_store
 from decompax.io import tokens as tokens_lib
 
 # A row's label fields in the tables (the rest show on a unit's page).
@@ -130,7 +130,7 @@ class Tagged(NamedTuple):
   coarse_of: list[int]  # each tag's class
   labels: dict[str, list[dict]]
   baselines: list[str]
-  settings: harvest_lib.Settings
+  settings: harvest_settings.Settings
   ids: np.ndarray
   tag_ids: np.ndarray
 

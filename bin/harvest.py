@@ -33,9 +33,9 @@ from typing import Any
 
 from absl import flags, logging
 
-from decompax.analysis import explore
+from decompax.analysis import (
+  explore, harvest_batches, harvest_settings, tag_summary)
 from decompax.analysis import harvesting as harvest_lib
-from decompax.analysis import tag_summary
 from decompax.bin import cli, device_memory, placement_flags, placement_setup
 from decompax.io import harvest_store, owned_dir, run_dir
 from decompax.placement import shardings
@@ -52,7 +52,7 @@ def _define_float(name: str, default: float | None,
                       serializer=flags.ArgumentSerializer())
 
 
-_D = harvest_lib.Request()
+_D = harvest_settings.Request()
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "Run directory (the --output_dir of bin/train).",
   required=True, flag_values=HARVEST_FLAGS)
@@ -75,11 +75,11 @@ _TOP_K = flags.DEFINE_integer("top_k", _D.top_k, "Contexts kept per "
                               "component.", flag_values=HARVEST_FLAGS)
 _BEFORE = flags.DEFINE_integer(
   "window_before", _D.window_before, "Tokens kept before a top position "
-  f"(default: {harvest_lib.WINDOW_BEFORE}, fewer in shorter sequences; at "
+  f"(default: {harvest_settings.WINDOW_BEFORE}, fewer in shorter sequences; at "
   "most --seq_len - 1).", flag_values=HARVEST_FLAGS)
 _AFTER = flags.DEFINE_integer(
   "window_after", _D.window_after, "Tokens kept after a top position "
-  f"(default: {harvest_lib.WINDOW_AFTER}, fewer in shorter sequences; at "
+  f"(default: {harvest_settings.WINDOW_AFTER}, fewer in shorter sequences; at "
   "most --seq_len - 1).", flag_values=HARVEST_FLAGS)
 _THRESHOLD = _define_float(
   "threshold", _D.threshold, "CI above which a component fires "
@@ -88,9 +88,9 @@ _ABLATION_BATCHES = flags.DEFINE_integer(
   "ablation_batches", _D.ablation_batches, "First batches on which each "
   "component that fired in the batch is ablated in turn, one forward of "
   "the whole batch each, with a progress line every "
-  f"{harvest_lib.ABLATION_PROGRESS_S:g} s (0: no ablation effects; "
-  f"default: {harvest_lib.TOY_ABLATION_BATCHES} for a toy, "
-  f"{harvest_lib.LM_ABLATION_BATCHES} for a language model, where they "
+  f"{harvest_settings.ABLATION_PROGRESS_S:g} s (0: no ablation effects; "
+  f"default: {harvest_settings.TOY_ABLATION_BATCHES} for a toy, "
+  f"{harvest_settings.LM_ABLATION_BATCHES} for a language model, where they "
   "cost hours: brown_s's 3072 components take about 20 minutes per batch "
   "of 8 x 64 tokens on two CPU cores).", flag_values=HARVEST_FLAGS)
 _ABLATION_CHUNK = flags.DEFINE_integer(
@@ -122,9 +122,9 @@ def _flagged(message: str) -> str:
   return f"--{name}{sep}{rest}"
 
 
-def request() -> harvest_lib.Request:
+def request() -> harvest_settings.Request:
   """Return the harvest the flags ask for."""
-  return harvest_lib.Request(
+  return harvest_settings.Request(
     positions=_POSITIONS.value, batch_size=_BATCH_SIZE.value,
     seq_len=_SEQ_LEN.value, top_k=_TOP_K.value,
     window_before=_BEFORE.value, window_after=_AFTER.value,
@@ -182,7 +182,7 @@ def main(argv: list[str]) -> None:
                   "stands)")
 
 
-def _say_whole_file(settings: harvest_lib.Settings) -> None:
+def _say_whole_file(settings: harvest_settings.Settings) -> None:
   """Say so when the token file holds fewer positions than asked: the
   harvest reads each of its windows once rather than any twice."""
   held = settings.n_batches * settings.batch_size * settings.seq_len
@@ -194,7 +194,7 @@ def _say_whole_file(settings: harvest_lib.Settings) -> None:
 
 
 def check_memory(run: explore.LoadedRun,
-                 settings: harvest_lib.Settings) -> None:
+                 settings: harvest_settings.Settings) -> None:
   """Raise `device_memory.DoesNotFit`, before anything is written or
   compiled, for a harvest whose batch (and its ablated forwards) cannot
   fit in the memory free to it (`harvest_lib.memory_floor`)."""
@@ -202,7 +202,7 @@ def check_memory(run: explore.LoadedRun,
   ablating = f" and {chunk} ablated forwards of it" if (
     settings.ablation_batches) else ""
   device_memory.check_bytes(
-    harvest_lib.memory_floor(run, settings, chunk),
+    harvest_batches.memory_floor(run, settings, chunk),
     f"a batch of --batch_size={settings.batch_size} x {settings.seq_len} "
     f"positions{ablating}",
     "lower --batch_size" + (" or --ablation_chunk" if ablating else ""))
@@ -220,7 +220,7 @@ def _legacy(path: str, entries: list[str]) -> list[str]:
 
 
 def claim_store(out: str, run: explore.LoadedRun,
-                settings: harvest_lib.Settings) -> None:
+                settings: harvest_settings.Settings) -> None:
   """Claim the harvest's directory (`io/owned_dir.py`), its lock held until
   the process ends: the token file's bytes recorded and compared (a
   harvest of a file since rewritten is not resumed), the harvest's own
@@ -241,8 +241,8 @@ def _checked_run():
     # CI lies in [0, 1]: below 0 every component fires, at 1 none does.
     fail(f"--threshold must lie in [0, 1), the range of CI, got {threshold}")
   try:
-    harvest_lib.check_request(request())
-    harvest_lib.check_cadence(_SAVE_EVERY_S.value, _ABLATION_CHUNK.value)
+    harvest_settings.check_request(request())
+    harvest_settings.check_cadence(_SAVE_EVERY_S.value, _ABLATION_CHUNK.value)
   except ValueError as e:
     fail(_flagged(str(e)))
   try:
@@ -264,7 +264,7 @@ def _harvest(run, placement, out: str, stop: threading.Event):
   """Return the harvest's settings and record (empty when stopped before
   its end), writing it into `out`; fail on one line where it cannot."""
   try:
-    settings = harvest_lib.resolve(run, request())
+    settings = harvest_settings.resolve(run, request())
     _say_whole_file(settings)
     if _ABLATION_BATCHES.value is None and not settings.ablation_batches:
       print("[harvest] no ablation effects, a language model's default "

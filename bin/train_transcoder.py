@@ -18,8 +18,8 @@ import os
 
 from absl import flags, logging
 
-from decompax.analysis import explore, harvesting, transcoder_eval
-from decompax.analysis import transcoder_lm
+from decompax.analysis import (
+  explore, harvest_settings, transcoder_eval, transcoder_lm)
 from decompax.bin import cli
 from decompax.io import owned_dir
 from decompax.io import transcoder_store as store
@@ -150,7 +150,7 @@ def _open(run_path: str):
 
 
 def _eval_positions(run_path: str, run: explore.LoadedRun):
-  request = harvesting.Request(
+  request = harvest_settings.Request(
     positions=_EVAL_POSITIONS.value, batch_size=_EVAL_BATCH_SIZE.value,
     data_path=_EVAL_DATA_PATH.value)
   try:

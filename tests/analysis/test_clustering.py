@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.analysis import clustering, explore, harvesting
+from decompax.analysis import (
+  clustering, explore, harvest_batches, harvest_settings, harvesting)
 from decompax.io import harvest_store
 
 
@@ -161,7 +162,7 @@ def recovered_tms(finished_run, tmp_path_factory):
   shutil.copytree(finished_run("tms"), path,
                   ignore=shutil.ignore_patterns(harvest_store.HARVEST_DIR))
   run = _recovered_tms(path)
-  settings = harvesting.resolve(run, harvesting.Request(
+  settings = harvest_settings.resolve(run, harvest_settings.Request(
     positions=4096, batch_size=512, top_k=2, ablation_batches=0))
   out = f"{path}/{harvest_store.HARVEST_DIR}"
   record = harvesting.harvest(run, settings, out, say=lambda _: None)
@@ -182,8 +183,8 @@ def test_tms_clusters_are_the_single_features(recovered_tms):
 
 def test_joint_and_summed_effects_are_the_ablations_they_name(recovered_tms):
   run, _ = recovered_tms
-  inputs = harvesting.batch_source(run, harvesting.resolve(
-    run, harvesting.Request(batch_size=64, ablation_batches=0)))(0)
+  inputs = harvest_batches.batch_source(run, harvest_settings.resolve(
+    run, harvest_settings.Request(batch_size=64, ablation_batches=0)))(0)
   pair = clustering.SiteClusters(((0, 1), (2,)), (0.0, 0.0), (), 0.0, 0.0)
   effects = clustering.cluster_effects(run, inputs, {"linear1": pair})
   joint, single = effects["linear1"]

@@ -15,7 +15,9 @@ import pytest
 import tensorstore as ts
 from jax.sharding import AxisType
 
-from decompax.analysis import explore
+from decompax.analysis import (
+  explore, harvest_accumulate, harvest_baselines, harvest_batches,
+  harvest_settings)
 from decompax.analysis import harvesting as harvest_lib
 from decompax.io import harvest_store
 from decompax.losses import component_stats as stats_lib
@@ -24,14 +26,14 @@ from decompax.placement import shardings
 from decompax.placement import table as table_lib
 from decompax.targets import glu_block, glu_config
 
-REQUEST = harvest_lib.Request(positions=4 * 8 * 32, batch_size=8, top_k=5,
-                              window_before=3, window_after=2,
-                              ablation_batches=1)
+REQUEST = harvest_settings.Request(positions=4 * 8 * 32, batch_size=8, top_k=5,
+                                   window_before=3, window_after=2,
+                                   ablation_batches=1)
 
 
 @pytest.fixture(scope="module")
 def harvested(induction, tmp_path_factory):
-  settings = harvest_lib.resolve(induction, REQUEST)
+  settings = harvest_settings.resolve(induction, REQUEST)
   out = str(tmp_path_factory.mktemp("harvest"))
   record = harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
                                ablation_chunk=5, say=lambda _: None)
@@ -47,7 +49,7 @@ def _read(out, site, field):
 
 def _direct(run, settings):
   """Every batch's CI and inputs, computed one by one."""
-  batch = harvest_lib.batch_source(run, settings)
+  batch = harvest_batches.batch_source(run, settings)
   inputs = [batch(i) for i in range(settings.n_batches)]
   return inputs, [jax.device_get(explore.component_ci(run, x))
                   for x in inputs]
@@ -98,8 +100,8 @@ def test_a_fresh_window_has_the_input_types_of_an_accumulated_one(induction):
   """So the jitted accumulation compiles once, not again on a harvest's
   second batch and after every save (a weakly typed `-inf` once made each
   window's second batch a compile)."""
-  settings = harvest_lib.resolve(induction, REQUEST)
-  placed = harvest_lib.place(induction, settings)
+  settings = harvest_settings.resolve(induction, REQUEST)
+  placed = harvest_accumulate.place(induction, settings)
   pipe = harvest_lib._pipeline(induction, settings, 5, placed)
   fresh = harvest_lib._fresh_window(pipe.shapes, placed)()
   types = jax.tree.map(jax.typeof, fresh)
@@ -149,7 +151,7 @@ def test_an_interrupted_harvest_resumes_to_the_same_result(
     induction, harvested, tmp_path, monkeypatch):
   settings, whole, _ = harvested
   out = str(tmp_path)
-  source = harvest_lib.batch_source
+  source = harvest_batches.batch_source
 
   def failing(run, s, *placed):
     batch = source(run, s, *placed)
@@ -160,18 +162,18 @@ def test_an_interrupted_harvest_resumes_to_the_same_result(
       return batch(i)
     return fetch
 
-  monkeypatch.setattr(harvest_lib, "batch_source", failing)
+  monkeypatch.setattr(harvest_batches, "batch_source", failing)
   with pytest.raises(KeyboardInterrupt):
     harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
                         ablation_chunk=5, say=lambda _: None)
   assert os.path.exists(os.path.join(out, harvest_store.STATE_FILE))
-  monkeypatch.setattr(harvest_lib, "batch_source", source)
+  monkeypatch.setattr(harvest_batches, "batch_source", source)
   said = []
   harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
                       ablation_chunk=5, say=said.append)
   assert "[harvest] resuming after batch 3" in said
   for site in induction.target.sites:
-    for field in harvest_lib.FIELDS:
+    for field in harvest_settings.FIELDS:
       np.testing.assert_array_equal(_read(out, site.name, field),
                                     _read(whole, site.name, field), field)
 
@@ -208,11 +210,11 @@ def test_only_the_components_that_fired_are_ablated_to_the_same_sums(
   """Each batch ablates only what fired in it, one chunk at a time: the
   sums equal those of every component's ablated forward, one pass."""
   one = dataclasses.replace(REQUEST, positions=8 * 32)
-  inputs, cis = _direct(induction, harvest_lib.resolve(induction, one))
+  inputs, cis = _direct(induction, harvest_settings.resolve(induction, one))
   # A threshold only the components with the highest CI pass on the batch.
   peaks = np.concatenate([ci.reshape(-1, ci.shape[-1]).max(0)
                           for ci in cis[0].values()])
-  settings = harvest_lib.resolve(induction, dataclasses.replace(
+  settings = harvest_settings.resolve(induction, dataclasses.replace(
     one, threshold=float(peaks[peaks < peaks.max()].max())))
   harvest_lib.harvest(induction, settings, str(tmp_path), ablation_chunk=5,
                       say=lambda _: None)
@@ -225,8 +227,8 @@ def test_only_the_components_that_fired_are_ablated_to_the_same_sums(
     jax.numpy.asarray(site_of, np.int32),
     jax.numpy.asarray(np.concatenate([np.arange(s.c) for s in sites]),
                       np.int32), 7))
-  fired_of = harvest_lib.fired_components(induction, cis[0],
-                                          settings.threshold)
+  fired_of = harvest_accumulate.fired_components(induction, cis[0],
+                                                 settings.threshold)
   assert 0 < len(fired_of[0]) < len(site_of)   # some are skipped
   at = 0
   for site in sites:
@@ -242,14 +244,14 @@ def test_the_ablations_say_their_progress(induction, tmp_path):
   """Before its first ablated forward the harvest says how many it will
   run, then every `progress_every_s` how many are done, the rate and the
   time left."""
-  settings = harvest_lib.resolve(induction, dataclasses.replace(
+  settings = harvest_settings.resolve(induction, dataclasses.replace(
     REQUEST, positions=8 * 32, ablation_batches=1))
   said = []
   harvest_lib.harvest(induction, settings, str(tmp_path), ablation_chunk=5,
                       say=said.append, progress_every_s=0.0)
   _, cis = _direct(induction, settings)
-  n = len(harvest_lib.fired_components(induction, cis[0],
-                                       settings.threshold)[0])
+  n = len(harvest_accumulate.fired_components(induction, cis[0],
+                                              settings.threshold)[0])
   total = sum(s.c for s in induction.target.sites)
   assert said[0] == (f"[harvest] ablation batch 1/1: the {n} of {total} "
                      "components that fired, 5 at a time")
@@ -268,7 +270,7 @@ def test_a_harvest_stopped_in_its_ablations_resumes_to_the_same_result(
     induction, tmp_path):
   """Stopped between two chunks of batch 1's ablations, it saves the
   batches before and redoes batch 1 on resuming."""
-  settings = harvest_lib.resolve(induction, dataclasses.replace(
+  settings = harvest_settings.resolve(induction, dataclasses.replace(
     REQUEST, ablation_batches=2))
   whole, out = str(tmp_path / "whole"), str(tmp_path / "stopped")
   harvest_lib.harvest(induction, settings, whole, save_every_s=60.0,
@@ -294,12 +296,12 @@ def test_a_harvest_stopped_in_its_ablations_resumes_to_the_same_result(
 def test_a_language_model_ablates_only_when_asked(induction, finished_run):
   """A toy's ablations cost little, a language model's a forward of the
   whole batch per component: by default only the toy ablates."""
-  assert harvest_lib.resolve(induction, harvest_lib.Request()
-                             ).ablation_batches == 2
+  assert harvest_settings.resolve(induction, harvest_settings.Request()
+                                  ).ablation_batches == 2
   llama = explore.load_run(finished_run("tiny_llama"))
-  assert harvest_lib.resolve(llama, harvest_lib.Request()
-                             ).ablation_batches == 0
-  assert harvest_lib.resolve(llama, harvest_lib.Request(
+  assert harvest_settings.resolve(llama, harvest_settings.Request()
+                                  ).ablation_batches == 0
+  assert harvest_settings.resolve(llama, harvest_settings.Request(
     ablation_batches=1)).ablation_batches == 1
 
 
@@ -310,36 +312,36 @@ def test_windows_stay_inside_the_sequence(induction, tmp_path):
   from decompax.io import tokens  # noqa: PLC0415
   path = tmp_path / "tokens.bin"
   tokens.write_tokens(path, [np.arange(40) % 31], 32, 31, "test")
-  short = harvest_lib.Request(positions=16, batch_size=4, seq_len=4, top_k=3,
-                              data_path=str(path))
-  settings = harvest_lib.resolve(induction, short)
+  short = harvest_settings.Request(positions=16, batch_size=4, seq_len=4, top_k=3,
+                                   data_path=str(path))
+  settings = harvest_settings.resolve(induction, short)
   assert (settings.before, settings.after) == (3, 3)
-  assert harvest_lib.resolve(induction, REQUEST).before == 3
-  assert harvest_lib.resolve(induction, harvest_lib.Request()).before == (
-    harvest_lib.WINDOW_BEFORE)
+  assert harvest_settings.resolve(induction, REQUEST).before == 3
+  assert harvest_settings.resolve(induction, harvest_settings.Request()).before == (
+    harvest_settings.WINDOW_BEFORE)
 
 
 def test_other_settings_are_refused_unless_overwritten(induction, harvested):
   settings, out, _ = harvested
-  other = harvest_lib.resolve(induction, harvest_lib.Request(
+  other = harvest_settings.resolve(induction, harvest_settings.Request(
     positions=REQUEST.positions, batch_size=8, top_k=4))
   with pytest.raises(harvest_store.HarvestConflict, match="top_k"):
     harvest_lib.harvest(induction, other, out, say=lambda _: None)
 
 
 @pytest.mark.parametrize("request_, message", [
-  (harvest_lib.Request(top_k=0), "top_k=0 must be positive"),
-  (harvest_lib.Request(batch_size=1, top_k=100), "top_k=100 exceeds"),
-  (harvest_lib.Request(window_after=-1), "window_after=-1 must be 0"),
+  (harvest_settings.Request(top_k=0), "top_k=0 must be positive"),
+  (harvest_settings.Request(batch_size=1, top_k=100), "top_k=100 exceeds"),
+  (harvest_settings.Request(window_after=-1), "window_after=-1 must be 0"),
   # The induction run's sequences hold 32 tokens.
-  (harvest_lib.Request(window_before=100_000_000),
+  (harvest_settings.Request(window_before=100_000_000),
    "window_before=100000000 reaches past the sequence: a window of "
    "seq_len=32 holds at most 31 positions"),
-  (harvest_lib.Request(window_after=32), "window_after=32 reaches past"),
+  (harvest_settings.Request(window_after=32), "window_after=32 reaches past"),
 ])
 def test_bad_requests_are_named(induction, request_, message):
   with pytest.raises(ValueError, match=message):
-    harvest_lib.resolve(induction, request_)
+    harvest_settings.resolve(induction, request_)
 
 
 @pytest.mark.slow
@@ -348,7 +350,7 @@ def test_a_language_model_harvests_its_token_file(finished_run, tmp_path):
   every position counted, contexts are token windows of that file."""
   path = finished_run("tiny_llama")
   run = explore.load_run(path)
-  settings = harvest_lib.resolve(run, harvest_lib.Request(
+  settings = harvest_settings.resolve(run, harvest_settings.Request(
     positions=4 * 8 * 16, batch_size=8, top_k=3, ablation_batches=1))
   assert settings.data_path.endswith("tokens.bin") and settings.seq_len == 16
   out = str(tmp_path)
@@ -371,7 +373,7 @@ def test_a_token_file_is_harvested_in_windows_of_its_own(induction, tmp_path):
   path = tmp_path / "tokens.bin"
   tokens.write_tokens(path, [rng.integers(0, 31, rng.integers(5, 40))
                              for _ in range(50)], 32, 31, "test")
-  settings = harvest_lib.resolve(induction, harvest_lib.Request(
+  settings = harvest_settings.resolve(induction, harvest_settings.Request(
     positions=2 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
     ablation_batches=0, data_path=str(path)))
   assert settings.seq_len == 12 and settings.n_batches == 2
@@ -394,12 +396,12 @@ def test_a_harvest_asking_for_more_than_the_file_reads_each_window_once(
   path = tmp_path / "tokens.bin"
   tokens.write_tokens(path, [np.arange(100) % 31], 32, 31, "test")
   # 101 ids: 8 whole windows of 12, so 2 batches of 4, not the 10 asked.
-  settings = harvest_lib.resolve(induction, harvest_lib.Request(
+  settings = harvest_settings.resolve(induction, harvest_settings.Request(
     positions=10 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
     ablation_batches=0, data_path=str(path)))
-  assert settings.n_batches == 2 and settings.windows == harvest_lib.SPREAD
+  assert settings.n_batches == 2 and settings.windows == harvest_settings.SPREAD
   positions = np.concatenate([
-    harvest_lib.window_positions(settings, i, 101).reshape(-1)
+    harvest_batches.window_positions(settings, i, 101).reshape(-1)
     for i in range(2)])
   np.testing.assert_array_equal(positions, np.arange(96))
   out = str(tmp_path / "harvest")
@@ -408,13 +410,13 @@ def test_a_harvest_asking_for_more_than_the_file_reads_each_window_once(
     assert _read(out, site.name, "histogram").sum() == 96 * site.c
   with pytest.raises(ValueError, match="fewer than one batch of "
                      "batch_size=9 windows of seq_len=12"):
-    harvest_lib.resolve(induction, harvest_lib.Request(
-      batch_size=9, seq_len=12, top_k=3, data_path=str(path)))
+    harvest_settings.resolve(induction, harvest_settings.Request(
+           batch_size=9, seq_len=12, top_k=3, data_path=str(path)))
 
 
 # Four batches of eight TMS inputs, the first one ablated.
-TMS_REQUEST = harvest_lib.Request(positions=4 * 8, batch_size=8, top_k=5,
-                                  ablation_batches=1)
+TMS_REQUEST = harvest_settings.Request(positions=4 * 8, batch_size=8, top_k=5,
+                                       ablation_batches=1)
 
 
 def _placement(preset: str, shape: tuple[int, int, int]):
@@ -427,7 +429,7 @@ def _placement(preset: str, shape: tuple[int, int, int]):
 
 @pytest.fixture(scope="module")
 def tms_one_device(tms, tmp_path_factory):
-  settings = harvest_lib.resolve(tms, TMS_REQUEST)
+  settings = harvest_settings.resolve(tms, TMS_REQUEST)
   out = str(tmp_path_factory.mktemp("one_device"))
   harvest_lib.harvest(tms, settings, out, save_every_s=0.0, ablation_chunk=5,
                       say=lambda _: None)
@@ -437,7 +439,7 @@ def tms_one_device(tms, tmp_path_factory):
 def _assert_same_harvest(run, out, reference):
   """Counts equal exactly, sums and CI up to the order of the additions."""
   for site in run.target.sites:
-    for field in harvest_lib.FIELDS:
+    for field in harvest_settings.FIELDS:
       got, want = _read(out, site.name, field), _read(reference, site.name,
                                                       field)
       if np.issubdtype(want.dtype, np.integer):
@@ -453,7 +455,7 @@ def test_a_harvest_on_four_devices_equals_the_one_device_harvest(
   C axis over tp (ddp, the batch over all four: the resume test below)."""
   settings, reference = tms_one_device
   placement = _placement("zero1", (1, 2, 2))
-  placed = harvest_lib.place(tms, settings, placement)
+  placed = harvest_accumulate.place(tms, settings, placement)
   assert placed.inputs.spec[0] == "fsdp"
   for factors in placed.components.values():
     assert factors.v.sharding.spec[2] == "tp"
@@ -470,8 +472,8 @@ def test_a_sharded_harvest_resumes_to_the_same_result(
   interrupted after two batches and resumed."""
   settings, reference = tms_one_device
   placement = _placement("ddp", (1, 4, 1))
-  assert harvest_lib.place(tms, settings, placement).inputs.spec[0] == "fsdp"
-  source = harvest_lib.batch_source
+  assert harvest_accumulate.place(tms, settings, placement).inputs.spec[0] == "fsdp"
+  source = harvest_batches.batch_source
 
   def failing(run, s, *placed):
     batch = source(run, s, *placed)
@@ -482,12 +484,12 @@ def test_a_sharded_harvest_resumes_to_the_same_result(
       return batch(i)
     return fetch
 
-  monkeypatch.setattr(harvest_lib, "batch_source", failing)
+  monkeypatch.setattr(harvest_batches, "batch_source", failing)
   with pytest.raises(KeyboardInterrupt):
     harvest_lib.harvest(tms, settings, str(tmp_path), save_every_s=0.0,
                         ablation_chunk=5, say=lambda _: None,
                         placement=placement)
-  monkeypatch.setattr(harvest_lib, "batch_source", source)
+  monkeypatch.setattr(harvest_batches, "batch_source", source)
   said = []
   harvest_lib.harvest(tms, settings, str(tmp_path), save_every_s=0.0,
                       ablation_chunk=5, say=said.append, placement=placement)
@@ -500,25 +502,25 @@ def test_a_sharded_harvest_resumes_to_the_same_result(
   (0.0, 0, "ablation_chunk=0 must be positive"),
 ])
 def test_bad_cadences_are_named(tms, save_every_s, chunk, message):
-  settings = harvest_lib.resolve(tms, TMS_REQUEST)
+  settings = harvest_settings.resolve(tms, TMS_REQUEST)
   with pytest.raises(ValueError, match=f"^{message}$"):
     harvest_lib.harvest(tms, settings, "unused", save_every_s, chunk)
 
 
 def test_a_toy_without_sequences_keeps_its_windows_unchecked(tms):
   # Its contexts are input rows: a window is never cut from them.
-  settings = harvest_lib.resolve(tms, harvest_lib.Request(
+  settings = harvest_settings.resolve(tms, harvest_settings.Request(
     positions=8, batch_size=8, top_k=5, window_before=100))
   assert (settings.seq_len, settings.before, settings.after) == (1, 100, 4)
 
 
 def test_a_batch_that_does_not_split_over_the_mesh_is_refused(tms):
-  settings = harvest_lib.resolve(tms, harvest_lib.Request(
+  settings = harvest_settings.resolve(tms, harvest_settings.Request(
     positions=12, batch_size=6, top_k=5))
   with pytest.raises(ValueError, match=(
       r"^batch_size=6: the batch axis of size 6 does not split over the 4 "
       r"devices of mesh axes fsdp; choose a size divisible by 4$")):
-    harvest_lib.place(tms, settings, _placement("ddp", (1, 4, 1)))
+    harvest_accumulate.place(tms, settings, _placement("ddp", (1, 4, 1)))
 
 
 # A tag vocabulary in Brown's spelling: the special tags, then words' tags.
@@ -557,7 +559,7 @@ def _tagged_token_file(folder, seed: int, n_docs: int, vocab: int):
 
 def _two_batches(run, path):
   """Return the settings of a two-batch harvest of `run` over `path`."""
-  return harvest_lib.resolve(run, harvest_lib.Request(
+  return harvest_settings.resolve(run, harvest_settings.Request(
     positions=2 * 4 * 12, batch_size=4, seq_len=12, top_k=3,
     ablation_batches=0, data_path=str(path)))
 
@@ -625,7 +627,7 @@ def test_an_interrupted_tag_harvest_resumes_to_the_same_result(
     induction, tagged, tmp_path, monkeypatch):
   settings, whole, _ = tagged
   out = str(tmp_path)
-  source = harvest_lib.tag_source
+  source = harvest_batches.tag_source
 
   def failing(s, *placed):
     tags = source(s, *placed)
@@ -636,19 +638,19 @@ def test_an_interrupted_tag_harvest_resumes_to_the_same_result(
       return tags.read(i)
     return tags._replace(read=read)
 
-  monkeypatch.setattr(harvest_lib, "tag_source", failing)
+  monkeypatch.setattr(harvest_batches, "tag_source", failing)
   with pytest.raises(KeyboardInterrupt):
     harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
                         say=lambda _: None)
-  monkeypatch.setattr(harvest_lib, "tag_source", source)
+  monkeypatch.setattr(harvest_batches, "tag_source", source)
   said = []
   record = harvest_lib.harvest(induction, settings, out, save_every_s=0.0,
                                say=said.append)
   assert "[harvest] resuming after batch 1" in said
   assert record["tags"]["tags"] == list(TAGS)
-  tag_fields = harvest_lib.TAG_FIELDS + harvest_lib.CONTEXT_FIELDS
+  tag_fields = harvest_settings.TAG_FIELDS + harvest_settings.CONTEXT_FIELDS
   for site in induction.target.sites:
-    for field in harvest_lib.FIELDS + tag_fields:
+    for field in harvest_settings.FIELDS + tag_fields:
       np.testing.assert_array_equal(_read(out, site.name, field),
                                     _read(whole, site.name, field), field)
   for key in record["tags"]["baselines"]:
@@ -664,8 +666,8 @@ def test_load_harvest_reads_the_tag_statistics(induction, tagged, tmp_path):
   assert loaded.manifest["tags"]["classes"][0] == "noun"
   site = induction.target.sites[0]
   fields = loaded.sites[site.name]
-  tag_fields = harvest_lib.TAG_FIELDS + harvest_lib.CONTEXT_FIELDS
-  assert set(fields) == set(harvest_lib.FIELDS + tag_fields)
+  tag_fields = harvest_settings.TAG_FIELDS + harvest_settings.CONTEXT_FIELDS
+  assert set(fields) == set(harvest_settings.FIELDS + tag_fields)
   assert fields["tag_coarse"].shape == (settings.tag_groups, site.c, 12)
   np.testing.assert_array_equal(fields["tag_base_fine"],
                                 _read(out, site.name, "tag_base_fine"))
@@ -681,11 +683,11 @@ def test_load_harvest_reads_the_tag_statistics(induction, tagged, tmp_path):
   del older["settings"]["tag_revision"]
   older["tags"]["baselines"] = [
     k for k in older["tags"]["baselines"]
-    if not k.endswith(harvest_lib.SITE_BASELINES)]
+    if not k.endswith(harvest_settings.SITE_BASELINES)]
   manifest.write_text(json.dumps(older))
   loaded = harvest_lib.load_harvest(str(tmp_path))
   assert set(loaded.sites[site.name]) == set(
-    harvest_lib.FIELDS + harvest_lib.TAG_FIELDS)
+    harvest_settings.FIELDS + harvest_settings.TAG_FIELDS)
   assert not harvest_lib.has_context(loaded.manifest)
 
 
@@ -697,20 +699,20 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
   from decompax.io import tokens  # noqa: PLC0415
   from decompax.targets import glu_arrays
   settings, out, record = tagged
-  layers = harvest_lib.baseline_layers(induction)
-  assert layers == (1,) == harvest_lib.head_layers(induction)
+  layers = harvest_baselines.baseline_layers(induction)
+  assert layers == (1,) == harvest_baselines.head_layers(induction)
   mlp_sites = [s.name for s in induction.target.sites if ".mlp." in s.name]
   assert record["tags"]["baselines"] == [
     "layers.1.mlp.neurons", "layers.1.mlp.gates", "layers.1.mlp.rotated",
     "layers.1.self_attn.heads"] + [
     f"{site}.{kind}" for site in mlp_sites
-    for kind in harvest_lib.SITE_BASELINES]
+    for kind in harvest_settings.SITE_BASELINES]
   w_o = glu_arrays.weights_to_arrays(induction.weights)["o"][1]
-  n_heads = harvest_lib.n_heads(induction)
+  n_heads = harvest_baselines.n_heads(induction)
   head_dim = w_o.shape[0] // n_heads
   opened = tokens.open_tokens(settings.data_path)
   stream = tokens.open_tags(opened)
-  rotation = np.asarray(harvest_lib.rotations(induction, settings, layers))[0]
+  rotation = np.asarray(harvest_baselines.rotations(induction, settings, layers))[0]
   np.testing.assert_allclose(rotation.T @ rotation, np.eye(len(rotation)),
                              atol=1e-5)
   inputs, cis = _direct(induction, settings)
@@ -758,7 +760,7 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
                                rtol=1e-4, atol=1e-5)
   assert not np.allclose(want["rotated"], want["neurons"])
   site = mlp_sites[0]
-  for kind in harvest_lib.SITE_BASELINES:  # each keeps part of the neurons
+  for kind in harvest_settings.SITE_BASELINES:  # each keeps part of the neurons
     assert 0 < want[f"{site}.{kind}"].sum() < want["neurons"].sum()
 
 
@@ -823,7 +825,7 @@ def test_a_sharded_tag_harvest_equals_the_one_device_one(
   keys = [s.name for s in induction.target.sites] + record["tags"][
     "baselines"]
   for key in keys:
-    for field in harvest_lib.TAG_FIELDS + harvest_lib.CONTEXT_FIELDS:
+    for field in harvest_settings.TAG_FIELDS + harvest_settings.CONTEXT_FIELDS:
       got, want = _read(str(tmp_path), key, field), _read(reference, key,
                                                            field)
       if np.issubdtype(want.dtype, np.integer):
@@ -847,8 +849,8 @@ def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
                                              "layers.1.mlp.rotated"]
   assert record["tags"]["baselines"][2:] == [
     f"{s.name}.{kind}" for s in gpt2.target.sites if ".mlp." in s.name
-    for kind in harvest_lib.SITE_BASELINES]
-  rotation = np.asarray(harvest_lib.rotations(gpt2, settings, (1,)))[0]
+    for kind in harvest_settings.SITE_BASELINES]
+  rotation = np.asarray(harvest_baselines.rotations(gpt2, settings, (1,)))[0]
   opened = tokens.open_tokens(settings.data_path)
   stream = tokens.open_tags(opened)
   inputs, _ = _direct(gpt2, settings)
@@ -873,8 +875,8 @@ def test_each_layer_rotates_its_neurons_by_its_own_draw(induction):
   """I59: layer i's rotated-neuron basis is drawn from the harvest's seed
   folded with i, so two layers never share one rotation."""
   from decompax.losses import unit_activity  # noqa: PLC0415
-  settings = harvest_lib.resolve(induction, REQUEST)
-  got = np.asarray(harvest_lib.rotations(induction, settings, (0, 1)))
+  settings = harvest_settings.resolve(induction, REQUEST)
+  got = np.asarray(harvest_baselines.rotations(induction, settings, (0, 1)))
   d_ff = got.shape[-1]
   for layer in (0, 1):
     np.testing.assert_allclose(got[layer], unit_activity.random_rotation(
@@ -890,18 +892,18 @@ def test_an_experts_activity_is_weighted_by_its_routing():
     n_layers=2, d_model=4, n_heads=1, n_kv_heads=1, head_dim=4, d_ff=5,
     vocab_size=8, rope_theta=1e4, rms_eps=1e-6, tied=True, qk_norm=True,
     family="qwen3_moe", n_experts=3, experts_per_token=1)
-  mlp = harvest_lib.MlpForm(
+  mlp = harvest_baselines.MlpForm(
     routing=lambda logits: glu_block.routing_weights(logits, config))
   keys = jax.random.split(jax.random.key(0), 3)
   prefix = "layers.1.mlp.experts.2"
   taps = {f"{prefix}.gate_proj.out": jax.random.normal(keys[0], (2, 6, 5)),
           f"{prefix}.up_proj.out": jax.random.normal(keys[1], (2, 6, 5)),
           "layers.1.mlp.gate.out": jax.random.normal(keys[2], (2, 6, 3))}
-  assert set(harvest_lib.baseline_taps(((1, 2),), ())) == set(taps)
+  assert set(harvest_baselines.baseline_taps(((1, 2),), ())) == set(taps)
   rotation = np.linalg.qr(np.random.default_rng(0).normal(size=(5, 5)))[0]
-  got = harvest_lib.baseline_activity(taps, ((1, 2),), (), 0,
-                                      {"rotation": jnp.asarray(
-                                        rotation[None], jnp.float32)}, mlp)
+  got = harvest_baselines.baseline_activity(taps, ((1, 2),), (), 0,
+                                            {"rotation": jnp.asarray(
+                                              rotation[None], jnp.float32)}, mlp)
   logits = np.asarray(taps["layers.1.mlp.gate.out"])
   probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
   weight = np.where(logits.argmax(-1) == 2, probs[..., 2], 0.0)[..., None]
@@ -931,14 +933,14 @@ def test_an_experts_baselines_are_its_routed_neurons(finished_run, tmp_path):
   record = harvest_lib.harvest(moe, settings, out, save_every_s=0.0,
                                say=lambda _: None)
   experts = [f"layers.1.mlp.experts.{e}.{k}" for e in range(4)
-             for k in harvest_lib.BASELINES]
+             for k in harvest_settings.BASELINES]
   matched = [f"{s.name}.{kind}" for s in moe.target.sites
-             if ".mlp." in s.name for kind in harvest_lib.SITE_BASELINES]
+             if ".mlp." in s.name for kind in harvest_settings.SITE_BASELINES]
   assert record["tags"]["baselines"] == experts + [
     "layers.1.self_attn.heads"] + matched
-  units = harvest_lib.baseline_layers(moe)
+  units = harvest_baselines.baseline_layers(moe)
   assert units == tuple((1, e) for e in range(4))
-  rotation = np.asarray(harvest_lib.rotations(moe, settings, units))[2]
+  rotation = np.asarray(harvest_baselines.rotations(moe, settings, units))[2]
   config = assembly.resolve_target(moe.config).record.token_model
   opened = tokens.open_tokens(settings.data_path)
   stream = tokens.open_tags(opened)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from decompax.analysis import harvesting as harvest_lib
-from decompax.analysis import tag_comparison
+from decompax.analysis import harvest_settings, tag_comparison
 from decompax.losses import tag_metrics
 
 BASE = np.asarray([[10, 10, 10], [20, 0, 10]])  # 2 documents, 3 classes
@@ -16,7 +16,7 @@ BASE = np.asarray([[10, 10, 10], [20, 0, 10]])  # 2 documents, 3 classes
 def _fields(coarse, fired=None):
   """A store key's fields for per-document class profiles `[g, u, k]`."""
   u, k = coarse.shape[1:]
-  fields = dict(zip(harvest_lib.TAG_FIELDS, (
+  fields = dict(zip(harvest_settings.TAG_FIELDS, (
     coarse.sum(0), coarse, np.zeros((u, k, k)), BASE.sum(0), BASE)))
   if fired is not None:
     fields["fired"] = np.asarray(fired)
@@ -33,7 +33,7 @@ def harvest():
   sites = {"layers.0.mlp.up_proj": _fields(components, [5, 3, 0]),
            "layers.0.self_attn.q_proj": _fields(components, [1, 1, 1])}
   baselines = {f"layers.0.mlp.{kind}": _fields(neurons)
-               for kind in harvest_lib.BASELINES}
+               for kind in harvest_settings.BASELINES}
   baselines["layers.0.self_attn.heads"] = _fields(neurons[:, :1])
   manifest = {"tags": {"baselines": list(baselines)}}
   return harvest_lib.Harvest(manifest, sites, baselines)
@@ -53,9 +53,9 @@ def test_a_thread_pools_map_gives_the_same_rows_in_order(harvest):
 def test_each_mlp_site_meets_each_baseline_and_the_total(harvest):
   rows = tag_comparison.comparisons(harvest, seed=0, n_boot=20)
   assert [(r.site, r.baseline) for r in rows] == [
-    ("layers.0.mlp.up_proj", kind) for kind in harvest_lib.BASELINES] + [
+    ("layers.0.mlp.up_proj", kind) for kind in harvest_settings.BASELINES] + [
     ("layers.0.self_attn.q_proj", "heads")] + [
-    ("total", kind) for kind in harvest_lib.BASELINES + ("heads",)]
+    ("total", kind) for kind in harvest_settings.BASELINES + ("heads",)]
   heads = rows[3].comparison
   assert heads.a["unweighted"].units == 3  # every q_proj component fired
   assert heads.b["unweighted"].units == 1
@@ -88,7 +88,7 @@ def test_baselines_of_each_site_kind():
     ("top_k", "layers.1.mlp.up_proj.top_k"),
     ("gates", "layers.1.mlp.gates"), ("rotated", "layers.1.mlp.rotated"))
   assert tag_comparison.baselines_of("layers.1.self_attn.q_proj") == ((
-    harvest_lib.HEADS, "layers.1.self_attn.heads"),)
+    harvest_settings.HEADS, "layers.1.self_attn.heads"),)
   # A mixture of experts' site: its own expert's neurons.
   assert [key for _, key in tag_comparison.baselines_of(
     "layers.1.mlp.experts.2.up_proj")] == [
@@ -115,12 +115,12 @@ def matched(harvest):
   site = "layers.0.mlp.up_proj"
   neurons = harvest.baselines["layers.0.mlp.neurons"]
   baselines = {key: _with_context(f) for key, f in harvest.baselines.items()}
-  for kind in harvest_lib.SITE_BASELINES:
+  for kind in harvest_settings.SITE_BASELINES:
     baselines[f"{site}.{kind}"] = _with_context(
       {**neurons, "tag_coarse": neurons["tag_coarse"] * [1, 0, 0]})
   sites = {name: _with_context(f) for name, f in harvest.sites.items()}
   manifest = {"tags": {"baselines": list(baselines)},
-              "settings": {"tag_revision": harvest_lib.TAG_REVISION}}
+              "settings": {"tag_revision": harvest_settings.TAG_REVISION}}
   return harvest_lib.Harvest(manifest, sites, baselines)
 
 

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.analysis import explore, harvesting, transcoder_eval
+from decompax.analysis import (
+  explore, harvest_batches, harvest_settings, harvesting, transcoder_eval,
+  transcoder_lm)
 from decompax.analysis import transcoder as tc
-from decompax.analysis import transcoder_lm
 from decompax.io import run_dir
 from decompax.losses import evals, tag_context, tag_profile
 from decompax.recipe import assembly
@@ -29,9 +30,9 @@ def text_run(harvested):
 def loaded(text_run):
   run = explore.load_run(text_run)
   settings, from_harvest = transcoder_eval.eval_settings(
-    text_run, run, harvesting.Request())
+    text_run, run, harvest_settings.Request())
   assert from_harvest
-  tokens = harvesting.batch_source(run, settings)(0)
+  tokens = harvest_batches.batch_source(run, settings)(0)
   return run, settings, tokens
 
 
@@ -128,7 +129,7 @@ def test_the_evaluation_is_the_direct_computation_on_the_harvest(
   lines = []
   evaluation = transcoder_eval.evaluate(run, params, ks, settings,
                                         lines.append)
-  batches = harvesting.batch_source(run, settings)
+  batches = harvest_batches.batch_source(run, settings)
   tap = transcoder_lm.mlp_input_tap(LAYER)
 
   @jax.jit

@@ -5,9 +5,9 @@ and tag stream windows, and each label's purity and lift."""
 import numpy as np
 import pytest
 
-from decompax.analysis import explore
+from decompax.analysis import (
+  explore, harvest_baselines, harvest_batches, unit_contexts, unit_labels)
 from decompax.analysis import harvesting as harvest_lib
-from decompax.analysis import unit_contexts, unit_labels
 from decompax.io import tokens
 
 SITE = "layers.1.mlp.up_proj"
@@ -29,9 +29,9 @@ def test_top_positions_are_the_highest_ci_of_the_harvested_batches(
     text_run):
   run, _, settings, top = text_run
   assert set(top) == {s.name for s in run.target.sites} | set(
-    harvest_lib.baseline_keys((1,), (1,), sites=harvest_lib.site_mlps(run)))
+    harvest_baselines.baseline_keys((1,), (1,), sites=harvest_baselines.site_mlps(run)))
   n = tokens.open_tokens(settings.data_path).header.num_tokens
-  read = harvest_lib.batch_source(run, settings)
+  read = harvest_batches.batch_source(run, settings)
   # Every harvested position's CI, by its offset in the token file.
   at = {}
   for i in range(2):

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from absl import flags
 
-from decompax.analysis import explore
+from decompax.analysis import explore, harvest_settings
 from decompax.analysis import harvesting as harvest_lib
-from decompax.bin import harvest, placement_flags, placement_setup
-from decompax.bin import train, train_flags
+from decompax.bin import (
+  harvest, placement_flags, placement_setup, train, train_flags)
 from decompax.io import harvest_store, owned_dir, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_a_harvest_sharded_by_the_flags_equals_the_one_device_harvest(
   shutil.copytree(finished_run("tms"), run_path,
                   ignore=shutil.ignore_patterns(harvest_store.HARVEST_DIR))
   run = explore.load_run(str(run_path))
-  settings = harvest_lib.resolve(run, harvest_lib.Request(
+  settings = harvest_settings.resolve(run, harvest_settings.Request(
     positions=32, batch_size=8, top_k=5, ablation_batches=1))
   reference = tmp_path / "reference"
   out = str(reference / harvest_store.HARVEST_DIR)
