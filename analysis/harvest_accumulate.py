@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from decompax.analysis import (
   explore, harvest_baselines, harvest_batches, harvest_settings)
-from decompax.core import train_step
+from decompax.core import step_records
 from decompax.losses import component_stats as stats_lib
 from decompax.losses import tag_context, tag_profile, unit_activity
 from decompax.placement import shardings, transfer
@@ -70,7 +70,7 @@ class Placed(NamedTuple):
   ci_params: Any
   inputs: Any
   statistics: Optional[NamedSharding]
-  constrain: train_step.Constrain
+  constrain: step_records.Constrain
 
 
 def _specs(layout: table_lib.Layout, tree: Any, axes_fn: Callable,
@@ -100,7 +100,7 @@ def place(run: explore.LoadedRun, settings: harvest_settings.Settings,
   d = run.decomposition
   if placement is None:
     return Placed(run.weights, d.components, d.ci_params, None, None,
-                  train_step.no_constraint)
+                  step_records.no_constraint)
   mesh, table, _ = placement
   sizes = dict(mesh.shape)
   shape = harvest_batches.batch_shape(run, settings)
@@ -231,7 +231,7 @@ def padded(x: np.ndarray, size: int) -> np.ndarray:
 def _window_layout(placed: Optional[Placed]) -> tuple[Callable, dict]:
   """Return the CI's constraint and the window's jit options on `placed`."""
   if placed is None or placed.statistics is None:
-    return train_step.no_constraint, {}
+    return step_records.no_constraint, {}
   # A fixed layout, so the donated window is reused in place and each
   # flush reads it from one device.
   return placed.constrain, {"out_shardings": (placed.statistics, None)}

@@ -19,7 +19,7 @@ from decompax.core import adversary, schedules
 from decompax.core import masks as masks_lib
 from decompax.core import sites as sites_lib
 from decompax.core.masks import split_pair
-from decompax.core.train_step import LossTerm, StepContext
+from decompax.core.step_records import LossTerm, StepContext
 from decompax.losses import hidden, recon
 
 FRESH_INITS = ("random", "ones", "zeroes")

@@ -56,10 +56,12 @@ from decompax.core.ci_fns import HIDDEN, OUTPUT, CIFn, role_suffix
 from decompax.core.masks import SiteMask
 from decompax.core.sites import Components
 from decompax.core.target import Batch, Expected, TargetFns, Weights
-from decompax.core.train_step import (
-  Constrain, LossTerm, StepContext, StreamSpec, TrainState, ci_l0,
-  clean_tap_keys, no_constraint, objective, prepare, prepare_roles,
-  prepared_of, role_index, with_prepared)
+from decompax.core.step_objective import (
+  objective, prepare, prepare_roles, prepared_of, with_prepared)
+from decompax.core.step_records import (
+  Constrain, LossTerm, StepContext, StreamSpec, TrainState, no_constraint)
+from decompax.core.step_streams import clean_tap_keys, role_index
+from decompax.core.train_step import ci_l0
 from decompax.losses import adversarial, evals, hidden, locality, recon
 
 

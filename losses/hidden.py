@@ -15,7 +15,7 @@ from jaxtyping import Array, Float
 
 from decompax.core import factored
 from decompax.core.masks import SiteMask
-from decompax.core.train_step import StepContext
+from decompax.core.step_records import StepContext
 
 # {live site: SiteMask} -> the scalar loss of one masked forward.
 ForwardLoss = Callable[[dict[str, SiteMask]], Float[Array, ""]]

@@ -15,7 +15,7 @@ from jaxtyping import Array, Float
 from decompax.core import schedules
 from decompax.core.sites import Components, site_factors
 from decompax.core.target import UnitSpec
-from decompax.core.train_step import LossTerm, StepContext, simple_term
+from decompax.core.step_records import LossTerm, StepContext, simple_term
 
 UNIT_KINDS = ("neuron", "attention_head")
 # The soft count's threshold in evals, whatever the training schedule

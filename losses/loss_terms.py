@@ -11,9 +11,8 @@ import jax.numpy as jnp
 
 from decompax.core import masks as masks_lib
 from decompax.core import schedules
-from decompax.core.train_step import LossTerm, StepContext, simple_term
-from decompax.losses import adversarial, faithfulness, hidden, minimality
-from decompax.losses import recon
+from decompax.core.step_records import LossTerm, StepContext, simple_term
+from decompax.losses import adversarial, faithfulness, hidden, minimality, recon
 
 # What the minimality terms raise CI to: the L_p exponent `p` (a number or a
 # schedule) or the smooth-L0 penalty (§5.2).

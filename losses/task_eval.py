@@ -30,7 +30,7 @@ from decompax.core.ci_fns import OUTPUT, CIFn, role_suffix
 from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns, Weights
 from decompax.core.sites import Components
-from decompax.core.train_step import prepare, prepare_roles
+from decompax.core.step_objective import prepare, prepare_roles
 from decompax.losses import evals
 
 

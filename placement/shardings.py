@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from decompax.core import slots
 from decompax.core.adversary import SourceState
 from decompax.core.optim import MuonState
-from decompax.core.train_step import StepShardings, TrainState
+from decompax.core.step_records import StepShardings, TrainState
 from decompax.placement.table import Layout, PlacementTable, Shortfall
 from decompax.placement.table import partition_spec, resolve
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 
 from decompax.core import ci_fns, sites as sites_lib, slots, train_step
+from decompax.core import step_records
 from decompax.core import warmup as warmup_lib
 from decompax.core.target import TargetFns
 from decompax.losses import faithfulness
@@ -38,7 +39,7 @@ from decompax.targets import registry
 # restore(template, reinit, shardings, term_names) -> the restored state;
 # `reinit(components, ci_params)` builds a fresh state around a restored
 # decomposition (see `bin/checkpointing.restorer`).
-Restore = Callable[..., train_step.TrainState]
+Restore = Callable[..., step_records.TrainState]
 
 
 class Parts(NamedTuple):
@@ -54,8 +55,8 @@ class Parts(NamedTuple):
   target: TargetFns
   ci_config: ci_fns.CIConfig
   ci_fn: ci_fns.CIFn
-  terms: tuple[train_step.LossTerm, ...]
-  step_config: train_step.StepConfig
+  terms: tuple[step_records.LossTerm, ...]
+  step_config: step_records.StepConfig
   # A targeted run's: a dict by stream (`recipe.streams`).
   lead_shape: tuple[int, ...] | dict[str, tuple[int, ...]]
 
@@ -93,10 +94,10 @@ class Plan(NamedTuple):
   """
 
   parts: Parts
-  step: train_step.TrainStep
-  state: train_step.TrainState
-  shardings: train_step.StepShardings | None
-  constrain: train_step.Constrain
+  step: step_records.TrainStep
+  state: step_records.TrainState
+  shardings: step_records.StepShardings | None
+  constrain: step_records.Constrain
   sample_inputs: Callable[[jax.Array], Any]
   fallbacks: tuple[shardings_lib.Fallback, ...] = ()
   data: token_data.TokenData | streams.StreamData | None = None
@@ -108,13 +109,13 @@ class Run(NamedTuple):
   mesh when placed), data key and the faithfulness warmup's losses."""
 
   plan: Plan
-  state: train_step.TrainState
+  state: step_records.TrainState
   weights: Any
   data_key: jax.Array
   warmup_losses: jax.Array
 
   @property
-  def built(self) -> train_step.TrainStep:
+  def built(self) -> step_records.TrainStep:
     return self.plan.step
 
   @property
@@ -122,7 +123,7 @@ class Run(NamedTuple):
     return self.plan.parts.ci_fn
 
   @property
-  def terms(self) -> tuple[train_step.LossTerm, ...]:
+  def terms(self) -> tuple[step_records.LossTerm, ...]:
     return self.plan.parts.terms
 
   @property
@@ -130,7 +131,7 @@ class Run(NamedTuple):
     return self.plan.sample_inputs
 
   @property
-  def constrain(self) -> train_step.Constrain:
+  def constrain(self) -> step_records.Constrain:
     return self.plan.constrain
 
   @property
@@ -241,7 +242,7 @@ def stream_leads(config: TrainConfig, record: target_record.Target,
 
 
 def abstract_state(p: Parts, pads: slots.SlotPads = slots.NO_PADS
-                   ) -> train_step.TrainState:
+                   ) -> step_records.TrainState:
   """Return the shapes of the run's initial state, its V/U masters held
   with `pads` (`core.slots`)."""
   keys = keys_of(p.config.seed)
@@ -271,7 +272,7 @@ def plan(p: Parts, weights: Any,
     pads = table_lib.slot_pads(placement.table, dict(placement.mesh.shape))
   state = abstract_state(p, pads)
   shardings, fallbacks = None, ()
-  constrain, sample = train_step.no_constraint, p.sample_inputs
+  constrain, sample = step_records.no_constraint, p.sample_inputs
   if placement is not None:
     mesh, table, _ = placement
     fallbacks = shardings_lib.fallbacks(

@@ -7,7 +7,7 @@ ValueError naming the setting at fault (`config.setting`).
 
 import jax
 
-from decompax.core import ci_fns, ci_transformer, optim, schedules, train_step
+from decompax.core import ci_fns, ci_transformer, optim, schedules, step_records
 from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
 from decompax.recipe import lm, streams, terms
@@ -46,13 +46,13 @@ def lr_schedule(config: TrainConfig, peak: float
 
 
 def step_config(config: TrainConfig, hidden_points: tuple[str, ...] = ()
-                ) -> train_step.StepConfig:
+                ) -> step_records.StepConfig:
   """Return the optimizers' settings and the step's static values;
   `hidden_points` are the hidden passes' (`hidden_pass_points`)."""
   clip = config.clip_max_norm or None
   optimizer = (optim.MuonConfig if config.components_optimizer == "muon"
                else optim.AdamWConfig)
-  return train_step.StepConfig(
+  return step_records.StepConfig(
     total_steps=config.num_steps,
     components_opt=optimizer(
       lr_schedule(config, config.lr), weight_decay=config.weight_decay,
@@ -153,7 +153,7 @@ def loss_terms(
   config: TrainConfig, sites: tuple[sites_lib.SiteSpec, ...],
   tokens_per_batch: int, units=None,
   lead_shape: tuple[int, ...] | dict[str, tuple[int, ...]] = (),
-) -> tuple[train_step.LossTerm, ...]:
+) -> tuple[step_records.LossTerm, ...]:
   """Return the configured loss terms, zero-coefficient terms left out.
 
   `lead_shape` is the batch's activation lead shape, `(B,)` by default; a

@@ -22,7 +22,7 @@ import numpy as np
 from decompax.core import probe, sites as sites_lib
 from decompax.core.ci_fns import OUTPUT
 from decompax.core.target import Expected, TargetFns
-from decompax.core.train_step import (
+from decompax.core.step_records import (
   LossTerm, StreamSpec, TrainState, no_constraint)
 from decompax.io import ab_grid, figures, run_dir
 from decompax.io import run_report as report

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from decompax.core.train_step import StreamSpec
+from decompax.core.step_records import StreamSpec
 from decompax.recipe import lm, terms, token_data
 from decompax.recipe.config import TrainConfig, held_out_seed, setting
 from decompax.targets import arithmetic

@@ -22,12 +22,11 @@ import fnmatch
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from decompax.core import adversary, ci_fns, schedules
+from decompax.core import adversary, ci_fns, schedules, step_records
 from decompax.core import sites as sites_lib
-from decompax.core import train_step
 from decompax.core.schedules import Schedule
-from decompax.losses import adversarial, hidden, locality, minimality, recon
-from decompax.losses import loss_terms
+from decompax.losses import (
+  adversarial, hidden, locality, loss_terms, minimality, recon)
 from decompax.recipe.config import TrainConfig, setting
 
 # The streams of a targeted decomposition (`recipe.streams`).
@@ -49,7 +48,7 @@ class TermInputs(NamedTuple):
 
 # build(config, inputs, name, coeff) -> the term named `name`.
 Builder = Callable[[TrainConfig, TermInputs, str, float],
-                   train_step.LossTerm]
+                   step_records.LossTerm]
 
 
 class Term(NamedTuple):
@@ -136,7 +135,7 @@ def _p(config: TrainConfig) -> loss_terms.Sparsity:
 
 
 def _faithfulness(config: TrainConfig, inputs: TermInputs, name: str,
-                  coeff: float) -> train_step.LossTerm:
+                  coeff: float) -> step_records.LossTerm:
   del inputs, name
   return loss_terms.faithfulness_term(
     coeff, relative=config.faithfulness_form == "relative")
@@ -170,7 +169,7 @@ def importance_site_weights(config: TrainConfig, sites
 
 
 def _importance(config: TrainConfig, inputs: TermInputs, name: str,
-                coeff: float) -> train_step.LossTerm:
+                coeff: float) -> step_records.LossTerm:
   del name
   return loss_terms.importance_minimality_term(
     coeff, _p(config), config.importance_eps,
@@ -178,7 +177,7 @@ def _importance(config: TrainConfig, inputs: TermInputs, name: str,
 
 
 def _frequency(config: TrainConfig, inputs: TermInputs, name: str,
-               coeff: float) -> train_step.LossTerm:
+               coeff: float) -> step_records.LossTerm:
   """Return frequency minimality: on a firing EMA with a half-life, else on
   the batch's firing."""
   del name
@@ -196,7 +195,7 @@ def _stochastic(plan: Callable[[Any, tuple], recon.Plan]) -> Builder:
   sites)`."""
 
   def build(config: TrainConfig, inputs: TermInputs, name: str,
-            coeff: float) -> train_step.LossTerm:
+            coeff: float) -> step_records.LossTerm:
     return loss_terms.stochastic_recon_term(
       name, coeff, plan(config, inputs.sites), config.use_delta_component,
       config.sampling, rider=rider(config, inputs.sites, name))
@@ -245,7 +244,7 @@ def persistent_config(config: TrainConfig) -> adversarial.PersistentConfig:
 def _persistent_term(config: TrainConfig, inputs: TermInputs, name: str,
                      coeff: float, plan_kind: str, routing: str,
                      merged: adversarial.Merged | None = None
-                     ) -> train_step.LossTerm:
+                     ) -> step_records.LossTerm:
   """Return a persistent-adversary term over the plan `plan_kind` routed by
   `routing` (the persistent PGD term, or with `merged` the merged one)."""
   # A scope naming positions fails here for positionless (toy) targets.
@@ -259,7 +258,7 @@ def _persistent_term(config: TrainConfig, inputs: TermInputs, name: str,
 
 
 def _persistent(config: TrainConfig, inputs: TermInputs, name: str,
-                coeff: float) -> train_step.LossTerm:
+                coeff: float) -> step_records.LossTerm:
   """Return the persistent PGD term the flags describe."""
   return _persistent_term(config, inputs, name, coeff, config.pgd_plan,
                           config.pgd_routing)
@@ -275,14 +274,14 @@ def merged_mix(config: TrainConfig) -> adversarial.Merged:
 
 
 def _merged(config: TrainConfig, inputs: TermInputs, name: str,
-            coeff: float) -> train_step.LossTerm:
+            coeff: float) -> step_records.LossTerm:
   """Return the merged stochastic/persistent term the flags describe."""
   return _persistent_term(config, inputs, name, coeff, config.merged_plan,
                           config.merged_routing, merged_mix(config))
 
 
 def _fresh(config: TrainConfig, inputs: TermInputs, name: str,
-           coeff: float) -> train_step.LossTerm:
+           coeff: float) -> step_records.LossTerm:
   """Return the fresh PGD term the flags describe."""
   fresh = adversarial.FreshConfig(
     config.fresh_pgd_init, config.fresh_pgd_scope, config.fresh_pgd_steps,
@@ -296,7 +295,7 @@ def _fresh(config: TrainConfig, inputs: TermInputs, name: str,
 
 
 def _nontarget_recon(config: TrainConfig, inputs: TermInputs, name: str,
-                     coeff: float) -> train_step.LossTerm:
+                     coeff: float) -> step_records.LossTerm:
   """Return the non-target stream's reconstruction: stochastic sources, or
   masks at the stream's own lower CI; the stream pins the delta on."""
   plan = _all_sites_plan(config, inputs.sites)
@@ -307,13 +306,13 @@ def _nontarget_recon(config: TrainConfig, inputs: TermInputs, name: str,
 
 
 def _nontarget_unmasked(config: TrainConfig, inputs: TermInputs, name: str,
-                        coeff: float) -> train_step.LossTerm:
+                        coeff: float) -> step_records.LossTerm:
   del config, inputs
   return loss_terms.unmasked_no_delta_term(name, coeff)
 
 
 def _nontarget_importance(config: TrainConfig, inputs: TermInputs,
-                          name: str, coeff: float) -> train_step.LossTerm:
+                          name: str, coeff: float) -> step_records.LossTerm:
   del inputs
   return loss_terms.importance_minimality_term(coeff, _p(config),
                                                config.importance_eps, name)
@@ -322,7 +321,7 @@ def _nontarget_importance(config: TrainConfig, inputs: TermInputs,
 def _nontarget_adversary(config: TrainConfig, inputs: TermInputs, name: str,
                          coeff: float, plan_kind: str, routing: str,
                          merged: adversarial.Merged | None = None
-                         ) -> train_step.LossTerm:
+                         ) -> step_records.LossTerm:
   """Return a persistent adversary of the non-target stream: its own
   sources over the components only (the stream pins the delta), no
   rider."""
@@ -335,13 +334,13 @@ def _nontarget_adversary(config: TrainConfig, inputs: TermInputs, name: str,
 
 
 def _nontarget_persistent(config: TrainConfig, inputs: TermInputs,
-                          name: str, coeff: float) -> train_step.LossTerm:
+                          name: str, coeff: float) -> step_records.LossTerm:
   return _nontarget_adversary(config, inputs, name, coeff, config.pgd_plan,
                               config.pgd_routing)
 
 
 def _nontarget_merged(config: TrainConfig, inputs: TermInputs, name: str,
-                      coeff: float) -> train_step.LossTerm:
+                      coeff: float) -> step_records.LossTerm:
   return _nontarget_adversary(config, inputs, name, coeff,
                               config.merged_plan, config.merged_routing,
                               merged_mix(config))
@@ -363,7 +362,7 @@ def _unit_weights(config: TrainConfig, units) -> dict[str, float | None]:
 
 
 def _locality(config: TrainConfig, inputs: TermInputs, name: str,
-              coeff: float) -> train_step.LossTerm:
+              coeff: float) -> step_records.LossTerm:
   """Return the nonlinearity locality term the flags describe."""
   del name
   if not inputs.units:
@@ -436,7 +435,7 @@ def console_losses(metrics: dict, targeted: bool) -> list[str]:
         if (t.stream or (TARGET if targeted else "")) != stream:
           continue
         name = hidden_name(t.name) if suffix else t.name
-        key = train_step.term_metric(name, stream)
+        key = step_records.term_metric(name, stream)
         if key in metrics:
           shown.append(f"{t.short}{suffix} {metrics[key]:.3e}")
     if shown and stream:
@@ -447,7 +446,7 @@ def console_losses(metrics: dict, targeted: bool) -> list[str]:
 
 def build_terms(
   config: TrainConfig, inputs: TermInputs | dict[str, TermInputs],
-) -> tuple[train_step.LossTerm, ...]:
+) -> tuple[step_records.LossTerm, ...]:
   """Return the terms `config` turns on (coefficient above 0), in table
   order, then their hidden-role copies. A targeted run (`inputs` by stream)
   tags the plain terms with the target stream and the rest with their
@@ -476,7 +475,7 @@ def _stream_of(t: Term, inputs: TermInputs | dict[str, TermInputs]
 
 def hidden_copy(config: TrainConfig, t: Term,
                 inputs: TermInputs | dict[str, TermInputs]
-                ) -> train_step.LossTerm:
+                ) -> step_records.LossTerm:
   """Return term `t` rebuilt for its stream's hidden pass: hidden role, no
   rider (a hidden pass scores hidden activations alone), recon terms at
   `--hidden_pass_coeff` times their coefficient."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from decompax.core import schedules, sites as sites_lib, squash
-from decompax.core.train_step import StepContext
+from decompax.core.step_records import StepContext
 from decompax.losses import faithfulness, minimality
 from decompax.recipe import assembly, engine
 from decompax.recipe import terms as term_table

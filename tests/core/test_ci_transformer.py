@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from decompax.core import ci_fns, ci_transformer as ct, optim, train_step
+from decompax.core import step_records
 from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
 from decompax.core.masks import SiteMask
@@ -334,11 +335,11 @@ def test_i8_plugs_into_the_train_step(chain):
     return jnp.mean(jnp.square(out - ctx.clean_output))
 
   built = train_step.make_train_step(
-    target, ci, (train_step.simple_term("recon", 1.0, recon),),
-    train_step.StepConfig(
-      total_steps=4,
-      components_opt=optim.AdamWConfig(Schedule(1e-2)),
-      ci_opt=optim.AdamWConfig(Schedule(1e-2))))
+    target, ci, (step_records.simple_term("recon", 1.0, recon),),
+    step_records.StepConfig(
+        total_steps=4,
+        components_opt=optim.AdamWConfig(Schedule(1e-2)),
+        ci_opt=optim.AdamWConfig(Schedule(1e-2))))
   components = sites_lib.init_components(jax.random.key(0), target.sites)
   state = built.init(components, jax.jit(ci.init)(jax.random.key(1)),
                      jax.random.key(2))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from decompax.core import ci_fns, health, optim, sites as sites_lib
-from decompax.core import train_step
+from decompax.core import step_records, train_step
 from decompax.core.schedules import Schedule
 from decompax.core.masks import SiteMask
 
@@ -69,14 +69,14 @@ def _poisoned_term():
     # A NaN factor, unlike a NaN branch of `where`, reaches the gradients.
     return value * jnp.where(ctx.step + 1 == NAN_AT, jnp.nan, 1.0)
 
-  return train_step.simple_term("recon", 1.0, fn)
+  return step_records.simple_term("recon", 1.0, fn)
 
 
 @pytest.fixture(scope="module", params=["stop", "skip"])
 def poisoned_run(request, chain):
   target, weights = chain
   ci = ci_fns.make_ci_fn(ci_fns.CIConfig("component_mlp", (4,)), target.sites)
-  config = train_step.StepConfig(
+  config = step_records.StepConfig(
     total_steps=10,
     components_opt=optim.AdamWConfig(Schedule(1e-2)),
     ci_opt=optim.AdamWConfig(Schedule(1e-2)),
@@ -130,7 +130,7 @@ def test_skip_drops_the_update_and_stop_applies_it(poisoned_run):
 def test_an_unknown_policy_is_refused(chain):
   target, _ = chain
   ci = ci_fns.make_ci_fn(ci_fns.CIConfig("component_mlp", (4,)), target.sites)
-  config = train_step.StepConfig(
+  config = step_records.StepConfig(
     total_steps=10, components_opt=optim.AdamWConfig(Schedule(1e-2)),
     ci_opt=optim.AdamWConfig(Schedule(1e-2)))
   with pytest.raises(ValueError, match="stop or skip"):

@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 
 from decompax.core import ci_fns, ci_transformer, optim, sites as sites_lib
-from decompax.core import train_step
+from decompax.core import step_records, train_step
 from decompax.core.masks import SiteMask
 from decompax.core.schedules import Schedule
-from decompax.core.train_step import StreamSpec
-from decompax.losses import hidden, recon
-from decompax.losses import loss_terms
+from decompax.core.step_records import StreamSpec
+from decompax.losses import hidden, loss_terms, recon
 
 SITES = (sites_lib.SiteSpec("a", "a", 0, 3, 4, 5),
          sites_lib.SiteSpec("b", "b", 0, 4, 2, 3))
@@ -90,7 +89,7 @@ POINTS = ("mix.out", "head.out")
 
 
 def _config(sequential=False, streams=STREAMS, points=POINTS):
-  return train_step.StepConfig(
+  return step_records.StepConfig(
     total_steps=10, components_opt=optim.AdamWConfig(Schedule(1e-2)),
     ci_opt=optim.AdamWConfig(Schedule(1e-2)), streams=streams,
     hidden_points=points, sequential_passes=sequential)
@@ -163,7 +162,7 @@ def test_four_passes_report_each_role_and_the_hidden_pass_scores_hidden(
   # The hidden pass scores the relative error of its points alone: 0 for the
   # forward that rebuilds W (masks and delta at 1), that error at half masks.
   clean, taps = target.clean_forward(weights, batches["target"], POINTS)
-  ctx = train_step.StepContext(
+  ctx = step_records.StepContext(
     jnp.zeros((), jnp.int32), 10, target, weights, batches["target"], clean,
     comps, None, clean_taps=taps, hidden_points=POINTS)
   ones = {s.name: SiteMask(jnp.ones((3, 4, s.c)), jnp.ones((3, 4)))

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib, squash, train_step
+from decompax.core import step_records
 from decompax.core.masks import SiteMask
 from decompax.core.schedules import Schedule
-from decompax.core.train_step import StreamSpec
+from decompax.core.step_records import StreamSpec
 
 TWO_STREAMS = (StreamSpec("a"), StreamSpec("b", delta_pin=True,
                                             loss_positions=(0,)))
@@ -23,7 +24,7 @@ def _recon(name="recon", stream=""):
       {s.name: SiteMask(ctx.ci.lower[s.name]) for s in ctx.target.sites})
     return jnp.mean(jnp.square(out - ctx.clean_output))
 
-  return train_step.simple_term(name, 1.0, fn)._replace(stream=stream)
+  return step_records.simple_term(name, 1.0, fn)._replace(stream=stream)
 
 
 def _counter(name, finish=True):
@@ -42,13 +43,13 @@ def _counter(name, finish=True):
     del ctx, key, inputs, grads, aux
     return state * 10.0
 
-  return train_step.LossTerm(
+  return step_records.LossTerm(
     name, 1.0, fn, init_state=lambda key, lead: jnp.zeros(()),
     prepare=prepare, finish=done if finish else None)
 
 
 def _config(**kwargs):
-  return train_step.StepConfig(
+  return step_records.StepConfig(
     total_steps=10, components_opt=optim.AdamWConfig(Schedule(1e-2)),
     ci_opt=optim.AdamWConfig(Schedule(1e-2)), **kwargs)
 

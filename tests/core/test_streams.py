@@ -7,10 +7,10 @@ import optax
 import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib, squash
-from decompax.core import train_step
+from decompax.core import step_records, train_step
 from decompax.core.masks import SiteMask
 from decompax.core.schedules import Schedule
-from decompax.core.train_step import StreamSpec
+from decompax.core.step_records import StreamSpec
 
 STREAMS = (StreamSpec("target", loss_positions=(2,)),
            StreamSpec("nontarget", delta_pin=True))
@@ -26,11 +26,11 @@ def _seen_term(name, stream, seen):
     seen[name] = ctx.pinned(masks)
     return ctx.output_divergence(ctx.masked_forward(masks))
 
-  return train_step.simple_term(name, 1.0, fn)._replace(stream=stream)
+  return step_records.simple_term(name, 1.0, fn)._replace(stream=stream)
 
 
 def _config(streams=STREAMS, decay=0.0):
-  return train_step.StepConfig(
+  return step_records.StepConfig(
     total_steps=10, components_opt=optim.AdamWConfig(Schedule(1e-2)),
     ci_opt=optim.AdamWConfig(Schedule(1e-2)), streams=streams,
     ci_scaled_decay=decay)
@@ -122,7 +122,7 @@ def test_term_keys_follow_the_terms_order_across_streams(setup):
 
   def keyed(name, stream):
     # The value is a draw from the term's key, so the metric shows the key.
-    return train_step.simple_term(
+    return step_records.simple_term(
       name, 1.0, lambda ctx, key: jax.random.uniform(key))._replace(
         stream=stream)
 
@@ -141,7 +141,7 @@ def test_term_keys_follow_the_terms_order_across_streams(setup):
 
 def test_a_term_on_an_unknown_stream_is_refused(setup):
   target, _, ci, *_ = setup
-  term = train_step.simple_term("x", 1.0, lambda c, k: 0.0)._replace(
+  term = step_records.simple_term("x", 1.0, lambda c, k: 0.0)._replace(
     stream="elsewhere")
   with pytest.raises(ValueError, match="stream 'elsewhere'"):
     train_step.make_train_step(target, ci, (term,), _config())
@@ -171,7 +171,7 @@ def test_max_ci_is_taken_over_every_stream_and_position():
 
 def test_the_step_applies_the_ci_scaled_decay_after_the_update(setup):
   target, weights, ci, comps, ci_params, batches = setup
-  term = train_step.simple_term("zero", 1.0, lambda c, k: jnp.zeros(()))
+  term = step_records.simple_term("zero", 1.0, lambda c, k: jnp.zeros(()))
   term = term._replace(stream="target")
   plain = train_step.make_train_step(target, ci, (term,), _config())
   decayed = train_step.make_train_step(target, ci, (term,),
@@ -197,7 +197,7 @@ def test_a_term_given_to_both_streams_is_refused_as_a_shared_bundle(setup):
   """I22 across streams: one name on two streams would key one state (an
   adversary's source bundle) for both."""
   target, _, ci, *_ = setup
-  one = train_step.simple_term("pgd", 1.0, lambda ctx, key: 0.0)
+  one = step_records.simple_term("pgd", 1.0, lambda ctx, key: 0.0)
   with pytest.raises(ValueError, match="would be shared between them"):
     train_step.make_train_step(
       target, ci, (one._replace(stream="target"),

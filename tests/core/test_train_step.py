@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
+from decompax.core import step_records
 from decompax.core.schedules import Schedule
 from decompax.core.masks import SiteMask
 
@@ -19,13 +20,13 @@ def _recon_like_term():
       {s.name: SiteMask(ctx.ci.lower[s.name]) for s in ctx.target.sites})
     return jnp.mean(jnp.square(out - ctx.clean_output))
 
-  return train_step.simple_term("recon", 1.0, fn)
+  return step_records.simple_term("recon", 1.0, fn)
 
 
 def _build(chain, terms, **step_options):
   target, _ = chain
   ci = ci_fns.make_ci_fn(ci_fns.CIConfig("component_mlp", (4,)), target.sites)
-  cfg = train_step.StepConfig(
+  cfg = step_records.StepConfig(
     total_steps=10,
     components_opt=optim.AdamWConfig(Schedule(1e-2), clip_max_norm=1.0),
     ci_opt=optim.AdamWConfig(Schedule(1e-2)),
@@ -114,8 +115,8 @@ def test_model_side_coefficient_scales_params_not_inputs(chain):
     return {s.name: jnp.zeros((*lead_shape, 5)) for s in target.sites}
 
   def build(coeff):
-    term = train_step.LossTerm("adv", coeff, fn, init_state, prepare, finish,
-                               coeff_on_model_side=True)
+    term = step_records.LossTerm("adv", coeff, fn, init_state, prepare, finish,
+                                 coeff_on_model_side=True)
     ci, built = _build(chain, (term,))
     target_, _ = chain
     comps = sites_lib.init_components(jax.random.key(0), target_.sites)
@@ -151,9 +152,9 @@ def _key_reporting_terms():
     del ctx, key, inputs
     return jnp.zeros(()), None
 
-  a = train_step.LossTerm("a", 1.0, report_key, report=lambda aux: {
+  a = step_records.LossTerm("a", 1.0, report_key, report=lambda aux: {
     "key0": aux[0], "key1": aux[1]})
-  b = train_step.LossTerm("b", 1.0, keep_key, init_state=lambda key, lead: (
+  b = step_records.LossTerm("b", 1.0, keep_key, init_state=lambda key, lead: (
     jax.random.key_data(key).astype(jnp.float32)))
   return a, b
 
@@ -201,7 +202,7 @@ def test_finish_is_handed_the_key_its_term_saw(chain):
     del ctx, state, inputs, grads
     return jnp.stack([jax.random.key_data(key), aux["fn"], aux["prepare"]])
 
-  term = train_step.LossTerm(
+  term = step_records.LossTerm(
     "k", 1.0, fn, init_state=lambda key, lead: jnp.zeros((3, 2), jnp.uint32),
     prepare=prepare, finish=finish)
   ci, built = _build(chain, (_recon_like_term(), term))
@@ -214,7 +215,7 @@ def test_finish_is_handed_the_key_its_term_saw(chain):
 
 
 def test_a_finish_without_a_state_is_refused(chain):
-  term = train_step.LossTerm(
+  term = step_records.LossTerm(
     "f", 1.0, lambda ctx, key, inputs: (jnp.zeros(()), None),
     finish=lambda ctx, key, state, inputs, grads, aux: state)
   with pytest.raises(ValueError, match="finish but no init_state"):
@@ -228,7 +229,7 @@ def _key_term():
     del ctx
     return jax.random.uniform(key)
 
-  return train_step.simple_term("draw", 1.0, fn)
+  return step_records.simple_term("draw", 1.0, fn)
 
 
 def test_each_step_draws_from_its_own_key(chain):

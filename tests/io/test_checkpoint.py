@@ -362,6 +362,7 @@ def test_token_target_vpd_state_resumes_bitwise(
   frequency term: 4 straight steps equal 2 steps, save, restore onto a
   freshly built state, 2 steps."""
   from decompax.core import adversary, optim, train_step
+  from decompax.core import step_records
   from decompax.core.schedules import Schedule
   from decompax.losses import adversarial, recon
   from decompax.losses import loss_terms as terms
@@ -378,7 +379,7 @@ def test_token_target_vpd_state_resumes_bitwise(
     adversarial.persistent_pgd_term(
       "pgd", 0.5, recon.all_sites_plan(sites, "all"), pgd, sites, True),
   )
-  config = train_step.StepConfig(
+  config = step_records.StepConfig(
     total_steps=4, components_opt=optim.MuonConfig(Schedule(1e-2)),
     ci_opt=optim.AdamWConfig(Schedule(1e-2, "cosine", 0.1)))
   built = train_step.make_train_step(
@@ -407,7 +408,7 @@ def test_token_target_vpd_state_resumes_bitwise(
   restored = {name: checkpoint.restore_item(path, name, tree)
               for name, tree in items.items()}
   state = checkpoint.join_state(template, restored)
-  assert isinstance(state, train_step.TrainState)
+  assert isinstance(state, step_records.TrainState)
   for k in range(2, 4):
     state, m = built.step(state, weights, data_key)
     assert_bitwise_equal(jax.device_get(m), metrics[k])

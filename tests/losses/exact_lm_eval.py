@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decompax.core import optim, train_step
+from decompax.core import optim, step_records, train_step
 from decompax.core.schedules import Schedule
 from decompax.losses import eval_step, recon
 from decompax.losses import loss_terms as terms
@@ -43,7 +43,7 @@ def exact_run(target, ci_fn, components, weights, batch_shape):
                   recon.all_sites_plan(target.sites), False))
   adam = optim.AdamWConfig(Schedule(1e-3))
   built = train_step.make_train_step(target, ci_fn, loss_terms,
-                                     train_step.StepConfig(10, adam, adam))
+                                     step_records.StepConfig(10, adam, adam))
   state = built.init(components, ci_fn.init(None), jax.random.key(3),
                      batch_shape)
   return target, ci_fn, loss_terms, weights, state

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from decompax.core import adversary, ci_fns, optim, sites as sites_lib
-from decompax.core import squash, train_step
+from decompax.core import squash, step_records, train_step
 from decompax.core.schedules import Schedule
 from decompax.losses import adversarial, hidden, recon
 from decompax.losses import loss_terms as terms
@@ -37,7 +37,7 @@ def _ci_and_x(chain):
 def _run(chain, extra_terms):
   target, weights = chain
   ci, x = _ci_and_x(chain)
-  cfg = train_step.StepConfig(
+  cfg = step_records.StepConfig(
     total_steps=10, components_opt=optim.AdamWConfig(Schedule(1e-2)),
     ci_opt=optim.AdamWConfig(Schedule(1e-2)))
   all_terms = (terms.faithfulness_term(1.0), *extra_terms)
@@ -81,7 +81,7 @@ def test_i17_every_ascent_of_a_step_uses_that_steps_source_lr(chain):
   adam = optim.AdamWConfig(Schedule(1e-2))
   built = train_step.make_train_step(
     target, ci, (terms.faithfulness_term(1.0), term),
-    train_step.StepConfig(10, adam, adam))
+    step_records.StepConfig(10, adam, adam))
   state = built.init(sites_lib.init_components(jax.random.key(0), target.sites),
                      ci.init(jax.random.key(1)), jax.random.key(2), (B,))
   x = jax.random.normal(jax.random.key(3), (B, 4))
@@ -299,7 +299,7 @@ def _context(chain, ci, x):
   ci_params = ci.init(jax.random.key(1))
   out, taps = target.clean_forward(weights, x, ci.input_taps)
   ci_out = squash.squash(ci.apply(ci_params, taps, comps))
-  return train_step.StepContext(
+  return step_records.StepContext(
     jnp.zeros((), jnp.int32), 10, target, weights, x, out, comps, ci_out,
     clean_taps=taps)
 

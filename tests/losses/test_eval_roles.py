@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib
-from decompax.core import train_step
+from decompax.core import step_objective, step_records, step_streams, train_step
 from decompax.core.masks import VARIANTS, SiteMask
 from decompax.core.schedules import Schedule
 from decompax.losses import eval_step, evals as evals_lib, hidden, recon
@@ -44,7 +44,7 @@ def _fast(target, weights, ci_fn, loss_terms, ci_params, hidden_points=()):
   the eval passes."""
   components = sites_lib.init_components(jax.random.key(1), target.sites)
   adam = optim.AdamWConfig(Schedule(1e-3))
-  state = train_step.make_init(loss_terms, train_step.StepConfig(
+  state = train_step.make_init(loss_terms, step_records.StepConfig(
     10, adam, adam, hidden_points=hidden_points))(
       components, ci_params, jax.random.key(0), (BATCH,))
 
@@ -113,11 +113,11 @@ def test_hidden_scalars_are_those_of_a_direct_hidden_pass(evals):
   target, weights, dual = evals.target, evals.weights, evals.dual
   dual_terms, state, dual_out = evals.dual_terms, evals.state, evals.dual_out
   inputs = evals.batches[0]
-  wanted = (*train_step.clean_tap_keys(dual, target, dual_terms), *POINTS)
+  wanted = (*step_streams.clean_tap_keys(dual, target, dual_terms), *POINTS)
   clean, taps = target.clean_forward(weights, inputs, wanted)
-  own = train_step.prepare_roles(state.components, state.ci_params, taps,
-                                 dual, None)[1]
-  ctx = train_step.with_prepared(train_step.StepContext(
+  own = step_objective.prepare_roles(state.components, state.ci_params, taps,
+                                     dual, None)[1]
+  ctx = step_objective.with_prepared(step_records.StepContext(
     state.step, 10, target, weights, inputs, clean, *own[:2],
     clean_taps=taps, hidden_points=POINTS), own)
   lower = ctx.ci.lower
@@ -191,9 +191,9 @@ def test_hidden_ci_distributions_are_those_of_the_hidden_roles_ci(evals,
   for b, inputs in enumerate(evals.batches):
     _, taps = target.clean_forward(evals.weights, inputs,
                                    evals.dual.input_taps)
-    ci = train_step.prepare_roles(evals.state.components,
-                                  evals.state.ci_params, taps, evals.dual,
-                                  None)[1][1]
+    ci = step_objective.prepare_roles(evals.state.components,
+                                      evals.state.ci_params, taps, evals.dual,
+                                      None)[1][1]
     for site in c:
       lower = np.asarray(ci.lower[site])
       pre = np.asarray(ci.pre[site])

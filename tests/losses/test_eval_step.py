@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib, squash
-from decompax.core import train_step
+from decompax.core import step_records, train_step
 from decompax.core.schedules import Schedule
 from decompax.core.target import Expected
 from decompax.losses import adversarial, eval_step, recon
@@ -56,7 +56,7 @@ def _oracle_ci_fn(sites):
 def _state(target, ci_fn, loss_terms, components, ci_params, lead):
   adam = optim.AdamWConfig(Schedule(1e-3))
   built = train_step.make_train_step(
-    target, ci_fn, loss_terms, train_step.StepConfig(10, adam, adam))
+    target, ci_fn, loss_terms, step_records.StepConfig(10, adam, adam))
   return built.init(components, ci_params, jax.random.key(0), lead)
 
 
@@ -287,7 +287,7 @@ def zero_ci_context():
                                          0.0, 1.0)
   clean, _ = target.clean_forward(weights, x, ())
   zeros = {s.name: jnp.zeros((BATCH, N)) for s in target.sites}
-  ctx = train_step.StepContext(
+  ctx = step_records.StepContext(
     jnp.zeros((), jnp.int32), 10, target, weights, x, clean,
     _perfect_components(weights), squash.CIOutput(zeros, zeros, zeros))
   gain = np.asarray(weights["l0"][0].diagonal() * weights["l1"][0].diagonal())

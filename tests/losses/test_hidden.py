@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from decompax.core import ci_fns, masks, sites as sites_lib, squash
-from decompax.core import train_step
+from decompax.core import step_records
 from decompax.losses import hidden, recon
 from decompax.losses import loss_terms as terms
 
@@ -41,7 +41,7 @@ def ctx(chain):
   points = ("l0.out", "head.out")
   out, taps = target.clean_forward(weights, x, ci.input_taps + points)
   ci_out = squash.squash(ci.apply(ci.init(jax.random.key(1)), taps, comps))
-  return train_step.StepContext(
+  return step_records.StepContext(
     jnp.zeros((), jnp.int32), 10, target, weights, x, out, comps, ci_out,
     clean_taps=taps)
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
+from decompax.core import step_records
 from decompax.core.schedules import Schedule
 from decompax.core.sites import Factors, SiteSpec
 from decompax.core.target import UnitSpec
@@ -69,7 +70,7 @@ def _locality_step(chain, term):
                             target.sites)
   adam = optim.AdamWConfig(Schedule(1e-2))
   built = train_step.make_train_step(
-    target, ci_fn, (term,), train_step.StepConfig(4, adam, adam))
+    target, ci_fn, (term,), step_records.StepConfig(4, adam, adam))
   state = built.init(
     sites_lib.init_components(jax.random.key(0), target.sites),
     ci_fn.init(jax.random.key(1)), jax.random.key(2), (6,))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from decompax.core import adversary, ci_fns, optim, sites as sites_lib
-from decompax.core import train_step
+from decompax.core import step_records, train_step
 from decompax.core.schedules import Schedule
 from decompax.losses import adversarial, eval_step, recon
 
@@ -20,7 +20,7 @@ def _ci(target):
 
 def _state(target, ci, terms=()):
   adam = optim.AdamWConfig(Schedule(1e-2))
-  init = train_step.make_init(terms, train_step.StepConfig(10, adam, adam))
+  init = train_step.make_init(terms, step_records.StepConfig(10, adam, adam))
   comps = sites_lib.init_components(jax.random.key(0), target.sites)
   return init(comps, ci.init(jax.random.key(1)), jax.random.key(2), (8,))
 
@@ -42,7 +42,7 @@ def test_eval_plan_reads_hidden_points_only_for_a_dual_role_ci(chain):
 def test_eval_contexts_carry_the_stream_and_one_role_when_asked(chain):
   target, weights = chain
   ci = _ci(target)
-  stream = train_step.StreamSpec("b", delta_pin=True)
+  stream = step_records.StreamSpec("b", delta_pin=True)
   plan = eval_step.eval_plan(target, ci, (), eval_step.EvalConfig(1, 10),
                              None, stream=stream)
   state = _state(target, ci)
@@ -87,7 +87,7 @@ def test_persistent_prepare_ascends_only_once_the_adversary_runs(
   assert all(s.source.shape == (1, site.c + 1)
              for site, s in zip(target.sites, state.sources.values()))
   plan = train_step.step_plan(
-    target, _ci(target), (), train_step.StepConfig(
+    target, _ci(target), (), step_records.StepConfig(
       10, optim.AdamWConfig(Schedule(1e-2)),
       optim.AdamWConfig(Schedule(1e-2))))
   train_state = _state(target, plan.ci_fn)

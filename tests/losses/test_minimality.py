@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from decompax.core import schedules, squash
-from decompax.core.train_step import StepContext
+from decompax.core.step_records import StepContext
 from decompax.losses import minimality
 from decompax.losses import loss_terms as terms
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib, squash
-from decompax.core import train_step
+from decompax.core import step_records, train_step
 from decompax.core.schedules import Schedule
 from decompax.core.masks import SiteMask
-from decompax.core.train_step import StreamSpec
+from decompax.core.step_records import StreamSpec
 from decompax.losses import eval_step, recon
 from decompax.losses import loss_terms as terms
 
@@ -30,7 +30,7 @@ def _ctx(parts, pin):
   target, weights, ci, comps, ci_params, tokens = parts
   out, taps = target.clean_forward(weights, tokens, ci.input_taps)
   ci_out = squash.squash(ci.apply(ci_params, taps, comps))
-  return train_step.StepContext(
+  return step_records.StepContext(
     jnp.zeros((), jnp.int32), 10, target, weights, tokens, out, comps,
     ci_out, clean_taps=taps, delta_pin=pin)
 
@@ -85,7 +85,7 @@ def _eval(parts, stream):
   target, weights, ci, comps, ci_params, tokens = parts
   config = eval_step.EvalConfig(n_batches=1, total_steps=10, pgd_steps=0)
   opt = optim.AdamWConfig(Schedule(1e-3))
-  state = train_step.make_init((), train_step.StepConfig(10, opt, opt))(
+  state = train_step.make_init((), step_records.StepConfig(10, opt, opt))(
     comps, ci_params, jax.random.key(4))
   fns = eval_step.make_eval_step(target, ci, (), config, None, stream=stream)
   output, _ = fns.fast(state, weights, jax.random.key(5), tokens[None])

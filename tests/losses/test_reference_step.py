@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import adversary, ci_fns, masks, optim, rng
+from decompax.core import (
+  adversary, ci_fns, masks, optim, rng, step_records, train_step)
 from decompax.core import sites as sites_lib
-from decompax.core import train_step
 from decompax.core.schedules import Schedule
 from decompax.core.masks import SiteMask
 from decompax.losses import adversarial, recon
@@ -280,7 +280,7 @@ def runs(chain):
   target, weights = chain
   ci_fn = ci_fns.make_ci_fn(ci_fns.CIConfig("component_mlp", (4,)),
                             target.sites)
-  cfg = train_step.StepConfig(
+  cfg = step_records.StepConfig(
     total_steps=TOTAL,
     components_opt=optim.AdamWConfig(
       Schedule(LR, "cosine", final_frac=LR_FINAL), clip_max_norm=REF.clip),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from decompax.core import ci_fns, optim, sites as sites_lib, squash
-from decompax.core import train_step
+from decompax.core import step_records, train_step
 from decompax.core.masks import SiteMask
 from decompax.core.schedules import Schedule
 from decompax.losses import evals, task_eval
@@ -26,7 +26,7 @@ def scored(token_target):
   ci = ci_fns.make_ci_fn(ci_fns.CIConfig("vector_mlp", (4,)), target.sites)
   comps = sites_lib.init_components(jax.random.key(0), target.sites)
   opt = optim.AdamWConfig(Schedule(1e-3))
-  state = train_step.make_init((), train_step.StepConfig(10, opt, opt))(
+  state = train_step.make_init((), step_records.StepConfig(10, opt, opt))(
     comps, ci.init(jax.random.key(1)), jax.random.key(2))
   prompts = jax.random.randint(jax.random.key(3), (7, 4), 0, 6)
   other = jax.random.randint(jax.random.key(4), (3, 6), 0, 6)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from decompax.core import squash, train_step
+from decompax.core import squash, step_records
 from decompax.losses import minimality
 from decompax.losses import loss_terms as terms
 
@@ -32,8 +32,8 @@ def _ci_upper():
 def _term_values(ci_upper):
   """Importance and frequency terms as the step calls them."""
   ci = squash.CIOutput({"s": ci_upper}, {"s": ci_upper}, {"s": ci_upper})
-  ctx = train_step.StepContext(jnp.zeros((), jnp.int32), 10, None, None,
-                               None, None, None, ci)
+  ctx = step_records.StepContext(jnp.zeros((), jnp.int32), 10, None, None,
+                                 None, None, None, ci)
   imp = terms.importance_minimality_term(1.0, P_EXP)
   freq = terms.frequency_minimality_term(1.0, P_EXP, A_PRIME)
   key = jax.random.key(1)

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from decompax.core import health, sites as sites_lib
-from decompax.core import train_step
+from decompax.core import step_records
 from decompax.placement import mesh as mesh_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
@@ -220,7 +220,7 @@ def _abstract_run(d_in: int, d_out: int, c: int):
   shape = jax.ShapeDtypeStruct
   factors = sites_lib.Factors(shape((2, d_in, c), f32),
                               shape((2, c, d_out), f32))
-  state = train_step.TrainState(
+  state = step_records.TrainState(
     components={"mlp": factors}, ci_params={"w": shape((d_in, c), f32)},
     components_opt=(), ci_opt=(), term_states={},
     step=shape((), jnp.int32),

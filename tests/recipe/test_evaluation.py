@@ -13,6 +13,7 @@ import pytest
 from decompax.recipe import evaluation
 from decompax.recipe.config import TrainConfig
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
+from decompax.core import step_records
 from decompax.core.schedules import Schedule
 from decompax.core.target import Expected
 from decompax.io import run_dir
@@ -77,7 +78,7 @@ def test_lm_eval_writes_component_table_figures_and_report(
                                 recon.all_sites_plan(target.sites), False))
   adam = optim.AdamWConfig(Schedule(1e-3))
   built = train_step.make_train_step(target, ci_fn, loss_terms,
-                                     train_step.StepConfig(4, adam, adam))
+                                     step_records.StepConfig(4, adam, adam))
   state = built.init(sites_lib.init_components(jax.random.key(1),
                                                target.sites),
                      ci_fn.init(jax.random.key(2)), jax.random.key(3), (3, 5))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from decompax.core import sites as sites_lib, squash
-from decompax.core.train_step import StepContext
+from decompax.core.step_records import StepContext
 from decompax.recipe import terms
 from decompax.recipe.config import TrainConfig
 

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import ci_fns, ci_transformer, optim, train_step
+from decompax.core import (
+  ci_fns, ci_transformer, optim, step_objective, step_records, train_step)
 from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
 from decompax.losses import faithfulness, recon
@@ -60,9 +61,9 @@ def _step(compute_dtype, weights_dtype=jnp.bfloat16):
   adam = optim.AdamWConfig(Schedule(1e-3))
   built = train_step.make_train_step(
     fns, ci_fn, loss_terms,
-    train_step.StepConfig(3, adam, adam, compute_dtype=compute_dtype),
+    step_records.StepConfig(3, adam, adam, compute_dtype=compute_dtype),
     sample_inputs=lambda key: jax.random.randint(
-      key, (B, T), 0, CONFIG.vocab_size))
+        key, (B, T), 0, CONFIG.vocab_size))
   components = sites_lib.init_components(jax.random.key(1), fns.sites)
   state = built.init(components, ci_fn.init(jax.random.key(2)),
                      jax.random.key(3), (B, T))
@@ -107,7 +108,7 @@ def test_ci_transformer_computes_in_its_parameters_dtype():  # N4
   params = ci_transformer.init_params(jax.random.key(5), CI_CONFIG, plan)
   taps = {"resid.1": jax.random.normal(jax.random.key(6),
                                        (B, T, CONFIG.d_model))}
-  half = train_step.cast_floats((params, taps), jnp.bfloat16)
+  half = step_objective.cast_floats((params, taps), jnp.bfloat16)
 
   def pre(p, t):
     return ci_transformer.apply(p, t, CI_CONFIG, plan)
@@ -135,7 +136,7 @@ def test_faithfulness_reads_the_fp32_masters(lowered):  # N2
   w_stacks = fns.frozen_stacks(weights)
   exact = faithfulness.faithfulness_per_kind(w_stacks, masters)
   rounded = faithfulness.faithfulness_per_kind(
-    w_stacks, train_step.cast_floats(masters, jnp.bfloat16))
+    w_stacks, step_objective.cast_floats(masters, jnp.bfloat16))
   got = float(metrics["loss/faithfulness"])
   np.testing.assert_allclose(got, float(exact), rtol=1e-6)
   assert abs(float(rounded) - float(exact)) > 1e-6 * float(exact)

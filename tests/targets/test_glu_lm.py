@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import ci_fns, optim, train_step
+from decompax.core import ci_fns, optim, step_records, step_streams, train_step
 from decompax.core import masks as masks_lib
 from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
@@ -552,11 +552,11 @@ def test_train_step_runs_and_changes_the_decomposition(model):
     terms.stochastic_recon_term("stochastic_recon", 1.0, plan, True))
   adam = optim.AdamWConfig(Schedule(1e-2))
   built = train_step.make_train_step(
-    fns, ci_fn, loss_terms, train_step.StepConfig(3, adam, adam),
+    fns, ci_fn, loss_terms, step_records.StepConfig(3, adam, adam),
     sample_inputs=lambda key: jax.random.randint(key, (B, T), 0, 32))
   state = built.init(components, ci_fn.init(jax.random.key(12)),
                      jax.random.key(13), (B, T))
-  assert train_step.clean_tap_keys(ci_fn, fns, loss_terms)[-1] == "resid.2"
+  assert step_streams.clean_tap_keys(ci_fn, fns, loss_terms)[-1] == "resid.2"
   start = jax.tree.map(np.asarray, state.components)
   for _ in range(2):
     state, metrics = built.step(state, weights, jax.random.key(14))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import adversary, ci_fns, optim, train_step
+from decompax.core import adversary, ci_fns, optim, step_records, train_step
 from decompax.core import masks as masks_lib
 from decompax.core import sites as sites_lib
 from decompax.core.schedules import Schedule
@@ -115,7 +115,7 @@ def _first_step(lm, output_chunk):
   ci_fn = ci_fns.make_ci_fn(ci_fns.CIConfig("vector_mlp", (4,)), sites)
   adam = optim.AdamWConfig(Schedule(1e-2))
   built = train_step.make_train_step(
-    fns, ci_fn, _step_terms(sites), train_step.StepConfig(3, adam, adam),
+    fns, ci_fn, _step_terms(sites), step_records.StepConfig(3, adam, adam),
     sample_inputs=lambda key: tokens)
   # The step donates its state: each run starts from its own copy.
   state = built.init(jax.tree.map(jnp.copy, components),
