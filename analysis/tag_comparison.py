@@ -4,11 +4,11 @@
 A harvest over a tagged token file holds every site's tag statistics of
 its components and, per layer whose MLP has a decomposed site, those of
 the MLP's neurons, gates and rotated neurons, and per layer with a
-decomposed attention site, those of its heads (`analysis/harvesting.py`). Here
-a site's alive components (those that fired over the harvest) are
-compared with each baseline of the site's layer (and the neurons matched
-to the site itself: kept at their top-q positions, or the k most active
-at each position), and, per baseline kind, all those sites' components
+decomposed attention site, those of its heads
+(`analysis/harvest_baselines.py`). Here a site's alive components (those
+that fired over the harvest) are compared with each baseline of the site's
+layer (and the neurons matched to the site itself: kept at their top-q
+positions, or the k most active at each position), and, per baseline kind, all those sites' components
 together with all those layers' units (the total). `unit_sets` gives each
 site's unit sets with their context statistics, where the harvest has
 them, for the context measure and the robust summaries.
