@@ -4,7 +4,7 @@ static settings (`StepConfig`, `StreamSpec`), what a loss term is
 once (`StepPlan`), and what it returns (`TrainStep`, `StepShardings`).
 
 Every record is a NamedTuple of arrays or a frozen dataclass of Python
-values (STYLE §4); the phases that read and write them are `train_step`'s,
+values; the phases that read and write them are `train_step`'s,
 the objective `step_objective`'s and the stream and term checks
 `step_streams`'.
 """

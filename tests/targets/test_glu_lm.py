@@ -15,7 +15,7 @@ from decompax.core.schedules import Schedule
 from decompax.losses import faithfulness, recon
 from decompax.losses import loss_terms as terms
 from decompax.targets import (
-  glu_arrays, glu_attention, glu_config, glu_divergence, glu_sites, glu_target,
+  glu_arrays, glu_config, glu_sites, glu_target,
   glu_weights)
 
 CONFIG = glu_config.GluConfig(
@@ -84,47 +84,6 @@ def test_site_table_and_kinds(model):
           by_name["layers.1.mlp.down_proj"].d_out) == (24, 16)
   assert fns.start_taps == (f"resid.{SPLIT}",)
   assert fns.batch_lead_shape(model[3]) == (B, T)
-
-
-def test_per_site_c_splits_a_role_into_kinds():
-  names = (glu_weights.site_name(0, "up"), glu_weights.site_name(1, "up"))
-  specs = glu_sites.site_specs(CONFIG, names, {names[0]: 3, names[1]: 7})
-  assert [(s.kind, s.row, s.c) for s in specs] == [
-    ("up_proj.c3", 0, 3), ("up_proj.c7", 0, 7)]
-  with pytest.raises(ValueError, match="unknown"):
-    glu_sites.site_specs(CONFIG, names[:1], {names[0]: 3, names[1]: 7})
-
-
-def test_draws_are_keyed_by_kind_and_absolute_layer():  # SPEC §3.6
-  # The same matrix draws the same source whichever other sites (and so
-  # whichever span and canonical index) the decomposition has.
-  down = glu_weights.site_name(2, "down")
-  alone = glu_sites.site_specs(CONFIG, (down,), C)
-  wider = glu_sites.site_specs(
-    CONFIG, (glu_weights.site_name(0, "q"), glu_weights.site_name(1, "up"), down), C)
-  assert alone[0].draw_path == wider[-1].draw_path == (6, 2)
-  ci = jnp.full((B, T, C), 0.25)
-
-  def mask_of(specs):
-    entry = recon.all_sites_plan(specs)[0]
-    masks = masks_lib.stochastic_site_masks(
-      jax.random.key(5), entry.live_sites, {s.name: ci for s in specs},
-      sites_lib.draw_paths(specs), True, "continuous", None)
-    return masks[down].mask
-
-  np.testing.assert_array_equal(mask_of(alone), mask_of(wider))
-  first = glu_sites.site_specs(CONFIG, (glu_weights.site_name(0, "q"),), C)
-  assert not np.array_equal(mask_of(alone), masks_lib.stochastic_site_masks(
-    jax.random.key(5), recon.all_sites_plan(first)[0].live_sites,
-    {first[0].name: ci}, sites_lib.draw_paths(first), True, "continuous",
-    None)[first[0].name].mask)
-
-
-def test_unknown_sites_are_refused():
-  with pytest.raises(ValueError, match="unknown site"):
-    glu_sites.site_specs(CONFIG, ("layers.9.mlp.up_proj",), 4)
-  with pytest.raises(ValueError, match="unknown site"):
-    glu_sites.site_specs(CONFIG, ("layers.0.mlp.up_proj.out",), 4)
 
 
 def test_segment_bounds_equal_stored_stack_bounds(model):  # I41
@@ -482,26 +441,6 @@ def test_a_site_live_on_one_span_layer_matches_its_own_span(model):
   np.testing.assert_allclose(wide, narrow, atol=1e-5)
 
 
-def test_attention_implementations_agree():
-  rng = np.random.default_rng(9)
-  q = jnp.asarray(rng.standard_normal((2, 7, 4, 8)), jnp.float32)
-  k, v = jnp.asarray(rng.standard_normal((2, 2, 7, 2, 8)), jnp.float32)
-
-  @jax.jit
-  def run():
-    return [glu_attention.attention_fn(impl)(q, k, v)
-            for impl in ("reference", "xla", "auto")]
-
-  ref, *others = run()
-  for other in others:
-    np.testing.assert_allclose(other, ref, atol=1e-5)
-  # Causal: the first position attends to itself alone.
-  np.testing.assert_allclose(ref[:, 0], jnp.repeat(v[:, 0], 2, axis=1),
-                             atol=1e-6)
-  with pytest.raises(ValueError, match="unknown attention"):
-    glu_attention.attention_fn("flash")
-
-
 def test_frozen_stacks_and_units(model):
   fns, weights, _, _ = model
   stacks = fns.frozen_stacks(weights)
@@ -523,16 +462,6 @@ def test_faithfulness_has_one_dot_per_kind(model):
   hlo = fn.lower(weights, components).compile().as_text()
   dots = [line for line in hlo.splitlines() if " dot(" in line]
   assert len(dots) == len(components)
-
-
-def test_divergence_and_labels():
-  a, b = jnp.asarray(np.random.default_rng(11).standard_normal((2, 3, 4, 9)),
-                     jnp.float32)
-  np.testing.assert_allclose(glu_divergence.kl_clean_to_masked(a, b),
-                             recon.kl_clean_to_masked(a, b), rtol=1e-6)
-  tokens = jnp.array([[1, 2, 3], [4, 5, 6]])
-  np.testing.assert_array_equal(glu_target.token_labels(tokens),
-                                [[2, 3, -1], [5, 6, -1]])
 
 
 def test_train_step_runs_and_changes_the_decomposition(model):

@@ -1,13 +1,10 @@
-"""recipe/terms: the one table of loss terms drives the assembly, the
-console line, the rider checks and the rider flag's help."""
+"""recipe/terms: the one table of loss terms drives the assembly and the
+rider checks (its flags and console line: tests/bin/test_term_flags.py)."""
 
 import pytest
-from absl import flags
 
-from decompax.bin import train
 from decompax.recipe import assembly
 from decompax.recipe import terms as term_table
-from decompax.core import sites as sites_lib
 
 # resid_mlp1 declares nonlinear units, so every term of the table can be on.
 EVERY_TERM = (
@@ -47,11 +44,6 @@ def test_names_short_forms_and_flags_are_unique():
   assert len(shorts) == len(set(shorts))
 
 
-def test_every_coefficient_flag_is_a_train_flag():
-  for term in term_table.TERMS:
-    assert flags.FLAGS[term.coeff_flag].default is not None
-
-
 def test_every_term_builds_under_its_name_in_table_order(parse):
   terms = _terms(parse(*EVERY_TERM))
   assert [t.name for t in terms] == [t.name for t in PLAIN]
@@ -87,12 +79,6 @@ def test_rider_terms_are_the_table_rows_that_take_one():
     "persistent_pgd_recon", "merged_recon"]
 
 
-def test_the_rider_flag_help_lists_the_rider_terms():
-  help_text = flags.FLAGS["hidden_terms"].help
-  for name in term_table.RIDER_TERMS:
-    assert name in help_text
-
-
 def test_a_rider_on_a_term_without_one_names_the_rider_terms(parse):
   with pytest.raises(ValueError) as info:
     parse("--hidden_coeff=1", "--hidden_terms=fresh_pgd_recon")
@@ -106,40 +92,3 @@ def test_no_recon_term_names_every_recon_coefficient(parse):
   for term in term_table.TERMS:
     named = f"--{term.coeff_flag}" in str(info.value)
     assert named == (term.recon and not term.stream)
-
-
-def test_the_progress_line_shows_short_forms_in_table_order():
-  site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 3)
-  metrics = {f"loss/{t.name}": 1.0 for t in reversed(PLAIN)}
-  metrics["ci_l0/linear1"] = 0.5
-  line = train.progress_line(1, 10, metrics, (site,), 100.0)
-  shorts = [part.split()[0] for part in line.split("  ")[1:-3]]
-  assert shorts == [t.short for t in PLAIN]
-
-
-def test_the_eta_counts_to_where_the_launch_stops():
-  site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 3)
-  metrics = {f"loss/{t.name}": 1.0 for t in PLAIN} | {"ci_l0/linear1": 0.5}
-  line = train.progress_line(1000, 40000, metrics, (site,), 100.0)
-  assert line.endswith("ETA 6m30s")
-  line = train.progress_line(1000, 40000, metrics, (site,), 100.0,
-                             stop=12000)
-  assert line.startswith("step 1000/40000") and line.endswith(
-    "ETA 1m50s to step 12000")
-
-
-def test_a_targeted_progress_line_shows_each_stream_behind_its_name():
-  site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 3)
-  metrics = {"target/loss/stochastic_recon": 1.0,
-             "target/loss/importance_minimality": 2.0,
-             "nontarget/loss/recon": 3.0,
-             "target/ci_l0/linear1": 0.5, "nontarget/ci_l0/linear1": 0.25}
-  line = train.progress_line(1, 10, metrics, (site,), 100.0, targeted=True)
-  assert ("target: imp 2.000e+00  recon 1.000e+00  nontarget: recon "
-          "3.000e+00  target L0 0.50  nontarget L0 0.25") in line
-
-
-@pytest.mark.parametrize("name", ["p_warmup_pct", "pgd_bundle",
-                                  "merged_bundle", "pgd_lr_schedule"])
-def test_flags_that_could_only_be_refused_are_gone(name):
-  assert name not in flags.FLAGS
