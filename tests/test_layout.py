@@ -326,6 +326,38 @@ def test_tests_mirror_the_packages():
   assert folders == {*PACKAGES, "bench"}
 
 
+# Library modules still tested only through other modules' test files; an
+# entry leaves when its `tests/<package>/test_<module>.py` lands, and a
+# stale entry fails below, so the list only shrinks.
+UNMIRRORED = frozenset({
+  "core/factored", "core/fast_gelu", "core/sites", "core/slots",
+  "core/target", "targets/simple_mlp", "targets/tms", "targets/toy_sites",
+  "losses/loss_terms", "placement/mesh", "io/resume", "io/tensor_store",
+  "io/transcoder_store", "io/tree_npz", "recipe/engine", "recipe/lm",
+  "recipe/streams", "recipe/token_data", "analysis/transcoder_eval",
+  "analysis/unit_labels"})
+
+
+def _library_modules() -> set[str]:
+  return {f"{package}/{path.stem}" for package in LIBRARY
+          for path in _modules(package) if path.stem != "__init__"}
+
+
+def test_every_library_module_has_its_test_file():
+  """A newcomer finds a module's tests at `tests/<package>/test_<module>.py`
+  whatever else tests it."""
+  missing = {m for m in _library_modules() - UNMIRRORED
+             if not (ROOT / "tests" / f"{m.replace('/', '/test_')}.py"
+                     ).exists()}
+  assert not missing, (f"library modules without tests/<package>/"
+                       f"test_<module>.py: {sorted(missing)}")
+  stale = {m for m in UNMIRRORED
+           if m not in _library_modules()
+           or (ROOT / "tests" / f"{m.replace('/', '/test_')}.py").exists()}
+  assert not stale, (f"UNMIRRORED lists modules that are gone or now have "
+                     f"their test file; remove them: {sorted(stale)}")
+
+
 def test_bench_is_a_package_of_the_repository_not_of_the_wheel():
   config = tomllib.loads((ROOT / "pyproject.toml").read_text())
   assert (ROOT / "bench" / "__init__.py").exists()
