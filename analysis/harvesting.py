@@ -181,7 +181,7 @@ def harvest(run: explore.LoadedRun, settings: harvest_settings.Settings, out: st
     run, settings, out, placed, pipe, totals, done, save_every_s,
     _Ablating(say, stop, progress_every_s))
   written = harvest_store.write_store(out, totals,
-                                     harvest_settings.FIELDS + harvest_settings.TAG_FIELDS + harvest_settings.CONTEXT_FIELDS)
+                                      harvest_settings.FIELDS + harvest_settings.TAG_FIELDS + harvest_settings.CONTEXT_FIELDS)
   if stop():  # timing the clean forward is all that is left
     return {"arrays": written, **pipe.tag_record}
   return {"arrays": written, **pipe.tag_record, **throughput(

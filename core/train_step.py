@@ -157,7 +157,7 @@ def step_plan(
     step_streams.term_passes(terms, config, ci_fn.roles),
     step_streams.stream_clean_taps(target, ci_fn, terms, config),
     optim.make_optimizer(config.components_opt, config.total_steps,
-                                                                constrain, slots.real_matrix_dims(target.sites)),
+                         constrain, slots.real_matrix_dims(target.sites)),
     optim.adamw(config.ci_opt, config.total_steps), constrain)
 
 

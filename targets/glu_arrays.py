@@ -85,7 +85,7 @@ def weights_from_arrays(
                        f"expected {shape}")
   stacks = glu_weights.split_stacks(
     glu_weights.layer_stack(**{n: arrays[n] for n in want
-                                    if n not in _MODEL_ARRAYS}), seg)
+                               if n not in _MODEL_ARRAYS}), seg)
 
   def put(a):
     return jnp.asarray(a, dtype)

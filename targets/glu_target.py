@@ -193,5 +193,5 @@ def target_fns(
     hidden_pass_points=glu_sites.hidden_pass_points(config, sites),
     masking_reaches=glu_sites.masking_reaches(config, sites),
     split_head=split_head(spec, site, resume, extras, output_chunk,
-                                                                                                                                                  glu_weights.HEAD_SITE in ends),
+                          glu_weights.HEAD_SITE in ends),
   )

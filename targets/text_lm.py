@@ -120,7 +120,7 @@ def init(key: Key[Array, ""], preset: LmPreset) -> glu_weights.GluWeights:
     for name in ("ln1", "q", "k", "v", "o", "ln2", "gate", "up", "down")})
   return glu_weights.GluWeights(
     embed=std * jax.random.normal(e_key, (config.vocab_size, config.d_model),
-                                       jnp.float32),
+                                  jnp.float32),
     prefix=None, span=stack, tail=None,
     norm=jnp.ones((config.d_model,), jnp.float32))
 
