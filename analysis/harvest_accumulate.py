@@ -32,7 +32,8 @@ from decompax.targets import brown_tags
 
 def calibrate(run: explore.LoadedRun, placed: "Placed", inputs: Any,
               sites: tuple[tuple[str, harvest_baselines.MlpUnit], ...],
-              layers: tuple[harvest_baselines.MlpUnit, ...], mlp: harvest_baselines.MlpForm,
+              layers: tuple[harvest_baselines.MlpUnit, ...],
+              mlp: harvest_baselines.MlpForm,
               extra: dict[str, Any]) -> dict[str, dict[str, jax.Array]]:
   """Return per site of `sites` its matched baselines' settings, from one
   batch (`inputs`, the harvest's first): `q`, the median firing density
@@ -49,7 +50,8 @@ def calibrate(run: explore.LoadedRun, placed: "Placed", inputs: Any,
     out = {}
     for site, unit in sites:
       rotation = extra["rotation"][layers.index(unit)]
-      neurons = harvest_baselines.mlp_activity(taps, unit, rotation, mlp)["neurons"]
+      neurons = harvest_baselines.mlp_activity(taps, unit, rotation,
+                                               mlp)["neurons"]
       q = unit_activity.median_alive_density(ci[site])
       out[site] = {
         "q": q, "threshold": unit_activity.top_share_thresholds(neurons, q),
@@ -173,7 +175,8 @@ def add_window(totals: dict,
       tag_profile.TagStats(*(t[f] for f in harvest_settings.TAG_FIELDS)), s)
     t.update(zip(harvest_settings.TAG_FIELDS, summed))
     context = tag_context.add_context_stats(
-      tag_context.ContextStats(*(t[f] for f in harvest_settings.CONTEXT_FIELDS)), c)
+      tag_context.ContextStats(*(t[f]
+                                 for f in harvest_settings.CONTEXT_FIELDS)), c)
     t.update(zip(harvest_settings.CONTEXT_FIELDS, context))
   for site, s in transfer.fetch(stats).items():
     t = totals[site]
@@ -237,11 +240,13 @@ def _window_layout(placed: Optional[Placed]) -> tuple[Callable, dict]:
   return placed.constrain, {"out_shardings": (placed.statistics, None)}
 
 
-def jitted(run: explore.LoadedRun, settings: harvest_settings.Settings, chunk: int,
-           placed: Optional[Placed] = None,
+def jitted(run: explore.LoadedRun, settings: harvest_settings.Settings,
+           chunk: int, placed: Optional[Placed] = None,
            coarse_of: Optional[np.ndarray] = None,
-           layers: tuple[harvest_baselines.MlpUnit, ...] = (), heads: tuple[int, ...] = (),
-           n_head: int = 0, mlp: harvest_baselines.MlpForm = harvest_baselines.MlpForm(),
+           layers: tuple[harvest_baselines.MlpUnit, ...] = (),
+           heads: tuple[int, ...] = (),
+           n_head: int = 0,
+           mlp: harvest_baselines.MlpForm = harvest_baselines.MlpForm(),
            sites: tuple[tuple[str, harvest_baselines.MlpUnit], ...] = ()):
   """Return the jitted batch statistics, the accumulation of one batch
   into the device's window of statistics, the ablation of `chunk`
@@ -261,7 +266,8 @@ def jitted(run: explore.LoadedRun, settings: harvest_settings.Settings, chunk: i
             extra=None):
     ci, taps = explore.lower_ci_and_taps(
       target, ci_fn, weights, components, ci_params, inputs,
-      harvest_baselines.baseline_taps(layers, heads, mlp) if coarse_of is not None else ())
+      harvest_baselines.baseline_taps(layers, heads, mlp)
+      if coarse_of is not None else ())
     ci = constrain("ci_activations", ci)
     batch = {site: stats_lib.batch_stats(
       value, inputs, settings.threshold, settings.top_k, settings.before,
@@ -269,9 +275,12 @@ def jitted(run: explore.LoadedRun, settings: harvest_settings.Settings, chunk: i
     if coarse_of is None:
       return (batch, {}), ci
     # No baselines (`layers` and `heads` empty) adds nothing.
-    activity = {**ci, **harvest_baselines.baseline_activity(taps, layers, heads, n_head,
+    activity = {**ci,
+                **harvest_baselines.baseline_activity(taps, layers, heads,
+                                                      n_head,
                                                             extra, mlp)}
-    activity.update(harvest_baselines.site_activity(activity, sites, extra.get("calibration")))
+    activity.update(harvest_baselines.site_activity(activity, sites,
+                                                    extra.get("calibration")))
     return (batch, _tag_batch(activity, inputs, positions, coarse_of,
                               settings.tag_groups, extra)), ci
 

@@ -101,7 +101,8 @@ def baseline_keys(layers: tuple[MlpUnit, ...],
   return tuple(f"{mlp_prefix(i)}.{kind}" for i in layers
                for kind in mlp_kinds(mlp)) + tuple(
     f"layers.{i}.self_attn.{harvest_settings.HEADS}" for i in heads) + tuple(
-    f"{site}.{kind}" for site, _ in sites for kind in harvest_settings.SITE_BASELINES)
+    f"{site}.{kind}" for site, _ in sites
+    for kind in harvest_settings.SITE_BASELINES)
 
 
 def _layer_o(weights: glu_weights.GluWeights, layer: int) -> jax.Array:
@@ -130,7 +131,8 @@ def mlp_taps(layers: tuple[MlpUnit, ...], mlp: MlpForm = MlpForm()
                for role in roles) + routers
 
 
-def baseline_weights(run: explore.LoadedRun, settings: harvest_settings.Settings,
+def baseline_weights(run: explore.LoadedRun,
+                     settings: harvest_settings.Settings,
                      layers: tuple[MlpUnit, ...], heads: tuple[int, ...]
                      ) -> dict[str, jax.Array]:
   """Return what the baselines' activities read besides the forward: the
@@ -188,7 +190,8 @@ def mlp_activity(taps: dict[str, jax.Array], unit: MlpUnit,
     return out
   # An expert's units count where its output does: by its routing weight
   # (≥ 0, so each stays a positive part).
-  weight = mlp.routing(taps[glu_weights.router_tap(unit[0])])[..., unit[1], None]
+  routing = mlp.routing(taps[glu_weights.router_tap(unit[0])])
+  weight = routing[..., unit[1], None]
   return {k: a * weight.astype(a.dtype) for k, a in out.items()}
 
 
@@ -206,8 +209,8 @@ def baseline_activity(taps: dict[str, jax.Array],
                                  mlp).items():
       out[f"{mlp_prefix(i)}.{kind}"] = a
   for j, (i, key) in enumerate(zip(heads, _o_taps(heads))):
-    out[f"layers.{i}.self_attn.{harvest_settings.HEADS}"] = unit_activity.head_activity(
-      taps[key], extra["w_o"][j], n_head)
+    out[f"layers.{i}.self_attn.{harvest_settings.HEADS}"] = (
+      unit_activity.head_activity(taps[key], extra["w_o"][j], n_head))
   return out
 
 

@@ -23,7 +23,8 @@ def _bytes(tree: Any) -> int:
              for leaf in jax.tree.leaves(tree))
 
 
-def batch_bytes(run: explore.LoadedRun, settings: harvest_settings.Settings) -> int:
+def batch_bytes(run: explore.LoadedRun,
+                settings: harvest_settings.Settings) -> int:
   """Return a floor on the bytes one harvested batch holds at once: its
   inputs, the clean output and every component's CI at each of its
   positions (float32), each as shaped, nothing of the forward between."""
@@ -69,7 +70,8 @@ def window_starts(settings: harvest_settings.Settings, i: int, num_tokens: int
     settings.seq_len)
 
 
-def window_positions(settings: harvest_settings.Settings, i: int, num_tokens: int
+def window_positions(settings: harvest_settings.Settings, i: int,
+                     num_tokens: int
                      ) -> np.ndarray:
   """Return the stream positions `[B, T]` of batch `i`."""
   return (window_starts(settings, i, num_tokens)[:, None]

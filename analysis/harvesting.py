@@ -102,8 +102,8 @@ class _Pipeline(NamedTuple):
   chunk: int
 
 
-def _pipeline(run: explore.LoadedRun, settings: harvest_settings.Settings, chunk: int,
-              placed: harvest_accumulate.Placed) -> _Pipeline:
+def _pipeline(run: explore.LoadedRun, settings: harvest_settings.Settings,
+              chunk: int, placed: harvest_accumulate.Placed) -> _Pipeline:
   batch = harvest_batches.batch_source(run, settings, placed.inputs)
   tags = harvest_batches.tag_source(settings, placed.inputs)
   positions = (lambda i: None) if tags is None else tags.read
@@ -111,8 +111,10 @@ def _pipeline(run: explore.LoadedRun, settings: harvest_settings.Settings, chunk
   heads = () if tags is None else harvest_baselines.head_layers(run)
   sites = () if tags is None else harvest_baselines.site_mlps(run)
   extra = harvest_baselines.baseline_weights(run, settings, layers, heads)
-  mlp = harvest_baselines.mlp_form(run) if layers else harvest_baselines.MlpForm()
-  calibration = harvest_accumulate.calibrate(run, placed, batch(0), sites, layers, mlp,
+  mlp = (harvest_baselines.mlp_form(run) if layers
+         else harvest_baselines.MlpForm())
+  calibration = harvest_accumulate.calibrate(run, placed, batch(0), sites,
+                                             layers, mlp,
                                              extra) if sites else {}
   if tags is not None:
     extra = {**extra, "mix": jnp.asarray(tags.mix, jnp.float32),
@@ -127,8 +129,9 @@ def _pipeline(run: explore.LoadedRun, settings: harvest_settings.Settings, chunk
   shapes, _ = jax.eval_shape(stats_fn, placed.weights, placed.components,
                              placed.ci_params, batch(0), positions(0), extra)
   tag_record = {} if tags is None else {"tags": {
-    **tags.record, "baselines": list(harvest_baselines.baseline_keys(layers, heads, mlp,
-                                                                     sites)),
+    **tags.record,
+    "baselines": list(
+      harvest_baselines.baseline_keys(layers, heads, mlp, sites)),
     "calibration": calibration_record(calibration)}}
   return _Pipeline(batch, positions, extra, accumulate, ablation_fn,
                    clean_fn, shapes, tag_record, chunk)
@@ -145,13 +148,14 @@ def calibration_record(calibration: dict[str, dict[str, jax.Array]]
   return out
 
 
-def harvest(run: explore.LoadedRun, settings: harvest_settings.Settings, out: str,
-            save_every_s: float = 60.0, ablation_chunk: int = 16,
+def harvest(run: explore.LoadedRun, settings: harvest_settings.Settings,
+            out: str, save_every_s: float = 60.0, ablation_chunk: int = 16,
             overwrite: bool = False,
             say: Callable[[str], None] = print,
             placement: Optional[shardings.Placement] = None,
             stop: Callable[[], bool] = _never,
-            progress_every_s: float = harvest_settings.ABLATION_PROGRESS_S) -> dict:
+            progress_every_s: float = harvest_settings.ABLATION_PROGRESS_S
+            ) -> dict:
   """Run the harvest into `out` (resuming a saved one, or replacing one
   made with other settings when `overwrite`) and return its record: the
   arrays written and the throughput beside a clean forward ({} when `out`
@@ -181,7 +185,9 @@ def harvest(run: explore.LoadedRun, settings: harvest_settings.Settings, out: st
     run, settings, out, placed, pipe, totals, done, save_every_s,
     _Ablating(say, stop, progress_every_s))
   written = harvest_store.write_store(out, totals,
-                                      harvest_settings.FIELDS + harvest_settings.TAG_FIELDS + harvest_settings.CONTEXT_FIELDS)
+                                      harvest_settings.FIELDS
+                                      + harvest_settings.TAG_FIELDS
+                                      + harvest_settings.CONTEXT_FIELDS)
   if stop():  # timing the clean forward is all that is left
     return {"arrays": written, **pipe.tag_record}
   return {"arrays": written, **pipe.tag_record, **throughput(
@@ -209,14 +215,16 @@ def _ablation_progress(batch: int, batches: int, done: int, total: int,
           f"{done}/{total}  {rate:.1f} components/s  ETA {eta:.0f}s")
 
 
-def _ablate(run: explore.LoadedRun, settings: harvest_settings.Settings, placed: harvest_accumulate.Placed,
+def _ablate(run: explore.LoadedRun, settings: harvest_settings.Settings,
+            placed: harvest_accumulate.Placed,
             pipe: _Pipeline, i: int, inputs: Any, ci: Any,
             talk: _Ablating) -> Optional[dict]:
   """Return batch `i`'s ablation sums per site (`empty_ablation`), one
   chunk of the components that fired at a time, saying the progress by
   the clock; None when `talk.stop()` came first."""
   ci = transfer.fetch(ci)
-  site_of, index_of = harvest_accumulate.fired_components(run, ci, settings.threshold)
+  site_of, index_of = harvest_accumulate.fired_components(
+    run, ci, settings.threshold)
   n, chunk = len(site_of), pipe.chunk
   talk.say(f"[harvest] ablation batch {i + 1}/{settings.ablation_batches}: "
            f"the {n} of {sum(s.c for s in run.target.sites)} components "
@@ -232,9 +240,10 @@ def _ablate(run: explore.LoadedRun, settings: harvest_settings.Settings, placed:
     block = slice(at, at + chunk)
     divergence = transfer.fetch(pipe.ablation(
       placed.weights, placed.components, inputs, clean,
-      *(jnp.asarray(harvest_accumulate.padded(x[block], chunk)) for x in (site_of, index_of))))
-    harvest_accumulate.add_ablation(sums, run, site_of[block], index_of[block], divergence, ci,
-                                    settings.threshold)
+      *(jnp.asarray(harvest_accumulate.padded(x[block], chunk))
+        for x in (site_of, index_of))))
+    harvest_accumulate.add_ablation(sums, run, site_of[block], index_of[block],
+                                    divergence, ci, settings.threshold)
     done = min(at + chunk, n)
     if time.time() - said >= talk.every_s or done == n:
       talk.say(_ablation_progress(i + 1, settings.ablation_batches, done, n,
@@ -245,9 +254,10 @@ def _ablate(run: explore.LoadedRun, settings: harvest_settings.Settings, placed:
   return sums
 
 
-def _add_ablations(run: explore.LoadedRun, settings: harvest_settings.Settings, out: str,
-                   placed: harvest_accumulate.Placed, pipe: _Pipeline, totals: dict, i: int,
-                   inputs: Any, ci: Any, talk: _Ablating,
+def _add_ablations(run: explore.LoadedRun, settings: harvest_settings.Settings,
+                   out: str,
+                   placed: harvest_accumulate.Placed, pipe: _Pipeline,
+                   totals: dict, i: int, inputs: Any, ci: Any, talk: _Ablating,
                    saved_done: int) -> None:
   """Add batch `i`'s ablations to `totals` (which hold the batches before
   it); stopped before they end, save those totals and raise `Stopped`:
@@ -268,8 +278,10 @@ def _save(out: str, totals: dict, window: Any, i: int,
   harvest_store.save_state(out, totals, i, dataclasses.asdict(settings))
 
 
-def _run_batches(run: explore.LoadedRun, settings: harvest_settings.Settings, out: str,
-                 placed: harvest_accumulate.Placed, pipe: _Pipeline, totals: dict, done: int,
+def _run_batches(run: explore.LoadedRun, settings: harvest_settings.Settings,
+                 out: str,
+                 placed: harvest_accumulate.Placed, pipe: _Pipeline,
+                 totals: dict, done: int,
                  save_every_s: float, talk: _Ablating) -> tuple[float, int]:
   """Add batches `done`… to `totals`, saving the state by the clock and
   when stopped (`Stopped`); return the seconds the timed batches took and
@@ -374,7 +386,8 @@ def load_harvest(run_path: str) -> Harvest:
   none, or an unfinished one (no manifest yet)."""
   manifest = harvest_store.read_manifest(run_path)
   tagged = "tags" in manifest
-  tag_fields = (harvest_settings.TAG_FIELDS + (harvest_settings.CONTEXT_FIELDS if has_context(manifest)
+  tag_fields = (harvest_settings.TAG_FIELDS + (harvest_settings.CONTEXT_FIELDS
+                                               if has_context(manifest)
                                                else ())) if tagged else ()
   sites = {site: harvest_store.read_arrays(run_path, site,
                                            harvest_settings.FIELDS + tag_fields)

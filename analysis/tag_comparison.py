@@ -8,8 +8,9 @@ decomposed attention site, those of its heads
 (`analysis/harvest_baselines.py`). Here a site's alive components (those
 that fired over the harvest) are compared with each baseline of the site's
 layer (and the neurons matched to the site itself: kept at their top-q
-positions, or the k most active at each position), and, per baseline kind, all those sites' components
-together with all those layers' units (the total). `unit_sets` gives each
+positions, or the k most active at each position), and, per baseline kind,
+all those sites' components together with all those layers' units (the
+total). `unit_sets` gives each
 site's unit sets with their context statistics, where the harvest has
 them, for the context measure and the robust summaries.
 """
@@ -66,7 +67,8 @@ def baselines_of(site: str) -> tuple[tuple[str, str], ...]:
   first, *rest = harvest_settings.BASELINES
   prefix = harvest_baselines.mlp_prefix(unit)
   return ((first, f"{prefix}.{first}"),
-          *((kind, f"{site}.{kind}") for kind in harvest_settings.SITE_BASELINES),
+          *((kind, f"{site}.{kind}")
+            for kind in harvest_settings.SITE_BASELINES),
           *((kind, f"{prefix}.{kind}") for kind in rest))
 
 

@@ -146,14 +146,16 @@ def spliced_logits(
   output where its MLP's would be (every other block as it is)."""
   t = start.shape[1]
   rope = glu_attention.rope_tables(config, t)
-  tables = glu_attention.window_tables(config, t, rope) if config.windowed else None
+  tables = glu_attention.window_tables(config, t,
+                                       rope) if config.windowed else None
   attend = glu_attention.attention_fn(attention)
   site = lambda r, x, w: glu_block.frozen_site(r, x, w, None)  # noqa: E731
   h = start
   for i in range(first, config.n_layers):
     lw = layer_weights(weights, i)
     layer_rope, mask = ((rope, None) if tables is None else
-                        glu_attention.pick_layer(tables, i in config.local_layers))
+                        glu_attention.pick_layer(tables,
+                                                 i in config.local_layers))
     streams = ("up", "o.out") if i in replace else ()
     out, values = glu_block.block(h, lw, site, config, layer_rope, attend,
                                   streams, mask)

@@ -61,7 +61,8 @@ def top_positions(run: explore.LoadedRun, settings: harvest_settings.Settings,
   heads = harvest_baselines.head_layers(run)
   n_head = harvest_baselines.n_heads(run) if heads else 0
   extra = harvest_baselines.baseline_weights(run, settings, layers, heads)
-  mlp = harvest_baselines.mlp_form(run) if layers else harvest_baselines.MlpForm()
+  mlp = (harvest_baselines.mlp_form(run) if layers
+         else harvest_baselines.MlpForm())
   wanted = harvest_baselines.baseline_taps(layers, heads, mlp)
   d = run.decomposition
   read = harvest_batches.batch_source(run, settings)

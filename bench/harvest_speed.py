@@ -67,7 +67,8 @@ def random_run(layers: int, c: int, seq_len: int, model_dir: str,
                       f"--model_dir={model_dir}", f"--c={c}",
                       f"--seq_len={seq_len}",
                       "--faithfulness_warmup_steps=0"])
-  names = tuple(glu_weights.site_name(i, r) for i in range(layers) for r in ROLES)
+  names = tuple(glu_weights.site_name(i, r) for i in range(layers)
+                for r in ROLES)
   sites = glu_sites.site_specs(model, names, c)
   return random_lm.loaded_run(config, model, sites)
 

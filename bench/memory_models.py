@@ -31,7 +31,8 @@ def mlp_site_names(glu, layer: int) -> tuple[str, ...]:
   gated), up and down, or every expert's of a mixture of experts."""
   from decompax.targets import glu_weights
   if glu.moe:
-    return tuple(glu_weights.site_name(layer, r, e) for e in range(glu.n_experts)
+    return tuple(glu_weights.site_name(layer, r, e)
+                 for e in range(glu.n_experts)
                  for r in glu_weights.EXPERT_ROLES)
   return tuple(glu_weights.site_name(layer, r) for r in ("gate", "up", "down")
                if r in glu_weights.model_roles(glu))

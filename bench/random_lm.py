@@ -56,7 +56,8 @@ def _draw(key: Key[Array, ""], model: glu_config.GluConfig,
     # Matrices `[.., d_in, d_out]` (an expert stack's lead with experts).
     leaves[name] = (values / math.sqrt(shape[-2]) if len(shape) >= 2
                     else 1 + 0.1 * values)
-  prefix, span, tail = glu_weights.split_stacks(glu_weights.layer_stack(**leaves), seg)
+  prefix, span, tail = glu_weights.split_stacks(
+    glu_weights.layer_stack(**leaves), seg)
   vocab = jax.random.normal(vocab_key, (2, model.vocab_size, model.d_model),
                             dtype)
   return glu_weights.GluWeights(

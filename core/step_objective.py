@@ -36,7 +36,8 @@ def _scale_bwd(scale, g):
 scale_cotangent.defvjp(_scale_fwd, _scale_bwd)
 
 
-def with_prepared(ctx: step_records.StepContext, prepared: tuple) -> step_records.StepContext:
+def with_prepared(ctx: step_records.StepContext,
+                  prepared: tuple) -> step_records.StepContext:
   """Return `ctx` reading `prepared`: `(components, ci)`, then the
   compute-dtype V/U when the step casts them (N4)."""
   components, ci, *compute = prepared
@@ -60,7 +61,8 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
 
 def prepare(
   components: Components, ci_params: Any, taps: dict, ci_fn: CIFn,
-  compute_dtype: Optional[str], constrain: step_records.Constrain = step_records.no_constraint,
+  compute_dtype: Optional[str],
+  constrain: step_records.Constrain = step_records.no_constraint,
 ) -> tuple:
   """Return `(components, ci)`, plus the compute-dtype V/U when
   `compute_dtype` is set, as `with_prepared` reads them: the output role's.
@@ -77,7 +79,8 @@ def prepare(
 
 def prepare_roles(
   components: Components, ci_params: Any, taps: dict, ci_fn: CIFn,
-  compute_dtype: Optional[str], constrain: step_records.Constrain = step_records.no_constraint,
+  compute_dtype: Optional[str],
+  constrain: step_records.Constrain = step_records.no_constraint,
 ) -> tuple[tuple, ...]:
   """Return `prepare`'s tuple for every role of `ci_fn`, in its order, the
   CI trunk run once."""
@@ -139,7 +142,8 @@ def objective(
   return differentiated, (values, reported, tuple(auxes))
 
 
-def reported_total(terms: tuple[step_records.LossTerm, ...], values: dict[str, Array],
+def reported_total(terms: tuple[step_records.LossTerm, ...],
+                   values: dict[str, Array],
                    step: Int[Array, ""], total_steps: int) -> Float[Array, ""]:
   """Return `Σ coeff·value` in the terms' order (as `objective` sums it)."""
   total = jnp.zeros((), jnp.float32)
@@ -150,8 +154,10 @@ def reported_total(terms: tuple[step_records.LossTerm, ...], values: dict[str, A
 
 
 def sequential_objective_grads(
-  prepared: tuple, term_inputs: tuple, ctxs: tuple[step_records.StepContext, ...],
-  terms: tuple[step_records.LossTerm, ...], keys: list, term_passes: tuple[int, ...],
+  prepared: tuple, term_inputs: tuple,
+  ctxs: tuple[step_records.StepContext, ...],
+  terms: tuple[step_records.LossTerm, ...], keys: list,
+  term_passes: tuple[int, ...],
 ) -> tuple[dict[str, Array], tuple, tuple, tuple]:
   """Return `(values, auxes, g_prepared, g_inputs)` as one backward of
   `objective` would, scoring one pass at a time.

@@ -22,7 +22,8 @@ def clean_tap_keys(
   return tuple(dict.fromkeys(keys))
 
 
-def stream_specs(config: step_records.StepConfig) -> tuple[step_records.StreamSpec, ...]:
+def stream_specs(config: step_records.StepConfig
+                 ) -> tuple[step_records.StreamSpec, ...]:
   """Return the step's streams: the configured ones, or the one unnamed."""
   return config.streams or (step_records.StreamSpec(""),)
 
@@ -65,7 +66,8 @@ def role_index(term: step_records.LossTerm, roles: tuple[str, ...],
   return roles.index(term.role)
 
 
-def term_passes(terms: tuple[step_records.LossTerm, ...], config: step_records.StepConfig,
+def term_passes(terms: tuple[step_records.LossTerm, ...],
+                config: step_records.StepConfig,
                 roles: tuple[str, ...]) -> tuple[int, ...]:
   """Return the pass each term scores: `stream · len(roles) + role`, its
   stream's index and its role's (`role_index`)."""
@@ -100,7 +102,8 @@ def check_term_names(terms: tuple[step_records.LossTerm, ...]) -> None:
                      f"{[t.name for t in terms]}")
 
 
-def check_step(terms: tuple[step_records.LossTerm, ...], config: step_records.StepConfig) -> None:
+def check_step(terms: tuple[step_records.LossTerm, ...],
+               config: step_records.StepConfig) -> None:
   """Raise ValueError for settings no step can run: an unknown non-finite
   policy, clashing term names, a finish without a state, a negative decay,
   or streams without distinct names."""

@@ -148,7 +148,8 @@ def ci_scaled_decay(
 
 def step_plan(
   target: TargetFns, ci_fn: CIFn, terms: tuple[step_records.LossTerm, ...],
-  config: step_records.StepConfig, constrain: step_records.Constrain = step_records.no_constraint,
+  config: step_records.StepConfig,
+  constrain: step_records.Constrain = step_records.no_constraint,
 ) -> step_records.StepPlan:
   """Return the step's `StepPlan`; ValueError for a term naming a stream or
   CI role the step does not have."""
@@ -173,20 +174,23 @@ def clean_passes(plan: step_records.StepPlan, weights: Weights,
     for k, spec in enumerate(plan.streams))
 
 
-def prepare_passes(plan: step_records.StepPlan, cleans: tuple[step_records.Clean, ...],
+def prepare_passes(plan: step_records.StepPlan,
+                   cleans: tuple[step_records.Clean, ...],
                    theta: tuple[Components, Any]) -> tuple:
   """Return `prepare`'s tuple for every pass from `theta = (components,
   CI parameters)`: pass `k · len(roles) + r` is stream k's CI role r."""
   # Pad slots (the owner preset's) end here: nothing computes on them.
   real = slots.real_components(theta[0], plan.target.sites)
-  return tuple(own for _, taps in cleans for own in step_objective.prepare_roles(
+  return tuple(own for _, taps in cleans
+               for own in step_objective.prepare_roles(
     real, theta[1], taps, plan.ci_fn, plan.config.compute_dtype,
     plan.constrain))
 
 
 def pass_contexts(
   plan: step_records.StepPlan, step: Int[Array, ""], weights: Weights,
-  batches: dict[str, Batch], cleans: tuple[step_records.Clean, ...], frozen: tuple,
+  batches: dict[str, Batch], cleans: tuple[step_records.Clean, ...],
+  frozen: tuple,
 ) -> tuple[step_records.StepContext, ...]:
   """Return one context per pass, reading its stop-gradient `frozen`
   components and CI; a hidden role's reconstructs the hidden points."""
@@ -206,7 +210,8 @@ def pass_contexts(
 
 
 def prepare_terms(
-  terms: tuple[step_records.LossTerm, ...], ctxs: tuple[step_records.StepContext, ...], keys: list,
+  terms: tuple[step_records.LossTerm, ...],
+  ctxs: tuple[step_records.StepContext, ...], keys: list,
   passes: tuple[int, ...], term_states: dict[str, Any],
 ) -> tuple[dict[str, Any], tuple]:
   """Return the term states after every `prepare` and each term's inputs
@@ -233,14 +238,15 @@ def objective_grads(
   args = (prepared, term_inputs, ctxs, plan.terms, keys, plan.passes)
   if plan.config.sequential_passes:
     return step_objective.sequential_objective_grads(*args)
-  grad_fn = jax.value_and_grad(step_objective.objective, argnums=(0, 1), has_aux=True,
-                               allow_int=True)
+  grad_fn = jax.value_and_grad(step_objective.objective, argnums=(0, 1),
+                               has_aux=True, allow_int=True)
   (_, (values, _, auxes)), (g_prepared, g_inputs) = grad_fn(*args)
   return values, auxes, g_prepared, g_inputs
 
 
 def finish_terms(
-  terms: tuple[step_records.LossTerm, ...], ctxs: tuple[step_records.StepContext, ...], keys: list,
+  terms: tuple[step_records.LossTerm, ...],
+  ctxs: tuple[step_records.StepContext, ...], keys: list,
   passes: tuple[int, ...], term_states: dict[str, Any], term_inputs: tuple,
   g_inputs: tuple, auxes: tuple,
 ) -> dict[str, Any]:
@@ -256,8 +262,8 @@ def finish_terms(
 
 
 def apply_updates(
-  plan: step_records.StepPlan, state: step_records.TrainState, g_components: Components, g_ci: Any,
-  frozen: tuple,
+  plan: step_records.StepPlan, state: step_records.TrainState,
+  g_components: Components, g_ci: Any, frozen: tuple,
 ) -> step_records.Updated:
   """Return the components and CI parameters after their optimizers'
   update (and the CI-scaled decay, reading every pass's CI in `frozen`)."""
@@ -278,7 +284,8 @@ def apply_updates(
 
 
 def step_metrics(
-  plan: step_records.StepPlan, total: Float[Array, ""], values: dict[str, Array],
+  plan: step_records.StepPlan, total: Float[Array, ""],
+  values: dict[str, Array],
   auxes: tuple, frozen: tuple, g_components: Components,
   lr: Float[Array, ""],
 ) -> dict[str, Array]:
@@ -303,8 +310,8 @@ def step_metrics(
 
 
 def next_state(
-  plan: step_records.StepPlan, state: step_records.TrainState, values: dict[str, Array],
-  updated: tuple, term_states: dict[str, Any],
+  plan: step_records.StepPlan, state: step_records.TrainState,
+  values: dict[str, Array], updated: tuple, term_states: dict[str, Any],
 ) -> step_records.TrainState:
   """Return the state after the step: `updated` (components, CI
   parameters, their optimizer states) and `term_states` with the health
@@ -321,7 +328,8 @@ def next_state(
   return step_records.TrainState(*updated, state.step + 1, state.rng, health)
 
 
-def run_step(plan: step_records.StepPlan, state: step_records.TrainState, weights: Weights,
+def run_step(plan: step_records.StepPlan, state: step_records.TrainState,
+             weights: Weights,
              inputs: Batch) -> tuple[step_records.TrainState, dict[str, Array]]:
   """Return the state and metrics after one step (the module docstring's
   order), its phases composed: unjitted, as `make_train_step` jits it."""

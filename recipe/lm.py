@@ -49,7 +49,8 @@ def expand_sites(
       mlp = ",".join(r for r in glu_weights.ROLES[4:]
                      if any(p[1] == r for p in parsed))
       ends = [n for n in glu_weights.END_SITES if n in names]
-      experts = [e for e in map(glu_weights.site_expert, names) if e is not None]
+      experts = [e for e in map(glu_weights.site_expert,
+                                names) if e is not None]
       # A mixture-of-experts model's MLP sites are its experts'.
       mlp_sites = (f" and layers.<i>.mlp.{{{mlp}}}_proj" if mlp else
                    " and layers.<i>.mlp.experts.<e>.{gate,up,down}_proj, "

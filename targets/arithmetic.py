@@ -166,7 +166,8 @@ def sample_inputs(
   return task_batch(key, config, batch_size)
 
 
-def init(key: Key[Array, ""], config: ArithmeticConfig) -> glu_weights.GluWeights:
+def init(key: Key[Array, ""],
+         config: ArithmeticConfig) -> glu_weights.GluWeights:
   """Return untrained weights, every layer in the span stack."""
   return induction.init(key, config.copying)
 

@@ -25,7 +25,8 @@ def layer_array_shapes(
   if config.qk_norm:
     shapes.update(q_norm=(config.head_dim,), k_norm=(config.head_dim,))
   if config.bias:
-    shapes.update({f"{r}_bias": glu_sites.role_dims(config, r)[1:] for r in roles})
+    shapes.update({f"{r}_bias": glu_sites.role_dims(config, r)[1:]
+                   for r in roles})
   if config.norm == "layer":
     shapes.update(ln1_bias=(config.d_model,), ln2_bias=(config.d_model,))
   if config.sandwich:

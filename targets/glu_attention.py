@@ -149,7 +149,8 @@ def attention_scores(
   if config is None:
     scores = scores * (hd ** -0.5)
   else:
-    scores = glu_norms.softcap(scores * config.attention_scale, config.attn_softcap)
+    scores = glu_norms.softcap(scores * config.attention_scale,
+                               config.attn_softcap)
   mask = attention_lib.causal_mask(t) if mask is None else mask
   scores = jnp.where(mask, scores, -jnp.inf)
   return scores.reshape(b, nh, t, t)

@@ -58,16 +58,18 @@ def block(
 
   xa = glu_norms.norm(h, lw.ln1, lw.ln1_bias, config)
   q, k, v = project("q", xa), project("k", xa), project("v", xa)
-  qh, kh = glu_attention.query_key_heads(q, k, lw.q_norm, lw.k_norm, config, rope)
+  qh, kh = glu_attention.query_key_heads(q, k, lw.q_norm, lw.k_norm, config,
+                                         rope)
   vh = v.reshape(b, t, config.n_kv_heads, config.head_dim)
-  options = ({"config": config, "mask": mask} if glu_attention.custom_scores(config)
+  options = ({"config": config, "mask": mask}
+             if glu_attention.custom_scores(config)
              else {})
   o_in = attend(qh, kh, vh, **options).reshape(b, t, config.q_width)
   o = project("o", o_in)
   h1 = h + glu_norms.post_norm(o, lw.post_attn_norm, config)
   # A parallel block's MLP reads the block input, not h + attention.
-  xm = glu_norms.norm(h if config.parallel_residual else h1, lw.ln2, lw.ln2_bias,
-                      config)
+  xm = glu_norms.norm(h if config.parallel_residual else h1, lw.ln2,
+                      lw.ln2_bias, config)
   down, values = _mlp(xm, lw, project, config,
                       lambda r, x: site(r, x, getattr(lw, r)))
   values.update({"resid": h, "q": xa, "k": xa, "v": xa, "o": o_in,
@@ -146,8 +148,8 @@ def router_kl(
 
 
 def moe_mlp(
-  xm: Float[Array, "b t d"], lw: glu_weights.LayerStack, config: glu_config.GluConfig,
-  site: Callable[[str, Array], Array],
+  xm: Float[Array, "b t d"], lw: glu_weights.LayerStack,
+  config: glu_config.GluConfig, site: Callable[[str, Array], Array],
 ) -> tuple[Float[Array, "b t d"], Float[Array, "b t e"], dict[str, Array]]:
   """Return a Qwen3-MoE sparse block's output, its router logits and its
   experts' streams.

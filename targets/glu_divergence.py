@@ -119,7 +119,8 @@ def attention_divergence(
     for b in blocks:
       t = clean_taps[f"{glu_weights.site_name(b, 'q')}.out"].shape[1]
       # One layer's tables and mask serve both forwards' heads.
-      rope, mask = glu_attention.layer_attention(config, t, b in config.local_layers)
+      rope, mask = glu_attention.layer_attention(config, t,
+                                                 b in config.local_layers)
       out[f"layers.{b}"] = glu_attention.attention_kl(
         *heads(weights, clean_taps, b, rope),
         *heads(weights, masked_taps, b, rope), scoring, mask)

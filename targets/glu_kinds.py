@@ -69,7 +69,8 @@ class LiveKind(NamedTuple):
   active: Optional[Bool[Array, "layer *l"]]
 
 
-def _span_rows(layout: KindLayout, seg: glu_weights.Segments) -> list[int | None]:
+def _span_rows(layout: KindLayout,
+               seg: glu_weights.Segments) -> list[int | None]:
   row_of = {layer: r for r, layer in enumerate(layout.layers)}
   return [row_of.get(layer) for layer in range(seg.split, seg.tail)]
 
@@ -248,8 +249,8 @@ def frozen_stacks(
 
 def live_extras(
   sites: tuple[SiteSpec, ...], layouts: dict[str, KindLayout],
-  seg: glu_weights.Segments, weights: glu_weights.GluWeights, components: Components,
-  site_masks: dict[str, SiteMask],
+  seg: glu_weights.Segments, weights: glu_weights.GluWeights,
+  components: Components, site_masks: dict[str, SiteMask],
 ) -> dict[str, LiveKind]:
   """Return what the span's scan carries beside its weights for a masked
   forward (`live_kinds`); ValueError for a mask naming no site."""

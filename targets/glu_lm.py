@@ -45,7 +45,8 @@ class ForwardSpec:
   unroll: int | bool = 1
 
   def __post_init__(self):
-    if self.attention != "reference" and glu_attention.custom_scores(self.config):
+    if (self.attention != "reference"
+        and glu_attention.custom_scores(self.config)):
       raise ValueError(
         f"attention {self.attention!r} computes plain causal softmax(q·k/"
         f"√hd); this {self.config.family} model's scores need its own "
@@ -70,7 +71,8 @@ def _run_segment(
   local = (jnp.asarray([i in config.local_layers for i in range(lo, hi)])
            if config.windowed else None)
   # Built once for the scan; each layer picks its own.
-  tables = (glu_attention.window_tables(config, h.shape[1], rope) if config.windowed
+  tables = (glu_attention.window_tables(config, h.shape[1], rope)
+            if config.windowed
             else None)
 
   def body(carry, xs):
@@ -121,7 +123,8 @@ def _parsed_taps(wanted: tuple[str, ...], config: glu_config.GluConfig,
   if dense:
     raise ValueError(f"taps {dense} name a mixture-of-experts block; this "
                      "model's MLPs are dense")
-  beyond = [k for k in parsed if (glu_weights.site_expert(k) or 0) >= config.n_experts
+  beyond = [k for k in parsed if (glu_weights.site_expert(k)
+                                  or 0) >= config.n_experts
             > 0]
   if beyond:
     raise ValueError(f"taps {beyond} name an expert beyond the model's "
@@ -215,7 +218,8 @@ def final_hidden(
   config, seg = spec.config, spec.segments
   glu_weights.check_segments(weights, seg)
   first = 0 if start is None else seg.split
-  parsed = _parsed_taps(tuple(k for k in wanted if k not in glu_weights.END_TAPS),
+  parsed = _parsed_taps(tuple(k for k in wanted
+                              if k not in glu_weights.END_TAPS),
                         config, first)
   rope = glu_attention.rope_tables(config, tokens.shape[1])
   boundary = {}
@@ -261,7 +265,8 @@ def final_hidden(
 
 
 def _end_taps(
-  weights: glu_weights.GluWeights, tokens: Int[Array, "b t"], x: Float[Array, "b t d"],
+  weights: glu_weights.GluWeights, tokens: Int[Array, "b t"],
+  x: Float[Array, "b t d"],
   rows: Optional[Float[Array, "b t d"]], wanted: tuple[str, ...],
 ) -> dict[str, Array]:
   """Return the wanted taps of the embedding and the head (`END_TAPS`):

@@ -39,7 +39,8 @@ def all_site_names(config: glu_config.GluConfig) -> tuple[str, ...]:
   run without `--sites` decomposes."""
   names = []
   for i in range(config.n_layers):
-    names += [glu_weights.site_name(i, r) for r in glu_weights.model_roles(config)
+    names += [glu_weights.site_name(i,
+                                    r) for r in glu_weights.model_roles(config)
               if r not in glu_weights.EXPERT_ROLES]
     # A mixture of experts: expert by expert, gate, up, down each.
     names += [glu_weights.site_name(i, r, e) for e in range(config.n_experts)
@@ -85,7 +86,8 @@ def _draw_path(config: glu_config.GluConfig, parsed: tuple
   """Return a projection's draw path: (role, absolute layer), an expert's
   (a role past the end sites', layer·n_experts + expert)."""
   if parsed[1] in glu_weights.EXPERT_ROLES:
-    return (len(glu_weights.ROLES) + 2 + glu_weights.EXPERT_ROLES.index(parsed[1]),
+    return (len(glu_weights.ROLES) + 2
+            + glu_weights.EXPERT_ROLES.index(parsed[1]),
             parsed[0] * config.n_experts + parsed[2])
   return (glu_weights.ROLES.index(parsed[1]), parsed[0])
 

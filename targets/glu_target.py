@@ -120,10 +120,10 @@ def split_head(
   if chunk == 0:
     return None
   if head_site:
+    head = glu_weights.HEAD_SITE
     raise ValueError(f"--output_chunk computes the frozen head's logits in "
-                     f"chunks and cannot decompose {glu_weights.HEAD_SITE}; use "
-                     f"--output_chunk=0 or leave {glu_weights.HEAD_SITE} out of "
-                     f"--sites")
+                     f"chunks and cannot decompose {head}; use "
+                     f"--output_chunk=0 or leave {head} out of --sites")
 
   def divergence(weights, masked_x, clean_x):
     return glu_divergence.chunked_head_kl(
@@ -187,10 +187,11 @@ def target_fns(
     start_taps=() if resume is None else (resume,),
     token_labels=token_labels,
     attention_taps=glu_divergence.attention_taps(blocks),
-    attention_divergence=glu_divergence.attention_divergence(config, seg, blocks),
+    attention_divergence=glu_divergence.attention_divergence(
+      config, seg, blocks),
     router_taps=tuple(glu_weights.router_tap(i) for i in routed),
-    router_divergence=glu_divergence.router_divergence(routed) if config.moe else None,
-    hidden_pass_points=glu_sites.hidden_pass_points(config, sites),
+    router_divergence=glu_divergence.router_divergence(routed) if config.moe
+    else None, hidden_pass_points=glu_sites.hidden_pass_points(config, sites),
     masking_reaches=glu_sites.masking_reaches(config, sites),
     split_head=split_head(spec, site, resume, extras, output_chunk,
                           glu_weights.HEAD_SITE in ends),

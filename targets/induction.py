@@ -82,7 +82,8 @@ def _full(config: InductionConfig) -> glu_weights.Segments:
   return glu_weights.Segments(n, 0, n)
 
 
-def init(key: Key[Array, ""], config: InductionConfig) -> glu_weights.GluWeights:
+def init(key: Key[Array, ""],
+         config: InductionConfig) -> glu_weights.GluWeights:
   """Return untrained weights, every layer in the span stack."""
   m = config.model
   e_key, h_key, s_key = jax.random.split(key, 3)

@@ -550,8 +550,8 @@ def finished_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def harvested(finished_run):
   """Return `path(name, **request)`: this process's finished run `name`,
-  harvested once (`analysis.harvest_settings.Request(**request)`; later calls return
-  the same harvest)."""
+  harvested once (`analysis.harvest_settings.Request(**request)`; later
+  calls return the same harvest)."""
   from decompax.analysis import explore  # noqa: PLC0415
   from decompax.analysis import harvesting as harvest_lib  # noqa: PLC0415
   from decompax.analysis import harvest_settings
@@ -562,7 +562,8 @@ def harvested(finished_run):
     if name not in done:
       run_path = finished_run(name)
       run = explore.load_run(run_path)
-      settings = harvest_settings.resolve(run, harvest_settings.Request(**request))
+      settings = harvest_settings.resolve(run,
+                                          harvest_settings.Request(**request))
       out = f"{run_path}/{harvest_store.HARVEST_DIR}"
       record = harvest_lib.harvest(run, settings, out, say=lambda _: None)
       harvest_lib.write_manifest(out, run_path, run, settings, record)

@@ -129,7 +129,8 @@ def test_context_selective_components_come_first(harvest):
   # a1 (noun 0.9) would be 0.5 pure from its tokens: excess 0.4.
   sites["a"]["tag_implied"][1, [NOUN, VERB]] = 5
   manifest = {**harvest.manifest, "settings": {
-    **harvest.manifest["settings"], "tag_revision": harvest_settings.TAG_REVISION}}
+    **harvest.manifest["settings"],
+    "tag_revision": harvest_settings.TAG_REVISION}}
   tagged = harvest._replace(manifest=manifest, sites=sites)
   picks = gallery.pick(tagged, count=3, per_class=2, active=0.5)
   assert [(p.site, p.component) for p in picks] == [

@@ -39,7 +39,8 @@ def test_an_experts_activity_is_weighted_by_its_routing():
   rotation = np.linalg.qr(np.random.default_rng(0).normal(size=(5, 5)))[0]
   got = harvest_baselines.baseline_activity(taps, ((1, 2),), (), 0,
                                             {"rotation": jnp.asarray(
-                                              rotation[None], jnp.float32)}, mlp)
+                                              rotation[None], jnp.float32)},
+                                            mlp)
   logits = np.asarray(taps["layers.1.mlp.gate.out"])
   probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
   weight = np.where(logits.argmax(-1) == 2, probs[..., 2], 0.0)[..., None]

@@ -310,12 +310,13 @@ def test_windows_stay_inside_the_sequence(induction, tmp_path):
   from decompax.io import tokens  # noqa: PLC0415
   path = tmp_path / "tokens.bin"
   tokens.write_tokens(path, [np.arange(40) % 31], 32, 31, "test")
-  short = harvest_settings.Request(positions=16, batch_size=4, seq_len=4, top_k=3,
-                                   data_path=str(path))
+  short = harvest_settings.Request(positions=16, batch_size=4, seq_len=4,
+                                   top_k=3, data_path=str(path))
   settings = harvest_settings.resolve(induction, short)
   assert (settings.before, settings.after) == (3, 3)
   assert harvest_settings.resolve(induction, REQUEST).before == 3
-  assert harvest_settings.resolve(induction, harvest_settings.Request()).before == (
+  assert harvest_settings.resolve(induction,
+                                  harvest_settings.Request()).before == (
     harvest_settings.WINDOW_BEFORE)
 
 
@@ -470,7 +471,8 @@ def test_a_sharded_harvest_resumes_to_the_same_result(
   interrupted after two batches and resumed."""
   settings, reference = tms_one_device
   placement = _placement("ddp", (1, 4, 1))
-  assert harvest_accumulate.place(tms, settings, placement).inputs.spec[0] == "fsdp"
+  assert harvest_accumulate.place(tms, settings,
+                                  placement).inputs.spec[0] == "fsdp"
   source = harvest_batches.batch_source
 
   def failing(run, s, *placed):
@@ -710,7 +712,8 @@ def test_the_baselines_tag_statistics_are_those_of_the_neurons(
   head_dim = w_o.shape[0] // n_heads
   opened = tokens.open_tokens(settings.data_path)
   stream = tokens.open_tags(opened)
-  rotation = np.asarray(harvest_baselines.rotations(induction, settings, layers))[0]
+  rotation = np.asarray(harvest_baselines.rotations(induction, settings,
+                                                    layers))[0]
   np.testing.assert_allclose(rotation.T @ rotation, np.eye(len(rotation)),
                              atol=1e-5)
   inputs, cis = _direct(induction, settings)

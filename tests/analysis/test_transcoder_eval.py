@@ -42,8 +42,8 @@ def test_the_table_has_a_row_per_layer_and_the_models_line():
                    "ce_spliced": 3.25, "ce_diff": 0.25}},
     "ce": {"clean": 3.0, "all": 3.5}, "positions": 64}
   table = transcoder_eval.results_table(record)
-  assert "| 3 | 8 | 7.50 | 8.00 | 0.125 | 3.2500 | +0.2500 | — / — / — |" in (
-    table)
+  row = "| 3 | 8 | 7.50 | 8.00 | 0.125 | 3.2500 | +0.2500 | — / — / — |"
+  assert row in table
   assert ("Clean CE 3.0000; every layer's transcoder at once 3.5000 "
           "(+0.5000); the decomposition under its CI masks not measured, "
           "over 64 positions.") in table

@@ -29,7 +29,8 @@ def test_top_positions_are_the_highest_ci_of_the_harvested_batches(
     text_run):
   run, _, settings, top = text_run
   assert set(top) == {s.name for s in run.target.sites} | set(
-    harvest_baselines.baseline_keys((1,), (1,), sites=harvest_baselines.site_mlps(run)))
+    harvest_baselines.baseline_keys((1,), (1,),
+                                    sites=harvest_baselines.site_mlps(run)))
   n = tokens.open_tokens(settings.data_path).header.num_tokens
   read = harvest_batches.batch_source(run, settings)
   # Every harvested position's CI, by its offset in the token file.

@@ -50,7 +50,8 @@ def test_gelu_and_derivative_match_float64_on_a_dense_grid():
   pairs = jax.jit(lambda x: ((fast_gelu.gelu(x), fast_gelu.gelu_grad(x)),
                              fast_gelu.gelu_and_grad(x)))(z)
   for gelu, grad in pairs:
-    assert np.max(np.abs(gelu - z64 * cdf) / np.maximum(1.0, np.abs(z64))) < 3e-7
+    assert np.max(np.abs(gelu - z64 * cdf) / np.maximum(1.0,
+                                                        np.abs(z64))) < 3e-7
     assert np.max(np.abs(grad - (cdf + z64 * pdf))) < 2.5e-7
 
 

@@ -38,7 +38,8 @@ def _value(term, components=EXACT):
 
 
 def test_exact_factors_have_no_faithfulness_loss_and_rebuild_the_model():
-  assert _value(loss_terms.faithfulness_term(1.0)) == pytest.approx(0, abs=1e-12)
+  assert _value(loss_terms.faithfulness_term(1.0)) == pytest.approx(
+    0, abs=1e-12)
   assert _value(loss_terms.unmasked_no_delta_term("u", 1.0)) == (
     pytest.approx(0, abs=1e-10))
   off = {**EXACT, "linear1": EXACT["linear1"]._replace(

@@ -87,7 +87,8 @@ def lm_problem(*args: str) -> Problem:
   sites = glu_sites.site_specs(LM_CONFIG, names, config.c)
   fns = glu_target.target_fns(LM_CONFIG, sites, "reference", remat=True)
   seg = glu_sites.span_segments(LM_CONFIG, sites)
-  stack = glu_weights.init_stack(jax.random.key(0), LM_CONFIG, LM_CONFIG.n_layers)
+  stack = glu_weights.init_stack(jax.random.key(0), LM_CONFIG,
+                                 LM_CONFIG.n_layers)
   arrays = {k: np.asarray(v) for k, v in stack._asdict().items()
             if v is not None}
   e, h = jax.random.split(jax.random.key(1))

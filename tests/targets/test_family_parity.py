@@ -69,7 +69,8 @@ def test_logits_and_taps_match_transformers(model):
   assert len(taps) >= 7
   # Spans at the start, middle and end exercise each stack being empty.
   for layer, attention in ((0, "reference"), (1, "xla"), (2, "reference")):
-    _, weights, fns = _fns(config, arrays, (glu_weights.site_name(layer, "up"),),
+    _, weights, fns = _fns(config, arrays, (glu_weights.site_name(layer, "up"),
+                                            ),
                            attention)
     errors = parity_errors(fns, weights, ref, taps)
     assert max(errors.values()) <= PARITY_TOL, (name, layer, errors)
@@ -326,7 +327,8 @@ def test_attention_eval_rebuilds_the_blocks_queries_and_keys(model):
   q, k = (clean[f"layers.1.self_attn.{r}_proj.out"] for r in "qk")
   rope = glu_attention.rope_tables(config, tokens.shape[1])
   np.testing.assert_allclose(
-    clean["attn.1"], glu_attention.attention_probs(*glu_attention.query_key_heads(
+    clean["attn.1"],
+    glu_attention.attention_probs(*glu_attention.query_key_heads(
       q, k, None, None, config, rope)), atol=1e-6)
 
 

@@ -57,7 +57,8 @@ def test_logits_and_taps_match_transformers(model):
   # Spans at the start, middle and end: each stack empty once, and each
   # holding both layer kinds.
   for layer in (0, 1, 3):
-    _, weights, fns = _fns(config, arrays, (glu_weights.site_name(layer, "up"),))
+    _, weights, fns = _fns(config, arrays, (glu_weights.site_name(layer, "up"),
+                                            ))
     errors = parity_errors(fns, weights, ref, taps)
     assert max(errors.values()) <= PARITY_TOL, (name, layer, errors)
 
@@ -162,7 +163,8 @@ def test_attention_eval_uses_the_layers_window_and_scores(model):  # I54
            if config.qk_norm else [None, None])
   rope, mask = glu_attention.layer_attention(config, tokens.shape[1], True)
   np.testing.assert_allclose(
-    clean[f"attn.{layer}"], glu_attention.attention_probs(*glu_attention.query_key_heads(
+    clean[f"attn.{layer}"],
+    glu_attention.attention_probs(*glu_attention.query_key_heads(
       q, k, *norms, config, rope), config, mask), atol=1e-6)
 
 

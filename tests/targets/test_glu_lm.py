@@ -550,7 +550,8 @@ def test_the_transformer_ci_reads_each_decomposed_block_once():  # SPEC §4.3
   chunks, widths = glu_sites.ci_chunks(CONFIG, sites)
   assert [(c.input_taps, c.output_sites) for c in chunks] == [
     (("resid.0",), (glu_weights.site_name(0, "q"),)),
-    (("resid.1",), (glu_weights.site_name(1, "gate"), glu_weights.site_name(1, "down")))]
+    (("resid.1",), (glu_weights.site_name(1, "gate"),
+                    glu_weights.site_name(1, "down")))]
   assert widths == (("resid.0", CONFIG.d_model), ("resid.1", CONFIG.d_model))
   toy_site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 4)
   with pytest.raises(ValueError, match="'linear1' is not layers.<i>"):

@@ -34,7 +34,8 @@ def test_draws_are_keyed_by_kind_and_absolute_layer():  # SPEC §3.6
   down = glu_weights.site_name(2, "down")
   alone = glu_sites.site_specs(CONFIG, (down,), C)
   wider = glu_sites.site_specs(
-    CONFIG, (glu_weights.site_name(0, "q"), glu_weights.site_name(1, "up"), down), C)
+    CONFIG, (glu_weights.site_name(0, "q"), glu_weights.site_name(1, "up"),
+             down), C)
   assert alone[0].draw_path == wider[-1].draw_path == (6, 2)
   ci = jnp.full((B, T, C), 0.25)
 

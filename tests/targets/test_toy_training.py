@@ -28,7 +28,8 @@ def test_missing_features_detects_zeroed_tms_feature(trained_tms_5_2):
 
 
 def test_train_raises_naming_missing_features():
-  config = tms.TmsConfig(5, 2, training=train_lib.TargetTraining(steps=2, lr=1e-3))
+  config = tms.TmsConfig(5, 2,
+                         training=train_lib.TargetTraining(steps=2, lr=1e-3))
   toy = registry.build("tms_tiny", tms, config)
   with pytest.raises(
     ValueError,
