@@ -244,8 +244,7 @@ def jitted(run: explore.LoadedRun, settings: harvest_settings.Settings,
            chunk: int, placed: Optional[Placed] = None,
            coarse_of: Optional[np.ndarray] = None,
            layers: tuple[harvest_baselines.MlpUnit, ...] = (),
-           heads: tuple[int, ...] = (),
-           n_head: int = 0,
+           heads: tuple[int, ...] = (), n_head: int = 0,
            mlp: harvest_baselines.MlpForm = harvest_baselines.MlpForm(),
            sites: tuple[tuple[str, harvest_baselines.MlpUnit], ...] = ()):
   """Return the jitted batch statistics, the accumulation of one batch
@@ -274,13 +273,8 @@ def jitted(run: explore.LoadedRun, settings: harvest_settings.Settings,
       settings.after) for site, value in ci.items()}
     if coarse_of is None:
       return (batch, {}), ci
-    # No baselines (`layers` and `heads` empty) adds nothing.
-    activity = {**ci,
-                **harvest_baselines.baseline_activity(taps, layers, heads,
-                                                      n_head,
-                                                            extra, mlp)}
-    activity.update(harvest_baselines.site_activity(activity, sites,
-                                                    extra.get("calibration")))
+    activity = _unit_activity(ci, taps, (layers, heads, n_head, mlp, sites),
+                              extra)
     return (batch, _tag_batch(activity, inputs, positions, coarse_of,
                               settings.tag_groups, extra)), ci
 
@@ -306,6 +300,19 @@ def jitted(run: explore.LoadedRun, settings: harvest_settings.Settings,
 
   return (jax.jit(stats), jax.jit(accumulate, donate_argnums=0, **kept),
           jax.jit(ablation), jax.jit(clean))
+
+
+def _unit_activity(ci: dict[str, jax.Array], taps: dict[str, jax.Array],
+                   units: tuple, extra: dict) -> dict[str, jax.Array]:
+  """Return the activity of every unit set a tag harvest measures: the
+  sites' CI, then the baselines of `units` (`layers, heads, n_head, mlp,
+  sites`, as `jitted` takes them); no baselines add nothing."""
+  layers, heads, n_head, mlp, sites = units
+  activity = {**ci, **harvest_baselines.baseline_activity(
+    taps, layers, heads, n_head, extra, mlp)}
+  activity.update(harvest_baselines.site_activity(
+    activity, sites, extra.get("calibration")))
+  return activity
 
 
 def _tag_batch(activity: dict[str, jax.Array], inputs: jax.Array,

@@ -6,7 +6,7 @@ fp32 (I14).
 """
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -154,3 +154,20 @@ def router_divergence(layers: tuple[int, ...]) -> target.RouterDivergence:
             for label, tap in taps.items()}
 
   return divergence
+
+
+def table_entries(
+  config: glu_config.GluConfig, seg: glu_weights.Segments,
+  sites: tuple[SiteSpec, ...],
+) -> dict[str, Any]:
+  """Return the function table's attention and router entries: the taps
+  each divergence reads and the divergences, of the blocks with a
+  decomposed query or key and of a mixture of experts' routers."""
+  blocks = attention_blocks(sites)
+  routed = router_layers(config, sites)
+  return {
+    "attention_taps": attention_taps(blocks),
+    "attention_divergence": attention_divergence(config, seg, blocks),
+    "router_taps": tuple(glu_weights.router_tap(i) for i in routed),
+    "router_divergence": (router_divergence(routed) if config.moe
+                          else None)}

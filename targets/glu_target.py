@@ -158,8 +158,6 @@ def target_fns(
   glu_attention.attention_fn(attention)  # refuses an unknown name up front
   site = glu_kinds.live_site_fn(layouts)
   resume = start_key(seg) if prefix_sharing else None
-  blocks = glu_divergence.attention_blocks(sites)
-  routed = glu_divergence.router_layers(config, sites)
   ends = tuple(s.name for s in sites if glu_sites.is_end_site(s.name))
 
   def extras(weights, components, site_masks):
@@ -186,12 +184,8 @@ def target_fns(
     masked_forward_taps=masked_forward_taps,
     start_taps=() if resume is None else (resume,),
     token_labels=token_labels,
-    attention_taps=glu_divergence.attention_taps(blocks),
-    attention_divergence=glu_divergence.attention_divergence(
-      config, seg, blocks),
-    router_taps=tuple(glu_weights.router_tap(i) for i in routed),
-    router_divergence=glu_divergence.router_divergence(routed) if config.moe
-    else None, hidden_pass_points=glu_sites.hidden_pass_points(config, sites),
+    **glu_divergence.table_entries(config, seg, sites),
+    hidden_pass_points=glu_sites.hidden_pass_points(config, sites),
     masking_reaches=glu_sites.masking_reaches(config, sites),
     split_head=split_head(spec, site, resume, extras, output_chunk,
                           glu_weights.HEAD_SITE in ends),
