@@ -99,7 +99,7 @@ def attention_divergence(
 ) -> target.AttentionDivergence:
   """Return `(weights, masked taps, clean taps) -> {"layers.<b>": KL}`: per
   scored block the mean KL of its clean attention rows to the masked ones
-  (`glu_lm.attention_kl`), queries and keys rebuilt from the tapped
+  (`glu_attention.attention_kl`), queries and keys rebuilt from the tapped
   projections with the block's own QK-norm, RoPE and mask (a sliding
   window's), scored with the model's scale and soft-cap."""
 
@@ -145,7 +145,7 @@ def router_layers(config: glu_config.GluConfig,
 def router_divergence(layers: tuple[int, ...]) -> target.RouterDivergence:
   """Return `(masked taps, clean taps) -> {"layers.<i>": KL}`: per scored
   layer the mean KL of its clean router distribution to the masked one
-  over positions (`glu_lm.router_kl`), from the tapped logits."""
+  over positions (`glu_block.router_kl`), from the tapped logits."""
 
   taps = {f"layers.{i}": glu_weights.router_tap(i) for i in layers}
 

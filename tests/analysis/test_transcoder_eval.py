@@ -1,6 +1,6 @@
 """A transcoder's evaluation: its latents' unit statistics are the tag
-sums of their activity, batches add up, and the results table shows each
-layer's row and the whole model's line."""
+sums and token-implied class mix of their activity, batches add up, and
+the results table shows each layer's row and the whole model's line."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +9,9 @@ from decompax.analysis import transcoder_eval
 from decompax.targets import brown_tags
 
 N_TAGS = len(brown_tags.COARSE) + 2
+N_CLASSES = len(brown_tags.COARSE)
+# Token 0 is always class 0, token 1 class 1 half the time.
+MIX = jnp.zeros((2, N_CLASSES)).at[0, 0].set(1.0).at[1, :2].set(0.5)
 
 
 def test_a_latents_fine_sums_are_its_activity_per_tag():
@@ -16,11 +19,15 @@ def test_a_latents_fine_sums_are_its_activity_per_tag():
   tags = jnp.asarray([[0, 1, 0]])
   coarse_of = jnp.arange(N_TAGS) % len(brown_tags.COARSE)
   stats = transcoder_eval.unit_statistics(
-    activity, (tags, tags, jnp.zeros_like(tags)), coarse_of, 1)
+    activity, (tags, tags, jnp.zeros_like(tags)), coarse_of, 1, tags, MIX)
   fine = np.asarray(stats.tags.fine)
   np.testing.assert_allclose(fine[:, 0], [1.5, 0.0])
   np.testing.assert_allclose(fine[:, 1], [2.0, 3.0])
   np.testing.assert_array_equal(fine[:, 2:], 0.0)
+  np.testing.assert_array_equal(stats.context.on, [3, 1])
+  # Each unit's activity times its tokens' class mix, summed.
+  np.testing.assert_allclose(np.asarray(stats.context.implied)[:, :2],
+                             [[1.5 + 1.0, 1.0], [1.5, 1.5]])
 
 
 def test_batches_add_to_their_sum():
@@ -30,10 +37,12 @@ def test_batches_add_to_their_sum():
   tags = jnp.asarray([[1]])
   coarse_of = jnp.arange(N_TAGS) % len(brown_tags.COARSE)
   batch = transcoder_eval.unit_statistics(
-    activity, (tags, tags, jnp.zeros_like(tags)), coarse_of, 1)
+    activity, (tags, tags, jnp.zeros_like(tags)), coarse_of, 1, tags, MIX)
   twice = transcoder_eval.add_units(
     transcoder_eval.add_units(zero, batch), batch)
   np.testing.assert_allclose(twice.tags.fine, 2 * np.asarray(batch.tags.fine))
+  np.testing.assert_allclose(twice.context.implied,
+                             2 * np.asarray(batch.context.implied))
 
 
 def test_the_table_has_a_row_per_layer_and_the_models_line():

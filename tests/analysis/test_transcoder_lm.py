@@ -179,8 +179,8 @@ def _context_is_the_direct_one(run, settings, params, evaluation):
   """The latents' streamed context statistics against
   `tag_context.unit_context_purity` of their activity gathered over the
   same positions, the token mix counted over them."""
-  batches = harvesting.batch_source(run, settings)
-  tags = harvesting.tag_source(settings)
+  batches = harvest_batches.batch_source(run, settings)
+  tags = harvest_batches.tag_source(settings)
   tap = transcoder_lm.mlp_input_tap(LAYER)
   z, ids, classes = [], [], []
   for b in range(settings.n_batches):
