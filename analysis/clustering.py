@@ -7,7 +7,7 @@ their firing (design §15.1, invariant I50).
     effects = clustering.cluster_effects(run, inputs, {"linear1": found})
 
 Clusters are per site: the harvest counts co-firing only within a site
-(`losses/component_stats.coactivation_counts`), and a component's CI is
+(`measures/component_stats.coactivation_counts`), and a component's CI is
 read at its own site, so a cross-site cluster would need statistics no
 harvest keeps. The input is a site's co-firing count matrix over `n`
 positions (diagonal: each component's own count, CI above the harvest's

@@ -37,7 +37,7 @@ from decompax.core.masks import SiteMask
 from decompax.core.target import TargetFns
 from decompax.io import decomposition as decomposition_lib
 from decompax.io import run_dir
-from decompax.losses import component_stats as harvest_stats
+from decompax.measures import component_stats as harvest_stats
 from decompax.recipe import assembly, lm
 from decompax.recipe.config import TrainConfig
 from decompax.recipe.flagfiles import read_args

@@ -4,7 +4,7 @@ run's tagged harvest (`bin/gallery`).
 The rule (`pick`): among the components that fired, keep the most active
 ones, those whose share of their site's activity (summed CI) is at least
 `active` of the site's mean; rank them by their excess of purity over
-token-implied purity (`losses/tag_context.py`), highest first, ties by
+token-implied purity (`measures/tag_context.py`), highest first, ties by
 purity (their top coarse class's share of their activity), then by
 activity: a component that tells more than the token it sits on comes
 before one as pure whose tokens alone explain it. Take them in that

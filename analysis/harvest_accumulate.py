@@ -23,8 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from decompax.analysis import (
   explore, harvest_baselines, harvest_batches, harvest_settings)
 from decompax.core import step_records
-from decompax.losses import component_stats as stats_lib
-from decompax.losses import tag_context, tag_profile, unit_activity
+from decompax.measures import component_stats as stats_lib
+from decompax.measures import tag_context, tag_profile, unit_activity
 from decompax.placement import shardings, transfer
 from decompax.placement import table as table_lib
 from decompax.targets import brown_tags

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from decompax.analysis import explore, harvest_batches, harvest_settings
-from decompax.losses import unit_activity
+from decompax.measures import unit_activity
 from decompax.recipe import assembly
 from decompax.targets import glu_block, glu_norms, glu_weights
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from decompax.analysis import explore, harvest_settings
 from decompax.io import tokens as tokens_lib
-from decompax.losses import tag_context, tag_profile
+from decompax.measures import tag_context, tag_profile
 from decompax.placement import transfer
 from decompax.targets import brown, brown_tags, registry
 
@@ -161,7 +161,7 @@ def token_mix(settings: harvest_settings.Settings, opened: tokens_lib.Tokens,
               tag_ids: np.ndarray, coarse_of: np.ndarray) -> np.ndarray:
   """Return each token id's class mix `[vocab, classes]` over every
   position the harvest reads (a pass over the token and tag files only,
-  before any unit is streamed; `losses/tag_context.py`)."""
+  before any unit is streamed; `measures/tag_context.py`)."""
   n = opened.header.num_tokens
   counts = np.zeros((opened.header.vocab_size, len(brown_tags.COARSE)),
                     np.int64)

@@ -13,7 +13,7 @@ import jax
 
 from decompax.analysis import explore
 from decompax.io import tokens as tokens_lib
-from decompax.losses import tag_context, tag_profile
+from decompax.measures import tag_context, tag_profile
 from decompax.recipe import lm
 from decompax.targets import registry
 
@@ -21,7 +21,7 @@ from decompax.targets import registry
 FIELDS = ("fired", "ci_sum", "histogram", "coactive", "top_ci", "top_context",
           "top_context_ci", "ablation_sum", "ablation_count")
 TAG_FIELDS = tuple(f"tag_{name}" for name in tag_profile.TagStats._fields)
-# Each unit set's context statistics (`losses/tag_context.py`): harvests of
+# Each unit set's context statistics (`measures/tag_context.py`): harvests of
 # `tag_revision` ≥ 1 only.
 CONTEXT_FIELDS = tuple(f"tag_{name}"
                        for name in tag_context.ContextStats._fields)
@@ -34,7 +34,7 @@ TAG_REVISION = 1
 # documents gets one group per document.
 TAG_GROUPS = 64
 # The baselines a tag harvest measures the same way, per layer whose MLP
-# has a decomposed site (`losses/unit_activity.py`): store keys
+# has a decomposed site (`measures/unit_activity.py`): store keys
 # `layers.<i>.mlp.<kind>`, tag statistics only. A plain (ungated) MLP has
 # no gates: its neurons are `act(up)`. A mixture of experts' MLP is its
 # experts, each an MLP of its own where one of its projections is a site:

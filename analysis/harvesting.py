@@ -15,7 +15,7 @@ ablating only the components that fired in it, with progress lines: one
 forward of a whole batch per component, the harvest's dominant cost on a
 language model, whose default is therefore none). When
 the token file has a tag stream, also every component's part-of-speech
-statistics, its CI as the activity (`losses/tag_profile.py`, fields
+statistics, its CI as the activity (`measures/tag_profile.py`, fields
 `TAG_FIELDS`; `docs/tag_profiles.md`) and those of the baselines, the
 neurons of every MLP with a decomposed site (`BASELINES`; of a mixture of
 experts, every expert with one, its neurons weighted by its routing weight)
@@ -49,8 +49,8 @@ from decompax.analysis import (
   explore, harvest_accumulate, harvest_baselines, harvest_batches,
   harvest_settings)
 from decompax.io import harvest_store
-from decompax.losses import component_stats as stats_lib
-from decompax.losses import evals
+from decompax.measures import ci_counts
+from decompax.measures import component_stats as stats_lib
 from decompax.placement import shardings, transfer
 
 
@@ -357,8 +357,8 @@ def write_manifest(out: str, run_path: str, run: explore.LoadedRun,
     "settings": dataclasses.asdict(settings),
     "sites": {s.name: s.c for s in run.target.sites},
     "positions": settings.n_batches * settings.batch_size * settings.seq_len,
-    "histogram_bands": {"floor": evals.LOG_DENSITY_MIN,
-                        "bins": evals.LOG_DENSITY_BINS},
+    "histogram_bands": {"floor": ci_counts.LOG_DENSITY_MIN,
+                        "bins": ci_counts.LOG_DENSITY_BINS},
     **record,
   }
   return harvest_store.write_manifest(out, manifest)

@@ -38,7 +38,7 @@ import numpy as np
 from jaxtyping import Float, Shaped
 
 from decompax.analysis import matching
-from decompax.core import probe
+from decompax.measures import probe
 
 TAU = 0.5
 # Singular values under this share of the largest span no direction.

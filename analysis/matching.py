@@ -35,8 +35,8 @@ import scipy.optimize
 from jaxtyping import Float
 
 from decompax.analysis import explore
-from decompax.core import probe
 from decompax.core import sites as sites_lib
+from decompax.measures import probe
 from decompax.recipe import assembly
 
 THRESHOLD = 0.9

@@ -22,7 +22,7 @@ import numpy as np
 
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import harvest_baselines, harvest_settings
-from decompax.losses import tag_context, tag_metrics, tag_profile
+from decompax.measures import tag_context, tag_metrics, tag_profile
 from decompax.targets import glu_weights
 
 TOTAL = "total"

@@ -2,7 +2,7 @@
 a run's tagged harvest (`docs/tag_profiles.md`).
 
 `record(harvest)` turns `tag_comparison.comparisons` into the JSON the
-report page reads (`io/tag_report.py`): per site and for the total, per
+report page reads (`render/tag_report.py`): per site and for the total, per
 baseline, both unit sets' summaries, weighted by activity and unweighted,
 and the bootstrap interval of each difference components − baseline; and
 every unit's purity per site and baseline, which the purity figure draws.
@@ -27,10 +27,10 @@ import numpy as np
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import tag_comparison
 from decompax.io import harvest_store
-from decompax.io import run_report as report
-from decompax.io import tag_report as tag_page
 from decompax.io import tensor_store
-from decompax.losses import tag_context, tag_metrics, tag_profile
+from decompax.measures import tag_context, tag_metrics, tag_profile
+from decompax.render import run_report as report
+from decompax.render import tag_report as tag_page
 
 # Bootstrap resamples of the report's intervals.
 N_BOOT = 1000

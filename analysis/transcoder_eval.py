@@ -14,7 +14,7 @@ the windows a harvest of the request would read. Per batch:
 - on a tagged token file, the latents' unit statistics: each latent a
   unit whose activity is its value, exactly as a neuron's or a
   component's (`unit_statistics`): its part-of-speech statistics and its
-  context statistics (token-implied purity, `losses/tag_context.py`),
+  context statistics (token-implied purity, `measures/tag_context.py`),
   with the token mix counted over the same positions as the harvest's.
 
 Every batch has `b·(t−1)` labelled positions, so the batches' mean CE is
@@ -34,8 +34,9 @@ from decompax.analysis import (
   explore, harvest_batches, harvest_settings, harvesting, tag_comparison,
   tag_summary, transcoder_lm)
 from decompax.analysis import transcoder as tc
+from decompax.evals import eval_metrics
 from decompax.io import harvest_store
-from decompax.losses import evals, tag_context, tag_metrics, tag_profile
+from decompax.measures import tag_context, tag_metrics, tag_profile
 from decompax.recipe import assembly
 from decompax.targets import brown_tags, glu_target
 
@@ -45,8 +46,8 @@ PROGRESS_S = 5.0
 
 class UnitStats(NamedTuple):
   """What a set of units' activity gives over a batch, summed over
-  batches: its part-of-speech statistics (`losses/tag_profile.py`) and
-  its context statistics (`losses/tag_context.py`; None for a harvest
+  batches: its part-of-speech statistics (`measures/tag_profile.py`) and
+  its context statistics (`measures/tag_context.py`; None for a harvest
   that has none)."""
 
   tags: tag_profile.TagStats
@@ -118,7 +119,7 @@ def eval_settings(run_path: str, run: explore.LoadedRun,
 
 
 def _ce(logits: Array, tokens: Int[Array, "b t"]) -> Float[Array, ""]:
-  return evals.cross_entropy(logits, glu_target.token_labels(tokens))
+  return eval_metrics.cross_entropy(logits, glu_target.token_labels(tokens))
 
 
 def make_batch_metrics(run: explore.LoadedRun, ks: dict[int, int],

@@ -8,7 +8,7 @@ its purity (share of the unit's activity) and lift (purity over the
 class's or tag's share of all positions), its share of the set's
 activity, and its heaviest tags and (previous class, class) bigrams; in a
 harvest with context statistics also its token-implied purity and the
-excess of its purity over it (`losses/tag_context.py`), None elsewhere.
+excess of its purity over it (`measures/tag_context.py`), None elsewhere.
 """
 
 from typing import Any
@@ -17,7 +17,7 @@ import numpy as np
 
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import tag_comparison
-from decompax.losses import tag_context, tag_metrics, tag_profile
+from decompax.measures import tag_context, tag_metrics, tag_profile
 
 # Tags and bigrams listed per unit, heaviest first.
 TOP = 3

@@ -12,7 +12,7 @@ per recipe the median [min, max] over repeats of the lowering (trace to
 StableHLO), of XLA's compile, and of the two together.
 
 With `--compile_eval` it also times, the same way, the two programs of the
-run's evaluation (`losses.eval_step.make_eval_step`, configured as
+run's evaluation (`evals.eval_step.make_eval_step`, configured as
 `bin/train` configures it): the fast tier and the slow tier, each lowered
 and compiled from cleared caches. A recipe whose flags name a token file
 hands the eval held-out batches, as `bin/train` does (zeros here: compile
@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from bench import random_lm
+from decompax.evals import eval_step
 from decompax.io import hf_checkpoint
-from decompax.losses import eval_step
 from decompax.placement import compiler
 from decompax.recipe import assembly, engine, evaluation, lm
 from decompax.recipe.config import TrainConfig, held_out_seed

@@ -44,8 +44,8 @@ import jax
 from absl import app, flags
 
 # The bench times bin/train's own evaluator, which lives with the loop.
+from decompax.evals import eval_step
 from decompax.io import run_dir
-from decompax.losses import eval_step
 from decompax.recipe import assembly, evaluation
 from decompax.recipe.config import TrainConfig, held_out_seed
 from decompax.recipe.flagfiles import read_args

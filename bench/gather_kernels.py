@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from decompax.core import stable_softmax
-from decompax.losses import component_stats
+from decompax.measures import component_stats
 
 _REPEATS = flags.DEFINE_integer("gather_repeats", 20, "Timed calls each.",
                                 lower_bound=1)

@@ -11,7 +11,7 @@ recipe and `--extra` holds its flags, appended after the flagfile and seed.
 Per cell and site it records, from the final decomposition on the toy's
 one-feature probes (SPEC §10, §11): the alive components (CI > 0.1 on some
 probe), the CI error against the site's expected pattern (identity, or dense
-over `k` columns) with the forms a broken site takes (`core/probe.py`:
+over `k` columns) with the forms a broken site takes (`measures/probe.py`:
 shared components, split or weak features, extra dense components), and for
 TMS embeddings MMCS and ML2R; per cell the final
 faithfulness loss and the summed wall time of its launches; the bench
@@ -57,10 +57,10 @@ import numpy as np
 from absl import app, flags
 
 from decompax.analysis import explore
-from decompax.core import probe
+from decompax.evals import eval_step
 from decompax.io import decomposition as decomposition_lib
 from decompax.io import run_dir
-from decompax.losses import eval_step
+from decompax.measures import probe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

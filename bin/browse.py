@@ -67,9 +67,12 @@ from decompax.analysis import (
 from decompax.analysis import harvesting as harvest_lib
 from decompax.bin import cli
 from decompax.core import sites as sites_lib
-from decompax.io import ab_grid, harvest_store, hf_checkpoint, tensor_store
-from decompax.io import run_report as report
+from decompax.io import harvest_store, hf_checkpoint, tensor_store
+from decompax.render import ab_grid
+from decompax.render import run_report as report
 from decompax.io import tokens as tokens_lib
+from decompax.render import ab_grid
+from decompax.render import run_report as report
 
 # A row's label fields in the tables (the rest show on a unit's page).
 LABEL_FIELDS = ("class", "tag", "purity", "lift", "excess")

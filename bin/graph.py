@@ -22,7 +22,8 @@ from absl import flags, logging
 
 from decompax.analysis import attribution, explore
 from decompax.bin import cli
-from decompax.io import figures, owned_dir, run_dir
+from decompax.io import owned_dir, run_dir
+from decompax.render import figures
 
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "A finished bin/train run of a language model (a token "

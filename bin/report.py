@@ -11,7 +11,7 @@ from absl import flags, logging
 from decompax.analysis import tag_summary
 from decompax.bin import cli, run_records
 from decompax.io import run_dir
-from decompax.io import run_report as report
+from decompax.render import run_report as report
 
 _RUN_DIR = flags.DEFINE_string(
   "run_dir", None, "Run directory (the --output_dir of bin/train).",

@@ -1,4 +1,4 @@
-"""Token strings for the report's LM component table (`io/run_report`).
+"""Token strings for the report's LM component table (`render/run_report`).
 
 `token_decoder(model_dir)` turns one token id into the text the checkpoint's
 own tokenizer gives it, read from the local model directory (no network).

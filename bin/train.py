@@ -24,10 +24,12 @@ from decompax.bin import checkpointing, cli, device_memory, figure_worker
 from decompax.bin import placement_setup
 from decompax.bin import restarts
 from decompax.bin import run_records, tokens_text, train_flags, wandb_sink
-from decompax.core import health, probe, sites as sites_lib, slots
-from decompax.io import checkpoint, decomposition, figures, hf_checkpoint
+from decompax.core import health, sites as sites_lib, slots
+from decompax.io import checkpoint, decomposition, hf_checkpoint
 from decompax.io import owned_dir, run_dir
+from decompax.measures import probe
 from decompax.placement import shardings, transfer
+from decompax.render import figures
 from decompax.recipe import (
   assembly, engine, evaluation, lm, streams, terms, token_data)
 from decompax.recipe.config import (

@@ -19,17 +19,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decompax.core import probe, sites as sites_lib
+from decompax.core import sites as sites_lib
 from decompax.core.ci_fns import OUTPUT
 from decompax.core.target import Expected, TargetFns
 from decompax.core.step_records import (
   LossTerm, StreamSpec, TrainState, no_constraint)
-from decompax.io import ab_grid, figures, run_dir
-from decompax.io import run_report as report
-from decompax.losses import eval_step, evals, task_eval
+from decompax.evals import eval_step, task_eval
+from decompax.io import run_dir
+from decompax.measures import ci_counts, probe
 from decompax.placement import transfer
 from decompax.recipe import engine, streams
 from decompax.recipe.config import held_out_seed
+from decompax.render import ab_grid, figures
+from decompax.render import run_report as report
 
 # Components drawn per site in the U/V figure (alive ones first).
 MAX_UV_COLUMNS = 64
@@ -158,11 +160,11 @@ def render_slow(
       continue
     shown = "" if role == OUTPUT else role
     figures.plot_ci_histograms(
-      arrays[f"hist_lower{suffix}"], evals.LOWER_EDGES,
-      arrays[f"hist_pre{suffix}"], evals.PRE_EDGES,
+      arrays[f"hist_lower{suffix}"], ci_counts.LOWER_EDGES,
+      arrays[f"hist_pre{suffix}"], ci_counts.PRE_EDGES,
       os.path.join(fig_dir, f"ci_histograms{suffix}.png"), shown)
     figures.plot_log_density(
-      arrays[f"log_density{suffix}"], evals.LOG_DENSITY_MIN,
+      arrays[f"log_density{suffix}"], ci_counts.LOG_DENSITY_MIN,
       os.path.join(fig_dir, f"ci_log_density{suffix}.png"), shown)
   figures.plot_component_density(
     arrays["density"], arrays["mean_ci"],
@@ -387,7 +389,7 @@ def make_task_evaluator(
   say: Callable[[str], None] = _quiet,
 ) -> Evaluator:
   """Return the task evaluator of a targeted run whose target stream is a
-  built-in two-operand task (`losses.task_eval`): at every fast eval the
+  built-in two-operand task (`evals.task_eval`): at every fast eval the
   `eval/task/…` scalars over the task's every prompt and held-out
   non-target batches; at every slow eval the A/B grid page
   (`report/ab_grid.html`). `nontarget_batches` (`[n, B, T]`) are a

@@ -9,15 +9,18 @@ import tomllib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "targets", "losses", "placement", "io", "recipe",
-            "analysis", "bin")
+PACKAGES = ("core", "targets", "losses", "measures", "evals", "placement",
+            "io", "render", "recipe", "analysis", "bin")
 LIBRARY = set(PACKAGES) - {"bin"}
 ALLOWED = {
   "core": set(),
   "targets": {"core"},
   "losses": {"core"},
+  "measures": {"core"},
+  "evals": {"core", "losses", "measures"},
   "placement": {"core"},
   "io": {"core", "placement"},
+  "render": {"core", "measures", "io"},
   "recipe": LIBRARY - {"recipe", "analysis"},
   "analysis": LIBRARY - {"analysis"},
   "bin": LIBRARY,

@@ -19,9 +19,9 @@ from decompax.core import sites as sites_lib
 from decompax.core.masks import SiteMask
 from decompax.core.sites import Factors, SiteSpec
 from decompax.core.target import TargetFns
-from decompax.io import figures
 from decompax.io.decomposition import Decomposition
 from decompax.recipe.config import TrainConfig
+from decompax.render import figures
 from decompax.targets import arithmetic, glu_sites, registry
 
 # The linear toy: tokens → embedding → site a → prefix sum over positions

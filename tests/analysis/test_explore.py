@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from decompax.analysis import explore
-from decompax.core import probe
+from decompax.measures import probe
 
 
 def test_load_run_rebuilds_the_run_from_its_directory(tms):

@@ -5,7 +5,7 @@ tag and context records' own."""
 import pytest
 
 from decompax.analysis import harvest_settings
-from decompax.losses import tag_context, tag_profile
+from decompax.measures import tag_context, tag_profile
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -19,8 +19,8 @@ from decompax.analysis import (
   harvest_settings)
 from decompax.analysis import harvesting as harvest_lib
 from decompax.io import harvest_store
-from decompax.losses import component_stats as stats_lib
-from decompax.losses import evals
+from decompax.measures import ci_counts
+from decompax.measures import component_stats as stats_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 
@@ -73,7 +73,7 @@ def test_counts_sums_and_top_contexts_match_direct_computation(
     # [10^-0.5, 1] of the 18 over [1e-9, 1].
     histogram = _read(out, site.name, "histogram")
     flat = ci.reshape(-1, site.c)
-    assert histogram.shape == (site.c, evals.LOG_DENSITY_BINS + 1)
+    assert histogram.shape == (site.c, ci_counts.LOG_DENSITY_BINS + 1)
     np.testing.assert_array_equal(histogram.sum(1), len(flat))
     np.testing.assert_array_equal(histogram[:, 0], (flat < 1e-9).sum(0))
     np.testing.assert_array_equal(histogram[:, -1],
@@ -875,7 +875,7 @@ def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
 def test_each_layer_rotates_its_neurons_by_its_own_draw(induction):
   """I59: layer i's rotated-neuron basis is drawn from the harvest's seed
   folded with i, so two layers never share one rotation."""
-  from decompax.losses import unit_activity  # noqa: PLC0415
+  from decompax.measures import unit_activity  # noqa: PLC0415
   settings = harvest_settings.resolve(induction, REQUEST)
   got = np.asarray(harvest_baselines.rotations(induction, settings, (0, 1)))
   d_ff = got.shape[-1]

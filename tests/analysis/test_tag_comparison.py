@@ -8,7 +8,7 @@ import pytest
 
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import harvest_settings, tag_comparison
-from decompax.losses import tag_metrics
+from decompax.measures import tag_metrics
 
 BASE = np.asarray([[10, 10, 10], [20, 0, 10]])  # 2 documents, 3 classes
 

@@ -10,8 +10,8 @@ import pytest
 from decompax.analysis import harvesting as harvest_lib
 from decompax.analysis import tag_comparison
 from decompax.analysis import tag_summary as tag_record
-from decompax.io import run_report as report
-from decompax.io import tag_report
+from decompax.render import run_report as report
+from decompax.render import tag_report
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ from decompax.analysis import (
   explore, harvest_batches, harvest_settings, harvesting, transcoder_eval,
   transcoder_lm)
 from decompax.analysis import transcoder as tc
+from decompax.evals import eval_metrics
 from decompax.io import run_dir
-from decompax.losses import evals, tag_context, tag_profile
+from decompax.measures import tag_context, tag_profile
 from decompax.recipe import assembly
 from decompax.targets import brown_tags, glu_target
 
@@ -137,7 +138,7 @@ def test_the_evaluation_is_the_direct_computation_on_the_harvest(
     logits, taps = run.target.clean_forward(run.weights, tokens, (tap,))
     labels = glu_target.token_labels(tokens)
     z = tc.encode(params[LAYER], taps[tap], 3)
-    return (evals.cross_entropy(logits, labels),
+    return (eval_metrics.cross_entropy(logits, labels),
             jnp.mean(jnp.sum(z > 0, axis=-1)))
 
   clean, masked, z_count = [], [], 0.0
@@ -146,7 +147,7 @@ def test_the_evaluation_is_the_direct_computation_on_the_harvest(
     ce, count = direct(tokens)
     clean.append(float(ce))
     out = explore.intervened_forward(run, tokens, "ci_masked").output
-    masked.append(float(evals.cross_entropy(
+    masked.append(float(eval_metrics.cross_entropy(
       out, glu_target.token_labels(tokens))))
     z_count += float(count)
   s = evaluation.scalars

@@ -26,7 +26,7 @@ BIN = pathlib.Path(__file__).resolve().parents[2] / "bin"
 
 PRELOADED = ("jax", "jax.numpy", "numpy", "optax", "tensorstore", "scipy",
              "matplotlib", "decompax.core.train_step", "decompax.io.checkpoint",
-             "decompax.io.figures", "decompax.losses.evals",
+             "decompax.render.figures", "decompax.evals.eval_metrics",
              "decompax.targets.registry", "decompax.placement.shardings")
 # transformers, with the config classes of the fixtures' model types and
 # its tokenizer classes: its lazy imports cost a child about 1.5 s, and most

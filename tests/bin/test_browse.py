@@ -22,8 +22,9 @@ import pytest
 
 from decompax.analysis import explore
 from decompax.bin import browse, browse_server
-from decompax.io import ab_grid, hf_checkpoint
-from decompax.io import run_report as report
+from decompax.io import hf_checkpoint
+from decompax.render import ab_grid
+from decompax.render import run_report as report
 
 
 # A tiny A/B grid: two operators over a 3 x 4 grid of operands.

@@ -152,7 +152,7 @@ def test_a_tagged_harvest_adds_the_comparison_to_the_report(
     finished_run, parse, tmp_path, capsys):
   """Over a token file with a tag stream, the run's report gains the
   comparison of components with neurons, and its figure."""
-  from decompax.io import tag_report  # noqa: PLC0415
+  from decompax.render import tag_report  # noqa: PLC0415
   run_path = tmp_path / "run"
   shutil.copytree(finished_run("text_llama"), run_path,
                   ignore=shutil.ignore_patterns(harvest_store.HARVEST_DIR,

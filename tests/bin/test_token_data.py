@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from decompax.bin import placement_setup, train, train_flags
-from decompax.recipe import assembly, token_data
+from decompax.evals import eval_step
 from decompax.io import tokens as tokens_lib
-from decompax.losses import eval_step
+from decompax.recipe import assembly, token_data
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ROOT / "flags" / "tiny_llama.flags"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from decompax.bin import tokens_text
-from decompax.io import run_report as report
+from decompax.render import run_report as report
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 # Byte-level forms, as Llama-3 and Qwen3 store them: `Ġ` is a leading

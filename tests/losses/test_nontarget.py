@@ -12,8 +12,10 @@ from decompax.core import step_records, train_step
 from decompax.core.schedules import Schedule
 from decompax.core.masks import SiteMask
 from decompax.core.step_records import StreamSpec
-from decompax.losses import eval_step, recon
+from decompax.losses import recon
+from decompax.evals import eval_step
 from decompax.losses import loss_terms as terms
+from decompax.losses import recon
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from decompax.core import adversary
-from decompax.losses import eval_step
+from decompax.evals import eval_step
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 

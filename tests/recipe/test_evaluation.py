@@ -10,16 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.recipe import evaluation
-from decompax.recipe.config import TrainConfig
 from decompax.core import ci_fns, optim, sites as sites_lib, train_step
 from decompax.core import step_records
 from decompax.core.schedules import Schedule
 from decompax.core.target import Expected
+from decompax.evals import eval_step
 from decompax.io import run_dir
-from decompax.io import run_report as report
-from decompax.losses import eval_step, evals, recon
 from decompax.losses import loss_terms as terms
+from decompax.losses import recon
+from decompax.measures import ci_counts
+from decompax.recipe import evaluation
+from decompax.recipe.config import TrainConfig
+from decompax.render import run_report as report
 from decompax.targets import tms
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -136,11 +138,11 @@ def _slow_summary(rng, roles):
     arrays.update({
       f"mean_ci{suffix}": {"a": rng.uniform(size=3)},
       f"hist_lower{suffix}": {"a": rng.integers(0, 9, len(
-        evals.LOWER_EDGES) + 1)},
+        ci_counts.LOWER_EDGES) + 1)},
       f"hist_pre{suffix}": {"a": rng.integers(0, 9, len(
-        evals.PRE_EDGES) + 1)},
+        ci_counts.PRE_EDGES) + 1)},
       f"log_density{suffix}": {"a": rng.integers(
-        0, 9, (3, evals.LOG_DENSITY_BINS + 1))}})
+        0, 9, (3, ci_counts.LOG_DENSITY_BINS + 1))}})
   return eval_step.EvalSummary({}, arrays, {})
 
 

@@ -11,10 +11,10 @@ import jax
 import numpy as np
 import pytest
 
+from decompax.evals import eval_step
+from decompax.measures import probe
 from decompax.recipe import assembly
 from decompax.recipe.flagfiles import read_args
-from decompax.core import probe
-from decompax.losses import eval_step
 from decompax.targets import registry
 
 FLAGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "flags"

@@ -153,7 +153,7 @@ def test_fp32_step_has_no_bf16():  # N4: toys fp32 throughout
 def test_eval_pass_computes_like_the_train_step(lowered, dtype, casts):
   # The eval's masked forwards (mask variants, terms, PGD probe) read the
   # V/U the train step would: cast once per batch under N4.
-  from decompax.losses import eval_step
+  from decompax.evals import eval_step
 
   _, _, state, weights, fns = lowered[dtype]
   ci_fn = ci_fns.make_ci_fn(

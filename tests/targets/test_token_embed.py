@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decompax.core import probe, sites
+from decompax.core import sites
 from decompax.core.masks import SiteMask
+from decompax.measures import probe
 from decompax.targets import registry, token_embed, toy_sites
 
 
