@@ -7,7 +7,7 @@ gather_kernels`.
   positions, d_model 512, vocabulary 8,192), with `jax.nn.log_softmax`
   against `core.stable_softmax.log_softmax`.
 - **Token windows.** One site's top-context windows of a harvest batch
-  (`losses.component_stats`), by element gathers (the former form), by
+  (`measures.component_stats`), by element gathers (the former form), by
   slices (`sliced_windows`, the CPU's) and by rows selected
   (`selected_windows`, every other platform's), at brown_s's and
   brown_m's harvest shapes.
