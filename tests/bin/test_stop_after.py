@@ -1,5 +1,12 @@
 """--stop_after_step trains part of a schedule, saves and exits 0; the rerun
-without it continues to the same numbers as one uninterrupted launch."""
+without it continues to the same numbers as one uninterrupted launch.
+
+The launches run `bin/train`'s setup and loop in this process (what `main`
+calls once the flags are parsed; its exit status and one-line errors are
+tests/bin/test_bad_inputs.py's), on an untrained TMS 5-2 (the runs are
+compared with each other, whatever the weights): a child process would
+pay the start-up of JAX and a toy's training for each launch.
+"""
 
 import json
 import os
@@ -10,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 
+from decompax.bin import train
 from decompax.io import checkpoint, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -18,9 +26,23 @@ ARGS = ("--target=tms_5-2", "--c=6", "--batch_size=16", "--num_steps=8",
         "--save_every=4", "--keep_all", "--eval_batches=1")
 
 
+def _in_process(parse, capsys, target, output_dir, *extra) -> str:
+  """Run `ARGS` into `output_dir` as one launch in this process, on the
+  cached `target`; return what it printed."""
+  capsys.readouterr()
+  prepared = train.setup(parse(*ARGS, f"--output_dir={output_dir}",
+                               f"--target_path={target}", *extra))
+  try:
+    train.train(prepared)
+  finally:  # the run directory's lock, as the launch's exit would
+    os.close(prepared.lock)
+  return capsys.readouterr().out
+
+
 def _train(output_dir, *extra):
-  """Launch `ARGS` into `output_dir`; the trained target is cached beside
-  it in the test's directory, so only the test's first launch trains it."""
+  """Launch `ARGS` into `output_dir` as a child process; the trained target
+  is cached beside it in the test's directory, so only the test's first
+  launch trains it."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   target = output_dir.parent / "target.npz"
   done = subprocess.run(
@@ -38,15 +60,18 @@ def _losses(output_dir):
     ("loss/", "eval/loss/"))} for r in records}
 
 
-def test_stop_then_continue_matches_one_launch(tmp_path):
+def test_stop_then_continue_matches_one_launch(parse, capsys, tms_target,
+                                               tmp_path):
   split, straight = tmp_path / "split", tmp_path / "straight"
-  out = _train(split, "--stop_after_step=4")
+  launch = lambda out, *extra: _in_process(parse, capsys, tms_target, out,
+                                           *extra)
+  out = launch(split, "--stop_after_step=4")
   assert "stopped after step 4 of 8" in out
   assert not (split / "decomposition.npz").exists()
   assert checkpoint.committed_steps(str(split / "checkpoints"))[-1] == 4
   assert max(_losses(split)) == 4 and "eval/loss/total" in _losses(split)[4]
-  _train(split)
-  _train(straight)
+  assert "resumed from step 4" in launch(split)
+  launch(straight)
   assert (split / "decomposition.npz").exists()
   assert _losses(split) == _losses(straight)
 
