@@ -271,7 +271,7 @@ def test_order():
   return ordered, LONG_MODULES
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def implicit_reads_fail():
   """A context manager in which implicit scalar reads of jax.Arrays raise,
   as they do under an accelerator's transfer guard."""

@@ -1,17 +1,21 @@
 """bin/train: flagfiles, bad input, and one short end-to-end run."""
 
+import contextlib
 import dataclasses
 import errno
+import io
 import json
 import os
 import pathlib
 import subprocess
 import sys
+from typing import NamedTuple
 
 import jax
 import pytest
+from absl import flags
 
-from decompax.bin import placement_setup, train
+from decompax.bin import placement_setup, train, train_flags
 from decompax.io import decomposition, run_dir
 from decompax.recipe import assembly, terms
 from decompax.targets import registry
@@ -167,17 +171,64 @@ def test_malformed_flagfile_line_is_refused(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def test_short_run_writes_every_record(parse, tms_target, tmp_path,
+class ShortRun(NamedTuple):
+  """`SHORT_RUN`'s launch, run in this process: its arguments, output
+  directory and printed lines, and the transfer guard each call of the
+  step loop ran under."""
+  args: tuple[str, ...]
+  out: pathlib.Path
+  stdout: str
+  guards: list
+
+
+# Evals and a save inside the loop as well as at its ends, a slow eval at
+# the last step and a faithfulness warmup: every kind of device read a
+# launch makes.
+SHORT_RUN = ("--num_steps=20", "--batch_size=64", "--log_every=10",
+             "--eval_every=10", "--slow_eval_every=20", "--save_every=10",
+             "--faithfulness_warmup_steps=5")
+
+
+@pytest.fixture(scope="module")
+def short_run(tms_target, tmp_path_factory, implicit_reads_fail) -> ShortRun:
+  """One launch of `bin/train` (its setup and loop, as `main` calls them)
+  on a cached untrained TMS 5-2: the records do not depend on the weights,
+  and a launch that trains its toy is `finished_run("tms")`'s. Implicit
+  scalar reads fail inside the step loop, as the transfer guard makes them
+  fail on an accelerator (CPU arrays are host memory: the real guard never
+  fires here)."""
+  out = tmp_path_factory.mktemp("short") / "run"
+  args = (*SHORT_RUN, f"--target_path={tms_target}", f"--output_dir={out}")
+  guards, run_steps = [], train.run_steps
+
+  def checked(*a):
+    guards.append(jax.config.jax_transfer_guard_device_to_host)
+    with implicit_reads_fail():
+      return run_steps(*a)
+
+  printed = io.StringIO()
+  flags.FLAGS.unparse_flags()
+  try:
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(
+        printed):
+      patch.setattr(train, "run_steps", checked)
+      argv = flags.FLAGS.read_flags_from_files(list(args), force_gnu=False)
+      flags.FLAGS(["train", *argv])
+      prepared = train.setup(train_flags.config_from_flags())
+      try:
+        train.train(prepared)
+      finally:  # the run directory's lock, as the launch's exit would
+        os.close(prepared.lock)
+  finally:
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS.mark_as_parsed()
+  return ShortRun(args, out, printed.getvalue(), guards)
+
+
+def test_short_run_writes_every_record(short_run, parse,
                                       assert_bitwise_equal):
-  # On a cached untrained TMS 5-2: the records do not depend on the
-  # weights, and a launch that trains its toy is `finished_run("tms")`'s.
-  out = tmp_path / "run"
-  args = ("--num_steps=20", "--batch_size=64", "--log_every=10",
-          "--faithfulness_warmup_steps=5", f"--target_path={tms_target}",
-          f"--output_dir={out}")
-  result = _bin_train(*args)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert "step 20/20" in result.stdout and "ETA" in result.stdout
+  out = short_run.out
+  assert "step 20/20" in short_run.stdout and "ETA" in short_run.stdout
   assert "--num_steps=20" in (out / "flags.txt").read_text()
   records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
   # Step 0 is the fresh run's eval baseline; the last step evals too.
@@ -205,31 +256,16 @@ def test_short_run_writes_every_record(parse, tms_target, tmp_path,
   # test_binary_prints_one_line_error_and_exits_non_zero).
   with pytest.raises(ValueError, match=r"already holds the finished run "
                      r"\(step 20 of 20\)"):
-    train.setup(parse(*args))
+    train.setup(parse(*short_run.args))
 
 
-def test_only_the_step_loop_runs_under_the_transfer_guard(
-    parse, tms_target, tmp_path, monkeypatch, implicit_reads_fail):
+def test_only_the_step_loop_runs_under_the_transfer_guard(short_run):
   # The loop reads the device only through device_get, at log and eval
   # steps; setup (a toy target's training and checks) and the final writing
-  # read it freely. Implicit scalar reads fail inside the loop here as the
-  # guard makes them fail on an accelerator.
-  guards, run_steps = [], train.run_steps
-
-  def checked(*args):
-    guards.append(jax.config.jax_transfer_guard_device_to_host)
-    with implicit_reads_fail():
-      return run_steps(*args)
-
-  monkeypatch.setattr(train, "run_steps", checked)
-  config = parse(f"--target_path={tms_target}",
-                 f"--output_dir={tmp_path / 'run'}", "--num_steps=4",
-                 "--batch_size=16", "--log_every=2", "--eval_every=2",
-                 "--slow_eval_every=4", "--save_every=2", "--figures_every=0")
-  train.train(train.setup(config))
-  assert guards == ["disallow"]
+  # read it freely.
+  assert short_run.guards == ["disallow"]
   assert jax.config.jax_transfer_guard_device_to_host is None
-  assert (tmp_path / "run" / "decomposition.npz").is_file()
+  assert (short_run.out / "decomposition.npz").is_file()
 
 
 def test_parse_config_leaves_the_flags_at_their_defaults():
