@@ -1,15 +1,26 @@
 """`./dev`: a verb for every launcher in bin/, help that succeeds, and a
-one-line refusal of a verb it does not know."""
+one-line refusal of a verb it does not know.
 
+What each verb runs is read off a copy of `./dev` whose environment's
+python prints its arguments (`echo_dev`); the binaries' own `--helpfull`
+runs in children forked from one warm process
+(`tests/bin/run_binaries.py`), which pays the start-up of JAX once instead
+of once per binary; `./dev run` starts the real environment.
+"""
+
+import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
+import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+RUN_BINARIES = ROOT / "tests" / "bin" / "run_binaries.py"
 
 
 def _launchers() -> list[str]:
@@ -42,21 +53,76 @@ def test_dev_help_lists_a_verb_for_every_launcher():
 
 
 @pytest.fixture(scope="module")
-def helpfull() -> dict[str, subprocess.CompletedProcess]:
-  """Run `./dev <launcher> --helpfull` for every launcher, in parallel."""
-  running = {name: subprocess.Popen(
-    [str(ROOT / "dev"), name, "--helpfull"], cwd=ROOT, env=ENV, text=True,
-    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name in _launchers()}
-  done = {}
-  for name, process in running.items():
-    stdout, stderr = process.communicate(timeout=600)
-    done[name] = subprocess.CompletedProcess(process.args, process.returncode,
-                                             stdout, stderr)
-  return done
+def echo_dev(tmp_path_factory) -> pathlib.Path:
+  """Return a copy of `./dev` in a directory of its own whose `.venv` is
+  current (its stamp is what `bootstrap` compares) and whose python prints
+  each argument it is given on a line of its own and exits 0."""
+  home = tmp_path_factory.mktemp("echo_dev")
+  for name in ("dev", "uv.lock", "pyproject.toml"):
+    shutil.copy2(ROOT / name, home / name)
+  options = re.search(r'^SYNC_OPTIONS="([^"]*)"$',
+                      (ROOT / "dev").read_text(), re.MULTILINE).group(1)
+  (home / ".venv" / "bin").mkdir(parents=True)
+  (home / ".venv" / ".decompax-lock").write_bytes(
+    (ROOT / "uv.lock").read_bytes() + (ROOT / "pyproject.toml").read_bytes()
+    + f"{options}\n".encode())
+  python = home / ".venv" / "bin" / "python"
+  python.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+  python.chmod(0o755)
+  return home / "dev"
+
+
+def _echoed(echo_dev: pathlib.Path, *args: str) -> list[str]:
+  """Return the arguments `./dev <args>` hands the environment's python."""
+  done = subprocess.run([str(echo_dev), *args], cwd=echo_dev.parent,
+                        capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0 and done.stderr == "", done.stderr
+  return done.stdout.splitlines()
 
 
 @pytest.mark.parametrize("launcher", _launchers())
-def test_every_verb_runs_its_binary_and_helpfull_succeeds(helpfull, launcher):
+def test_every_verb_runs_its_launcher_with_the_flags_given(echo_dev,
+                                                          launcher):
+  got = _echoed(echo_dev, launcher, "--helpfull", "--x=a b")
+  # `./dev train` alone adds the shipped recipe first (the tests below).
+  recipe = ["--flagfile=flags/tms_5-2.flags"] if launcher == "train" else []
+  assert got == ["-P", f"bin/{launcher}", *recipe, "--helpfull", "--x=a b"]
+
+
+def test_train_without_a_flagfile_runs_the_shipped_tms_recipe(echo_dev):
+  """`./dev train` alone is flags/tms_5-2.flags (restarts included), its
+  flags after it so that they override it."""
+  assert _echoed(echo_dev, "train", "--num_steps=100") == [
+    "-P", "bin/train", "--flagfile=flags/tms_5-2.flags", "--num_steps=100"]
+
+
+@pytest.mark.parametrize("flagfile", ["--flagfile=flags/resid_mlp1.flags",
+                                      "--flagfile", "-flagfile=x.flags"])
+def test_train_with_a_flagfile_reads_only_that_one(echo_dev, flagfile):
+  assert _echoed(echo_dev, "train", flagfile, "--select_at=100") == [
+    "-P", "bin/train", flagfile, "--select_at=100"]
+
+
+@pytest.fixture(scope="module")
+def helpfull(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+  """Run every launcher with `--helpfull`, each forked from one process
+  that has imported the libraries."""
+  out = tmp_path_factory.mktemp("helpfull")
+  specs = [{"id": name, "program": name, "argv": ["--helpfull"],
+            "cwd": str(ROOT), "env": {"JAX_PLATFORMS": "cpu"},
+            "prelude": "", "out": str(out)} for name in _launchers()]
+  runner = subprocess.run([sys.executable, "-P", str(RUN_BINARIES)],
+                          input=json.dumps(specs), capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=ENV)
+  assert runner.returncode == 0, runner.stderr
+  codes = json.loads(runner.stdout)
+  return {name: subprocess.CompletedProcess(
+    [name, "--helpfull"], codes[name], (out / f"{name}.stdout").read_text(),
+    (out / f"{name}.stderr").read_text()) for name in _launchers()}
+
+
+@pytest.mark.parametrize("launcher", _launchers())
+def test_every_binary_s_helpfull_succeeds(helpfull, launcher):
   done = helpfull[launcher]
   assert done.returncode == 0, done.stderr[-2000:]
   assert "Traceback" not in done.stderr
@@ -99,25 +165,6 @@ def test_an_unknown_verb_is_one_line_naming_it(verb, suggestion):
   assert suggestion in lines[0]
   assert ("did you mean" in lines[0]) == bool(suggestion)
   assert "./dev help lists the verbs" in lines[0]
-
-
-def test_train_without_a_flagfile_runs_the_shipped_tms_recipe():
-  """`./dev train` alone is flags/tms_5-2.flags, restarts included: a
-  schedule too short for its selection step is refused by that."""
-  done = _dev("train", "--num_steps=100", "--output_dir=/nonexistent/run")
-  assert done.returncode == 2, done.stderr[-2000:]
-  assert done.stderr.splitlines() == [
-    "train: error: --restarts=3 needs --select_at in (0, --num_steps=100), "
-    "the step at which the candidates are compared; for one run, set "
-    "--restarts=1 --select_at=0"]
-
-
-def test_train_with_a_flagfile_reads_only_that_one():
-  # Restarts are not inherited: here --select_at has nothing to compare.
-  done = _dev("train", "--flagfile=flags/resid_mlp1.flags", "--select_at=100",
-              "--output_dir=/nonexistent/run")
-  assert done.returncode == 2, done.stderr[-2000:]
-  assert "--select_at=100 compares restart candidates" in done.stderr
 
 
 @pytest.mark.parametrize("name", ["nope", "hlo_flops", "__init__"])
