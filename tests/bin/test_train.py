@@ -1,4 +1,7 @@
-"""bin/train: flagfiles, bad input, and one short end-to-end run."""
+"""bin/train: flagfiles, bad input, and one short end-to-end run.
+
+The binary's one-line refusals (an unknown flag, a bad value, a malformed
+flagfile line) are rows of tests/bin/test_bad_inputs.py."""
 
 import contextlib
 import dataclasses
@@ -7,8 +10,6 @@ import io
 import json
 import os
 import pathlib
-import subprocess
-import sys
 from typing import NamedTuple
 
 import jax
@@ -24,14 +25,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAGFILES = sorted((ROOT / "flags").glob("*.flags"))
 # Checkpoint LMs (--target=hf) read --model_dir: tests/bin/test_lm_train.py.
 TOY_FLAGFILES = [p for p in FLAGFILES if "--target=hf" not in p.read_text()]
-
-
-def _bin_train(*args, cwd=ROOT):
-  return subprocess.run(
-    [sys.executable, "-P", str(ROOT / "bin" / "train"), *args],
-    cwd=cwd, capture_output=True, text=True, timeout=600,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
-  )
 
 
 def test_there_are_flagfiles_for_every_paper_toy():
@@ -150,27 +143,6 @@ def test_existing_run_with_other_flags_is_refused(parse, tmp_path):
   assert sorted(os.listdir(out)) == ["flags.txt"]
 
 
-@pytest.mark.parametrize("args,message", [
-  (("--bogus=1",), "Unknown command line flag 'bogus'"),
-  (("--c=0",), "--c must be positive, got 0"),
-])
-def test_binary_prints_one_line_error_and_exits_non_zero(args, message):
-  result = _bin_train(*args)
-  assert result.returncode == 2
-  lines = result.stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("train: error:")
-  assert message in lines[0]
-
-
-def test_malformed_flagfile_line_is_refused(tmp_path):
-  bad = tmp_path / "bad.flags"
-  bad.write_text("--c=5\ntarget=tms_5-2\n")
-  result = _bin_train(f"--flagfile={bad}", f"--output_dir={tmp_path / 'run'}")
-  assert result.returncode == 2
-  assert "target=tms_5-2" in result.stderr
-  assert not (tmp_path / "run").exists()
-
-
 class ShortRun(NamedTuple):
   """`SHORT_RUN`'s launch, run in this process: its arguments, output
   directory and printed lines, and the transfer guard each call of the
@@ -253,7 +225,7 @@ def test_short_run_writes_every_record(short_run, parse,
   assert (out / "checkpoints" / "000000020" / "checkpoint.json").is_file()
   # The same command again would resume; a finished run is refused (§12)
   # by the launch's setup (a ValueError is the binary's one-line exit 2:
-  # test_binary_prints_one_line_error_and_exits_non_zero).
+  # tests/bin/test_bad_inputs.py).
   with pytest.raises(ValueError, match=r"already holds the finished run "
                      r"\(step 20 of 20\)"):
     train.setup(parse(*short_run.args))
