@@ -376,6 +376,21 @@ def _hardlinked_output(t):
   os.link(t / "in.txt", t / "o.bin")
 
 
+def _symlinked_output(t):
+  _output_as_input(t)
+  (t / "link.bin").symlink_to(t / "o.bin")
+
+
+def _jsonl_without_text(t):
+  _eos_only_input(t)
+  (t / "d.jsonl").write_text('{"text": "the cat"}\n{"body": "a dog"}\n')
+
+
+def _existing_output(t):
+  _eos_only_input(t)
+  (t / "o.bin").write_bytes(b"")
+
+
 def _header_as_input(t):
   (t / "o.json").write_text('{"text": "some words"}\n')
 
@@ -452,34 +467,45 @@ ROWS = (
     *LLAMA, "--data_path={T}/f.bin", OUT), "must be non-negative integers",
     setup=_forged_tokens(vocab_size="50")),
   Row("tokenizer_config_only", "tokenize", TOKENIZE,
-      "it holds no tokenizer.json", setup=_config_only_tokenizer),
+      "it holds no tokenizer.json", setup=_config_only_tokenizer,
+      untouched=True),
   Row("tokenizer_dir_empty", "tokenize", TOKENIZE,
       "it holds no tokenizer.json", setup=lambda t: (
-        (t / "tok").mkdir(), _words(t))),
+        (t / "tok").mkdir(), _words(t)), untouched=True),
   Row("tokenizer_json_broken", "tokenize", TOKENIZE,
       "(KeyError: 'added_tokens')", setup=_broken_tokenizer),
   Row("tokenizer_one_entry", "tokenize", TOKENIZE,
       "its vocabulary size is 1", setup=_one_entry_tokenizer),
   Row("tokenize_empty_input", "tokenize", (
     FIXTURE_TOKENIZER, "--input={T}/empty.txt", "--output={T}/o.bin"),
-    "is empty; give a file holding text", setup=_empty_input),
+    "is empty; give a file holding text", setup=_empty_input, untouched=True),
   Row("tokenize_only_eos", "tokenize", (
     "--tokenizer={T}/tok", "--input={T}/w.txt", "--input={T}/b.jsonl",
     "--output={T}/o.bin"), "b.jsonl tokenizes to nothing but EOS",
-    setup=_eos_only_input),
+    setup=_eos_only_input, untouched=True),
   # Never replace an input with its own tokens.
   Row("tokenize_input_is_output", "tokenize", (
     FIXTURE_TOKENIZER, "--input={T}/o.bin", "--output={T}/o.bin",
     "--overwrite"), "--input {T}/o.bin is the --output {T}/o.bin; writing "
-    "it would replace the input", setup=_output_as_input),
+    "it would replace the input", setup=_output_as_input, untouched=True),
   Row("tokenize_output_hardlinks_input", "tokenize", (
     FIXTURE_TOKENIZER, "--input={T}/in.txt", "--output={T}/o.bin",
     "--overwrite"), "--input {T}/in.txt is the --output {T}/o.bin",
-    setup=_hardlinked_output),
+    setup=_hardlinked_output, untouched=True),
   Row("tokenize_input_is_output_header", "tokenize", (
     FIXTURE_TOKENIZER, "--input={T}/o.json", "--output={T}/o.bin",
     "--overwrite"), "--input {T}/o.json is the header of --output "
     "{T}/o.bin", setup=_header_as_input),
+  Row("tokenize_output_symlinks_input", "tokenize", (
+    FIXTURE_TOKENIZER, "--input={T}/o.bin", "--output={T}/link.bin",
+    "--overwrite"), "--input {T}/o.bin is the --output {T}/link.bin",
+    setup=_symlinked_output, untouched=True),
+  Row("tokenize_jsonl_line_without_text", "tokenize", (
+    "--tokenizer={T}/tok", "--input={T}/d.jsonl", "--output={T}/o.bin"),
+    "d.jsonl:2: no string field 'text'", setup=_jsonl_without_text,
+    untouched=True),
+  Row("tokenize_output_exists", "tokenize", TOKENIZE,
+      "{T}/o.bin exists; pass --overwrite", setup=_existing_output),
   Row("tokenize_output_is_a_directory", "tokenize", (
     FIXTURE_TOKENIZER, "--input={T}/in.txt", "--output={T}/o.bin"),
     "--output: {T}/o.bin is a directory; name a file",
@@ -1117,7 +1143,7 @@ ROWS = (
     setup=_eos_only_input),
   Row("tokenize_input_missing", "tokenize", (
     FIXTURE_TOKENIZER, "--input={T}/missing.txt", "--output={T}/o.bin"),
-    "--input {T}/missing.txt not found"),
+    "--input {T}/missing.txt not found", untouched=True),
   Row("tokenize_output_suffix", "tokenize", (
     FIXTURE_TOKENIZER, "--input={T}/in.txt", "--output={T}/o.txt"),
     "must end in .bin", setup=_input_file),

@@ -1,5 +1,7 @@
 """bin/tokenize: text and JSONL to a token file, its one-line errors, and
-a stop signal that leaves nothing behind."""
+a stop signal that leaves nothing behind. The binary's refusals of bad
+input (each leaving its directory as it was) are rows of
+tests/bin/test_bad_inputs.py."""
 
 import json
 import os
@@ -64,19 +66,6 @@ def _tokenize(*args):
                         text=True, timeout=300)
 
 
-def _tokenize_all(*arg_lists):
-  # Concurrently: each run spends seconds importing transformers.
-  runs = [subprocess.Popen(_command(args), cwd=ROOT, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-          for args in arg_lists]
-  results = []
-  for run in runs:
-    out, err = run.communicate(timeout=300)
-    results.append(subprocess.CompletedProcess(run.args, run.returncode, out,
-                                               err))
-  return results
-
-
 def _ids(text):
   return [WORDS.index(w) if w in WORDS else 0 for w in text.split()]
 
@@ -123,25 +112,6 @@ def _assert_fails(result, match):
   assert match in lines[0], lines[0]
 
 
-def test_bad_inputs_are_one_line_errors_that_write_nothing(tmp_path,
-                                                           tokenizer_dir):
-  jsonl = tmp_path / "docs.jsonl"
-  jsonl.write_text('{"text": "the cat"}\n{"body": "a dog"}\n')
-  out = tmp_path / "out" / "train.bin"
-  out.parent.mkdir()
-  base = [f"--tokenizer={tokenizer_dir}", f"--output={out}"]
-  _assert_fails(_tokenize(*base, f"--input={jsonl}"),
-                "docs.jsonl:2: no string field 'text'")
-  _assert_fails(_tokenize(*base, f"--input={tmp_path / 'none.txt'}"),
-                "none.txt not found")
-  _assert_fails(_tokenize(f"--tokenizer={tmp_path}", f"--output={out}",
-                          f"--input={jsonl}"), "cannot read a tokenizer")
-  assert os.listdir(out.parent) == []
-  out.write_bytes(b"")
-  _assert_fails(_tokenize(*base, f"--input={jsonl}"),
-                "exists; pass --overwrite")
-
-
 @pytest.mark.parametrize("make,match", [
   (lambda path: str(path), "holds no tokenizer.json"),
   (_config_only, "holds no tokenizer.json"),
@@ -156,49 +126,6 @@ def test_unusable_tokenizers_are_one_line_errors(tmp_path, make, match):
   assert "\n" not in message
   assert message.startswith(f"cannot read a tokenizer from {path}")
   assert message.endswith("tokenizer_config.json and its vocabulary files)")
-
-
-def test_inputs_that_give_no_tokens_are_refused(tmp_path, tokenizer_dir):
-  inputs = tmp_path / "inputs"
-  inputs.mkdir()
-  words = inputs / "words.txt"
-  words.write_text(" ".join(["hello"] * 5000))
-  (inputs / "empty.txt").write_text("")
-  (inputs / "blank.jsonl").write_text('{"text": ""}\n\n{"text": " "}\n')
-  # One output each: the cases run at once, and one writer locks its file.
-  outs = [tmp_path / f"out{i}" / "train.bin" for i in range(3)]
-  for out in outs:
-    out.parent.mkdir()
-  config_only = _config_only(tmp_path)
-  results = _tokenize_all(
-    [f"--tokenizer={config_only}", f"--input={words}", f"--output={outs[0]}"],
-    [f"--tokenizer={tokenizer_dir}", f"--output={outs[1]}",
-     f"--input={inputs / 'empty.txt'}"],
-    [f"--tokenizer={tokenizer_dir}", f"--output={outs[2]}",
-     f"--input={words}", f"--input={inputs / 'blank.jsonl'}"])
-  _assert_fails(results[0], f"cannot read a tokenizer from {config_only}")
-  _assert_fails(results[1], "empty.txt is empty; give a file holding text")
-  _assert_fails(results[2], "blank.jsonl tokenizes to nothing but EOS")
-  assert all(os.listdir(out.parent) == [] for out in outs)
-
-
-def test_an_input_named_as_the_output_is_refused_and_kept(tmp_path,
-                                                         tokenizer_dir):
-  """The same file as input and output, by its name or through a link,
-  even with --overwrite: refused, the input byte for byte as it was."""
-  data = tmp_path / "data"
-  data.mkdir()
-  same = data / "train.bin"
-  same.write_text("the cat sat\n")
-  (data / "link.bin").symlink_to(same)
-  before = {p.name: p.read_bytes() for p in data.iterdir()}
-  base = [f"--tokenizer={tokenizer_dir}", "--overwrite"]
-  results = _tokenize_all(
-    [*base, f"--input={same}", f"--output={same}"],
-    [*base, f"--input={same}", f"--output={data / 'link.bin'}"])
-  _assert_fails(results[0], f"--input {same} is the --output {same}")
-  _assert_fails(results[1], f"--input {same} is the --output {data}/link")
-  assert {p.name: p.read_bytes() for p in data.iterdir()} == before
 
 
 def test_the_launcher_runs_without_an_isolated_path(tmp_path):
