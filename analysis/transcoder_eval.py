@@ -222,14 +222,15 @@ def harvest_units(run_path: str, sites: dict[int, tuple[str, ...]]
   found = harvesting.load_harvest(run_path)
   out = {}
   for i, names in sites.items():
-    parts = [tag_comparison.unit_sets(found, s)[0] for s in names]
+    # Each site's unit sets: its components first, then its baselines.
+    sets = [tag_comparison.unit_sets(found, s) for s in names]
+    parts = [site_sets[0] for site_sets in sets]
     contexts = [p.context for p in parts]
     out[i] = {"components": UnitStats(
       tag_profile.concat_units([p.stats for p in parts]),
-      None if None in contexts else tag_context.ContextStats(*(
-        np.concatenate(field) for field in zip(*contexts))))}
-    neurons = [u for u in tag_comparison.unit_sets(found, names[0])
-               if u.name == "neurons"]
+      None if any(c is None for c in contexts) else tag_context.ContextStats(
+        *(np.concatenate(field) for field in zip(*contexts))))}
+    neurons = [u for u in sets[0] if u.name == "neurons"]
     if neurons:
       out[i]["neurons"] = UnitStats(neurons[0].stats, neurons[0].context)
   return out
