@@ -82,7 +82,7 @@ def launch(program: str, main: Callable[[list[str]], None],
   """Run `main` as an absl app whose flag errors are one-line errors;
   `--helpfull` lists the flags of `help_groups` first (by default, every
   flag decompax's modules define, before absl's and the libraries')."""
-  help_groups = help_groups or ((f"{program}", project_flags()),)
+  help_groups = help_groups or ((program, project_flags()),)
   app.define_help_flags()  # once per process; app.run keeps these
   delattr(flags.FLAGS, "helpfull")
   flags.DEFINE_flag(_GroupedHelpfull(program, help_groups),
