@@ -12,7 +12,7 @@ import jax
 import pytest
 from absl import flags
 
-from decompax.bin import train, train_flags
+from decompax.bin import placement_setup, train, train_flags
 from decompax.io import run_dir
 from decompax.targets import registry
 
@@ -52,6 +52,24 @@ def parse():
   yield _parse
   flags.FLAGS.unparse_flags()
   flags.FLAGS.mark_as_parsed()
+
+
+@pytest.fixture(scope="session")
+def one_device_placement():
+  """Return bin/train's default placement on one device, as a launch of it
+  on the CPU has: a run in this process then compiles the launch's program
+  (a step without the placement's sharding constraints, or on eight
+  devices, may fuse, and round, differently), so it is bitwise a launch's
+  and shares its entries of the compilation cache."""
+  from decompax.placement import compiler  # noqa: PLC0415
+  from decompax.placement import mesh as mesh_lib  # noqa: PLC0415
+  from decompax.placement import shardings  # noqa: PLC0415
+  config = placement_setup.PlacementConfig()
+  mesh = placement_setup.build_mesh(
+    mesh_lib.mesh_shape(1, config.replicate, config.fsdp, config.tp),
+    jax.devices()[:1])
+  return shardings.Placement(mesh, config.table,
+                             compiler.options(config.compiler))
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+from decompax.bin import train
 from decompax.io import checkpoint, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -75,15 +76,29 @@ def _losses(out: pathlib.Path) -> list[tuple]:
           for r in run_dir.read_metrics(out / run_dir.METRICS_FILE)]
 
 
-def _soak(tmp_path, output_lines, target, steps: int, save_every: int,
-          kills: list) -> None:
-  """Run uninterrupted, then killed at each of `kills` and resumed, on
-  the cached `target` (an untrained TMS 5-2: the runs are compared with
-  each other, whatever the weights)."""
+def _straight(parse, placement, args) -> None:
+  """Run `args` uninterrupted in this process, as a launch of `bin/train`
+  does once its flags are parsed, on the launch's own one-device
+  `placement`: it compiles the launches' program (its entries in the
+  shared compilation cache serve them) and ends bitwise where they do,
+  without a child's start-up."""
+  prepared = train.setup(parse(*args), placement)
+  try:
+    train.train(prepared)
+  finally:  # the run directory's lock, as the launch's exit would
+    os.close(prepared.lock)
+
+
+def _soak(tmp_path, output_lines, straight_run, target, steps: int,
+          save_every: int, kills: list) -> None:
+  """Run uninterrupted (`straight_run(args)`, in this process), then
+  killed at each of `kills` and resumed, on the cached `target` (an
+  untrained TMS 5-2: the runs are compared with each other, whatever the
+  weights)."""
   shared = (*COMMON, f"--num_steps={steps}", f"--save_every={save_every}",
             f"--target_path={target}")
   straight = tmp_path / "straight"
-  assert _run((*shared, f"--output_dir={straight}"), "", output_lines) == 0
+  straight_run((*shared, f"--output_dir={straight}"))
   soaked = tmp_path / "soaked"
   args = (*shared, f"--output_dir={soaked}")
   for kill in kills:
@@ -100,16 +115,17 @@ def _soak(tmp_path, output_lines, target, steps: int, save_every: int,
   assert soaked_losses == _losses(straight)
 
 
-def test_kills_after_a_save_and_mid_prune_resume_bitwise(tmp_path,
-                                                        output_lines,
-                                                        tms_target):
-  _soak(tmp_path, output_lines, tms_target, steps=12, save_every=4,
+def test_kills_after_a_save_and_mid_prune_resume_bitwise(
+    tmp_path, output_lines, parse, one_device_placement, tms_target):
+  _soak(tmp_path, output_lines,
+        lambda args: _straight(parse, one_device_placement, args),
+        tms_target, steps=12, save_every=4,
         kills=["kill_after_save=8", "kill_mid_prune=12"])
 
 
 @pytest.mark.slow
-def test_ten_kills_of_a_400_step_run_resume_bitwise(tmp_path, output_lines,
-                                                   tms_target):
+def test_ten_kills_of_a_400_step_run_resume_bitwise(
+    tmp_path, output_lines, parse, one_device_placement, tms_target):
   rng = random.Random(0)
   labels = range(80, 400, 40)  # saves that also prune (keep_last=2)
   faults = ["kill_mid_save", "kill_after_save", "kill_mid_prune"] * 2
@@ -122,5 +138,7 @@ def test_ten_kills_of_a_400_step_run_resume_bitwise(tmp_path, output_lines,
   at += [(step, (step, rng.uniform(0.0, 0.02)))
          for step in rng.sample(between, 4)]
   # In step order, so that every kill is reached by the attempt before it.
-  _soak(tmp_path, output_lines, tms_target, steps=400, save_every=40,
+  _soak(tmp_path, output_lines,
+        lambda args: _straight(parse, one_device_placement, args),
+        tms_target, steps=400, save_every=40,
         kills=[kill for _, kill in sorted(at, key=lambda a: a[0])])
