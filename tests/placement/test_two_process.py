@@ -5,8 +5,10 @@ Two processes with two simulated CPU devices each join through
 4-device mesh; process 0's metrics must match the one-process reference
 trajectory, both processes write their shards of each checkpoint, and only
 process 0 prints or writes run files. The run is stopped by a signal to
-process 0 alone after step 2 (both save and exit) and relaunched (both
-resume), so the trajectory spans a two-process resume. The slow checks
+process 0 alone after step 4 (both save and exit); a shard of that newest
+checkpoint which process 1 alone reads is then damaged, and the relaunch
+(both skip it together and resume from step 2) spans a two-process resume.
+One stopped launch and one relaunch serve every default test. The slow checks
 stop and resume a tiny Llama run on a token file the same way, which must
 end bitwise where an uninterrupted two-process launch ends, and add both
 eval tiers across such a resume, comparing the whole log with one
@@ -16,7 +18,6 @@ uninterrupted process's.
 import json
 import os
 import pathlib
-import shutil
 import socket
 import subprocess
 import sys
@@ -87,21 +88,40 @@ def _cached_target(tmp_path, p) -> pathlib.Path:
 
 
 class StoppedRun(NamedTuple):
-  """A two-process run stopped after step 2, then resumed to its end."""
+  """A two-process run stopped after step 4, its newest checkpoint then
+  damaged where process 1 alone reads it, and resumed to its end."""
 
   out: pathlib.Path
   stopped: tuple[list[int], list[str]]  # exit codes, outputs per process
   labels_when_stopped: list[int]
+  # The shard files of a CI weight in the stop's checkpoint, undamaged.
+  shards_when_stopped: list[str]
+  damaged: pathlib.Path  # the stop's checkpoint
   resumed: tuple[list[int], list[str]]
-  args: list[str]  # the command, bar the launch flags
+
+
+def _chunks(step_dir: pathlib.Path) -> pathlib.Path:
+  """Return the folder of a CI weight's chunks, one file per device: under
+  zero1 on fsdp = 4 the weight [20, 16] splits 4 ways, chunks 2 and 3 on
+  process 1's devices."""
+  return (step_dir / checkpoint.DECOMPOSITION / "arrays" / "ci_params" /
+          "linear1" / "w_in" / "c")
+
+
+def _truncate_files(folder: pathlib.Path) -> None:
+  for path in [p for p in folder.rglob("*") if p.is_file()]:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
 
 
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory, helpers, tms_vpd) -> StoppedRun:
   """Five steps of `tms_vpd` under zero1 on two processes with two devices
-  each, evals off. A SIGTERM to process 0 alone after step 2 stops both;
-  the same command, relaunched, resumes and ends the run. The relaunch
-  loads the first launch's compiled step from a shared cache."""
+  each, evals off, saved every 2 steps. A SIGTERM to process 0 alone after
+  step 4 stops both; chunk 3 of a CI weight in label 4 (device 3's,
+  process 1's) is then truncated, and the same command, relaunched,
+  resumes and ends the run. The relaunch loads the first launch's
+  compiled step from a shared cache."""
   p = tms_vpd
   root = tmp_path_factory.mktemp("two_process")
   out = root / "run"
@@ -109,15 +129,20 @@ def stopped_run(tmp_path_factory, helpers, tms_vpd) -> StoppedRun:
     f"--flagfile={helpers.FLAGS_DIR / 'tms_5-2_vpd.flags'}",
     f"--batch_size={p.config.batch_size}", "--num_steps=5", "--log_every=1",
     "--faithfulness_warmup_steps=0", "--eval_every=0", "--slow_eval_every=0",
-    "--save_every=5", f"--target_path={_cached_target(root, p)}",
+    "--save_every=2", f"--target_path={_cached_target(root, p)}",
     f"--output_dir={out}", "--placement=zero1",
     f"--compilation_cache_dir={root / 'cache'}",
   ]
   stopped = _finish(_start(root, "stopped", args,
-                           env0={"DECOMPAX_FAULT": "sigterm_after_step=2"}))
-  labels = checkpoint.committed_steps(out / checkpoint.CHECKPOINT_DIR)
+                           env0={"DECOMPAX_FAULT": "sigterm_after_step=4"}))
+  ckpts = out / checkpoint.CHECKPOINT_DIR
+  labels = checkpoint.committed_steps(ckpts)
+  damaged = ckpts / checkpoint.step_name(4)
+  shards = sorted(os.listdir(_chunks(damaged))) if damaged.is_dir() else []
+  if shards:
+    _truncate_files(_chunks(damaged) / "3")
   resumed = _finish(_start(root, "resumed", args))
-  return StoppedRun(out, stopped, labels, resumed, args)
+  return StoppedRun(out, stopped, labels, shards, damaged, resumed)
 
 
 def test_two_processes_match_the_one_process_trajectory(
@@ -130,14 +155,14 @@ def test_two_processes_match_the_one_process_trajectory(
   records = _records(out)
   assert [r.pop("step") for r in records] == [1, 2, 3, 4, 5]
   helpers.assert_same_trajectory(tms_reference.metrics, records)
-  # Checkpoints hold both processes' shards: under zero1 on fsdp = 4 a CI
-  # weight [20, 16] splits 4 ways (a file each), half of them on process 1.
+  # Checkpoints hold both processes' shards, a file per device, half of
+  # them process 1's; the relaunch wrote label 4 afresh (keep_last = 3).
   ckpts = out / checkpoint.CHECKPOINT_DIR
-  assert checkpoint.committed_steps(ckpts) == [0, 2, 5]
-  for label in (2, 5):
-    w_in = (ckpts / checkpoint.step_name(label) / checkpoint.DECOMPOSITION /
-            "arrays" / "ci_params" / "linear1" / "w_in" / "c")
-    assert sorted(os.listdir(w_in)) == ["0", "1", "2", "3"]
+  assert checkpoint.committed_steps(ckpts) == [2, 4, 5]
+  assert stopped_run.shards_when_stopped == ["0", "1", "2", "3"]
+  for label in (2, 4, 5):
+    chunks = _chunks(ckpts / checkpoint.step_name(label))
+    assert sorted(os.listdir(chunks)) == ["0", "1", "2", "3"]
   # Only process 0 wrote: one record per step, and its progress lines.
   assert "step 5/5" in texts[0] and "step 5/5" not in texts[1]
   assert "[checkpoint] saved step 5" in texts[0]
@@ -146,15 +171,15 @@ def test_two_processes_match_the_one_process_trajectory(
 
 def test_a_signal_to_process_0_stops_both_and_both_resume(stopped_run):
   """Fast variant of the slow check below (SPEC §12): a stop signal to
-  process 0 alone is agreed across processes, both save label 2 and exit
-  75; relaunched, both restore it (process 1 its own shards) and finish.
-  Evals stay off here; the slow check adds both tiers across the resume and
-  a one-process run beside it."""
+  process 0 alone is agreed across processes, both save label 4 and exit
+  75; relaunched, both restore a checkpoint (process 1 its own shards) and
+  finish. Evals stay off here; the slow check adds both tiers across the
+  resume and a one-process run beside it."""
   codes, texts = stopped_run.stopped
   assert codes == [75, 75], "\n".join(t[-3000:] for t in texts)
-  assert stopped_run.labels_when_stopped == [0, 2]
-  assert "stop signal: step 2 saved" in texts[0]
-  assert "step 3/5" not in texts[0]
+  assert stopped_run.labels_when_stopped == [0, 2, 4]
+  assert "stop signal: step 4 saved" in texts[0]
+  assert "step 5/5" not in texts[0]
   codes, resumed = stopped_run.resumed
   assert codes == [0, 0], "\n".join(t[-3000:] for t in resumed)
   assert "resumed from step 2" in resumed[0]
@@ -163,41 +188,21 @@ def test_a_signal_to_process_0_stops_both_and_both_resume(stopped_run):
     assert "[checkpoint]" not in text and "step 1/5" not in text
 
 
-def _truncate_files(folder: pathlib.Path) -> None:
-  for path in [p for p in folder.rglob("*") if p.is_file()]:
-    data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2])
-
-
 def test_both_processes_skip_a_checkpoint_one_of_them_finds_damaged(
-    helpers, stopped_run, tms_reference, tmp_path):
-  """SPEC §12: a shard of the newest checkpoint (label 5) that process 1
+    stopped_run):
+  """SPEC §12: a shard of the newest checkpoint (label 4) that process 1
   alone reads is damaged. Relaunched, process 0 reads its own shards of
-  label 5 without fault, yet both skip it together and resume from label
-  2 (alone, process 0 would restore label 5 and wait for process 1 in the
-  next collective forever) and end on the same trajectory."""
-  out = tmp_path / "run"
-  shutil.copytree(stopped_run.out, out)
-  # Killed before its final records, the run resumes into the finish.
-  (out / "decomposition.npz").unlink()
-  flags_txt = out / run_dir.FLAGS_FILE
-  flags_txt.write_text(flags_txt.read_text().replace(
-    f"--output_dir={stopped_run.out}", f"--output_dir={out}"))
-  step_dir = out / checkpoint.CHECKPOINT_DIR / checkpoint.step_name(5)
-  # zero1 on fsdp = 4: chunk 3 of a CI weight is device 3's, process 1's.
-  _truncate_files(step_dir / checkpoint.DECOMPOSITION / "arrays" /
-                  "ci_params" / "linear1" / "w_in" / "c" / "3")
-  args = [a for a in stopped_run.args if not a.startswith("--output_dir=")]
-  codes, texts = _finish(_start(tmp_path, "damaged",
-                                [*args, f"--output_dir={out}"]))
+  label 4 without fault, yet both skip it together and resume from label
+  2 (alone, process 0 would restore label 4 and wait for process 1 in the
+  next collective forever) and end on the same trajectory (the test
+  above)."""
+  codes, texts = stopped_run.resumed
   assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
-  assert ("checkpoint 000000005 is damaged and is skipped: checkpoint "
-          f"{step_dir}: another process found its shards damaged") in texts[0]
+  assert ("checkpoint 000000004 is damaged and is skipped: checkpoint "
+          f"{stopped_run.damaged}: another process found its shards "
+          "damaged") in texts[0]
   assert "resumed from step 2" in texts[0]
   assert "step 3/5" in texts[0] and "step 5/5" in texts[0]
-  records = _records(out)
-  assert [r.pop("step") for r in records] == [1, 2, 3, 4, 5]
-  helpers.assert_same_trajectory(tms_reference.metrics, records)
 
 
 def _token_llama_args(root: pathlib.Path, out: pathlib.Path) -> list[str]:
