@@ -1,6 +1,8 @@
 """bin/train on a targeted decomposition (SPEC §6.6): the two streams'
 flags, their refusals, and a short run end to end."""
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -11,8 +13,9 @@ from typing import NamedTuple
 import numpy as np
 import jax
 import pytest
+from absl import flags
 
-from decompax.bin import placement_setup, train
+from decompax.bin import train, train_flags
 from decompax.io import checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -116,11 +119,36 @@ def _records(output_dir):
     return [json.loads(line) for line in f]
 
 
+def _train_in_process(output_dir, target_path, placement) -> str:
+  """Run `TPD` into `output_dir` as `bin/train`'s `main` runs it once its
+  flags are parsed, in this process on one device (the launch's own
+  `placement`); return what it printed. No child process pays JAX's
+  start-up, and its step is the program the module's in-process step
+  compiles, read from the shared cache."""
+  flags.FLAGS.unparse_flags()
+  printed = io.StringIO()
+  try:
+    argv = flags.FLAGS.read_flags_from_files(
+      [*TPD, f"--output_dir={output_dir}", f"--target_path={target_path}"],
+      force_gnu=False)
+    flags.FLAGS(["train", *argv])
+    with contextlib.redirect_stdout(printed):
+      prepared = train.setup(train_flags.config_from_flags(), placement)
+      try:
+        train.train(prepared)
+      finally:  # the run directory's lock, as the launch's exit would
+        os.close(prepared.lock)
+  finally:
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS.mark_as_parsed()
+  return printed.getvalue()
+
+
 @pytest.fixture(scope="module")
-def straight(finished_run, tmp_path_factory):
+def straight(finished_run, tmp_path_factory, one_device_placement):
   target_path = os.path.join(finished_run("induction"), "target.npz")
   out = tmp_path_factory.mktemp("tpd") / "straight"
-  stdout = _train(out, target_path)
+  stdout = _train_in_process(out, target_path, one_device_placement)
   return out, target_path, stdout
 
 
@@ -182,7 +210,10 @@ def test_a_token_file_stream_feeds_the_step_beside_a_task(
   tokens.write_tokens(str(path), [rng.integers(0, 31, 40) for _ in range(30)],
                       32, 31, "test")
   target_path = os.path.join(finished_run("induction"), "target.npz")
-  config = parse(*TPD, "--nontarget_task=", f"--nontarget_data_path={path}",
+  # The output role alone: the hidden passes read the same batches, and
+  # would double the step this test compiles for itself.
+  config = parse(*TPD, "--ci_roles=output", "--nontarget_task=",
+                 f"--nontarget_data_path={path}",
                  "--nontarget_seq_len=12", f"--target_path={target_path}",
                  f"--output_dir={tmp_path / 'run'}")
   prepared = train.setup(config)
@@ -200,21 +231,6 @@ def test_a_token_file_stream_feeds_the_step_beside_a_task(
   assert np.isfinite(float(metrics["nontarget/loss/recon"]))
 
 
-def _one_device_placement():
-  """Return bin/train's default placement on one device, as the run's
-  subprocess had: its step compiles to the same program (a step without
-  the placement's sharding constraints may fuse, and round, differently)."""
-  from decompax.placement import compiler  # noqa: PLC0415
-  from decompax.placement import mesh as mesh_lib  # noqa: PLC0415
-  from decompax.placement import shardings  # noqa: PLC0415
-  config = placement_setup.PlacementConfig()
-  mesh = placement_setup.build_mesh(
-    mesh_lib.mesh_shape(1, config.replicate, config.fsdp, config.tp),
-    jax.devices()[:1])
-  return shardings.Placement(mesh, config.table,
-                             compiler.options(config.compiler))
-
-
 class CompiledTPD(NamedTuple):
   """The TPD recipe's run, started in-process, and its step compiled as
   `bin/train` compiles it, with the launch's compile options."""
@@ -224,16 +240,15 @@ class CompiledTPD(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def compiled_tpd(finished_run, tmp_path_factory):
+def compiled_tpd(finished_run, tmp_path_factory, one_device_placement):
   """One compile of the TPD step for the tests that step it in-process
   (they do not write the run's directory)."""
-  from decompax.bin import train_flags  # noqa: PLC0415
   from decompax.recipe import assembly  # noqa: PLC0415
   target_path = os.path.join(finished_run("induction"), "target.npz")
   config = train_flags.parse_config(
     *TPD, f"--target_path={target_path}",
     f"--output_dir={tmp_path_factory.mktemp('tpd_step') / 'run'}")
-  placement = _one_device_placement()
+  placement = one_device_placement
   prepared = train.setup(config, placement)
   run = assembly.start(prepared.plan, prepared.weights)
   return CompiledTPD(prepared.plan, run,
