@@ -2,9 +2,7 @@
 
 Kills land mid-save (one item written), right after a save is committed
 (before the prune), mid-prune (an old step hidden, not yet deleted) and at
-random moments of the loop. Each relaunch is the same command; the
-killed ones are child processes, while the uninterrupted run and the last
-resume run `bin/train`'s setup and loop in the test's process. The final
+random moments of the loop. Each relaunch is the same command. The final
 checkpoint must be bitwise the uninterrupted run's, and `metrics.jsonl`
 must hold each logged step once, with the same losses. The slow soak kills
 a 400-step run 10 times, in step order; the fast variant kills a short run
@@ -22,7 +20,6 @@ import time
 import numpy as np
 import pytest
 
-from decompax.bin import train
 from decompax.io import checkpoint, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -78,34 +75,20 @@ def _losses(out: pathlib.Path) -> list[tuple]:
           for r in run_dir.read_metrics(out / run_dir.METRICS_FILE)]
 
 
-def _in_process(parse, placement, args) -> None:
-  """Run `args` in this process, as a launch of `bin/train` does once its
-  flags are parsed, on the launch's own one-device `placement`: it
-  compiles the launches' program (one compile, in the shared cache, serves
-  them all) and ends bitwise where they would, without a child's start-up.
-  The kills need a process of their own; the runs around them do not."""
-  prepared = train.setup(parse(*args), placement)
-  try:
-    train.train(prepared)
-  finally:  # the run directory's lock, as the launch's exit would
-    os.close(prepared.lock)
-
-
-def _soak(tmp_path, output_lines, in_process, target, steps: int,
-          save_every: int, kills: list) -> None:
+def _soak(tmp_path, output_lines, target, steps: int, save_every: int,
+          kills: list) -> None:
   """Run uninterrupted, then killed at each of `kills` and resumed, on
   the cached `target` (an untrained TMS 5-2: the runs are compared with
-  each other, whatever the weights). `in_process(args)` runs the
-  uninterrupted run and the last resume."""
+  each other, whatever the weights)."""
   shared = (*COMMON, f"--num_steps={steps}", f"--save_every={save_every}",
             f"--target_path={target}")
   straight = tmp_path / "straight"
-  in_process((*shared, f"--output_dir={straight}"))
+  assert _run((*shared, f"--output_dir={straight}"), "", output_lines) == 0
   soaked = tmp_path / "soaked"
   args = (*shared, f"--output_dir={soaked}")
   for kill in kills:
     assert _run(args, kill, output_lines) == -signal.SIGKILL, kill
-  in_process(args)
+  assert _run(args, "", output_lines) == 0
   want, got = _final_arrays(straight, steps), _final_arrays(soaked, steps)
   for item in want:
     assert sorted(want[item]) == sorted(got[item])
@@ -117,17 +100,16 @@ def _soak(tmp_path, output_lines, in_process, target, steps: int,
   assert soaked_losses == _losses(straight)
 
 
-def test_kills_after_a_save_and_mid_prune_resume_bitwise(
-    tmp_path, output_lines, parse, one_device_placement, tms_target):
-  _soak(tmp_path, output_lines,
-        lambda args: _in_process(parse, one_device_placement, args),
-        tms_target, steps=12, save_every=4,
+def test_kills_after_a_save_and_mid_prune_resume_bitwise(tmp_path,
+                                                        output_lines,
+                                                        tms_target):
+  _soak(tmp_path, output_lines, tms_target, steps=12, save_every=4,
         kills=["kill_after_save=8", "kill_mid_prune=12"])
 
 
 @pytest.mark.slow
-def test_ten_kills_of_a_400_step_run_resume_bitwise(
-    tmp_path, output_lines, parse, one_device_placement, tms_target):
+def test_ten_kills_of_a_400_step_run_resume_bitwise(tmp_path, output_lines,
+                                                   tms_target):
   rng = random.Random(0)
   labels = range(80, 400, 40)  # saves that also prune (keep_last=2)
   faults = ["kill_mid_save", "kill_after_save", "kill_mid_prune"] * 2
@@ -140,7 +122,5 @@ def test_ten_kills_of_a_400_step_run_resume_bitwise(
   at += [(step, (step, rng.uniform(0.0, 0.02)))
          for step in rng.sample(between, 4)]
   # In step order, so that every kill is reached by the attempt before it.
-  _soak(tmp_path, output_lines,
-        lambda args: _in_process(parse, one_device_placement, args),
-        tms_target, steps=400, save_every=40,
+  _soak(tmp_path, output_lines, tms_target, steps=400, save_every=40,
         kills=[kill for _, kill in sorted(at, key=lambda a: a[0])])
