@@ -1,48 +1,60 @@
 """A diverging `bin/train` stops, saves nothing from the bad step and keeps
-its good checkpoints; `--on_nonfinite=skip` drops the bad updates instead."""
+its good checkpoints; `--on_nonfinite=skip` drops the bad updates instead.
+
+The launches run `bin/train`'s setup and loop in this process (what `main`
+calls once the flags are parsed) on the suite's trained TMS 5-2 target: a
+child process would pay JAX's start-up for each. That `main` turns the
+`Diverged` they raise into one line and exit 3 is tests/bin/
+test_bad_inputs.py's (rows `diverged` and `skipped_too_many`).
+"""
 
 import os
-import pathlib
-import subprocess
-import sys
+import shutil
+import signal
 
 import pytest
 
+from decompax.bin import checkpointing, train
 from decompax.io import checkpoint, run_dir
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-DIVERGED = 3
 SMALL = ("--num_steps=20", "--save_every=5", "--log_every=5",
          "--batch_size=64", "--eval_every=0", "--slow_eval_every=0",
          "--figures_every=0", "--faithfulness_warmup_steps=10")
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  return subprocess.run(
-    [sys.executable, "-P", str(ROOT / "bin" / "train"), *SMALL, *args],
-    cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-
-
 @pytest.fixture(scope="module")
-def target_path(tmp_path_factory) -> str:
-  return str(tmp_path_factory.mktemp("target") / "target.npz")
+def target_path(tmp_path_factory, finished_run) -> str:
+  """The trained TMS 5-2 (the suite's finished run's cache): lr=1e6 makes
+  its first update non-finite, which an untrained toy need not."""
+  path = tmp_path_factory.mktemp("target") / "target.npz"
+  shutil.copy(os.path.join(finished_run("tms"), "target.npz"), path)
+  return str(path)
 
 
-def _error_line(result) -> str:
-  assert "Traceback" not in result.stderr, result.stderr
-  lines = [l for l in result.stderr.splitlines() if l.startswith("train:")]
-  assert len(lines) == 1, result.stderr
-  return lines[0]
+def _diverged_launch(parse, capsys, *args: str) -> tuple[str, str]:
+  """Run one launch of `SMALL` and `args` in this process, expecting it to
+  diverge; return its one-line error and what it printed."""
+  capsys.readouterr()
+  handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+  prepared = train.setup(parse(*SMALL, *args))
+  try:
+    with pytest.raises(checkpointing.Diverged) as info:
+      train.train(prepared)
+  finally:  # the lock and the signals, as the launch's exit would leave them
+    os.close(prepared.lock)
+    for signum, handler in handlers.items():
+      signal.signal(signum, handler)
+  message = str(info.value)
+  assert "\n" not in message
+  return message, capsys.readouterr().out
 
 
-def test_divergence_stops_and_keeps_the_good_checkpoint(tmp_path,
+def test_divergence_stops_and_keeps_the_good_checkpoint(parse, capsys,
+                                                        tmp_path,
                                                         target_path):
   out = tmp_path / "run"
   args = ("--lr=1e6", f"--output_dir={out}", f"--target_path={target_path}")
-  result = _train(*args)
-  assert result.returncode == DIVERGED, result.stderr
-  line = _error_line(result)
+  line, _ = _diverged_launch(parse, capsys, *args)
   # Found at the step-5 log, named by the first bad step.
   assert "diverged at step 2 (first non-finite value: loss/" in line
   assert f"newest good checkpoint: {out / 'checkpoints' / '000000000'}" in line
@@ -52,23 +64,21 @@ def test_divergence_stops_and_keeps_the_good_checkpoint(tmp_path,
   assert [r["step"] for r in run_dir.read_metrics(
     out / run_dir.METRICS_FILE)] == []  # nothing logged from the bad window
   # The same command resumes from the good checkpoint, and stops again.
-  again = _train(*args)
-  assert again.returncode == DIVERGED
-  assert "resumed from step 0" in again.stdout
+  line, printed = _diverged_launch(parse, capsys, *args)
+  assert "resumed from step 0" in printed
+  assert "diverged at step 2 (first non-finite value: loss/" in line
   assert checkpoint.committed_steps(ckpts) == [0]
 
 
 def test_skip_drops_bad_updates_until_too_many_come_in_a_row(
-    tmp_path, target_path):
+    parse, capsys, tmp_path, target_path):
   out = tmp_path / "run"
   # No share limit: the streak is what stops this run.
-  result = _train("--lr=1e6", "--on_nonfinite=skip",
-                  "--max_skipped_in_a_row=8", "--max_skipped_share=1",
-                  f"--output_dir={out}",
-                  f"--target_path={target_path}")
-  assert result.returncode == DIVERGED, result.stderr
-  assert "non-finite update(s)" in result.stdout
-  line = _error_line(result)
+  line, printed = _diverged_launch(
+    parse, capsys, "--lr=1e6", "--on_nonfinite=skip",
+    "--max_skipped_in_a_row=8", "--max_skipped_share=1",
+    f"--output_dir={out}", f"--target_path={target_path}")
+  assert "non-finite update(s)" in printed
   assert "updates in a row were not finite" in line
   assert "raise --max_skipped_in_a_row" in line
   records = run_dir.read_metrics(out / run_dir.METRICS_FILE)
