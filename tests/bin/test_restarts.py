@@ -119,9 +119,21 @@ def test_a_diverged_candidate_is_left_out_of_the_choice(
     original(config, placement, output_dir, index, stop_at)
 
   monkeypatch.setattr(train, "run_candidate", diverging_first)
-  _launch(parse, tms_target, out, "--restarts=2")
+  # The choice alone: how the chosen one continues is the test above's.
+  config = parse(*TINY, f"--target_path={tms_target}", f"--output_dir={out}",
+                 "--restarts=2", "--select_at=2")
+  placement = placement_setup.make_placement(
+    placement_setup.config_from_flags(), (config.batch_size,))
+  output_dir, lock = train.prepare_selection(config)
+  try:
+    returned = train.select_candidate(config, placement, output_dir)
+  finally:
+    os.close(lock)
   choice = json.loads((out / run_dir.CHOICE_FILE).read_text())
+  assert choice == returned
   assert choice["losses"]["0"] is None and choice["chosen"] == 1
+  assert choice["losses"]["1"] == restarts.held_out_loss(
+    run_dir.candidate_dir(str(out), 1), 2)
   with pytest.raises(restarts.SelectionError, match="all 2 restart "):
     restarts.choose({0: None, 1: None})
 
