@@ -72,10 +72,12 @@ def _restored_run(config, straight):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-  """The uninterrupted run: label 0 after warmup, saves at 4 and 8."""
+def straight(tmp_path_factory, tms_target):
+  """The uninterrupted run: label 0 after warmup, saves at 4 and 8, on a
+  cached untrained TMS 5-2 (every check compares runs with each other,
+  whatever the weights; training the toy would be most of the setup)."""
   root = tmp_path_factory.mktemp("resume")
-  target_path = str(root / "target.npz")
+  target_path = str(tms_target)
   config = train_flags.parse_config(*VPD_ARGS, f"--output_dir={root / 'straight'}",
                    f"--target_path={target_path}")
   prepared = train.setup(config)
