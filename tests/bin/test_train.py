@@ -118,10 +118,14 @@ def test_only_the_measured_flagfiles_select_among_restarts(parse, path):
   (("--merged_coeff=1", "--merged_adv_fraction=1.5"),
    r"--merged_adv_fraction must lie in \[0, 1\], got 1.5"),
 ])
-def test_bad_settings_fail_before_writing(parse, tmp_path, args, message):
+def test_bad_settings_fail_before_writing(parse, tmp_path, tms_target, args,
+                                          message):
+  # A cached target: a check after the target's load (the tap keys') does
+  # not train the toy first.
   out = tmp_path / "run"
   with pytest.raises(ValueError, match=message):
-    config = parse(*args, f"--output_dir={out}")
+    config = parse(*args, f"--output_dir={out}",
+                   f"--target_path={tms_target}")
     train.setup(config)
   assert not out.exists()
 
@@ -270,9 +274,10 @@ def _disk_full(monkeypatch):
 
 
 def test_rerun_on_a_full_disk_is_refused_before_writing(parse, tmp_path,
+                                                        tms_target,
                                                         monkeypatch):
   out = tmp_path / "run"
-  args = (f"--output_dir={out}", "--c=8")
+  args = (f"--output_dir={out}", "--c=8", f"--target_path={tms_target}")
   parse(*args)
   run_dir.prepare_run_dir(out, train.resolved_flags_text(), overwrite=False)
   before = {p: p.stat().st_mtime_ns for p in out.iterdir()}
@@ -311,11 +316,12 @@ def test_unwritable_output_dirs_are_refused_in_setup(parse, tmp_path):
       train.setup(parse("--output_dir=/sys/decompax_run"))
 
 
-def test_a_run_of_an_older_version_is_resumed_not_refused(parse, tmp_path):
+def test_a_run_of_an_older_version_is_resumed_not_refused(parse, tmp_path,
+                                                         tms_target):
   # Its flags.txt still names a flag removed since (--pgd_bundle) and lacks
   # one added since at its default (--components_init): same run.
   out = tmp_path / "run"
-  args = (f"--output_dir={out}", "--c=8")
+  args = (f"--output_dir={out}", "--c=8", f"--target_path={tms_target}")
   parse(*args)
   lines = [line for line in train.resolved_flags_text().splitlines()
            if not line.startswith("--components_init=")]
