@@ -263,8 +263,12 @@ def _graph_written(t):
   assert not (t / ".g.png.lock").exists()
 
 
-TRAIN = ("--num_steps=2", "--save_every=2", "--log_every=2", "--batch_size=8",
-         "--eval_every=0", "--slow_eval_every=0", "--figures_every=0",
+# Stopped after its first save: what it writes of its directory is written
+# by then, and its final figures and report (seconds of plotting) are other
+# tests' (tests/bin/test_train.py's short run).
+TRAIN = ("--num_steps=4", "--save_every=2", "--stop_after_step=2",
+         "--log_every=2", "--batch_size=8", "--eval_every=0",
+         "--slow_eval_every=0", "--figures_every=0",
          "--target_path={T}/target.npz")
 TRAIN_LM = ("--preset=tiny", "--data_dir={T}/d", "--num_steps=2",
             "--eval_every_steps=0", "--max_eval_windows=2")
