@@ -429,17 +429,13 @@ TOKENIZE = ("--tokenizer={T}/tok", "--input={T}/w.txt", "--output={T}/o.bin")
 FIXTURE_TOKENIZER = "--tokenizer={ROOT}/tests/fixtures/tiny_llama"
 
 ROWS = (
-  # Never save or report garbage.
+  # Never save or report garbage. Rows start two at a time in this order,
+  # and the rows that compile a step are ordered so that each starts after
+  # the row that compiles the same programs (its warmup, its step), which
+  # it then reads from the compilation cache: `step_does_not_fit`, which
+  # shares nothing, beside `diverged`.
   Row("diverged", "train", (*DIVERGE, OUT), "diverged at step 2 (first "
       "non-finite value: loss/", code=3, setup=_tms_target),
-  Row("skipped_too_many", "train", (*DIVERGE, "--on_nonfinite=skip", OUT),
-      "diverged: 4 updates were not finite and skipped, more than "
-      "--max_skipped_share=0.1 of the 10 steps", code=3, setup=_tms_target),
-  Row("final_eval_not_finite", "train", (
-    *DIVERGE, "--eval_every=5", "--on_nonfinite=skip",
-    "--max_skipped_share=1", OUT),
-    "diverged: the final eval (step 10) is not finite (eval/", code=3,
-    setup=_tms_target),
   # A step that cannot be allocated used to hang in the step-0 eval. It is
   # refused once compiled, after the setup wrote the run (so not in {T}/o).
   Row("step_does_not_fit", "train", (
@@ -448,11 +444,20 @@ ROWS = (
     TMS_TARGET, "--output_dir={T}/run"),
     "the step (--batch_size=100000000) needs ", setup=_tms_target,
     prelude=ADDRESS_SPACE_8G),
+  Row("skipped_too_many", "train", (*DIVERGE, "--on_nonfinite=skip", OUT),
+      "diverged: 4 updates were not finite and skipped, more than "
+      "--max_skipped_share=0.1 of the 10 steps", code=3, setup=_tms_target),
   # The settings of `diverged`: the step it compiled is in the cache.
   Row("device_out_of_memory", "train", (*DIVERGE, "--output_dir={T}/run"),
       "out of memory (RESOURCE_EXHAUSTED: Out of memory while trying to "
       "allocate 9.0G); lower --batch_size", setup=_tms_target,
       prelude=DEVICE_OOM),
+  # The step of `skipped_too_many`, from the cache.
+  Row("final_eval_not_finite", "train", (
+    *DIVERGE, "--eval_every=5", "--on_nonfinite=skip",
+    "--max_skipped_share=1", OUT),
+    "diverged: the final eval (step 10) is not finite (eval/", code=3,
+    setup=_tms_target),
   Row("skipped_share_zero", "train", ("--max_skipped_share=0", OUT),
       "--max_skipped_share must lie in (0, 1], got 0.0"),
   Row("token_ids_past_vocab", "train", (*LLAMA, "--data_path={T}/f.bin", OUT),
