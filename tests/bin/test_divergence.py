@@ -20,6 +20,12 @@ from decompax.io import checkpoint, run_dir
 SMALL = ("--num_steps=20", "--save_every=5", "--log_every=5",
          "--batch_size=64", "--eval_every=0", "--slow_eval_every=0",
          "--figures_every=0", "--faithfulness_warmup_steps=10")
+# The settings of tests/bin/test_bad_inputs.py's `diverged` row, launched
+# on its one-device placement: the same programs, which whichever of the
+# two runs second reads from the compilation cache.
+DIVERGE = ("--num_steps=10", "--save_every=5", "--log_every=5",
+           "--batch_size=32", "--eval_every=0", "--slow_eval_every=0",
+           "--figures_every=0", "--faithfulness_warmup_steps=5")
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +37,13 @@ def target_path(tmp_path_factory, finished_run) -> str:
   return str(path)
 
 
-def _diverged_launch(parse, capsys, *args: str) -> tuple[str, str]:
-  """Run one launch of `SMALL` and `args` in this process, expecting it to
-  diverge; return its one-line error and what it printed."""
+def _diverged_launch(parse, capsys, *args: str,
+                     placement=None) -> tuple[str, str]:
+  """Run one launch of `args` in this process, expecting it to diverge;
+  return its one-line error and what it printed."""
   capsys.readouterr()
   handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-  prepared = train.setup(parse(*SMALL, *args))
+  prepared = train.setup(parse(*args), placement)
   try:
     with pytest.raises(checkpointing.Diverged) as info:
       train.train(prepared)
@@ -49,12 +56,14 @@ def _diverged_launch(parse, capsys, *args: str) -> tuple[str, str]:
   return message, capsys.readouterr().out
 
 
-def test_divergence_stops_and_keeps_the_good_checkpoint(parse, capsys,
-                                                        tmp_path,
-                                                        target_path):
+def test_divergence_stops_and_keeps_the_good_checkpoint(
+    parse, capsys, tmp_path, target_path, one_device_placement):
   out = tmp_path / "run"
-  args = ("--lr=1e6", f"--output_dir={out}", f"--target_path={target_path}")
-  line, _ = _diverged_launch(parse, capsys, *args)
+  args = (*DIVERGE, "--lr=1e6", f"--output_dir={out}",
+          f"--target_path={target_path}")
+  launch = lambda: _diverged_launch(parse, capsys, *args,
+                                    placement=one_device_placement)
+  line, _ = launch()
   # Found at the step-5 log, named by the first bad step.
   assert "diverged at step 2 (first non-finite value: loss/" in line
   assert f"newest good checkpoint: {out / 'checkpoints' / '000000000'}" in line
@@ -64,7 +73,7 @@ def test_divergence_stops_and_keeps_the_good_checkpoint(parse, capsys,
   assert [r["step"] for r in run_dir.read_metrics(
     out / run_dir.METRICS_FILE)] == []  # nothing logged from the bad window
   # The same command resumes from the good checkpoint, and stops again.
-  line, printed = _diverged_launch(parse, capsys, *args)
+  line, printed = launch()
   assert "resumed from step 0" in printed
   assert "diverged at step 2 (first non-finite value: loss/" in line
   assert checkpoint.committed_steps(ckpts) == [0]
@@ -75,7 +84,7 @@ def test_skip_drops_bad_updates_until_too_many_come_in_a_row(
   out = tmp_path / "run"
   # No share limit: the streak is what stops this run.
   line, printed = _diverged_launch(
-    parse, capsys, "--lr=1e6", "--on_nonfinite=skip",
+    parse, capsys, *SMALL, "--lr=1e6", "--on_nonfinite=skip",
     "--max_skipped_in_a_row=8", "--max_skipped_share=1",
     f"--output_dir={out}", f"--target_path={target_path}")
   assert "non-finite update(s)" in printed
