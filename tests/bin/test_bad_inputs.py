@@ -182,13 +182,15 @@ def _both_tokens(t):
 
 
 def _lock_holder(t, directory="o"):
+  # Holders wait on stdin, not a timer: they hold until killed or until
+  # this process exits, however long the rows set up before theirs take.
   (t / directory).mkdir(exist_ok=True)
   holder = subprocess.Popen(
     [sys.executable, "-P", "-c",
-     "import sys, time; from decompax.io import run_dir; "
+     "import sys; from decompax.io import run_dir; "
      "run_dir.lock_run_dir(sys.argv[1]); print('locked', flush=True); "
-     "time.sleep(600)", str(t / directory)],
-    stdout=subprocess.PIPE, text=True)
+     "sys.stdin.read()", str(t / directory)],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
   assert holder.stdout.readline().strip() == "locked"
   return holder
 
@@ -197,9 +199,9 @@ def _port_holder(t):
   """Hold a listening port; leave {T}/port.flags naming it."""
   holder = subprocess.Popen(
     [sys.executable, "-P", "-c",
-     "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); "
-     "s.listen(); print(s.getsockname()[1], flush=True); time.sleep(600)"],
-    stdout=subprocess.PIPE, text=True)
+     "import socket, sys; s = socket.socket(); s.bind(('127.0.0.1', 0)); "
+     "s.listen(); print(s.getsockname()[1], flush=True); sys.stdin.read()"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
   (t / "port.flags").write_text(f"--port={holder.stdout.readline().strip()}\n")
   return holder
 

@@ -86,9 +86,9 @@ def _holder(relative: str, file: bool = False):
             if file else f"run_dir.lock_dir({str(path)!r}, 'x', 'w')")
     holder = subprocess.Popen(
       [sys.executable, "-P", "-c",
-       "import time; from decompax.io import run_dir; "
-       f"{take}; print('locked', flush=True); time.sleep(600)"],
-      stdout=subprocess.PIPE, text=True)
+       "import sys; from decompax.io import run_dir; "
+       f"{take}; print('locked', flush=True); sys.stdin.read()"],
+      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
     return holder
   return setup
