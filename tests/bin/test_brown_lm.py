@@ -1,7 +1,17 @@
 """The Brown pipeline end to end on a synthetic corpus in Brown's format:
 `bin/prepare_brown --brown_dir=`, then `bin/train_lm --preset=tiny`; the
-written model read back through `--target=hf`; a stopped run resumed."""
+written model read back through `--target=hf`; a stopped run resumed.
 
+The launches after the corpus and the model are made run once per module,
+all at once, from one warm process (`run_binaries.py` forks each program's
+launcher): importing JAX and the tokenizers costs seconds per process, most
+of a refusal's run. The launches that continue one of those (a resume, a
+replacement after a refusal) run in a second such batch. Each test checks
+its own launches' exit codes and output, and what they left in their
+directory.
+"""
+
+import hashlib
 import json
 import os
 import pathlib
@@ -9,6 +19,7 @@ import random
 import shutil
 import subprocess
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -197,56 +208,216 @@ def _steps(out: pathlib.Path) -> list[int]:
           (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_stopped_run_resumes_onto_the_same_weights(model, tmp_path):
-  out, args, _ = model
-  other = [*_without_output(args), f"--output_dir={tmp_path / 'm'}"]
-  stopped = run("train_lm", *other,
-                env={"DECOMPAX_FAULT": "sigterm_after_step=17"})
+class Launched(NamedTuple):
+  """One launch: its exit code, its output, and the sha256 of every file
+  its directory held when its batch ended (before any later launch)."""
+  returncode: int
+  stdout: str
+  stderr: str
+  digests: dict[str, str]
+
+
+def _digests(directory: pathlib.Path) -> dict[str, str]:
+  return {str(p.relative_to(directory)): hashlib.sha256(
+    p.read_bytes()).hexdigest()
+    for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _launch_batch(launches: dict, base: pathlib.Path) -> dict[str, Launched]:
+  """Run `launches` (id -> its directory, program, arguments, extra
+  environment and prelude) from one warm process, each forked; return
+  each one's `Launched`."""
+  logs = base / "logs"
+  logs.mkdir(exist_ok=True)
+  specs = [{"id": name, "program": program, "argv": list(args),
+            "cwd": str(ROOT), "env": {"JAX_PLATFORMS": "cpu", **env},
+            "prelude": prelude, "out": str(logs)}
+           for name, (_, program, args, env, prelude) in launches.items()]
+  runner = subprocess.run(
+    [sys.executable, "-P", str(ROOT / "tests" / "bin" / "run_binaries.py")],
+    input=json.dumps(specs), capture_output=True, text=True, timeout=1200,
+    cwd=ROOT)
+  assert runner.returncode == 0, runner.stderr[-3000:]
+  codes = json.loads(runner.stdout)
+  return {name: Launched(codes[name], (logs / f"{name}.stdout").read_text(),
+                         (logs / f"{name}.stderr").read_text(),
+                         _digests(launches[name][0]))
+          for name in launches}
+
+
+# The first batch's launches: each prepares its own directory `t` from the
+# finished corpus and model, and names its launch.
+
+def _stopped(t, data, model):
+  return ("train_lm", [*_without_output(model[1]), f"--output_dir={t / 'm'}"],
+          {"DECOMPAX_FAULT": "sigterm_after_step=17"}, None)
+
+
+def _never_saved(t, data, model):
+  m = _copy(model[0], t / "m")
+  (m / "train_state.npz").unlink()
+  (m / "metrics.jsonl").write_text('{"step": 99}\n')
+  return ("train_lm", [*_without_output(model[1]), f"--output_dir={m}"], {},
+          None)
+
+
+def _overwritten(t, data, model):
+  m = _copy(model[0], t / "m")
+  (m / "notes.txt").write_text("keep me")
+  return ("train_lm", [*_without_output(model[1]), f"--output_dir={m}",
+                       "--overwrite", "--num_steps=2",
+                       "--eval_every_steps=0"], {}, None)
+
+
+def _another_runs(t, data, model):
+  return ("train_lm", [*model[1], "--num_steps=5"], {}, None)
+
+
+def _not_train_lms(t, data, model):
+  # A user's Hugging Face model: every file of it one train_lm writes.
+  m = t / "hf"
+  shutil.copytree(ROOT / "tests" / "fixtures" / "tiny_llama", m)
+  (m / "metrics.jsonl").write_text('{"step": 1}\n')
+  return ("train_lm", [*_without_output(model[1]), f"--output_dir={m}",
+                       "--overwrite"], {}, None)
+
+
+def _another_data_dir(t, data, model):
+  other = t / "other"
+  shutil.copytree(data[0] / "bpe-300", other)
+  opened = tokens.open_tokens(other / "train.bin")
+  tokens.write_tokens(other / "train.bin", [np.asarray(opened.ids)[::-1]],
+                      opened.header.vocab_size, opened.header.eos_id, "t")
+  m = _copy(model[0], t / "m")
+  return ("train_lm", ["--preset=tiny", f"--data_dir={other}",
+                       f"--output_dir={m}"], {}, None)
+
+
+def _truncated(t, data, model):
+  m = _copy(model[0], t / "m")
+  state = m / "train_state.npz"
+  state.write_bytes(state.read_bytes()[:1000])
+  return ("train_lm", [*_without_output(model[1]), f"--output_dir={m}"], {},
+          None)
+
+
+def _corpus_args(t):
+  return (f"--brown_dir={t / 'src2'}", f"--data_dir={t / 'data'}",
+          "--vocab_sizes=300")
+
+
+def _another_corpus(t, data, model):
+  _copy(data[0], t / "data")
+  write_corpus(t / "src2", seed="another")
+  return ("prepare_brown", list(_corpus_args(t)), {}, None)
+
+
+def _no_validation_carve(t, data, model):
+  path = _copy(data[0], t / "data")
+  for name in ("validation.json", "validation.bin"):
+    (path / "bpe-300" / name).unlink()
+  return ("prepare_brown", [f"--brown_dir={data[0] / 'corpus'}",
+                            f"--data_dir={path}", "--vocab_sizes=300"], {},
+          None)
+
+
+def _unfillable_vocab(t, data, model):
+  return ("prepare_brown", [f"--brown_dir={data[0] / 'corpus'}",
+                            f"--data_dir={t / 'd'}", "--vocab_sizes=20000"],
+          {}, None)
+
+
+def _stop_signal(t, data, model):
+  # The signal arrives while the tokenizer trains.
+  prelude = (
+    "import os, signal\n"
+    "from decompax.targets import brown\n"
+    "train = brown.train_bpe\n"
+    "def stopped(*args):\n"
+    "  os.kill(os.getpid(), signal.SIGINT)\n"
+    "  return train(*args)\n"
+    "brown.train_bpe = stopped\n")
+  return ("prepare_brown", [f"--brown_dir={data[0] / 'corpus'}",
+                            f"--data_dir={t / 'd'}", "--vocab_sizes=300"],
+          {}, prelude)
+
+
+FIRST = (_stopped, _never_saved, _overwritten, _another_runs, _not_train_lms,
+         _another_data_dir, _truncated, _another_corpus,
+         _no_validation_carve, _unfillable_vocab, _stop_signal)
+
+
+@pytest.fixture(scope="module")
+def launched(data, model, tmp_path_factory):
+  """Return each first-batch launch's `Launched` and its directory."""
+  base = tmp_path_factory.mktemp("launched")
+  launches = {}
+  for setup in FIRST:
+    t = base / setup.__name__.lstrip("_")
+    t.mkdir()
+    launches[t.name] = (t, *setup(t, data, model))
+  results = _launch_batch(launches, base)
+  return {name: (results[name], launches[name][0]) for name in launches}
+
+
+@pytest.fixture(scope="module")
+def relaunched(launched, model, tmp_path_factory):
+  """Return the second batch's launches: the stopped run resumed (after a
+  record a killed attempt logged past its last save), and the refused
+  corpus replaced with --overwrite."""
+  stopped = launched["stopped"][1]
+  # A record a killed attempt logged after its last save (step 17).
+  run_dir.append_metrics(stopped / "m" / "metrics.jsonl", {"step": 30})
+  corpus = launched["another_corpus"][1]
+  launches = {
+    "resumed": (stopped, "train_lm", [*_without_output(model[1]),
+                                      f"--output_dir={stopped / 'm'}"],
+                {}, None),
+    "replaced": (corpus, "prepare_brown",
+                 [*_corpus_args(corpus), "--overwrite"], {}, None)}
+  return _launch_batch(launches, tmp_path_factory.mktemp("relaunched"))
+
+
+def test_a_stopped_run_resumes_onto_the_same_weights(model, launched,
+                                                     relaunched):
+  out = model[0]
+  stopped, t = launched["stopped"]
   assert stopped.returncode == 75, stopped.stderr
   assert "saved step 17" in stopped.stdout
-  assert not (tmp_path / "m" / "model.safetensors").exists()
-  # A record a killed attempt logged after its last save (step 17).
-  run_dir.append_metrics(tmp_path / "m" / "metrics.jsonl", {"step": 30})
-  resumed = run("train_lm", *other)
+  assert "m/model.safetensors" not in stopped.digests
+  assert "m/train_state.npz" in stopped.digests
+  resumed = relaunched["resumed"]
   assert resumed.returncode == 0, resumed.stderr
   assert "resuming" in resumed.stdout and "at step 17" in resumed.stdout
   jax.tree.map(np.testing.assert_array_equal,
-               _trained_weights(tmp_path / "m"), _trained_weights(out))
-  a = json.loads((tmp_path / "m" / "train_lm.json").read_text())["results"]
+               _trained_weights(t / "m"), _trained_weights(out))
+  a = json.loads((t / "m" / "train_lm.json").read_text())["results"]
   b = json.loads((out / "train_lm.json").read_text())["results"]
   assert a == b
   # Records past the resumed step are cut, not repeated.
-  assert _steps(tmp_path / "m") == _steps(out) == [40]
+  assert _steps(t / "m") == _steps(out) == [40]
 
 
-def test_a_run_that_never_saved_starts_over(model, tmp_path):
-  out, args, _ = model
-  m = _copy(out, tmp_path / "m")
-  (m / "train_state.npz").unlink()
-  (m / "metrics.jsonl").write_text('{"step": 99}\n')
-  done = run("train_lm", *_without_output(args), f"--output_dir={m}")
+def test_a_run_that_never_saved_starts_over(model, launched):
+  done, t = launched["never_saved"]
   assert done.returncode == 0, done.stderr
   assert "resuming" not in done.stdout
   jax.tree.map(np.testing.assert_array_equal,
-               _trained_weights(m), _trained_weights(out))
-  assert _steps(m) == [40]
+               _trained_weights(t / "m"), _trained_weights(model[0]))
+  assert _steps(t / "m") == [40]
 
 
-def test_overwrite_removes_only_what_a_run_writes(model, tmp_path):
-  out, args, _ = model
-  m = _copy(out, tmp_path / "m")
-  (m / "notes.txt").write_text("keep me")
-  done = run("train_lm", *_without_output(args), f"--output_dir={m}",
-             "--overwrite", "--num_steps=2", "--eval_every_steps=0")
+def test_overwrite_removes_only_what_a_run_writes(launched):
+  done, t = launched["overwritten"]
   assert done.returncode == 0, done.stderr
-  assert (m / "notes.txt").read_text() == "keep me"
-  record = json.loads((m / "train_lm.json").read_text())
+  assert (t / "m" / "notes.txt").read_text() == "keep me"
+  record = json.loads((t / "m" / "train_lm.json").read_text())
   assert record["settings"]["preset"]["num_steps"] == 2
 
 
-def test_another_runs_directory_is_refused(model):
-  out, args, _ = model
-  done = run("train_lm", *args, "--num_steps=5")
+def test_another_runs_directory_is_refused(model, launched):
+  out = model[0]
+  done, _ = launched["another_runs"]
   assert done.returncode == 2
   assert done.stderr.splitlines() == [
     f"train_lm: error: --output_dir {out} holds train_lm output made with "
@@ -255,108 +426,67 @@ def test_another_runs_directory_is_refused(model):
     "directory"]
 
 
-def test_overwrite_refuses_a_model_train_lm_did_not_write(model, tmp_path):
-  # A user's Hugging Face model: every file of it one train_lm writes.
-  _, args, _ = model
-  m = tmp_path / "hf"
-  shutil.copytree(ROOT / "tests" / "fixtures" / "tiny_llama", m)
-  (m / "metrics.jsonl").write_text('{"step": 1}\n')
-  before = {p.name: p.read_bytes() for p in m.iterdir()}
-  done = run("train_lm", *_without_output(args), f"--output_dir={m}",
-             "--overwrite")
+def test_overwrite_refuses_a_model_train_lm_did_not_write(launched):
+  done, t = launched["not_train_lms"]
   assert done.returncode == 2, done.stderr
   assert "which no train_lm run wrote" in done.stderr
   assert len(done.stderr.splitlines()) == 1
-  assert {p.name: p.read_bytes() for p in m.iterdir()} == before
+  before = _digests(ROOT / "tests" / "fixtures" / "tiny_llama")
+  after = {k.removeprefix("hf/"): v for k, v in done.digests.items()}
+  assert after.pop("metrics.jsonl") == hashlib.sha256(
+    b'{"step": 1}\n').hexdigest()
+  assert after == before
 
 
-def test_another_data_dir_is_refused_not_resumed(model, data, tmp_path):
-  out, args, _ = model
-  other = tmp_path / "other"
-  shutil.copytree(data[0] / "bpe-300", other)
-  opened = tokens.open_tokens(other / "train.bin")
-  tokens.write_tokens(other / "train.bin", [np.asarray(opened.ids)[::-1]],
-                      opened.header.vocab_size, opened.header.eos_id, "t")
-  m = _copy(out, tmp_path / "m")
-  (m / "train_state.npz").write_bytes((out / "train_state.npz").read_bytes())
-  done = run("train_lm", "--preset=tiny", f"--data_dir={other}",
-             f"--output_dir={m}")
+def test_another_data_dir_is_refused_not_resumed(launched):
+  done, _ = launched["another_data_dir"]
   assert done.returncode == 2, done.stderr
   assert "other settings (data.train.bin.sha256 was" in done.stderr
   assert "resuming" not in done.stdout
 
 
-def test_a_truncated_saved_state_is_one_line(model, tmp_path):
-  out, args, _ = model
-  m = _copy(out, tmp_path / "m")
-  state = m / "train_state.npz"
-  state.write_bytes(state.read_bytes()[:1000])
-  done = run("train_lm", *_without_output(args), f"--output_dir={m}")
+def test_a_truncated_saved_state_is_one_line(launched):
+  done, t = launched["truncated"]
+  state = t / "m" / "train_state.npz"
   assert done.returncode == 2, done.stderr
   assert done.stderr.splitlines() == [
     f"train_lm: error: cannot read saved state {state} (File is not a zip "
     "file); delete it to start over"]
 
 
-def test_another_corpus_is_refused_then_replaced_whole(data, tmp_path):
-  path = tmp_path / "data"
-  shutil.copytree(data[0], path)
-  (path / run_dir.LOCK_FILE).unlink(missing_ok=True)
-  old = (path / "bpe-300" / "train.bin").read_bytes()
-  write_corpus(tmp_path / "src2", seed="another")
-  args = (f"--brown_dir={tmp_path / 'src2'}", f"--data_dir={path}",
-          "--vocab_sizes=300")
-  refused = run("prepare_brown", *args)
+def test_another_corpus_is_refused_then_replaced_whole(data, launched,
+                                                       relaunched):
+  refused, t = launched["another_corpus"]
+  old = _digests(data[0])["bpe-300/train.bin"]
   assert refused.returncode == 2, refused.stderr
   assert "other settings (corpus.sha256 was" in refused.stderr
   assert "--overwrite" in refused.stderr
-  assert (path / "bpe-300" / "train.bin").read_bytes() == old
-  replaced = run("prepare_brown", *args, "--overwrite")
+  assert refused.digests["data/bpe-300/train.bin"] == old
+  replaced = relaunched["replaced"]
   assert replaced.returncode == 0, replaced.stderr
   assert "reusing" not in replaced.stdout
-  assert (path / "bpe-300" / "train.bin").read_bytes() != old
+  assert replaced.digests["data/bpe-300/train.bin"] != old
 
 
 def test_a_token_folder_missing_its_validation_carve_is_built_again(
-    data, tmp_path):
-  path = tmp_path / "data"
-  shutil.copytree(data[0], path)
-  (path / run_dir.LOCK_FILE).unlink(missing_ok=True)
-  for name in ("validation.json", "validation.bin"):
-    (path / "bpe-300" / name).unlink()
-  done = run("prepare_brown", f"--brown_dir={data[0] / 'corpus'}",
-             f"--data_dir={path}", "--vocab_sizes=300")
+    launched):
+  done, t = launched["no_validation_carve"]
   assert done.returncode == 0, done.stderr
   assert "reusing" not in done.stdout
-  assert (path / "bpe-300" / "validation.json").is_file()
+  assert (t / "data" / "bpe-300" / "validation.json").is_file()
 
 
-def test_a_vocab_the_corpus_cannot_fill_is_refused(data, tmp_path):
-  done = run("prepare_brown", f"--brown_dir={data[0] / 'corpus'}",
-             f"--data_dir={tmp_path / 'd'}", "--vocab_sizes=20000")
+def test_a_vocab_the_corpus_cannot_fill_is_refused(launched):
+  done, t = launched["unfillable_vocab"]
   assert done.returncode == 2, done.stderr
   assert "--vocab_sizes=20000: the training split fills only" in done.stderr
-  assert not (tmp_path / "d" / "bpe-20000").exists()
+  assert not (t / "d" / "bpe-20000").exists()
 
 
-def test_a_stop_signal_exits_75_without_a_traceback(data, tmp_path):
-  # The signal arrives while the tokenizer trains.
-  prelude = (
-    "import os, runpy, signal, sys\n"
-    "from decompax.targets import brown\n"
-    "train = brown.train_bpe\n"
-    "def stopped(*args):\n"
-    "  os.kill(os.getpid(), signal.SIGINT)\n"
-    "  return train(*args)\n"
-    "brown.train_bpe = stopped\n"
-    f"sys.argv = ['prepare_brown', '--brown_dir={data[0] / 'corpus'}',\n"
-    f"            '--data_dir={tmp_path / 'd'}', '--vocab_sizes=300']\n"
-    f"runpy.run_path('{ROOT / 'bin' / 'prepare_brown'}', run_name='__main__')\n")
-  done = subprocess.run(
-    [sys.executable, "-P", "-c", prelude], capture_output=True, text=True,
-    cwd=ROOT, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+def test_a_stop_signal_exits_75_without_a_traceback(launched):
+  done, t = launched["stop_signal"]
   assert done.returncode == 75, done.stderr
   assert "Traceback" not in done.stderr
   assert "stop signal (SIGINT)" in done.stdout
-  assert not (tmp_path / "d" / "bpe-300").exists()
-  assert not [n for n in os.listdir(tmp_path / "d") if n.startswith(".bpe")]
+  assert not (t / "d" / "bpe-300").exists()
+  assert not [n for n in os.listdir(t / "d") if n.startswith(".bpe")]
