@@ -1,8 +1,9 @@
 """Run many short `bin/<program>` invocations from one warm process.
 
-Used by `test_bad_inputs.py`, `test_run_dir_contract.py` and
-`tests/test_dev.py` (every binary's `--helpfull`): importing JAX and the
-libraries costs seconds per process, most of a refusal's run. This script
+Used by `test_bad_inputs.py`, `test_run_dir_contract.py`,
+`test_brown_lm.py` and `tests/test_dev.py` (every binary's `--helpfull`):
+importing JAX and the libraries costs seconds per process, most of a
+refusal's run. This script
 imports them once, then forks one child per invocation, which runs the
 program's launcher `bin/<program>` itself (so its module is the one the
 launcher names), with its own argv, working directory, environment and
