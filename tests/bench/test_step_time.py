@@ -23,6 +23,24 @@ def one_device(bench):
   return bench.compile_recipe(TINY, matched=True)
 
 
+def _two_steps(recipe: dict) -> list[np.ndarray]:
+  """Return the float32 leaves of the state two steps from the recipe's
+  (which the step donates)."""
+  state = recipe["state"]
+  for _ in range(2):
+    state, _ = recipe["compiled"](state, recipe["weights"], recipe["key"])
+  return [np.asarray(leaf) for leaf in jax.tree.leaves(state)
+          if leaf.dtype == jnp.float32]
+
+
+@pytest.fixture(scope="module")
+def accelerator(bench):
+  """The accelerator layout's program text and its state after two steps,
+  which both kernel tests compare against (compiled once for both)."""
+  recipe = bench.compile_recipe(TINY, matched=True, layout="accelerator")
+  return recipe["compiled"].as_text(), _two_steps(recipe)
+
+
 def test_the_speed_up_is_against_the_faster_reference_dtype(bench, monkeypatch):
   monkeypatch.setitem(bench.REFERENCE_MS, "toy", {"fp32": 30.0, "bf16": 20.0})
   assert bench.best_reference("toy") == (20.0, "bf16")
@@ -86,23 +104,17 @@ def test_each_compile_setting_gets_its_own_row(bench):
     bench.compile_recipe(TINY, matched=True, options="fast")
 
 
-def test_each_ci_layout_traces_its_own_kernel_and_trains_alike(bench):
+def test_each_ci_layout_traces_its_own_kernel_and_trains_alike(
+    bench, accelerator):
   """`--ci_layouts` forces the component-MLP kernel on any backend: the CPU
   layout packs its two batch sums into one complex64 array, the
   accelerator layout has no complex values at all. Two training steps
   under each end in the same state, to float32 rounding."""
-  recipes = {layout: bench.compile_recipe(TINY, matched=True, layout=layout)
-             for layout in ("cpu", "accelerator")}
-  texts = {layout: r["compiled"].as_text() for layout, r in recipes.items()}
+  cpu = bench.compile_recipe(TINY, matched=True, layout="cpu")
+  texts = {"cpu": cpu["compiled"].as_text(), "accelerator": accelerator[0]}
   assert "c64[" in texts["cpu"]
   assert "c64[" not in texts["accelerator"]
-  finals = {}
-  for layout, r in recipes.items():
-    state = r["state"]
-    for _ in range(2):
-      state, _ = r["compiled"](state, r["weights"], r["key"])
-    finals[layout] = [np.asarray(leaf) for leaf in jax.tree.leaves(state)
-                      if leaf.dtype == jnp.float32]
+  finals = {"cpu": _two_steps(cpu), "accelerator": accelerator[1]}
   assert len(finals["cpu"]) > 10
   for a, b in zip(finals["cpu"], finals["accelerator"], strict=True):
     np.testing.assert_allclose(a, b, rtol=0,
@@ -112,22 +124,17 @@ def test_each_ci_layout_traces_its_own_kernel_and_trains_alike(bench):
 
 
 def test_the_pallas_kernel_trains_like_the_accelerator_layout(
-    bench, monkeypatch):
+    bench, accelerator, monkeypatch):
   """The Pallas kernel inside a real training step (through Pallas'
   interpreter, since this is a CPU): two steps end in the accelerator
   layout's state, to float32 rounding."""
   monkeypatch.setitem(bench.CI_LAYOUTS, "pallas", functools.partial(
     component_mlp_pallas.pallas_pre, interpret=True))
-  finals, loops = {}, {}
-  for layout in ("accelerator", "pallas"):
-    r = bench.compile_recipe(TINY, matched=True, layout=layout)
-    # The interpreter runs the kernel's grid and row loops as HLO loops.
-    loops[layout] = r["compiled"].as_text().count(" while(")
-    state = r["state"]
-    for _ in range(2):
-      state, _ = r["compiled"](state, r["weights"], r["key"])
-    finals[layout] = [np.asarray(leaf) for leaf in jax.tree.leaves(state)
-                      if leaf.dtype == jnp.float32]
+  pallas = bench.compile_recipe(TINY, matched=True, layout="pallas")
+  # The interpreter runs the kernel's grid and row loops as HLO loops.
+  loops = {"pallas": pallas["compiled"].as_text().count(" while("),
+           "accelerator": accelerator[0].count(" while(")}
+  finals = {"pallas": _two_steps(pallas), "accelerator": accelerator[1]}
   assert loops["pallas"] > loops["accelerator"]
   assert len(finals["pallas"]) > 10
   for a, b in zip(finals["pallas"], finals["accelerator"], strict=True):
