@@ -3,13 +3,13 @@
 Used by `test_bad_inputs.py`, `test_run_dir_contract.py`,
 `test_brown_lm.py` and `tests/test_dev.py` (every binary's `--helpfull`):
 importing JAX and the libraries costs seconds per process, most of a
-refusal's run. This script
-imports them once, then forks one child per invocation, which runs the
-program's launcher `bin/<program>` itself (so its module is the one the
-launcher names), with its own argv, working directory, environment and
-stdout/stderr files. Only modules that define no absl flags are imported
-before the fork (the binaries define clashing flag names), and no JAX
-backend is started in the parent, so each child starts its own.
+refusal's run. This script imports them once, then forks one child per
+invocation, which runs the program's launcher `bin/<program>` itself (so
+its module is the one the launcher names), with its own argv, working
+directory, environment and stdout/stderr files. Only modules that define
+no absl flags are imported before the fork (the binaries define clashing
+flag names), and no JAX backend is started in the parent, so each child
+starts its own.
 
 stdin: a JSON list of `{"id", "program", "argv", "cwd", "env", "prelude",
 "out"}`; stdout: a JSON object of `id -> exit code`. `prelude` is Python
