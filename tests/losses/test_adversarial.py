@@ -200,20 +200,35 @@ def _sources(after):
 RIDER = hidden.HiddenRider(2.0, ("l0.out", "l1.out"))
 
 
-def test_i23_e2e_without_rider_is_term(chain):
-  _, e2e, m_e2e, *_ = _run(chain, (_persistent_with(chain[0], "e2e"),))
-  _, term, m_term, *_ = _run(chain, (_persistent_with(chain[0], "term"),))
+@pytest.fixture(scope="module")
+def persistent_run(chain):
+  """Return `run(objective, rider)`: `_run` of the persistent term
+  `_persistent_with` builds, stepped once per module for each pair (the
+  I23 tests share the plain e2e run, a compile of seconds)."""
+  done = {}
+
+  def run(objective, rider):
+    if (objective, rider) not in done:
+      done[objective, rider] = _run(chain, (
+        _persistent_with(chain[0], objective, rider=rider),))
+    return done[objective, rider]
+
+  return run
+
+
+def test_i23_e2e_without_rider_is_term(persistent_run):
+  _, e2e, m_e2e, *_ = persistent_run("e2e", None)
+  _, term, m_term, *_ = persistent_run("term", None)
   chex.assert_trees_all_equal(e2e._replace(rng=None), term._replace(rng=None))
   assert float(m_e2e["loss/persistent"]) == float(m_term["loss/persistent"])
 
 
-def test_i23_e2e_with_rider_ascends_on_output_only(chain):
+def test_i23_e2e_with_rider_ascends_on_output_only(persistent_run):
   """Same draws and pre-update parameters: the e2e sources move exactly as
   without the rider, while the rider still changes the loss and the model."""
-  _, plain, m_plain, *_ = _run(chain, (_persistent_with(chain[0]),))
-  _, e2e, m_e2e, *_ = _run(chain, (_persistent_with(chain[0], rider=RIDER),))
-  _, term, _, *_ = _run(chain, (
-    _persistent_with(chain[0], "term", rider=RIDER),))
+  _, plain, m_plain, *_ = persistent_run("e2e", None)
+  _, e2e, m_e2e, *_ = persistent_run("e2e", RIDER)
+  _, term, _, *_ = persistent_run("term", RIDER)
   for site, source in _sources(plain).items():
     np.testing.assert_allclose(_sources(e2e)[site], source, rtol=1e-6,
                                atol=1e-7)
