@@ -117,6 +117,7 @@ def test_tiny_llama_vpd_run_resumes_bitwise(parse, monkeypatch, tmp_path,
   PGD over positions and EMA frequency minimality: 4 straight steps equal
   2 steps, save, restore onto a fresh state, 2 steps."""
   import jax
+  import jax.numpy as jnp
 
   from decompax.io import checkpoint
 
@@ -130,22 +131,22 @@ def test_tiny_llama_vpd_run_resumes_bitwise(parse, monkeypatch, tmp_path,
   weights = load()
 
   run = assembly.build_run(config, toy, target, weights)
-  # One compiled step for both halves: the rebuilt run below brings its
-  # own fresh state, and stepping it with this run's step compiles nothing
-  # again (its own step would be traced and compiled anew).
+  # One run built, one step compiled for both halves: the second half and
+  # the restore's template start from copies of the fresh state (the step
+  # donates its input), as a rebuilt run's would be.
   step = run.built.step
+  fresh = [jax.tree.map(jnp.copy, run.state) for _ in range(2)]
   state, metrics = run.state, []
   for _ in range(4):
     state, m = step(state, run.weights, run.data_key)
     metrics.append(jax.device_get(m))
   straight = state
 
-  run = assembly.build_run(config, toy, target, weights)
-  state = run.state
+  state = fresh[0]
   for _ in range(2):
     state, _ = step(state, run.weights, run.data_key)
   path = checkpoint.save(tmp_path, 2, checkpoint.split_state(state))
-  template = assembly.build_run(config, toy, target, weights).state
+  template = fresh[1]
   items = checkpoint.split_state(template)
   state = checkpoint.join_state(template, {
     name: checkpoint.restore_item(path, name, tree)
