@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import shutil
 
 import jax
@@ -24,9 +25,12 @@ from decompax.measures import component_stats as stats_lib
 from decompax.placement import shardings
 from decompax.placement import table as table_lib
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Two ablated batches: a harvest stopped in batch 1's ablations resumes to
+# this one's result.
 REQUEST = harvest_settings.Request(positions=4 * 8 * 32, batch_size=8, top_k=5,
                                    window_before=3, window_after=2,
-                                   ablation_batches=1)
+                                   ablation_batches=2)
 
 
 @pytest.fixture(scope="module")
@@ -114,18 +118,22 @@ def test_a_fresh_window_has_the_input_types_of_an_accumulated_one(induction):
 def test_ablation_effect_sums_the_divergence_where_a_component_fires(
     induction, harvested):
   settings, out, _ = harvested
+  assert settings.ablation_batches == 2 < settings.n_batches
   inputs, cis = _direct(induction, settings)
   site = induction.target.sites[0]
   counts = _read(out, site.name, "ablation_count")
-  fired = cis[0][site.name] > settings.threshold        # first batch only
+  fired = np.stack([ci[site.name] > settings.threshold   # the first two
+                    for ci in cis[:2]])                   # batches only
   np.testing.assert_array_equal(counts, fired.reshape(-1, site.c).sum(0))
-  # One component's sum, from its own ablated forward.
+  # One component's sum, from its own ablated forwards.
   c = int(np.argmax(counts))
-  one = explore.ablated_forward(induction, inputs[0], ablate={site.name: [c]})
-  clean = jax.nn.log_softmax(one.clean.astype(np.float32), axis=-1)
-  masked = jax.nn.log_softmax(one.output.astype(np.float32), axis=-1)
-  kl = np.sum(np.exp(clean) * (clean - masked), axis=-1)
-  expected = float(np.sum(np.where(fired[..., c], kl, 0.0)))
+  expected = 0.0
+  for x, fired_x in zip(inputs[:2], fired):
+    one = explore.ablated_forward(induction, x, ablate={site.name: [c]})
+    clean = jax.nn.log_softmax(one.clean.astype(np.float32), axis=-1)
+    masked = jax.nn.log_softmax(one.output.astype(np.float32), axis=-1)
+    kl = np.sum(np.exp(clean) * (clean - masked), axis=-1)
+    expected += float(np.sum(np.where(fired_x[..., c], kl, 0.0)))
   assert _read(out, site.name, "ablation_sum")[c] == pytest.approx(
     expected, rel=1e-3, abs=1e-6)
   assert counts[c] > 0
@@ -265,14 +273,12 @@ def test_the_ablations_say_their_progress(induction, tmp_path):
 
 
 def test_a_harvest_stopped_in_its_ablations_resumes_to_the_same_result(
-    induction, tmp_path):
+    induction, harvested, tmp_path):
   """Stopped between two chunks of batch 1's ablations, it saves the
   batches before and redoes batch 1 on resuming."""
-  settings = harvest_settings.resolve(induction, dataclasses.replace(
-    REQUEST, ablation_batches=2))
-  whole, out = str(tmp_path / "whole"), str(tmp_path / "stopped")
-  harvest_lib.harvest(induction, settings, whole, save_every_s=60.0,
-                      ablation_chunk=5, say=lambda _: None)
+  settings, whole, _ = harvested
+  assert settings.ablation_batches == 2
+  out = str(tmp_path / "stopped")
   lines = []
 
   def stop():  # once batch 1's first chunk is ablated
@@ -836,6 +842,43 @@ def test_a_sharded_tag_harvest_equals_the_one_device_one(
                                    err_msg=f"{key}/{field}")
 
 
+def test_a_plain_mlp_s_units_are_its_act_up_neurons(induction):
+  """Fast variant of the tiny GPT-2 harvest below: GPT-2's settings give a
+  plain MLP form, whose units read the up projection alone (no gates
+  baseline), its neurons `gelu_tanh(up)` and its rotated neurons that
+  hidden vector rotated, against direct computation on random taps."""
+  from decompax.recipe import flagfiles  # noqa: PLC0415
+  config = flagfiles.read_args([
+    f"--flagfile={ROOT / 'flags' / 'tiny_gpt2.flags'}",
+    f"--model_dir={ROOT / 'tests' / 'fixtures' / 'tiny_gpt2'}"])
+  # The form is the model's: read from the settings, whatever the run.
+  mlp = harvest_baselines.mlp_form(induction._replace(config=config))
+  assert not mlp.gated
+  assert harvest_baselines.baseline_taps((1,), (), mlp) == (
+    "layers.1.mlp.up_proj.out",)
+  assert harvest_baselines.baseline_keys((1,), (), mlp, ()) == (
+    "layers.1.mlp.neurons", "layers.1.mlp.rotated")
+  up = np.random.default_rng(0).normal(size=(2, 6, 5))
+  rotation = np.linalg.qr(np.random.default_rng(1).normal(size=(5, 5)))[0]
+  got = harvest_baselines.baseline_activity(
+    {"layers.1.mlp.up_proj.out": jax.numpy.asarray(up, np.float32)}, (1,),
+    (), 0, {"rotation": jax.numpy.asarray(rotation[None], np.float32)}, mlp)
+  hidden = 0.5 * up * (1 + np.tanh(
+    np.sqrt(2 / np.pi) * (up + 0.044715 * up ** 3)))
+  want = {"neurons": np.maximum(hidden, 0),
+          "rotated": np.maximum(hidden @ rotation, 0)}
+  assert sorted(got) == [f"layers.1.mlp.{k}" for k in sorted(want)]
+  for kind, value in want.items():
+    np.testing.assert_allclose(got[f"layers.1.mlp.{kind}"], value,
+                               rtol=1e-5, atol=1e-6, err_msg=kind)
+  assert not np.allclose(want["rotated"], want["neurons"])
+
+
+# The fast variant is
+# tests/analysis/test_harvesting.py::test_a_plain_mlp_s_units_are_its_act_up_neurons
+# (the same form and activities, from GPT-2's settings on random taps);
+# this one trains a GPT-2 decomposition of its own to harvest.
+@pytest.mark.slow
 def test_a_plain_mlp_s_baselines_are_its_act_up_neurons(finished_run,
                                                         tmp_path):
   """GPT-2's MLP has no gate: its neurons are `gelu_tanh(up)`, rotated the
