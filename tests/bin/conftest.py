@@ -12,7 +12,8 @@ import jax
 import pytest
 from absl import flags
 
-from decompax.bin import placement_setup, train, train_flags
+from decompax.bin import (figure_worker, placement_setup, render_process,
+                          train, train_flags)
 from decompax.io import run_dir
 from decompax.targets import registry
 
@@ -117,8 +118,25 @@ def cpu_flagfiles() -> list[pathlib.Path]:
 # transformer CI is launched with the fast eval tier by
 # tests/bin/test_lm_train.py; a targeted recipe's short run is
 # tests/bin/test_targeted.py's.
-SMOKE_IN_DEFAULT = frozenset({"tms_5-2", "tms_5-2-id", "tms_5-2_vpd",
-                              "resid_mlp1", "embed_16-8", "induction"})
+# The TMS recipe's own path (stochastic and per-site reconstruction, the
+# L_p penalty, the feature probe) is the sum of others': the hidden
+# identity's run takes both reconstructions and the probe, the VPD run the
+# TMS target itself, and every other run the L_p penalty; its smoke run is
+# slow, its step lowered. The fast variants are
+# tests/bin/test_eval_smoke.py::test_flagfile_runs_both_eval_tiers_and_saves
+# [tms_5-2-id] and [tms_5-2_vpd], and
+# tests/bin/test_flagfiles_lower.py::
+# test_flagfile_builds_its_run_and_lowers_its_step[tms_5-2].
+SMOKE_IN_DEFAULT = frozenset({"tms_5-2-id", "tms_5-2_vpd", "resid_mlp1",
+                              "embed_16-8", "induction"})
+
+
+# The flagfiles that tests/bin/test_family_runs.py runs for a few steps in
+# the default suite (test_family_flagfile_decomposes_a_few_steps[<name>]):
+# their steps are built, compiled and run there, so lowering them again is
+# `slow` (that test checks it keeps this set).
+FAMILY_RUNS = frozenset({"tiny_gemma2", "tiny_gemma3", "tiny_gpt2",
+                         "tiny_pythia", "tiny_qwen3moe"})
 
 
 def pytest_generate_tests(metafunc):
@@ -133,7 +151,9 @@ def pytest_generate_tests(metafunc):
                          ids=[p.stem for p in paths])
   if "slow_smoke_flagfile" in metafunc.fixturenames:
     paths = [p for p in cpu_flagfiles() if p.stem not in SMOKE_IN_DEFAULT]
-    metafunc.parametrize("slow_smoke_flagfile", paths,
+    params = [pytest.param(p, marks=pytest.mark.slow)
+              if p.stem in FAMILY_RUNS else p for p in paths]
+    metafunc.parametrize("slow_smoke_flagfile", params,
                          ids=[p.stem for p in paths])
 
 
@@ -145,6 +165,11 @@ def cpu_flagfile_names() -> set[str]:
 @pytest.fixture
 def smoke_in_default() -> frozenset[str]:
   return SMOKE_IN_DEFAULT
+
+
+@pytest.fixture
+def family_runs() -> frozenset[str]:
+  return FAMILY_RUNS
 
 
 def smoke_args(parse, path: pathlib.Path, tmp_path: pathlib.Path,
@@ -181,12 +206,27 @@ def smoke_config(parse, tmp_path):
   return lambda path: parse(*smoke_args(parse, path, tmp_path, 0))
 
 
+@pytest.fixture(scope="module")
+def warm_render_process():
+  """Hand every run of the module its figures' render process from one
+  child, started once: a child's start (Python, matplotlib, JAX) costs
+  seconds of each smoke run. It is started here, on the main thread, which
+  outlives every run's figure worker (the child's parent-death signal
+  follows the thread that started it); a run's close leaves it running."""
+  child = render_process.start()
+  shared = render_process.RenderProcess(child.run, lambda: None)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(figure_worker, "lazy_render_process", lambda: shared)
+    yield
+  child.close()
+
+
 @pytest.fixture
-def smoke_run(parse, tmp_path, capsys):
+def smoke_run(parse, tmp_path, capsys, warm_render_process):
   """Return a runner of one flagfile through both eval tiers and a save.
 
-  In-process (no JAX start-up per flagfile) on an untrained target with a
-  tiny batch: the fast tier alone at step 0 (the fresh-run baseline), one
+  In-process (no JAX start-up per flagfile, one render child per module)
+  on an untrained target with a tiny batch: the fast tier alone at step 0 (the fresh-run baseline), one
   training step, both tiers at step 1 with the slow tier's figures and
   report rendered off the loop, and checkpoints.
   """

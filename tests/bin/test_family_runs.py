@@ -29,6 +29,12 @@ SITES = {
 }
 
 
+def test_the_family_runs_are_the_ones_lowered_only_under_slow(family_runs):
+  # tests/bin/test_flagfiles_lower.py leaves these flagfiles' steps to this
+  # file's runs in the default suite.
+  assert family_runs == set(SITES)
+
+
 @pytest.mark.parametrize("name", sorted(SITES))
 def test_family_flagfile_decomposes_a_few_steps(name, parse, tmp_path,
                                                 monkeypatch):

@@ -6,6 +6,11 @@ flagfile per code path in the default suite, and compile its step there):
 it still catches a flagfile whose settings no longer parse, plan or trace.
 Lowering traces the whole step to StableHLO without XLA's compile, the
 part of a smoke run that costs most.
+
+The language-model families' flagfiles (`conftest.FAMILY_RUNS`) are `slow`
+rows here: the fast variant is
+tests/bin/test_family_runs.py::test_family_flagfile_decomposes_a_few_steps,
+which builds, compiles and runs each of their steps.
 """
 
 import jax
