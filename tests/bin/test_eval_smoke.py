@@ -4,7 +4,8 @@ A failure that only shows at the first slow eval shows here. The other
 flagfiles run in `test_eval_smoke_models.py` (two files, so the suite's
 workers share them; `conftest.py` splits the flagfiles). The default suite
 runs one flagfile per code path (`conftest.SMOKE_IN_DEFAULT`), the rest are
-`slow`; `test_flagfiles_lower.py` lowers the slow ones' steps.
+`slow`; `test_flagfiles_lower.py` lowers the slow ones' steps (this
+file's own recipe, `tms_5-2`, among them).
 """
 
 import math
