@@ -120,6 +120,13 @@ def format_duration(seconds: float) -> str:
   return f"{seconds}s"
 
 
+def format_rate(per_s: float) -> str:
+  """Return a rate in whole units from 100 up and to three significant
+  digits below, where a large model's few steps a second would round
+  away (6.2, not 6)."""
+  return f"{per_s:.0f}" if per_s >= 100 else f"{per_s:.3g}"
+
+
 def progress_line(step, total, metrics, sites, steps_per_s,
                   targeted: bool = False, stop: int | None = None) -> str:
   """Return one terminal line: step, losses, CI-L0 (each stream's in a
@@ -130,7 +137,7 @@ def progress_line(step, total, metrics, sites, steps_per_s,
   for prefix in ("target/", "nontarget/") if targeted else ("",):
     l0 = "/".join(f"{metrics[f'{prefix}ci_l0/{s.name}']:.2f}" for s in sites)
     parts.append(f"{prefix.rstrip('/')} L0 {l0}".lstrip())
-  parts.append(f"{steps_per_s:.0f} it/s")
+  parts.append(f"{format_rate(steps_per_s)} it/s")
   stop = total if stop is None else stop
   eta = (stop - step) / max(steps_per_s, 1e-9)
   until = "" if stop == total else f" to step {stop}"

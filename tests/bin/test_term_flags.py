@@ -44,6 +44,16 @@ def test_the_eta_counts_to_where_the_launch_stops():
     "ETA 1m50s to step 12000")
 
 
+@pytest.mark.parametrize("per_s, shown", [
+  (173.4, "173 it/s"), (100.0, "100 it/s"), (54.27, "54.3 it/s"),
+  (6.125, "6.12 it/s"), (0.4, "0.4 it/s")])
+def test_the_rate_keeps_three_digits_below_a_hundred(per_s, shown):
+  site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 3)
+  metrics = {f"loss/{t.name}": 1.0 for t in PLAIN} | {"ci_l0/linear1": 0.5}
+  assert f"  {shown}  " in train.progress_line(1, 10, metrics, (site,),
+                                               per_s)
+
+
 def test_a_targeted_progress_line_shows_each_stream_behind_its_name():
   site = sites_lib.SiteSpec("linear1", "linear1", 0, 2, 2, 3)
   metrics = {"target/loss/stochastic_recon": 1.0,
