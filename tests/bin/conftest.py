@@ -5,7 +5,7 @@ import os
 import pathlib
 import queue
 import re
-import sys
+import signal
 import threading
 
 import jax
@@ -53,6 +53,28 @@ def parse():
   yield _parse
   flags.FLAGS.unparse_flags()
   flags.FLAGS.mark_as_parsed()
+
+
+def _launch_in_process(config, placement=None) -> None:
+  """Run `config` as one `bin/train` launch does once its flags are read,
+  in this process; leave the run directory's lock and the stop signals'
+  handlers as the launch's exit would, whatever it raised."""
+  handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+  prepared = train.setup(config, placement)
+  try:
+    train.train(prepared)
+  finally:
+    if prepared.lock is not None:
+      os.close(prepared.lock)
+    for signum, handler in handlers.items():
+      signal.signal(signum, handler)
+
+
+@pytest.fixture(scope="session")
+def launch_in_process():
+  """Return `launch(config, placement=None)`: one bin/train launch run in
+  this process (no child pays JAX's start-up)."""
+  return _launch_in_process
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,10 @@ test_bad_inputs.py's (rows `diverged` and `skipped_too_many`).
 
 import os
 import shutil
-import signal
 
 import pytest
 
-from decompax.bin import checkpointing, train
+from decompax.bin import checkpointing
 from decompax.io import checkpoint, run_dir
 
 SMALL = ("--num_steps=20", "--save_every=5", "--log_every=5",
@@ -37,31 +36,26 @@ def target_path(tmp_path_factory, finished_run) -> str:
   return str(path)
 
 
-def _diverged_launch(parse, capsys, *args: str,
+def _diverged_launch(launch, parse, capsys, *args: str,
                      placement=None) -> tuple[str, str]:
   """Run one launch of `args` in this process, expecting it to diverge;
   return its one-line error and what it printed."""
   capsys.readouterr()
-  handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-  prepared = train.setup(parse(*args), placement)
-  try:
-    with pytest.raises(checkpointing.Diverged) as info:
-      train.train(prepared)
-  finally:  # the lock and the signals, as the launch's exit would leave them
-    os.close(prepared.lock)
-    for signum, handler in handlers.items():
-      signal.signal(signum, handler)
+  config = parse(*args)
+  with pytest.raises(checkpointing.Diverged) as info:
+    launch(config, placement)
   message = str(info.value)
   assert "\n" not in message
   return message, capsys.readouterr().out
 
 
 def test_divergence_stops_and_keeps_the_good_checkpoint(
-    parse, capsys, tmp_path, target_path, one_device_placement):
+    parse, capsys, tmp_path, target_path, one_device_placement,
+    launch_in_process):
   out = tmp_path / "run"
   args = (*DIVERGE, "--lr=1e6", f"--output_dir={out}",
           f"--target_path={target_path}")
-  launch = lambda: _diverged_launch(parse, capsys, *args,
+  launch = lambda: _diverged_launch(launch_in_process, parse, capsys, *args,
                                     placement=one_device_placement)
   line, _ = launch()
   # Found at the step-5 log, named by the first bad step.
@@ -80,11 +74,11 @@ def test_divergence_stops_and_keeps_the_good_checkpoint(
 
 
 def test_skip_drops_bad_updates_until_too_many_come_in_a_row(
-    parse, capsys, tmp_path, target_path):
+    parse, capsys, tmp_path, target_path, launch_in_process):
   out = tmp_path / "run"
   # No share limit: the streak is what stops this run.
   line, printed = _diverged_launch(
-    parse, capsys, *SMALL, "--lr=1e6", "--on_nonfinite=skip",
+    launch_in_process, parse, capsys, *SMALL, "--lr=1e6", "--on_nonfinite=skip",
     "--max_skipped_in_a_row=8", "--max_skipped_share=1",
     f"--output_dir={out}", f"--target_path={target_path}")
   assert "non-finite update(s)" in printed

@@ -7,7 +7,6 @@ steps with logs every 4 and saves every 5: calls of 3, 2 and 1 steps.
 """
 
 import dataclasses
-import os
 import pathlib
 
 import pytest
@@ -20,17 +19,6 @@ ARGS = (f"--num_steps={STEPS}", "--batch_size=16", "--c=6", "--ci_hidden=4",
         "--log_every=4", "--save_every=5", "--keep_all", "--eval_every=0",
         "--slow_eval_every=0", "--figures_every=0",
         "--faithfulness_warmup_steps=0", "--restarts=1", "--select_at=0")
-
-
-def _launch(config) -> None:
-  """Train `config` as `bin/train` does, letting go of its run directory
-  after (another launch of this process takes it again)."""
-  prepared = train.setup(config)
-  try:
-    train.train(prepared)
-  finally:
-    if prepared.lock is not None:
-      os.close(prepared.lock)
 
 
 def _config(tms_target, output_dir, *args):
@@ -56,10 +44,10 @@ def _checkpoints(output_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_per_call(tms_target, tmp_path_factory):
+def one_per_call(tms_target, tmp_path_factory, launch_in_process):
   """The run of one step per call: its records and checkpoints."""
   out = tmp_path_factory.mktemp("one") / "run"
-  _launch(_config(tms_target, out, "--steps_per_call=1"))
+  launch_in_process(_config(tms_target, out, "--steps_per_call=1"))
   return _records(out), _checkpoints(out)
 
 
@@ -85,10 +73,11 @@ def test_calls_end_at_every_step_the_loop_looks_at():
 
 
 def test_three_steps_per_call_log_and_save_bitwise_as_one(
-    one_per_call, tms_target, tmp_path, assert_bitwise_equal):
+    one_per_call, tms_target, tmp_path, assert_bitwise_equal,
+    launch_in_process):
   records, saved = one_per_call
   out = tmp_path / "run"
-  _launch(_config(tms_target, out, "--steps_per_call=3"))
+  launch_in_process(_config(tms_target, out, "--steps_per_call=3"))
   assert [r["step"] for r in records] == [4, 8, 11]
   assert _records(out) == records
   assert sorted(saved) == [0, 5, 10, 11]
@@ -96,7 +85,8 @@ def test_three_steps_per_call_log_and_save_bitwise_as_one(
 
 
 def test_a_run_stopped_mid_call_resumes_bitwise(
-    one_per_call, tms_target, tmp_path, monkeypatch, assert_bitwise_equal):
+    one_per_call, tms_target, tmp_path, monkeypatch, assert_bitwise_equal,
+    launch_in_process):
   """A signal during the call of steps 6 to 8 is serviced after step 8,
   which is saved; the rerun, at another --steps_per_call (a relaunch
   flag), ends where the run of one step per call ends."""
@@ -104,12 +94,12 @@ def test_a_run_stopped_mid_call_resumes_bitwise(
   out = tmp_path / "run"
   monkeypatch.setenv(checkpointing.FAULT_ENV, "sigterm_after_step=6")
   with pytest.raises(SystemExit) as stopped:
-    _launch(_config(tms_target, out, "--steps_per_call=3"))
+    launch_in_process(_config(tms_target, out, "--steps_per_call=3"))
   assert stopped.value.code == checkpointing.REQUEUE_EXIT_CODE
   assert checkpoint.committed_steps(
     checkpointing.checkpoint_dir(str(out))) == [0, 5, 8]
   monkeypatch.delenv(checkpointing.FAULT_ENV)
-  _launch(_config(tms_target, out, "--steps_per_call=2"))
+  launch_in_process(_config(tms_target, out, "--steps_per_call=2"))
   assert _records(out) == records
   resumed = _checkpoints(out)
   assert sorted(resumed) == [0, 5, 8, 10, 11]

@@ -17,7 +17,6 @@ import sys
 import numpy as np
 import pytest
 
-from decompax.bin import train
 from decompax.io import checkpoint, run_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -26,16 +25,12 @@ ARGS = ("--target=tms_5-2", "--c=6", "--batch_size=16", "--num_steps=8",
         "--save_every=4", "--keep_all", "--eval_batches=1")
 
 
-def _in_process(parse, capsys, target, output_dir, *extra) -> str:
+def _in_process(launch, parse, capsys, target, output_dir, *extra) -> str:
   """Run `ARGS` into `output_dir` as one launch in this process, on the
   cached `target`; return what it printed."""
   capsys.readouterr()
-  prepared = train.setup(parse(*ARGS, f"--output_dir={output_dir}",
-                               f"--target_path={target}", *extra))
-  try:
-    train.train(prepared)
-  finally:  # the run directory's lock, as the launch's exit would
-    os.close(prepared.lock)
+  launch(parse(*ARGS, f"--output_dir={output_dir}",
+               f"--target_path={target}", *extra))
   return capsys.readouterr().out
 
 
@@ -61,10 +56,10 @@ def _losses(output_dir):
 
 
 def test_stop_then_continue_matches_one_launch(parse, capsys, tms_target,
-                                               tmp_path):
+                                               tmp_path, launch_in_process):
   split, straight = tmp_path / "split", tmp_path / "straight"
-  launch = lambda out, *extra: _in_process(parse, capsys, tms_target, out,
-                                           *extra)
+  launch = lambda out, *extra: _in_process(launch_in_process, parse, capsys,
+                                           tms_target, out, *extra)
   out = launch(split, "--stop_after_step=4")
   assert "stopped after step 4 of 8" in out
   assert not (split / "decomposition.npz").exists()

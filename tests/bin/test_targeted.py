@@ -13,7 +13,6 @@ from typing import NamedTuple
 import numpy as np
 import jax
 import pytest
-from absl import flags
 
 from decompax.bin import train, train_flags
 from decompax.io import checkpoint
@@ -119,36 +118,27 @@ def _records(output_dir):
     return [json.loads(line) for line in f]
 
 
-def _train_in_process(output_dir, target_path, placement) -> str:
+def _train_in_process(launch, output_dir, target_path, placement) -> str:
   """Run `TPD` into `output_dir` as `bin/train`'s `main` runs it once its
   flags are parsed, in this process on one device (the launch's own
   `placement`); return what it printed. No child process pays JAX's
   start-up, and its step is the program the module's in-process step
   compiles, read from the shared cache."""
-  flags.FLAGS.unparse_flags()
+  config = train_flags.parse_config(*TPD, f"--output_dir={output_dir}",
+                                    f"--target_path={target_path}")
   printed = io.StringIO()
-  try:
-    argv = flags.FLAGS.read_flags_from_files(
-      [*TPD, f"--output_dir={output_dir}", f"--target_path={target_path}"],
-      force_gnu=False)
-    flags.FLAGS(["train", *argv])
-    with contextlib.redirect_stdout(printed):
-      prepared = train.setup(train_flags.config_from_flags(), placement)
-      try:
-        train.train(prepared)
-      finally:  # the run directory's lock, as the launch's exit would
-        os.close(prepared.lock)
-  finally:
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS.mark_as_parsed()
+  with contextlib.redirect_stdout(printed):
+    launch(config, placement)
   return printed.getvalue()
 
 
 @pytest.fixture(scope="module")
-def straight(finished_run, tmp_path_factory, one_device_placement):
+def straight(finished_run, tmp_path_factory, one_device_placement,
+             launch_in_process):
   target_path = os.path.join(finished_run("induction"), "target.npz")
   out = tmp_path_factory.mktemp("tpd") / "straight"
-  stdout = _train_in_process(out, target_path, one_device_placement)
+  stdout = _train_in_process(launch_in_process, out, target_path,
+                             one_device_placement)
   return out, target_path, stdout
 
 
